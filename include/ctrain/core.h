@@ -1,0 +1,153 @@
+/*
+ * ctrain core: status codes and error messages, logging with a rank prefix,
+ * the tracked allocator, the counter-based RNG, 16-bit float conversion and
+ * the BLAS set-up.  Everything else in ctrain stands on this room; it knows
+ * nothing of layers or ranks.
+ */
+#ifndef CTRAIN_CORE_H
+#define CTRAIN_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CT_VERSION "0.1.0"
+
+/* ---- status ------------------------------------------------------------ */
+
+/* 0 is success; every failure is negative and comes with a message. */
+typedef int ct_status;
+enum {
+    CT_OK = 0,
+    CT_EINVAL = -1,       /* bad argument or configuration */
+    CT_ENOMEM = -2,       /* allocation failed */
+    CT_EIO = -3,          /* file system or stream error */
+    CT_EFORMAT = -4,      /* malformed file contents */
+    CT_ECOMM = -5,        /* communication (MPI) failure */
+    CT_ESTATE = -6,       /* call not valid in the current state */
+    CT_EUNSUPPORTED = -7  /* valid request this build cannot do */
+};
+
+/* Short name of a status code ("invalid argument"); never NULL. */
+const char *ct_strerror(ct_status s);
+/* The calling thread's last error message ("" if none); valid until the next error. */
+const char *ct_last_error(void);
+/* Sets the thread's error message from printf-style args and returns code. */
+ct_status ct_error(ct_status code, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* Clears the thread's error message. */
+void ct_clear_error(void);
+
+/* Programmer errors only: always checked, prints the expression and location, aborts. */
+#define CT_ASSERT(cond)                                                       \
+    do {                                                                      \
+        if (!(cond)) ct__assert_fail(#cond, __FILE__, __LINE__);              \
+    } while (0)
+void ct__assert_fail(const char *expr, const char *file, int line)
+    __attribute__((noreturn));
+
+/* Propagates a failing status to the caller. */
+#define CT_TRY(expr)                                                          \
+    do {                                                                      \
+        ct_status ct__s = (expr);                                             \
+        if (ct__s != CT_OK) return ct__s;                                     \
+    } while (0)
+
+/* ---- logging ----------------------------------------------------------- */
+
+typedef enum { CT_LOG_ERROR = 0, CT_LOG_WARN, CT_LOG_INFO, CT_LOG_DEBUG } ct_log_level;
+
+/* Sets the "[rank r/n]" prefix; size 1 prints no prefix. */
+void ct_log_set_rank(int rank, int size);
+/* Messages above level are dropped; the default is INFO, or CTRAIN_LOG=error|warn|info|debug. */
+void ct_log_set_level(ct_log_level level);
+ct_log_level ct_log_get_level(void);
+/* Writes one line to stderr with the rank prefix. */
+void ct_log(ct_log_level level, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* ---- tracked allocator ------------------------------------------------- */
+
+typedef enum {
+    CT_MEM_PARAM = 0,
+    CT_MEM_GRAD,
+    CT_MEM_OPTIM,
+    CT_MEM_ACT,
+    CT_MEM_COMM,
+    CT_MEM_OTHER,
+    CT_MEM_NCAT
+} ct_mem_cat;
+
+/* Zeroed, 64-byte aligned block of bytes counted under cat; NULL (error set) on failure. */
+void *ct_alloc(size_t bytes, ct_mem_cat cat);
+/* Frees a block from ct_alloc; NULL is a no-op. */
+void ct_free(void *p);
+/* Bytes the block was allocated with (0 for NULL). */
+size_t ct_alloc_size(const void *p);
+/* Bytes currently allocated in cat. */
+size_t ct_mem_current(ct_mem_cat cat);
+/* Highest ct_mem_current(cat) since start or the last reset. */
+size_t ct_mem_peak(ct_mem_cat cat);
+/* Highest sum over all categories since start or the last reset. */
+size_t ct_mem_peak_total(void);
+/* Sets every peak to the current value. */
+void ct_mem_reset_peak(void);
+/* "param", "grad", "optim", "act", "comm", "other". */
+const char *ct_mem_cat_name(ct_mem_cat cat);
+/* Fault injection: the n-th ct_alloc from now (0 = the next one) fails; -1 turns it off. */
+void ct_mem_fail_after(long n);
+
+/* ---- counter-based RNG (Philox 4x32-10) -------------------------------- */
+
+/* The four 32-bit words for (key, counter); a pure function of its inputs. */
+void ct_philox4x32(uint64_t key, const uint32_t ctr[4], uint32_t out[4]);
+
+/* A stream of numbers: element i depends only on (seed, stream, i). */
+typedef struct {
+    uint64_t seed;
+    uint64_t stream;
+    uint64_t offset; /* index of the next 32-bit word */
+} ct_rng;
+
+/* Starts a stream at offset 0. */
+void ct_rng_init(ct_rng *r, uint64_t seed, uint64_t stream);
+/* n uniform floats in [0,1); advances offset by n. */
+void ct_rng_uniform(ct_rng *r, float *out, size_t n);
+/* n normal floats (mean, std) by Box-Muller; advances offset by 2*ceil(n/2). */
+void ct_rng_normal(ct_rng *r, float *out, size_t n, float mean, float std);
+/* 64-bit FNV-1a hash, used to turn names into RNG streams. */
+uint64_t ct_hash64(const void *data, size_t n);
+
+/* ---- 16-bit floats ----------------------------------------------------- */
+
+/* Round to nearest even; inf stays inf, nan stays nan (quiet). */
+uint16_t ct_f32_to_bf16(float f);
+float ct_bf16_to_f32(uint16_t h);
+uint16_t ct_f32_to_f16(float f);
+float ct_f16_to_f32(uint16_t h);
+void ct_f32_to_bf16_n(const float *in, uint16_t *out, size_t n);
+void ct_bf16_to_f32_n(const uint16_t *in, float *out, size_t n);
+void ct_f32_to_f16_n(const float *in, uint16_t *out, size_t n);
+void ct_f16_to_f32_n(const uint16_t *in, float *out, size_t n);
+
+/* ---- BLAS -------------------------------------------------------------- */
+
+/* Row-major C = alpha*op(A)*op(B) + beta*C with op(X) = X or X^T; A is MxK after op. */
+void ct_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha,
+              const float *a, int lda, const float *b, int ldb, float beta,
+              float *c, int ldc);
+/* Threads BLAS may use from now on (>= 1). */
+void ct_blas_set_threads(int n);
+int ct_blas_get_threads(void);
+/* Name of the kernel OpenBLAS runs ("SkylakeX", "Haswell", ...). */
+const char *ct_blas_corename(void);
+/* How the kernel was chosen: "auto-selected", "user's OPENBLAS_CORETYPE", "OpenBLAS default". */
+const char *ct_blas_kernel_source(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

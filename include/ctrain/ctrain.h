@@ -1,0 +1,13 @@
+/*
+ * ctrain: training neural networks across many workers in plain C.
+ * This umbrella header includes every public module.
+ */
+#ifndef CTRAIN_H
+#define CTRAIN_H
+
+#include "core.h"
+#include "tensor.h"
+#include "nn.h"
+#include "optim.h"
+
+#endif

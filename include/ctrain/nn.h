@@ -1,0 +1,231 @@
+/*
+ * ctrain nn: modules with explicit forward and backward, parameters with
+ * PyTorch-style fully qualified names, buffers, hooks, and activation
+ * records.  A forward call saves what its backward needs in a ct_record that
+ * belongs to that call (not to the layer), so several micro-batches can be
+ * in flight and a record can be dropped and recomputed (ct_checkpoint_new).
+ * This room knows nothing of ranks.
+ *
+ * Ownership: a module owns its children, parameters and buffers;
+ * ct_module_free frees the whole tree.  Forward returns a new reference in
+ * *out that the caller releases.  Backward consumes the record and returns
+ * a new reference in *din (if din is not NULL).  Parameter gradients are
+ * accumulated (+=), never overwritten.
+ */
+#ifndef CTRAIN_NN_H
+#define CTRAIN_NN_H
+
+#include "tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ct_module ct_module;
+typedef struct ct_param ct_param;
+typedef struct ct_record ct_record;
+typedef struct ct_hook ct_hook;
+
+/* What a forward call needs to know besides its input. */
+typedef struct {
+    int training;    /* dropout active, batchnorm uses batch stats */
+    uint64_t seed;   /* run seed */
+    uint64_t step;   /* optimizer step: part of the dropout RNG counter */
+    uint32_t micro;  /* micro-batch index within the step */
+} ct_fwd_ctx;
+
+/* A parameter or buffer.  A strategy may replace data/grad with views into
+ * storage it owns; layers read p->data and p->grad at every call. */
+struct ct_param {
+    char *name;          /* fully qualified once the tree is named ("0.weight") */
+    const char *local;   /* name within its module ("weight") */
+    ct_tensor *data;
+    ct_tensor *grad;     /* same shape as data; NULL for buffers */
+    int requires_grad;
+    int is_buffer;
+    ct_module *owner;
+    ct_hook *grad_hooks; /* grad-ready hooks */
+    void *user;          /* free for strategies */
+};
+
+/* What a kind of module does.  forward must save into rec only when rec is
+ * not NULL (rec NULL = inference, nothing saved).  backward reads rec,
+ * accumulates parameter gradients, and writes a new reference to the input
+ * gradient into *din when din is not NULL. */
+typedef struct {
+    const char *kind;
+    ct_status (*forward)(ct_module *m, ct_tensor *in, ct_tensor **out,
+                         ct_record *rec, const ct_fwd_ctx *ctx);
+    ct_status (*backward)(ct_module *m, ct_tensor *dout, ct_tensor **din,
+                          ct_record *rec);
+    void (*destroy)(ct_module *m); /* frees impl; may be NULL */
+} ct_module_ops;
+
+struct ct_module {
+    const ct_module_ops *ops;
+    char *name;            /* name within parent ("0", "fc1"); "" for a root */
+    char *fqn;             /* full path ("layers.0"); "" for a root */
+    ct_module *parent;
+    ct_module **kids;
+    int nkids;
+    ct_param **params;     /* direct parameters, in registration order */
+    int nparams;
+    ct_param **buffers;    /* direct buffers (running stats) */
+    int nbuffers;
+    void *impl;            /* kind-specific state */
+    uint64_t rng_stream;   /* from fqn: dropout stream */
+    ct_hook *hooks;        /* pre/post forward and backward hooks */
+    int transparent;       /* wrapper whose child takes its place in names */
+};
+
+/* Per-call activation record: saved tensors (retained), small values, and
+ * the records of child calls. */
+#define CT_REC_NSAVED 6
+struct ct_record {
+    ct_module *m;
+    ct_tensor *saved[CT_REC_NSAVED];
+    int64_t ival[4];
+    double fval[4];
+    void *extra;           /* freed with ct_free when the record is freed */
+    ct_record **kids;
+    int nkids;
+    int kcap;
+    ct_fwd_ctx ctx;
+};
+
+/* ---- running modules --------------------------------------------------- */
+
+/* Runs pre-forward hooks, the module's forward and post-forward hooks.
+ * rec NULL: inference, nothing saved.  Otherwise *rec receives a new record
+ * for ct_module_backward (or ct_record_free). */
+ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out,
+                            ct_record **rec, const ct_fwd_ctx *ctx);
+/* Runs pre-backward hooks, backward, grad-ready hooks of the module's own
+ * parameters, then post-backward hooks.  Consumes rec even on failure. */
+ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
+                             ct_record *rec);
+/* Frees a record and its children (releasing saved tensors); NULL is a no-op. */
+void ct_record_free(ct_record *rec);
+/* New empty record for module m (for module kinds that call children). */
+ct_record *ct__record_new(ct_module *m, const ct_fwd_ctx *ctx);
+/* Appends a child record to rec. */
+ct_status ct__record_add_kid(ct_record *rec, ct_record *kid);
+
+/* ---- building modules -------------------------------------------------- */
+
+/* Bare module of a kind (for custom layers); NULL on failure. */
+ct_module *ct_module_new(const ct_module_ops *ops, void *impl);
+/* Frees the module tree; NULL is a no-op. */
+void ct_module_free(ct_module *m);
+/* Adds kid under name (NULL: its index); m owns kid from now on. */
+ct_status ct_module_add(ct_module *m, const char *name, ct_module *kid);
+/* Adds a zero-initialised parameter (with a gradient) of the given shape. */
+ct_param *ct_module_add_param(ct_module *m, const char *local, int ndim,
+                              const int64_t *shape);
+/* Adds a buffer (no gradient), filled with value. */
+ct_param *ct_module_add_buffer(ct_module *m, const char *local, int ndim,
+                               const int64_t *shape, float value);
+/* Computes fully qualified names of every module and parameter under root.
+ * Called by ct_module_add; call again after re-parenting a tree by hand. */
+ct_status ct_module_name_tree(ct_module *root);
+
+/* ---- walking the tree -------------------------------------------------- */
+
+/* Collects the tree's parameters (not buffers) in PyTorch's named_parameters
+ * order into a new array (ct_free it); sets *n. */
+ct_status ct_module_params(ct_module *root, ct_param ***list, int *n);
+/* Same for buffers. */
+ct_status ct_module_buffers(ct_module *root, ct_param ***list, int *n);
+/* Collects every module (pre-order, root first) into a new array (ct_free it). */
+ct_status ct_module_modules(ct_module *root, ct_module ***list, int *n);
+/* Parameter or buffer with this fully qualified name, or NULL. */
+ct_param *ct_module_find(ct_module *root, const char *fqn);
+/* Total number of parameter elements. */
+int64_t ct_module_num_params(ct_module *root);
+/* Sets every parameter gradient under root to zero. */
+void ct_module_zero_grad(ct_module *root);
+/* Writes a one-line-per-module description ("0 linear [784->256]") to buf. */
+void ct_module_describe(ct_module *root, char *buf, size_t n);
+
+/* ---- hooks ------------------------------------------------------------- */
+
+typedef enum {
+    CT_HOOK_PRE_FORWARD = 0,
+    CT_HOOK_POST_FORWARD,
+    CT_HOOK_PRE_BACKWARD,
+    CT_HOOK_POST_BACKWARD,
+    CT_HOOK_GRAD_READY
+} ct_hook_kind;
+
+/* Module hook; a failing status aborts the forward or backward with it. */
+typedef ct_status (*ct_module_hook_fn)(ct_module *m, ct_hook_kind kind, void *ud);
+/* Grad-ready hook: p->grad holds this backward's full gradient for p. */
+typedef ct_status (*ct_param_hook_fn)(ct_param *p, void *ud);
+
+/* Registers a module hook; hooks of one kind fire in registration order.
+ * Returns a handle for ct_hook_remove, NULL on failure. */
+ct_hook *ct_module_add_hook(ct_module *m, ct_hook_kind kind,
+                            ct_module_hook_fn fn, void *ud);
+/* Registers a grad-ready hook on a parameter. */
+ct_hook *ct_param_add_hook(ct_param *p, ct_param_hook_fn fn, void *ud);
+/* Unregisters and frees a hook; NULL is a no-op. */
+void ct_hook_remove(ct_hook *h);
+
+/* ---- layers ------------------------------------------------------------ */
+/* Weights are initialised like PyTorch's defaults from (seed, fqn-free
+ * stream) via ct_module_init_params; shapes follow PyTorch. */
+
+/* y[N,out] = x[N,in] W^T + b; weight [out,in], bias [out] (bias 0: none). */
+ct_module *ct_linear_new(int64_t in, int64_t out, int bias);
+ct_module *ct_relu_new(void);
+/* tanh approximation off: exact erf GELU, as PyTorch's default. */
+ct_module *ct_gelu_new(void);
+ct_module *ct_tanh_new(void);
+/* Normalises the last dim of size dim; weight and bias [dim]. */
+ct_module *ct_layernorm_new(int64_t dim, float eps);
+/* Input i32 or i64 indices [...]; output [..., dim]; weight [num, dim]. */
+ct_module *ct_embedding_new(int64_t num, int64_t dim);
+/* Zeroes with probability p and scales by 1/(1-p) in training; identity otherwise. */
+ct_module *ct_dropout_new(float p);
+/* x[N,Cin,H,W] -> [N,Cout,Ho,Wo]; weight [Cout,Cin,k,k], bias [Cout]. */
+ct_module *ct_conv2d_new(int64_t cin, int64_t cout, int k, int stride, int pad, int bias);
+/* Max over k x k windows with stride (0 = k). */
+ct_module *ct_maxpool2d_new(int k, int stride);
+/* Over channel dim 1 of [N,C] or [N,C,H,W]; weight, bias, running_mean,
+ * running_var buffers and num_batches_tracked (as PyTorch). */
+ct_module *ct_batchnorm_new(int64_t c, float eps, float momentum);
+/* [N, ...] -> [N, prod(...)]. */
+ct_module *ct_flatten_new(void);
+/* Children run in order; add them with ct_module_add(m, NULL, kid). */
+ct_module *ct_sequential_new(void);
+/* y = x + body(x); body becomes the child named "body" (shape-preserving). */
+ct_module *ct_residual_new(ct_module *body);
+/* Wraps inner: forward keeps only its input, backward recomputes inner's
+ * forward with the same context (so dropout draws the same mask) and then
+ * runs its backward.  Transparent in names: inner's parameters keep their
+ * names. */
+ct_module *ct_checkpoint_new(ct_module *inner);
+
+/* Initialises every parameter under root the way PyTorch does by default
+ * (kaiming-uniform weights, uniform(+-1/sqrt(fan_in)) biases, ones/zeros for
+ * norms, normal(0,1) embeddings), deterministically from seed and each
+ * parameter's name. */
+void ct_module_init_params(ct_module *root, uint64_t seed);
+
+/* ---- loss -------------------------------------------------------------- */
+
+/* Softmax cross-entropy of logits [N,C] against i32/i64 targets [N], mean
+ * over targets != ignore_index.  *loss receives the mean; if dlogits is not
+ * NULL it receives a new [N,C] tensor with d(loss)/d(logits).
+ * Targets outside [0,C) other than ignore_index are an error. */
+ct_status ct_cross_entropy(const ct_tensor *logits, const ct_tensor *targets,
+                           int64_t ignore_index, float *loss,
+                           ct_tensor **dlogits);
+/* Number of rows whose argmax equals the target (ignored rows skipped). */
+int64_t ct_count_correct(const ct_tensor *logits, const ct_tensor *targets,
+                         int64_t ignore_index);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

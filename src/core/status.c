@@ -1,0 +1,42 @@
+/* Status codes and the per-thread error message. */
+#include "ctrain/core.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static _Thread_local char errbuf[1024];
+
+const char *ct_strerror(ct_status s)
+{
+    switch (s) {
+    case CT_OK: return "ok";
+    case CT_EINVAL: return "invalid argument";
+    case CT_ENOMEM: return "out of memory";
+    case CT_EIO: return "i/o error";
+    case CT_EFORMAT: return "malformed data";
+    case CT_ECOMM: return "communication error";
+    case CT_ESTATE: return "invalid state";
+    case CT_EUNSUPPORTED: return "unsupported";
+    }
+    return "unknown error";
+}
+
+const char *ct_last_error(void) { return errbuf; }
+
+void ct_clear_error(void) { errbuf[0] = 0; }
+
+ct_status ct_error(ct_status code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(errbuf, sizeof errbuf, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+void ct__assert_fail(const char *expr, const char *file, int line)
+{
+    fprintf(stderr, "ctrain: assertion failed: %s (%s:%d)\n", expr, file, line);
+    abort();
+}
