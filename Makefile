@@ -38,9 +38,13 @@ $(DEPS_OK): scripts/deps.sh
 	@sh scripts/deps.sh
 	@touch $@
 
+# `make V=1` shows whole compiler command lines.
+Q = $(if $(V),,@)
+
 $(B)/%.o: %.c | $(DEPS_OK)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(XCFLAGS) -MMD -MP -c $< -o $@
+	$(if $(V),,@echo "CC $<")
+	$(Q)$(CC) $(CFLAGS) $(XCFLAGS) -MMD -MP -c $< -o $@
 
 $(B)/libctrain.a: $(LIB_OBJ)
 	rm -f $@ && ar rcs $@ $^

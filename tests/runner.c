@@ -31,8 +31,9 @@ static int run_one_inprocess(const char *name)
 {
     for (int i = 0; i < ct_ntests; i++) {
         if (strcmp(ct_tests[i].name, name)) continue;
+        ct_test_fn volatile fn = ct_tests[i].fn;
         if (setjmp(ct_test_jmp)) return 1;
-        ct_tests[i].fn();
+        fn();
         return 0;
     }
     fprintf(stderr, "no test named %s\n", name);

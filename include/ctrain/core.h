@@ -147,6 +147,23 @@ const char *ct_blas_corename(void);
 /* How the kernel was chosen: "auto-selected", "user's OPENBLAS_CORETYPE", "OpenBLAS default". */
 const char *ct_blas_kernel_source(void);
 
+/* ---- time and tracing -------------------------------------------------- */
+
+/* Monotonic clock in seconds. */
+double ct_now(void);
+/* Starts recording trace events for a Chrome/Perfetto timeline; pid is the
+ * rank (each rank writes its own file). */
+void ct_trace_enable(int pid);
+/* 1 while recording. */
+int ct_trace_enabled(void);
+/* Records a complete event (name and category are copied) from start t0 to
+ * t1 (ct_now seconds) on thread lane tid (0 compute, 1 communication).
+ * Thread-safe; a no-op unless enabled. */
+void ct_trace_event(const char *name, const char *cat, double t0, double t1, int tid);
+/* Writes the events as trace-event JSON ({"traceEvents": [...]}) to path
+ * atomically and stops recording. */
+ct_status ct_trace_write(const char *path);
+
 #ifdef __cplusplus
 }
 #endif

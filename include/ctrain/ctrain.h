@@ -9,5 +9,8 @@
 #include "tensor.h"
 #include "nn.h"
 #include "optim.h"
+#include "comm.h"
+#include "parallel.h"
+#include "io.h"
 
 #endif

@@ -7,7 +7,9 @@
  * checks the kernel against what the CPU can do and, if it is the slow one,
  * sets OPENBLAS_CORETYPE and re-executes the program once, before main.
  * A user's own OPENBLAS_CORETYPE is always respected; CTRAIN_NO_REEXEC=1
- * turns the re-exec off (for debuggers).
+ * turns the re-exec off (for debuggers).  CTRAIN_BLAS_DISTRUST=1 makes the
+ * check treat any kernel as misdetected, so tests can exercise the re-exec on
+ * machines where OpenBLAS already gets it right.
  */
 #include "ctrain/core.h"
 
@@ -48,16 +50,22 @@ __attribute__((constructor)) static void ct_blas_boot(int argc, char **argv, cha
 {
     (void)argc;
     (void)envp;
-    if (getenv("OPENBLAS_CORETYPE")) {
-        kernel_source = getenv(MARK) ? "auto-selected by ctrain" : "user's OPENBLAS_CORETYPE";
+    const char *core = getenv("OPENBLAS_CORETYPE");
+    if (core) {
+        /* MARK holds the core we chose and is inherited by child processes: it
+         * only vouches for OPENBLAS_CORETYPE while the two still agree. */
+        const char *mark = getenv(MARK);
+        kernel_source = mark && !strcmp(mark, core) ? "auto-selected by ctrain"
+                                                     : "user's OPENBLAS_CORETYPE";
         return;
     }
     const char *want = wanted_core();
     if (!want || getenv("CTRAIN_NO_REEXEC") || !argv || !argv[0]) return;
     const char *have = openblas_get_corename();
-    if (have && (!strcasecmp(have, want) || !is_slower_kernel(have))) return;
+    int distrust = getenv("CTRAIN_BLAS_DISTRUST") != NULL;
+    if (!distrust && have && (!strcasecmp(have, want) || !is_slower_kernel(have))) return;
     setenv("OPENBLAS_CORETYPE", want, 1);
-    setenv(MARK, "1", 1);
+    setenv(MARK, want, 1);
     execv("/proc/self/exe", argv);
     /* exec failed: carry on with the slow kernel rather than fail. */
     unsetenv("OPENBLAS_CORETYPE");

@@ -1,0 +1,172 @@
+/*
+ * Containers: sequential (children in order), residual (x + body(x)) and the
+ * checkpoint wrapper (drop a sub-tree's records after forward, recompute them
+ * in backward with the same forward context, so dropout draws the same mask).
+ */
+#include "ctrain/nn.h"
+
+/* ---- sequential -------------------------------------------------------- */
+
+static ct_status seq_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
+                             const ct_fwd_ctx *ctx)
+{
+    ct_tensor *x = ct_tensor_retain(in);
+    for (int i = 0; i < m->nkids; i++) {
+        ct_tensor *y;
+        ct_record *kr = NULL;
+        ct_status s = ct_module_forward(m->kids[i], x, &y, rec ? &kr : NULL, ctx);
+        ct_tensor_release(x);
+        if (s == CT_OK && rec && ct__record_add_kid(rec, kr) != CT_OK) {
+            ct_record_free(kr);
+            ct_tensor_release(y);
+            s = CT_ENOMEM;
+        }
+        if (s != CT_OK) return s;
+        x = y;
+    }
+    *out = x;
+    return CT_OK;
+}
+
+static ct_status seq_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
+{
+    if (rec->nkids != m->nkids)
+        return ct_error(CT_ESTATE, "sequential '%s' has %d children but its record has %d",
+                        m->fqn, m->nkids, rec->nkids);
+    ct_tensor *g = ct_tensor_retain(dout);
+    for (int i = m->nkids - 1; i >= 0; i--) {
+        ct_record *kr = rec->kids[i];
+        rec->kids[i] = NULL; /* consumed by the child's backward */
+        int need = i > 0 || din;
+        ct_tensor *gin = NULL;
+        ct_status s = ct_module_backward(m->kids[i], g, need ? &gin : NULL, kr);
+        ct_tensor_release(g);
+        if (s != CT_OK) return s;
+        if (need && !gin)
+            return ct_error(CT_EUNSUPPORTED, "'%s' (%s) gives no input gradient, so it can only be "
+                            "the first layer", m->kids[i]->fqn, m->kids[i]->ops->kind);
+        g = gin;
+    }
+    if (din) *din = g;
+    else ct_tensor_release(g);
+    return CT_OK;
+}
+
+static const ct_module_ops seq_ops = {"sequential", seq_forward, seq_backward, NULL};
+
+ct_module *ct_sequential_new(void) { return ct_module_new(&seq_ops, NULL); }
+
+/* ---- residual ---------------------------------------------------------- */
+
+static ct_status res_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
+                             const ct_fwd_ctx *ctx)
+{
+    ct_tensor *y;
+    ct_record *kr = NULL;
+    CT_TRY(ct_module_forward(m->kids[0], in, &y, rec ? &kr : NULL, ctx));
+    ct_status s = CT_OK;
+    if (!ct_tensor_same_shape(in, y) || in->dtype != CT_F32) {
+        char a[64], b[64];
+        s = ct_error(CT_EINVAL, "residual '%s': body maps %s to %s; a residual body must keep the "
+                     "shape (f32)", m->fqn, ct_shape_str(in, a, sizeof a), ct_shape_str(y, b, sizeof b));
+    }
+    if (s == CT_OK && rec) s = ct__record_add_kid(rec, kr) ? CT_ENOMEM : CT_OK;
+    if (s != CT_OK) {
+        ct_record_free(kr);
+        ct_tensor_release(y);
+        return s;
+    }
+    ct_tensor *o = ct_tensor_new(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
+    if (!o) {
+        ct_tensor_release(y);
+        return CT_ENOMEM;
+    }
+    const float *xp = ct_f32(in), *yp = ct_f32(y);
+    float *op = ct_f32(o);
+    for (int64_t i = 0; i < o->numel; i++) op[i] = xp[i] + yp[i];
+    ct_tensor_release(y);
+    *out = o;
+    return CT_OK;
+}
+
+static ct_status res_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
+{
+    ct_record *kr = rec->kids[0];
+    rec->kids[0] = NULL;
+    ct_tensor *gx = NULL;
+    CT_TRY(ct_module_backward(m->kids[0], dout, din ? &gx : NULL, kr));
+    if (!din) return CT_OK;
+    if (!gx) return ct_error(CT_EUNSUPPORTED, "residual '%s': body gives no input gradient", m->fqn);
+    ct_tensor *g = ct_tensor_new(CT_F32, dout->ndim, dout->shape, CT_MEM_ACT);
+    if (!g) {
+        ct_tensor_release(gx);
+        return CT_ENOMEM;
+    }
+    const float *a = ct_f32(dout), *b = ct_f32(gx);
+    float *gp = ct_f32(g);
+    for (int64_t i = 0; i < g->numel; i++) gp[i] = a[i] + b[i];
+    ct_tensor_release(gx);
+    *din = g;
+    return CT_OK;
+}
+
+static const ct_module_ops res_ops = {"residual", res_forward, res_backward, NULL};
+
+ct_module *ct_residual_new(ct_module *body)
+{
+    if (!body) {
+        ct_error(CT_EINVAL, "residual needs a body module");
+        return NULL;
+    }
+    ct_module *m = ct_module_new(&res_ops, NULL);
+    if (!m || ct_module_add(m, "body", body) != CT_OK) {
+        ct_module_free(m);
+        ct_module_free(body);
+        return NULL;
+    }
+    return m;
+}
+
+/* ---- checkpoint -------------------------------------------------------- */
+
+static ct_status ckpt_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
+                              const ct_fwd_ctx *ctx)
+{
+    /* Run the body without records: only our input survives until backward. */
+    CT_TRY(ct_module_forward(m->kids[0], in, out, NULL, ctx));
+    if (rec) rec->saved[0] = ct_tensor_retain(in);
+    return CT_OK;
+}
+
+static ct_status ckpt_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
+{
+    ct_tensor *y;
+    ct_record *kr;
+    /* Same context as the first forward: same step, micro-batch, seed, so the
+     * recomputed dropout masks are the ones the loss saw. */
+    CT_TRY(ct_module_forward(m->kids[0], rec->saved[0], &y, &kr, &rec->ctx));
+    ct_tensor_release(y);
+    return ct_module_backward(m->kids[0], dout, din, kr);
+}
+
+static const ct_module_ops ckpt_ops = {"checkpoint", ckpt_forward, ckpt_backward, NULL};
+
+ct_module *ct_checkpoint_new(ct_module *inner)
+{
+    if (!inner) {
+        ct_error(CT_EINVAL, "checkpoint needs a module to wrap");
+        return NULL;
+    }
+    ct_module *m = ct_module_new(&ckpt_ops, NULL);
+    if (!m) {
+        ct_module_free(inner);
+        return NULL;
+    }
+    m->transparent = 1;
+    if (ct_module_add(m, "inner", inner) != CT_OK) {
+        ct_module_free(m);
+        ct_module_free(inner);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,488 @@
+/*
+ * The module tree: building it (children, parameters, buffers, names),
+ * walking it, hooks, activation records, and the forward/backward wrappers
+ * that every call goes through so hooks fire in one documented order:
+ *   forward:  pre-forward(m), m's forward (children in turn), post-forward(m)
+ *   backward: pre-backward(m), m's backward (children in reverse),
+ *             grad-ready of m's own parameters, post-backward(m)
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "ctrain/nn.h"
+
+struct ct_hook {
+    ct_hook_kind kind;
+    ct_module_hook_fn mfn;
+    ct_param_hook_fn pfn;
+    void *ud;
+    ct_hook *next;
+    ct_hook **head; /* list this hook is on, for removal */
+};
+
+static char *dupstr(const char *s)
+{
+    size_t n = strlen(s) + 1;
+    char *d = ct_alloc(n, CT_MEM_OTHER);
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+/* ---- records ----------------------------------------------------------- */
+
+ct_record *ct__record_new(ct_module *m, const ct_fwd_ctx *ctx)
+{
+    ct_record *r = ct_alloc(sizeof *r, CT_MEM_OTHER);
+    if (!r) return NULL;
+    r->m = m;
+    if (ctx) r->ctx = *ctx;
+    return r;
+}
+
+ct_status ct__record_add_kid(ct_record *rec, ct_record *kid)
+{
+    if (rec->nkids == rec->kcap) {
+        int cap = rec->kcap ? 2 * rec->kcap : 8;
+        ct_record **k = ct_alloc((size_t)cap * sizeof *k, CT_MEM_OTHER);
+        if (!k) return CT_ENOMEM;
+        if (rec->nkids) memcpy(k, rec->kids, (size_t)rec->nkids * sizeof *k);
+        ct_free(rec->kids);
+        rec->kids = k;
+        rec->kcap = cap;
+    }
+    rec->kids[rec->nkids++] = kid;
+    return CT_OK;
+}
+
+void ct_record_free(ct_record *rec)
+{
+    if (!rec) return;
+    for (int i = 0; i < CT_REC_NSAVED; i++) ct_tensor_release(rec->saved[i]);
+    for (int i = 0; i < rec->nkids; i++) ct_record_free(rec->kids[i]);
+    ct_free(rec->kids);
+    ct_free(rec->extra);
+    ct_free(rec);
+}
+
+/* ---- hooks ------------------------------------------------------------- */
+
+static ct_hook *hook_push(ct_hook **head, ct_hook_kind kind, void *ud)
+{
+    ct_hook *h = ct_alloc(sizeof *h, CT_MEM_OTHER);
+    if (!h) return NULL;
+    h->kind = kind;
+    h->ud = ud;
+    h->head = head;
+    /* Append so hooks of one kind fire in registration order. */
+    ct_hook **p = head;
+    while (*p) p = &(*p)->next;
+    *p = h;
+    return h;
+}
+
+ct_hook *ct_module_add_hook(ct_module *m, ct_hook_kind kind, ct_module_hook_fn fn, void *ud)
+{
+    if (!fn || kind == CT_HOOK_GRAD_READY) {
+        ct_error(CT_EINVAL, "module hook needs a function and a module hook kind; grad-ready "
+                            "hooks go on parameters with ct_param_add_hook");
+        return NULL;
+    }
+    ct_hook *h = hook_push(&m->hooks, kind, ud);
+    if (h) h->mfn = fn;
+    return h;
+}
+
+ct_hook *ct_param_add_hook(ct_param *p, ct_param_hook_fn fn, void *ud)
+{
+    if (!fn) {
+        ct_error(CT_EINVAL, "grad-ready hook on '%s' needs a function", p->name ? p->name : "?");
+        return NULL;
+    }
+    ct_hook *h = hook_push(&p->grad_hooks, CT_HOOK_GRAD_READY, ud);
+    if (h) h->pfn = fn;
+    return h;
+}
+
+void ct_hook_remove(ct_hook *h)
+{
+    if (!h) return;
+    for (ct_hook **p = h->head; *p; p = &(*p)->next) {
+        if (*p == h) {
+            *p = h->next;
+            break;
+        }
+    }
+    ct_free(h);
+}
+
+static void hooks_free(ct_hook *h)
+{
+    while (h) {
+        ct_hook *n = h->next;
+        ct_free(h);
+        h = n;
+    }
+}
+
+static ct_status fire_module(ct_module *m, ct_hook_kind kind)
+{
+    for (ct_hook *h = m->hooks, *n; h; h = n) {
+        n = h->next; /* a hook may remove itself */
+        if (h->kind == kind) CT_TRY(h->mfn(m, kind, h->ud));
+    }
+    return CT_OK;
+}
+
+static ct_status fire_grad_ready(ct_param *p)
+{
+    for (ct_hook *h = p->grad_hooks, *n; h; h = n) {
+        n = h->next;
+        CT_TRY(h->pfn(p, h->ud));
+    }
+    return CT_OK;
+}
+
+/* ---- running ----------------------------------------------------------- */
+
+ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record **rec,
+                            const ct_fwd_ctx *ctx)
+{
+    static const ct_fwd_ctx eval_ctx = {0, 0, 0, 0};
+    if (!ctx) ctx = &eval_ctx;
+    *out = NULL;
+    if (rec) *rec = NULL;
+    CT_TRY(fire_module(m, CT_HOOK_PRE_FORWARD));
+    ct_record *r = NULL;
+    if (rec && !(r = ct__record_new(m, ctx))) return CT_ENOMEM;
+    ct_status s = m->ops->forward(m, in, out, r, ctx);
+    if (s == CT_OK && !*out)
+        s = ct_error(CT_ESTATE, "module '%s' (%s) returned no output", m->fqn, m->ops->kind);
+    if (s == CT_OK) s = fire_module(m, CT_HOOK_POST_FORWARD);
+    if (s != CT_OK) {
+        ct_tensor_release(*out);
+        *out = NULL;
+        ct_record_free(r);
+        return s;
+    }
+    if (rec) *rec = r;
+    return CT_OK;
+}
+
+ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
+{
+    if (din) *din = NULL;
+    if (!rec)
+        return ct_error(CT_ESTATE, "backward of '%s' (%s) without an activation record: run "
+                                   "forward with a record (rec != NULL) first", m->fqn, m->ops->kind);
+    if (rec->m != m) {
+        ct_record_free(rec);
+        return ct_error(CT_EINVAL, "record passed to backward of '%s' belongs to another module", m->fqn);
+    }
+    ct_status s = fire_module(m, CT_HOOK_PRE_BACKWARD);
+    if (s == CT_OK) s = m->ops->backward(m, dout, din, rec);
+    ct_record_free(rec);
+    for (int i = 0; s == CT_OK && i < m->nparams; i++)
+        if (m->params[i]->requires_grad) s = fire_grad_ready(m->params[i]);
+    if (s == CT_OK) s = fire_module(m, CT_HOOK_POST_BACKWARD);
+    if (s != CT_OK && din) {
+        ct_tensor_release(*din);
+        *din = NULL;
+    }
+    return s;
+}
+
+/* ---- building ---------------------------------------------------------- */
+
+ct_module *ct_module_new(const ct_module_ops *ops, void *impl)
+{
+    CT_ASSERT(ops && ops->forward && ops->backward && ops->kind);
+    ct_module *m = ct_alloc(sizeof *m, CT_MEM_OTHER);
+    if (!m) return NULL;
+    m->ops = ops;
+    m->impl = impl;
+    m->name = dupstr("");
+    m->fqn = dupstr("");
+    if (!m->name || !m->fqn) {
+        ct_free(m->name);
+        ct_free(m->fqn);
+        ct_free(m);
+        return NULL;
+    }
+    m->rng_stream = ct_hash64("", 0);
+    return m;
+}
+
+static void param_free(ct_param *p)
+{
+    if (!p) return;
+    ct_tensor_release(p->data);
+    ct_tensor_release(p->grad);
+    hooks_free(p->grad_hooks);
+    ct_free(p->name);
+    ct_free((void *)p->local);
+    ct_free(p);
+}
+
+void ct_module_free(ct_module *m)
+{
+    if (!m) return;
+    for (int i = 0; i < m->nkids; i++) ct_module_free(m->kids[i]);
+    for (int i = 0; i < m->nparams; i++) param_free(m->params[i]);
+    for (int i = 0; i < m->nbuffers; i++) param_free(m->buffers[i]);
+    if (m->ops->destroy) m->ops->destroy(m);
+    hooks_free(m->hooks);
+    ct_free(m->kids);
+    ct_free(m->params);
+    ct_free(m->buffers);
+    ct_free(m->name);
+    ct_free(m->fqn);
+    ct_free(m);
+}
+
+/* Appends x to a pointer array of n elements (grown one at a time: trees are small). */
+static int push_ptr(void ***arr, int *n, void *x)
+{
+    void **a = ct_alloc((size_t)(*n + 1) * sizeof *a, CT_MEM_OTHER);
+    if (!a) return -1;
+    if (*n) memcpy(a, *arr, (size_t)*n * sizeof *a);
+    a[(*n)++] = x;
+    ct_free(*arr);
+    *arr = a;
+    return 0;
+}
+
+static char *join(const char *prefix, const char *name)
+{
+    size_t a = strlen(prefix), b = strlen(name);
+    char *s = ct_alloc(a + b + 2, CT_MEM_OTHER);
+    if (!s) return NULL;
+    if (a && b) sprintf(s, "%s.%s", prefix, name);
+    else sprintf(s, "%s", a ? prefix : name);
+    return s;
+}
+
+static ct_status name_params(ct_param **ps, int n, const char *prefix)
+{
+    for (int i = 0; i < n; i++) {
+        char *fq = join(prefix, ps[i]->local);
+        if (!fq) return CT_ENOMEM;
+        ct_free(ps[i]->name);
+        ps[i]->name = fq;
+    }
+    return CT_OK;
+}
+
+static ct_status name_subtree(ct_module *m, const char *fqn)
+{
+    char *copy = dupstr(fqn);
+    if (!copy) return CT_ENOMEM;
+    ct_free(m->fqn);
+    m->fqn = copy;
+    m->rng_stream = ct_hash64(fqn, strlen(fqn));
+    CT_TRY(name_params(m->params, m->nparams, fqn));
+    CT_TRY(name_params(m->buffers, m->nbuffers, fqn));
+    for (int i = 0; i < m->nkids; i++) {
+        ct_module *k = m->kids[i];
+        if (m->transparent) {
+            CT_TRY(name_subtree(k, fqn));
+        } else {
+            char *kf = join(fqn, k->name);
+            if (!kf) return CT_ENOMEM;
+            ct_status s = name_subtree(k, kf);
+            ct_free(kf);
+            CT_TRY(s);
+        }
+    }
+    return CT_OK;
+}
+
+ct_status ct_module_name_tree(ct_module *root) { return name_subtree(root, root->fqn); }
+
+static ct_module *root_of(ct_module *m)
+{
+    while (m->parent) m = m->parent;
+    return m;
+}
+
+ct_status ct_module_add(ct_module *m, const char *name, ct_module *kid)
+{
+    char idx[24];
+    if (!kid) return ct_error(CT_EINVAL, "adding a NULL child to '%s' (did its constructor fail?)", m->fqn);
+    if (kid->parent) return ct_error(CT_EINVAL, "module '%s' already has a parent", kid->fqn);
+    if (!name) {
+        snprintf(idx, sizeof idx, "%d", m->nkids);
+        name = idx;
+    }
+    if (!*name || strchr(name, '.'))
+        return ct_error(CT_EINVAL, "child name '%s' must be non-empty and contain no '.'", name);
+    for (int i = 0; i < m->nkids; i++)
+        if (!strcmp(m->kids[i]->name, name))
+            return ct_error(CT_EINVAL, "'%s' already has a child named '%s'", m->fqn, name);
+    char *nm = dupstr(name);
+    if (!nm) return CT_ENOMEM;
+    if (push_ptr((void ***)&m->kids, &m->nkids, kid)) {
+        ct_free(nm);
+        return CT_ENOMEM;
+    }
+    ct_free(kid->name);
+    kid->name = nm;
+    kid->parent = m;
+    return ct_module_name_tree(root_of(m));
+}
+
+static ct_param *new_param(ct_module *m, const char *local, int ndim, const int64_t *shape, int buffer)
+{
+    ct_param **list = buffer ? m->buffers : m->params;
+    int n = buffer ? m->nbuffers : m->nparams;
+    for (int i = 0; i < n; i++)
+        if (!strcmp(list[i]->local, local)) {
+            ct_error(CT_EINVAL, "module '%s' already has '%s'", m->fqn, local);
+            return NULL;
+        }
+    ct_param *p = ct_alloc(sizeof *p, CT_MEM_OTHER);
+    if (!p) return NULL;
+    p->local = dupstr(local);
+    p->owner = m;
+    p->is_buffer = buffer;
+    p->requires_grad = !buffer;
+    p->data = ct_tensor_new(CT_F32, ndim, shape, CT_MEM_PARAM);
+    if (!buffer && p->data) p->grad = ct_tensor_new(CT_F32, ndim, shape, CT_MEM_GRAD);
+    p->name = join(m->fqn, local);
+    if (!p->local || !p->data || (!buffer && !p->grad) || !p->name) goto out_free;
+    if (push_ptr(buffer ? (void ***)&m->buffers : (void ***)&m->params,
+                 buffer ? &m->nbuffers : &m->nparams, p))
+        goto out_free;
+    return p;
+out_free:
+    param_free(p);
+    return NULL;
+}
+
+ct_param *ct_module_add_param(ct_module *m, const char *local, int ndim, const int64_t *shape)
+{
+    return new_param(m, local, ndim, shape, 0);
+}
+
+ct_param *ct_module_add_buffer(ct_module *m, const char *local, int ndim, const int64_t *shape,
+                               float value)
+{
+    ct_param *p = new_param(m, local, ndim, shape, 1);
+    if (p) ct_tensor_fill(p->data, value);
+    return p;
+}
+
+/* ---- walking ----------------------------------------------------------- */
+
+typedef struct {
+    void **items;
+    int n;
+    int what; /* 0 params, 1 buffers, 2 modules */
+} collect_t;
+
+static int seen(const collect_t *c, const void *x)
+{
+    for (int i = 0; i < c->n; i++)
+        if (c->items[i] == x) return 1;
+    return 0;
+}
+
+static int collect(ct_module *m, collect_t *c)
+{
+    if (c->what == 2) {
+        if (push_ptr(&c->items, &c->n, m)) return -1;
+    } else {
+        ct_param **ps = c->what ? m->buffers : m->params;
+        int n = c->what ? m->nbuffers : m->nparams;
+        for (int i = 0; i < n; i++) /* a shared parameter is listed once, as PyTorch does */
+            if (!seen(c, ps[i]) && push_ptr(&c->items, &c->n, ps[i])) return -1;
+    }
+    for (int i = 0; i < m->nkids; i++)
+        if (collect(m->kids[i], c)) return -1;
+    return 0;
+}
+
+static ct_status collect_into(ct_module *root, int what, void ***list, int *n)
+{
+    collect_t c = {NULL, 0, what};
+    if (collect(root, &c)) {
+        ct_free(c.items);
+        return CT_ENOMEM;
+    }
+    *list = c.items;
+    *n = c.n;
+    return CT_OK;
+}
+
+ct_status ct_module_params(ct_module *root, ct_param ***list, int *n)
+{
+    return collect_into(root, 0, (void ***)list, n);
+}
+
+ct_status ct_module_buffers(ct_module *root, ct_param ***list, int *n)
+{
+    return collect_into(root, 1, (void ***)list, n);
+}
+
+ct_status ct_module_modules(ct_module *root, ct_module ***list, int *n)
+{
+    return collect_into(root, 2, (void ***)list, n);
+}
+
+static ct_param *find_in(ct_module *m, const char *fqn)
+{
+    for (int i = 0; i < m->nparams; i++)
+        if (!strcmp(m->params[i]->name, fqn)) return m->params[i];
+    for (int i = 0; i < m->nbuffers; i++)
+        if (!strcmp(m->buffers[i]->name, fqn)) return m->buffers[i];
+    for (int i = 0; i < m->nkids; i++) {
+        ct_param *p = find_in(m->kids[i], fqn);
+        if (p) return p;
+    }
+    return NULL;
+}
+
+ct_param *ct_module_find(ct_module *root, const char *fqn) { return find_in(root, fqn); }
+
+int64_t ct_module_num_params(ct_module *root)
+{
+    ct_param **ps;
+    int n;
+    if (ct_module_params(root, &ps, &n)) return -1;
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += ps[i]->data->numel;
+    ct_free(ps);
+    return total;
+}
+
+static void zero_grads(ct_module *m)
+{
+    for (int i = 0; i < m->nparams; i++)
+        if (m->params[i]->grad) ct_tensor_fill(m->params[i]->grad, 0.0f);
+    for (int i = 0; i < m->nkids; i++) zero_grads(m->kids[i]);
+}
+
+void ct_module_zero_grad(ct_module *root) { zero_grads(root); }
+
+static void describe(ct_module *m, int depth, char *buf, size_t n, size_t *off)
+{
+    if (*off >= n) return;
+    int64_t np = 0;
+    for (int i = 0; i < m->nparams; i++) np += m->params[i]->data->numel;
+    *off += (size_t)snprintf(buf + *off, n - *off, "%*s%s %s", 2 * depth, "",
+                             *m->fqn ? m->fqn : "(root)", m->ops->kind);
+    for (int i = 0; i < m->nparams && *off < n; i++) {
+        char sh[64];
+        *off += (size_t)snprintf(buf + *off, n - *off, " %s%s", m->params[i]->local,
+                                 ct_shape_str(m->params[i]->data, sh, sizeof sh));
+    }
+    if (*off < n) *off += (size_t)snprintf(buf + *off, n - *off, np ? " (%lld params)\n" : "\n",
+                                           (long long)np);
+    for (int i = 0; i < m->nkids; i++) describe(m->kids[i], depth + 1, buf, n, off);
+}
+
+void ct_module_describe(ct_module *root, char *buf, size_t n)
+{
+    size_t off = 0;
+    if (n) buf[0] = 0;
+    describe(root, 0, buf, n, &off);
+}

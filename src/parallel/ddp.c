@@ -1,0 +1,430 @@
+/*
+ * DistributedDataParallel, the way PyTorch's C++ reducer does it.
+ *
+ * At wrap: the model is checked to be the same on every rank, parameters
+ * and buffers are broadcast from rank 0, and trainable parameters are put
+ * into buckets in reverse order (the last layers' gradients are ready
+ * first), a small first bucket and then bucket_cap_mb.  Every gradient
+ * becomes a view into its bucket's flat buffer, so a bucket is allreduced
+ * where the gradients already are: no copy.
+ *
+ * During backward the grad-ready hook of each parameter counts down its
+ * bucket; when a bucket's last gradient is ready its allreduce starts on the
+ * comm thread, buckets strictly in order, so communication overlaps the
+ * rest of backward.  post_backward waits for them all (the average is done
+ * by the collective).  After the first synchronised step the buckets are
+ * rebuilt in the order the gradients actually became ready (rank 0's order,
+ * broadcast), as PyTorch does.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+typedef struct {
+    ct_tensor *buf;   /* f32 [numel], the gradients' storage */
+    uint16_t *wire;   /* 16-bit copy for compressed allreduce, or NULL */
+    int64_t numel;
+    int nmembers;
+    int pending;      /* gradients not yet ready in this backward */
+    ct_work *work;
+    double t_start;
+    double t_end;     /* set by the completion callback (comm thread) */
+    int index;
+} bucket_t;
+
+typedef struct {
+    ct_param **tp;    /* trainable parameters, model order */
+    int ntp;
+    int *bucket_of;   /* [ntp] */
+    int64_t *offset;  /* [ntp] element offset in the bucket */
+    char *ready;      /* [ntp] ready in this backward */
+    int *ready_order; /* [ntp] first synchronised backward's order */
+    int nready;
+    bucket_t *b;
+    int nb;
+    int next_launch;
+    int synced_steps; /* synchronised backwards so far */
+    int rebuilt;
+    ct_hook **grad_hooks;  /* [ntp] */
+    ct_hook **fwd_hooks;   /* [nmods] for find_unused_parameters */
+    ct_module **mods;
+    char *ran;             /* [nmods] module ran forward since the last backward */
+    int nmods;
+    ct_status hook_error;
+} ddp_t;
+
+static ddp_t *D(ct_strategy *s) { return s->priv; }
+
+/* Trainable-parameter index, kept in the parameter's strategy slot. */
+static int index_of(const ct_param *p) { return (int)(intptr_t)p->user; }
+
+/* ---- buckets ----------------------------------------------------------- */
+
+static void free_buckets(ddp_t *d)
+{
+    for (int i = 0; i < d->nb; i++) {
+        ct_work_free(d->b[i].work);
+        ct_tensor_release(d->b[i].buf);
+        ct_free(d->b[i].wire);
+    }
+    ct_free(d->b);
+    d->b = NULL;
+    d->nb = 0;
+}
+
+/* Puts the trainable parameters into buckets in the given order (indices
+ * into d->tp) and re-points their gradients into the bucket buffers,
+ * keeping the current gradient values. */
+static ct_status build_buckets(ct_strategy *s, const int *order)
+{
+    ddp_t *d = D(s);
+    int n = d->ntp;
+    size_t *bytes = ct_alloc(sizeof *bytes * (size_t)(n + 1), CT_MEM_OTHER);
+    int *keys = ct_alloc(sizeof *keys * (size_t)(n + 1), CT_MEM_OTHER);
+    int *of = ct_alloc(sizeof *of * (size_t)(n + 1), CT_MEM_OTHER);
+    ct_status st = CT_OK;
+    if (!bytes || !keys || !of) {
+        st = CT_ENOMEM;
+        goto out;
+    }
+    for (int k = 0; k < n; k++) {
+        bytes[k] = (size_t)d->tp[order[k]]->data->numel * 4;
+        keys[k] = 0; /* every gradient is f32 */
+    }
+    size_t limits[2] = {(size_t)(s->o.ddp.first_bucket_mb * 1048576.0),
+                        (size_t)(s->o.ddp.bucket_cap_mb * 1048576.0)};
+    if (!limits[0]) limits[0] = 1;
+    if (!limits[1]) limits[1] = 1;
+    int nb;
+    if ((st = ct_bucket_assign(bytes, keys, n, limits, 2, of, &nb))) goto out;
+    bucket_t *nbk = ct_alloc(sizeof *nbk * (size_t)(nb ? nb : 1), CT_MEM_OTHER);
+    if (!nbk) {
+        st = CT_ENOMEM;
+        goto out;
+    }
+    for (int k = 0; k < n; k++) {
+        int p = order[k], b = of[k];
+        d->bucket_of[p] = b;
+        d->offset[p] = nbk[b].numel;
+        nbk[b].numel += d->tp[p]->data->numel;
+        nbk[b].nmembers++;
+    }
+    for (int b = 0; b < nb && st == CT_OK; b++) {
+        nbk[b].index = b;
+        nbk[b].buf = ct_tensor_new(CT_F32, 1, &nbk[b].numel, CT_MEM_GRAD);
+        if (!nbk[b].buf) st = CT_ENOMEM;
+        if (st == CT_OK && s->o.ddp.comm_dtype != CT_F32) {
+            nbk[b].wire = ct_alloc((size_t)nbk[b].numel * 2, CT_MEM_COMM);
+            if (!nbk[b].wire) st = CT_ENOMEM;
+        }
+    }
+    if (st != CT_OK) {
+        for (int b = 0; b < nb; b++) {
+            ct_tensor_release(nbk[b].buf);
+            ct_free(nbk[b].wire);
+        }
+        ct_free(nbk);
+        goto out;
+    }
+    /* Re-point gradients: views into the new buffers, values kept. */
+    for (int p = 0; p < n; p++) {
+        ct_param *pa = d->tp[p];
+        ct_tensor *v = ct_tensor_view(nbk[d->bucket_of[p]].buf, d->offset[p], pa->data->ndim,
+                                      pa->data->shape);
+        CT_ASSERT(v); /* shapes come from the parameter itself */
+        memcpy(v->data, pa->grad->data, ct_tensor_bytes(v));
+        ct_tensor_release(pa->grad);
+        pa->grad = v;
+    }
+    free_buckets(d);
+    d->b = nbk;
+    d->nb = nb;
+    s->stats.nbuckets = nb;
+    ct__strategy_repoint_optim(s);
+out:
+    ct_free(bytes);
+    ct_free(keys);
+    ct_free(of);
+    return st;
+}
+
+static void on_allreduce_done(ct_work *w, ct_status status, void *arg)
+{
+    (void)w;
+    (void)status;
+    bucket_t *b = arg;
+    b->t_end = ct_now();
+}
+
+static ct_status launch(ct_strategy *s, bucket_t *b)
+{
+    ct_dtype dt = s->o.ddp.comm_dtype;
+    void *buf = b->buf->data;
+    b->t_start = ct_now();
+    b->t_end = 0;
+    if (dt == CT_BF16) ct_f32_to_bf16_n(buf, b->wire, (size_t)b->numel);
+    if (dt == CT_F16) ct_f32_to_f16_n(buf, b->wire, (size_t)b->numel);
+    if (dt != CT_F32) buf = b->wire;
+    ct_work_free(b->work);
+    b->work = NULL;
+    CT_TRY(ct_group_allreduce(s->g, buf, b->numel, dt, CT_OP_AVG, &b->work));
+    return ct_work_on_complete(b->work, on_allreduce_done, b);
+}
+
+/* Starts every bucket that is complete, strictly in bucket order. */
+static ct_status launch_ready(ct_strategy *s)
+{
+    ddp_t *d = D(s);
+    while (d->next_launch < d->nb && d->b[d->next_launch].pending == 0)
+        CT_TRY(launch(s, &d->b[d->next_launch++]));
+    return CT_OK;
+}
+
+static ct_status mark_ready(ct_strategy *s, int i)
+{
+    ddp_t *d = D(s);
+    if (d->ready[i])
+        return ct_error(CT_ESTATE, "DDP: parameter '%s' received its gradient twice in one backward "
+                        "(a module called twice or a weight shared between modules); DDP reduces each "
+                        "gradient once per backward, so give each use its own parameter",
+                        d->tp[i]->name);
+    d->ready[i] = 1;
+    if (d->synced_steps == 0) d->ready_order[d->nready++] = i;
+    d->b[d->bucket_of[i]].pending--;
+    return launch_ready(s);
+}
+
+static ct_status grad_ready_hook(ct_param *p, void *ud)
+{
+    ct_strategy *s = ud;
+    if (s->no_sync) return CT_OK;
+    return mark_ready(s, index_of(p));
+}
+
+static ct_status ran_hook(ct_module *m, ct_hook_kind kind, void *ud)
+{
+    (void)kind;
+    ddp_t *d = D((ct_strategy *)ud);
+    for (int i = 0; i < d->nmods; i++)
+        if (d->mods[i] == m) d->ran[i] = 1;
+    return CT_OK;
+}
+
+/* ---- checks at wrap ----------------------------------------------------- */
+
+/* Every rank must hold the same parameters (names, shapes) in the same order. */
+static ct_status check_same_model(ct_strategy *s)
+{
+    ddp_t *d = D(s);
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < s->nparams; i++) {
+        ct_param *p = s->params[i];
+        h ^= ct_hash64(p->name, strlen(p->name)) + (uint64_t)p->requires_grad;
+        h *= 1099511628211ull;
+        h ^= ct_hash64(p->data->shape, sizeof(int64_t) * (size_t)p->data->ndim);
+        h *= 1099511628211ull;
+    }
+    int size = ct_group_size(s->g), rank = ct_group_rank(s->g);
+    int64_t mine[2] = {(int64_t)(h >> 1), (int64_t)d->ntp};
+    int64_t *all = ct_alloc(sizeof *all * 2 * (size_t)size, CT_MEM_COMM);
+    if (!all) return CT_ENOMEM;
+    ct_status st = ct_group_allgather(s->g, mine, all, 2, CT_I64, NULL);
+    for (int r = 1; st == CT_OK && r < size; r++)
+        if (all[2 * r] != all[0] || all[2 * r + 1] != all[1])
+            st = ct_error(CT_EINVAL, "DDP: rank %d's model differs from rank 0's (%lld vs %lld trainable "
+                          "parameters, or different names/shapes); every rank must build the same model "
+                          "(this is rank %d)", r, (long long)all[2 * r + 1], (long long)all[1], rank);
+    ct_free(all);
+    return st;
+}
+
+static ct_status broadcast_state(ct_strategy *s, int buffers_only)
+{
+    if (ct_group_size(s->g) == 1) return CT_OK;
+    for (int pass = buffers_only; pass < 2; pass++) {
+        ct_param **ps = pass ? s->buffers : s->params;
+        int n = pass ? s->nbuffers : s->nparams;
+        for (int i = 0; i < n; i++)
+            CT_TRY(ct_group_broadcast_tensor(s->g, ps[i]->data, 0, NULL));
+    }
+    return CT_OK;
+}
+
+/* ---- the strategy hooks -------------------------------------------------- */
+
+static void ddp_fini(ct_strategy *s);
+
+static ct_status ddp_init(ct_strategy *s)
+{
+    const ct_ddp_opts *o = &s->o.ddp;
+    if (o->comm_dtype != CT_F32 && o->comm_dtype != CT_BF16 && o->comm_dtype != CT_F16)
+        return ct_error(CT_EINVAL, "DDP gradient compression must be f32 (none), bf16 or f16, not %s",
+                        ct_dtype_name(o->comm_dtype));
+    if (!(o->bucket_cap_mb > 0) || !(o->first_bucket_mb > 0))
+        return ct_error(CT_EINVAL, "DDP bucket sizes must be positive (bucket_cap_mb %g, first_bucket_mb %g)",
+                        o->bucket_cap_mb, o->first_bucket_mb);
+    ddp_t *d = ct_alloc(sizeof *d, CT_MEM_OTHER);
+    if (!d) return CT_ENOMEM;
+    s->priv = d;
+    int n = 0;
+    for (int i = 0; i < s->nparams; i++) n += s->params[i]->requires_grad != 0;
+    d->ntp = n;
+    size_t nn = (size_t)(n ? n : 1);
+    d->tp = ct_alloc(sizeof *d->tp * nn, CT_MEM_OTHER);
+    d->bucket_of = ct_alloc(sizeof *d->bucket_of * nn, CT_MEM_OTHER);
+    d->offset = ct_alloc(sizeof *d->offset * nn, CT_MEM_OTHER);
+    d->ready = ct_alloc(nn, CT_MEM_OTHER);
+    d->ready_order = ct_alloc(sizeof *d->ready_order * nn, CT_MEM_OTHER);
+    d->grad_hooks = ct_alloc(sizeof *d->grad_hooks * nn, CT_MEM_OTHER);
+    int *order = ct_alloc(sizeof *order * nn, CT_MEM_OTHER);
+    ct_status st = CT_OK;
+    if (!d->tp || !d->bucket_of || !d->offset || !d->ready || !d->ready_order || !d->grad_hooks || !order) {
+        st = CT_ENOMEM;
+        goto fail;
+    }
+    n = 0;
+    for (int i = 0; i < s->nparams; i++)
+        if (s->params[i]->requires_grad) {
+            s->params[i]->user = (void *)(intptr_t)n;
+            d->tp[n++] = s->params[i];
+        }
+    st = ct_group_check(s->g, check_same_model(s));
+    if (st == CT_OK) st = broadcast_state(s, 0);
+    for (int k = 0; k < n; k++) order[k] = n - 1 - k; /* reverse: last layers first */
+    if (st == CT_OK) st = build_buckets(s, order);
+    for (int i = 0; st == CT_OK && i < n; i++)
+        if (!(d->grad_hooks[i] = ct_param_add_hook(d->tp[i], grad_ready_hook, s))) st = CT_ENOMEM;
+    if (st == CT_OK && o->find_unused_parameters) {
+        st = ct_module_modules(s->model, &d->mods, &d->nmods);
+        if (st == CT_OK) {
+            d->ran = ct_alloc((size_t)d->nmods + 1, CT_MEM_OTHER);
+            d->fwd_hooks = ct_alloc(sizeof *d->fwd_hooks * ((size_t)d->nmods + 1), CT_MEM_OTHER);
+            if (!d->ran || !d->fwd_hooks) st = CT_ENOMEM;
+        }
+        for (int i = 0; st == CT_OK && i < d->nmods; i++)
+            if (!(d->fwd_hooks[i] = ct_module_add_hook(d->mods[i], CT_HOOK_PRE_FORWARD, ran_hook, s)))
+                st = CT_ENOMEM;
+    }
+fail:
+    ct_free(order);
+    if (st != CT_OK) ddp_fini(s);
+    return st;
+}
+
+static void ddp_fini(ct_strategy *s)
+{
+    ddp_t *d = D(s);
+    if (!d) return;
+    for (int i = 0; i < d->nb; i++)
+        if (d->b[i].work) ct_work_wait(d->b[i].work);
+    /* Give every parameter a gradient of its own again. */
+    for (int i = 0; d->tp && i < d->ntp; i++) {
+        ct_param *p = d->tp[i];
+        if (d->grad_hooks) ct_hook_remove(d->grad_hooks[i]);
+        if (p->grad && p->grad->base) {
+            ct_tensor *own = ct_tensor_clone(p->grad, CT_MEM_GRAD);
+            if (own) {
+                ct_tensor_release(p->grad);
+                p->grad = own;
+            }
+        }
+        p->user = NULL;
+    }
+    for (int i = 0; d->fwd_hooks && i < d->nmods; i++) ct_hook_remove(d->fwd_hooks[i]);
+    free_buckets(d);
+    ct_free(d->tp);
+    ct_free(d->bucket_of);
+    ct_free(d->offset);
+    ct_free(d->ready);
+    ct_free(d->ready_order);
+    ct_free(d->grad_hooks);
+    ct_free(d->fwd_hooks);
+    ct_free(d->mods);
+    ct_free(d->ran);
+    ct_free(d);
+    s->priv = NULL;
+    ct__strategy_repoint_optim(s);
+}
+
+static ct_status ddp_pre_forward(ct_strategy *s)
+{
+    ddp_t *d = D(s);
+    if (d->ran) memset(d->ran, 0, (size_t)d->nmods);
+    if (s->o.ddp.broadcast_buffers && s->nbuffers) return broadcast_state(s, 1);
+    return CT_OK;
+}
+
+/* Rebuilds the buckets in the order gradients became ready in the first
+ * synchronised backward; rank 0's order is used everywhere. */
+static ct_status rebuild(ct_strategy *s)
+{
+    ddp_t *d = D(s);
+    d->rebuilt = 1;
+    if (d->nready != d->ntp) return CT_OK; /* some gradients never became ready: keep the layout */
+    CT_TRY(ct_group_broadcast(s->g, d->ready_order, d->ntp, CT_I32, 0, NULL));
+    return build_buckets(s, d->ready_order);
+}
+
+static ct_status ddp_pre_backward(ct_strategy *s)
+{
+    ddp_t *d = D(s);
+    if (s->no_sync) return CT_OK;
+    if (s->o.ddp.rebuild_buckets && !d->rebuilt && d->synced_steps == 1) CT_TRY(rebuild(s));
+    memset(d->ready, 0, (size_t)d->ntp);
+    for (int b = 0; b < d->nb; b++) d->b[b].pending = d->b[b].nmembers;
+    d->next_launch = 0;
+    if (d->synced_steps == 0) d->nready = 0;
+    if (d->ran) {
+        /* Parameters of modules that did not run get no gradient: ready now. */
+        for (int i = 0; i < d->ntp; i++) {
+            ct_module *owner = d->tp[i]->owner;
+            int ran = 0;
+            for (int k = 0; k < d->nmods; k++)
+                if (d->mods[k] == owner) ran = d->ran[k];
+            if (!ran) CT_TRY(mark_ready(s, i));
+        }
+    }
+    return CT_OK;
+}
+
+static ct_status ddp_post_backward(ct_strategy *s)
+{
+    ddp_t *d = D(s);
+    if (s->no_sync) return CT_OK;
+    ct_status st = CT_OK;
+    if (d->next_launch < d->nb) {
+        char names[512] = "";
+        int listed = 0;
+        size_t off = 0;
+        for (int i = 0; i < d->ntp && off < sizeof names - 64; i++)
+            if (!d->ready[i] && listed++ < 4)
+                off += (size_t)snprintf(names + off, sizeof names - off, "%s'%s'", off ? ", " : "", d->tp[i]->name);
+        st = ct_error(CT_ESTATE, "DDP: parameters %s%s got no gradient in this backward, so their "
+                      "buckets were never reduced; pass find_unused_parameters (--find-unused-parameters) "
+                      "if some modules do not run every step", names, listed > 4 ? ", ..." : "");
+    }
+    double t0 = ct_now(), comm = 0;
+    for (int b = 0; b < d->next_launch; b++) {
+        ct_status w = ct_work_wait(d->b[b].work);
+        if (st == CT_OK) st = w;
+    }
+    double t1 = ct_now();
+    if (st != CT_OK) return st;
+    for (int b = 0; b < d->nb; b++) {
+        bucket_t *bk = &d->b[b];
+        double end = bk->t_end > 0 ? bk->t_end : t1;
+        comm += end - bk->t_start;
+        ct_trace_event("allreduce", "comm", bk->t_start, end, 1);
+        if (s->o.ddp.comm_dtype == CT_BF16) ct_bf16_to_f32_n(bk->wire, bk->buf->data, (size_t)bk->numel);
+        if (s->o.ddp.comm_dtype == CT_F16) ct_f16_to_f32_n(bk->wire, bk->buf->data, (size_t)bk->numel);
+    }
+    if (d->nb) ct_trace_event("wait for allreduce", "comm", t0, t1, 0);
+    s->stats.comm_wait += t1 - t0;
+    s->stats.comm_total += comm;
+    d->synced_steps++;
+    return CT_OK;
+}
+
+const ct__strategy_ops ct__ddp_ops = {"ddp", ddp_init, ddp_fini, ddp_pre_forward,
+                                      ddp_pre_backward, ddp_post_backward};

@@ -1,0 +1,301 @@
+/* Module tree: names, parameter order, hooks, records, containers, checkpointing. */
+#include "test.h"
+
+static ct_module *mlp(int drop)
+{
+    ct_module *m = ct_sequential_new();
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_new(6, 8, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_relu_new()));
+    if (drop) ASSERT_OK(ct_module_add(m, NULL, ct_dropout_new(0.3f)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_new(8, 4, 1)));
+    ct_module_init_params(m, 7);
+    return m;
+}
+
+static ct_tensor *rand_tensor(int64_t r, int64_t c, uint64_t stream)
+{
+    ct_tensor *t = ct_tensor_new2(r, c, CT_MEM_ACT);
+    ct_rng g;
+    ct_rng_init(&g, 99, stream);
+    ct_rng_normal(&g, ct_f32(t), (size_t)t->numel, 0, 1);
+    return t;
+}
+
+TEST(nn_names_follow_pytorch)
+{
+    ct_module *root = ct_sequential_new();
+    ct_module *inner = ct_sequential_new();
+    ASSERT_OK(ct_module_add(inner, NULL, ct_linear_new(3, 3, 1)));
+    ASSERT_OK(ct_module_add(root, NULL, ct_linear_new(2, 3, 0)));
+    ASSERT_OK(ct_module_add(root, "layers", inner));
+    ASSERT_OK(ct_module_add(root, NULL, ct_batchnorm_new(3, 1e-5f, 0.1f)));
+    ct_param **ps;
+    int n;
+    ASSERT_OK(ct_module_params(root, &ps, &n));
+    ASSERT_EQ(n, 5);
+    const char *want[] = {"0.weight", "layers.0.weight", "layers.0.bias", "2.weight", "2.bias"};
+    for (int i = 0; i < n; i++) ASSERT_STR_CONTAINS(ps[i]->name, want[i]);
+    for (int i = 0; i < n; i++) ASSERT_EQ(strlen(ps[i]->name), strlen(want[i]));
+    ct_free(ps);
+    ASSERT_OK(ct_module_buffers(root, &ps, &n));
+    ASSERT(n >= 2);
+    ASSERT(!strcmp(ps[0]->name, "2.running_mean"));
+    ASSERT(!strcmp(ps[1]->name, "2.running_var"));
+    ct_free(ps);
+    ASSERT(ct_module_find(root, "layers.0.bias") != NULL);
+    ASSERT(ct_module_find(root, "layers.1.bias") == NULL);
+    ASSERT_EQ(ct_module_num_params(root), 6 + 9 + 3 + 3 + 3);
+    ASSERT_ERR(ct_module_add(root, "layers", ct_relu_new()), CT_EINVAL, "already has a child named");
+    ct_module_free(root);
+}
+
+/* Hook log: "F>name" pre-forward, "F<name" post-forward, "B>" / "B<" backward, "G:param" grad-ready. */
+static char hook_log[4096];
+
+static ct_status log_hook(ct_module *m, ct_hook_kind kind, void *ud)
+{
+    (void)ud;
+    static const char *tag[] = {"F>", "F<", "B>", "B<"};
+    strcat(hook_log, tag[kind]);
+    strcat(hook_log, *m->fqn ? m->fqn : "root");
+    strcat(hook_log, " ");
+    return CT_OK;
+}
+
+static ct_status grad_hook(ct_param *p, void *ud)
+{
+    int *count = ud;
+    count[0]++;
+    strcat(hook_log, "G:");
+    strcat(hook_log, p->name);
+    strcat(hook_log, " ");
+    return CT_OK;
+}
+
+TEST(nn_hooks_fire_in_documented_order)
+{
+    ct_module *m = mlp(0);
+    ct_module **mods;
+    int nm;
+    ASSERT_OK(ct_module_modules(m, &mods, &nm));
+    ASSERT_EQ(nm, 4);
+    ct_hook *hs[32];
+    int nh = 0;
+    for (int i = 0; i < nm; i++)
+        for (int k = CT_HOOK_PRE_FORWARD; k <= CT_HOOK_POST_BACKWARD; k++)
+            hs[nh++] = ct_module_add_hook(mods[i], (ct_hook_kind)k, log_hook, NULL);
+    ct_param **ps;
+    int np, counts[8] = {0};
+    ASSERT_OK(ct_module_params(m, &ps, &np));
+    ct_hook *gh[8];
+    for (int i = 0; i < np; i++) gh[i] = ct_param_add_hook(ps[i], grad_hook, &counts[i]);
+
+    ct_tensor *x = rand_tensor(5, 6, 1), *y, *dy, *dx;
+    ct_record *rec;
+    ct_fwd_ctx ctx = {1, 1, 0, 0};
+    hook_log[0] = 0;
+    ASSERT_OK(ct_module_forward(m, x, &y, &rec, &ctx));
+    dy = rand_tensor(5, 4, 2);
+    ASSERT_OK(ct_module_backward(m, dy, &dx, rec));
+    const char *want = "F>root F>0 F<0 F>1 F<1 F>2 F<2 F<root "
+                       "B>root B>2 G:2.weight G:2.bias B<2 B>1 B<1 B>0 G:0.weight G:0.bias B<0 B<root ";
+    if (strcmp(hook_log, want)) ct_test_fail(__FILE__, __LINE__, "order:\n got  %s\n want %s", hook_log, want);
+    for (int i = 0; i < np; i++) ASSERT_EQ(counts[i], 1); /* exactly once per backward */
+
+    /* Removal: no module hooks and one grad hook left. */
+    for (int i = 0; i < nh; i++) ct_hook_remove(hs[i]);
+    for (int i = 1; i < np; i++) ct_hook_remove(gh[i]);
+    hook_log[0] = 0;
+    ct_tensor_release(y);
+    ct_tensor_release(dx);
+    ASSERT_OK(ct_module_forward(m, x, &y, &rec, &ctx));
+    ASSERT_OK(ct_module_backward(m, dy, NULL, rec));
+    ASSERT(!strcmp(hook_log, "G:0.weight "));
+    ASSERT_EQ(counts[0], 2);
+    ASSERT_EQ(counts[1], 1);
+    ct_free(ps);
+    ct_free(mods);
+    ct_tensor_release(x);
+    ct_tensor_release(y);
+    ct_tensor_release(dy);
+    ct_module_free(m);
+}
+
+static ct_status failing_hook(ct_module *m, ct_hook_kind kind, void *ud)
+{
+    (void)kind;
+    (void)ud;
+    return ct_error(CT_ESTATE, "hook refused module '%s'", m->fqn);
+}
+
+TEST(nn_failing_hook_aborts_forward_cleanly)
+{
+    ct_module *m = mlp(0);
+    ct_hook *h = ct_module_add_hook(m->kids[2], CT_HOOK_PRE_FORWARD, failing_hook, NULL);
+    ct_tensor *x = rand_tensor(2, 6, 1), *y = NULL;
+    ct_record *rec = NULL;
+    size_t act_before = ct_mem_current(CT_MEM_ACT);
+    ASSERT_ERR(ct_module_forward(m, x, &y, &rec, NULL), CT_ESTATE, "hook refused module '2'");
+    ASSERT(y == NULL && rec == NULL);
+    ASSERT_EQ(ct_mem_current(CT_MEM_ACT), act_before); /* nothing leaked */
+    ct_hook_remove(h);
+    ct_tensor_release(x);
+    ct_module_free(m);
+}
+
+TEST(nn_backward_needs_record)
+{
+    ct_module *m = mlp(0);
+    ct_tensor *dy = rand_tensor(2, 4, 1);
+    ASSERT_ERR(ct_module_backward(m, dy, NULL, NULL), CT_ESTATE, "without an activation record");
+    ct_tensor_release(dy);
+    ct_module_free(m);
+}
+
+/* Several micro-batches in flight: records belong to calls, not layers. */
+TEST(nn_records_allow_interleaved_microbatches)
+{
+    ct_module *a = mlp(1), *b = mlp(1);
+    ct_tensor *x1 = rand_tensor(3, 6, 1), *x2 = rand_tensor(3, 6, 2), *dy1 = rand_tensor(3, 4, 3),
+              *dy2 = rand_tensor(3, 4, 4), *y, *y2;
+    ct_record *r1, *r2;
+    ct_fwd_ctx c1 = {1, 5, 0, 0}, c2 = {1, 5, 0, 1};
+    /* a: f1 b1 f2 b2 in sequence; b: f1 f2 b2 b1 interleaved. */
+    ASSERT_OK(ct_module_forward(a, x1, &y, &r1, &c1));
+    ct_tensor_release(y);
+    ASSERT_OK(ct_module_backward(a, dy1, NULL, r1));
+    ASSERT_OK(ct_module_forward(a, x2, &y, &r2, &c2));
+    ct_tensor_release(y);
+    ASSERT_OK(ct_module_backward(a, dy2, NULL, r2));
+    ASSERT_OK(ct_module_forward(b, x1, &y, &r1, &c1));
+    ASSERT_OK(ct_module_forward(b, x2, &y2, &r2, &c2));
+    ct_tensor_release(y);
+    ct_tensor_release(y2);
+    ASSERT_OK(ct_module_backward(b, dy2, NULL, r2));
+    ASSERT_OK(ct_module_backward(b, dy1, NULL, r1));
+    ct_param **pa, **pb;
+    int na, nb;
+    ASSERT_OK(ct_module_params(a, &pa, &na));
+    ASSERT_OK(ct_module_params(b, &pb, &nb));
+    for (int i = 0; i < na; i++)
+        for (int64_t j = 0; j < pa[i]->grad->numel; j++)
+            ASSERT_NEAR(ct_f32(pa[i]->grad)[j], ct_f32(pb[i]->grad)[j], 1e-6);
+    ct_free(pa);
+    ct_free(pb);
+    ct_tensor *ts[] = {x1, x2, dy1, dy2};
+    for (int i = 0; i < 4; i++) ct_tensor_release(ts[i]);
+    ct_module_free(a);
+    ct_module_free(b);
+}
+
+/* Runs forward+backward and returns the input gradient; grads accumulate in m. */
+static ct_tensor *fwd_bwd(ct_module *m, ct_tensor *x, ct_tensor *dy, const ct_fwd_ctx *ctx, ct_tensor **y)
+{
+    ct_record *rec;
+    ct_tensor *dx;
+    ASSERT_OK(ct_module_forward(m, x, y, &rec, ctx));
+    ASSERT_OK(ct_module_backward(m, dy, &dx, rec));
+    return dx;
+}
+
+/* seq(body, linear) with body = seq(linear, relu, dropout), optionally checkpointed. */
+static ct_module *ckpt_model(int ckpt)
+{
+    ct_module *m = ct_sequential_new(), *body = ct_sequential_new();
+    ASSERT_OK(ct_module_add(body, NULL, ct_linear_new(6, 8, 1)));
+    ASSERT_OK(ct_module_add(body, NULL, ct_relu_new()));
+    ASSERT_OK(ct_module_add(body, NULL, ct_dropout_new(0.3f)));
+    ASSERT_OK(ct_module_add(m, NULL, ckpt ? ct_checkpoint_new(body) : body));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_new(8, 4, 1)));
+    ct_module_init_params(m, 7);
+    return m;
+}
+
+TEST(nn_checkpoint_bit_identical_with_dropout)
+{
+    ct_module *plain = ckpt_model(0), *wrapped = ckpt_model(1);
+    ct_param **pp, **pw;
+    int np, nw;
+    ASSERT_OK(ct_module_params(plain, &pp, &np));
+    ASSERT_OK(ct_module_params(wrapped, &pw, &nw));
+    ASSERT_EQ(np, nw);
+    /* The checkpoint wrapper is transparent in names, so init and dropout streams match. */
+    for (int i = 0; i < np; i++) ASSERT(!strcmp(pp[i]->name, pw[i]->name));
+    ASSERT(!strcmp(pw[0]->name, "0.0.weight"));
+
+    ct_tensor *x = rand_tensor(16, 6, 1), *dy = rand_tensor(16, 4, 2), *y1, *y2;
+    size_t act_plain, act_ckpt;
+    for (int step = 0; step < 3; step++) {
+        ct_fwd_ctx ctx = {1, 11, (uint64_t)step, 0};
+        ct_mem_reset_peak();
+        size_t base = ct_mem_current(CT_MEM_ACT);
+        ct_tensor *dx1 = fwd_bwd(plain, x, dy, &ctx, &y1);
+        act_plain = ct_mem_peak(CT_MEM_ACT) - base;
+        ct_mem_reset_peak();
+        base = ct_mem_current(CT_MEM_ACT);
+        ct_tensor *dx2 = fwd_bwd(wrapped, x, dy, &ctx, &y2);
+        act_ckpt = ct_mem_peak(CT_MEM_ACT) - base;
+        ASSERT(act_ckpt > 0 && act_plain > 0);
+        ASSERT(!memcmp(y1->data, y2->data, ct_tensor_bytes(y1)));
+        ASSERT(!memcmp(dx1->data, dx2->data, ct_tensor_bytes(dx1)));
+        for (int i = 0; i < np; i++)
+            ASSERT(!memcmp(pp[i]->grad->data, pw[i]->grad->data, ct_tensor_bytes(pp[i]->grad)));
+        ct_tensor_release(y1);
+        ct_tensor_release(y2);
+        ct_tensor_release(dx1);
+        ct_tensor_release(dx2);
+    }
+    ct_free(pp);
+    ct_free(pw);
+    ct_tensor_release(x);
+    ct_tensor_release(dy);
+    ct_module_free(plain);
+    ct_module_free(wrapped);
+}
+
+TEST(nn_residual_adds_identity_gradient)
+{
+    ct_module *body = ct_linear_new(4, 4, 0);
+    ct_module *r = ct_residual_new(body);
+    ASSERT(r && !strcmp(r->kids[0]->name, "body"));
+    ASSERT(!strcmp(body->params[0]->name, "body.weight"));
+    ct_tensor_fill(body->params[0]->data, 0.0f); /* body(x) = 0: residual is identity */
+    ct_tensor *x = rand_tensor(3, 4, 1), *dy = rand_tensor(3, 4, 2), *y;
+    ct_fwd_ctx ctx = {1, 0, 0, 0};
+    ct_tensor *dx = fwd_bwd(r, x, dy, &ctx, &y);
+    for (int64_t i = 0; i < x->numel; i++) {
+        ASSERT_NEAR(ct_f32(y)[i], ct_f32(x)[i], 0);
+        ASSERT_NEAR(ct_f32(dx)[i], ct_f32(dy)[i], 0);
+    }
+    /* dW = dy^T x */
+    float *gw = ct_f32(body->params[0]->grad);
+    for (int o = 0; o < 4; o++)
+        for (int i = 0; i < 4; i++) {
+            double s = 0;
+            for (int n = 0; n < 3; n++) s += ct_f32(dy)[n * 4 + o] * ct_f32(x)[n * 4 + i];
+            ASSERT_NEAR(gw[o * 4 + i], s, 1e-5);
+        }
+    ct_module *bad = ct_residual_new(ct_linear_new(4, 2, 0));
+    ct_tensor *y2 = NULL;
+    ASSERT_ERR(ct_module_forward(bad, x, &y2, NULL, &ctx), CT_EINVAL, "must keep the shape");
+    ct_module_free(bad);
+    ct_tensor_release(x);
+    ct_tensor_release(y);
+    ct_tensor_release(dx);
+    ct_tensor_release(dy);
+    ct_module_free(r);
+}
+
+TEST(nn_init_is_deterministic_and_pytorch_bounded)
+{
+    ct_module *a = mlp(0), *b = mlp(0);
+    ct_param *wa = a->kids[0]->params[0], *wb = b->kids[0]->params[0];
+    ASSERT(!memcmp(wa->data->data, wb->data->data, ct_tensor_bytes(wa->data)));
+    float bound = 1.0f / sqrtf(6.0f), mx = 0;
+    for (int64_t i = 0; i < wa->data->numel; i++) mx = fmaxf(mx, fabsf(ct_f32(wa->data)[i]));
+    ASSERT(mx <= bound && mx > 0.5f * bound);
+    /* Weight and bias of one layer draw different numbers. */
+    ASSERT(ct_f32(a->kids[0]->params[1]->data)[0] != ct_f32(wa->data)[0]);
+    ct_module_free(a);
+    ct_module_free(b);
+}
