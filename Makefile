@@ -8,7 +8,7 @@ B       ?= build
 PREFIX  ?= /usr/local
 # Flags are expanded lazily (=), after scripts/deps.sh has installed pkg-config.
 PKGS     = openblas ompi-c zlib
-CFLAGS  ?= -O2 -march=native -g
+CFLAGS  ?= -O3 -march=native -fno-math-errno -g
 XCFLAGS  = -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fPIC -pthread -Iinclude -Isrc \
            $(shell pkg-config --cflags $(PKGS)) $(SANFLAGS)
 LDLIBS   = $(shell pkg-config --libs $(PKGS)) -lm -pthread
@@ -21,7 +21,7 @@ BENCH_SRC := $(sort $(wildcard bench/*.c))
 
 LIB_OBJ   = $(LIB_SRC:%.c=$(B)/%.o)
 CLI_OBJ   = $(CLI_SRC:%.c=$(B)/%.o)
-TEST_OBJ  = $(TEST_SRC:%.c=$(B)/%.o) $(B)/tests/harness.o
+TEST_OBJ  = $(TEST_SRC:%.c=$(B)/%.o) $(B)/tests/harness.o $(B)/tests/runner.o
 MPI_OBJ   = $(MPI_SRC:%.c=$(B)/%.o) $(B)/tests/harness.o
 BENCHES   = $(BENCH_SRC:bench/%.c=$(B)/bench/%)
 DEPS_OK   = $(B)/.deps-ok

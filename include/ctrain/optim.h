@@ -6,6 +6,15 @@
  * keep state only for the part they own.  State (momentum buffers, Adam
  * moments, step) is allocated under CT_MEM_OPTIM and can be read and
  * written for checkpoints.
+ *
+ * Numerics follow PyTorch 1.13's CPU kernels operation by operation: float
+ * arithmetic per element, hyper-parameters held as double (like Python
+ * floats) and rounded to float where PyTorch rounds them, fused
+ * multiply-adds where PyTorch's add(alpha=)/addcmul use them.  On a CPU with
+ * FMA the results are bit-identical to torch.optim.SGD / torch.optim.AdamW.
+ *
+ * Ownership: an optimizer never owns parameter data or gradients; it owns
+ * its state and copies of slot names.  ct_optim_destroy frees both.
  */
 #ifndef CTRAIN_OPTIM_H
 #define CTRAIN_OPTIM_H
@@ -18,25 +27,39 @@ extern "C" {
 
 typedef enum { CT_OPT_SGD = 0, CT_OPT_ADAMW } ct_optim_kind;
 
+/* Hyper-parameters.  Doubles, like PyTorch's Python floats, so that derived
+ * constants (1 - beta2, 1 - lr*wd, bias corrections) round as PyTorch's do. */
 typedef struct {
     ct_optim_kind kind;
-    float lr;
-    float weight_decay; /* SGD: L2 added to the gradient; AdamW: decoupled */
+    double lr;
+    double weight_decay; /* SGD: L2 added to the gradient; AdamW: decoupled */
     /* SGD */
-    float momentum;
-    float dampening;
-    int nesterov;
+    double momentum;
+    double dampening;
+    int nesterov;        /* needs momentum > 0 and dampening == 0 */
     /* AdamW */
-    float beta1, beta2, eps;
+    double beta1, beta2, eps;
 } ct_optim_opts;
 
-/* PyTorch's defaults: SGD lr 0.01; AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8, wd 0.01. */
+/* Most state buffers a slot has (AdamW's two moments). */
+#define CT_OPTIM_MAX_STATE 2
+
+/* PyTorch's defaults: SGD lr 0.01, momentum 0, dampening 0, wd 0; AdamW lr
+ * 1e-3, betas (0.9, 0.999), eps 1e-8, wd 0.01.  Fields of the other kind
+ * hold that kind's defaults too, so changing .kind afterwards stays valid
+ * (except weight_decay, which differs). */
 ct_optim_opts ct_optim_defaults(ct_optim_kind kind);
+/* CT_OK, or CT_EINVAL naming the bad value (lr < 0, betas outside [0, 1),
+ * eps < 0, weight_decay < 0, momentum < 0, nesterov without momentum or
+ * with dampening, NaN anywhere, unknown kind). */
+ct_status ct_optim_validate(const ct_optim_opts *o);
+/* Parses "sgd" or "adamw"; returns 0 and sets *kind, or -1. */
+int ct_optim_parse(const char *name, ct_optim_kind *kind);
 
 /* What one slot updates: n floats of data and grad (f32). */
 typedef struct {
     float *data;
-    float *grad;
+    float *grad;      /* NULL: the slot is skipped by a step (PyTorch's grad None) */
     int64_t n;
     const char *name; /* parameter name (state tensor names derive from it) */
     int64_t offset;   /* of this range within the parameter (0 for whole) */
@@ -44,34 +67,62 @@ typedef struct {
 
 typedef struct ct_optim ct_optim;
 
-/* Optimizer over every requires_grad parameter in params (whole slots). */
+/* Optimizer over every requires_grad parameter in params (whole slots), in
+ * order; a parameter listed twice is an error.  These slots follow their parameter: each step re-reads p->data and
+ * p->grad (a strategy may re-point them at views of its own storage, same
+ * numel) and p->name.  Data must be f32 (CT_EUNSUPPORTED otherwise).
+ * Returns NULL with the error set (CT_EINVAL for bad options) on failure. */
 ct_optim *ct_optim_create(const ct_optim_opts *o, ct_param **params, int n);
-/* Optimizer over explicit slots (ranges of parameters). */
+/* Optimizer over explicit slots (ranges of parameters); copies the slot
+ * table and names (a NULL name becomes "slot<i>").  n may be 0 (a rank that
+ * owns no shard).  Returns NULL with the error set on failure. */
 ct_optim *ct_optim_create_slots(const ct_optim_opts *o, const ct_optim_slot *slots, int n);
 /* Frees the optimizer and its state; NULL is a no-op. */
 void ct_optim_destroy(ct_optim *opt);
-/* One update of every slot from its current gradient. */
+/* One update of every slot from its current gradient; slots whose grad is
+ * NULL are skipped and their step does not advance.  Fails (nothing
+ * updated) with CT_EINVAL if the learning rate set since is invalid,
+ * CT_ESTATE if a parameter changed size or dtype under the optimizer, or
+ * CT_ENOMEM if the state cannot be allocated. */
 ct_status ct_optim_step(ct_optim *opt);
-/* Re-points slot i at new data/grad memory (same n); state stays. */
+/* Re-points slot i at new data/grad memory (same n); state stays.  A slot
+ * made from a ct_param stops following the parameter from then on. */
 void ct_optim_set_slot(ct_optim *opt, int i, float *data, float *grad);
 int ct_optim_num_slots(const ct_optim *opt);
+/* Slot i as the next step will see it (refreshed from its parameter). */
 const ct_optim_slot *ct_optim_slot_at(const ct_optim *opt, int i);
-void ct_optim_set_lr(ct_optim *opt, float lr);
-float ct_optim_get_lr(const ct_optim *opt);
+/* Learning rate for the next steps (schedules call this every step). */
+void ct_optim_set_lr(ct_optim *opt, double lr);
+double ct_optim_get_lr(const ct_optim *opt);
 const ct_optim_opts *ct_optim_get_opts(const ct_optim *opt);
-/* Steps taken so far (AdamW's bias correction uses it). */
+/* Number of ct_optim_step calls so far (or the last ct_optim_set_step). */
 int64_t ct_optim_get_step(const ct_optim *opt);
+/* Sets the step count of the optimizer and of every slot (PyTorch keeps a
+ * step per parameter: AdamW's bias correction uses it, and SGD treats a
+ * slot at step 0 as having no momentum buffer yet).  With the state buffers
+ * written back, this resumes training exactly. */
 void ct_optim_set_step(ct_optim *opt, int64_t step);
 /* "sgd" or "adamw". */
 const char *ct_optim_name(const ct_optim *opt);
 
-/* State buffers of slot i: SGD has "momentum_buffer"; AdamW "exp_avg" and
- * "exp_avg_sq".  Returns the number of buffers (0..2) and their pointers and
- * names; each has the slot's n floats.  Buffers are allocated on first use,
- * so before the first step this returns them zeroed. */
+/* State buffers of slot i: SGD with momentum has "momentum_buffer"; AdamW
+ * "exp_avg" and "exp_avg_sq"; SGD without momentum has none.  Fills bufs
+ * and names (either may be NULL; room for CT_OPTIM_MAX_STATE) and returns
+ * the number of buffers, each of the slot's n floats, owned by the
+ * optimizer.  Buffers are allocated on first use, so before the first step
+ * this returns them zeroed.  Returns CT_ENOMEM (negative) if they cannot
+ * be allocated. */
 int ct_optim_state(ct_optim *opt, int i, float **bufs, const char **names);
 
-/* Raw updates (one range), as PyTorch computes them.  step is 1-based. */
+/* Sum of squares (in double) of the gradients of every slot, skipping
+ * NULL grads: a sharded strategy's local part of the global grad norm. */
+double ct_optim_grad_sq_sum(ct_optim *opt);
+/* Multiplies the gradients of every slot by scale. */
+void ct_optim_scale_grads(ct_optim *opt, float scale);
+
+/* Raw updates (one range), as PyTorch computes them.  buf may be NULL when
+ * momentum is 0; first_step: buf is set to the gradient instead of being
+ * decayed (PyTorch's "buffer is None").  step is 1-based. */
 void ct_sgd_update(float *p, const float *g, float *buf, int64_t n,
                    const ct_optim_opts *o, int first_step);
 void ct_adamw_update(float *p, const float *g, float *m, float *v, int64_t n,
@@ -79,12 +130,18 @@ void ct_adamw_update(float *p, const float *g, float *m, float *v, int64_t n,
 
 /* ---- gradient clipping ------------------------------------------------- */
 
-/* Sum of squares of every gradient element under params (f64). */
+/* Sum of squares (in double) of every gradient element under params;
+ * params with a NULL grad are skipped.  Grads may be f32, bf16 or f16. */
 double ct_grad_sq_sum(ct_param **params, int n);
-/* Scales gradients by max_norm/(total_norm+1e-6) when total_norm > max_norm,
- * as torch.nn.utils.clip_grad_norm_.  Returns the total norm in *norm. */
+/* Scale factor torch.nn.utils.clip_grad_norm_ applies for a total norm:
+ * max_norm/(total_norm+1e-6) when that is below 1, otherwise 1. */
+float ct_clip_coef(double total_norm, double max_norm);
+/* Scales gradients by max_norm/(total_norm+1e-6) when that is below 1, as
+ * torch.nn.utils.clip_grad_norm_ (norm 2).  Sets *norm (may be NULL) to the
+ * total norm before clipping.  CT_EINVAL if max_norm is negative or NaN. */
 ct_status ct_clip_grad_norm(ct_param **params, int n, float max_norm, float *norm);
-/* Scaling part alone, for strategies that compute the global norm themselves. */
+/* Scaling part alone, for strategies that compute the global norm
+ * themselves (with ct_clip_coef). */
 void ct_scale_grads(ct_param **params, int n, float scale);
 
 /* ---- LR schedules ------------------------------------------------------ */
@@ -93,16 +150,24 @@ typedef enum { CT_SCHED_CONSTANT = 0, CT_SCHED_COSINE } ct_sched_kind;
 
 typedef struct {
     ct_sched_kind kind;
-    float base_lr;
-    int64_t warmup_steps; /* linear from base_lr/warmup to base_lr */
+    double base_lr;
+    int64_t warmup_steps; /* both kinds: linear from base_lr/warmup to base_lr */
     int64_t total_steps;  /* cosine decays to min_lr at total_steps */
-    float min_lr;
+    double min_lr;
 } ct_lr_schedule;
 
-/* Learning rate for 0-based step. */
-float ct_lr_at(const ct_lr_schedule *s, int64_t step);
+/* Learning rate for 0-based step: during warmup base*(step+1)/warmup; then
+ * base (constant) or min + (base-min)*(1+cos(pi*progress))/2 with
+ * progress = (step-warmup)/max(1, total-warmup) clipped to [0, 1]. */
+double ct_lr_at(const ct_lr_schedule *s, int64_t step);
+/* CT_OK, or CT_EINVAL naming the bad field (negative or NaN rates, negative
+ * warmup; for cosine: min_lr outside [0, base_lr], total_steps <= 0 or
+ * warmup_steps > total_steps). */
+ct_status ct_sched_validate(const ct_lr_schedule *s);
 /* Parses "constant" or "cosine"; returns 0 or -1. */
 int ct_sched_parse(const char *name, ct_sched_kind *kind);
+/* "constant" or "cosine". */
+const char *ct_sched_name(ct_sched_kind kind);
 
 #ifdef __cplusplus
 }

@@ -47,6 +47,8 @@ void ct_log(ct_log_level level, const char *fmt, ...)
     va_end(ap);
     /* One fputs per line keeps lines from different threads whole. */
     size_t len = strlen(line);
-    if (len + 1 < sizeof line) { line[len] = '\n'; line[len + 1] = 0; }
+    if (len + 1 >= sizeof line) len = sizeof line - 2; /* truncated: still end the line */
+    line[len] = '\n';
+    line[len + 1] = 0;
     fputs(line, stderr);
 }

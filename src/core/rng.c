@@ -73,7 +73,7 @@ void ct_rng_normal(ct_rng *r, float *out, size_t n, float mean, float std)
 uint64_t ct_hash64(const void *data, size_t n)
 {
     const unsigned char *p = data;
-    uint64_t h = 1469598103934665603ull;
+    uint64_t h = 14695981039346656037ull; /* the FNV-1a 64-bit offset basis */
     for (size_t i = 0; i < n; i++) { h ^= p[i]; h *= 1099511628211ull; }
     return h;
 }

@@ -4,6 +4,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 static _Thread_local char errbuf[1024];
 
@@ -28,10 +29,15 @@ void ct_clear_error(void) { errbuf[0] = 0; }
 
 ct_status ct_error(ct_status code, const char *fmt, ...)
 {
+    /* Format aside first: callers wrap the previous message
+     * (ct_error(c, "loading %s: %s", path, ct_last_error())), and printing
+     * into the buffer an argument points into would garble it. */
+    char tmp[sizeof errbuf];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(errbuf, sizeof errbuf, fmt, ap);
+    vsnprintf(tmp, sizeof tmp, fmt, ap);
     va_end(ap);
+    memcpy(errbuf, tmp, sizeof errbuf);
     return code;
 }
 

@@ -22,20 +22,36 @@ int ct_dtype_parse(const char *name, ct_dtype *dt)
     return -1;
 }
 
+/* numel of a shape; rejects negative dims and shapes whose bytes would not
+ * fit in an int64 (an overflowed product would allocate too small a block). */
+static ct_status shape_numel(ct_dtype dt, int ndim, const int64_t *shape, int64_t *numel)
+{
+    int64_t n = 1, limit = INT64_MAX / (int64_t)ct_dtype_size(dt);
+    int empty = 0;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0)
+            return ct_error(CT_EINVAL, "tensor dim %d is negative (%lld)", i, (long long)shape[i]);
+        empty |= shape[i] == 0;
+    }
+    for (int i = 0; i < ndim && !empty; i++) {
+        if (n > limit / shape[i])
+            return ct_error(CT_EINVAL, "tensor shape is too large: dim %d (%lld) overflows the "
+                            "element count; check the shape for a corrupt dim", i,
+                            (long long)shape[i]);
+        n *= shape[i];
+    }
+    *numel = empty ? 0 : n;
+    return CT_OK;
+}
+
 static ct_tensor *header(ct_dtype dt, int ndim, const int64_t *shape)
 {
     if (ndim < 0 || ndim > CT_MAX_DIMS) {
         ct_error(CT_EINVAL, "tensor has %d dims; ctrain supports at most %d", ndim, CT_MAX_DIMS);
         return NULL;
     }
-    int64_t numel = 1;
-    for (int i = 0; i < ndim; i++) {
-        if (shape[i] < 0) {
-            ct_error(CT_EINVAL, "tensor dim %d is negative (%lld)", i, (long long)shape[i]);
-            return NULL;
-        }
-        numel *= shape[i];
-    }
+    int64_t numel;
+    if (shape_numel(dt, ndim, shape, &numel) != CT_OK) return NULL;
     ct_tensor *t = ct_alloc(sizeof *t, CT_MEM_OTHER);
     if (!t) return NULL;
     t->dtype = dt;
@@ -86,10 +102,10 @@ ct_tensor *ct_tensor_view(ct_tensor *base, int64_t offset, int ndim, const int64
 {
     ct_tensor *t = header(base->dtype, ndim, shape);
     if (!t) return NULL;
-    if (offset < 0 || offset + t->numel > base->numel) {
-        ct_free(t);
+    if (offset < 0 || offset > base->numel - t->numel) { /* no offset + numel: it could overflow */
         ct_error(CT_EINVAL, "view of %lld elements at offset %lld exceeds a tensor of %lld",
                  (long long)t->numel, (long long)offset, (long long)base->numel);
+        ct_free(t); /* after the message, which reads t->numel */
         return NULL;
     }
     t->data = (char *)base->data + (size_t)offset * ct_dtype_size(base->dtype);
@@ -100,8 +116,12 @@ ct_tensor *ct_tensor_view(ct_tensor *base, int64_t offset, int ndim, const int64
 
 ct_tensor *ct_tensor_reshape(ct_tensor *t, int ndim, const int64_t *shape)
 {
-    int64_t numel = 1;
-    for (int i = 0; i < ndim; i++) numel *= shape[i];
+    if (ndim < 0 || ndim > CT_MAX_DIMS) {
+        ct_error(CT_EINVAL, "tensor has %d dims; ctrain supports at most %d", ndim, CT_MAX_DIMS);
+        return NULL;
+    }
+    int64_t numel;
+    if (shape_numel(t->dtype, ndim, shape, &numel) != CT_OK) return NULL;
     if (numel != t->numel) {
         char b[64];
         ct_error(CT_EINVAL, "cannot reshape %s (%lld elements) to %lld elements",

@@ -276,8 +276,9 @@ static ct_status name_subtree(ct_module *m, const char *fqn)
 {
     char *copy = dupstr(fqn);
     if (!copy) return CT_ENOMEM;
-    ct_free(m->fqn);
+    ct_free(m->fqn); /* may be the string fqn points at (the root's own name) */
     m->fqn = copy;
+    fqn = copy;
     m->rng_stream = ct_hash64(fqn, strlen(fqn));
     CT_TRY(name_params(m->params, m->nparams, fqn));
     CT_TRY(name_params(m->buffers, m->nbuffers, fqn));

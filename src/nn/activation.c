@@ -1,0 +1,97 @@
+/*
+ * Elementwise activations: ReLU, GELU (exact, with erf, as PyTorch's
+ * default) and tanh.  ReLU and tanh save their output, whose derivative they
+ * can be written in; the next layer usually holds that tensor anyway, so the
+ * record costs no extra memory.  GELU needs its input.  Outputs are new
+ * tensors; the saved ones are shared by reference, so nobody may write into
+ * a module's output in place.
+ */
+#include <math.h>
+
+#include "ctrain/nn.h"
+
+typedef enum { ACT_RELU, ACT_GELU, ACT_TANH } act_kind;
+
+static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
+
+static const ct_module_ops relu_ops, gelu_ops, tanh_ops;
+
+static act_kind kind_of(const ct_module *m)
+{
+    return m->ops == &gelu_ops ? ACT_GELU : m->ops == &tanh_ops ? ACT_TANH : ACT_RELU;
+}
+
+static ct_status act_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
+                             const ct_fwd_ctx *ctx)
+{
+    (void)ctx;
+    if (in->dtype != CT_F32)
+        return ct_error(CT_EINVAL, "%s '%s': input is %s but the layer takes F32", m->ops->kind,
+                        nm(m), ct_dtype_name(in->dtype));
+    ct_tensor *y = ct_tensor_new(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
+    if (!y) return CT_ENOMEM;
+    const float *x = ct_f32(in);
+    float *yd = ct_f32(y);
+    int64_t n = in->numel;
+    switch (kind_of(m)) {
+    case ACT_RELU:
+        for (int64_t i = 0; i < n; i++) yd[i] = x[i] > 0.0f ? x[i] : 0.0f;
+        break;
+    case ACT_GELU:
+        for (int64_t i = 0; i < n; i++) yd[i] = 0.5f * x[i] * (1.0f + erff(x[i] * (float)M_SQRT1_2));
+        break;
+    case ACT_TANH:
+        for (int64_t i = 0; i < n; i++) yd[i] = tanhf(x[i]);
+        break;
+    }
+    if (rec) rec->saved[0] = ct_tensor_retain(kind_of(m) == ACT_GELU ? in : y);
+    *out = y;
+    return CT_OK;
+}
+
+static ct_status act_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
+{
+    const ct_tensor *s = rec->saved[0]; /* relu, tanh: output; gelu: input */
+    if (!ct_tensor_same_shape(dout, s)) {
+        char a[64], b[64];
+        return ct_error(CT_EINVAL, "%s '%s': output gradient %s does not match the output %s",
+                        m->ops->kind, nm(m), ct_shape_str(dout, a, sizeof a),
+                        ct_shape_str(s, b, sizeof b));
+    }
+    if (!din) return CT_OK; /* no parameters: nothing else to do */
+    ct_tensor *dx = ct_tensor_new(CT_F32, s->ndim, s->shape, CT_MEM_ACT);
+    if (!dx) return CT_ENOMEM;
+    const float *v = ct_f32(s), *dy = ct_f32(dout);
+    float *g = ct_f32(dx);
+    int64_t n = s->numel;
+    switch (kind_of(m)) {
+    case ACT_RELU:
+        for (int64_t i = 0; i < n; i++) g[i] = v[i] > 0.0f ? dy[i] : 0.0f;
+        break;
+    case ACT_GELU: {
+        /* d/dx x*Phi(x) = Phi(x) + x*phi(x). */
+        const float inv_sqrt_2pi = 0.3989422804014327f;
+        for (int64_t i = 0; i < n; i++) {
+            float x = v[i];
+            float cdf = 0.5f * (1.0f + erff(x * (float)M_SQRT1_2));
+            float pdf = inv_sqrt_2pi * expf(-0.5f * x * x);
+            g[i] = dy[i] * (cdf + x * pdf);
+        }
+        break;
+    }
+    case ACT_TANH:
+        for (int64_t i = 0; i < n; i++) g[i] = dy[i] * (1.0f - v[i] * v[i]);
+        break;
+    }
+    *din = dx;
+    return CT_OK;
+}
+
+static const ct_module_ops relu_ops = {"relu", act_forward, act_backward, NULL};
+static const ct_module_ops gelu_ops = {"gelu", act_forward, act_backward, NULL};
+static const ct_module_ops tanh_ops = {"tanh", act_forward, act_backward, NULL};
+
+/* Activations have no state: the ops table says which one a module is. */
+ct_module *ct_relu_new(void) { return ct_module_new(&relu_ops, NULL); }
+ct_module *ct_gelu_new(void) { return ct_module_new(&gelu_ops, NULL); }
+ct_module *ct_tanh_new(void) { return ct_module_new(&tanh_ops, NULL); }

@@ -1,0 +1,174 @@
+/*
+ * Batch normalisation over channel dim 1 of [N, C] or [N, C, *spatial]
+ * (PyTorch's BatchNorm1d/2d): weight and bias [C], buffers running_mean,
+ * running_var [C] and num_batches_tracked (a 0-dim F32 here; PyTorch's is
+ * I64 and load_state_dict converts).
+ *
+ * Training normalises with the batch's mean and biased variance and updates
+ * the running stats (unbiased variance, as PyTorch) -- the one piece of
+ * state a forward call writes into its module.  Each forward updates them,
+ * so a checkpoint recompute or every micro-batch counts as a batch, as in
+ * PyTorch.  Eval normalises with the running stats.  The record keeps the
+ * input and the mean and 1/std it used.
+ */
+#include <math.h>
+
+#include "ctrain/nn.h"
+
+typedef struct {
+    int64_t c;
+    float eps, momentum;
+} bn_impl;
+
+static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
+
+/* x [N, C, S...] -> y; saves x, mean [C], rstd [C] and ival[0] = training. */
+static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
+                            const ct_fwd_ctx *ctx)
+{
+    const bn_impl *B = m->impl;
+    char sh[64];
+    if (in->dtype != CT_F32 || in->ndim < 2 || in->shape[1] != B->c)
+        return ct_error(CT_EINVAL, "batchnorm '%s': input %s %s must be F32 [N, %lld, ...]; check "
+                        "the channel count of the previous layer", nm(m), ct_dtype_name(in->dtype),
+                        ct_shape_str(in, sh, sizeof sh), (long long)B->c);
+    int64_t N = in->shape[0], C = B->c, S = 1;
+    for (int i = 2; i < in->ndim; i++) S *= in->shape[i];
+    int64_t cnt = N * S;
+    int training = ctx->training;
+    if (training && cnt < 2)
+        return ct_error(CT_EINVAL, "batchnorm '%s': training needs more than 1 value per channel, "
+                        "input is %s; use a larger batch or eval mode", nm(m),
+                        ct_shape_str(in, sh, sizeof sh));
+    ct_tensor *y = ct_tensor_new(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
+    ct_tensor *mean = ct_tensor_new1(C, CT_MEM_ACT), *rstd = ct_tensor_new1(C, CT_MEM_ACT);
+    if (!y || !mean || !rstd) {
+        ct_tensor_release(y);
+        ct_tensor_release(mean);
+        ct_tensor_release(rstd);
+        return CT_ENOMEM;
+    }
+    const float *x = ct_f32(in), *w = ct_f32(m->params[0]->data), *b = ct_f32(m->params[1]->data);
+    float *rm = ct_f32(m->buffers[0]->data), *rv = ct_f32(m->buffers[1]->data);
+    float *mu = ct_f32(mean), *rs = ct_f32(rstd), *yd = ct_f32(y);
+    for (int64_t c = 0; c < C; c++) {
+        if (training) {
+            double s = 0.0, ss = 0.0;
+            for (int64_t n = 0; n < N; n++) {
+                const float *xc = x + (n * C + c) * S;
+                for (int64_t i = 0; i < S; i++) s += xc[i];
+            }
+            double mc = s / (double)cnt;
+            for (int64_t n = 0; n < N; n++) {
+                const float *xc = x + (n * C + c) * S;
+                for (int64_t i = 0; i < S; i++) ss += (xc[i] - mc) * (xc[i] - mc);
+            }
+            double var = ss / (double)cnt;
+            mu[c] = (float)mc;
+            rs[c] = (float)(1.0 / sqrt(var + (double)B->eps));
+            float mom = B->momentum;
+            rm[c] = (1.0f - mom) * rm[c] + mom * (float)mc;
+            rv[c] = (1.0f - mom) * rv[c] + mom * (float)(var * (double)cnt / (double)(cnt - 1));
+        } else {
+            mu[c] = rm[c];
+            rs[c] = (float)(1.0 / sqrt((double)rv[c] + (double)B->eps));
+        }
+        float a = rs[c] * w[c], sh0 = b[c] - mu[c] * a;
+        for (int64_t n = 0; n < N; n++) {
+            const float *xc = x + (n * C + c) * S;
+            float *yc = yd + (n * C + c) * S;
+            for (int64_t i = 0; i < S; i++) yc[i] = xc[i] * a + sh0;
+        }
+    }
+    if (training) ct_f32(m->buffers[2]->data)[0] += 1.0f;
+    if (rec) {
+        rec->saved[0] = ct_tensor_retain(in);
+        rec->saved[1] = mean;
+        rec->saved[2] = rstd;
+        rec->ival[0] = training;
+    } else {
+        ct_tensor_release(mean);
+        ct_tensor_release(rstd);
+    }
+    *out = y;
+    return CT_OK;
+}
+
+/* Training: dx = w*rstd*(dy - mean(dy) - xhat*mean(dy*xhat)) per channel;
+ * eval (stats are constants): dx = w*rstd*dy.  dw += sum dy*xhat, db += sum dy. */
+static ct_status bn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
+{
+    const bn_impl *B = m->impl;
+    const ct_tensor *xt = rec->saved[0];
+    if (!ct_tensor_same_shape(dout, xt)) {
+        char a[64], b[64];
+        return ct_error(CT_EINVAL, "batchnorm '%s': output gradient %s does not match the output %s",
+                        nm(m), ct_shape_str(dout, a, sizeof a), ct_shape_str(xt, b, sizeof b));
+    }
+    int64_t N = xt->shape[0], C = B->c, S = 1;
+    for (int i = 2; i < xt->ndim; i++) S *= xt->shape[i];
+    double cnt = (double)(N * S);
+    ct_tensor *dx = NULL;
+    if (din && !(dx = ct_tensor_new(CT_F32, xt->ndim, xt->shape, CT_MEM_ACT))) return CT_ENOMEM;
+    const float *x = ct_f32(xt), *dy = ct_f32(dout), *w = ct_f32(m->params[0]->data);
+    const float *mu = ct_f32(rec->saved[1]), *rs = ct_f32(rec->saved[2]);
+    ct_param *Wp = m->params[0], *Bp = m->params[1];
+    float *gw = Wp->requires_grad && Wp->grad ? ct_f32(Wp->grad) : NULL;
+    float *gb = Bp->requires_grad && Bp->grad ? ct_f32(Bp->grad) : NULL;
+    for (int64_t c = 0; c < C; c++) {
+        double sdy = 0.0, sdyx = 0.0; /* sum dy, sum dy*xhat */
+        for (int64_t n = 0; n < N; n++) {
+            const float *xc = x + (n * C + c) * S, *dc = dy + (n * C + c) * S;
+            for (int64_t i = 0; i < S; i++) {
+                sdy += dc[i];
+                sdyx += dc[i] * (xc[i] - mu[c]) * rs[c];
+            }
+        }
+        if (gw) gw[c] += (float)sdyx;
+        if (gb) gb[c] += (float)sdy;
+        if (!dx) continue;
+        float k = w[c] * rs[c];
+        float mdy = rec->ival[0] ? (float)(sdy / cnt) : 0.0f;
+        float mdyx = rec->ival[0] ? (float)(sdyx / cnt) : 0.0f;
+        for (int64_t n = 0; n < N; n++) {
+            const float *xc = x + (n * C + c) * S, *dc = dy + (n * C + c) * S;
+            float *g = ct_f32(dx) + (n * C + c) * S;
+            for (int64_t i = 0; i < S; i++)
+                g[i] = k * (dc[i] - mdy - (xc[i] - mu[c]) * rs[c] * mdyx);
+        }
+    }
+    if (din) *din = dx;
+    return CT_OK;
+}
+
+static void bn_destroy(ct_module *m) { ct_free(m->impl); }
+
+static const ct_module_ops bn_ops = {"batchnorm", bn_forward, bn_backward, bn_destroy};
+
+ct_module *ct_batchnorm_new(int64_t c, float eps, float momentum)
+{
+    if (c <= 0 || !(eps >= 0.0f) || !(momentum >= 0.0f && momentum <= 1.0f)) {
+        ct_error(CT_EINVAL, "batchnorm needs c > 0, eps >= 0 and momentum in [0, 1]; got c=%lld "
+                 "eps=%g momentum=%g", (long long)c, (double)eps, (double)momentum);
+        return NULL;
+    }
+    bn_impl *B = ct_alloc(sizeof *B, CT_MEM_OTHER);
+    if (!B) return NULL;
+    *B = (bn_impl){c, eps, momentum};
+    ct_module *m = ct_module_new(&bn_ops, B);
+    if (!m) {
+        ct_free(B);
+        return NULL;
+    }
+    /* Buffer order is relied on above: running_mean, running_var, num_batches_tracked. */
+    ct_param *w = ct_module_add_param(m, "weight", 1, (int64_t[]){c});
+    if (!w || !ct_module_add_param(m, "bias", 1, (int64_t[]){c}) ||
+        !ct_module_add_buffer(m, "running_mean", 1, (int64_t[]){c}, 0.0f) ||
+        !ct_module_add_buffer(m, "running_var", 1, (int64_t[]){c}, 1.0f) ||
+        !ct_module_add_buffer(m, "num_batches_tracked", 0, NULL, 0.0f)) {
+        ct_module_free(m);
+        return NULL;
+    }
+    ct_tensor_fill(w->data, 1.0f);
+    return m;
+}

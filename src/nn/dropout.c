@@ -1,0 +1,116 @@
+/*
+ * Dropout: in training, zeroes each element with probability p and scales
+ * the kept ones by 1/(1-p); otherwise the identity.  The mask comes from the
+ * counter-based RNG keyed by (run seed, module stream) at counter (step,
+ * micro-batch), so it is a pure function of those four: a recompute in
+ * backward (ct_checkpoint_new) or a restart draws the same mask, and two
+ * micro-batches of one step draw different ones.  The record keeps the mask
+ * as one byte per element.
+ */
+#include "ctrain/nn.h"
+
+typedef struct {
+    float p;
+} drop_impl;
+
+static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
+
+static uint64_t mix64(uint64_t z) /* splitmix64 finaliser */
+{
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* x -> y (same shape); saves the u8 keep-mask in training, nothing otherwise. */
+static ct_status drop_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
+                              const ct_fwd_ctx *ctx)
+{
+    const drop_impl *D = m->impl;
+    if (in->dtype != CT_F32)
+        return ct_error(CT_EINVAL, "dropout '%s': input is %s but the layer takes F32", nm(m),
+                        ct_dtype_name(in->dtype));
+    /* A copy even as the identity: outputs never alias inputs. */
+    if (!ctx->training || D->p == 0.0f) {
+        ct_tensor *y = ct_tensor_clone(in, CT_MEM_ACT);
+        if (!y) return CT_ENOMEM;
+        if (rec) rec->ival[0] = 0; /* no mask: backward passes the gradient through */
+        *out = y;
+        return CT_OK;
+    }
+    ct_tensor *y = ct_tensor_new(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
+    ct_tensor *mask = rec ? ct_tensor_new(CT_U8, in->ndim, in->shape, CT_MEM_ACT) : NULL;
+    if (!y || (rec && !mask)) {
+        ct_tensor_release(y);
+        ct_tensor_release(mask);
+        return CT_ENOMEM;
+    }
+    ct_rng r;
+    ct_rng_init(&r, mix64(ctx->seed + mix64(m->rng_stream)),
+                ((uint64_t)ctx->step << 32) | (uint64_t)ctx->micro);
+    const float *x = ct_f32(in);
+    float *yd = ct_f32(y);
+    uint8_t *mk = mask ? mask->data : NULL;
+    float p = D->p, scale = 1.0f / (1.0f - p);
+    float u[256];
+    for (int64_t i0 = 0; i0 < in->numel; i0 += 256) {
+        int64_t n = in->numel - i0 < 256 ? in->numel - i0 : 256;
+        ct_rng_uniform(&r, u, (size_t)n);
+        for (int64_t j = 0; j < n; j++) {
+            int keep = u[j] >= p;
+            yd[i0 + j] = keep ? x[i0 + j] * scale : 0.0f;
+            if (mk) mk[i0 + j] = (uint8_t)keep;
+        }
+    }
+    if (rec) {
+        rec->saved[0] = mask;
+        rec->ival[0] = 1;
+    }
+    *out = y;
+    return CT_OK;
+}
+
+static ct_status drop_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
+{
+    const drop_impl *D = m->impl;
+    const ct_tensor *mask = rec->ival[0] ? rec->saved[0] : NULL;
+    if (dout->dtype != CT_F32 || (mask && dout->numel != mask->numel)) {
+        char a[64], b[64];
+        return ct_error(CT_EINVAL, "dropout '%s': output gradient %s does not match the output %s",
+                        nm(m), ct_shape_str(dout, a, sizeof a),
+                        mask ? ct_shape_str(mask, b, sizeof b) : "(F32)");
+    }
+    if (!din) return CT_OK;
+    ct_tensor *dx = ct_tensor_new(CT_F32, dout->ndim, dout->shape, CT_MEM_ACT);
+    if (!dx) return CT_ENOMEM;
+    const float *dy = ct_f32(dout);
+    float *g = ct_f32(dx);
+    if (!mask) {
+        for (int64_t i = 0; i < dout->numel; i++) g[i] = dy[i];
+    } else {
+        const uint8_t *mk = mask->data;
+        float scale = 1.0f / (1.0f - D->p);
+        for (int64_t i = 0; i < dout->numel; i++) g[i] = mk[i] ? dy[i] * scale : 0.0f;
+    }
+    *din = dx;
+    return CT_OK;
+}
+
+static void drop_destroy(ct_module *m) { ct_free(m->impl); }
+
+static const ct_module_ops drop_ops = {"dropout", drop_forward, drop_backward, drop_destroy};
+
+ct_module *ct_dropout_new(float p)
+{
+    if (!(p >= 0.0f && p < 1.0f)) {
+        ct_error(CT_EINVAL, "dropout probability %g must be in [0, 1)", (double)p);
+        return NULL;
+    }
+    drop_impl *D = ct_alloc(sizeof *D, CT_MEM_OTHER);
+    if (!D) return NULL;
+    D->p = p;
+    ct_module *m = ct_module_new(&drop_ops, D);
+    if (!m) ct_free(D);
+    return m;
+}

@@ -1,0 +1,102 @@
+/*
+ * Embedding lookup: i32 or i64 indices [...] -> rows of weight [num, dim],
+ * output [..., dim].  Backward scatter-adds into the weight gradient
+ * (repeated indices accumulate); indices have no gradient, so *din is NULL
+ * and an embedding can only be the first layer of a chain.
+ */
+#include <string.h>
+
+#include "ctrain/nn.h"
+
+typedef struct {
+    int64_t num, dim;
+} emb_impl;
+
+static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
+
+static inline int64_t index_at(const ct_tensor *t, int64_t i)
+{
+    return t->dtype == CT_I64 ? ((const int64_t *)t->data)[i] : ((const int32_t *)t->data)[i];
+}
+
+/* idx [...] -> y [..., dim]; saves idx by reference. */
+static ct_status emb_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
+                             const ct_fwd_ctx *ctx)
+{
+    (void)ctx;
+    const emb_impl *E = m->impl;
+    if (in->dtype != CT_I32 && in->dtype != CT_I64)
+        return ct_error(CT_EINVAL, "embedding '%s': input is %s but indices must be I32 or I64",
+                        nm(m), ct_dtype_name(in->dtype));
+    if (in->ndim >= CT_MAX_DIMS)
+        return ct_error(CT_EINVAL, "embedding '%s': input has %d dims; at most %d fit with the "
+                        "embedding dim added", nm(m), in->ndim, CT_MAX_DIMS - 1);
+    for (int64_t i = 0; i < in->numel; i++) {
+        int64_t v = index_at(in, i);
+        if (v < 0 || v >= E->num)
+            return ct_error(CT_EINVAL, "embedding '%s': index %lld at position %lld is outside "
+                            "[0, %lld) (num_embeddings %lld); check the vocabulary size or the data",
+                            nm(m), (long long)v, (long long)i, (long long)E->num, (long long)E->num);
+    }
+    int64_t shape[CT_MAX_DIMS];
+    for (int i = 0; i < in->ndim; i++) shape[i] = in->shape[i];
+    shape[in->ndim] = E->dim;
+    ct_tensor *y = ct_tensor_new(CT_F32, in->ndim + 1, shape, CT_MEM_ACT);
+    if (!y) return CT_ENOMEM;
+    const float *w = ct_f32(m->params[0]->data);
+    float *yd = ct_f32(y);
+    size_t row = (size_t)E->dim * sizeof(float);
+    for (int64_t i = 0; i < in->numel; i++) memcpy(yd + i * E->dim, w + index_at(in, i) * E->dim, row);
+    if (rec) rec->saved[0] = ct_tensor_retain(in);
+    *out = y;
+    return CT_OK;
+}
+
+static ct_status emb_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
+{
+    const emb_impl *E = m->impl;
+    const ct_tensor *idx = rec->saved[0];
+    if (din) *din = NULL;
+    if (dout->dtype != CT_F32 || dout->numel != idx->numel * E->dim) {
+        char a[64];
+        return ct_error(CT_EINVAL, "embedding '%s': output gradient %s does not match %lld "
+                        "indices x dim %lld", nm(m), ct_shape_str(dout, a, sizeof a),
+                        (long long)idx->numel, (long long)E->dim);
+    }
+    ct_param *W = m->params[0];
+    if (!W->requires_grad || !W->grad) return CT_OK;
+    float *gw = ct_f32(W->grad);
+    const float *dy = ct_f32(dout);
+    for (int64_t i = 0; i < idx->numel; i++) {
+        float *g = gw + index_at(idx, i) * E->dim;
+        const float *d = dy + i * E->dim;
+        for (int64_t j = 0; j < E->dim; j++) g[j] += d[j];
+    }
+    return CT_OK;
+}
+
+static void emb_destroy(ct_module *m) { ct_free(m->impl); }
+
+static const ct_module_ops emb_ops = {"embedding", emb_forward, emb_backward, emb_destroy};
+
+ct_module *ct_embedding_new(int64_t num, int64_t dim)
+{
+    if (num <= 0 || dim <= 0) {
+        ct_error(CT_EINVAL, "embedding needs num > 0 and dim > 0, got num=%lld dim=%lld",
+                 (long long)num, (long long)dim);
+        return NULL;
+    }
+    emb_impl *E = ct_alloc(sizeof *E, CT_MEM_OTHER);
+    if (!E) return NULL;
+    *E = (emb_impl){num, dim};
+    ct_module *m = ct_module_new(&emb_ops, E);
+    if (!m) {
+        ct_free(E);
+        return NULL;
+    }
+    if (!ct_module_add_param(m, "weight", 2, (int64_t[]){num, dim})) {
+        ct_module_free(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,61 @@
+/*
+ * Flatten: [N, ...] -> [N, prod(...)], as nn.Flatten() with its defaults.
+ * Output and input gradient are views sharing their argument's data (no
+ * copy); the record keeps only the input's shape, not the input itself, so
+ * flatten never holds an activation alive.
+ */
+#include "ctrain/nn.h"
+
+typedef struct {
+    int ndim;
+    int64_t shape[CT_MAX_DIMS];
+} flat_shape;
+
+static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
+
+static ct_status flat_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
+                              const ct_fwd_ctx *ctx)
+{
+    (void)ctx;
+    if (in->ndim < 1)
+        return ct_error(CT_EINVAL, "flatten '%s': input is a scalar; it needs a batch dim", nm(m));
+    int64_t n = in->shape[0], rest = n ? in->numel / n : 1;
+    if (n == 0)
+        for (int i = 1; i < in->ndim; i++) rest *= in->shape[i];
+    flat_shape *fs = NULL;
+    if (rec) {
+        if (!(fs = ct_alloc(sizeof *fs, CT_MEM_OTHER))) return CT_ENOMEM;
+        fs->ndim = in->ndim;
+        for (int i = 0; i < in->ndim; i++) fs->shape[i] = in->shape[i];
+    }
+    ct_tensor *y = ct_tensor_reshape(in, 2, (int64_t[]){n, rest});
+    if (!y) {
+        ct_free(fs);
+        return CT_ENOMEM;
+    }
+    if (rec) rec->extra = fs;
+    *out = y;
+    return CT_OK;
+}
+
+static ct_status flat_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
+{
+    const flat_shape *fs = rec->extra;
+    int64_t numel = 1;
+    for (int i = 0; i < fs->ndim; i++) numel *= fs->shape[i];
+    if (dout->numel != numel) {
+        char a[64];
+        return ct_error(CT_EINVAL, "flatten '%s': output gradient %s has %lld elements, the output "
+                        "had %lld", nm(m), ct_shape_str(dout, a, sizeof a), (long long)dout->numel,
+                        (long long)numel);
+    }
+    if (!din) return CT_OK;
+    ct_tensor *dx = ct_tensor_reshape(dout, fs->ndim, fs->shape);
+    if (!dx) return CT_ENOMEM;
+    *din = dx;
+    return CT_OK;
+}
+
+static const ct_module_ops flat_ops = {"flatten", flat_forward, flat_backward, NULL};
+
+ct_module *ct_flatten_new(void) { return ct_module_new(&flat_ops, NULL); }

@@ -1,0 +1,199 @@
+/*
+ * Tests of the BLAS layer (src/core/blas.c): ct_sgemm against a naive
+ * double-precision triple loop, and the kernel selection at load time, seen
+ * from outside by running the built ctrain program with different
+ * environments.
+ */
+#include <limits.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "test.h"
+
+static uint64_t lcg_state = 88172645463325252ull;
+
+static float rnd(void)
+{
+    lcg_state = lcg_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(lcg_state >> 40) / (double)(1 << 24) * 2.0 - 1.0);
+}
+
+/* C = alpha*op(A)*op(B) + beta*C, row-major, with op(A) MxK and op(B) KxN;
+ * checks the MxN block of c_got against the naive sum and that the padding
+ * columns of each row (ldc > n) were not touched. */
+static void check_gemm(int ta, int tb, int m, int n, int k, int pad, float alpha, float beta)
+{
+    int arows = ta ? k : m, acols = ta ? m : k, brows = tb ? n : k, bcols = tb ? k : n;
+    int lda = acols + pad, ldb = bcols + pad + 1, ldc = n + pad + 2;
+    float *a = malloc(sizeof(float) * (size_t)arows * lda);
+    float *b = malloc(sizeof(float) * (size_t)brows * ldb);
+    float *c = malloc(sizeof(float) * (size_t)m * ldc);
+    float *c0 = malloc(sizeof(float) * (size_t)m * ldc);
+    ASSERT(a && b && c && c0);
+    /* Padding holds nan: reading it would poison the result. */
+    for (int i = 0; i < arows * lda; i++) a[i] = (i % lda) < acols ? rnd() : NAN;
+    for (int i = 0; i < brows * ldb; i++) b[i] = (i % ldb) < bcols ? rnd() : NAN;
+    for (int i = 0; i < m * ldc; i++) c[i] = c0[i] = (i % ldc) < n ? rnd() : 12345.0f;
+
+    ct_sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+
+    char what[96];
+    snprintf(what, sizeof what, "ta=%d tb=%d m=%d n=%d k=%d lda=%d ldb=%d ldc=%d", ta, tb, m, n, k,
+             lda, ldb, ldc);
+    for (int i = 0; i < m; i++) {
+        for (int j = 0; j < n; j++) {
+            double s = 0, mag = 0;
+            for (int p = 0; p < k; p++) {
+                double x = ta ? a[p * lda + i] : a[i * lda + p];
+                double y = tb ? b[j * ldb + p] : b[p * ldb + j];
+                s += x * y;
+                mag += fabs(x * y);
+            }
+            double want = alpha * s + beta * (double)c0[i * ldc + j];
+            double tol = 1e-5 * (fabs(alpha) * mag + fabs(beta * c0[i * ldc + j])) + 1e-6;
+            double got = c[i * ldc + j];
+            if (!(fabs(got - want) <= tol))
+                ct_test_fail(__FILE__, __LINE__, "%s: C[%d][%d] = %.9g, want %.9g", what, i, j, got, want);
+        }
+        for (int j = n; j < ldc; j++)
+            if (c[i * ldc + j] != 12345.0f)
+                ct_test_fail(__FILE__, __LINE__, "%s: padding C[%d][%d] was written", what, i, j);
+    }
+    free(a);
+    free(b);
+    free(c);
+    free(c0);
+}
+
+TEST(core_sgemm_vs_naive)
+{
+    ct_blas_set_threads(1);
+    ASSERT_EQ(ct_blas_get_threads(), 1);
+    int sizes[][3] = {{1, 1, 1}, {7, 5, 9}, {3, 11, 1}, {13, 1, 7}, {33, 17, 29}, {65, 31, 47}};
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++) {
+                check_gemm(ta, tb, sizes[s][0], sizes[s][1], sizes[s][2], 3, 1.5f, -0.7f);
+                check_gemm(ta, tb, sizes[s][0], sizes[s][1], sizes[s][2], 0, 1.0f, 0.0f);
+                check_gemm(ta, tb, sizes[s][0], sizes[s][1], sizes[s][2], 5, -0.25f, 1.0f);
+            }
+    /* More threads must give the same answers. */
+    ct_blas_set_threads(2);
+    check_gemm(1, 0, 67, 45, 53, 2, 0.5f, 2.0f);
+    ct_blas_set_threads(0); /* clamps to 1 */
+    ASSERT_EQ(ct_blas_get_threads(), 1);
+}
+
+TEST(core_sgemm_degenerate)
+{
+    float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, 0, 0, 1, 1, 1};
+    float c[4] = {1, 2, 3, 4};
+    ct_sgemm(0, 0, 0, 2, 3, 1.0f, a, 3, b, 2, 0.0f, c, 2); /* m = 0: nothing */
+    ct_sgemm(0, 0, 2, 0, 3, 1.0f, a, 3, b, 2, 0.0f, c, 2); /* n = 0: nothing */
+    ASSERT(c[0] == 1 && c[1] == 2 && c[2] == 3 && c[3] == 4);
+    ct_sgemm(0, 0, 2, 2, 0, 1.0f, a, 1, b, 2, 0.5f, c, 2); /* k = 0: C = beta*C */
+    ASSERT(c[0] == 0.5f && c[1] == 1.0f && c[2] == 1.5f && c[3] == 2.0f);
+    /* beta = 0 ignores whatever C held, even nan. */
+    float d[4] = {NAN, NAN, NAN, NAN};
+    ct_sgemm(0, 0, 2, 2, 3, 1.0f, a, 3, b, 2, 0.0f, d, 2);
+    ASSERT(d[0] == 4 && d[1] == 5 && d[2] == 10 && d[3] == 11);
+}
+
+/* ---- kernel selection, seen through `ctrain version` ------------------- */
+
+static void ctrain_path(char *out, size_t n)
+{
+    char self[PATH_MAX];
+    ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+    ASSERT(len > 0);
+    self[len] = 0;
+    char *slash = strrchr(self, '/');
+    ASSERT(slash != NULL);
+    *slash = 0;
+    snprintf(out, n, "%s/../ctrain", self);
+    if (access(out, X_OK))
+        ct_test_fail(__FILE__, __LINE__, "%s is missing: build the ctrain program first "
+                     "(make, or make B=<dir> for that build)", out);
+}
+
+/* Runs `ctrain version` with the given variables set (NULL value: unset);
+ * every ctrain variable not listed is unset, since this process may itself
+ * have been re-executed with some of them.  Returns its output. */
+static const char *run_version(const char *const *vars)
+{
+    static char out[4096];
+    static const char *ours[] = {"OPENBLAS_CORETYPE", "CTRAIN_CORETYPE_AUTO", "CTRAIN_NO_REEXEC",
+                                 "CTRAIN_BLAS_DISTRUST", NULL};
+    char path[PATH_MAX + 16], cmd[PATH_MAX + 64];
+    ctrain_path(path, sizeof path);
+    for (int i = 0; ours[i]; i++) unsetenv(ours[i]);
+    for (int i = 0; vars[i]; i += 2) setenv(vars[i], vars[i + 1], 1);
+    snprintf(cmd, sizeof cmd, "'%s' version 2>&1", path);
+    FILE *p = popen(cmd, "r");
+    ASSERT(p != NULL);
+    size_t n = fread(out, 1, sizeof out - 1, p);
+    out[n] = 0;
+    int st = pclose(p);
+    for (int i = 0; ours[i]; i++) unsetenv(ours[i]);
+    if (st != 0) ct_test_fail(__FILE__, __LINE__, "%s exited with %d:\n%s", cmd, st, out);
+    ASSERT_STR_CONTAINS(out, "ctrain " CT_VERSION);
+    return out;
+}
+
+static int cpu_has_avx512(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512cd");
+}
+
+static int cpu_has_avx2(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+TEST(core_blas_user_coretype_respected)
+{
+    const char *out = run_version((const char *[]){"OPENBLAS_CORETYPE", "Haswell", NULL});
+    ASSERT_STR_CONTAINS(out, "kernel Haswell (user's OPENBLAS_CORETYPE)");
+    /* A marker inherited from a re-executed parent does not make the user's
+     * own choice look like ours. */
+    out = run_version((const char *[]){"OPENBLAS_CORETYPE", "Haswell", "CTRAIN_CORETYPE_AUTO",
+                                       "SkylakeX", NULL});
+    ASSERT_STR_CONTAINS(out, "kernel Haswell (user's OPENBLAS_CORETYPE)");
+    out = run_version((const char *[]){"OPENBLAS_CORETYPE", "Haswell", "CTRAIN_CORETYPE_AUTO", "1", NULL});
+    ASSERT_STR_CONTAINS(out, "kernel Haswell (user's OPENBLAS_CORETYPE)");
+}
+
+TEST(core_blas_reexec_selects_kernel)
+{
+    const char *out = run_version((const char *[]){"CTRAIN_BLAS_DISTRUST", "1", NULL});
+    if (cpu_has_avx512()) ASSERT_STR_CONTAINS(out, "kernel SkylakeX (auto-selected by ctrain)");
+    else if (cpu_has_avx2()) ASSERT_STR_CONTAINS(out, "kernel Haswell (auto-selected by ctrain)");
+    else ASSERT_STR_CONTAINS(out, "(OpenBLAS default)"); /* nothing better to choose */
+
+    /* CTRAIN_NO_REEXEC turns the re-exec off even when distrusting. */
+    out = run_version((const char *[]){"CTRAIN_BLAS_DISTRUST", "1", "CTRAIN_NO_REEXEC", "1", NULL});
+    ASSERT_STR_CONTAINS(out, "(OpenBLAS default)");
+}
+
+TEST(core_blas_default_kernel_not_slow)
+{
+    const char *out = run_version((const char *[]){NULL});
+    const char *k = strstr(out, "kernel ");
+    ASSERT(k != NULL);
+    char name[64] = "";
+    sscanf(k + 7, "%63[^ (]", name);
+    ASSERT(name[0]);
+    if (cpu_has_avx512() && !strcmp(name, "Prescott"))
+        ct_test_fail(__FILE__, __LINE__, "an AVX-512 CPU runs the Prescott kernel:\n%s", out);
+    if (cpu_has_avx2() && !strcmp(name, "Prescott"))
+        ct_test_fail(__FILE__, __LINE__, "an AVX2 CPU runs the Prescott kernel:\n%s", out);
+    /* And in this process too. */
+    const char *here = ct_blas_corename();
+    ASSERT(here != NULL && here[0]);
+    if (cpu_has_avx512() && strcmp(ct_blas_kernel_source(), "user's OPENBLAS_CORETYPE"))
+        ASSERT(strcmp(here, "Prescott"));
+}
