@@ -1,0 +1,130 @@
+/*
+ * Gradient clipping by global L2 norm, as torch.nn.utils.clip_grad_norm_,
+ * split into its parts (sum of squares, coefficient, scaling) so that a
+ * sharded strategy can add up the sums of all ranks before scaling, and
+ * the same parts over an optimizer's slots (its shard).
+ *
+ * Sums of squares are accumulated in double: a float sum over a hundred
+ * million gradients loses the small ones, and ranks add their partial sums
+ * in different orders, so the extra precision keeps strategies agreeing.
+ */
+#include <math.h>
+
+#include "ctrain/optim.h"
+
+/* Four partial sums keep the additions independent, so the loop is not
+ * bound by the latency of one chain of adds. */
+static double sq_sum_f32(const float *x, int64_t n)
+{
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += (double)x[i] * x[i];
+        s1 += (double)x[i + 1] * x[i + 1];
+        s2 += (double)x[i + 2] * x[i + 2];
+        s3 += (double)x[i + 3] * x[i + 3];
+    }
+    for (; i < n; i++) s0 += (double)x[i] * x[i];
+    return (s0 + s1) + (s2 + s3);
+}
+
+static void scale_f32(float *x, int64_t n, float scale)
+{
+    for (int64_t i = 0; i < n; i++) x[i] *= scale;
+}
+
+static double sq_sum_tensor(const ct_tensor *t)
+{
+    switch (t->dtype) {
+    case CT_F32:
+        return sq_sum_f32(t->data, t->numel);
+    case CT_BF16:
+    case CT_F16: {
+        const uint16_t *h = t->data;
+        double s = 0;
+        for (int64_t i = 0; i < t->numel; i++) {
+            double x = t->dtype == CT_BF16 ? ct_bf16_to_f32(h[i]) : ct_f16_to_f32(h[i]);
+            s += x * x;
+        }
+        return s;
+    }
+    default:
+        CT_ASSERT(!"gradients are f32, bf16 or f16");
+        return 0;
+    }
+}
+
+static void scale_tensor(ct_tensor *t, float scale)
+{
+    switch (t->dtype) {
+    case CT_F32:
+        scale_f32(t->data, t->numel, scale);
+        return;
+    case CT_BF16:
+        for (int64_t i = 0; i < t->numel; i++) {
+            uint16_t *h = (uint16_t *)t->data + i;
+            *h = ct_f32_to_bf16(ct_bf16_to_f32(*h) * scale);
+        }
+        return;
+    case CT_F16:
+        for (int64_t i = 0; i < t->numel; i++) {
+            uint16_t *h = (uint16_t *)t->data + i;
+            *h = ct_f32_to_f16(ct_f16_to_f32(*h) * scale);
+        }
+        return;
+    default:
+        CT_ASSERT(!"gradients are f32, bf16 or f16");
+    }
+}
+
+double ct_grad_sq_sum(ct_param **params, int n)
+{
+    double s = 0;
+    for (int i = 0; i < n; i++)
+        if (params[i] && params[i]->grad) s += sq_sum_tensor(params[i]->grad);
+    return s;
+}
+
+float ct_clip_coef(double total_norm, double max_norm)
+{
+    double coef = max_norm / (total_norm + 1e-6);
+    /* NaN (a NaN gradient) compares false: the gradients stay as they are
+     * and the caller sees the NaN norm. */
+    return coef < 1.0 ? (float)coef : 1.0f;
+}
+
+void ct_scale_grads(ct_param **params, int n, float scale)
+{
+    for (int i = 0; i < n; i++)
+        if (params[i] && params[i]->grad) scale_tensor(params[i]->grad, scale);
+}
+
+ct_status ct_clip_grad_norm(ct_param **params, int n, float max_norm, float *norm)
+{
+    if (!(max_norm >= 0))
+        return ct_error(CT_EINVAL, "max_norm %g for gradient clipping is invalid; use a value >= 0 "
+                        "(or no clipping)", (double)max_norm);
+    double total = sqrt(ct_grad_sq_sum(params, n));
+    if (norm) *norm = (float)total;
+    float coef = ct_clip_coef(total, max_norm);
+    if (coef < 1.0f) ct_scale_grads(params, n, coef);
+    return CT_OK;
+}
+
+double ct_optim_grad_sq_sum(ct_optim *opt)
+{
+    double s = 0;
+    for (int i = 0; i < ct_optim_num_slots(opt); i++) {
+        const ct_optim_slot *sl = ct_optim_slot_at(opt, i);
+        if (sl->grad) s += sq_sum_f32(sl->grad, sl->n);
+    }
+    return s;
+}
+
+void ct_optim_scale_grads(ct_optim *opt, float scale)
+{
+    for (int i = 0; i < ct_optim_num_slots(opt); i++) {
+        const ct_optim_slot *sl = ct_optim_slot_at(opt, i);
+        if (sl->grad) scale_f32(sl->grad, sl->n, scale);
+    }
+}

@@ -1,0 +1,375 @@
+/*
+ * The optimizer object: options and their validation, the slot table
+ * (whole parameters that are followed through re-pointing, or explicit flat
+ * ranges), the state slab, stepping and checkpoint access to state.
+ *
+ * State for all slots lives in one CT_MEM_OPTIM slab, sized at creation and
+ * allocated on first need (a step or a ct_optim_state call), so an
+ * optimizer that is created but never stepped costs nothing and a failed
+ * allocation leaves no half-initialised state behind.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "ctrain/optim.h"
+
+typedef struct {
+    ct_optim_slot s;
+    ct_param *param;  /* followed parameter, or NULL for an explicit range */
+    char *name;       /* our copy of the name for explicit ranges */
+    size_t state_off; /* floats from the slab start to this slot's first buffer */
+    int64_t step;     /* PyTorch's per-parameter step */
+} slot_t;
+
+struct ct_optim {
+    ct_optim_opts o;
+    slot_t *slots;
+    int nslots;
+    int64_t step;
+    int nbufs;        /* state buffers per slot */
+    size_t slab_len;  /* floats */
+    float *slab;      /* NULL until first needed */
+};
+
+/* ---- options ----------------------------------------------------------- */
+
+ct_optim_opts ct_optim_defaults(ct_optim_kind kind)
+{
+    ct_optim_opts o = {
+        .kind = kind,
+        .lr = kind == CT_OPT_ADAMW ? 1e-3 : 0.01,
+        .weight_decay = kind == CT_OPT_ADAMW ? 0.01 : 0.0,
+        .momentum = 0.0,
+        .dampening = 0.0,
+        .nesterov = 0,
+        .beta1 = 0.9,
+        .beta2 = 0.999,
+        .eps = 1e-8,
+    };
+    return o;
+}
+
+/* !(x >= 0) also catches NaN. */
+static ct_status check_nonneg(double x, const char *what)
+{
+    if (!(x >= 0) || isinf(x))
+        return ct_error(CT_EINVAL, "optimizer %s %g is invalid; use a finite value >= 0", what, x);
+    return CT_OK;
+}
+
+static ct_status check_beta(double b, int which)
+{
+    if (!(b >= 0 && b < 1))
+        return ct_error(CT_EINVAL, "AdamW beta%d %g is outside [0, 1); typical values are 0.9 and 0.999",
+                        which, b);
+    return CT_OK;
+}
+
+ct_status ct_optim_validate(const ct_optim_opts *o)
+{
+    CT_ASSERT(o);
+    CT_TRY(check_nonneg(o->lr, "lr"));
+    CT_TRY(check_nonneg(o->weight_decay, "weight_decay"));
+    switch (o->kind) {
+    case CT_OPT_SGD:
+        CT_TRY(check_nonneg(o->momentum, "momentum"));
+        if (!isfinite(o->dampening))
+            return ct_error(CT_EINVAL, "SGD dampening %g is not finite; use a value in [0, 1]", o->dampening);
+        if (o->nesterov && (o->momentum <= 0 || o->dampening != 0))
+            return ct_error(CT_EINVAL,
+                            "SGD nesterov needs momentum > 0 and dampening 0 (got momentum %g, dampening %g)",
+                            o->momentum, o->dampening);
+        return CT_OK;
+    case CT_OPT_ADAMW:
+        CT_TRY(check_beta(o->beta1, 1));
+        CT_TRY(check_beta(o->beta2, 2));
+        CT_TRY(check_nonneg(o->eps, "eps"));
+        return CT_OK;
+    }
+    return ct_error(CT_EINVAL, "optimizer kind %d is unknown; use CT_OPT_SGD or CT_OPT_ADAMW", (int)o->kind);
+}
+
+static const char *kind_names[] = {"sgd", "adamw"};
+
+int ct_optim_parse(const char *name, ct_optim_kind *kind)
+{
+    for (int i = 0; i < 2; i++)
+        if (name && !strcmp(name, kind_names[i])) { *kind = (ct_optim_kind)i; return 0; }
+    return -1;
+}
+
+const char *ct_optim_name(const ct_optim *opt) { return kind_names[opt->o.kind]; }
+
+/* ---- slots ------------------------------------------------------------- */
+
+static int state_bufs(const ct_optim_opts *o)
+{
+    if (o->kind == CT_OPT_ADAMW) return 2;
+    return o->momentum != 0 ? 1 : 0;
+}
+
+/* Re-reads a followed parameter's data, grad and name.  Fails if it no
+ * longer matches what the state was sized for. */
+static ct_status refresh(slot_t *sl)
+{
+    ct_param *p = sl->param;
+    if (!p) return CT_OK;
+    sl->s.name = p->name ? p->name : "";
+    if (!p->data || p->data->dtype != CT_F32 || p->data->numel != sl->s.n)
+        return ct_error(CT_ESTATE,
+                        "parameter %s is no longer an f32 tensor of %lld elements as when the "
+                        "optimizer was created; create the optimizer after re-pointing parameters",
+                        p->name ? p->name : "?", (long long)sl->s.n);
+    if (p->grad && (p->grad->dtype != CT_F32 || p->grad->numel != sl->s.n))
+        return ct_error(CT_ESTATE, "gradient of parameter %s is %s with %lld elements; the optimizer needs f32 with %lld",
+                        p->name ? p->name : "?", ct_dtype_name(p->grad->dtype),
+                        (long long)p->grad->numel, (long long)sl->s.n);
+    sl->s.data = p->data->data;
+    sl->s.grad = p->grad ? p->grad->data : NULL;
+    return CT_OK;
+}
+
+/* Sizes the state slab: each slot's buffers start on a 64-byte boundary so
+ * the update loops see aligned data. */
+static ct_status layout_state(ct_optim *opt)
+{
+    opt->nbufs = state_bufs(&opt->o);
+    size_t off = 0;
+    for (int i = 0; i < opt->nslots; i++) {
+        size_t n = (size_t)opt->slots[i].s.n;
+        size_t padded = (n + 15) & ~(size_t)15;
+        opt->slots[i].state_off = off;
+        size_t add = padded * (size_t)opt->nbufs;
+        if (padded < n || (opt->nbufs && add / (size_t)opt->nbufs != padded) || off + add < off)
+            return ct_error(CT_EINVAL, "optimizer state for %d slots overflows the address space", opt->nslots);
+        off += add;
+    }
+    opt->slab_len = off;
+    return CT_OK;
+}
+
+static ct_optim *optim_new(const ct_optim_opts *o, int nslots)
+{
+    if (!o) {
+        ct_error(CT_EINVAL, "optimizer options are NULL; start from ct_optim_defaults()");
+        return NULL;
+    }
+    if (ct_optim_validate(o) != CT_OK) return NULL;
+    if (nslots < 0) {
+        ct_error(CT_EINVAL, "optimizer got %d slots; the count must be >= 0", nslots);
+        return NULL;
+    }
+    ct_optim *opt = ct_alloc(sizeof *opt, CT_MEM_OPTIM);
+    if (!opt) return NULL;
+    opt->o = *o;
+    if (nslots > 0) {
+        opt->slots = ct_alloc(sizeof *opt->slots * (size_t)nslots, CT_MEM_OPTIM);
+        if (!opt->slots) {
+            ct_free(opt);
+            return NULL;
+        }
+    }
+    return opt;
+}
+
+ct_optim *ct_optim_create(const ct_optim_opts *o, ct_param **params, int n)
+{
+    if (n < 0 || (n > 0 && !params)) {
+        ct_error(CT_EINVAL, "ct_optim_create got %d parameters%s", n, params ? "" : " and a NULL list");
+        return NULL;
+    }
+    int count = 0;
+    for (int i = 0; i < n; i++) {
+        ct_param *p = params[i];
+        if (!p) {
+            ct_error(CT_EINVAL, "parameter %d of %d is NULL", i, n);
+            return NULL;
+        }
+        if (!p->requires_grad) continue;
+        if (!p->data) {
+            ct_error(CT_EINVAL, "parameter %s has no data tensor", p->name ? p->name : "?");
+            return NULL;
+        }
+        if (p->data->dtype != CT_F32) {
+            ct_error(CT_EUNSUPPORTED, "parameter %s is %s; the optimizer steps f32 (master) weights",
+                     p->name ? p->name : "?", ct_dtype_name(p->data->dtype));
+            return NULL;
+        }
+        /* Listed twice, it would be stepped twice (PyTorch refuses too). */
+        for (int j = 0; j < i; j++)
+            if (params[j] == p) {
+                ct_error(CT_EINVAL, "parameter %s appears twice in the optimizer's list (at %d and %d)",
+                         p->name ? p->name : "?", j, i);
+                return NULL;
+            }
+        count++;
+    }
+    ct_optim *opt = optim_new(o, count);
+    if (!opt) return NULL;
+    for (int i = 0; i < n; i++) {
+        if (!params[i]->requires_grad) continue;
+        slot_t *sl = &opt->slots[opt->nslots++];
+        sl->param = params[i];
+        sl->s.n = params[i]->data->numel;
+        if (refresh(sl) != CT_OK) goto out_destroy;
+    }
+    if (layout_state(opt) != CT_OK) goto out_destroy;
+    return opt;
+
+out_destroy:
+    ct_optim_destroy(opt);
+    return NULL;
+}
+
+ct_optim *ct_optim_create_slots(const ct_optim_opts *o, const ct_optim_slot *slots, int n)
+{
+    if (n < 0 || (n > 0 && !slots)) {
+        ct_error(CT_EINVAL, "ct_optim_create_slots got %d slots%s", n, slots ? "" : " and a NULL table");
+        return NULL;
+    }
+    for (int i = 0; i < n; i++) {
+        const ct_optim_slot *s = &slots[i];
+        if (s->n < 0 || s->offset < 0 || (s->n > 0 && !s->data)) {
+            ct_error(CT_EINVAL, "slot %d (%s) has n %lld, offset %lld, data %s; need n >= 0, offset >= 0 and data",
+                     i, s->name ? s->name : "unnamed", (long long)s->n, (long long)s->offset,
+                     s->data ? "set" : "NULL");
+            return NULL;
+        }
+    }
+    ct_optim *opt = optim_new(o, n);
+    if (!opt) return NULL;
+    for (int i = 0; i < n; i++) {
+        slot_t *sl = &opt->slots[opt->nslots++];
+        sl->s = slots[i];
+        char tmp[32];
+        const char *nm = slots[i].name;
+        if (!nm) {
+            snprintf(tmp, sizeof tmp, "slot%d", i);
+            nm = tmp;
+        }
+        size_t len = strlen(nm) + 1;
+        sl->name = ct_alloc(len, CT_MEM_OPTIM);
+        if (!sl->name) goto out_destroy;
+        memcpy(sl->name, nm, len);
+        sl->s.name = sl->name;
+    }
+    if (layout_state(opt) != CT_OK) goto out_destroy;
+    return opt;
+
+out_destroy:
+    ct_optim_destroy(opt);
+    return NULL;
+}
+
+void ct_optim_destroy(ct_optim *opt)
+{
+    if (!opt) return;
+    for (int i = 0; i < opt->nslots; i++) ct_free(opt->slots[i].name);
+    ct_free(opt->slots);
+    ct_free(opt->slab);
+    ct_free(opt);
+}
+
+void ct_optim_set_slot(ct_optim *opt, int i, float *data, float *grad)
+{
+    CT_ASSERT(opt && i >= 0 && i < opt->nslots);
+    slot_t *sl = &opt->slots[i];
+    CT_ASSERT(data || sl->s.n == 0);
+    if (sl->param) {
+        /* The parameter's name may be freed by a later renaming; keep a copy. */
+        (void)refresh(sl);
+        size_t len = strlen(sl->s.name) + 1;
+        char *nm = ct_alloc(len, CT_MEM_OPTIM);
+        if (nm) {
+            memcpy(nm, sl->s.name, len);
+            sl->name = nm;
+        }
+        sl->s.name = sl->name ? sl->name : "";
+        sl->param = NULL;
+    }
+    sl->s.data = data;
+    sl->s.grad = grad;
+}
+
+int ct_optim_num_slots(const ct_optim *opt) { return opt->nslots; }
+
+const ct_optim_slot *ct_optim_slot_at(const ct_optim *opt, int i)
+{
+    CT_ASSERT(opt && i >= 0 && i < opt->nslots);
+    /* Best effort: a parameter that no longer fits keeps its last pointers
+     * here; ct_optim_step reports the mismatch. */
+    (void)refresh(&opt->slots[i]);
+    return &opt->slots[i].s;
+}
+
+void ct_optim_set_lr(ct_optim *opt, double lr) { opt->o.lr = lr; }
+double ct_optim_get_lr(const ct_optim *opt) { return opt->o.lr; }
+const ct_optim_opts *ct_optim_get_opts(const ct_optim *opt) { return &opt->o; }
+int64_t ct_optim_get_step(const ct_optim *opt) { return opt->step; }
+
+void ct_optim_set_step(ct_optim *opt, int64_t step)
+{
+    CT_ASSERT(opt && step >= 0);
+    opt->step = step;
+    for (int i = 0; i < opt->nslots; i++) opt->slots[i].step = step;
+}
+
+/* ---- state and stepping ------------------------------------------------ */
+
+/* At least 16 floats, so that empty slots still get non-NULL buffers. */
+static ct_status ensure_state(ct_optim *opt)
+{
+    if (opt->slab || opt->nbufs == 0) return CT_OK;
+    if (opt->slab_len > SIZE_MAX / sizeof(float))
+        return ct_error(CT_ENOMEM, "optimizer state of %zu floats is too large", opt->slab_len);
+    size_t len = opt->slab_len > 16 ? opt->slab_len : 16;
+    opt->slab = ct_alloc(len * sizeof(float), CT_MEM_OPTIM);
+    return opt->slab ? CT_OK : CT_ENOMEM;
+}
+
+static float *slot_buf(const ct_optim *opt, const slot_t *sl, int b)
+{
+    size_t padded = ((size_t)sl->s.n + 15) & ~(size_t)15;
+    return opt->slab + sl->state_off + (size_t)b * padded;
+}
+
+int ct_optim_state(ct_optim *opt, int i, float **bufs, const char **names)
+{
+    static const char *sgd_names[] = {"momentum_buffer"};
+    static const char *adamw_names[] = {"exp_avg", "exp_avg_sq"};
+    CT_ASSERT(opt && i >= 0 && i < opt->nslots);
+    if (opt->nbufs == 0) return 0;
+    CT_TRY(ensure_state(opt));
+    const char **nm = opt->o.kind == CT_OPT_ADAMW ? adamw_names : sgd_names;
+    for (int b = 0; b < opt->nbufs; b++) {
+        if (bufs) bufs[b] = slot_buf(opt, &opt->slots[i], b);
+        if (names) names[b] = nm[b];
+    }
+    return opt->nbufs;
+}
+
+ct_status ct_optim_step(ct_optim *opt)
+{
+    CT_ASSERT(opt);
+    /* The learning rate may have been changed by a schedule since creation. */
+    CT_TRY(ct_optim_validate(&opt->o));
+    for (int i = 0; i < opt->nslots; i++) CT_TRY(refresh(&opt->slots[i]));
+    CT_TRY(ensure_state(opt));
+
+    for (int i = 0; i < opt->nslots; i++) {
+        slot_t *sl = &opt->slots[i];
+        if (!sl->s.grad) continue;
+        int64_t n = sl->s.n;
+        if (opt->o.kind == CT_OPT_ADAMW) {
+            ct_adamw_update(sl->s.data, sl->s.grad, slot_buf(opt, sl, 0), slot_buf(opt, sl, 1), n,
+                            &opt->o, sl->step + 1);
+        } else {
+            ct_sgd_update(sl->s.data, sl->s.grad, opt->nbufs ? slot_buf(opt, sl, 0) : NULL, n,
+                          &opt->o, sl->step == 0);
+        }
+        sl->step++;
+    }
+    opt->step++;
+    return CT_OK;
+}
