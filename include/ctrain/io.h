@@ -1,0 +1,128 @@
+/*
+ * ctrain io: what goes in and out of files.  safetensors checkpoints (read
+ * and atomic write, PyTorch-compatible names and layouts), IDX image data
+ * sets such as Fashion-MNIST, and the deterministic sampler that gives each
+ * rank its slice of every global batch.  This room uses src/core only.
+ *
+ * Ownership: ct_dataset is caller-owned (ct_dataset_deinit frees its
+ * tensors); ct_sampler is caller-owned (ct_sampler_deinit); ct_safetensors
+ * is a heap handle (ct_safetensors_free) that owns the tensors it hands out.
+ */
+#ifndef CTRAIN_IO_H
+#define CTRAIN_IO_H
+
+#include "tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- image data sets (IDX) --------------------------------------------- */
+
+/* Images and labels held in memory; the struct is the caller's. */
+typedef struct {
+    ct_tensor *images; /* f32 [n, 1, rows, cols], (pixel/255 - mean)/std */
+    ct_tensor *labels; /* i32 [n], each in [0, nclasses) */
+    int64_t n, rows, cols;
+    int nclasses;
+} ct_dataset;
+
+#define CT_FASHION_MNIST_DIR "/usr/share/datasets/fashion-mnist"
+#define CT_FASHION_MNIST_MEAN 0.2860f
+#define CT_FASHION_MNIST_STD 0.3530f
+
+/* Loads an IDX image file (u8, 3 dims) and its IDX label file (u8, 1 dim),
+ * gzip'd or plain, into *out.  Every label must be < nclasses.  On failure
+ * *out is left empty and the message names the file and the problem. */
+ct_status ct_idx_load(const char *images_path, const char *labels_path, int nclasses,
+                      float mean, float std, ct_dataset *out);
+/* Loads Fashion-MNIST's training (train != 0, 60000 images) or test set
+ * (10000) from dir (NULL: CT_FASHION_MNIST_DIR), normalised with the
+ * training set's mean and std.  Accepts the .gz files or unpacked ones. */
+ct_status ct_fashion_mnist_load(const char *dir, int train, ct_dataset *out);
+/* Fashion-MNIST class name ("T-shirt/top", ...); "?" outside [0, 10). */
+const char *ct_fashion_mnist_class(int label);
+/* Releases the tensors and zeroes *d; safe on a zeroed or deinited struct. */
+void ct_dataset_deinit(ct_dataset *d);
+/* New batch of the count samples idx[0..count): *x f32 [count, 1, rows, cols]
+ * and *y i32 [count], both under CT_MEM_ACT; the caller releases them. */
+ct_status ct_dataset_gather(const ct_dataset *ds, const int64_t *idx, int64_t count,
+                            ct_tensor **x, ct_tensor **y);
+
+/* ---- deterministic data-parallel sampler ------------------------------- */
+
+/* The order of an epoch is a permutation of [0, n) that depends only on
+ * (seed, epoch), so every rank and every run computes the same one.  Global
+ * batch b is perm[b*batch .. b*batch + batch); rank r of world W takes a
+ * contiguous slice of it (sizes differ by at most one), so the samples of a
+ * step and their order are the same for any world size. */
+typedef struct {
+    int64_t n;        /* samples in the data set */
+    int64_t batch;    /* global batch size */
+    uint64_t seed;
+    int shuffle;      /* 0: identity order */
+    int drop_last;    /* 1: a short last batch is skipped */
+    int64_t epoch;    /* epoch of perm */
+    int64_t *perm;    /* [n], the current epoch's order */
+} ct_sampler;
+
+/* Sets up a sampler at epoch 0. */
+ct_status ct_sampler_init(ct_sampler *s, int64_t n, int64_t batch, uint64_t seed,
+                          int shuffle, int drop_last);
+/* Frees the permutation; safe on a zeroed or deinited struct. */
+void ct_sampler_deinit(ct_sampler *s);
+/* Computes the order of epoch (>= 0). */
+ct_status ct_sampler_set_epoch(ct_sampler *s, int64_t epoch);
+/* Global batches in an epoch. */
+int64_t ct_sampler_nbatches(const ct_sampler *s);
+/* Samples in global batch b (batch, or fewer for a short last batch); 0 if b is out of range. */
+int64_t ct_sampler_batch_size(const ct_sampler *s, int64_t b);
+/* Writes rank's slice of global batch b into idx (room for ceil(batch/world)
+ * entries; batch entries always suffice) and its length into *count, which is
+ * 0 when the batch has fewer samples than the world has ranks. */
+ct_status ct_sampler_batch(const ct_sampler *s, int64_t b, int rank, int world,
+                           int64_t *idx, int64_t *count);
+
+/* ---- safetensors ------------------------------------------------------- */
+
+/* A loaded safetensors file: tensors sorted by name, plus string metadata. */
+typedef struct ct_safetensors ct_safetensors;
+
+/* Writes the n tensors under their names and nmeta string pairs of metadata
+ * to path atomically (path.tmp.<pid>, fsync, rename, fsync of the
+ * directory): a crash leaves the old file or the new one, never a mix.
+ * Names must be unique, valid UTF-8 and not "__metadata__"; metadata keys
+ * unique and valid UTF-8.  Tensors are laid out by element size then name,
+ * as the Python library does, so every tensor is aligned in the file. */
+ct_status ct_safetensors_save(const char *path, const char *const *names,
+                              ct_tensor *const *tensors, int n,
+                              const char *const *meta_keys, const char *const *meta_vals,
+                              int nmeta);
+/* Reads and validates path (header, dtypes, shapes, offsets, sizes) and
+ * every tensor's data into memory of its own (CT_MEM_OTHER).  *out is NULL
+ * on failure, and the message names the file and the tensor or field. */
+ct_status ct_safetensors_load(const char *path, ct_safetensors **out);
+/* Same as ct_safetensors_load for a file already in memory (say, read once
+ * and broadcast to every rank); name stands for the file in messages. */
+ct_status ct_safetensors_load_mem(const void *data, size_t len, const char *name, ct_safetensors **out);
+/* Frees the file object and its tensors (retain a tensor to keep it); NULL is a no-op. */
+void ct_safetensors_free(ct_safetensors *st);
+/* Number of tensors. */
+int ct_safetensors_count(const ct_safetensors *st);
+/* Name of tensor i (0 <= i < count), in sorted order. */
+const char *ct_safetensors_name(const ct_safetensors *st, int i);
+/* Tensor i, owned by st. */
+ct_tensor *ct_safetensors_tensor(const ct_safetensors *st, int i);
+/* Tensor called name, owned by st; NULL if absent. */
+ct_tensor *ct_safetensors_find(const ct_safetensors *st, const char *name);
+/* Metadata value for key; NULL if absent. */
+const char *ct_safetensors_meta(const ct_safetensors *st, const char *key);
+/* Number of metadata entries, and entry i's key and value (sorted by key). */
+int ct_safetensors_meta_count(const ct_safetensors *st);
+const char *ct_safetensors_meta_key(const ct_safetensors *st, int i);
+const char *ct_safetensors_meta_value(const ct_safetensors *st, int i);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,61 @@
+/* Helpers shared inside src/io: a strict JSON parser for safetensors headers,
+ * UTF-8 validation and a growable byte buffer. */
+#ifndef CTRAIN_IO_INTERNAL_H
+#define CTRAIN_IO_INTERNAL_H
+
+#include "ctrain/io.h"
+
+/* ---- JSON -------------------------------------------------------------- */
+
+typedef enum { CT__JNULL, CT__JBOOL, CT__JINT, CT__JSTR, CT__JARR, CT__JOBJ } ct__jkind;
+
+/* One JSON value.  Children of arrays and objects are linked by index, so
+ * the node array can grow while parsing. */
+typedef struct {
+    ct__jkind kind;
+    int32_t first;      /* ARR/OBJ: first child, -1 if empty */
+    int32_t next;       /* next sibling, -1 at the end */
+    int32_t count;      /* ARR/OBJ: number of children */
+    int64_t ival;       /* INT value; BOOL 0 or 1 */
+    const char *str;    /* STR: decoded, NUL-terminated */
+    size_t len;         /* STR: bytes (a \u0000 escape makes len > strlen) */
+    const char *key;    /* member of an OBJ: decoded key, NUL-terminated */
+    size_t keylen;
+    size_t pos;         /* byte offset in the text, for messages */
+} ct__json;
+
+/* A parsed document; node 0 is the root. */
+typedef struct {
+    ct__json *nodes;
+    int32_t n, cap;
+    char *strs;         /* decoded strings, sized so it never moves */
+    size_t strs_used;
+} ct__json_doc;
+
+/* Parses text[0..len) as one JSON value: objects, arrays, strings (all
+ * escapes, \uXXXX with surrogate pairs, UTF-8 checked), integers that fit
+ * int64, true, false, null.  Fractions and exponents are rejected.  Errors
+ * read "<what>: header JSON: <problem> at byte <n>". */
+ct_status ct__json_parse(const char *text, size_t len, const char *what, ct__json_doc *doc);
+void ct__json_free(ct__json_doc *doc);
+
+/* Offset of the first byte that is not valid UTF-8 (overlongs, surrogates
+ * and code points past U+10FFFF are invalid), or n if all is valid. */
+size_t ct__utf8_check(const char *s, size_t n);
+
+/* ---- growable byte buffer ---------------------------------------------- */
+
+typedef struct {
+    char *p;
+    size_t len, cap;
+    int failed;         /* an allocation failed; later appends do nothing */
+} ct__buf;
+
+void ct__buf_put(ct__buf *b, const void *data, size_t n);
+void ct__buf_puts(ct__buf *b, const char *s);
+void ct__buf_printf(ct__buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Appends s[0..n) as a JSON string literal with quotes and escapes. */
+void ct__buf_json_str(ct__buf *b, const char *s, size_t n);
+void ct__buf_free(ct__buf *b);
+
+#endif
