@@ -140,8 +140,7 @@ static ct_status build_buckets(ct_strategy *s, const int *order)
     free_buckets(d);
     d->b = nbk;
     d->nb = nb;
-    s->stats.nbuckets = nb;
-    ct__strategy_repoint_optim(s);
+    s->stats.nbuckets = nb; /* the optimizer's slots follow p->grad by themselves */
 out:
     ct_free(bytes);
     ct_free(keys);
@@ -217,13 +216,13 @@ static ct_status ran_hook(ct_module *m, ct_hook_kind kind, void *ud)
 static ct_status check_same_model(ct_strategy *s)
 {
     ddp_t *d = D(s);
-    uint64_t h = 1469598103934665603ull;
+    /* A hash chain over (name, requires_grad, shape) of every parameter. */
+    uint64_t h = 0;
     for (int i = 0; i < s->nparams; i++) {
         ct_param *p = s->params[i];
-        h ^= ct_hash64(p->name, strlen(p->name)) + (uint64_t)p->requires_grad;
-        h *= 1099511628211ull;
-        h ^= ct_hash64(p->data->shape, sizeof(int64_t) * (size_t)p->data->ndim);
-        h *= 1099511628211ull;
+        uint64_t part[3] = {h, ct_hash64(p->name, strlen(p->name)) + (uint64_t)p->requires_grad,
+                            ct_hash64(p->data->shape, sizeof(int64_t) * (size_t)p->data->ndim)};
+        h = ct_hash64(part, sizeof part);
     }
     int size = ct_group_size(s->g), rank = ct_group_rank(s->g);
     int64_t mine[2] = {(int64_t)(h >> 1), (int64_t)d->ntp};
@@ -344,7 +343,6 @@ static void ddp_fini(ct_strategy *s)
     ct_free(d->ran);
     ct_free(d);
     s->priv = NULL;
-    ct__strategy_repoint_optim(s);
 }
 
 static ct_status ddp_pre_forward(ct_strategy *s)

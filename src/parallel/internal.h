@@ -33,8 +33,4 @@ struct ct_strategy {
 
 extern const ct__strategy_ops ct__ddp_ops;
 
-/* Points the optimizer's slots at the parameters' current data and gradient
- * storage (after a strategy re-points them). */
-void ct__strategy_repoint_optim(ct_strategy *s);
-
 #endif

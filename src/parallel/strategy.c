@@ -197,16 +197,6 @@ static ct_param *slot_param(ct_strategy *s, const ct_optim_slot *sl)
     return NULL;
 }
 
-void ct__strategy_repoint_optim(ct_strategy *s)
-{
-    for (int i = 0; i < ct_optim_num_slots(s->opt); i++) {
-        const ct_optim_slot *sl = ct_optim_slot_at(s->opt, i);
-        ct_param *p = slot_param(s, sl);
-        if (p && p->grad)
-            ct_optim_set_slot(s->opt, i, ct_f32(p->data) + sl->offset, ct_f32(p->grad) + sl->offset);
-    }
-}
-
 ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out)
 {
     memset(out, 0, sizeof *out);
@@ -218,6 +208,10 @@ ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out)
         float *bufs[2];
         const char *names[2];
         int nb = ct_optim_state(s->opt, i, bufs, names);
+        if (nb < 0) {
+            st = nb;
+            break;
+        }
         if (!p || sl->offset != 0 || sl->n != p->data->numel)
             st = ct_error(CT_EUNSUPPORTED, "optimizer slot %d ('%s') is not a whole parameter of the model",
                           i, sl->name ? sl->name : "?");
@@ -301,6 +295,7 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
         float *bufs[2];
         const char *bn[2];
         int nb = ct_optim_state(s->opt, k, bufs, bn);
+        if (nb < 0) return nb;
         for (int b = 0; b < nb; b++) {
             snprintf(name, sizeof name, "%s.%s", sl->name, bn[b]);
             const ct_tensor *src = NULL;
