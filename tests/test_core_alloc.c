@@ -4,6 +4,7 @@
  * injection, including tensors built under an injected failure.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "test.h"
 
@@ -206,4 +207,29 @@ TEST(core_alloc_fault_injection_tensors)
     ct_tensor_release(t);
     s1 = take();
     for (int k = 0; k < CT_MEM_NCAT; k++) ASSERT_EQ(s1.cur[k], s0.cur[k]);
+}
+
+/* Large blocks come back from the cache zeroed and are not counted while cached. */
+TEST(core_alloc_cache_reuses_large_blocks)
+{
+    ct_mem_trim();
+    size_t base = ct_mem_current(CT_MEM_ACT);
+    unsigned char *a = ct_alloc(1 << 20, CT_MEM_ACT);
+    ASSERT(a);
+    memset(a, 0xAB, 1 << 20);
+    ct_free(a);
+    ASSERT_EQ(ct_mem_current(CT_MEM_ACT), base);
+#if !defined(__SANITIZE_ADDRESS__)
+    if (!getenv("CTRAIN_ALLOC_CACHE_MB")) {
+        ASSERT(ct_mem_cached() >= (1u << 20));
+        unsigned char *b = ct_alloc(1 << 20, CT_MEM_GRAD);
+        ASSERT(b == a); /* same block, handed out again */
+        for (size_t i = 0; i < (1u << 20); i += 4093) ASSERT_EQ(b[i], 0);
+        ASSERT_EQ(ct_alloc_size(b), 1 << 20);
+        ASSERT_EQ(ct_mem_current(CT_MEM_GRAD) >= (1u << 20), 1);
+        ct_free(b);
+    }
+#endif
+    ct_mem_trim();
+    ASSERT_EQ(ct_mem_cached(), 0);
 }

@@ -97,6 +97,10 @@ size_t ct_mem_peak_total(void);
 void ct_mem_reset_peak(void);
 /* "param", "grad", "optim", "act", "comm", "other". */
 const char *ct_mem_cat_name(ct_mem_cat cat);
+/* Bytes of freed large blocks kept for reuse (not counted as in use). */
+size_t ct_mem_cached(void);
+/* Returns every cached block to the system. */
+void ct_mem_trim(void);
 /* Fault injection: the n-th ct_alloc from now (0 = the next one) fails; -1 turns it off. */
 void ct_mem_fail_after(long n);
 
