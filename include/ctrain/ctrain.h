@@ -12,5 +12,6 @@
 #include "comm.h"
 #include "parallel.h"
 #include "io.h"
+#include "models.h"
 
 #endif

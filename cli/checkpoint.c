@@ -1,0 +1,97 @@
+/*
+ * Checkpoints as the program writes them: the model state in CKPT (it
+ * loads into the PyTorch nn.Sequential as its state_dict, and its metadata
+ * rebuilds the model), and the optimizer state with the training position
+ * in a sidecar "<CKPT without .safetensors>.optim.safetensors".  Both are
+ * written atomically by ct_safetensors_save.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+void cli_sidecar_path(const char *path, char *buf, size_t n)
+{
+    static const char ext[] = ".safetensors";
+    size_t len = strlen(path), el = sizeof ext - 1;
+    if (len > el && !strcmp(path + len - el, ext))
+        snprintf(buf, n, "%.*s.optim%s", (int)(len - el), path, ext);
+    else
+        snprintf(buf, n, "%s.optim%s", path, ext);
+}
+
+ct_status cli_load_file(const char *path, const char *what, ct_safetensors **out)
+{
+    ct_status st = ct_safetensors_load(path, out);
+    if (st == CT_OK) return CT_OK;
+    char why[512];
+    snprintf(why, sizeof why, "%s", ct_last_error());
+    return ct_error(st, "cannot read %s: %s", what, why);
+}
+
+ct_status cli_file_meta(const ct_safetensors *st, ct_meta *m)
+{
+    memset(m, 0, sizeof *m);
+    for (int i = 0; i < ct_safetensors_meta_count(st); i++) {
+        const char *k = ct_safetensors_meta_key(st, i), *v = ct_safetensors_meta_value(st, i);
+        /* Other tools' long entries are not ours to keep; ctrain's must fit. */
+        if (ct_meta_set(m, k, "%s", v) != CT_OK && !strncmp(k, "ctrain.", 7)) return CT_EFORMAT;
+    }
+    ct_clear_error();
+    return CT_OK;
+}
+
+ct_status cli_meta_int(const ct_meta *m, const char *file, const char *key, int64_t *v)
+{
+    const char *s = ct_meta_get(m, key);
+    if (!s) return ct_error(CT_EFORMAT, "%s has no metadata '%s'; was it written by 'ctrain train'?", file, key);
+    char *end;
+    errno = 0;
+    long long x = strtoll(s, &end, 10);
+    if (end == s || *end || errno)
+        return ct_error(CT_EFORMAT, "%s: metadata '%s' is '%s', not an integer", file, key, s);
+    *v = x;
+    return CT_OK;
+}
+
+ct_status cli_load_state(ct_strategy *s, const ct_safetensors *st, int optim)
+{
+    int n = ct_safetensors_count(st);
+    const char **names = ct_alloc(sizeof *names * (size_t)(n + 1), CT_MEM_OTHER);
+    ct_tensor **ts = ct_alloc(sizeof *ts * (size_t)(n + 1), CT_MEM_OTHER);
+    ct_status r = CT_ENOMEM;
+    if (names && ts) {
+        for (int i = 0; i < n; i++) {
+            names[i] = ct_safetensors_name(st, i);
+            ts[i] = ct_safetensors_tensor(st, i);
+        }
+        r = ct_strategy_load_state(s, names, ts, n, optim);
+    }
+    ct_free(names);
+    ct_free(ts);
+    return r;
+}
+
+static ct_status save_state(const char *path, ct_state *state, const ct_meta *meta)
+{
+    const char *keys[CT_META_MAX], *vals[CT_META_MAX];
+    ct_meta_arrays(meta, keys, vals);
+    return ct_safetensors_save(path, (const char *const *)state->names, state->tensors, state->n, keys, vals,
+                               meta->n);
+}
+
+ct_status cli_save(ct_strategy *s, const char *path, const ct_meta *model_meta, const ct_meta *sidecar_meta)
+{
+    ct_state state;
+    CT_TRY(ct_strategy_model_state(s, &state));
+    ct_status st = save_state(path, &state, model_meta);
+    ct_state_free(&state);
+    if (st != CT_OK || !sidecar_meta) return st;
+    char side[4096];
+    cli_sidecar_path(path, side, sizeof side);
+    CT_TRY(ct_strategy_optim_state(s, &state));
+    st = save_state(side, &state, sidecar_meta);
+    ct_state_free(&state);
+    return st;
+}

@@ -1,0 +1,141 @@
+/*
+ * Internals of the ctrain program, shared by its files: exit codes, the
+ * option parser (args.c), printing from rank 0 only (output.c), data
+ * loading (data.c), evaluation on a test set (evaluate.c), checkpoints and
+ * their optimizer sidecars (checkpoint.c), progress display (progress.c),
+ * and the commands (train.c, eval.c, inspect.c).  Like any user of ctrain,
+ * the program sees only the public headers.
+ */
+#ifndef CTRAIN_CLI_H
+#define CTRAIN_CLI_H
+
+#include <stdio.h>
+
+#include <ctrain/ctrain.h>
+
+/* Exit codes: usage errors (bad flags) are 2, failures while running are 1. */
+enum { CLI_OK = 0, CLI_RUNTIME = 1, CLI_USAGE = 2 };
+
+/* ---- options (args.c) -------------------------------------------------- */
+
+typedef enum { OPT_FLAG, OPT_STR, OPT_INT, OPT_NUM } cli_opt_type;
+
+/* One --option.  dest is int* (FLAG: set to 1), const char ** (STR),
+ * int64_t * (INT) or double * (NUM).  given counts occurrences. */
+typedef struct {
+    const char *name;  /* "--epochs" */
+    cli_opt_type type;
+    void *dest;
+    const char *metavar; /* "N" for the help text */
+    const char *help;    /* NULL: hidden from --help */
+    int given;
+} cli_opt;
+
+/* Parses argv[0..argc) (the words after the command) against opts: both
+ * "--name value" and "--name=value".  Words not starting with "--" go to
+ * pos (room for maxpos).  A "--help" or "-h" sets *help.  On a bad word
+ * returns CLI_USAGE with one line in err naming the cause and the fix. */
+int cli_parse(const char *cmd, int argc, char **argv, cli_opt *opts, int nopts, const char **pos,
+              int maxpos, int *npos, int *help, char *err, size_t errn);
+/* Prints usage then every listed option with its help. */
+void cli_print_help(FILE *f, const char *usage, const cli_opt *opts, int nopts, const char *epilog);
+/* The option called name (for checking .given), or NULL. */
+cli_opt *cli_find(cli_opt *opts, int nopts, const char *name);
+
+/* ---- output (output.c) ------------------------------------------------- */
+
+/* This process's rank and the world size (0 and 1 before start-up). */
+extern int cli_rank, cli_world;
+/* Rank the launcher gave this process before MPI starts (0 without one). */
+int cli_launcher_rank(void);
+/* printf to stdout / one error line "ctrain CMD: msg" to stderr, from rank 0 only. */
+void cli_out(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void cli_err(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Human-readable bytes ("12.3 MiB") into buf. */
+const char *cli_bytes(double bytes, char *buf, size_t n);
+/* "1:02:03" or "2:03" into buf. */
+const char *cli_hms(double seconds, char *buf, size_t n);
+/* "mlp [256,128]" into buf. */
+const char *cli_config_str(const ct_model_config *cfg, char *buf, size_t n);
+/* BLAS threads per rank when --threads is not given: the node's cores over
+ * the ranks on the node, at least 1. */
+int cli_default_threads(ct_group *g);
+/* Sums n doubles over the ranks of g exactly (gathered and added in rank
+ * order, so every rank gets the same bits whatever the world size). */
+ct_status cli_sum_f64(ct_group *g, double *v, int n);
+
+/* ---- data (data.c) ----------------------------------------------------- */
+
+/* Loads the named data set's train (train != 0) or test split; limit > 0
+ * keeps only the first limit samples.  The message names the fix. */
+ct_status cli_load_data(const char *name, const char *dir, int train, int64_t limit, ct_dataset *out);
+/* Checks that one sample of ds is what the model takes. */
+ct_status cli_check_input(const ct_model_config *cfg, const ct_dataset *ds);
+/* Gathers samples idx[0..n) as a batch shaped for the model: *x [n, in...],
+ * *y i32 [n]; the caller releases both. */
+ct_status cli_batch(const ct_dataset *ds, const ct_model_config *cfg, const int64_t *idx, int64_t n,
+                    ct_tensor **x, ct_tensor **y);
+
+/* ---- evaluation (evaluate.c) ------------------------------------------- */
+
+typedef struct {
+    double loss;      /* mean cross-entropy over the set */
+    int64_t correct;
+    int64_t n;
+    int64_t *confusion; /* [classes*classes] row = true class, or NULL if not asked for */
+} cli_eval;
+
+/* Evaluates model (inference, no records) on ds, each rank of g taking a
+ * contiguous share, in batches of batch, summed over ranks.  With
+ * confusion != NULL it receives the classes x classes counts. */
+ct_status cli_evaluate(ct_module *model, const ct_model_config *cfg, const ct_dataset *ds, int64_t batch,
+                       ct_group *g, cli_eval *out, int64_t *confusion);
+/* "loss 0.3312  accuracy 88.41% (8841/10000)" into buf. */
+const char *cli_eval_str(const cli_eval *e, char *buf, size_t n);
+
+/* ---- checkpoints (checkpoint.c) ---------------------------------------- */
+
+/* Where the optimizer state of checkpoint path goes:
+ * "run.safetensors" -> "run.optim.safetensors"; other names get ".optim.safetensors" appended. */
+void cli_sidecar_path(const char *path, char *buf, size_t n);
+/* Loads a safetensors file with a message fit for the command line. */
+ct_status cli_load_file(const char *path, const char *what, ct_safetensors **out);
+/* The file's metadata as a ct_meta. */
+ct_status cli_file_meta(const ct_safetensors *st, ct_meta *m);
+/* Loads every tensor of st into the strategy's model (optim 0) or optimizer (optim 1). */
+ct_status cli_load_state(ct_strategy *s, const ct_safetensors *st, int optim);
+/* Writes the strategy's model state to path and, with sidecar_meta != NULL,
+ * its optimizer state to the sidecar; atomically, each. */
+ct_status cli_save(ct_strategy *s, const char *path, const ct_meta *model_meta, const ct_meta *sidecar_meta);
+/* Reads key of m as an integer into *v; CT_EFORMAT naming file and key. */
+ct_status cli_meta_int(const ct_meta *m, const char *file, const char *key, int64_t *v);
+
+/* ---- progress (progress.c) --------------------------------------------- */
+
+typedef struct {
+    int tty;          /* stderr is a terminal: live bar with \r */
+    int bar_shown;
+    double t_start, t_last_draw;
+    int64_t total_steps, steps_per_epoch, epochs;
+    FILE *metrics;    /* one JSON object per logged step, or NULL */
+} cli_progress;
+
+/* Starts the display (rank 0 only draws); metrics_path NULL for none,
+ * append != 0 to continue an existing file. */
+ct_status cli_progress_init(cli_progress *p, int64_t total_steps, int64_t steps_per_epoch,
+                            const char *metrics_path, int append);
+/* Redraws the live bar (terminal only, at most 10 times a second). */
+void cli_progress_tick(cli_progress *p, int64_t step, int64_t epoch, double last_loss);
+/* One permanent line (and a metrics record) for step. */
+void cli_progress_log(cli_progress *p, int64_t step, int64_t epoch, double loss, double lr,
+                      double samples_per_s);
+/* Clears the bar and closes the metrics file. */
+void cli_progress_finish(cli_progress *p);
+
+/* ---- commands ---------------------------------------------------------- */
+
+int cli_train(int argc, char **argv);
+int cli_eval_cmd(int argc, char **argv);
+int cli_inspect(int argc, char **argv);
+
+#endif

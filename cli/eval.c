@@ -1,0 +1,149 @@
+/*
+ * `ctrain eval`: rebuilds a model from a checkpoint's metadata alone and
+ * reports its test loss, accuracy and confusion matrix.  Under mpirun the
+ * test set is split across the ranks.
+ */
+#include <string.h>
+
+#include "cli.h"
+
+static const char usage[] =
+    "usage: ctrain eval --checkpoint CKPT [--data fashion-mnist] [--data-dir DIR] [--batch B]\n\n"
+    "Rebuilds the model that CKPT describes (its metadata says which), evaluates it on the\n"
+    "test set and prints the loss, the accuracy and the confusion matrix (rows: true class).";
+
+typedef struct {
+    const char *ckpt, *data, *data_dir;
+    int64_t batch, limit_test, threads;
+} eval_opts;
+
+static int table(eval_opts *o, cli_opt *t)
+{
+    int n = 0;
+    t[n++] = (cli_opt){"--checkpoint", OPT_STR, &o->ckpt, "CKPT", "model checkpoint written by ctrain train", 0};
+    t[n++] = (cli_opt){"--data", OPT_STR, &o->data, "NAME", "data set (fashion-mnist)", 0};
+    t[n++] = (cli_opt){"--data-dir", OPT_STR, &o->data_dir, "DIR", "where the data files are (" CT_FASHION_MNIST_DIR ")", 0};
+    t[n++] = (cli_opt){"--batch", OPT_INT, &o->batch, "B", "samples per forward pass (500)", 0};
+    t[n++] = (cli_opt){"--threads", OPT_INT, &o->threads, "N", "BLAS threads per rank (cores / ranks on the node)", 0};
+    t[n++] = (cli_opt){"--limit-test", OPT_INT, &o->limit_test, "N", NULL, 0};
+    return n;
+}
+
+static void print_confusion(const cli_eval *ev, int64_t C)
+{
+    char hdr[32];
+    cli_out("confusion matrix (rows: true class, columns: predicted class)\n%-12s", "");
+    for (int64_t j = 0; j < C; j++) {
+        snprintf(hdr, sizeof hdr, "%.7s", ct_fashion_mnist_class((int)j));
+        cli_out(" %7s", C == 10 ? hdr : (snprintf(hdr, sizeof hdr, "%lld", (long long)j), hdr));
+    }
+    cli_out("  %7s\n", "recall");
+    for (int64_t i = 0; i < C; i++) {
+        int64_t row = 0;
+        for (int64_t j = 0; j < C; j++) row += ev->confusion[i * C + j];
+        cli_out("%-12s", C == 10 ? ct_fashion_mnist_class((int)i) : (snprintf(hdr, sizeof hdr, "%lld", (long long)i), hdr));
+        for (int64_t j = 0; j < C; j++) cli_out(" %7lld", (long long)ev->confusion[i * C + j]);
+        cli_out("  %6.1f%%\n", row ? 100.0 * (double)ev->confusion[i * C + i] / (double)row : 0.0);
+    }
+}
+
+static ct_status run(const eval_opts *o)
+{
+    ct_group *g = ct_group_world();
+    ct_safetensors *st = NULL;
+    ct_dataset test = {0};
+    ct_module *model = NULL;
+    ct_optim *opt = NULL;
+    ct_strategy *s = NULL;
+    int64_t *conf = NULL;
+    ct_model_config cfg;
+    ct_meta m;
+    ct_status r = cli_load_file(o->ckpt, "the checkpoint", &st);
+    if (r == CT_OK) r = cli_file_meta(st, &m);
+    if (r == CT_OK && ct_model_config_from_meta(&m, &cfg) != CT_OK) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", ct_last_error());
+        r = ct_error(CT_EFORMAT, "%s: %s", o->ckpt, why);
+    }
+    if (r == CT_OK) r = cli_load_data(o->data, o->data_dir, 0, o->limit_test, &test);
+    if (r == CT_OK) r = cli_check_input(&cfg, &test);
+    if (r == CT_OK) r = ct_model_build(&cfg, 0, &model);
+    /* The weights go in through the strategy's loader, the same checks as training. */
+    if (r == CT_OK) {
+        ct_param **ps;
+        int n;
+        ct_optim_opts oo = ct_optim_defaults(CT_OPT_SGD);
+        r = ct_module_params(model, &ps, &n);
+        if (r == CT_OK) {
+            opt = ct_optim_create(&oo, ps, n);
+            ct_free(ps);
+            if (!opt) r = CT_ENOMEM;
+        }
+    }
+    if (r == CT_OK) r = ct_strategy_create("none", model, opt, g, NULL, &s);
+    if (r == CT_OK) {
+        r = cli_load_state(s, st, 0);
+        if (r != CT_OK) {
+            char why[512];
+            snprintf(why, sizeof why, "%s", ct_last_error());
+            r = ct_error(r, "%s does not match the model its metadata describes: %s", o->ckpt, why);
+        }
+    }
+    if (r == CT_OK && !(conf = ct_alloc(sizeof *conf * (size_t)(cfg.classes * cfg.classes), CT_MEM_OTHER)))
+        r = CT_ENOMEM;
+    r = ct_group_check(g, r);
+    cli_eval ev;
+    if (r == CT_OK) r = cli_evaluate(model, &cfg, &test, o->batch, g, &ev, conf);
+    if (r == CT_OK) {
+        char buf[256], desc[300];
+        cli_out("model: %s (%lld parameters) from %s", cli_config_str(&cfg, desc, sizeof desc),
+                (long long)ct_module_num_params(model), o->ckpt);
+        const char *step = ct_meta_get(&m, "ctrain.step");
+        cli_out(step ? ", step %s\n" : "\n", step);
+        cli_out("test: %s\n", cli_eval_str(&ev, buf, sizeof buf));
+        print_confusion(&ev, cfg.classes);
+    }
+    ct_free(conf);
+    ct_strategy_destroy(s);
+    ct_optim_destroy(opt);
+    ct_module_free(model);
+    ct_dataset_deinit(&test);
+    ct_safetensors_free(st);
+    return r;
+}
+
+int cli_eval_cmd(int argc, char **argv)
+{
+    eval_opts o = {NULL, "fashion-mnist", NULL, 500, 0, 0};
+    cli_opt t[8];
+    int n = table(&o, t), help, npos;
+    const char *pos[1];
+    char err[1024];
+    int rc = cli_parse("eval", argc, argv, t, n, pos, 0, &npos, &help, err, sizeof err);
+    if (rc == 0 && !help) {
+        if (!o.ckpt) snprintf(err, sizeof err, "ctrain eval: --checkpoint CKPT is required (a file written by ctrain train --save)"), rc = CLI_USAGE;
+        else if (strcmp(o.data, "fashion-mnist")) snprintf(err, sizeof err, "ctrain eval: unknown data set '%s' for --data; this ctrain knows: fashion-mnist", o.data), rc = CLI_USAGE;
+        else if (o.batch < 1) snprintf(err, sizeof err, "ctrain eval: --batch %lld must be at least 1", (long long)o.batch), rc = CLI_USAGE;
+        else if (o.threads < 0 || o.limit_test < 0) snprintf(err, sizeof err, "ctrain eval: --threads and --limit-test must not be negative"), rc = CLI_USAGE;
+    }
+    cli_rank = cli_launcher_rank();
+    if (help) {
+        if (cli_rank == 0) cli_print_help(stdout, usage, t, n, NULL);
+        return CLI_OK;
+    }
+    if (rc) {
+        if (cli_rank == 0) fprintf(stderr, "%s\n", err);
+        return rc;
+    }
+    if (ct_comm_init(NULL, NULL) != CT_OK) {
+        cli_err("eval", "cannot start communication: %s", ct_last_error());
+        return CLI_RUNTIME;
+    }
+    cli_rank = ct_group_rank(ct_group_world());
+    cli_world = ct_group_size(ct_group_world());
+    ct_blas_set_threads(o.threads ? (int)o.threads : cli_default_threads(ct_group_world()));
+    ct_status r = run(&o);
+    if (r != CT_OK) cli_err("eval", "%s", ct_last_error());
+    ct_comm_finalize();
+    return r == CT_OK ? CLI_OK : CLI_RUNTIME;
+}

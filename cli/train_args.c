@@ -1,0 +1,188 @@
+/*
+ * The train command's flags: the table (with defaults and help), parsing,
+ * and the checks that make a bad command line one clear line and exit
+ * code 2 instead of a failure halfway through a run.
+ */
+#include <string.h>
+
+#include "train.h"
+
+static const char usage[] =
+    "usage: ctrain train --model mlp|cnn (--epochs N | --steps K) [options]\n"
+    "       mpirun -np R ctrain train ...   (data parallel over R ranks)\n\n"
+    "Trains a model on Fashion-MNIST, prints progress, then the test loss and accuracy,\n"
+    "the peak memory per category and the strategy's step times.";
+
+static const char epilog[] =
+    "--epochs and --steps count from the start of training, so a resumed run stops at the\n"
+    "same point a straight one would.  --batch is the global batch: it is split across ranks\n"
+    "and, with --grad-accum N, into N micro-batches whose gradients add up to the same step.\n"
+    "A checkpoint CKPT.safetensors holds the model (PyTorch nn.Sequential state_dict names);\n"
+    "its optimizer state and training position go to CKPT.optim.safetensors, which --resume\n"
+    "needs and --init ignores.  On --resume, the model, seed, batch, optimizer and its\n"
+    "settings are the checkpoint's unless given again.\n";
+
+/* The option table over o; returns the number of entries. */
+static int table(train_opts *o, cli_opt *t)
+{
+    int n = 0;
+#define OPT(nm, ty, dst, mv, hl) t[n++] = (cli_opt){nm, ty, dst, mv, hl, 0}
+    OPT("--model", OPT_STR, &o->model, "NAME", "model to train: mlp or cnn");
+    OPT("--hidden", OPT_STR, &o->hidden, "LIST", "layer sizes (mlp 256,128; cnn conv channels then fc: 16,32,128)");
+    OPT("--kernel", OPT_INT, &o->kernel, "K", "cnn: conv kernel size, odd (3)");
+    OPT("--data", OPT_STR, &o->data, "NAME", "data set (fashion-mnist)");
+    OPT("--data-dir", OPT_STR, &o->data_dir, "DIR", "where the data files are (" CT_FASHION_MNIST_DIR ")");
+    OPT("--epochs", OPT_INT, &o->epochs, "N", "train until N epochs are done");
+    OPT("--steps", OPT_INT, &o->steps, "K", "train until K optimizer steps are done");
+    OPT("--batch", OPT_INT, &o->batch, "B", "global batch size, split across ranks (64)");
+    OPT("--optim", OPT_STR, &o->optim, "NAME", "sgd or adamw (adamw)");
+    OPT("--lr", OPT_NUM, &o->lr, "LR", "learning rate (adamw 0.001, sgd 0.01)");
+    OPT("--weight-decay", OPT_NUM, &o->weight_decay, "WD", "weight decay (adamw 0.01, sgd 0)");
+    OPT("--momentum", OPT_NUM, &o->momentum, "M", "sgd momentum (0)");
+    OPT("--schedule", OPT_STR, &o->schedule, "NAME", "learning rate schedule: constant or cosine (constant)");
+    OPT("--warmup", OPT_INT, &o->warmup, "N", "linear warm-up over the first N steps (0)");
+    OPT("--clip", OPT_NUM, &o->clip, "MAXNORM", "clip the gradient's global norm to MAXNORM (off)");
+    OPT("--seed", OPT_INT, &o->seed, "S", "seed of weights, shuffling and dropout (0)");
+    OPT("--no-shuffle", OPT_FLAG, &o->no_shuffle, NULL, "visit the training set in file order");
+    OPT("--init", OPT_STR, &o->init, "CKPT", "start from these weights (optimizer starts fresh)");
+    OPT("--resume", OPT_STR, &o->resume, "CKPT", "continue exactly: weights, optimizer, step and data position");
+    OPT("--save", OPT_STR, &o->save, "CKPT", "write the model to CKPT (and its optimizer state beside it)");
+    OPT("--save-every", OPT_INT, &o->save_every, "N", "also save every N steps (needs --save)");
+    OPT("--log-every", OPT_INT, &o->log_every, "N", "progress line every N steps (50; 0: none)");
+    OPT("--metrics", OPT_STR, &o->metrics, "FILE", "one JSON object per logged step (appended on --resume)");
+    OPT("--strategy", OPT_STR, &o->strategy, "NAME", "none or ddp (ddp when run on several ranks)");
+    OPT("--grad-accum", OPT_INT, &o->grad_accum, "N", "split each step into N micro-batches (1)");
+    OPT("--bucket-cap-mb", OPT_NUM, &o->bucket_cap_mb, "MB", "ddp: gradient bucket size (25)");
+    OPT("--find-unused-parameters", OPT_FLAG, &o->find_unused, NULL, "ddp: allow parameters without a gradient");
+    OPT("--grad-compress", OPT_STR, &o->grad_compress, "NAME", "ddp: gradients on the wire as none, bf16 or f16");
+    OPT("--threads", OPT_INT, &o->threads, "N", "BLAS threads per rank (cores / ranks on the node)");
+    OPT("--flush-denormal", OPT_FLAG, &o->flush_denormal, NULL, "treat subnormal floats as 0 (faster; as torch.set_flush_denormal)");
+    OPT("--trace", OPT_STR, &o->trace, "FILE", "write a Chrome trace (FILE.rank<r>.json with several ranks)");
+    OPT("--limit-train", OPT_INT, &o->limit_train, "N", NULL);
+    OPT("--limit-test", OPT_INT, &o->limit_test, "N", NULL);
+    OPT("--eval-batch", OPT_INT, &o->eval_batch, "B", NULL);
+#undef OPT
+    return n;
+}
+
+#define MAXOPT 40
+
+void train_help(FILE *f)
+{
+    train_opts o;
+    cli_opt t[MAXOPT];
+    int n = table(&o, t);
+    cli_print_help(f, usage, t, n, epilog);
+}
+
+static int in_list(const char *v, const char *const *list)
+{
+    for (; *list; list++)
+        if (!strcmp(v, *list)) return 1;
+    return 0;
+}
+
+#define BAD(...) (snprintf(err, errn, "ctrain train: " __VA_ARGS__), CLI_USAGE)
+
+int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size_t errn)
+{
+    memset(o, 0, sizeof *o);
+    o->data = "fashion-mnist";
+    o->batch = 64;
+    o->optim = "adamw";
+    o->schedule = "constant";
+    o->log_every = 50;
+    o->grad_accum = 1;
+    o->bucket_cap_mb = 25;
+    o->grad_compress = "none";
+    o->eval_batch = 500;
+    cli_opt t[MAXOPT];
+    int n = table(o, t), npos;
+    const char *pos[1];
+    int r = cli_parse("train", argc, argv, t, n, pos, 0, &npos, help, err, errn);
+    if (r || *help) return r;
+    for (int i = 0; i < n; i++)
+        if (t[i].given > 1) return BAD("%s is given %d times; give it once", t[i].name, t[i].given);
+#define GIVEN(nm) (cli_find(t, n, nm)->given != 0)
+    o->has_model = GIVEN("--model");
+    o->has_hidden = GIVEN("--hidden");
+    o->has_seed = GIVEN("--seed");
+    o->has_batch = GIVEN("--batch");
+    o->has_optim = GIVEN("--optim");
+    o->has_lr = GIVEN("--lr");
+    o->has_wd = GIVEN("--weight-decay");
+    o->has_momentum = GIVEN("--momentum");
+    o->has_strategy = GIVEN("--strategy");
+    o->has_schedule = GIVEN("--schedule");
+    o->has_warmup = GIVEN("--warmup");
+    o->has_clip = GIVEN("--clip");
+    o->has_accum = GIVEN("--grad-accum");
+    o->has_kernel = GIVEN("--kernel");
+    int has_epochs = GIVEN("--epochs"), has_steps = GIVEN("--steps");
+#undef GIVEN
+
+    if (has_epochs && has_steps) return BAD("--epochs and --steps are both given; give one of them");
+    if (!has_epochs && !has_steps) return BAD("say how long to train: give --epochs N or --steps K");
+    if (has_epochs && o->epochs < 1) return BAD("--epochs %lld must be at least 1", (long long)o->epochs);
+    if (has_steps && o->steps < 1) return BAD("--steps %lld must be at least 1", (long long)o->steps);
+    if (o->init && o->resume)
+        return BAD("--init and --resume are both given; --resume continues a run, --init only takes its weights");
+    if (!o->has_model && !o->init && !o->resume) return BAD("--model is required; choose one of: %s", ct_model_list());
+    ct_model_kind kind = CT_MODEL_MLP;
+    if (o->has_model && ct_model_parse_kind(o->model, &kind) != CT_OK)
+        return BAD("--model: %s", ct_last_error());
+    if (o->has_kernel && (!o->has_model || kind != CT_MODEL_CNN))
+        return BAD("--kernel applies to --model cnn only");
+    if (o->has_hidden || o->has_kernel) {
+        ct_model_config c = ct_model_config_default(kind);
+        if (o->has_hidden && ct_model_config_parse_hidden(&c, o->hidden) != CT_OK)
+            return BAD("--hidden: %s", ct_last_error());
+        if (o->has_kernel) c.kernel = o->kernel < 0 || o->kernel > 99 ? 0 : (int)o->kernel;
+        if (o->has_model && ct_model_config_validate(&c) != CT_OK)
+            return BAD("%s: %s", o->has_kernel ? "--kernel" : "--hidden", ct_last_error());
+    }
+    if (strcmp(o->data, "fashion-mnist")) return BAD("unknown data set '%s' for --data; this ctrain knows: fashion-mnist", o->data);
+    if (o->batch < 1) return BAD("--batch %lld must be at least 1", (long long)o->batch);
+    ct_optim_kind ok;
+    if (ct_optim_parse(o->optim, &ok)) return BAD("unknown optimizer '%s' for --optim; choose sgd or adamw", o->optim);
+    if (o->has_lr && o->lr < 0) return BAD("--lr %g must not be negative", o->lr);
+    if (o->has_wd && o->weight_decay < 0) return BAD("--weight-decay %g must not be negative", o->weight_decay);
+    if (o->has_momentum && o->momentum < 0) return BAD("--momentum %g must not be negative", o->momentum);
+    if (o->has_momentum && ok != CT_OPT_SGD) return BAD("--momentum applies to --optim sgd only (adamw has betas)");
+    ct_sched_kind sk;
+    if (ct_sched_parse(o->schedule, &sk)) return BAD("unknown schedule '%s' for --schedule; choose constant or cosine", o->schedule);
+    if (o->warmup < 0) return BAD("--warmup %lld must not be negative", (long long)o->warmup);
+    if (o->clip < 0) return BAD("--clip %g must not be negative (leave it out for no clipping)", o->clip);
+    if (o->seed < 0) return BAD("--seed %lld must not be negative", (long long)o->seed);
+    if (o->save_every < 0) return BAD("--save-every %lld must not be negative", (long long)o->save_every);
+    if (o->save_every && !o->save) return BAD("--save-every needs --save CKPT to say where");
+    if (o->log_every < 0) return BAD("--log-every %lld must not be negative (0 turns progress off)", (long long)o->log_every);
+    if (o->has_strategy) {
+        /* ct_strategy_list() is "none, ddp": a name is in it when bounded by ", " or the ends. */
+        const char *l = ct_strategy_list(), *p = l;
+        size_t len = strlen(o->strategy);
+        int found = 0;
+        while (len && (p = strstr(p, o->strategy))) {
+            if ((p == l || p[-1] == ' ') && (p[len] == 0 || p[len] == ',')) found = 1;
+            p += len;
+        }
+        if (!found) return BAD("unknown strategy '%s' for --strategy; choose one of: %s", o->strategy, l);
+    }
+    if (o->grad_accum < 1) return BAD("--grad-accum %lld must be at least 1", (long long)o->grad_accum);
+    if (!(o->bucket_cap_mb > 0)) return BAD("--bucket-cap-mb %g must be positive", o->bucket_cap_mb);
+    static const char *const comp[] = {"none", "bf16", "f16", NULL};
+    if (!in_list(o->grad_compress, comp)) return BAD("unknown --grad-compress '%s'; choose none, bf16 or f16", o->grad_compress);
+    if (o->threads < 0) return BAD("--threads %lld must not be negative (0: automatic)", (long long)o->threads);
+    if (o->limit_train < 0 || o->limit_test < 0) return BAD("--limit-train and --limit-test must not be negative");
+    if (o->eval_batch < 1) return BAD("--eval-batch %lld must be at least 1", (long long)o->eval_batch);
+    return 0;
+}
+
+int train_check_world(train_opts *o, int world, char *err, size_t errn)
+{
+    if (!o->has_strategy) o->strategy = world > 1 ? "ddp" : "none";
+    if (!strcmp(o->strategy, "none") && world > 1)
+        return BAD("--strategy none runs every rank alone, but this job has %d ranks; use --strategy ddp, or "
+                   "run without mpirun", world);
+    return 0;
+}

@@ -1,0 +1,103 @@
+/*
+ * ctrain models: ready models built from the public nn API only, and their
+ * configuration as a string map that travels in a checkpoint's safetensors
+ * metadata, so a checkpoint alone is enough to rebuild and evaluate its
+ * model.  Every model is an nn.Sequential whose children are numbered as
+ * PyTorch numbers them, so a model's state dict (names, shapes, layouts) is
+ * exactly the state_dict of the same torch.nn.Sequential.
+ *
+ *   mlp  Sequential(Linear(in, h1), ReLU, Linear(h1, h2), ReLU, ..., Linear(hk, classes))
+ *        input [N, in]                        ("0.weight" [h1, in], "0.bias", "2.weight", ...)
+ *   cnn  Sequential(Conv2d(C, c1, k, pad k/2), ReLU, MaxPool2d(2), ..., Flatten,
+ *                   Linear(ck*H'*W', f), ReLU, Linear(f, classes))
+ *        input [N, C, H, W]; hidden lists the conv channels then the width f
+ *        of the fully connected layer ("16,32,128"); each pool halves H and W.
+ *
+ * Ownership: ct_model_config and ct_meta are plain values (no heap); the
+ * module from ct_model_build is the caller's (ct_module_free).
+ */
+#ifndef CTRAIN_MODELS_H
+#define CTRAIN_MODELS_H
+
+#include "nn.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { CT_MODEL_MLP = 0, CT_MODEL_CNN, CT_NMODELS } ct_model_kind;
+
+#define CT_MODEL_MAX_HIDDEN 16
+
+typedef struct {
+    ct_model_kind kind;
+    int in_ndim;        /* dims of one sample: 1 for mlp ([784]), 3 for cnn ([1, 28, 28]) */
+    int64_t in[3];      /* one sample's input shape */
+    int nhidden;
+    int64_t hidden[CT_MODEL_MAX_HIDDEN]; /* mlp: layer widths; cnn: conv channels, then fc width */
+    int64_t classes;
+    int kernel;         /* cnn: square kernel size (odd; padding kernel/2 keeps H, W) */
+} ct_model_config;
+
+/* "mlp, cnn": the names ct_model_parse_kind accepts. */
+const char *ct_model_list(void);
+/* "mlp" or "cnn" ("?" outside the enum). */
+const char *ct_model_kind_name(ct_model_kind kind);
+/* Parses a model name into *kind; CT_EINVAL listing the known names otherwise. */
+ct_status ct_model_parse_kind(const char *name, ct_model_kind *kind);
+/* Defaults for Fashion-MNIST: mlp in [784], hidden 256,128; cnn in [1,28,28],
+ * hidden 16,32,128, kernel 3 (2.5x faster than 5 on CPUs, as accurate
+ * here); classes 10. */
+ct_model_config ct_model_config_default(ct_model_kind kind);
+/* Sets cfg's hidden list from "256,128" (positive integers, comma separated,
+ * at most CT_MODEL_MAX_HIDDEN); cfg is unchanged and CT_EINVAL names the bad
+ * entry on failure. */
+ct_status ct_model_config_parse_hidden(ct_model_config *cfg, const char *list);
+/* Writes the hidden list as "256,128" into buf (n bytes); returns buf. */
+char *ct_model_config_hidden_str(const ct_model_config *cfg, char *buf, size_t n);
+/* CT_OK, or CT_EINVAL naming the field that makes the config unbuildable
+ * (cnn: at least one conv and the fc width; images too small for the pools). */
+ct_status ct_model_config_validate(const ct_model_config *cfg);
+/* Number of elements in one sample's input (784). */
+int64_t ct_model_input_numel(const ct_model_config *cfg);
+/* Shape of a batch of n inputs ([n, 784] or [n, 1, 28, 28]) into shape
+ * (room for 4); returns its ndim. */
+int ct_model_input_shape(const ct_model_config *cfg, int64_t n, int64_t *shape);
+/* Builds the model and initialises it as PyTorch does (ct_module_init_params
+ * with seed).  *out is the caller's; NULL with the error set on failure. */
+ct_status ct_model_build(const ct_model_config *cfg, uint64_t seed, ct_module **out);
+
+/* ---- string map for checkpoint metadata -------------------------------- */
+
+#define CT_META_MAX 48
+#define CT_META_KEY 64
+#define CT_META_VAL 256
+
+/* A small ordered string map (keys unique); a plain value, nothing to free. */
+typedef struct {
+    int n;
+    char key[CT_META_MAX][CT_META_KEY];
+    char val[CT_META_MAX][CT_META_VAL];
+} ct_meta;
+
+/* Sets key to the printf-formatted value (replacing an existing value).
+ * CT_EINVAL if the key or value does not fit or the map is full. */
+ct_status ct_meta_set(ct_meta *m, const char *key, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Value of key, or NULL. */
+const char *ct_meta_get(const ct_meta *m, const char *key);
+/* Fills keys[i] and vals[i] (room for m->n each) with pointers into m, for
+ * ct_safetensors_save. */
+void ct_meta_arrays(const ct_meta *m, const char **keys, const char **vals);
+
+/* Adds the config under "ctrain.model", "ctrain.in" ("784" or "1,28,28"),
+ * "ctrain.hidden", "ctrain.classes" and, for cnn, "ctrain.kernel". */
+ct_status ct_model_config_to_meta(const ct_model_config *cfg, ct_meta *m);
+/* Rebuilds a config from those keys; CT_EFORMAT naming the missing or bad
+ * key (a file not written by ctrain has no "ctrain.model"). */
+ct_status ct_model_config_from_meta(const ct_meta *m, ct_model_config *cfg);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,118 @@
+/*
+ * The checkpoint metadata string map (ct_meta) and the model config's
+ * place in it, so that "ctrain.*" keys alone rebuild the model.
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+ct_status ct_meta_set(ct_meta *m, const char *key, const char *fmt, ...)
+{
+    char val[CT_META_VAL];
+    va_list ap;
+    va_start(ap, fmt);
+    int len = vsnprintf(val, sizeof val, fmt, ap);
+    va_end(ap);
+    if (len < 0 || len >= CT_META_VAL)
+        return ct_error(CT_EINVAL, "metadata value for '%s' is longer than %d bytes", key, CT_META_VAL - 1);
+    if (strlen(key) >= CT_META_KEY)
+        return ct_error(CT_EINVAL, "metadata key '%s' is longer than %d bytes", key, CT_META_KEY - 1);
+    int i = 0;
+    while (i < m->n && strcmp(m->key[i], key)) i++;
+    if (i == m->n) {
+        if (m->n == CT_META_MAX)
+            return ct_error(CT_EINVAL, "metadata is full (%d entries) adding '%s'", CT_META_MAX, key);
+        strcpy(m->key[m->n++], key);
+    }
+    memcpy(m->val[i], val, (size_t)len + 1);
+    return CT_OK;
+}
+
+const char *ct_meta_get(const ct_meta *m, const char *key)
+{
+    for (int i = 0; i < m->n; i++)
+        if (!strcmp(m->key[i], key)) return m->val[i];
+    return NULL;
+}
+
+void ct_meta_arrays(const ct_meta *m, const char **keys, const char **vals)
+{
+    for (int i = 0; i < m->n; i++) {
+        keys[i] = m->key[i];
+        vals[i] = m->val[i];
+    }
+}
+
+ct_status ct_model_config_to_meta(const ct_model_config *cfg, ct_meta *m)
+{
+    char in[96] = "", hid[CT_META_VAL];
+    size_t off = 0;
+    for (int i = 0; i < cfg->in_ndim && i < 3; i++)
+        off += (size_t)snprintf(in + off, sizeof in - off, "%s%lld", i ? "," : "", (long long)cfg->in[i]);
+    CT_TRY(ct_meta_set(m, "ctrain.model", "%s", ct_model_kind_name(cfg->kind)));
+    CT_TRY(ct_meta_set(m, "ctrain.in", "%s", in));
+    CT_TRY(ct_meta_set(m, "ctrain.hidden", "%s", ct_model_config_hidden_str(cfg, hid, sizeof hid)));
+    CT_TRY(ct_meta_set(m, "ctrain.classes", "%lld", (long long)cfg->classes));
+    if (cfg->kind == CT_MODEL_CNN) CT_TRY(ct_meta_set(m, "ctrain.kernel", "%d", cfg->kernel));
+    return CT_OK;
+}
+
+static ct_status need(const ct_meta *m, const char *key, const char **val)
+{
+    *val = ct_meta_get(m, key);
+    if (!*val)
+        return ct_error(CT_EFORMAT, "checkpoint metadata has no '%s', so the model cannot be rebuilt from it "
+                        "(was it written by 'ctrain train'?)", key);
+    return CT_OK;
+}
+
+/* The key's value as a list of positive integers, with the key in the message. */
+static ct_status int_list(const ct_meta *m, const char *key, int64_t *out, int max, int *n)
+{
+    const char *v;
+    CT_TRY(need(m, key, &v));
+    char what[96];
+    snprintf(what, sizeof what, "checkpoint metadata '%s'", key);
+    if (ct__parse_int_list(v, out, max, n, what) != CT_OK) {
+        char why[400];
+        snprintf(why, sizeof why, "%s", ct_last_error());
+        return ct_error(CT_EFORMAT, "%s", why);
+    }
+    return CT_OK;
+}
+
+ct_status ct_model_config_from_meta(const ct_meta *m, ct_model_config *out)
+{
+    const char *name;
+    CT_TRY(need(m, "ctrain.model", &name));
+    ct_model_kind kind;
+    if (ct_model_parse_kind(name, &kind) != CT_OK)
+        return ct_error(CT_EFORMAT, "checkpoint metadata 'ctrain.model' is '%s'; this ctrain knows: %s", name,
+                        ct_model_list());
+    ct_model_config c = ct_model_config_default(kind);
+    int n, one;
+    int64_t v[CT_MODEL_MAX_HIDDEN];
+    CT_TRY(int_list(m, "ctrain.in", v, 3, &n));
+    if (n != c.in_ndim)
+        return ct_error(CT_EFORMAT, "checkpoint metadata 'ctrain.in' is '%s'; a %s takes %s", ct_meta_get(m, "ctrain.in"),
+                        name, kind == CT_MODEL_MLP ? "one size (784)" : "an image shape C,H,W (1,28,28)");
+    memcpy(c.in, v, sizeof(int64_t) * (size_t)n);
+    CT_TRY(int_list(m, "ctrain.hidden", c.hidden, CT_MODEL_MAX_HIDDEN, &c.nhidden));
+    CT_TRY(int_list(m, "ctrain.classes", v, 1, &one));
+    c.classes = v[0];
+    if (kind == CT_MODEL_CNN) {
+        CT_TRY(int_list(m, "ctrain.kernel", v, 1, &one));
+        c.kernel = (int)v[0];
+    }
+    if (ct_model_config_validate(&c) != CT_OK) {
+        char why[400];
+        snprintf(why, sizeof why, "%s", ct_last_error());
+        return ct_error(CT_EFORMAT, "checkpoint metadata describes a model that cannot be built: %s", why);
+    }
+    *out = c;
+    return CT_OK;
+}

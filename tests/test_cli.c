@@ -1,0 +1,483 @@
+/*
+ * The ctrain program, run as a user runs it (popen of build/ctrain, found
+ * next to this test binary): help texts, one-line errors with the right
+ * exit code, a short training run on a subset that learns, eval agreeing
+ * with train, inspect, bit-exact resume, DDP under mpirun matching a single
+ * process, and PyTorch loading a checkpoint and computing the same logits.
+ */
+#include <dirent.h>
+#include <libgen.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "test.h"
+
+#define OUT_MAX (1 << 16)
+
+/* Directory holding the ctrain binary (the test binary's "../"). */
+static const char *bin_dir(void)
+{
+    static char dir[1024];
+    if (!*dir) {
+        char exe[1000];
+        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+        ASSERT(n > 0);
+        exe[n] = 0;
+        snprintf(dir, sizeof dir, "%s/..", dirname(exe));
+    }
+    return dir;
+}
+
+/* Runs "ctrain ARGS" (or, with np > 0, under mpirun) through sh with
+ * stderr joined to stdout; returns the exit code, output in out. */
+static int run_np(int np, char *out, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int run_np(int np, char *out, const char *fmt, ...)
+{
+    char args[4096], cmd[8192];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    if (np > 0)
+        snprintf(cmd, sizeof cmd,
+                 "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe --bind-to none "
+                 "-np %d %s/ctrain %s 2>&1", np, bin_dir(), args);
+    else
+        snprintf(cmd, sizeof cmd, "%s/ctrain %s 2>&1", bin_dir(), args);
+    FILE *p = popen(cmd, "r");
+    ASSERT(p != NULL);
+    size_t n = fread(out, 1, OUT_MAX - 1, p);
+    out[n] = 0;
+    int st = pclose(p);
+    ASSERT(WIFEXITED(st));
+    return WEXITSTATUS(st);
+}
+
+#define RUN(out, ...) run_np(0, out, __VA_ARGS__)
+
+/* Removes this test's scratch files (left in place when a test fails, to look at). */
+static void remove_scratch(void)
+{
+    const char *dir = ct_test_tmpdir();
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *e;
+    char path[1024];
+    while ((e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+            unlink(path);
+        }
+    closedir(d);
+    rmdir(dir);
+}
+
+static int count_lines(const char *s)
+{
+    int n = 0;
+    for (; *s; s++) n += *s == '\n';
+    return n;
+}
+
+static int occurrences(const char *s, const char *needle)
+{
+    int n = 0;
+    for (const char *p = s; (p = strstr(p, needle)); p += strlen(needle)) n++;
+    return n;
+}
+
+/* The number after "key" in s (e.g. "final train loss "). */
+static double number_after(const char *s, const char *key)
+{
+    const char *p = strstr(s, key);
+    if (!p) ct_test_fail(__FILE__, __LINE__, "no '%s' in output:\n%s", key, s);
+    return atof(p + strlen(key));
+}
+
+/* The rest of the line after key. */
+static void line_after(const char *s, const char *key, char *buf, size_t n)
+{
+    const char *p = strstr(s, key);
+    if (!p) ct_test_fail(__FILE__, __LINE__, "no '%s' in output:\n%s", key, s);
+    p += strlen(key);
+    size_t len = strcspn(p, "\n");
+    snprintf(buf, n, "%.*s", (int)(len < n ? len : n - 1), p);
+}
+
+/* A small, fast run: the first 2000 training samples, 1 BLAS thread. */
+#define SMALL "--model mlp --limit-train 2000 --limit-test 1000 --threads 1"
+
+TEST(cli_help)
+{
+    static char out[OUT_MAX];
+    ASSERT_EQ(RUN(out, "--help"), 0);
+    ASSERT_STR_CONTAINS(out, "train");
+    ASSERT_STR_CONTAINS(out, "inspect");
+    ASSERT_EQ(RUN(out, "train --help"), 0);
+    const char *flags[] = {"--model", "--hidden", "--epochs", "--steps", "--batch", "--lr", "--optim",
+                           "--weight-decay", "--momentum", "--schedule", "--warmup", "--clip", "--seed",
+                           "--no-shuffle", "--init", "--resume", "--save", "--save-every", "--log-every",
+                           "--metrics", "--strategy", "--grad-accum", "--bucket-cap-mb",
+                           "--find-unused-parameters", "--grad-compress", "--threads", "--trace", "--data-dir"};
+    for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) ASSERT_STR_CONTAINS(out, flags[i]);
+    ASSERT(!strstr(out, "--limit-train")); /* for tests only: unlisted */
+    ASSERT_EQ(RUN(out, "eval --help"), 0);
+    ASSERT_STR_CONTAINS(out, "--checkpoint");
+    ASSERT_STR_CONTAINS(out, "confusion");
+    ASSERT_EQ(RUN(out, "inspect --help"), 0);
+    ASSERT_STR_CONTAINS(out, "ctrain inspect CKPT");
+    ASSERT_EQ(RUN(out, "version"), 0);
+    ASSERT_STR_CONTAINS(out, "ctrain " CT_VERSION);
+    ASSERT_EQ(RUN(out, "version --help"), 0);
+}
+
+/* Each bad command line: exit code, one line, and text naming the cause and fix. */
+TEST(cli_usage_errors)
+{
+    static char out[OUT_MAX];
+    struct {
+        const char *args;
+        int code;
+        const char *text;
+    } cases[] = {
+        {"", 2, "usage: ctrain <command>"},
+        {"fly", 2, "unknown command 'fly'"},
+        {"train --model mlp", 2, "give --epochs N or --steps K"},
+        {"train --model mlp --epochs 1 --steps 5", 2, "--epochs and --steps are both given"},
+        {"train --model mlp --steps abc", 2, "--steps 'abc' is not a whole number"},
+        {"train --model mlp --steps 5 --lr fast", 2, "--lr 'fast' is not a number"},
+        {"train --model mlp --steps 5 --bogus", 2, "unknown option '--bogus'"},
+        {"train --model mlp --steps", 2, "--steps needs a value"},
+        {"train --model mlp --steps 5 --batch", 2, "--batch needs a value"},
+        {"train --model resnet --steps 5", 2, "choose one of: mlp, cnn"},
+        {"train --steps 5", 2, "--model is required"},
+        {"train --model mlp --steps 5 --batch 0", 2, "--batch 0 must be at least 1"},
+        {"train --model mlp --steps 5 --hidden 256,x", 2, "'x' is not a positive integer"},
+        {"train --model mlp --steps 5 --strategy fsdp", 2, "choose one of: none, ddp"},
+        {"train --model mlp --steps 5 --optim lbfgs", 2, "choose sgd or adamw"},
+        {"train --model mlp --steps 5 --momentum 0.9", 2, "--optim sgd only"},
+        {"train --model mlp --steps 5 --save-every 10", 2, "--save-every needs --save"},
+        {"train --model mlp --steps 5 --init a --resume b", 2, "--init and --resume are both given"},
+        {"train --model mlp --steps 5 --grad-compress zip", 2, "choose none, bf16 or f16"},
+        {"train --model mlp --steps 5 --data cifar", 2, "unknown data set 'cifar'"},
+        {"train --model mlp --steps 5 --steps 6", 2, "give it once"},
+        {"eval", 2, "--checkpoint CKPT is required"},
+        {"eval --checkpoint", 2, "--checkpoint needs a value"},
+        {"inspect", 2, "ctrain inspect CKPT"},
+        {"inspect a b", 2, "unexpected argument 'b'"},
+        {"version now", 2, "it takes none"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int code = RUN(out, "%s", cases[i].args);
+        if (code != cases[i].code || !strstr(out, cases[i].text))
+            ct_test_fail(__FILE__, __LINE__, "ctrain %s: exit %d (wanted %d), output:\n%s(wanted '%s')",
+                         cases[i].args, code, cases[i].code, out, cases[i].text);
+        if (*cases[i].args && count_lines(out) != 1)
+            ct_test_fail(__FILE__, __LINE__, "ctrain %s: wanted one line, got:\n%s", cases[i].args, out);
+    }
+}
+
+/* Failures found while running: exit code 1, one line naming the file or dir and the fix. */
+TEST(cli_runtime_errors)
+{
+    static char out[OUT_MAX];
+    char path[4096], side[4096];
+    const char *tmp = ct_test_tmpdir();
+    ASSERT_EQ(RUN(out, "train " SMALL " --steps 5 --data-dir %s/nowhere", tmp), 1);
+    ASSERT_STR_CONTAINS(out, "nowhere");
+    ASSERT_STR_CONTAINS(out, "--data-dir");
+    ASSERT_EQ(count_lines(out), 1);
+    ASSERT_EQ(RUN(out, "eval --checkpoint %s/none.safetensors", tmp), 1);
+    ASSERT_STR_CONTAINS(out, "cannot read the checkpoint");
+    ASSERT_STR_CONTAINS(out, "none.safetensors");
+    ASSERT_EQ(count_lines(out), 1);
+    ASSERT_EQ(RUN(out, "inspect %s/none.safetensors", tmp), 1);
+    ASSERT_STR_CONTAINS(out, "none.safetensors");
+    /* Not a safetensors file. */
+    snprintf(path, sizeof path, "%s/junk.safetensors", tmp);
+    FILE *f = fopen(path, "w");
+    ASSERT(f);
+    fputs("this is not a checkpoint", f);
+    fclose(f);
+    ASSERT_EQ(RUN(out, "inspect %s", path), 1);
+    ASSERT_EQ(count_lines(out), 1);
+    ASSERT_EQ(RUN(out, "eval --checkpoint %s", path), 1);
+    ASSERT_EQ(count_lines(out), 1);
+
+    /* A checkpoint of another shape, and a resume without the optimizer sidecar. */
+    snprintf(path, sizeof path, "%s/small.safetensors", tmp);
+    ASSERT_EQ(RUN(out, "train " SMALL " --hidden 32 --steps 2 --log-every 0 --save %s", path), 0);
+    ASSERT_EQ(RUN(out, "train " SMALL " --hidden 64 --steps 2 --init %s", path), 1);
+    ASSERT_STR_CONTAINS(out, "'0.weight' is [32, 784] in the checkpoint but [64, 784] in the model");
+    ASSERT_EQ(count_lines(out), 1);
+    ASSERT_EQ(RUN(out, "train " SMALL " --hidden 32,16 --steps 2 --init %s", path), 1);
+    ASSERT_STR_CONTAINS(out, "2.weight");
+    ASSERT_EQ(RUN(out, "train --hidden 64 --steps 4 --limit-train 2000 --resume %s", path), 2);
+    ASSERT_STR_CONTAINS(out, "--hidden 64 differs from the checkpoint's 32");
+    snprintf(side, sizeof side, "%s/small.optim.safetensors", tmp);
+    ASSERT_EQ(unlink(side), 0);
+    ASSERT_EQ(RUN(out, "train --steps 4 --resume %s", path), 1);
+    ASSERT_STR_CONTAINS(out, "small.optim.safetensors is missing");
+    ASSERT_STR_CONTAINS(out, "use --init");
+    ASSERT_EQ(count_lines(out), 1);
+    remove_scratch();
+}
+
+/* Trains on 2000 samples, then eval and inspect the checkpoint. */
+TEST(cli_train_eval_inspect)
+{
+    static char out[OUT_MAX], ev[OUT_MAX];
+    char ckpt[4096], metrics[4096], acc_train[256], acc_eval[256];
+    const char *tmp = ct_test_tmpdir();
+    snprintf(ckpt, sizeof ckpt, "%s/mlp.safetensors", tmp);
+    snprintf(metrics, sizeof metrics, "%s/metrics.jsonl", tmp);
+    int code = RUN(out, "train " SMALL " --steps 250 --batch 64 --seed 1 --log-every 50 --save %s --metrics %s", ckpt,
+                   metrics);
+    if (code) ct_test_fail(__FILE__, __LINE__, "train failed (%d):\n%s", code, out);
+    double loss = number_after(out, "final train loss ");
+    ASSERT(loss < 1.0); /* chance is ln 10 = 2.30 */
+    ASSERT_STR_CONTAINS(out, "step 250/250");
+    ASSERT_STR_CONTAINS(out, "peak memory per rank: param");
+    ASSERT_STR_CONTAINS(out, "step time (none");
+    line_after(out, "test: ", acc_train, sizeof acc_train);
+    ASSERT(number_after(out, "accuracy ") > 60);
+
+    /* The metrics file: one JSON object per logged step. */
+    FILE *f = fopen(metrics, "r");
+    ASSERT(f);
+    char line[512];
+    int n = 0;
+    while (fgets(line, sizeof line, f)) {
+        n++;
+        ASSERT_STR_CONTAINS(line, "{\"step\":");
+        ASSERT_STR_CONTAINS(line, "\"loss\":");
+        ASSERT_STR_CONTAINS(line, "\"lr\":0.001");
+        ASSERT_STR_CONTAINS(line, "\"samples_per_s\":");
+    }
+    fclose(f);
+    ASSERT_EQ(n, 5);
+
+    /* eval rebuilds the model from the checkpoint alone and agrees with train. */
+    code = RUN(ev, "eval --checkpoint %s --limit-test 1000", ckpt);
+    if (code) ct_test_fail(__FILE__, __LINE__, "eval failed (%d):\n%s", code, ev);
+    line_after(ev, "test: ", acc_eval, sizeof acc_eval);
+    if (strcmp(acc_train, acc_eval))
+        ct_test_fail(__FILE__, __LINE__, "train said '%s', eval says '%s'", acc_train, acc_eval);
+    ASSERT_STR_CONTAINS(ev, "confusion matrix");
+    ASSERT_STR_CONTAINS(ev, "Ankle boot");
+    ASSERT_STR_CONTAINS(ev, "T-shirt/top");
+    ASSERT_EQ(count_lines(ev), 2 + 1 + 1 + 10);
+
+    ASSERT_EQ(RUN(out, "inspect %s", ckpt), 0);
+    ASSERT_STR_CONTAINS(out, "6 tensors");
+    ASSERT_STR_CONTAINS(out, "0.weight");
+    ASSERT_STR_CONTAINS(out, "[256, 784]");
+    ASSERT_STR_CONTAINS(out, "802816"); /* 256*784*4 bytes */
+    ASSERT_STR_CONTAINS(out, "total: 235146 parameters, 940584 bytes");
+    ASSERT_STR_CONTAINS(out, "ctrain.model = mlp");
+    ASSERT_STR_CONTAINS(out, "ctrain.hidden = 256,128");
+    ASSERT_STR_CONTAINS(out, "ctrain.step = 250");
+    ASSERT_STR_CONTAINS(out, "ctrain.optim = adamw");
+    remove_scratch();
+}
+
+/* Loads two safetensors files and requires the same names and identical bytes. */
+static void same_files(const char *a, const char *b)
+{
+    ct_safetensors *x, *y;
+    ASSERT_OK(ct_safetensors_load(a, &x));
+    ASSERT_OK(ct_safetensors_load(b, &y));
+    ASSERT_EQ(ct_safetensors_count(x), ct_safetensors_count(y));
+    for (int i = 0; i < ct_safetensors_count(x); i++) {
+        const ct_tensor *tx = ct_safetensors_tensor(x, i), *ty = ct_safetensors_tensor(y, i);
+        ASSERT(!strcmp(ct_safetensors_name(x, i), ct_safetensors_name(y, i)));
+        ASSERT(ct_tensor_same_shape(tx, ty));
+        if (memcmp(tx->data, ty->data, ct_tensor_bytes(tx)))
+            ct_test_fail(__FILE__, __LINE__, "%s differs between %s and %s", ct_safetensors_name(x, i), a, b);
+    }
+    ct_safetensors_free(x);
+    ct_safetensors_free(y);
+}
+
+/* K steps + save + resume K more == 2K straight steps, bit for bit: the
+ * subset has 15 batches an epoch, so the run crosses epochs (reshuffles)
+ * and the save falls mid-epoch. */
+TEST(cli_resume_is_bit_exact)
+{
+    static char out[OUT_MAX];
+    char a[4096], b[4096], c[4096], sb[4096], sc[4096];
+    const char *tmp = ct_test_tmpdir();
+    snprintf(a, sizeof a, "%s/a.safetensors", tmp);
+    snprintf(b, sizeof b, "%s/b.safetensors", tmp);
+    snprintf(c, sizeof c, "%s/c.safetensors", tmp);
+    const char *hyper = "--limit-train 1000 --batch 64 --seed 3 --lr 0.002 --warmup 10 --clip 0.5 "
+                        "--log-every 0 --limit-test 200 --threads 1";
+    int code = RUN(out, "train --model mlp --hidden 64,32 %s --steps 37 --save %s", hyper, a);
+    if (code) ct_test_fail(__FILE__, __LINE__, "first half failed:\n%s", out);
+    /* Only --steps: everything else comes from the checkpoint. */
+    code = RUN(out, "train --resume %s --steps 74 --save %s --threads 1 --limit-train 1000 --limit-test 200 "
+               "--log-every 0", a, b);
+    if (code) ct_test_fail(__FILE__, __LINE__, "resume failed:\n%s", out);
+    ASSERT_STR_CONTAINS(out, "trained 37 steps (to step 74");
+    code = RUN(out, "train --model mlp --hidden 64,32 %s --steps 74 --save %s", hyper, c);
+    if (code) ct_test_fail(__FILE__, __LINE__, "straight run failed:\n%s", out);
+    same_files(b, c);
+    snprintf(sb, sizeof sb, "%s/b.optim.safetensors", tmp);
+    snprintf(sc, sizeof sc, "%s/c.optim.safetensors", tmp);
+    same_files(sb, sc);
+    /* And the resumed run is not trivially equal to its start. */
+    ct_safetensors *x, *y;
+    ASSERT_OK(ct_safetensors_load(a, &x));
+    ASSERT_OK(ct_safetensors_load(b, &y));
+    const ct_tensor *wa = ct_safetensors_find(x, "0.weight"), *wb = ct_safetensors_find(y, "0.weight");
+    ASSERT(memcmp(wa->data, wb->data, ct_tensor_bytes(wa)));
+    ct_safetensors_free(x);
+    ct_safetensors_free(y);
+    /* A flag that would change the data order is refused, not silently ignored. */
+    ASSERT_EQ(RUN(out, "train --resume %s --steps 80 --seed 4 --limit-train 1000", a), 2);
+    ASSERT_STR_CONTAINS(out, "--seed 4 differs from the 3");
+    remove_scratch();
+}
+
+/* Two ranks with DDP reach the loss one process reaches with the same
+ * global batch: 65 samples split 33/32 (and 17/16/16/16 with two
+ * micro-batches), so the loss-gradient scaling must be exact.  The loss
+ * compared is the last step's (--log-every 1). */
+#define DDP_ARGS SMALL " --steps 40 --batch 65 --seed 5 --lr 0.003 --log-every 1"
+
+static double single_process_loss(char *out)
+{
+    int code = RUN(out, "train " DDP_ARGS " --strategy none");
+    if (code) ct_test_fail(__FILE__, __LINE__, "single process failed:\n%s", out);
+    double l = number_after(out, "final train loss ");
+    ASSERT(l < 1.5);
+    return l;
+}
+
+TEST(cli_ddp_matches_single_process)
+{
+    static char out[OUT_MAX];
+    double l1 = single_process_loss(out);
+    int code = run_np(2, out, "train " DDP_ARGS " --strategy ddp");
+    if (code) ct_test_fail(__FILE__, __LINE__, "ddp failed:\n%s", out);
+    ASSERT_STR_CONTAINS(out, "over 2 ranks (ddp)");
+    /* Only rank 0 prints. */
+    ASSERT_EQ(occurrences(out, "test: loss"), 1);
+    ASSERT_EQ(occurrences(out, "step 40/40"), 1);
+    ASSERT_NEAR(number_after(out, "final train loss "), l1, 1e-4);
+}
+
+TEST(cli_ddp_grad_accum_matches_single_process)
+{
+    static char out[OUT_MAX];
+    double l1 = single_process_loss(out);
+    int code = run_np(2, out, "train " DDP_ARGS " --grad-accum 2");
+    if (code) ct_test_fail(__FILE__, __LINE__, "ddp with --grad-accum 2 failed:\n%s", out);
+    ASSERT_STR_CONTAINS(out, "over 2 ranks (ddp)");
+    ASSERT_NEAR(number_after(out, "final train loss "), l1, 1e-4);
+}
+
+/* World-size errors: every rank sees them, rank 0 says them once. */
+TEST(cli_ddp_usage_errors)
+{
+    static char out[OUT_MAX];
+    ASSERT_EQ(run_np(2, out, "train " SMALL " --steps 2 --batch 1"), 2);
+    ASSERT_STR_CONTAINS(out, "--batch 1 is smaller than the 2 ranks");
+    ASSERT_EQ(occurrences(out, "ctrain train:"), 1);
+    ASSERT_EQ(run_np(2, out, "train " SMALL " --steps 2 --strategy none"), 2);
+    ASSERT_STR_CONTAINS(out, "use --strategy ddp");
+    ASSERT_EQ(occurrences(out, "ctrain train:"), 1);
+    ASSERT_EQ(run_np(2, out, "train " SMALL " --steps 2 --batch 3 --grad-accum 2"), 2);
+    ASSERT_STR_CONTAINS(out, "2 ranks x 2 micro-batches");
+    /* A flag error found before MPI starts is also said once. */
+    ASSERT_EQ(run_np(2, out, "train " SMALL " --steps x"), 2);
+    ASSERT_EQ(occurrences(out, "ctrain train:"), 1);
+}
+
+/* PyTorch builds nn.Sequential(Linear(784,256), ReLU(), Linear(256,128),
+ * ReLU(), Linear(128,10)), loads the checkpoint with strict=True, and
+ * computes the same logits as ctrain on fixed inputs. */
+static const char torch_check_py[] =
+    "import sys\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "import torch\n"
+    "from st_check import load\n"
+    "state, meta = load(sys.argv[2])\n"
+    "io, _ = load(sys.argv[3])\n"
+    "assert meta['ctrain.model'] == 'mlp', meta\n"
+    "net = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128),\n"
+    "                          torch.nn.ReLU(), torch.nn.Linear(128, 10))\n"
+    "net.load_state_dict(state, strict=True)\n"
+    "with torch.no_grad():\n"
+    "    got = net(io['x'])\n"
+    "diff = (got - io['logits']).abs().max().item()\n"
+    "print('max abs diff', diff)\n"
+    "sys.exit(0 if diff < 1e-4 else 1)\n";
+
+TEST(cli_checkpoint_loads_in_pytorch)
+{
+    static char out[OUT_MAX];
+    if (system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
+        fprintf(stderr, "    skipped: /usr/bin/python3 cannot import torch\n");
+        return;
+    }
+    char scripts[1100], ckpt[1024], io[1024], py[1024], cmd[8192];
+    snprintf(scripts, sizeof scripts, "%s/../scripts", bin_dir());
+    char probe[1200];
+    snprintf(probe, sizeof probe, "%s/st_check.py", scripts);
+    if (access(probe, R_OK) != 0) {
+        fprintf(stderr, "    skipped: %s is missing\n", probe);
+        return;
+    }
+    const char *tmp = ct_test_tmpdir();
+    snprintf(ckpt, sizeof ckpt, "%s/torch.safetensors", tmp);
+    snprintf(io, sizeof io, "%s/io.safetensors", tmp);
+    snprintf(py, sizeof py, "%s/check.py", tmp);
+    int code = RUN(out, "train " SMALL " --steps 20 --log-every 0 --save %s", ckpt);
+    if (code) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
+
+    /* ctrain's logits, through the public API, on inputs made here. */
+    ct_safetensors *st;
+    ASSERT_OK(ct_safetensors_load(ckpt, &st));
+    ct_meta m;
+    memset(&m, 0, sizeof m);
+    for (int i = 0; i < ct_safetensors_meta_count(st); i++)
+        ASSERT_OK(ct_meta_set(&m, ct_safetensors_meta_key(st, i), "%s", ct_safetensors_meta_value(st, i)));
+    ct_model_config cfg;
+    ASSERT_OK(ct_model_config_from_meta(&m, &cfg));
+    ct_module *model;
+    ASSERT_OK(ct_model_build(&cfg, 0, &model));
+    for (int i = 0; i < ct_safetensors_count(st); i++) {
+        ct_param *p = ct_module_find(model, ct_safetensors_name(st, i));
+        ASSERT(p);
+        ASSERT_OK(ct_tensor_copy(p->data, ct_safetensors_tensor(st, i)));
+    }
+    ct_tensor *x = ct_tensor_new2(5, 784, CT_MEM_ACT), *y;
+    for (int64_t i = 0; i < x->numel; i++) ct_f32(x)[i] = (float)sin(0.37 * (double)i) * 1.5f;
+    ct_fwd_ctx ctx = {0, 0, 0, 0};
+    ASSERT_OK(ct_module_forward(model, x, &y, NULL, &ctx));
+    const char *names[] = {"x", "logits"};
+    ct_tensor *ts[] = {x, y};
+    ASSERT_OK(ct_safetensors_save(io, names, ts, 2, NULL, NULL, 0));
+
+    FILE *f = fopen(py, "w");
+    ASSERT(f);
+    fputs(torch_check_py, f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s %s %s %s 2>&1", py, scripts, ckpt, io);
+    FILE *p = popen(cmd, "r");
+    ASSERT(p);
+    size_t n = fread(out, 1, OUT_MAX - 1, p);
+    out[n] = 0;
+    int stc = pclose(p);
+    if (!WIFEXITED(stc) || WEXITSTATUS(stc) != 0)
+        ct_test_fail(__FILE__, __LINE__, "PyTorch check failed:\n%s", out);
+    ASSERT_STR_CONTAINS(out, "max abs diff");
+    ct_tensor_release(x);
+    ct_tensor_release(y);
+    ct_module_free(model);
+    ct_safetensors_free(st);
+    remove_scratch();
+}
