@@ -1,0 +1,197 @@
+/*
+ * bench/comm_overlap: do allreduces started asynchronously run while the
+ * main thread computes?  With one BLAS thread per rank it times
+ *   T_compute  a fixed amount of sgemm work (8 products 1024x1024x64),
+ *   T_comm     allreducing 8 buffers of 4 MiB f32 alone (start all, wait all),
+ *   T_both     starting the allreduces, doing the compute, then waiting,
+ * each the slowest rank's time, median over the repetitions, and prints
+ *   overlap = (T_compute + T_comm - T_both) / min(T_compute, T_comm)
+ * (1.0: communication fully hidden, 0: none).  Shared-memory communication
+ * is itself CPU work (copies and sums), so when every core computes it can
+ * only hide the time the comm thread spends waiting; the same overlap with
+ * the compute replaced by a sleep as long shows what the comm thread does
+ * when a core is free (compute on a GPU, or fewer ranks than cores).  CPU figures are the process
+ * CPU time over wall time on rank 0, which shows whether waiting costs CPU;
+ * a last phase has rank 0 wait 200 ms for a late peer and reports what that
+ * waiting costs (the comm thread's polling).
+ *
+ *   bench/comm_overlap [--reps N] [--poll-us US] [--mib M] [--nbuf N] [--ngemm N]
+ *
+ * Started without mpirun it re-launches itself on 2 ranks.  The last line is
+ * machine-readable: "ctrain_comm_overlap t_compute_ms=... overlap=...".
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "ctrain/comm.h"
+#include "launch.h"
+
+static double wall(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static double cpu(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void check(ct_status s, const char *what)
+{
+    if (s != CT_OK) ct_comm_abort("%s failed: %s", what, ct_last_error());
+}
+
+enum { M = 1024, N = 1024, K = 64, MAXBUF = 64 };
+
+static float *a, *b, *c;
+static float *buf[MAXBUF];
+static int nbuf = 8, ngemm = 8;
+static int64_t count;
+
+static void compute(void)
+{
+    for (int i = 0; i < ngemm; i++) ct_sgemm(0, 0, M, N, K, 1.0f, a, K, b, N, 0.0f, c, N);
+}
+
+static void start_allreduces(ct_work **w)
+{
+    for (int i = 0; i < nbuf; i++)
+        check(ct_group_allreduce(ct_group_world(), buf[i], count, CT_F32, CT_OP_SUM, &w[i]),
+              "allreduce");
+}
+
+static void wait_allreduces(ct_work **w)
+{
+    check(ct_work_wait_all(w, nbuf), "waiting for the allreduces");
+    for (int i = 0; i < nbuf; i++) ct_work_free(w[i]);
+}
+
+enum phase { COMPUTE, COMM, BOTH, SLEEP_BOTH, LATE_PEER };
+
+static void sleep_for(double seconds)
+{
+    struct timespec ts = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+/* Runs one phase on every rank from a common start; returns the slowest
+ * rank's wall time and sets *cpu_frac to this rank's CPU time / wall time.
+ * SLEEP_BOTH sleeps for `idle` seconds instead of computing: what overlap
+ * looks like when the compute leaves the CPU free (as a GPU would). */
+static double phase(enum phase which, double idle, double *cpu_frac)
+{
+    ct_work *w[MAXBUF];
+    ct_group *g = ct_group_world();
+    check(ct_group_barrier(g), "barrier");
+    double t0 = wall(), c0 = cpu();
+    switch (which) {
+    case COMPUTE: compute(); break;
+    case COMM: start_allreduces(w), wait_allreduces(w); break;
+    case BOTH: start_allreduces(w), compute(), wait_allreduces(w); break;
+    case SLEEP_BOTH: start_allreduces(w), sleep_for(idle), wait_allreduces(w); break;
+    case LATE_PEER: { /* the last rank comes 200 ms late: what does waiting cost the others? */
+        float x = 1;
+        if (ct_group_rank(g) == ct_group_size(g) - 1) sleep_for(0.2);
+        check(ct_group_allreduce(g, &x, 1, CT_F32, CT_OP_SUM, &w[0]), "allreduce");
+        check(ct_work_wait(w[0]), "allreduce");
+        ct_work_free(w[0]);
+        break;
+    }
+    }
+    double t = wall() - t0;
+    *cpu_frac = (cpu() - c0) / t;
+    int64_t ns = (int64_t)(t * 1e9); /* ctrain has no f64: the max in integer ns */
+    check(ct_group_allreduce(g, &ns, 1, CT_I64, CT_OP_MAX, NULL), "allreduce");
+    return (double)ns * 1e-9;
+}
+
+int main(int argc, char **argv)
+{
+    bench_relaunch_under_mpirun(argc, argv, 2);
+    int reps = 9;
+    double mib = 4;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--poll-us") && i + 1 < argc) setenv("CTRAIN_COMM_POLL_US", argv[++i], 1);
+        else if (!strcmp(argv[i], "--mib") && i + 1 < argc) mib = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--nbuf") && i + 1 < argc) nbuf = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--ngemm") && i + 1 < argc) ngemm = atoi(argv[++i]);
+        else {
+            fprintf(stderr, "usage: comm_overlap [--reps N] [--poll-us US] [--mib M] [--nbuf N] [--ngemm N]\n");
+            return 2;
+        }
+    }
+    if (reps < 1 || reps > 1000 || nbuf < 1 || nbuf > MAXBUF || ngemm < 0 || mib <= 0) {
+        fprintf(stderr, "comm_overlap: bad option value\n");
+        return 2;
+    }
+    check(ct_comm_init(&argc, &argv), "ct_comm_init");
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g);
+    ct_blas_set_threads(1);
+    count = (int64_t)(mib * 1024 * 1024 / sizeof(float));
+    a = ct_alloc((size_t)M * K * sizeof(float), CT_MEM_ACT);
+    b = ct_alloc((size_t)K * N * sizeof(float), CT_MEM_ACT);
+    c = ct_alloc((size_t)M * N * sizeof(float), CT_MEM_ACT);
+    if (!a || !b || !c) ct_comm_abort("out of memory");
+    for (int i = 0; i < M * K; i++) a[i] = (float)(i % 7) * 0.01f;
+    for (int i = 0; i < K * N; i++) b[i] = (float)(i % 5) * 0.01f;
+    for (int i = 0; i < nbuf; i++) {
+        buf[i] = ct_alloc((size_t)count * sizeof(float), CT_MEM_COMM);
+        if (!buf[i]) ct_comm_abort("out of memory");
+    }
+
+    double tc[1000], tm[1000], tb[1000], ts[1000], fc[1000], fm[1000], fb[1000], fs[1000];
+    double dummy, idle_cpu;
+    phase(COMPUTE, 0, &dummy), phase(COMM, 0, &dummy), phase(BOTH, 0, &dummy); /* warm-up */
+    for (int r = 0; r < reps; r++) {
+        tc[r] = phase(COMPUTE, 0, &fc[r]);
+        tm[r] = phase(COMM, 0, &fm[r]);
+        tb[r] = phase(BOTH, 0, &fb[r]);
+        ts[r] = phase(SLEEP_BOTH, tc[r], &fs[r]);
+    }
+    phase(LATE_PEER, 0, &idle_cpu);
+    double Tc = median(tc, reps), Tm = median(tm, reps), Tb = median(tb, reps);
+    double Ts = median(ts, reps), lo = Tc < Tm ? Tc : Tm;
+    double overlap = lo > 0 ? (Tc + Tm - Tb) / lo : 0;
+    double overlap_idle = lo > 0 ? (Tc + Tm - Ts) / lo : 0;
+    if (rank == 0) {
+        printf("comm_overlap: %d ranks, 1 BLAS thread each, %d x sgemm %dx%dx%d, %d x %.3g MiB f32 "
+               "allreduce, poll %d-%d us, %s, median of %d\n",
+               ct_group_size(g), ngemm, M, N, K, nbuf, mib, ct_comm_get_poll_us(),
+               ct_comm_get_poll_max_us(), ct_comm_thread_level(), reps);
+        printf("  T_compute      %8.2f ms   (rank 0 cpu/wall %.2f)\n", Tc * 1e3, median(fc, reps));
+        printf("  T_comm         %8.2f ms   (rank 0 cpu/wall %.2f)\n", Tm * 1e3, median(fm, reps));
+        printf("  T_both         %8.2f ms   (rank 0 cpu/wall %.2f)\n", Tb * 1e3, median(fb, reps));
+        printf("  overlap        %8.2f      (1 = communication fully hidden, 0 = none)\n", overlap);
+        printf("  T_both, sleep  %8.2f ms   (rank 0 cpu/wall %.2f; the compute replaced by a "
+               "sleep as long)\n", Ts * 1e3, median(fs, reps));
+        printf("  overlap, sleep %8.2f      (what the comm thread achieves when a core is free)\n",
+               overlap_idle);
+        printf("  waiting 200 ms for a late peer costs rank 0 %.1f%% of a core\n", idle_cpu * 100);
+        printf("ctrain_comm_overlap t_compute_ms=%.3f t_comm_ms=%.3f t_both_ms=%.3f overlap=%.3f "
+               "t_both_sleep_ms=%.3f overlap_sleep=%.3f idle_wait_cpu=%.3f\n",
+               Tc * 1e3, Tm * 1e3, Tb * 1e3, overlap, Ts * 1e3, overlap_idle, idle_cpu);
+    }
+    ct_free(a), ct_free(b), ct_free(c);
+    for (int i = 0; i < nbuf; i++) ct_free(buf[i]);
+    ct_comm_finalize();
+    return 0;
+}

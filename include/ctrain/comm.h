@@ -1,0 +1,192 @@
+/*
+ * ctrain comm: process groups and collectives over MPI.  This room owns MPI:
+ * start-up and shut-down, groups (a world group and sub-groups split from
+ * it), asynchronous collectives and point-to-point transfers that return
+ * work handles, and the communication thread that drives them.  It knows
+ * tensors and dtypes, nothing of layers or models.
+ *
+ * Threading.  ct_comm_init starts one communication thread per process.
+ * That thread calls MPI_Init_thread and then makes every MPI call ctrain
+ * makes; it starts the collectives of a group in the order the caller issued
+ * them, so MPI's rule that all ranks call collectives on a communicator in
+ * the same order holds as long as all ranks issue ctrain's collectives on a
+ * group in the same order.
+ * While an operation is in flight the thread polls MPI (Open MPI does not
+ * progress nonblocking collectives by itself) with short sleeps in between,
+ * so communication runs while the caller computes without taking a core.
+ * Starting operations, waiting and testing are thread-safe, but the order in
+ * which collectives on a group are started must be the same on every rank,
+ * so start them from one thread (normally the training loop's).  Init,
+ * finalize, split and destroy belong to that thread too.  Completion
+ * callbacks run on the comm thread.
+ *
+ * Buffers.  An operation reads and writes the caller's memory until it
+ * completes: keep buffers alive and untouched until ct_work_wait returns or
+ * ct_work_test says done.  Counts are elements (not bytes) and must fit in
+ * an int (MPI's limit).
+ *
+ * Errors.  Bad arguments are caught before anything is sent and return
+ * CT_EINVAL / CT_EUNSUPPORTED with a message; MPI failures return CT_ECOMM
+ * with MPI's error string.  A rank that rejects its arguments returns
+ * without taking part, so its peers would wait for it: when arguments may
+ * differ across ranks, agree first with ct_group_check, or stop the job
+ * with ct_comm_abort.
+ */
+#ifndef CTRAIN_COMM_H
+#define CTRAIN_COMM_H
+
+#include "core.h"
+#include "tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ct_group ct_group; /* a set of ranks (wraps an MPI communicator) */
+typedef struct ct_work ct_work;   /* one asynchronous operation */
+
+typedef enum { CT_OP_SUM = 0, CT_OP_AVG, CT_OP_MAX, CT_OP_MIN } ct_reduce_op;
+
+/* Color for ct_group_split: this rank joins no sub-group (*out becomes NULL). */
+#define CT_GROUP_NONE (-1)
+
+/* ---- start-up and shut-down ------------------------------------------- */
+
+/* Initialises MPI (a process without mpirun is a world of 1) and starts the
+ * comm thread; argc/argv may be NULL.  A second call is a no-op.  If MPI was
+ * already initialised by the program, it is used and left for the program to
+ * finalise (it must allow at least MPI_THREAD_SERIALIZED). */
+ct_status ct_comm_init(int *argc, char ***argv);
+/* Waits for outstanding operations, frees every group, stops the comm thread
+ * and finalises MPI (if ct_comm_init initialised it).  MPI cannot start
+ * again in the same process afterwards.  No-op if not initialised. */
+void ct_comm_finalize(void);
+/* 1 between ct_comm_init and ct_comm_finalize. */
+int ct_comm_initialized(void);
+/* Logs "rank R: message" and aborts the whole job (MPI_Abort), so a failing
+ * rank stops every rank with a message instead of leaving them waiting. */
+void ct_comm_abort(const char *fmt, ...) __attribute__((noreturn, format(printf, 1, 2)));
+
+/* ---- groups ----------------------------------------------------------- */
+
+/* Every rank of the job; owned by ctrain (do not destroy).  NULL before init. */
+ct_group *ct_group_world(void);
+/* This rank's index in g, 0..size-1. */
+int ct_group_rank(const ct_group *g);
+int ct_group_size(const ct_group *g);
+/* This rank's index among the ranks of g on the same node, and how many those are. */
+int ct_group_local_rank(const ct_group *g);
+int ct_group_local_size(const ct_group *g);
+/* Collective over g: ranks with the same color form a sub-group, ordered by
+ * key (ties by rank in g).  color CT_GROUP_NONE (or any negative) joins
+ * none and sets *out to NULL.  The caller destroys *out. */
+ct_status ct_group_split(ct_group *g, int color, int key, ct_group **out);
+/* Collective over g: returns when every rank of g has called it. */
+ct_status ct_group_barrier(ct_group *g);
+/* Collective over g: agrees whether every rank of g succeeded.  Pass this
+ * rank's outcome (its message is ct_last_error()).  Returns CT_OK on every
+ * rank if all passed local == CT_OK; otherwise every rank returns the error
+ * of the lowest failing rank, with that rank's number and message. */
+ct_status ct_group_check(ct_group *g, ct_status local);
+/* Waits for the group's outstanding operations and frees it (collective, as
+ * MPI_Comm_free is).  NULL and the world group are no-ops. */
+void ct_group_destroy(ct_group *g);
+
+/* ---- asynchronous collectives ------------------------------------------
+ * Each starts an operation on g and returns at once.  Pass a ct_work ** to
+ * get a handle (free it with ct_work_free), or NULL to wait for completion
+ * before returning (the blocking form).  Reductions support CT_F32, CT_BF16
+ * and CT_F16 with every op (16-bit values are added in f32 and rounded back
+ * at each step), and CT_I32, CT_I64, CT_U8 with SUM, MAX and MIN (integer
+ * sums wrap).  AVG is the sum times 1/size.  Collectives on one group
+ * complete, and run their callbacks, in the order they were started. */
+
+/* buf[0..count) on every rank becomes the reduction over ranks of buf. */
+ct_status ct_group_allreduce(ct_group *g, void *buf, int64_t count, ct_dtype dt,
+                             ct_reduce_op op, ct_work **work);
+/* buf on rank root becomes the reduction over ranks; other ranks' buf is unchanged. */
+ct_status ct_group_reduce(ct_group *g, void *buf, int64_t count, ct_dtype dt,
+                          ct_reduce_op op, int root, ct_work **work);
+/* buf on every rank becomes root's buf (any dtype). */
+ct_status ct_group_broadcast(ct_group *g, void *buf, int64_t count, ct_dtype dt, int root,
+                             ct_work **work);
+/* recv[r*count .. (r+1)*count) becomes rank r's send[0..count) (any dtype).
+ * In place when send == recv + rank*count. */
+ct_status ct_group_allgather(ct_group *g, const void *send, void *recv, int64_t count,
+                             ct_dtype dt, ct_work **work);
+/* Like allgather with count[r] elements from rank r placed at recv + displ[r]
+ * (displ NULL: packed in rank order).  counts/displs are copied.  In place
+ * when send == recv + displ[rank]; send_count must equal counts[rank]. */
+ct_status ct_group_allgatherv(ct_group *g, const void *send, int64_t send_count, void *recv,
+                              const int64_t *counts, const int64_t *displs, ct_dtype dt,
+                              ct_work **work);
+/* send has size*count elements; recv[0..count) becomes the reduction over
+ * ranks of block `rank` of send.  In place when recv == send + rank*count
+ * (the other blocks of send are then clobbered). */
+ct_status ct_group_reduce_scatter(ct_group *g, const void *send, void *recv, int64_t count,
+                                  ct_dtype dt, ct_reduce_op op, ct_work **work);
+
+/* ---- point to point ----------------------------------------------------
+ * A send matches the recv on peer with the same tag (>= 0); messages between
+ * two ranks with the same tag arrive in the order they were sent.  A recv
+ * fails if the message does not hold exactly count elements. */
+ct_status ct_group_send(ct_group *g, const void *buf, int64_t count, ct_dtype dt, int peer,
+                        int tag, ct_work **work);
+ct_status ct_group_recv(ct_group *g, void *buf, int64_t count, ct_dtype dt, int peer, int tag,
+                        ct_work **work);
+
+/* ---- tensor forms (whole tensor, its dtype) ---------------------------- */
+
+ct_status ct_group_allreduce_tensor(ct_group *g, ct_tensor *t, ct_reduce_op op, ct_work **work);
+ct_status ct_group_broadcast_tensor(ct_group *g, ct_tensor *t, int root, ct_work **work);
+
+/* ---- work handles ----------------------------------------------------- */
+
+/* Called once when the operation completes, with its status. */
+typedef void (*ct_work_fn)(ct_work *w, ct_status status, void *arg);
+
+/* Blocks (sleeping, not spinning) until w completes and its callback has
+ * run; returns its status (message set in the calling thread).  May be
+ * called again; the result does not change. */
+ct_status ct_work_wait(ct_work *w);
+/* Waits for n handles in order (NULL entries skipped); returns the first failure. */
+ct_status ct_work_wait_all(ct_work **w, int n);
+/* 1 if w has completed (its callback has run), else 0; never blocks. */
+int ct_work_test(const ct_work *w);
+/* Sets w's completion callback (one per handle; CT_ESTATE on a second).  It
+ * runs on the comm thread when the operation completes, or at once on the
+ * calling thread if w has already completed.  It must be short and must not
+ * wait on work; it may start new operations. */
+ct_status ct_work_on_complete(ct_work *w, ct_work_fn fn, void *arg);
+/* Releases the handle.  If the operation is still running it completes in
+ * the background (its callback still runs) and its buffers must stay valid
+ * until then.  NULL is a no-op. */
+void ct_work_free(ct_work *w);
+
+/* ---- tuning and introspection -----------------------------------------
+ * Defaults come from bench/comm_overlap on 2 ranks.  ct_comm_init also sets
+ * OMPI_MCA_coll_libnbc_iallreduce_algorithm=1 (ring) unless it is set. */
+
+/* MPI thread level MPI granted ("MPI_THREAD_MULTIPLE", ...). */
+const char *ct_comm_thread_level(void);
+/* Microseconds the comm thread sleeps between polls while operations are in
+ * flight and none moved (default 20, or CTRAIN_COMM_POLL_US; 0 yields
+ * instead of sleeping).  While nothing moves the sleep doubles every 8 polls
+ * up to the maximum (default 500, or CTRAIN_COMM_POLL_MAX_US), so waiting
+ * for a late peer costs little CPU and adds at most that much latency. */
+void ct_comm_set_poll_us(int us);
+int ct_comm_get_poll_us(void);
+void ct_comm_set_poll_max_us(int us);
+int ct_comm_get_poll_max_us(void);
+/* Collectives of one group that run in MPI at once (default 2, or
+ * CTRAIN_COMM_MAX_RUNNING; 0 = no limit).  Later ones wait in order and
+ * start as earlier ones finish: large collectives running together compete
+ * for memory bandwidth and cache (8 x 4 MiB allreduces on 2 ranks take
+ * ~11 ms with 2 at a time, ~18 ms all at once). */
+void ct_comm_set_max_running(int n);
+int ct_comm_get_max_running(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,591 @@
+/*
+ * The engine: one communication thread per process, its FIFO of submitted
+ * works, and the work handles callers hold.
+ *
+ * The comm thread initialises MPI and is the only thread that calls it (so
+ * any MPI thread level from MPI_THREAD_FUNNELED up is enough).  It takes
+ * works off the queue in submission order and starts them (nonblocking
+ * MPI_I* calls, or a short blocking call such as MPI_Comm_split); then,
+ * while requests are in flight, it calls MPI_Testsome, which is also what
+ * drives Open MPI's progress, and naps between calls that made no progress:
+ * 20 us at first, doubling while nothing moves up to 500 us.  It never spins
+ * a core: it sleeps on a condition variable when idle.  The one exception is
+ * short: while the caller is blocked in ct_work_wait (so its core is free)
+ * the thread polls with sched_yield for up to 200 us after each progress,
+ * which takes a small allreduce on 2 ranks from ~100 us to ~40 us.  Waiters
+ * sleep on another condition variable.
+ *
+ * Collectives of one group run in MPI at most max_running at a time (2 by
+ * default); the rest wait in the group's queue and start in order as
+ * earlier ones finish.  Large collectives all in flight at once compete for
+ * memory bandwidth and cache and take longer in total.  Holding back later
+ * collectives of a group cannot deadlock: every rank starts a group's
+ * collectives in the same order, so the one running everywhere is the same.
+ *
+ * Completion order: MPI may finish independent collectives in any order;
+ * collectives on one group are completed (state, callback) in the order
+ * they were started, so a strategy sees buckets finish in order.
+ * Point-to-point works are never held back and complete as soon as MPI
+ * says so.
+ */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <time.h>
+
+#include "internal.h"
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t wake; /* comm thread: queue not empty, or stop */
+    pthread_cond_t done; /* waiters: a work completed, or start-up finished */
+    pthread_t th;
+    int running, stop, started;
+    ct_work *qhead, *qtail;
+    long pending; /* submitted works not yet completed */
+    int waiters;  /* threads blocked in ct_work_wait */
+    ct_group *groups;
+    ct_status (*on_start)(void);
+    void (*on_stop)(void);
+    ct_status start_status;
+    char start_msg[512];
+} E = {.mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER,
+       .done = PTHREAD_COND_INITIALIZER};
+
+static _Atomic int poll_us = -1, poll_max_us = 500;
+/* Collectives of one group running in MPI at once (0: no limit). */
+static _Atomic int max_running = -1;
+
+/* In-flight requests; touched only by the comm thread. */
+static struct {
+    ct_work **work;
+    MPI_Request *req;
+    MPI_Status *st;
+    int *idx;
+    int n, cap;
+} F;
+
+static void lock(void) { pthread_mutex_lock(&E.mu); }
+static void unlock(void) { pthread_mutex_unlock(&E.mu); }
+
+static _Thread_local int is_comm_thread;
+
+int ct__on_comm_thread(void) { return is_comm_thread; }
+
+/* ---- work handles ------------------------------------------------------ */
+
+ct_work *ct__work_new(ct_group *g, const char *name, ct__start_fn start, ct__finish_fn finish,
+                      int ordered)
+{
+    ct_work *w = ct_alloc(sizeof *w, CT_MEM_OTHER);
+    if (!w) return NULL;
+    w->g = g;
+    w->name = name;
+    w->start = start;
+    w->finish = finish;
+    w->ordered = ordered;
+    w->state = CT__QUEUED;
+    return w;
+}
+
+void ct__work_destroy(ct_work *w)
+{
+    ct_free(w->counts);
+    ct_free(w->displs);
+    ct_free(w);
+}
+
+ct_status ct_work_wait(ct_work *w)
+{
+    CT_ASSERT(w);
+    lock();
+    if (w->state != CT__DONE && ct__on_comm_thread()) {
+        unlock();
+        return ct_error(CT_ESTATE, "ct_work_wait called from a completion callback, which would "
+                                   "deadlock; wait from the thread that started the work");
+    }
+    E.waiters++;
+    while (w->state != CT__DONE) pthread_cond_wait(&E.done, &E.mu);
+    E.waiters--;
+    ct_status s = w->status;
+    unlock();
+    if (s != CT_OK) ct_error(s, "%s", w->msg);
+    return s;
+}
+
+ct_status ct_work_wait_all(ct_work **w, int n)
+{
+    ct_status first = CT_OK;
+    char msg[512] = "";
+    for (int i = 0; i < n; i++) {
+        if (!w[i]) continue;
+        ct_status s = ct_work_wait(w[i]);
+        if (s != CT_OK && first == CT_OK) {
+            first = s;
+            snprintf(msg, sizeof msg, "%s", ct_last_error());
+        }
+    }
+    if (first != CT_OK) ct_error(first, "%s", msg);
+    return first;
+}
+
+int ct_work_test(const ct_work *w)
+{
+    CT_ASSERT(w);
+    lock();
+    int done = w->state == CT__DONE;
+    unlock();
+    return done;
+}
+
+ct_status ct_work_on_complete(ct_work *w, ct_work_fn fn, void *arg)
+{
+    CT_ASSERT(w && fn);
+    lock();
+    if (w->cb) {
+        unlock();
+        return ct_error(CT_ESTATE, "this work already has a completion callback; chain your "
+                                   "calls inside one callback");
+    }
+    if (w->state < CT__CALLING) {
+        w->cb = fn;
+        w->cb_arg = arg;
+        unlock();
+        return CT_OK;
+    }
+    if (w->state == CT__CALLING && ct__on_comm_thread()) {
+        unlock();
+        return ct_error(CT_ESTATE, "cannot add a callback to a work from inside its own callback");
+    }
+    while (w->state != CT__DONE) pthread_cond_wait(&E.done, &E.mu);
+    w->cb = fn;
+    unlock();
+    fn(w, w->status, arg);
+    return CT_OK;
+}
+
+void ct_work_free(ct_work *w)
+{
+    if (!w) return;
+    lock();
+    if (w->state != CT__DONE) {
+        w->detached = 1; /* the engine frees it when it completes */
+        unlock();
+        return;
+    }
+    unlock();
+    ct__work_destroy(w);
+}
+
+/* ---- submission -------------------------------------------------------- */
+
+ct_status ct__submit(ct_work *w, ct_work **out)
+{
+    if (!out && ct__on_comm_thread()) {
+        ct__work_destroy(w);
+        return ct_error(CT_ESTATE, "blocking comm call from a completion callback would deadlock; "
+                                   "pass a ct_work ** and do not wait inside callbacks");
+    }
+    lock();
+    if (!E.running || E.stop) {
+        unlock();
+        ct__work_destroy(w);
+        return ct_error(CT_ESTATE, "comm is not initialised; call ct_comm_init first");
+    }
+    if (E.qtail) E.qtail->next = w;
+    else E.qhead = w;
+    E.qtail = w;
+    w->g->pending++;
+    E.pending++;
+    pthread_cond_signal(&E.wake);
+    unlock();
+    if (out) {
+        *out = w;
+        return CT_OK;
+    }
+    ct_status s = ct_work_wait(w);
+    ct__work_destroy(w);
+    return s;
+}
+
+void ct__group_quiesce(ct_group *g)
+{
+    lock();
+    while (g->pending > 0) pthread_cond_wait(&E.done, &E.mu);
+    unlock();
+}
+
+void ct__group_register(ct_group *g)
+{
+    lock();
+    g->next_all = E.groups;
+    E.groups = g;
+    unlock();
+}
+
+void ct__group_unregister(ct_group *g)
+{
+    lock();
+    for (ct_group **p = &E.groups; *p; p = &(*p)->next_all)
+        if (*p == g) {
+            *p = g->next_all;
+            break;
+        }
+    unlock();
+}
+
+ct_group *ct__group_pop(void)
+{
+    lock();
+    ct_group *g = E.groups;
+    if (g) E.groups = g->next_all;
+    unlock();
+    return g;
+}
+
+/* ---- the comm thread --------------------------------------------------- */
+
+/* Marks w done, runs its callback (outside the lock, so it may submit). */
+static void complete(ct_work *w)
+{
+    lock();
+    ct_work_fn cb = w->cb;
+    w->state = CT__CALLING;
+    unlock();
+    if (cb) cb(w, w->status, w->cb_arg);
+    lock();
+    w->state = CT__DONE;
+    w->g->pending--;
+    E.pending--;
+    int detached = w->detached;
+    pthread_cond_broadcast(&E.done);
+    unlock();
+    if (detached) ct__work_destroy(w);
+}
+
+static void set_failed(ct_work *w, ct_status s)
+{
+    w->status = s;
+    snprintf(w->msg, sizeof w->msg, "%s", ct_last_error());
+}
+
+/* Completes the group's collectives that are finished and have no
+ * unfinished collective started before them. */
+static void drain_ordered(ct_group *g)
+{
+    while (g->ord_head && g->ord_head->mpi_done) {
+        ct_work *w = g->ord_head;
+        g->ord_head = w->ord_next;
+        if (!g->ord_head) g->ord_tail = NULL;
+        complete(w);
+    }
+}
+
+static void launch(ct_work *w);
+
+/* MPI is done with w (s: how it went): post-process, let the group's next
+ * collective start, then complete in order. */
+static void mpi_finished(ct_work *w, ct_status s)
+{
+    if (s == CT_OK && w->finish) {
+        ct_clear_error();
+        s = w->finish(w);
+    }
+    if (s != CT_OK) set_failed(w, s);
+    w->mpi_done = 1;
+    if (!w->ordered) {
+        complete(w);
+        return;
+    }
+    ct_group *g = w->g;
+    g->running--;
+    int cap = atomic_load(&max_running);
+    while (g->defer_head && (cap <= 0 || g->running < cap)) {
+        ct_work *d = g->defer_head;
+        g->defer_head = d->next;
+        if (!g->defer_head) g->defer_tail = NULL;
+        launch(d);
+    }
+    drain_ordered(g);
+}
+
+static int reserve_inflight(void)
+{
+    if (F.n < F.cap) return 0;
+    int cap = F.cap ? 2 * F.cap : 64;
+    ct_work **work = ct_alloc((size_t)cap * sizeof *work, CT_MEM_OTHER);
+    MPI_Request *req = ct_alloc((size_t)cap * sizeof *req, CT_MEM_OTHER);
+    MPI_Status *st = ct_alloc((size_t)cap * sizeof *st, CT_MEM_OTHER);
+    int *idx = ct_alloc((size_t)cap * sizeof *idx, CT_MEM_OTHER);
+    if (!work || !req || !st || !idx) {
+        ct_free(work), ct_free(req), ct_free(st), ct_free(idx);
+        return -1;
+    }
+    if (F.n) {
+        memcpy(work, F.work, (size_t)F.n * sizeof *work);
+        memcpy(req, F.req, (size_t)F.n * sizeof *req);
+    }
+    ct_free(F.work), ct_free(F.req), ct_free(F.st), ct_free(F.idx);
+    F.work = work, F.req = req, F.st = st, F.idx = idx, F.cap = cap;
+    return 0;
+}
+
+/* Starts w in MPI now. */
+static void launch(ct_work *w)
+{
+    if (w->ordered) {
+        ct_group *g = w->g;
+        g->running++;
+        if (g->ord_tail) g->ord_tail->ord_next = w;
+        else g->ord_head = w;
+        g->ord_tail = w;
+    }
+    ct_clear_error();
+    if (reserve_inflight()) {
+        mpi_finished(w, CT_ENOMEM);
+        return;
+    }
+    MPI_Request req = MPI_REQUEST_NULL;
+    ct_status s = w->start(w, &req);
+    if (s != CT_OK || req == MPI_REQUEST_NULL) {
+        mpi_finished(w, s);
+        return;
+    }
+    lock();
+    w->state = CT__INFLIGHT;
+    unlock();
+    F.work[F.n] = w;
+    F.req[F.n] = req;
+    F.n++;
+}
+
+/* Starts w, or, if its group already has max_running collectives in MPI,
+ * queues it behind them: started in order as earlier ones finish. */
+static void start_one(ct_work *w)
+{
+    ct_group *g = w->g;
+    int cap = atomic_load(&max_running);
+    if (w->ordered && (g->defer_head || (cap > 0 && g->running >= cap))) {
+        w->next = NULL;
+        if (g->defer_tail) g->defer_tail->next = w;
+        else g->defer_head = w;
+        g->defer_tail = w;
+        return;
+    }
+    launch(w);
+}
+
+/* One MPI_Testsome over everything in flight; returns how many finished. */
+static int poll_inflight(void)
+{
+    int nout = 0;
+    int rc = MPI_Testsome(F.n, F.req, &nout, F.idx, F.st);
+    if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS) {
+        /* The request array itself is broken: fail everything in flight. */
+        ct_status s = ct__mpi_fail(rc, "MPI_Testsome");
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", ct_last_error());
+        int n = F.n;
+        ct_work *all[n]; /* a copy: finishing may start held-back works into F */
+        memcpy(all, F.work, (size_t)n * sizeof *all);
+        F.n = 0;
+        for (int i = 0; i < n; i++) {
+            ct_error(s, "%s", msg); /* each gets the same message */
+            mpi_finished(all[i], s);
+        }
+        return n;
+    }
+    if (nout == MPI_UNDEFINED || nout == 0) return 0;
+    ct_work *fin[nout];
+    ct_status fs[nout];
+    for (int i = 0; i < nout; i++) {
+        int j = F.idx[i];
+        fin[i] = F.work[j];
+        fin[i]->mpi_status = F.st[i];
+        fs[i] = CT_OK;
+        if (rc == MPI_ERR_IN_STATUS && F.st[i].MPI_ERROR != MPI_SUCCESS) {
+            ct_clear_error();
+            fs[i] = ct__mpi_fail(F.st[i].MPI_ERROR, fin[i]->name);
+            set_failed(fin[i], fs[i]);
+        }
+        F.work[j] = NULL;
+    }
+    int k = 0; /* compact, keeping start order */
+    for (int j = 0; j < F.n; j++)
+        if (F.work[j]) {
+            F.work[k] = F.work[j];
+            F.req[k] = F.req[j];
+            k++;
+        }
+    F.n = k;
+    for (int i = 0; i < nout; i++) {
+        if (fs[i] != CT_OK) ct_error(fs[i], "%s", fin[i]->msg);
+        mpi_finished(fin[i], fs[i]);
+    }
+    return nout;
+}
+
+/* Sleeps between polls that found nothing to do.  The first naps after any
+ * progress are short (poll_us), so the rounds of a collective follow each
+ * other quickly; while nothing moves (a peer is still computing) the nap
+ * doubles every 8 empty polls up to poll_max_us, so waiting costs little
+ * CPU.  That bounds the extra latency after a long wait by poll_max_us. */
+static void nap(int idle)
+{
+    int us = atomic_load(&poll_us), max = atomic_load(&poll_max_us);
+    for (int k = idle / 8; k > 0 && us < max; k--) us *= 2;
+    if (us > max) us = max;
+    if (us <= 0) {
+        sched_yield();
+        return;
+    }
+    struct timespec ts = {us / 1000000, (long)(us % 1000000) * 1000};
+    nanosleep(&ts, NULL);
+}
+
+static double seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* While a caller is blocked in ct_work_wait its core has nothing else to
+ * do, so for this long after the last progress the thread polls without
+ * sleeping (yielding the CPU to anything runnable): a small collective then
+ * takes tens of microseconds instead of a few naps. */
+#define SPIN_SECONDS 200e-6
+
+static void comm_loop(void)
+{
+    int idle = 0;          /* polls in a row that made no progress */
+    double last_move = 0; /* when the last one did */
+    lock();
+    for (;;) {
+        while (!E.qhead && F.n == 0 && !E.stop) pthread_cond_wait(&E.wake, &E.mu);
+        if (!E.qhead && F.n == 0 && E.stop) break;
+        ct_work *batch = E.qhead;
+        E.qhead = E.qtail = NULL;
+        int waiters = E.waiters;
+        unlock();
+        int progressed = batch != NULL;
+        while (batch) {
+            ct_work *next = batch->next;
+            start_one(batch);
+            batch = next;
+        }
+        if (F.n) progressed += poll_inflight();
+        if (progressed) {
+            idle = 0;
+            last_move = seconds();
+        } else if (F.n) {
+            if (waiters && seconds() - last_move < SPIN_SECONDS) sched_yield();
+            else nap(idle++);
+        }
+        lock();
+    }
+    unlock();
+}
+
+static void *comm_main(void *unused)
+{
+    (void)unused;
+    is_comm_thread = 1;
+    /* The default 50 us timer slack would stretch every short nap. */
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    ct_clear_error();
+    ct_status s = E.on_start();
+    lock();
+    E.start_status = s;
+    snprintf(E.start_msg, sizeof E.start_msg, "%s", s ? ct_last_error() : "");
+    E.started = 1;
+    pthread_cond_broadcast(&E.done);
+    unlock();
+    if (s != CT_OK) return NULL;
+    comm_loop();
+    E.on_stop();
+    ct_free(F.work), ct_free(F.req), ct_free(F.st), ct_free(F.idx);
+    memset(&F, 0, sizeof F);
+    return NULL;
+}
+
+ct_status ct__engine_start(ct_status (*on_start)(void), void (*on_stop)(void))
+{
+    if (atomic_load(&poll_us) < 0) {
+        const char *e = getenv("CTRAIN_COMM_POLL_US"), *m = getenv("CTRAIN_COMM_POLL_MAX_US");
+        ct_comm_set_poll_us(e ? atoi(e) : 20);
+        if (m) ct_comm_set_poll_max_us(atoi(m));
+    }
+    if (atomic_load(&max_running) < 0) {
+        const char *e = getenv("CTRAIN_COMM_MAX_RUNNING");
+        ct_comm_set_max_running(e ? atoi(e) : 2);
+    }
+    lock();
+    E.on_start = on_start;
+    E.on_stop = on_stop;
+    E.started = E.stop = 0;
+    E.running = 1;
+    unlock();
+    int rc = pthread_create(&E.th, NULL, comm_main, NULL);
+    if (rc) {
+        E.running = 0;
+        return ct_error(CT_ENOMEM, "cannot start the communication thread: %s", strerror(rc));
+    }
+    lock();
+    while (!E.started) pthread_cond_wait(&E.done, &E.mu);
+    ct_status s = E.start_status;
+    unlock();
+    if (s != CT_OK) {
+        pthread_join(E.th, NULL);
+        lock();
+        E.running = 0;
+        unlock();
+        return ct_error(s, "%s", E.start_msg);
+    }
+    return CT_OK;
+}
+
+void ct__engine_stop(void)
+{
+    CT_ASSERT(!ct__on_comm_thread());
+    lock();
+    if (!E.running) {
+        unlock();
+        return;
+    }
+    while (E.pending > 0) pthread_cond_wait(&E.done, &E.mu);
+    E.stop = 1;
+    pthread_cond_signal(&E.wake);
+    unlock();
+    pthread_join(E.th, NULL);
+    lock();
+    E.running = 0;
+    unlock();
+}
+
+void ct_comm_set_poll_us(int us) { atomic_store(&poll_us, us < 0 ? 0 : us > 100000 ? 100000 : us); }
+
+void ct_comm_set_poll_max_us(int us)
+{
+    atomic_store(&poll_max_us, us < 0 ? 0 : us > 1000000 ? 1000000 : us);
+}
+
+int ct_comm_get_poll_max_us(void) { return atomic_load(&poll_max_us); }
+
+void ct_comm_set_max_running(int n) { atomic_store(&max_running, n < 0 ? 0 : n); }
+
+int ct_comm_get_max_running(void)
+{
+    int n = atomic_load(&max_running);
+    return n < 0 ? 2 : n;
+}
+
+int ct_comm_get_poll_us(void)
+{
+    int us = atomic_load(&poll_us);
+    return us < 0 ? 20 : us;
+}

@@ -1,0 +1,321 @@
+/*
+ * Start-up and shut-down of MPI, process groups (the world and sub-groups
+ * split from it), barrier, agreement on errors across ranks, job abort,
+ * and the conversion of MPI error codes into ct_status messages.
+ *
+ * MPI is initialised on the comm thread (engine.c), which then makes every
+ * MPI call; the functions here build works and submit them to it.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+static struct {
+    int inited;    /* between ct_comm_init and ct_comm_finalize */
+    int finalized; /* MPI finalised by us: cannot start again */
+    int owns_mpi;  /* we called MPI_Init_thread, so we finalise */
+    int provided;  /* thread level granted */
+    int tag_ub;
+    int *argc;
+    char ***argv;
+    ct_group world;
+} S;
+
+/* ---- errors ------------------------------------------------------------ */
+
+ct_status ct__mpi_fail(int rc, const char *what)
+{
+    char es[MPI_MAX_ERROR_STRING] = "";
+    int len = 0;
+    if (MPI_Error_string(rc, es, &len) != MPI_SUCCESS || len == 0)
+        snprintf(es, sizeof es, "MPI error code %d", rc);
+    return ct_error(CT_ECOMM, "%s failed on rank %d: %s; if another rank failed first, its log "
+                              "says why",
+                    what, S.world.rank, es);
+}
+
+int ct__tag_ub(void) { return S.tag_ub; }
+
+/* ---- start-up ---------------------------------------------------------- */
+
+ct_status ct__group_setup(ct_group *g, MPI_Comm comm)
+{
+    int rc;
+    MPI_Comm local = MPI_COMM_NULL;
+    g->comm = comm;
+    if ((rc = MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN)) != MPI_SUCCESS ||
+        (rc = MPI_Comm_rank(comm, &g->rank)) != MPI_SUCCESS ||
+        (rc = MPI_Comm_size(comm, &g->size)) != MPI_SUCCESS)
+        return ct__mpi_fail(rc, "setting up a communicator");
+    /* Ranks sharing memory with this one: the node, for thread budgets. */
+    if ((rc = MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, g->rank, MPI_INFO_NULL, &local)) !=
+            MPI_SUCCESS ||
+        (rc = MPI_Comm_rank(local, &g->local_rank)) != MPI_SUCCESS ||
+        (rc = MPI_Comm_size(local, &g->local_size)) != MPI_SUCCESS) {
+        if (local != MPI_COMM_NULL) MPI_Comm_free(&local);
+        return ct__mpi_fail(rc, "MPI_Comm_split_type (finding the ranks on this node)");
+    }
+    MPI_Comm_free(&local);
+    return CT_OK;
+}
+
+static const char *level_name(int level)
+{
+    switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+    }
+    return "unknown";
+}
+
+const char *ct_comm_thread_level(void) { return S.inited ? level_name(S.provided) : "none"; }
+
+/* Runs on the comm thread before anything else. */
+static ct_status comm_start(void)
+{
+    int rc, inited = 0, fin = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&fin);
+    if (fin)
+        return ct_error(CT_ESTATE, "MPI was already finalised in this process; call "
+                                   "ct_comm_init before anything finalises MPI");
+    if (!inited) {
+        /* Open MPI's nonblocking allreduce (libnbc) picks, for in-place calls
+         * and fewer than 4 ranks, a binomial tree: one rank does every sum
+         * and the data crosses twice.  A ring spreads the sums and moves
+         * each byte once; on 2 ranks it halves the time of an 8 x 4 MiB
+         * allreduce (bench/comm_overlap).  The user's own setting wins. */
+        setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", 0);
+        rc = MPI_Init_thread(S.argc, S.argv, MPI_THREAD_MULTIPLE, &S.provided);
+        if (rc != MPI_SUCCESS)
+            return ct_error(CT_ECOMM, "MPI_Init_thread failed (code %d); check that Open MPI works "
+                                      "(mpirun -np 2 hostname)", rc);
+        S.owns_mpi = 1;
+        MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    } else {
+        MPI_Query_thread(&S.provided);
+        /* Only this thread calls MPI from now on, but the program's own
+         * thread initialised it: that needs at least SERIALIZED. */
+        if (S.provided < MPI_THREAD_SERIALIZED)
+            return ct_error(CT_EUNSUPPORTED, "MPI was initialised with %s, but ctrain calls MPI "
+                                             "from its communication thread; initialise with "
+                                             "MPI_Init_thread(MPI_THREAD_MULTIPLE) or let "
+                                             "ct_comm_init do it",
+                            level_name(S.provided));
+    }
+    MPI_Comm dup;
+    ct_status s;
+    if ((rc = MPI_Comm_dup(MPI_COMM_WORLD, &dup)) != MPI_SUCCESS) {
+        s = ct__mpi_fail(rc, "MPI_Comm_dup(MPI_COMM_WORLD)");
+        goto out_finalize;
+    }
+    S.world.is_world = 1;
+    if ((s = ct__group_setup(&S.world, dup)) != CT_OK) goto out_free_world;
+    void *ub = NULL;
+    int flag = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
+    S.tag_ub = flag && ub ? *(int *)ub : 32767;
+    if ((s = ct__dtypes_create()) != CT_OK) goto out_free_types;
+    return CT_OK;
+
+out_free_types:
+    ct__dtypes_free();
+out_free_world:
+    MPI_Comm_free(&S.world.comm);
+out_finalize:
+    if (S.owns_mpi) {
+        MPI_Finalize();
+        S.finalized = 1;
+    }
+    return s;
+}
+
+/* Runs on the comm thread last. */
+static void comm_stop(void)
+{
+    ct__dtypes_free();
+    MPI_Comm_free(&S.world.comm);
+    if (S.owns_mpi) MPI_Finalize();
+}
+
+ct_status ct_comm_init(int *argc, char ***argv)
+{
+    if (S.inited) return CT_OK;
+    if (S.finalized)
+        return ct_error(CT_ESTATE, "ct_comm_init after ct_comm_finalize: MPI cannot restart in "
+                                   "the same process; finalise only at the end of the program");
+    S.argc = argc;
+    S.argv = argv;
+    CT_TRY(ct__engine_start(comm_start, comm_stop));
+    S.inited = 1;
+    ct_log_set_rank(S.world.rank, S.world.size);
+    ct_log(CT_LOG_DEBUG, "comm: %d ranks, %d on this node, %s, poll %d us", S.world.size,
+           S.world.local_size, level_name(S.provided), ct_comm_get_poll_us());
+    return CT_OK;
+}
+
+int ct_comm_initialized(void) { return S.inited; }
+
+/* ---- groups ------------------------------------------------------------ */
+
+ct_group *ct_group_world(void) { return S.inited ? &S.world : NULL; }
+
+int ct_group_rank(const ct_group *g)
+{
+    CT_ASSERT(g);
+    return g->rank;
+}
+
+int ct_group_size(const ct_group *g)
+{
+    CT_ASSERT(g);
+    return g->size;
+}
+
+int ct_group_local_rank(const ct_group *g)
+{
+    CT_ASSERT(g);
+    return g->local_rank;
+}
+
+int ct_group_local_size(const ct_group *g)
+{
+    CT_ASSERT(g);
+    return g->local_size;
+}
+
+static ct_status split_start(ct_work *w, MPI_Request *req)
+{
+    (void)req; /* MPI has no nonblocking split: done here, on the comm thread */
+    ct_group *ng = w->arg;
+    MPI_Comm nc = MPI_COMM_NULL;
+    int rc = MPI_Comm_split(w->g->comm, w->color < 0 ? MPI_UNDEFINED : w->color, w->key, &nc);
+    if (rc != MPI_SUCCESS) return ct__mpi_fail(rc, "MPI_Comm_split");
+    if (nc == MPI_COMM_NULL) return CT_OK;
+    ct_status s = ct__group_setup(ng, nc);
+    if (s != CT_OK) {
+        MPI_Comm_free(&nc);
+        ng->comm = MPI_COMM_NULL;
+    }
+    return s;
+}
+
+ct_status ct_group_split(ct_group *g, int color, int key, ct_group **out)
+{
+    if (!g || !out)
+        return ct_error(CT_EINVAL, "ct_group_split: %s is NULL", g ? "out" : "group");
+    *out = NULL;
+    ct_group *ng = ct_alloc(sizeof *ng, CT_MEM_OTHER);
+    if (!ng) return CT_ENOMEM;
+    ng->comm = MPI_COMM_NULL;
+    ct_work *w = ct__work_new(g, "MPI_Comm_split", split_start, NULL, 1);
+    if (!w) {
+        ct_free(ng);
+        return CT_ENOMEM;
+    }
+    w->color = color;
+    w->key = key;
+    w->arg = ng;
+    ct_status s = ct__submit(w, NULL);
+    if (s != CT_OK || ng->comm == MPI_COMM_NULL) {
+        ct_free(ng);
+        return s;
+    }
+    ct__group_register(ng);
+    *out = ng;
+    return CT_OK;
+}
+
+static ct_status barrier_start(ct_work *w, MPI_Request *req)
+{
+    int rc = MPI_Ibarrier(w->g->comm, req);
+    return rc == MPI_SUCCESS ? CT_OK : ct__mpi_fail(rc, "MPI_Ibarrier");
+}
+
+ct_status ct_group_barrier(ct_group *g)
+{
+    if (!g) return ct_error(CT_EINVAL, "ct_group_barrier: group is NULL");
+    ct_work *w = ct__work_new(g, "MPI_Ibarrier", barrier_start, NULL, 1);
+    if (!w) return CT_ENOMEM;
+    return ct__submit(w, NULL);
+}
+
+ct_status ct_group_check(ct_group *g, ct_status local)
+{
+    if (!g) return ct_error(CT_EINVAL, "ct_group_check: group is NULL");
+    char mine[400];
+    snprintf(mine, sizeof mine, "%s", local != CT_OK ? ct_last_error() : "");
+    int32_t first = local != CT_OK ? g->rank : INT32_MAX;
+    CT_TRY(ct_group_allreduce(g, &first, 1, CT_I32, CT_OP_MIN, NULL));
+    if (first == INT32_MAX) return CT_OK;
+    /* Everyone now knows the lowest failing rank; it tells them why. */
+    struct {
+        int32_t status, world_rank;
+        char msg[400];
+    } m = {local, S.world.rank, ""};
+    snprintf(m.msg, sizeof m.msg, "%s", mine);
+    CT_TRY(ct_group_broadcast(g, &m, (int64_t)sizeof m, CT_U8, (int)first, NULL));
+    if (g->rank == first) return ct_error(local, "%s", mine);
+    m.msg[sizeof m.msg - 1] = 0;
+    if (m.status >= 0) m.status = CT_EINVAL;
+    if (g->is_world) return ct_error(m.status, "rank %d failed: %s", (int)first, m.msg);
+    return ct_error(m.status, "rank %d of the group (world rank %d) failed: %s", (int)first,
+                    m.world_rank, m.msg);
+}
+
+static ct_status free_start(ct_work *w, MPI_Request *req)
+{
+    (void)req;
+    int rc = MPI_Comm_free(&w->g->comm);
+    return rc == MPI_SUCCESS ? CT_OK : ct__mpi_fail(rc, "MPI_Comm_free");
+}
+
+static void free_group(ct_group *g)
+{
+    ct__group_quiesce(g);
+    ct_work *w = ct__work_new(g, "MPI_Comm_free", free_start, NULL, 0);
+    if (!w || ct__submit(w, NULL) != CT_OK)
+        ct_log(CT_LOG_WARN, "freeing a group: %s", ct_last_error());
+    ct_free(g);
+}
+
+void ct_group_destroy(ct_group *g)
+{
+    if (!g || g->is_world) return;
+    CT_ASSERT(!ct__on_comm_thread()); /* would wait on itself */
+    ct__group_unregister(g);
+    free_group(g);
+}
+
+void ct_comm_finalize(void)
+{
+    if (!S.inited) return;
+    CT_ASSERT(!ct__on_comm_thread());
+    ct_group *g;
+    while ((g = ct__group_pop())) free_group(g);
+    ct__engine_stop();
+    S.inited = 0;
+    S.finalized = S.owns_mpi;
+    ct_log_set_rank(0, 1);
+}
+
+void ct_comm_abort(const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    int inited = 0, fin = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&fin);
+    int rank = S.inited ? S.world.rank : 0;
+    ct_log(CT_LOG_ERROR, "rank %d: %s", rank, msg);
+    fflush(stderr);
+    if (inited && !fin) MPI_Abort(MPI_COMM_WORLD, 1);
+    abort();
+}
