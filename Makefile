@@ -79,6 +79,7 @@ sanitize:
 
 bench: all $(BENCHES)
 	@for b in $(BENCHES); do echo "== $$b"; $$b || exit 1; done
+	@echo "== bench/compare-pytorch"; bench/compare-pytorch
 
 run: all
 	sh scripts/run.sh
