@@ -14,23 +14,11 @@
 #include <string.h>
 
 #include "ctrain/ctrain.h"
-#include "launch.h"
+#include "bench.h"
 
 #define WIDTH 1024
 #define DEPTH 8
 #define BATCH 64
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 static void check(ct_status s, const char *what)
 {

@@ -1,17 +1,31 @@
 /*
- * Benchmarks that need several ranks re-launch themselves under mpirun when
- * started directly (as `make bench` does), so one command runs them.
+ * What the benchmarks share: medians of repeated timings, and re-launching
+ * under mpirun for those that need several ranks when started directly (as
+ * `make bench` does), so one command runs them.
  */
-#ifndef CTRAIN_BENCH_LAUNCH_H
-#define CTRAIN_BENCH_LAUNCH_H
+#ifndef CTRAIN_BENCH_H
+#define CTRAIN_BENCH_H
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
 
+static int bench_cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Median of v[0..n) (sorts v). */
+static inline double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, bench_cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 /* Returns if this process already runs under mpirun; otherwise replaces it
  * with `mpirun -np np <this program> args...` (or exits 1 if that fails). */
-static void bench_relaunch_under_mpirun(int argc, char **argv, int np)
+static inline void bench_relaunch_under_mpirun(int argc, char **argv, int np)
 {
     if (getenv("OMPI_COMM_WORLD_SIZE")) return;
     char npbuf[16], self[4096];
