@@ -299,3 +299,52 @@ TEST(nn_init_is_deterministic_and_pytorch_bounded)
     ct_module_free(a);
     ct_module_free(b);
 }
+
+/* Lazy zero_grad: the next backward overwrites, the one after accumulates,
+ * and a gradient no backward wrote reads as zero once synced. */
+TEST(nn_lazy_zero_grad_overwrites_then_accumulates)
+{
+    ct_module *a = mlp(0), *b = mlp(0);
+    ct_tensor *x = rand_tensor(5, 6, 1), *dy = rand_tensor(5, 4, 2), *y;
+    ct_fwd_ctx ctx = {1, 1, 0, 0};
+    ct_param **pa, **pb;
+    int n;
+    ASSERT_OK(ct_module_params(a, &pa, &n));
+    ASSERT_OK(ct_module_params(b, &pb, &n));
+    for (int i = 0; i < n; i++) ct_tensor_fill(pa[i]->grad, 123.0f); /* stale garbage */
+    ct_module_zero_grad_lazy(a);
+    ASSERT(pa[0]->grad_stale);
+    ct_module_zero_grad(b);
+    for (int rep = 1; rep <= 2; rep++) {
+        ct_tensor *dx = fwd_bwd(a, x, dy, &ctx, &y);
+        ct_tensor_release(y);
+        ct_tensor_release(dx);
+        dx = fwd_bwd(b, x, dy, &ctx, &y);
+        ct_tensor_release(y);
+        ct_tensor_release(dx);
+        for (int i = 0; i < n; i++) {
+            ASSERT(!pa[i]->grad_stale);
+            ASSERT(!memcmp(pa[i]->grad->data, pb[i]->grad->data, ct_tensor_bytes(pa[i]->grad)));
+        }
+    }
+    /* A frozen parameter's gradient is never written: it must still read as zero. */
+    pa[0]->requires_grad = 0;
+    ct_tensor_fill(pa[0]->grad, 7.0f);
+    ct_module_zero_grad_lazy(a);
+    ct_tensor *dx = fwd_bwd(a, x, dy, &ctx, &y);
+    ASSERT(!pa[0]->grad_stale);
+    for (int64_t j = 0; j < pa[0]->grad->numel; j++) ASSERT_EQ(ct_f32(pa[0]->grad)[j], 0);
+    /* ct_param_grad_sync clears a gradient that is only marked. */
+    ct_tensor_fill(pa[1]->grad, 5.0f);
+    pa[1]->grad_stale = 1;
+    ct_param_grad_sync(pa[1]);
+    ASSERT_EQ(ct_f32(pa[1]->grad)[0], 0);
+    ct_tensor_release(y);
+    ct_tensor_release(dx);
+    ct_free(pa);
+    ct_free(pb);
+    ct_tensor_release(x);
+    ct_tensor_release(dy);
+    ct_module_free(a);
+    ct_module_free(b);
+}

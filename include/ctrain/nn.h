@@ -46,6 +46,8 @@ struct ct_param {
     ct_module *owner;
     ct_hook *grad_hooks; /* grad-ready hooks */
     void *user;          /* free for strategies */
+    int grad_stale;      /* grad is logically zero but its memory was not cleared
+                            (ct_module_zero_grad_lazy); see ct_param_grad_sync */
 };
 
 /* What a kind of module does.  forward must save into rec only when rec is
@@ -59,6 +61,9 @@ typedef struct {
     ct_status (*backward)(ct_module *m, ct_tensor *dout, ct_tensor **din,
                           ct_record *rec);
     void (*destroy)(ct_module *m); /* frees impl; may be NULL */
+    /* 1 if backward handles gradients marked zero itself (ct_param_grad_beta);
+     * otherwise the wrapper clears them before calling backward. */
+    int lazy_grad;
 } ct_module_ops;
 
 struct ct_module {
@@ -144,6 +149,16 @@ ct_param *ct_module_find(ct_module *root, const char *fqn);
 int64_t ct_module_num_params(ct_module *root);
 /* Sets every parameter gradient under root to zero. */
 void ct_module_zero_grad(ct_module *root);
+/* Marks every gradient under root as zero without writing it, so the next
+ * backward overwrites instead of accumulating and a pass over all gradient
+ * memory is saved.  Until a backward has produced it, a marked gradient's
+ * memory is stale: read it only after ct_param_grad_sync (strategies do). */
+void ct_module_zero_grad_lazy(ct_module *root);
+/* Makes p->grad hold its value: clears it if it is marked zero. */
+void ct_param_grad_sync(ct_param *p);
+/* For layers writing p's gradient: 0 if it is marked zero (the layer must
+ * then overwrite all of it), else 1 (accumulate); clears the mark. */
+float ct_param_grad_beta(ct_param *p);
 /* Writes a one-line-per-module description ("0 linear [784->256]") to buf. */
 void ct_module_describe(ct_module *root, char *buf, size_t n);
 

@@ -84,7 +84,9 @@ const char *ct_strategy_list(void);
 ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct_record **rec,
                               const ct_fwd_ctx *ctx);
 /* Backward from dout (consumes rec).  Gradients accumulate; unless no_sync
- * is on, they are averaged over the group's ranks when this returns. */
+ * is on, they are averaged over the group's ranks when this returns.  DDP
+ * folds the 1/world of the average into dout, so under no_sync the local
+ * gradients read as 1/world of their plain sum. */
 ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec);
 /* Clips the gradients by their global norm (as clip_grad_norm_); *norm gets it. */
 ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, float *norm);

@@ -87,9 +87,9 @@ static ct_status act_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
     return CT_OK;
 }
 
-static const ct_module_ops relu_ops = {"relu", act_forward, act_backward, NULL};
-static const ct_module_ops gelu_ops = {"gelu", act_forward, act_backward, NULL};
-static const ct_module_ops tanh_ops = {"tanh", act_forward, act_backward, NULL};
+static const ct_module_ops relu_ops = {"relu", act_forward, act_backward, NULL, 0};
+static const ct_module_ops gelu_ops = {"gelu", act_forward, act_backward, NULL, 0};
+static const ct_module_ops tanh_ops = {"tanh", act_forward, act_backward, NULL, 0};
 
 /* Activations have no state: the ops table says which one a module is. */
 ct_module *ct_relu_new(void) { return ct_module_new(&relu_ops, NULL); }

@@ -143,7 +143,7 @@ static ct_status bn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
 
 static void bn_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops bn_ops = {"batchnorm", bn_forward, bn_backward, bn_destroy};
+static const ct_module_ops bn_ops = {"batchnorm", bn_forward, bn_backward, bn_destroy, 0};
 
 ct_module *ct_batchnorm_new(int64_t c, float eps, float momentum)
 {

@@ -52,7 +52,7 @@ static ct_status seq_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
     return CT_OK;
 }
 
-static const ct_module_ops seq_ops = {"sequential", seq_forward, seq_backward, NULL};
+static const ct_module_ops seq_ops = {"sequential", seq_forward, seq_backward, NULL, 0};
 
 ct_module *ct_sequential_new(void) { return ct_module_new(&seq_ops, NULL); }
 
@@ -110,7 +110,7 @@ static ct_status res_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
     return CT_OK;
 }
 
-static const ct_module_ops res_ops = {"residual", res_forward, res_backward, NULL};
+static const ct_module_ops res_ops = {"residual", res_forward, res_backward, NULL, 0};
 
 ct_module *ct_residual_new(ct_module *body)
 {
@@ -149,7 +149,7 @@ static ct_status ckpt_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     return ct_module_backward(m->kids[0], dout, din, kr);
 }
 
-static const ct_module_ops ckpt_ops = {"checkpoint", ckpt_forward, ckpt_backward, NULL};
+static const ct_module_ops ckpt_ops = {"checkpoint", ckpt_forward, ckpt_backward, NULL, 0};
 
 ct_module *ct_checkpoint_new(ct_module *inner)
 {

@@ -263,7 +263,7 @@ done:
 
 static void conv_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops conv_ops = {"conv2d", conv_forward, conv_backward, conv_destroy};
+static const ct_module_ops conv_ops = {"conv2d", conv_forward, conv_backward, conv_destroy, 0};
 
 ct_module *ct_conv2d_new(int64_t cin, int64_t cout, int k, int stride, int pad, int bias)
 {
@@ -371,7 +371,7 @@ static ct_status pool_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
 
 static void pool_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops pool_ops = {"maxpool2d", pool_forward, pool_backward, pool_destroy};
+static const ct_module_ops pool_ops = {"maxpool2d", pool_forward, pool_backward, pool_destroy, 0};
 
 ct_module *ct_maxpool2d_new(int k, int stride)
 {

@@ -77,7 +77,7 @@ static ct_status emb_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
 
 static void emb_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops emb_ops = {"embedding", emb_forward, emb_backward, emb_destroy};
+static const ct_module_ops emb_ops = {"embedding", emb_forward, emb_backward, emb_destroy, 0};
 
 ct_module *ct_embedding_new(int64_t num, int64_t dim)
 {

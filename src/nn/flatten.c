@@ -56,6 +56,6 @@ static ct_status flat_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     return CT_OK;
 }
 
-static const ct_module_ops flat_ops = {"flatten", flat_forward, flat_backward, NULL};
+static const ct_module_ops flat_ops = {"flatten", flat_forward, flat_backward, NULL, 0};
 
 ct_module *ct_flatten_new(void) { return ct_module_new(&flat_ops, NULL); }

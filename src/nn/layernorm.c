@@ -106,7 +106,7 @@ static ct_status ln_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
 
 static void ln_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops ln_ops = {"layernorm", ln_forward, ln_backward, ln_destroy};
+static const ct_module_ops ln_ops = {"layernorm", ln_forward, ln_backward, ln_destroy, 0};
 
 ct_module *ct_layernorm_new(int64_t dim, float eps)
 {

@@ -72,12 +72,15 @@ static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
     }
     const float *dy = ct_f32(dout);
     ct_param *W = m->params[0];
+    /* A gradient marked zero is overwritten (beta 0): no clearing pass and
+     * no read of the old values. */
     if (W->requires_grad && W->grad)
         ct_sgemm(1, 0, (int)L->out, (int)L->in, (int)rows, 1.0f, dy, (int)L->out, ct_f32(x),
-                 (int)L->in, 1.0f, ct_f32(W->grad), (int)L->in);
+                 (int)L->in, ct_param_grad_beta(W), ct_f32(W->grad), (int)L->in);
     if (L->bias) {
         ct_param *B = m->params[1];
         if (B->requires_grad && B->grad) {
+            ct_param_grad_sync(B); /* small: clearing it costs nothing */
             float *gb = ct_f32(B->grad);
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t j = 0; j < L->out; j++) gb[j] += dy[r * L->out + j];
@@ -95,7 +98,7 @@ static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
 
 static void linear_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops linear_ops = {"linear", linear_forward, linear_backward, linear_destroy};
+static const ct_module_ops linear_ops = {"linear", linear_forward, linear_backward, linear_destroy, 1};
 
 ct_module *ct_linear_new(int64_t in, int64_t out, int bias)
 {

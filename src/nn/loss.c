@@ -63,14 +63,23 @@ ct_status ct_cross_entropy(const ct_tensor *logits, const ct_tensor *targets, in
         const float *zr = z + r * C;
         float mx = zr[0];
         for (int64_t j = 1; j < C; j++) mx = zr[j] > mx ? zr[j] : mx;
+        /* One float exp per element (kept in the gradient row for the
+         * softmax), summed in double: a double exp per element twice made
+         * this a visible part of a training step. */
+        float *dr = d ? ct_f32(d) + r * C : NULL;
         double se = 0.0;
-        for (int64_t j = 0; j < C; j++) se += exp((double)(zr[j] - mx));
-        double lse = log(se);
-        total += lse - (double)(zr[t] - mx);
-        if (d) {
-            float *dr = ct_f32(d) + r * C;
-            for (int64_t j = 0; j < C; j++)
-                dr[j] = (float)(exp((double)(zr[j] - mx) - lse) * inv);
+        if (dr) {
+            for (int64_t j = 0; j < C; j++) {
+                dr[j] = expf(zr[j] - mx);
+                se += dr[j];
+            }
+        } else {
+            for (int64_t j = 0; j < C; j++) se += expf(zr[j] - mx);
+        }
+        total += log(se) - (double)(zr[t] - mx);
+        if (dr) {
+            float scale = (float)(inv / se);
+            for (int64_t j = 0; j < C; j++) dr[j] *= scale;
             dr[t] -= (float)inv;
         }
     }

@@ -179,8 +179,12 @@ ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
         return ct_error(CT_EINVAL, "record passed to backward of '%s' belongs to another module", m->fqn);
     }
     ct_status s = fire_module(m, CT_HOOK_PRE_BACKWARD);
+    if (!m->ops->lazy_grad)
+        for (int i = 0; i < m->nparams; i++) ct_param_grad_sync(m->params[i]);
     if (s == CT_OK) s = m->ops->backward(m, dout, din, rec);
     ct_record_free(rec);
+    /* A gradient the backward did not write (frozen, skipped) is still zero. */
+    for (int i = 0; i < m->nparams; i++) ct_param_grad_sync(m->params[i]);
     for (int i = 0; s == CT_OK && i < m->nparams; i++)
         if (m->params[i]->requires_grad) s = fire_grad_ready(m->params[i]);
     if (s == CT_OK) s = fire_module(m, CT_HOOK_POST_BACKWARD);
@@ -455,14 +459,33 @@ int64_t ct_module_num_params(ct_module *root)
     return total;
 }
 
-static void zero_grads(ct_module *m)
+static void zero_grads(ct_module *m, int lazy)
 {
-    for (int i = 0; i < m->nparams; i++)
-        if (m->params[i]->grad) ct_tensor_fill(m->params[i]->grad, 0.0f);
-    for (int i = 0; i < m->nkids; i++) zero_grads(m->kids[i]);
+    for (int i = 0; i < m->nparams; i++) {
+        ct_param *p = m->params[i];
+        if (!p->grad) continue;
+        p->grad_stale = lazy;
+        if (!lazy) ct_tensor_fill(p->grad, 0.0f);
+    }
+    for (int i = 0; i < m->nkids; i++) zero_grads(m->kids[i], lazy);
 }
 
-void ct_module_zero_grad(ct_module *root) { zero_grads(root); }
+void ct_module_zero_grad(ct_module *root) { zero_grads(root, 0); }
+void ct_module_zero_grad_lazy(ct_module *root) { zero_grads(root, 1); }
+
+void ct_param_grad_sync(ct_param *p)
+{
+    if (!p->grad_stale) return;
+    p->grad_stale = 0;
+    if (p->grad) ct_tensor_fill(p->grad, 0.0f);
+}
+
+float ct_param_grad_beta(ct_param *p)
+{
+    float beta = p->grad_stale ? 0.0f : 1.0f;
+    p->grad_stale = 0;
+    return beta;
+}
 
 static void describe(ct_module *m, int depth, char *buf, size_t n, size_t *off)
 {

@@ -130,6 +130,7 @@ static ct_status build_buckets(ct_strategy *s, const int *order)
     /* Re-point gradients: views into the new buffers, values kept. */
     for (int p = 0; p < n; p++) {
         ct_param *pa = d->tp[p];
+        ct_param_grad_sync(pa);
         ct_tensor *v = ct_tensor_view(nbk[d->bucket_of[p]].buf, d->offset[p], pa->data->ndim,
                                       pa->data->shape);
         CT_ASSERT(v); /* shapes come from the parameter itself */
@@ -158,7 +159,11 @@ static void on_allreduce_done(ct_work *w, ct_status status, void *arg)
 
 static ct_status launch(ct_strategy *s, bucket_t *b)
 {
+    ddp_t *d = D(s);
     ct_dtype dt = s->o.ddp.comm_dtype;
+    /* Members that got no gradient (find_unused_parameters) may still be only marked zero. */
+    for (int i = 0; i < d->ntp; i++)
+        if (d->bucket_of[i] == b->index) ct_param_grad_sync(d->tp[i]);
     void *buf = b->buf->data;
     b->t_start = ct_now();
     b->t_end = 0;
@@ -167,7 +172,8 @@ static ct_status launch(ct_strategy *s, bucket_t *b)
     if (dt != CT_F32) buf = b->wire;
     ct_work_free(b->work);
     b->work = NULL;
-    CT_TRY(ct_group_allreduce(s->g, buf, b->numel, dt, CT_OP_AVG, &b->work));
+    /* A sum: gradients were already scaled by 1/world (ddp_grad_scale). */
+    CT_TRY(ct_group_allreduce(s->g, buf, b->numel, dt, CT_OP_SUM, &b->work));
     return ct_work_on_complete(b->work, on_allreduce_done, b);
 }
 
@@ -424,5 +430,9 @@ static ct_status ddp_post_backward(ct_strategy *s)
     return CT_OK;
 }
 
+/* The average over ranks is folded into the loss gradient, so the
+ * collective is a plain sum with no scaling pass afterwards. */
+static float ddp_grad_scale(ct_strategy *s) { return 1.0f / (float)ct_group_size(s->g); }
+
 const ct__strategy_ops ct__ddp_ops = {"ddp", ddp_init, ddp_fini, ddp_pre_forward,
-                                      ddp_pre_backward, ddp_post_backward};
+                                      ddp_pre_backward, ddp_post_backward, ddp_grad_scale};

@@ -13,6 +13,8 @@ typedef struct {
     ct_status (*pre_forward)(ct_strategy *s);
     ct_status (*pre_backward)(ct_strategy *s);
     ct_status (*post_backward)(ct_strategy *s);
+    /* Factor applied to the loss gradient before backward (NULL: 1). */
+    float (*grad_scale)(ct_strategy *s);
 } ct__strategy_ops;
 
 struct ct_strategy {

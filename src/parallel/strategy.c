@@ -8,7 +8,7 @@
 
 #include "internal.h"
 
-static const ct__strategy_ops none_ops = {"none", NULL, NULL, NULL, NULL, NULL};
+static const ct__strategy_ops none_ops = {"none", NULL, NULL, NULL, NULL, NULL, NULL};
 
 static const ct__strategy_ops *const kinds[] = {&none_ops, &ct__ddp_ops};
 
@@ -97,7 +97,26 @@ ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
         ct_record_free(rec);
         return st;
     }
-    st = ct_module_backward(s->model, dout, NULL, rec);
+    /* Backward is linear in dout, so scaling it scales every gradient: DDP
+     * passes 1/world here and then only has to sum, saving a pass over all
+     * gradients after the allreduce. */
+    float scale = s->ops->grad_scale ? s->ops->grad_scale(s) : 1.0f;
+    ct_tensor *g = dout;
+    if (scale != 1.0f) {
+        if (dout->dtype != CT_F32) {
+            ct_record_free(rec);
+            return ct_error(CT_EINVAL, "backward: the loss gradient is %s; it must be F32",
+                            ct_dtype_name(dout->dtype));
+        }
+        if (!(g = ct_tensor_clone(dout, CT_MEM_ACT))) {
+            ct_record_free(rec);
+            return CT_ENOMEM;
+        }
+        float *gp = ct_f32(g);
+        for (int64_t i = 0; i < g->numel; i++) gp[i] *= scale;
+    }
+    st = ct_module_backward(s->model, g, NULL, rec);
+    if (g != dout) ct_tensor_release(g);
     double t1 = ct_now();
     s->stats.backward += t1 - t0;
     ct_trace_event("backward", "step", t0, t1, 0);
@@ -105,8 +124,15 @@ ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
     return st;
 }
 
+/* Gradients marked zero by the lazy zero_grad that no backward wrote since. */
+static void sync_grads(ct_strategy *s)
+{
+    for (int i = 0; i < s->nparams; i++) ct_param_grad_sync(s->params[i]);
+}
+
 ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, float *norm)
 {
+    sync_grads(s);
     /* Every strategy here holds full, synchronised gradients, so the local norm is the global one. */
     return ct_clip_grad_norm(s->params, s->nparams, max_norm, norm);
 }
@@ -114,6 +140,7 @@ ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, float *norm
 ct_status ct_strategy_step(ct_strategy *s)
 {
     double t0 = ct_now();
+    sync_grads(s);
     ct_status st = ct_optim_step(s->opt);
     double t1 = ct_now();
     ct_trace_event("optimizer", "step", t0, t1, 0);
@@ -130,7 +157,9 @@ ct_status ct_strategy_step(ct_strategy *s)
     return st;
 }
 
-void ct_strategy_zero_grad(ct_strategy *s) { ct_module_zero_grad(s->model); }
+/* Lazy: the next backward overwrites the gradients instead of adding to
+ * zeros, which saves a write and a read of all gradient memory per step. */
+void ct_strategy_zero_grad(ct_strategy *s) { ct_module_zero_grad_lazy(s->model); }
 
 /* ---- state ------------------------------------------------------------- */
 
