@@ -83,13 +83,17 @@ int main(int argc, char **argv)
         float loss;
         ct_fwd_ctx ctx = {1, 1, (uint64_t)it, 0};
         check(ct_strategy_forward(s, x, &logits, &rec, &ctx), "forward");
+        double l0 = ct_now();
         check(ct_cross_entropy(logits, y, -100, &loss, &dl), "loss");
+        ct_trace_event("loss", "step", l0, ct_now(), 0);
         check(ct_strategy_backward(s, dl, rec), "backward");
         check(ct_strategy_step(s), "step");
+        double z0 = ct_now();
         ct_strategy_zero_grad(s);
         ct_tensor_release(logits);
         ct_tensor_release(dl);
         double t1 = ct_now();
+        ct_trace_event("zero_grad", "step", z0, t1, 0);
         if (it >= warmup) {
             ct_step_stats st = ct_strategy_stats(s);
             int k = it - warmup;

@@ -122,7 +122,9 @@ ct_status ct__record_add_kid(ct_record *rec, ct_record *kid);
 ct_module *ct_module_new(const ct_module_ops *ops, void *impl);
 /* Frees the module tree; NULL is a no-op. */
 void ct_module_free(ct_module *m);
-/* Adds kid under name (NULL: its index); m owns kid from now on. */
+/* Adds kid under name (NULL: its index); m owns kid from now on, and on
+ * failure kid is freed (so ct_module_add(m, NULL, ct_relu_new()) never
+ * leaks) unless it already belongs to another tree. */
 ct_status ct_module_add(ct_module *m, const char *name, ct_module *kid);
 /* Adds a zero-initialised parameter (with a gradient) of the given shape. */
 ct_param *ct_module_add_param(ct_module *m, const char *local, int ndim,

@@ -154,9 +154,7 @@ ct_status ct__seq_push(ct_module *seq, ct_module *kid)
         snprintf(why, sizeof why, "%s", ct_last_error());
         return ct_error(CT_ENOMEM, "building layer %d failed: %s", seq->nkids, *why ? why : "out of memory");
     }
-    ct_status st = ct_module_add(seq, NULL, kid);
-    if (st != CT_OK && kid->parent != seq) ct_module_free(kid);
-    return st;
+    return ct_module_add(seq, NULL, kid); /* frees kid on failure */
 }
 
 ct_status ct_model_build(const ct_model_config *cfg, uint64_t seed, ct_module **out)

@@ -119,9 +119,12 @@ ct_module *ct_residual_new(ct_module *body)
         return NULL;
     }
     ct_module *m = ct_module_new(&res_ops, NULL);
-    if (!m || ct_module_add(m, "body", body) != CT_OK) {
-        ct_module_free(m);
+    if (!m) {
         ct_module_free(body);
+        return NULL;
+    }
+    if (ct_module_add(m, "body", body) != CT_OK) { /* body freed by the add */
+        ct_module_free(m);
         return NULL;
     }
     return m;
@@ -163,9 +166,8 @@ ct_module *ct_checkpoint_new(ct_module *inner)
         return NULL;
     }
     m->transparent = 1;
-    if (ct_module_add(m, "inner", inner) != CT_OK) {
+    if (ct_module_add(m, "inner", inner) != CT_OK) { /* inner freed by the add */
         ct_module_free(m);
-        ct_module_free(inner);
         return NULL;
     }
     return m;

@@ -312,27 +312,36 @@ static ct_module *root_of(ct_module *m)
 ct_status ct_module_add(ct_module *m, const char *name, ct_module *kid)
 {
     char idx[24];
+    ct_status st = CT_OK;
     if (!kid) return ct_error(CT_EINVAL, "adding a NULL child to '%s' (did its constructor fail?)", m->fqn);
+    /* A child of another tree is not ours to free. */
     if (kid->parent) return ct_error(CT_EINVAL, "module '%s' already has a parent", kid->fqn);
     if (!name) {
         snprintf(idx, sizeof idx, "%d", m->nkids);
         name = idx;
     }
-    if (!*name || strchr(name, '.'))
-        return ct_error(CT_EINVAL, "child name '%s' must be non-empty and contain no '.'", name);
+    if (!*name || strchr(name, '.')) {
+        st = ct_error(CT_EINVAL, "child name '%s' must be non-empty and contain no '.'", name);
+        goto out_free_kid;
+    }
     for (int i = 0; i < m->nkids; i++)
-        if (!strcmp(m->kids[i]->name, name))
-            return ct_error(CT_EINVAL, "'%s' already has a child named '%s'", m->fqn, name);
+        if (!strcmp(m->kids[i]->name, name)) {
+            st = ct_error(CT_EINVAL, "'%s' already has a child named '%s'", m->fqn, name);
+            goto out_free_kid;
+        }
     char *nm = dupstr(name);
-    if (!nm) return CT_ENOMEM;
-    if (push_ptr((void ***)&m->kids, &m->nkids, kid)) {
+    if (!nm || push_ptr((void ***)&m->kids, &m->nkids, kid)) {
         ct_free(nm);
-        return CT_ENOMEM;
+        st = CT_ENOMEM;
+        goto out_free_kid;
     }
     ct_free(kid->name);
     kid->name = nm;
     kid->parent = m;
     return ct_module_name_tree(root_of(m));
+out_free_kid:
+    ct_module_free(kid);
+    return st;
 }
 
 static ct_param *new_param(ct_module *m, const char *local, int ndim, const int64_t *shape, int buffer)
