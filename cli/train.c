@@ -545,11 +545,11 @@ static void describe(trainer *t)
     train_opts *o = t->o;
     char desc[300];
     cli_out("ctrain train: %s (%lld parameters) on %s (%lld training samples), %s lr %g, batch %lld%s "
-            "over %d rank%s (%s), %d BLAS thread%s per rank, steps %lld..%lld (%lld per epoch)\n",
+            "over %d rank%s (%s), %d BLAS thread%s per rank (OpenBLAS %s), steps %lld..%lld (%lld per epoch)\n",
             cli_config_str(&t->cfg, desc, sizeof desc), (long long)ct_module_num_params(t->model), o->data, (long long)t->train.n, ct_optim_name(t->opt),
             t->sched.base_lr, (long long)o->batch, o->grad_accum > 1 ? " (accumulated)" : "", t->world,
             t->world == 1 ? "" : "s", ct_strategy_kind(t->s), ct_blas_get_threads(),
-            ct_blas_get_threads() == 1 ? "" : "s", (long long)t->step, (long long)t->total, (long long)t->spe);
+            ct_blas_get_threads() == 1 ? "" : "s", ct_blas_corename(), (long long)t->step, (long long)t->total, (long long)t->spe);
 }
 
 int train_run(train_opts *o)
