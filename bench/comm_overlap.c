@@ -16,9 +16,20 @@
  * waiting costs (the comm thread's polling).
  *
  *   bench/comm_overlap [--reps N] [--poll-us US] [--mib M] [--nbuf N] [--ngemm N]
+ *   bench/comm_overlap --compare-shm [--reps N] [--ngemm N]
+ *
+ * --compare-shm times the two allreduce paths side by side, for 8 x 4 MiB
+ * and 1 x 28 MiB f32 (DDP's bucket shapes): MPI (private buffers: Open MPI's
+ * ring, copies through vader) and the direct shared-memory path (buffers
+ * from ct_group_alloc_shared).  For each: T_comm (slowest rank) and the CPU
+ * time rank 0's process spends in it (its main thread sleeps in
+ * ct_work_wait, so that is the comm thread's work), then T_both with the
+ * compute running and the CPU the allreduces added to it (CPU of T_both
+ * minus CPU of the compute alone).
  *
  * Started without mpirun it re-launches itself on 2 ranks.  The last line is
- * machine-readable: "ctrain_comm_overlap t_compute_ms=... overlap=...".
+ * machine-readable: "ctrain_comm_overlap t_compute_ms=... overlap=..." (or
+ * "ctrain_comm_shm ..." with --compare-shm).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -49,6 +60,7 @@ static void check(ct_status s, const char *what)
 enum { M = 1024, N = 1024, K = 64, MAXBUF = 64 };
 
 static float *a, *b, *c;
+static double last_cpu; /* this rank's CPU seconds in the last phase */
 static float *buf[MAXBUF];
 static int nbuf = 8, ngemm = 8;
 static int64_t count;
@@ -104,16 +116,73 @@ static double phase(enum phase which, double idle, double *cpu_frac)
     }
     }
     double t = wall() - t0;
-    *cpu_frac = (cpu() - c0) / t;
+    last_cpu = cpu() - c0;
+    *cpu_frac = last_cpu / t;
     int64_t ns = (int64_t)(t * 1e9); /* ctrain has no f64: the max in integer ns */
     check(ct_group_allreduce(g, &ns, 1, CT_I64, CT_OP_MAX, NULL), "allreduce");
     return (double)ns * 1e-9;
 }
 
+/* --compare-shm: per path and shape, reps rounds of (compute alone, the
+ * allreduces alone, both), interleaved so that drift and other load hit all
+ * three alike; medians of the slowest rank's wall time and of rank 0's CPU. */
+static void compare_shm(int reps)
+{
+    static const struct { int nbuf; double mib; const char *name; } cfg[] = {
+        {8, 4, "8x4MiB"}, {1, 28, "1x28MiB"}};
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g);
+    char line[1024];
+    int len = snprintf(line, sizeof line, "ctrain_comm_shm");
+    if (rank == 0)
+        printf("comm_overlap --compare-shm: %d ranks, 1 BLAS thread each, %d x sgemm %dx%dx%d, "
+               "median of %d\n", ct_group_size(g), ngemm, M, N, K, reps);
+    for (int k = 0; k < 2; k++) {
+        nbuf = cfg[k].nbuf;
+        count = (int64_t)(cfg[k].mib * 1024 * 1024 / sizeof(float));
+        size_t bytes = (size_t)count * sizeof(float);
+        for (int path = 0; path < 2; path++) {
+            for (int i = 0; i < nbuf; i++) {
+                if (path) check(ct_group_alloc_shared(g, bytes, CT_MEM_COMM, (void **)&buf[i]),
+                                "ct_group_alloc_shared");
+                else if (!(buf[i] = ct_alloc(bytes, CT_MEM_COMM))) ct_comm_abort("out of memory");
+                for (int64_t j = 0; j < count; j++) buf[i][j] = 1e-3f * (float)(j % 7);
+            }
+            int direct = ct_group_is_shared(g, buf[0], bytes);
+            double tc[1000], tm[1000], cm[1000], tb[1000], cadd[1000], dummy;
+            phase(COMM, 0, &dummy), phase(BOTH, 0, &dummy); /* warm-up */
+            for (int r = 0; r < reps; r++) {
+                tc[r] = phase(COMPUTE, 0, &dummy) * 1e3;
+                double cc = last_cpu;
+                tm[r] = phase(COMM, 0, &dummy) * 1e3;
+                cm[r] = last_cpu * 1e3;
+                tb[r] = phase(BOTH, 0, &dummy) * 1e3;
+                cadd[r] = (last_cpu - cc) * 1e3;
+            }
+            double Tc = median(tc, reps), Tm = median(tm, reps), Cm = median(cm, reps);
+            double Tb = median(tb, reps), Ca = median(cadd, reps);
+            const char *pname = path ? (direct ? "shm" : "shm-unavailable") : "mpi";
+            if (rank == 0)
+                printf("  %-8s %-4s T_comm %6.2f ms  cpu %6.2f ms | T_compute %6.2f ms  "
+                       "T_both %6.2f ms  cpu added %6.2f ms\n",
+                       cfg[k].name, pname, Tm, Cm, Tc, Tb, Ca);
+            len += snprintf(line + len, sizeof line - (size_t)len,
+                            " %s_%s_comm_ms=%.3f cpu_ms=%.3f compute_ms=%.3f both_ms=%.3f "
+                            "cpu_added_ms=%.3f", pname, cfg[k].name, Tm, Cm, Tc, Tb, Ca);
+            for (int i = 0; i < nbuf; i++) {
+                if (path) ct_group_free_shared(g, buf[i]);
+                else ct_free(buf[i]);
+                buf[i] = NULL;
+            }
+        }
+    }
+    if (rank == 0) printf("%s\n", line);
+}
+
 int main(int argc, char **argv)
 {
     bench_relaunch_under_mpirun(argc, argv, 2);
-    int reps = 9;
+    int reps = 9, shm_mode = 0;
     double mib = 4;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
@@ -121,8 +190,10 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--mib") && i + 1 < argc) mib = atof(argv[++i]);
         else if (!strcmp(argv[i], "--nbuf") && i + 1 < argc) nbuf = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--ngemm") && i + 1 < argc) ngemm = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--compare-shm")) shm_mode = 1;
         else {
-            fprintf(stderr, "usage: comm_overlap [--reps N] [--poll-us US] [--mib M] [--nbuf N] [--ngemm N]\n");
+            fprintf(stderr, "usage: comm_overlap [--reps N] [--poll-us US] [--mib M] [--nbuf N] "
+                            "[--ngemm N] [--compare-shm]\n");
             return 2;
         }
     }
@@ -141,6 +212,12 @@ int main(int argc, char **argv)
     if (!a || !b || !c) ct_comm_abort("out of memory");
     for (int i = 0; i < M * K; i++) a[i] = (float)(i % 7) * 0.01f;
     for (int i = 0; i < K * N; i++) b[i] = (float)(i % 5) * 0.01f;
+    if (shm_mode) {
+        compare_shm(reps);
+        ct_free(a), ct_free(b), ct_free(c);
+        ct_comm_finalize();
+        return 0;
+    }
     for (int i = 0; i < nbuf; i++) {
         buf[i] = ct_alloc((size_t)count * sizeof(float), CT_MEM_COMM);
         if (!buf[i]) ct_comm_abort("out of memory");

@@ -31,6 +31,18 @@
  * without taking part, so its peers would wait for it: when arguments may
  * differ across ranks, agree first with ct_group_check, or stop the job
  * with ct_comm_abort.
+ *
+ * Shared memory.  When every rank of a group is on one node, buffers from
+ * ct_group_alloc_shared live in an MPI-3 shared-memory window, and an
+ * allreduce over the same range of one such allocation on every rank skips
+ * MPI's messages: each rank sums its slice of the range across all ranks'
+ * buffers and writes it into all of them (for f32, bf16, f16; integer
+ * dtypes go through MPI).  It is queued, ordered and completed like any
+ * collective.  On a group with shared allocations every allreduce, shared
+ * or not, first agrees through shared memory on every rank's (range, count,
+ * dtype, op): ranks that differ all fail with CT_EINVAL.  CTRAIN_COMM_SHM=0
+ * turns shared allocations into ordinary memory (every allreduce then takes
+ * the MPI path), for comparison or as an escape hatch.
  */
 #ifndef CTRAIN_COMM_H
 #define CTRAIN_COMM_H
@@ -97,11 +109,14 @@ void ct_group_destroy(ct_group *g);
  * get a handle (free it with ct_work_free), or NULL to wait for completion
  * before returning (the blocking form).  Reductions support CT_F32, CT_BF16
  * and CT_F16 with every op (16-bit values are added in f32 and rounded back
- * at each step), and CT_I32, CT_I64, CT_U8 with SUM, MAX and MIN (integer
+ * at each step; on the shared-memory path, summed in f32 over all ranks and
+ * rounded once), and CT_I32, CT_I64, CT_U8 with SUM, MAX and MIN (integer
  * sums wrap).  AVG is the sum times 1/size.  Collectives on one group
  * complete, and run their callbacks, in the order they were started. */
 
-/* buf[0..count) on every rank becomes the reduction over ranks of buf. */
+/* buf[0..count) on every rank becomes the reduction over ranks of buf.
+ * Without messages when buf is the same range of one of g's shared
+ * allocations on every rank (see Shared memory above). */
 ct_status ct_group_allreduce(ct_group *g, void *buf, int64_t count, ct_dtype dt,
                              ct_reduce_op op, ct_work **work);
 /* buf on rank root becomes the reduction over ranks; other ranks' buf is unchanged. */
@@ -125,6 +140,22 @@ ct_status ct_group_allgatherv(ct_group *g, const void *send, int64_t send_count,
  * (the other blocks of send are then clobbered). */
 ct_status ct_group_reduce_scatter(ct_group *g, const void *send, void *recv, int64_t count,
                                   ct_dtype dt, ct_reduce_op op, ct_work **work);
+
+/* ---- shared memory ----------------------------------------------------- */
+
+/* Collective over g: `bytes` bytes of zeroed, 64-byte aligned memory that
+ * collectives on g can reduce in place without copies when all of g's ranks
+ * share a node (an MPI shared-memory window); otherwise (ranks on several
+ * nodes, a group of one, CTRAIN_COMM_SHM=0) ordinary memory.  Counted under
+ * cat in the tracked allocator.  Waits for g's outstanding operations
+ * first.  Free with ct_group_free_shared (collective); ct_group_destroy and
+ * ct_comm_finalize free what is left. */
+ct_status ct_group_alloc_shared(ct_group *g, size_t bytes, ct_mem_cat cat, void **ptr);
+/* Collective over g (waits for g's outstanding operations): frees ptr from
+ * ct_group_alloc_shared on g.  NULL is a no-op. */
+void ct_group_free_shared(ct_group *g, void *ptr);
+/* 1 if ptr..ptr+bytes lies in a shared allocation of g with the direct path available. */
+int ct_group_is_shared(const ct_group *g, const void *ptr, size_t bytes);
 
 /* ---- point to point ----------------------------------------------------
  * A send matches the recv on peer with the same tag (>= 0); messages between

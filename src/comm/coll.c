@@ -4,6 +4,7 @@
  * once), the MPI_I* call each one makes on the comm thread, and the
  * post-processing MPI does not do (AVG scaling, moving an in-place
  * reduce-scatter result into this rank's block, received-count checks).
+ * An allreduce on a group with shared allocations is handed to shm.c.
  */
 #include <limits.h>
 #include <string.h>
@@ -87,6 +88,11 @@ ct_status ct_group_allreduce(ct_group *g, void *buf, int64_t count, ct_dtype dt,
     if (!w) return CT_ENOMEM;
     w->op = op;
     w->root = -1; /* every rank scales for AVG */
+    ct_status s = ct__shm_allreduce_setup(w, buf, (size_t)count * ct_dtype_size(dt));
+    if (s != CT_OK) {
+        ct__work_destroy(w);
+        return s;
+    }
     return ct__submit(w, work);
 }
 

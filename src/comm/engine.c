@@ -27,6 +27,15 @@
  * they were started, so a strategy sees buckets finish in order.
  * Point-to-point works are never held back and complete as soon as MPI
  * says so.
+ *
+ * Polled works: a start function may hand back no MPI request and set
+ * w->poll instead (the shared-memory allreduce, shm.c, which waits for its
+ * peers on atomics in shared memory).  The thread then calls w->poll every
+ * round, alongside MPI_Testsome and with the same naps, until it says done
+ * or hands over an MPI request.  While such a collective has not yet made
+ * its MPI call (or finished), later collectives of its group are held back
+ * like those over max_running: every rank then makes the group's MPI calls
+ * in the same order, which MPI requires.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -59,6 +68,11 @@ static struct {
 static _Atomic int poll_us = -1, poll_max_us = 500;
 /* Collectives of one group running in MPI at once (0: no limit). */
 static _Atomic int max_running = -1;
+
+/* Works being polled (w->poll), in start order; touched only by the comm thread. */
+static struct {
+    ct_work *head, *tail;
+} P;
 
 /* In-flight requests; touched only by the comm thread. */
 static struct {
@@ -287,6 +301,19 @@ static void drain_ordered(ct_group *g)
 
 static void launch(ct_work *w);
 
+/* Starts the group's held-back collectives while it has room and no polled
+ * collective is still agreeing with its peers. */
+static void start_deferred(ct_group *g)
+{
+    int cap = atomic_load(&max_running);
+    while (g->defer_head && !g->gate && (cap <= 0 || g->running < cap)) {
+        ct_work *d = g->defer_head;
+        g->defer_head = d->next;
+        if (!g->defer_head) g->defer_tail = NULL;
+        launch(d);
+    }
+}
+
 /* MPI is done with w (s: how it went): post-process, let the group's next
  * collective start, then complete in order. */
 static void mpi_finished(ct_work *w, ct_status s)
@@ -303,13 +330,7 @@ static void mpi_finished(ct_work *w, ct_status s)
     }
     ct_group *g = w->g;
     g->running--;
-    int cap = atomic_load(&max_running);
-    while (g->defer_head && (cap <= 0 || g->running < cap)) {
-        ct_work *d = g->defer_head;
-        g->defer_head = d->next;
-        if (!g->defer_head) g->defer_tail = NULL;
-        launch(d);
-    }
+    start_deferred(g);
     drain_ordered(g);
 }
 
@@ -351,6 +372,17 @@ static void launch(ct_work *w)
     }
     MPI_Request req = MPI_REQUEST_NULL;
     ct_status s = w->start(w, &req);
+    if (s == CT_OK && req == MPI_REQUEST_NULL && w->poll) {
+        lock();
+        w->state = CT__INFLIGHT;
+        unlock();
+        if (w->ordered) w->g->gate = w;
+        w->poll_next = NULL;
+        if (P.tail) P.tail->poll_next = w;
+        else P.head = w;
+        P.tail = w;
+        return;
+    }
     if (s != CT_OK || req == MPI_REQUEST_NULL) {
         mpi_finished(w, s);
         return;
@@ -369,7 +401,7 @@ static void start_one(ct_work *w)
 {
     ct_group *g = w->g;
     int cap = atomic_load(&max_running);
-    if (w->ordered && (g->defer_head || (cap > 0 && g->running >= cap))) {
+    if (w->ordered && (g->gate || g->defer_head || (cap > 0 && g->running >= cap))) {
         w->next = NULL;
         if (g->defer_tail) g->defer_tail->next = w;
         else g->defer_head = w;
@@ -429,6 +461,45 @@ static int poll_inflight(void)
     return nout;
 }
 
+/* Polls every polled work once; returns how many advanced. */
+static int poll_polled(void)
+{
+    ct_work *list = P.head;
+    P.head = P.tail = NULL;
+    int moved = 0;
+    while (list) {
+        ct_work *w = list;
+        list = w->poll_next;
+        w->poll_next = NULL;
+        MPI_Request req = MPI_REQUEST_NULL;
+        ct_status s = CT_OK;
+        int r = CT__POLL_WAIT;
+        ct_clear_error();
+        /* Room for the request it may hand over; without it, try next round. */
+        if (reserve_inflight() == 0) r = w->poll(w, &req, &s);
+        if (r != CT__POLL_DONE) {
+            moved += r == CT__POLL_MOVED;
+            if (P.tail) P.tail->poll_next = w;
+            else P.head = w;
+            P.tail = w;
+            continue;
+        }
+        moved++;
+        w->poll = NULL;
+        ct_group *g = w->g;
+        if (g->gate == w) g->gate = NULL;
+        if (s == CT_OK && req != MPI_REQUEST_NULL) {
+            F.work[F.n] = w;
+            F.req[F.n] = req;
+            F.n++;
+            if (w->ordered) start_deferred(g);
+        } else {
+            mpi_finished(w, s);
+        }
+    }
+    return moved;
+}
+
 /* Sleeps between polls that found nothing to do.  The first naps after any
  * progress are short (poll_us), so the rounds of a collective follow each
  * other quickly; while nothing moves (a peer is still computing) the nap
@@ -466,8 +537,8 @@ static void comm_loop(void)
     double last_move = 0; /* when the last one did */
     lock();
     for (;;) {
-        while (!E.qhead && F.n == 0 && !E.stop) pthread_cond_wait(&E.wake, &E.mu);
-        if (!E.qhead && F.n == 0 && E.stop) break;
+        while (!E.qhead && F.n == 0 && !P.head && !E.stop) pthread_cond_wait(&E.wake, &E.mu);
+        if (!E.qhead && F.n == 0 && !P.head && E.stop) break;
         ct_work *batch = E.qhead;
         E.qhead = E.qtail = NULL;
         int waiters = E.waiters;
@@ -479,10 +550,11 @@ static void comm_loop(void)
             batch = next;
         }
         if (F.n) progressed += poll_inflight();
+        if (P.head) progressed += poll_polled();
         if (progressed) {
             idle = 0;
             last_move = seconds();
-        } else if (F.n) {
+        } else if (F.n || P.head) {
             if (waiters && seconds() - last_move < SPIN_SECONDS) sched_yield();
             else nap(idle++);
         }

@@ -281,6 +281,7 @@ static ct_status free_start(ct_work *w, MPI_Request *req)
 static void free_group(ct_group *g)
 {
     ct__group_quiesce(g);
+    ct__shm_release(g);
     ct_work *w = ct__work_new(g, "MPI_Comm_free", free_start, NULL, 0);
     if (!w || ct__submit(w, NULL) != CT_OK)
         ct_log(CT_LOG_WARN, "freeing a group: %s", ct_last_error());
@@ -301,6 +302,8 @@ void ct_comm_finalize(void)
     CT_ASSERT(!ct__on_comm_thread());
     ct_group *g;
     while ((g = ct__group_pop())) free_group(g);
+    ct__group_quiesce(&S.world);
+    ct__shm_release(&S.world);
     ct__engine_stop();
     S.inited = 0;
     S.finalized = S.owns_mpi;

@@ -1,7 +1,8 @@
 /*
  * Private to src/comm: the group and work structs, the engine (the comm
  * thread and its queue, engine.c), MPI datatypes and reduction ops for
- * ctrain's dtypes (dtype.c), and MPI error conversion (group.c).
+ * ctrain's dtypes (dtype.c), MPI error conversion (group.c), and shared
+ * allocations with the direct shared-memory allreduce (shm.c).
  */
 #ifndef CTRAIN_COMM_INTERNAL_H
 #define CTRAIN_COMM_INTERNAL_H
@@ -18,6 +19,12 @@ struct ct_group {
     ct_work *ord_head, *ord_tail; /* started collectives, in start order (comm thread) */
     ct_work *defer_head, *defer_tail; /* collectives waiting for a running slot (comm thread) */
     int running;                      /* collectives started, MPI not done (comm thread) */
+    /* A polled collective (shm.c) still agreeing with its peers: later
+     * collectives of the group wait behind it, so every rank makes the
+     * group's MPI calls in the same order (comm thread). */
+    ct_work *gate;
+    struct ct__shm *shm; /* shared allocations and control block, NULL if none (shm.c) */
+    struct ct__plain *plain; /* ordinary memory from ct_group_alloc_shared (shm.c) */
     ct_group *next_all;           /* registry of live groups, for finalize (engine lock) */
 };
 
@@ -28,6 +35,14 @@ typedef ct_status (*ct__start_fn)(ct_work *w, MPI_Request *req);
 /* Runs on the comm thread after MPI completed the request without error:
  * post-processing (avg scaling, moving an in-place result, count checks). */
 typedef ct_status (*ct__finish_fn)(ct_work *w);
+/* Runs on the comm thread, each round, for a work whose start set w->poll
+ * (and left *req at MPI_REQUEST_NULL): advances it without waiting long.
+ * Returns CT__POLL_WAIT (nothing changed), CT__POLL_MOVED (advanced, still
+ * waiting) or CT__POLL_DONE: then *s is the outcome (message set on error)
+ * and *req is MPI_REQUEST_NULL (finished) or an active request (the work
+ * goes on in MPI like any other). */
+typedef int (*ct__poll_fn)(ct_work *w, MPI_Request *req, ct_status *s);
+enum { CT__POLL_WAIT = 0, CT__POLL_MOVED, CT__POLL_DONE };
 
 enum { CT__QUEUED = 0, CT__INFLIGHT, CT__CALLING, CT__DONE };
 
@@ -50,8 +65,19 @@ struct ct_work {
     int *counts, *displs; /* allgatherv, ct_alloc'd, freed with the work */
     int color, key;       /* split */
     int inplace;
-    void *arg;            /* split: the new group */
+    void *arg;            /* split: the new group; shm.c: its request */
     MPI_Status mpi_status;
+
+    /* polled works (shm.c); comm thread */
+    ct__poll_fn poll;
+    ct_work *poll_next; /* the engine's list of works being polled */
+    int phase;
+    uint64_t target;    /* barrier arrival awaited */
+    uint64_t handshake; /* number of the agreement step */
+    void *shm_alloc;    /* the shared allocation buf lies in, or NULL */
+    size_t shm_off;     /* byte offset of buf in it */
+    double t_wait;      /* when the current wait began */
+    int warned;         /* a long wait was logged */
 
     /* engine state */
     int state;
@@ -110,5 +136,24 @@ ct_status ct__mpi_fail(int rc, const char *what);
 ct_status ct__group_setup(ct_group *g, MPI_Comm comm);
 /* MPI_TAG_UB of the job. */
 int ct__tag_ub(void);
+
+/* ---- shm.c ------------------------------------------------------------- */
+
+/* Caller's thread, for an allreduce w of `bytes` at buf on a group: if the
+ * group has shared allocations, routes w through the shared-memory
+ * agreement (direct reduction when every rank passes the same range of one
+ * shared allocation, MPI otherwise).  CT_EINVAL if buf starts in a shared
+ * allocation and runs past its end. */
+ct_status ct__shm_allreduce_setup(ct_work *w, const void *buf, size_t bytes);
+/* Frees every allocation from ct_group_alloc_shared g still has
+ * (collective; g quiesced). */
+void ct__shm_release(ct_group *g);
+
+/* ---- src/core/alloc.c -------------------------------------------------- */
+
+/* Counts bytes allocated outside ct_alloc (MPI shared-memory windows) under
+ * cat in the tracked allocator's current and peak figures; delta < 0 gives
+ * them back. */
+void ct__mem_account(ct_mem_cat cat, int64_t delta);
 
 #endif

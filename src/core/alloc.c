@@ -186,6 +186,22 @@ void ct_free(void *p)
     if (h->cap < CACHE_MIN || !cache_put(h)) free(h);
 }
 
+/* Declared in src/comm/internal.h: memory MPI allocated for ctrain (shared
+ * windows) is counted like ct_alloc's, so reports and peaks include it. */
+void ct__mem_account(ct_mem_cat cat, int64_t delta)
+{
+    CT_ASSERT(cat >= 0 && cat < CT_MEM_NCAT);
+    if (delta >= 0) {
+        size_t d = (size_t)delta;
+        raise_peak(&peak[cat], atomic_fetch_add(&cur[cat], d) + d);
+        raise_peak(&peak_total, atomic_fetch_add(&cur_total, d) + d);
+    } else {
+        size_t d = (size_t)-delta;
+        atomic_fetch_sub(&cur[cat], d);
+        atomic_fetch_sub(&cur_total, d);
+    }
+}
+
 size_t ct_alloc_size(const void *p)
 {
     if (!p) return 0;

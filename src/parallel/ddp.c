@@ -22,8 +22,9 @@
 #include "internal.h"
 
 typedef struct {
-    ct_tensor *buf;   /* f32 [numel], the gradients' storage */
-    uint16_t *wire;   /* 16-bit copy for compressed allreduce, or NULL */
+    ct_tensor *buf;   /* f32 [numel] over mem: the gradients' storage */
+    float *mem;       /* from ct_group_alloc_shared: reduced in place without copies on one node */
+    uint16_t *wire;   /* 16-bit copy for compressed allreduce (shared too), or NULL */
     int64_t numel;
     int nmembers;
     int pending;      /* gradients not yet ready in this backward */
@@ -61,14 +62,23 @@ static int index_of(const ct_param *p) { return (int)(intptr_t)p->user; }
 
 /* ---- buckets ----------------------------------------------------------- */
 
-static void free_buckets(ddp_t *d)
+/* Collective (the shared allocations are): every rank frees the same buckets. */
+static void release_buckets(ct_group *g, bucket_t *b, int nb)
 {
-    for (int i = 0; i < d->nb; i++) {
-        ct_work_free(d->b[i].work);
-        ct_tensor_release(d->b[i].buf);
-        ct_free(d->b[i].wire);
+    for (int i = 0; i < nb; i++) {
+        if (b[i].work) ct_work_wait(b[i].work);
+        ct_work_free(b[i].work);
+        ct_tensor_release(b[i].buf);
+        ct_group_free_shared(g, b[i].mem);
+        ct_group_free_shared(g, b[i].wire);
     }
-    ct_free(d->b);
+    ct_free(b);
+}
+
+static void free_buckets(ct_strategy *s)
+{
+    ddp_t *d = D(s);
+    release_buckets(s->g, d->b, d->nb);
     d->b = NULL;
     d->nb = 0;
 }
@@ -110,21 +120,19 @@ static ct_status build_buckets(ct_strategy *s, const int *order)
         nbk[b].numel += d->tp[p]->data->numel;
         nbk[b].nmembers++;
     }
+    /* Bucket memory comes from the group's shared-memory windows when all
+     * ranks share a node, so the allreduce sums straight out of every rank's
+     * bucket (no copies through MPI); same layout on every rank. */
     for (int b = 0; b < nb && st == CT_OK; b++) {
         nbk[b].index = b;
-        nbk[b].buf = ct_tensor_new(CT_F32, 1, &nbk[b].numel, CT_MEM_GRAD);
-        if (!nbk[b].buf) st = CT_ENOMEM;
-        if (st == CT_OK && s->o.ddp.comm_dtype != CT_F32) {
-            nbk[b].wire = ct_alloc((size_t)nbk[b].numel * 2, CT_MEM_COMM);
-            if (!nbk[b].wire) st = CT_ENOMEM;
-        }
+        st = ct_group_alloc_shared(s->g, (size_t)nbk[b].numel * 4, CT_MEM_GRAD, (void **)&nbk[b].mem);
+        if (st == CT_OK && !(nbk[b].buf = ct_tensor_wrap(CT_F32, 1, &nbk[b].numel, nbk[b].mem)))
+            st = CT_ENOMEM;
+        if (st == CT_OK && s->o.ddp.comm_dtype != CT_F32)
+            st = ct_group_alloc_shared(s->g, (size_t)nbk[b].numel * 2, CT_MEM_COMM, (void **)&nbk[b].wire);
     }
     if (st != CT_OK) {
-        for (int b = 0; b < nb; b++) {
-            ct_tensor_release(nbk[b].buf);
-            ct_free(nbk[b].wire);
-        }
-        ct_free(nbk);
+        release_buckets(s->g, nbk, nb);
         goto out;
     }
     /* Re-point gradients: views into the new buffers, values kept. */
@@ -138,7 +146,7 @@ static ct_status build_buckets(ct_strategy *s, const int *order)
         ct_tensor_release(pa->grad);
         pa->grad = v;
     }
-    free_buckets(d);
+    free_buckets(s);
     d->b = nbk;
     d->nb = nb;
     s->stats.nbuckets = nb; /* the optimizer's slots follow p->grad by themselves */
@@ -323,7 +331,7 @@ static void ddp_fini(ct_strategy *s)
     if (!d) return;
     for (int i = 0; i < d->nb; i++)
         if (d->b[i].work) ct_work_wait(d->b[i].work);
-    /* Give every parameter a gradient of its own again. */
+    /* Give every parameter a gradient of its own again (before the buckets go). */
     for (int i = 0; d->tp && i < d->ntp; i++) {
         ct_param *p = d->tp[i];
         if (d->grad_hooks) ct_hook_remove(d->grad_hooks[i]);
@@ -337,7 +345,7 @@ static void ddp_fini(ct_strategy *s)
         p->user = NULL;
     }
     for (int i = 0; d->fwd_hooks && i < d->nmods; i++) ct_hook_remove(d->fwd_hooks[i]);
-    free_buckets(d);
+    free_buckets(s);
     ct_free(d->tp);
     ct_free(d->bucket_of);
     ct_free(d->offset);
