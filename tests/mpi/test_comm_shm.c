@@ -19,32 +19,9 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "../test.h"
-#include "ctrain/comm.h"
+#include "coll_ref.h"
 
-static ct_group *W(void) { return ct_group_world(); }
 
-static uint64_t mix(uint64_t x)
-{
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
-/* Rank r's element i as an exact double (see the top comment). */
-static double input(int r, int64_t i, int seed, ct_dtype dt)
-{
-    uint64_t h = mix(((uint64_t)seed << 48) ^ ((uint64_t)r << 40) ^ (uint64_t)i);
-    double u = (double)(h >> 11) / 9007199254740992.0 * 2 - 1; /* [-1, 1) */
-    switch (dt) {
-    case CT_F32: return (double)((int64_t)(h % 16384) - 8192) / 1024.0;
-    case CT_BF16: return ct_bf16_to_f32(ct_f32_to_bf16((float)u));
-    case CT_F16: return ct_f16_to_f32(ct_f32_to_f16((float)u));
-    case CT_I32: return (double)((int64_t)(h % 2001) - 1000);
-    default: return 0;
-    }
-}
 
 /* A float with a full mantissa, of varied sign and size. */
 static float rnd(int r, int64_t i, int seed)
@@ -54,86 +31,13 @@ static float rnd(int r, int64_t i, int seed)
     return (float)(u * (double)(1 << (h % 7)));
 }
 
-static double get(const void *buf, ct_dtype dt, int64_t i)
-{
-    switch (dt) {
-    case CT_F32: return ((const float *)buf)[i];
-    case CT_BF16: return ct_bf16_to_f32(((const uint16_t *)buf)[i]);
-    case CT_F16: return ct_f16_to_f32(((const uint16_t *)buf)[i]);
-    case CT_I32: return ((const int32_t *)buf)[i];
-    default: return 0;
-    }
-}
 
-static void put(void *buf, ct_dtype dt, int64_t i, double v)
-{
-    switch (dt) {
-    case CT_F32: ((float *)buf)[i] = (float)v; break;
-    case CT_BF16: ((uint16_t *)buf)[i] = ct_f32_to_bf16((float)v); break;
-    case CT_F16: ((uint16_t *)buf)[i] = ct_f32_to_f16((float)v); break;
-    case CT_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
-    default: break;
-    }
-}
 
 static void fill(void *buf, ct_dtype dt, int64_t n, int r, int seed)
 {
     for (int64_t i = 0; i < n; i++) put(buf, dt, i, input(r, i, seed, dt));
 }
 
-/* Element i of the reduction over ranks 0..p-1, and sum |x| for tolerances. */
-static double reference(ct_dtype dt, ct_reduce_op op, int64_t i, int p, int seed, double *sumabs)
-{
-    double acc = input(0, i, seed, dt);
-    *sumabs = fabs(acc);
-    for (int r = 1; r < p; r++) {
-        double x = input(r, i, seed, dt);
-        *sumabs += fabs(x);
-        if (op == CT_OP_MAX) acc = acc > x ? acc : x;
-        else if (op == CT_OP_MIN) acc = acc < x ? acc : x;
-        else acc += x;
-    }
-    if (op == CT_OP_AVG && dt == CT_F32) return (double)((float)acc * (1.0f / (float)p));
-    if (op == CT_OP_AVG) return acc / p;
-    return acc;
-}
-
-static double tolerance(ct_dtype dt, ct_reduce_op op, int p, double ref, double sumabs)
-{
-    double u = dt == CT_BF16 ? 1.0 / 256 : dt == CT_F16 ? 1.0 / 2048 : 0;
-    if (u == 0 || op == CT_OP_MAX || op == CT_OP_MIN) return 0;
-    double t = p * u * sumabs;
-    if (op == CT_OP_AVG) t = t / p + u * fabs(ref);
-    return t * (1 + 1e-6) + 1e-30;
-}
-
-static const char *op_name(ct_reduce_op op)
-{
-    return op == CT_OP_SUM ? "SUM" : op == CT_OP_AVG ? "AVG" : op == CT_OP_MAX ? "MAX" : "MIN";
-}
-
-/* Checks that fail on some ranks only must not make them leave a test early
- * (the others would wait in its next collective): they are recorded here and
- * each test asserts at its end. */
-static char soft_msg[512];
-static int soft_bad;
-
-static void soft_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void soft_fail(const char *fmt, ...)
-{
-    if (soft_bad++) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(soft_msg, sizeof soft_msg, fmt, ap);
-    va_end(ap);
-}
-
-static void soft_begin(void) { soft_bad = 0, soft_msg[0] = 0; }
-
-#define ASSERT_NO_SOFT_FAIL()                                                  \
-    do {                                                                      \
-        if (soft_bad) ct_test_fail(__FILE__, __LINE__, "%d checks failed; first: %s", soft_bad, soft_msg); \
-    } while (0)
 
 static void check_reduced(const void *buf, ct_dtype dt, ct_reduce_op op, int64_t n, int p,
                           int seed, const char *what)
