@@ -269,6 +269,11 @@ TEST(cli_train_eval_inspect)
     ASSERT_STR_CONTAINS(ev, "Ankle boot");
     ASSERT_STR_CONTAINS(ev, "T-shirt/top");
     ASSERT_EQ(count_lines(ev), 2 + 1 + 1 + 10);
+    /* The optimizer sidecar is not a model: the message says which file to pass. */
+    char side[4200];
+    snprintf(side, sizeof side, "%s/mlp.optim.safetensors", tmp);
+    ASSERT_EQ(RUN(out, "eval --checkpoint %s", side), 1);
+    ASSERT_STR_CONTAINS(out, "optimizer file");
 
     ASSERT_EQ(RUN(out, "inspect %s", ckpt), 0);
     ASSERT_STR_CONTAINS(out, "6 tensors");

@@ -285,10 +285,16 @@ static ct_status load_into(float *dst, int64_t n, const ct_tensor *src, const ch
 
 static ct_status load_model(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n)
 {
-    for (int i = 0; i < n; i++)
-        if (!ct_module_find(s->model, names[i]))
-            return ct_error(CT_EINVAL, "checkpoint tensor '%s' is not in the model (wrong --model or --hidden?)",
-                            names[i]);
+    for (int i = 0; i < n; i++) {
+        if (ct_module_find(s->model, names[i])) continue;
+        const char *dot = strrchr(names[i], '.');
+        if (!strcmp(names[i], "step") || (dot && (!strcmp(dot, ".exp_avg") || !strcmp(dot, ".exp_avg_sq") ||
+                                                  !strcmp(dot, ".momentum_buffer"))))
+            return ct_error(CT_EINVAL, "checkpoint tensor '%s' is optimizer state: this is an optimizer "
+                            "file (X.optim.safetensors); pass the model file X.safetensors", names[i]);
+        return ct_error(CT_EINVAL, "checkpoint tensor '%s' is not in the model (wrong --model or --hidden?)",
+                        names[i]);
+    }
     for (int pass = 0; pass < 2; pass++) {
         ct_param **ps = pass ? s->buffers : s->params;
         int np = pass ? s->nbuffers : s->nparams;
