@@ -169,8 +169,9 @@ static ct_status launch(ct_strategy *s, bucket_t *b)
 {
     ddp_t *d = D(s);
     ct_dtype dt = s->o.ddp.comm_dtype;
-    /* Members that got no gradient (find_unused_parameters) may still be only marked zero. */
-    for (int i = 0; i < d->ntp; i++)
+    /* Only with find_unused_parameters can a member have got no gradient and
+     * still be only marked zero; every module that ran has synced its own. */
+    for (int i = 0; d->ran && i < d->ntp; i++)
         if (d->bucket_of[i] == b->index) ct_param_grad_sync(d->tp[i]);
     void *buf = b->buf->data;
     b->t_start = ct_now();

@@ -9,6 +9,8 @@
 #define CTRAIN_TEST_COLL_REF_H
 
 #include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
 
 #include "../test.h"
 #include "ctrain/comm.h"
@@ -120,5 +122,20 @@ static inline void soft_begin(void) { soft_bad = 0, soft_msg[0] = 0; }
     do {                                                                      \
         if (soft_bad) ct_test_fail(__FILE__, __LINE__, "%d checks failed; first: %s", soft_bad, soft_msg); \
     } while (0)
+
+/* A completion callback that records how often each work (arg = its index)
+ * succeeded and in which order the callbacks ran. */
+#define CB_MAX 32
+static _Atomic int cb_count[CB_MAX];
+static int cb_order[CB_MAX];
+static _Atomic int cb_next;
+
+static void on_done(ct_work *w, ct_status s, void *arg)
+{
+    (void)w;
+    int i = (int)(intptr_t)arg;
+    if (s == CT_OK) atomic_fetch_add(&cb_count[i], 1);
+    cb_order[atomic_fetch_add(&cb_next, 1)] = i;
+}
 
 #endif
