@@ -8,10 +8,13 @@ need() { # need PACKAGE TEST-COMMAND...
     if ! "$@" >/dev/null 2>&1; then missing="$missing $pkg"; fi
 }
 need pkg-config       command -v pkg-config
-need libopenmpi-dev   test -f /usr/lib/x86_64-linux-gnu/pkgconfig/ompi-c.pc -o -n "$(ls /usr/lib/*/openmpi/include/mpi.h 2>/dev/null)"
+# pkg-config is what the Makefile asks, so it is what decides (a stray header
+# without its .pc file once hid a missing libopenblas-dev).
+need libopenmpi-dev   pkg-config --exists ompi-c
 need openmpi-bin      command -v mpirun
-need libopenblas-dev  test -n "$(ls /usr/include/*/openblas-pthread/cblas.h /usr/include/*/cblas.h 2>/dev/null | head -1)"
-need zlib1g-dev       test -f /usr/include/zlib.h
+need libopenblas-dev  pkg-config --exists openblas
+need zlib1g-dev       pkg-config --exists zlib
+need libdnnl-dev      test -f /usr/include/oneapi/dnnl/dnnl.h
 need dataset-fashion-mnist test -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 [ -z "$missing" ] && exit 0
 echo "ctrain: installing missing Debian packages:$missing"
