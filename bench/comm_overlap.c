@@ -80,7 +80,7 @@ static void start_allreduces(ct_work **w)
 static void wait_allreduces(ct_work **w)
 {
     check(ct_work_wait_all(w, nbuf), "waiting for the allreduces");
-    for (int i = 0; i < nbuf; i++) ct_work_free(w[i]);
+    for (int i = 0; i < nbuf; i++) ct_work_destroy(w[i]);
 }
 
 enum phase { COMPUTE, COMM, BOTH, SLEEP_BOTH, LATE_PEER };
@@ -111,7 +111,7 @@ static double phase(enum phase which, double idle, double *cpu_frac)
         if (ct_group_rank(g) == ct_group_size(g) - 1) sleep_for(0.2);
         check(ct_group_allreduce(g, &x, 1, CT_F32, CT_OP_SUM, &w[0]), "allreduce");
         check(ct_work_wait(w[0]), "allreduce");
-        ct_work_free(w[0]);
+        ct_work_destroy(w[0]);
         break;
     }
     }

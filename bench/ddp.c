@@ -50,10 +50,10 @@ int main(int argc, char **argv)
     int rank = ct_group_rank(g), world = ct_group_size(g);
     ct_blas_set_threads(1);
 
-    ct_module *m = ct_sequential_new();
+    ct_module *m = ct_sequential_create();
     for (int l = 0; l < DEPTH; l++) {
-        check(ct_module_add(m, NULL, ct_linear_new(WIDTH, WIDTH, 1)), "add linear");
-        check(ct_module_add(m, NULL, ct_relu_new()), "add relu");
+        check(ct_module_add(m, NULL, ct_linear_create(WIDTH, WIDTH, 1)), "add linear");
+        check(ct_module_add(m, NULL, ct_relu_create()), "add relu");
     }
     ct_module_init_params(m, 1);
     ct_param **ps;
@@ -65,8 +65,8 @@ int main(int argc, char **argv)
     ct_strategy *s;
     check(ct_strategy_create("ddp", m, opt, g, &so, &s), "ddp wrap");
 
-    ct_tensor *x = ct_tensor_new2(BATCH, WIDTH, CT_MEM_ACT);
-    ct_tensor *y = ct_tensor_new(CT_I32, 1, (int64_t[]){BATCH}, CT_MEM_ACT);
+    ct_tensor *x = ct_tensor_create2(BATCH, WIDTH, CT_MEM_ACT);
+    ct_tensor *y = ct_tensor_create(CT_I32, 1, (int64_t[]){BATCH}, CT_MEM_ACT);
     ct_rng r;
     ct_rng_init(&r, 7, (uint64_t)rank);
     ct_rng_normal(&r, ct_f32(x), (size_t)x->numel, 0, 1);
@@ -129,7 +129,7 @@ int main(int argc, char **argv)
     ct_strategy_destroy(s);
     ct_optim_destroy(opt);
     ct_free(ps);
-    ct_module_free(m);
+    ct_module_destroy(m);
     free(t_step); free(t_f); free(t_b); free(t_w); free(t_o); free(t_ov);
     ct_comm_finalize();
     return 0;

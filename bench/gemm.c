@@ -131,10 +131,10 @@ int main(int argc, char **argv)
     if (warmup < 0) warmup = 0;
     int default_threads = ct_blas_get_threads();
 
-    ct_module *lin = ct_linear_new(IN, OUT, 1);
-    if (!lin) check(CT_ENOMEM, "ct_linear_new");
+    ct_module *lin = ct_linear_create(IN, OUT, 1);
+    if (!lin) check(CT_ENOMEM, "ct_linear_create");
     ct_module_init_params(lin, 42);
-    ct_tensor *x = ct_tensor_new2(BATCH, IN, CT_MEM_ACT), *dy = ct_tensor_new2(BATCH, OUT, CT_MEM_ACT);
+    ct_tensor *x = ct_tensor_create2(BATCH, IN, CT_MEM_ACT), *dy = ct_tensor_create2(BATCH, OUT, CT_MEM_ACT);
     if (!x || !dy) check(CT_ENOMEM, "inputs");
     fill(ct_f32(x), (size_t)x->numel, 4);
     fill(ct_f32(dy), (size_t)dy->numel, 5);
@@ -168,6 +168,6 @@ int main(int argc, char **argv)
            tcount[nt - 1], ratio[nt - 1][1]);
     ct_tensor_release(x);
     ct_tensor_release(dy);
-    ct_module_free(lin);
+    ct_module_destroy(lin);
     return 0;
 }

@@ -86,12 +86,12 @@ ct_status cli_save(ct_strategy *s, const char *path, const ct_meta *model_meta, 
     ct_state state;
     CT_TRY(ct_strategy_model_state(s, &state));
     ct_status st = save_state(path, &state, model_meta);
-    ct_state_free(&state);
+    ct_state_fini(&state);
     if (st != CT_OK || !sidecar_meta) return st;
     char side[4096];
     cli_sidecar_path(path, side, sizeof side);
     CT_TRY(ct_strategy_optim_state(s, &state));
     st = save_state(side, &state, sidecar_meta);
-    ct_state_free(&state);
+    ct_state_fini(&state);
     return st;
 }

@@ -20,7 +20,7 @@ ct_status cli_load_data(const char *name, const char *dir, int train, int64_t li
         if (!x || !y) {
             ct_tensor_release(x);
             ct_tensor_release(y);
-            ct_dataset_deinit(out);
+            ct_dataset_fini(out);
             return CT_ENOMEM;
         }
         ct_tensor_release(out->images);

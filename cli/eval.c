@@ -106,9 +106,9 @@ static ct_status run(const eval_opts *o)
     ct_free(conf);
     ct_strategy_destroy(s);
     ct_optim_destroy(opt);
-    ct_module_free(model);
-    ct_dataset_deinit(&test);
-    ct_safetensors_free(st);
+    ct_module_destroy(model);
+    ct_dataset_fini(&test);
+    ct_safetensors_destroy(st);
     return r;
 }
 

@@ -56,6 +56,6 @@ int cli_inspect(int argc, char **argv)
     printf("metadata: %d entr%s\n", nm, nm == 1 ? "y" : "ies");
     for (int i = 0; i < nm; i++)
         printf("  %s = %s\n", ct_safetensors_meta_key(st, i), ct_safetensors_meta_value(st, i));
-    ct_safetensors_free(st);
+    ct_safetensors_destroy(st);
     return CLI_OK;
 }

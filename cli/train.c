@@ -356,7 +356,7 @@ static ct_status micro_step(trainer *t, int m, int64_t *idx, double *sums)
         st = ct_strategy_backward(t->s, dz, rec);
         rec = NULL;
     }
-    ct_record_free(rec);
+    ct_record_destroy(rec);
     ct_tensor_release(x);
     ct_tensor_release(y);
     ct_tensor_release(z);
@@ -532,12 +532,12 @@ static void teardown(trainer *t)
 {
     ct_strategy_destroy(t->s);
     ct_optim_destroy(t->opt);
-    ct_module_free(t->model);
-    ct_sampler_deinit(&t->sampler);
-    ct_dataset_deinit(&t->train);
-    ct_dataset_deinit(&t->test);
-    ct_safetensors_free(t->ck);
-    ct_safetensors_free(t->side);
+    ct_module_destroy(t->model);
+    ct_sampler_fini(&t->sampler);
+    ct_dataset_fini(&t->train);
+    ct_dataset_fini(&t->test);
+    ct_safetensors_destroy(t->ck);
+    ct_safetensors_destroy(t->side);
 }
 
 static void describe(trainer *t)

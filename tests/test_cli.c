@@ -302,8 +302,8 @@ static void same_files(const char *a, const char *b)
         if (memcmp(tx->data, ty->data, ct_tensor_bytes(tx)))
             ct_test_fail(__FILE__, __LINE__, "%s differs between %s and %s", ct_safetensors_name(x, i), a, b);
     }
-    ct_safetensors_free(x);
-    ct_safetensors_free(y);
+    ct_safetensors_destroy(x);
+    ct_safetensors_destroy(y);
 }
 
 /* K steps + save + resume K more == 2K straight steps, bit for bit: the
@@ -338,8 +338,8 @@ TEST(cli_resume_is_bit_exact)
     ASSERT_OK(ct_safetensors_load(b, &y));
     const ct_tensor *wa = ct_safetensors_find(x, "0.weight"), *wb = ct_safetensors_find(y, "0.weight");
     ASSERT(memcmp(wa->data, wb->data, ct_tensor_bytes(wa)));
-    ct_safetensors_free(x);
-    ct_safetensors_free(y);
+    ct_safetensors_destroy(x);
+    ct_safetensors_destroy(y);
     /* A flag that would change the data order is refused, not silently ignored. */
     ASSERT_EQ(RUN(out, "train --resume %s --steps 80 --seed 4 --limit-train 1000", a), 2);
     ASSERT_STR_CONTAINS(out, "--seed 4 differs from the 3");
@@ -459,7 +459,7 @@ TEST(cli_checkpoint_loads_in_pytorch)
         ASSERT(p);
         ASSERT_OK(ct_tensor_copy(p->data, ct_safetensors_tensor(st, i)));
     }
-    ct_tensor *x = ct_tensor_new2(5, 784, CT_MEM_ACT), *y;
+    ct_tensor *x = ct_tensor_create2(5, 784, CT_MEM_ACT), *y;
     for (int64_t i = 0; i < x->numel; i++) ct_f32(x)[i] = (float)sin(0.37 * (double)i) * 1.5f;
     ct_fwd_ctx ctx = {0, 0, 0, 0};
     ASSERT_OK(ct_module_forward(model, x, &y, NULL, &ctx));
@@ -482,7 +482,7 @@ TEST(cli_checkpoint_loads_in_pytorch)
     ASSERT_STR_CONTAINS(out, "max abs diff");
     ct_tensor_release(x);
     ct_tensor_release(y);
-    ct_module_free(model);
-    ct_safetensors_free(st);
+    ct_module_destroy(model);
+    ct_safetensors_destroy(st);
     remove_scratch();
 }

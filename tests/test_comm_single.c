@@ -44,7 +44,7 @@ TEST(comm_single_process_is_a_world_of_one)
         ASSERT_OK(ct_group_allreduce(g, a, N, CT_F32, (ct_reduce_op)op, &w));
         ASSERT_OK(ct_work_wait(w));
         ASSERT(ct_work_test(w));
-        ct_work_free(w);
+        ct_work_destroy(w);
         ASSERT_OK(ct_group_allreduce(g, h, N, CT_BF16, (ct_reduce_op)op, NULL));
         ASSERT(!memcmp(a, keep, sizeof a));
         ASSERT(!memcmp(h, hkeep, sizeof h));
@@ -67,8 +67,8 @@ TEST(comm_single_process_is_a_world_of_one)
     ASSERT_OK(ct_group_send(g, a, N, CT_F32, 0, 11, &s));
     ASSERT_OK(ct_work_wait(rv));
     ASSERT_OK(ct_work_wait(s));
-    ct_work_free(rv);
-    ct_work_free(s);
+    ct_work_destroy(rv);
+    ct_work_destroy(s);
     ASSERT(!memcmp(out, keep, sizeof a));
 
     ASSERT_OK(ct_group_barrier(g));

@@ -177,18 +177,18 @@ TEST(core_alloc_fault_injection_tensors)
     /* Fails on the tensor header. */
     ct_mem_fail_after(0);
     ct_clear_error();
-    ASSERT(ct_tensor_new2(4, 5, CT_MEM_PARAM) == NULL);
+    ASSERT(ct_tensor_create2(4, 5, CT_MEM_PARAM) == NULL);
     ASSERT_STR_CONTAINS(ct_last_error(), "out of memory");
     /* Fails on the data, after the header succeeded: the header must be freed. */
     ct_mem_fail_after(1);
     ct_clear_error();
-    ASSERT(ct_tensor_new2(4, 5, CT_MEM_PARAM) == NULL);
+    ASSERT(ct_tensor_create2(4, 5, CT_MEM_PARAM) == NULL);
     ASSERT_STR_CONTAINS(ct_last_error(), "out of memory");
     snap s1 = take();
     for (int k = 0; k < CT_MEM_NCAT; k++) ASSERT_EQ(s1.cur[k], s0.cur[k]);
 
     /* Views and clones under failure leave the source untouched. */
-    ct_tensor *t = ct_tensor_new1(16, CT_MEM_ACT);
+    ct_tensor *t = ct_tensor_create1(16, CT_MEM_ACT);
     ASSERT(t != NULL);
     ct_f32(t)[3] = 7.0f;
     ct_mem_fail_after(0);

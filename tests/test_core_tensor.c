@@ -18,7 +18,7 @@ static size_t mem_total(void)
 TEST(core_tensor_new_and_accounting)
 {
     size_t param0 = ct_mem_current(CT_MEM_PARAM), total0 = mem_total();
-    ct_tensor *t = ct_tensor_new(CT_F32, 3, (int64_t[]){2, 3, 5}, CT_MEM_PARAM);
+    ct_tensor *t = ct_tensor_create(CT_F32, 3, (int64_t[]){2, 3, 5}, CT_MEM_PARAM);
     ASSERT(t != NULL);
     ASSERT_EQ(t->dtype, CT_F32);
     ASSERT_EQ(t->ndim, 3);
@@ -34,9 +34,9 @@ TEST(core_tensor_new_and_accounting)
     ct_tensor_release(t);
     ASSERT_EQ(mem_total(), total0);
 
-    ct_tensor *a = ct_tensor_new1(7, CT_MEM_ACT);
-    ct_tensor *b = ct_tensor_new2(3, 4, CT_MEM_ACT);
-    ct_tensor *c = ct_tensor_new4(2, 3, 4, 5, CT_MEM_ACT);
+    ct_tensor *a = ct_tensor_create1(7, CT_MEM_ACT);
+    ct_tensor *b = ct_tensor_create2(3, 4, CT_MEM_ACT);
+    ct_tensor *c = ct_tensor_create4(2, 3, 4, 5, CT_MEM_ACT);
     ASSERT(a && b && c);
     ASSERT(a->ndim == 1 && a->numel == 7);
     ASSERT(b->ndim == 2 && b->shape[0] == 3 && b->shape[1] == 4 && b->numel == 12);
@@ -44,15 +44,15 @@ TEST(core_tensor_new_and_accounting)
     ASSERT(a->dtype == CT_F32 && b->dtype == CT_F32 && c->dtype == CT_F32);
 
     /* Other dtypes take their own element size. */
-    ct_tensor *h = ct_tensor_new(CT_BF16, 1, (int64_t[]){9}, CT_MEM_GRAD);
-    ct_tensor *l = ct_tensor_new(CT_I64, 2, (int64_t[]){2, 2}, CT_MEM_GRAD);
+    ct_tensor *h = ct_tensor_create(CT_BF16, 1, (int64_t[]){9}, CT_MEM_GRAD);
+    ct_tensor *l = ct_tensor_create(CT_I64, 2, (int64_t[]){2, 2}, CT_MEM_GRAD);
     ASSERT(h && l);
     ASSERT_EQ(ct_tensor_bytes(h), 18);
     ASSERT_EQ(ct_tensor_bytes(l), 32);
 
     /* Scalars and empty tensors are valid. */
-    ct_tensor *s = ct_tensor_new(CT_F32, 0, NULL, CT_MEM_OTHER);
-    ct_tensor *e = ct_tensor_new(CT_F32, 2, (int64_t[]){0, 5}, CT_MEM_OTHER);
+    ct_tensor *s = ct_tensor_create(CT_F32, 0, NULL, CT_MEM_OTHER);
+    ct_tensor *e = ct_tensor_create(CT_F32, 2, (int64_t[]){0, 5}, CT_MEM_OTHER);
     ASSERT(s && e);
     ASSERT_EQ(s->numel, 1);
     ASSERT_EQ(e->numel, 0);
@@ -67,7 +67,7 @@ TEST(core_tensor_new_and_accounting)
 TEST(core_tensor_view_keeps_base_alive)
 {
     size_t total0 = mem_total();
-    ct_tensor *base = ct_tensor_new1(10, CT_MEM_PARAM);
+    ct_tensor *base = ct_tensor_create1(10, CT_MEM_PARAM);
     for (int i = 0; i < 10; i++) ct_f32(base)[i] = (float)i;
     ct_tensor *v = ct_tensor_view(base, 4, 2, (int64_t[]){2, 3});
     ASSERT(v != NULL);
@@ -102,7 +102,7 @@ TEST(core_tensor_view_keeps_base_alive)
 TEST(core_tensor_reshape_clone_retain)
 {
     size_t total0 = mem_total();
-    ct_tensor *t = ct_tensor_new2(3, 4, CT_MEM_ACT);
+    ct_tensor *t = ct_tensor_create2(3, 4, CT_MEM_ACT);
     for (int i = 0; i < 12; i++) ct_f32(t)[i] = (float)i * 0.5f;
 
     ct_tensor *r = ct_tensor_reshape(t, 3, (int64_t[]){2, 2, 3});
@@ -141,7 +141,7 @@ TEST(core_tensor_wrap_fill_copy)
     ASSERT(w != NULL);
     ASSERT(w->data == buf && !w->owns && w->numel == 6);
 
-    ct_tensor *t = ct_tensor_new2(2, 3, CT_MEM_ACT);
+    ct_tensor *t = ct_tensor_create2(2, 3, CT_MEM_ACT);
     ASSERT_OK(ct_tensor_copy(t, w));
     ASSERT(ct_f32(t)[5] == 6.0f);
     ct_tensor_fill(w, 2.5f);
@@ -149,15 +149,15 @@ TEST(core_tensor_wrap_fill_copy)
     ct_tensor_fill(t, 0.0f);
     for (int i = 0; i < 6; i++) ASSERT(ct_f32(t)[i] == 0.0f);
 
-    ct_tensor *small = ct_tensor_new1(5, CT_MEM_ACT);
-    ct_tensor *half = ct_tensor_new(CT_F16, 2, (int64_t[]){2, 3}, CT_MEM_ACT);
+    ct_tensor *small = ct_tensor_create1(5, CT_MEM_ACT);
+    ct_tensor *half = ct_tensor_create(CT_F16, 2, (int64_t[]){2, 3}, CT_MEM_ACT);
     ASSERT_ERR(ct_tensor_copy(t, small), CT_EINVAL, "differ");
     ASSERT_ERR(ct_tensor_copy(t, half), CT_EINVAL, "F16");
     ct_tensor_release(small);
     ct_tensor_release(half);
 
     /* Copy between overlapping views of one tensor (memmove semantics). */
-    ct_tensor *seq = ct_tensor_new1(8, CT_MEM_ACT);
+    ct_tensor *seq = ct_tensor_create1(8, CT_MEM_ACT);
     for (int i = 0; i < 8; i++) ct_f32(seq)[i] = (float)i;
     ct_tensor *lo = ct_tensor_view(seq, 0, 1, (int64_t[]){6});
     ct_tensor *hi = ct_tensor_view(seq, 2, 1, (int64_t[]){6});
@@ -186,26 +186,26 @@ TEST(core_tensor_bad_shapes_rejected)
 {
     size_t total0 = mem_total();
     int64_t seven[7] = {1, 1, 1, 1, 1, 1, 1};
-    ASSERT_NULL_ERR(ct_tensor_new(CT_F32, 7, seven, CT_MEM_ACT), "at most 6");
-    ASSERT_NULL_ERR(ct_tensor_new(CT_F32, -1, seven, CT_MEM_ACT), "dims");
-    ASSERT_NULL_ERR(ct_tensor_new2(3, -2, CT_MEM_ACT), "negative");
+    ASSERT_NULL_ERR(ct_tensor_create(CT_F32, 7, seven, CT_MEM_ACT), "at most 6");
+    ASSERT_NULL_ERR(ct_tensor_create(CT_F32, -1, seven, CT_MEM_ACT), "dims");
+    ASSERT_NULL_ERR(ct_tensor_create2(3, -2, CT_MEM_ACT), "negative");
     ASSERT_NULL_ERR(ct_tensor_wrap(CT_F32, 1, (int64_t[]){-1}, seven), "negative");
     /* Six dims is the limit and is fine. */
-    ct_tensor *six = ct_tensor_new(CT_U8, 6, (int64_t[]){1, 2, 1, 2, 1, 2}, CT_MEM_ACT);
+    ct_tensor *six = ct_tensor_create(CT_U8, 6, (int64_t[]){1, 2, 1, 2, 1, 2}, CT_MEM_ACT);
     ASSERT(six != NULL && six->numel == 8);
     ct_tensor_release(six);
 
     /* Element counts whose product or byte size overflows int64 must be
      * refused, not wrapped around into a small allocation. */
     int64_t big = (int64_t)1 << 32;
-    ASSERT_NULL_ERR(ct_tensor_new(CT_F32, 2, (int64_t[]){big, big}, CT_MEM_ACT), "too large");
-    ct_tensor *zero = ct_tensor_new(CT_F32, 3, (int64_t[]){big, big, 0}, CT_MEM_ACT);
+    ASSERT_NULL_ERR(ct_tensor_create(CT_F32, 2, (int64_t[]){big, big}, CT_MEM_ACT), "too large");
+    ct_tensor *zero = ct_tensor_create(CT_F32, 3, (int64_t[]){big, big, 0}, CT_MEM_ACT);
     ASSERT(zero != NULL && zero->numel == 0); /* a zero dim makes any product empty */
     ct_tensor_release(zero);
-    ASSERT_NULL_ERR(ct_tensor_new(CT_I64, 1, (int64_t[]){INT64_MAX / 4}, CT_MEM_ACT), "too large");
-    ASSERT_NULL_ERR(ct_tensor_new1(INT64_MAX, CT_MEM_ACT), "too large");
+    ASSERT_NULL_ERR(ct_tensor_create(CT_I64, 1, (int64_t[]){INT64_MAX / 4}, CT_MEM_ACT), "too large");
+    ASSERT_NULL_ERR(ct_tensor_create1(INT64_MAX, CT_MEM_ACT), "too large");
 
-    ct_tensor *t = ct_tensor_new1(10, CT_MEM_ACT);
+    ct_tensor *t = ct_tensor_create1(10, CT_MEM_ACT);
     ASSERT_NULL_ERR(ct_tensor_view(t, 5, 1, (int64_t[]){6}), "exceeds");
     ASSERT_NULL_ERR(ct_tensor_view(t, -1, 1, (int64_t[]){2}), "exceeds");
     ASSERT_NULL_ERR(ct_tensor_view(t, 11, 1, (int64_t[]){0}), "exceeds");
@@ -229,13 +229,13 @@ TEST(core_tensor_bad_shapes_rejected)
 TEST(core_tensor_shape_str)
 {
     char buf[64];
-    ct_tensor *t = ct_tensor_new2(64, 784, CT_MEM_ACT);
+    ct_tensor *t = ct_tensor_create2(64, 784, CT_MEM_ACT);
     ASSERT(!strcmp(ct_shape_str(t, buf, sizeof buf), "[64, 784]"));
     ct_tensor *r = ct_tensor_reshape(t, 1, (int64_t[]){64 * 784});
     ASSERT(!strcmp(ct_shape_str(r, buf, sizeof buf), "[50176]"));
-    ct_tensor *s = ct_tensor_new(CT_F32, 0, NULL, CT_MEM_ACT);
+    ct_tensor *s = ct_tensor_create(CT_F32, 0, NULL, CT_MEM_ACT);
     ASSERT(!strcmp(ct_shape_str(s, buf, sizeof buf), "[]"));
-    ct_tensor *six = ct_tensor_new(CT_U8, 6, (int64_t[]){1, 2, 3, 4, 5, 0}, CT_MEM_ACT);
+    ct_tensor *six = ct_tensor_create(CT_U8, 6, (int64_t[]){1, 2, 3, 4, 5, 0}, CT_MEM_ACT);
     ASSERT(!strcmp(ct_shape_str(six, buf, sizeof buf), "[1, 2, 3, 4, 5, 0]"));
     /* A short buffer gets a terminated prefix, never an overflow. */
     for (size_t n = 1; n <= 10; n++) {

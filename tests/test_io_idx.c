@@ -94,9 +94,9 @@ TEST(idx_roundtrip_gzip_and_plain)
         check_loaded(&fx, &ds, 0.5f, 0.25f);
         ASSERT_NEAR(ct_f32(ds.images)[1], (1.0 - 0.5) / 0.25, 1e-6);
         ASSERT_NEAR(ct_f32(ds.images)[0], -2.0, 1e-6);
-        ct_dataset_deinit(&ds);
+        ct_dataset_fini(&ds);
         ASSERT(ds.images == NULL);
-        ct_dataset_deinit(&ds); /* twice is safe */
+        ct_dataset_fini(&ds); /* twice is safe */
     }
 }
 
@@ -132,7 +132,7 @@ TEST(idx_gather_makes_batches)
     ASSERT_ERR(ct_dataset_gather(&ds, (int64_t[]){0, 7}, 2, &x, &y), CT_EINVAL,
                "sample index 7 (position 1 of the batch) is outside the data set of 7 samples");
     ASSERT(x == NULL && y == NULL);
-    ct_dataset_deinit(&ds);
+    ct_dataset_fini(&ds);
 }
 
 /* Loads img/lab (written from the given bytes) and expects a failure naming
@@ -246,7 +246,7 @@ TEST(idx_corrupt_gzip)
         fwrite(bad, 1, len, f);
         fclose(f);
         ct_status s = ct_idx_load(ip, lp, 10, 0, 1, &ds);
-        if (s == CT_OK) ct_dataset_deinit(&ds);
+        if (s == CT_OK) ct_dataset_fini(&ds);
         else {
             failed++;
             ASSERT_EQ(s, CT_EFORMAT);
@@ -300,7 +300,7 @@ TEST(idx_fashion_mnist_real)
     printf("    t10k: mean %.4f std %.4f after normalisation\n", mean, sd);
     ASSERT_NEAR(mean, 0.0, 0.01);
     ASSERT_NEAR(sd, 1.0, 0.01);
-    ct_dataset_deinit(&ds);
+    ct_dataset_fini(&ds);
 
     /* The training set: 60000 images (the time is printed, not asserted: speed is a benchmark's job). */
     double t0 = now();
@@ -312,5 +312,5 @@ TEST(idx_fashion_mnist_real)
     x = ct_f32(ds.images);
     for (int64_t i = 0; i < ds.images->numel; i++) sum += x[i];
     ASSERT_NEAR(sum / (double)ds.images->numel, 0.0, 0.002); /* mean and std come from this set */
-    ct_dataset_deinit(&ds);
+    ct_dataset_fini(&ds);
 }

@@ -102,7 +102,7 @@ TEST(pytorch_writes_ctrain_reads)
     expect_meta(st, "format", "pt");
     expect_meta(st, "note", "quote \" backslash \\ newline \n tab \t \xc3\xa9 \xe2\x9c\x93 \xf0\x9f\x98\x80");
     expect_meta(st, "ctl", "\x01");
-    ct_safetensors_free(st);
+    ct_safetensors_destroy(st);
 }
 
 static void hex(const char *s, char *out)
@@ -117,13 +117,13 @@ TEST(ctrain_writes_pytorch_reads)
     enum { NT = 7 };
     const char *names[NT] = {"w", "h.bf16", "h.f16", "steps", "ids", "bytes", "s"};
     ct_tensor *t[NT];
-    t[0] = ct_tensor_new2(4, 5, CT_MEM_OTHER);
-    t[1] = ct_tensor_new(CT_BF16, 2, (int64_t[]){3, 2}, CT_MEM_OTHER);
-    t[2] = ct_tensor_new(CT_F16, 1, (int64_t[]){5}, CT_MEM_OTHER);
-    t[3] = ct_tensor_new(CT_I64, 1, (int64_t[]){3}, CT_MEM_OTHER);
-    t[4] = ct_tensor_new(CT_I32, 3, (int64_t[]){2, 1, 2}, CT_MEM_OTHER);
-    t[5] = ct_tensor_new(CT_U8, 1, (int64_t[]){9}, CT_MEM_OTHER);
-    t[6] = ct_tensor_new(CT_F32, 0, NULL, CT_MEM_OTHER);
+    t[0] = ct_tensor_create2(4, 5, CT_MEM_OTHER);
+    t[1] = ct_tensor_create(CT_BF16, 2, (int64_t[]){3, 2}, CT_MEM_OTHER);
+    t[2] = ct_tensor_create(CT_F16, 1, (int64_t[]){5}, CT_MEM_OTHER);
+    t[3] = ct_tensor_create(CT_I64, 1, (int64_t[]){3}, CT_MEM_OTHER);
+    t[4] = ct_tensor_create(CT_I32, 3, (int64_t[]){2, 1, 2}, CT_MEM_OTHER);
+    t[5] = ct_tensor_create(CT_U8, 1, (int64_t[]){9}, CT_MEM_OTHER);
+    t[6] = ct_tensor_create(CT_F32, 0, NULL, CT_MEM_OTHER);
     /* Sums computed here in double, independently of any reader. */
     double sums[NT] = {0};
     for (int i = 0; i < 20; i++) sums[0] += ct_f32(t[0])[i] = (float)(i - 7) * 0.125f;

@@ -59,7 +59,7 @@ static ct_status load_and_free(const char *path)
     ct_safetensors *st = (ct_safetensors *)0x1;
     ct_status s = ct_safetensors_load(path, &st);
     if (s != CT_OK) ASSERT(st == NULL);
-    ct_safetensors_free(st);
+    ct_safetensors_destroy(st);
     return s;
 }
 
@@ -69,14 +69,14 @@ TEST(st_roundtrip_all_dtypes_and_metadata)
 {
     ct_tensor *t[8];
     const char *names[8] = {"fc.weight", "fc.bias", "emb.bf16", "half", "steps", "ids", "bytes", "scalar"};
-    t[0] = ct_tensor_new2(3, 5, CT_MEM_PARAM);
-    t[1] = ct_tensor_new1(5, CT_MEM_PARAM);
-    t[2] = ct_tensor_new(CT_BF16, 2, (int64_t[]){2, 3}, CT_MEM_PARAM);
-    t[3] = ct_tensor_new(CT_F16, 3, (int64_t[]){1, 2, 2}, CT_MEM_PARAM);
-    t[4] = ct_tensor_new(CT_I64, 1, (int64_t[]){4}, CT_MEM_OTHER);
-    t[5] = ct_tensor_new(CT_I32, 2, (int64_t[]){0, 3}, CT_MEM_OTHER); /* empty */
-    t[6] = ct_tensor_new(CT_U8, 1, (int64_t[]){7}, CT_MEM_OTHER);     /* odd size: alignment */
-    t[7] = ct_tensor_new(CT_F32, 0, NULL, CT_MEM_OTHER);              /* 0-dim */
+    t[0] = ct_tensor_create2(3, 5, CT_MEM_PARAM);
+    t[1] = ct_tensor_create1(5, CT_MEM_PARAM);
+    t[2] = ct_tensor_create(CT_BF16, 2, (int64_t[]){2, 3}, CT_MEM_PARAM);
+    t[3] = ct_tensor_create(CT_F16, 3, (int64_t[]){1, 2, 2}, CT_MEM_PARAM);
+    t[4] = ct_tensor_create(CT_I64, 1, (int64_t[]){4}, CT_MEM_OTHER);
+    t[5] = ct_tensor_create(CT_I32, 2, (int64_t[]){0, 3}, CT_MEM_OTHER); /* empty */
+    t[6] = ct_tensor_create(CT_U8, 1, (int64_t[]){7}, CT_MEM_OTHER);     /* odd size: alignment */
+    t[7] = ct_tensor_create(CT_F32, 0, NULL, CT_MEM_OTHER);              /* 0-dim */
     for (int i = 0; i < 15; i++) ct_f32(t[0])[i] = (float)i * 0.25f - 1.0f;
     for (int i = 0; i < 5; i++) ct_f32(t[1])[i] = -(float)i / 3.0f;
     for (int i = 0; i < 6; i++) ((uint16_t *)t[2]->data)[i] = ct_f32_to_bf16((float)i - 2.5f);
@@ -115,7 +115,7 @@ TEST(st_roundtrip_all_dtypes_and_metadata)
     ASSERT(ct_safetensors_meta(st, "missing") == NULL);
     ASSERT(!strcmp(ct_safetensors_meta_key(st, 0), "")); /* sorted by key */
     ASSERT(!strcmp(ct_safetensors_meta_value(st, 0), "empty key"));
-    ct_safetensors_free(st);
+    ct_safetensors_destroy(st);
     for (int i = 0; i < 8; i++) ct_tensor_release(t[i]);
 
     /* No temp file is left behind. */
@@ -127,8 +127,8 @@ TEST(st_roundtrip_all_dtypes_and_metadata)
 TEST(st_writer_exact_bytes)
 {
     /* Layout by element size then name: b (F32) before a (U8); header padded. */
-    ct_tensor *a = ct_tensor_new(CT_U8, 1, (int64_t[]){3}, CT_MEM_OTHER);
-    ct_tensor *b = ct_tensor_new1(2, CT_MEM_OTHER);
+    ct_tensor *a = ct_tensor_create(CT_U8, 1, (int64_t[]){3}, CT_MEM_OTHER);
+    ct_tensor *b = ct_tensor_create1(2, CT_MEM_OTHER);
     memcpy(a->data, "xyz", 3);
     ct_f32(b)[0] = 1.0f;
     ct_f32(b)[1] = -2.0f;
@@ -161,14 +161,14 @@ TEST(st_writer_exact_bytes)
     ASSERT_OK(ct_safetensors_load(path, &st));
     ASSERT_EQ(ct_safetensors_count(st), 0);
     ASSERT_EQ(ct_safetensors_meta_count(st), 0);
-    ct_safetensors_free(st);
+    ct_safetensors_destroy(st);
     ct_tensor_release(a);
     ct_tensor_release(b);
 }
 
 TEST(st_writer_rejects_bad_input)
 {
-    ct_tensor *a = ct_tensor_new1(2, CT_MEM_OTHER);
+    ct_tensor *a = ct_tensor_create1(2, CT_MEM_OTHER);
     const char *path = tmp_path("bad_in.safetensors");
     ASSERT_ERR(ct_safetensors_save(path, (const char *[]){"w", "w"}, (ct_tensor *[]){a, a}, 2, NULL, NULL, 0),
                CT_EINVAL, "tensor name 'w' is given twice");
@@ -189,7 +189,7 @@ TEST(st_writer_rejects_bad_input)
 TEST(st_save_replaces_atomically)
 {
     const char *path = tmp_path("replace.safetensors");
-    ct_tensor *a = ct_tensor_new1(4, CT_MEM_OTHER), *b = ct_tensor_new1(1000, CT_MEM_OTHER);
+    ct_tensor *a = ct_tensor_create1(4, CT_MEM_OTHER), *b = ct_tensor_create1(1000, CT_MEM_OTHER);
     ct_tensor_fill(a, 1.0f);
     ct_tensor_fill(b, 2.0f);
     ASSERT_OK(ct_safetensors_save(path, (const char *[]){"x"}, &a, 1, NULL, NULL, 0));
@@ -200,7 +200,7 @@ TEST(st_save_replaces_atomically)
     ASSERT_NEAR(ct_f32(ct_safetensors_find(st, "x"))[999], 2.0, 0);
     /* A tensor can outlive its file object when retained. */
     ct_tensor *keep = ct_tensor_retain(ct_safetensors_find(st, "x"));
-    ct_safetensors_free(st);
+    ct_safetensors_destroy(st);
     ASSERT_NEAR(ct_f32(keep)[0], 2.0, 0);
     ct_tensor_release(keep);
     ct_tensor_release(a);
@@ -211,7 +211,7 @@ TEST(st_save_replaces_atomically)
 TEST(st_alloc_failures)
 {
     const char *path = tmp_path("oom.safetensors");
-    ct_tensor *a = ct_tensor_new2(3, 4, CT_MEM_OTHER), *b = ct_tensor_new(CT_I64, 1, (int64_t[]){5}, CT_MEM_OTHER);
+    ct_tensor *a = ct_tensor_create2(3, 4, CT_MEM_OTHER), *b = ct_tensor_create(CT_I64, 1, (int64_t[]){5}, CT_MEM_OTHER);
     const char *names[] = {"a", "b"};
     ct_tensor *ts[] = {a, b};
     size_t base = ct_mem_current(CT_MEM_OTHER);
@@ -232,7 +232,7 @@ TEST(st_alloc_failures)
         ct_mem_fail_after(-1);
         ASSERT(s == CT_OK || s == CT_ENOMEM);
         loaded = s == CT_OK;
-        ct_safetensors_free(st);
+        ct_safetensors_destroy(st);
         ASSERT_EQ(ct_mem_current(CT_MEM_OTHER), base);
     }
     ASSERT(loaded);
@@ -256,7 +256,7 @@ TEST(st_reader_accepts_hand_built_file)
     ASSERT_OK(ct_safetensors_load(p, &st));
     ASSERT_EQ(ct_safetensors_count(st), 1);
     ASSERT_NEAR(ct_f32(ct_safetensors_tensor(st, 0))[1], -3.0, 0);
-    ct_safetensors_free(st);
+    ct_safetensors_destroy(st);
     /* Escaped name and metadata. */
     p = make_st("hand2.st", "{\"__metadata__\":{\"k\\u00e9\":\"a\\\"b\\\\c\\/d\\n\\ud83d\\ude00\"},"
                             "\"w\\t\":{\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[0,1]}}", "Z", 1);
@@ -264,7 +264,7 @@ TEST(st_reader_accepts_hand_built_file)
     ASSERT(!strcmp(ct_safetensors_name(st, 0), "w\t"));
     ASSERT(!strcmp(ct_safetensors_meta(st, "k\xc3\xa9"), "a\"b\\c/d\n\xf0\x9f\x98\x80"));
     ASSERT_EQ(ct_safetensors_tensor(st, 0)->ndim, 0);
-    ct_safetensors_free(st);
+    ct_safetensors_destroy(st);
 }
 
 TEST(st_reader_rejects_short_files)
@@ -428,10 +428,10 @@ static uint64_t lcg(uint64_t *s)
 TEST(st_fuzz_mutations)
 {
     ct_tensor *t[4];
-    t[0] = ct_tensor_new2(2, 3, CT_MEM_OTHER);
-    t[1] = ct_tensor_new(CT_BF16, 1, (int64_t[]){3}, CT_MEM_OTHER);
-    t[2] = ct_tensor_new(CT_I64, 2, (int64_t[]){1, 2}, CT_MEM_OTHER);
-    t[3] = ct_tensor_new(CT_U8, 1, (int64_t[]){5}, CT_MEM_OTHER);
+    t[0] = ct_tensor_create2(2, 3, CT_MEM_OTHER);
+    t[1] = ct_tensor_create(CT_BF16, 1, (int64_t[]){3}, CT_MEM_OTHER);
+    t[2] = ct_tensor_create(CT_I64, 2, (int64_t[]){1, 2}, CT_MEM_OTHER);
+    t[3] = ct_tensor_create(CT_U8, 1, (int64_t[]){5}, CT_MEM_OTHER);
     const char *src = tmp_path("fuzz_src.st"), *dst = "fuzz-case.st";
     ASSERT_OK(ct_safetensors_save(src, (const char *[]){"layer.0.weight", "b\\\"", "n", "u"}, t, 4,
                                   (const char *[]){"format", "\xc3\xa9"}, (const char *[]){"pt", "\"\\\n"}, 2));
@@ -479,7 +479,7 @@ TEST(st_fuzz_mutations)
                 ct_tensor *x = ct_safetensors_tensor(st, i);
                 ASSERT(ct_tensor_bytes(x) <= len);
             }
-            ct_safetensors_free(st);
+            ct_safetensors_destroy(st);
         } else {
             bad++;
             ASSERT(st == NULL);
@@ -497,7 +497,7 @@ TEST(st_fuzz_mutations)
 
 TEST(st_load_from_memory)
 {
-    ct_tensor *a = ct_tensor_new(CT_I32, 2, (int64_t[]){2, 2}, CT_MEM_OTHER);
+    ct_tensor *a = ct_tensor_create(CT_I32, 2, (int64_t[]){2, 2}, CT_MEM_OTHER);
     for (int i = 0; i < 4; i++) ((int32_t *)a->data)[i] = -7 * i;
     const char *path = tmp_path("mem.st");
     ASSERT_OK(ct_safetensors_save(path, (const char *[]){"m"}, &a, 1, (const char *[]){"k"}, (const char *[]){"v"}, 1));
@@ -507,7 +507,7 @@ TEST(st_load_from_memory)
     ASSERT_OK(ct_safetensors_load_mem(f, n, "bcast", &st));
     ASSERT_EQ(memcmp(ct_safetensors_find(st, "m")->data, a->data, 16), 0);
     ASSERT(!strcmp(ct_safetensors_meta(st, "k"), "v"));
-    ct_safetensors_free(st);
+    ct_safetensors_destroy(st);
     ASSERT_ERR(ct_safetensors_load_mem(f, n - 1, "bcast", &st), CT_EFORMAT,
                "bcast: tensor 'm': data_offsets [0, 16] run past the end of the data section (15 bytes)");
     ASSERT_ERR(ct_safetensors_load_mem(NULL, 0, "empty", &st), CT_EFORMAT, "empty: file is 0 bytes");
@@ -520,7 +520,7 @@ TEST(st_load_from_memory)
 TEST(st_large_tensor)
 {
     int64_t numel = 32 << 20; /* 128 MB of f32 */
-    ct_tensor *a = ct_tensor_new1(numel, CT_MEM_OTHER);
+    ct_tensor *a = ct_tensor_create1(numel, CT_MEM_OTHER);
     float *p = ct_f32(a);
     for (int64_t i = 0; i < numel; i += 4096) p[i] = (float)i;
     p[numel - 1] = 42.0f;
@@ -532,6 +532,6 @@ TEST(st_large_tensor)
     const float *q = ct_f32(ct_safetensors_find(st, "big"));
     for (int64_t i = 0; i < numel - 1; i += 4096) ASSERT_EQ(q[i], (float)i);
     ASSERT_EQ(q[numel - 1], 42.0f);
-    ct_safetensors_free(st);
+    ct_safetensors_destroy(st);
     unlink(path);
 }

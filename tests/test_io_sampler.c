@@ -40,17 +40,17 @@ TEST(sampler_is_a_deterministic_permutation)
     ct_sampler c;
     ASSERT_OK(ct_sampler_init(&c, 1000, 32, 43, 1, 0));
     ASSERT(memcmp(c.perm, e0, 1000 * sizeof(int64_t)) != 0);
-    ct_sampler_deinit(&c);
+    ct_sampler_fini(&c);
 
     /* No shuffle: identity in every epoch. */
     ASSERT_OK(ct_sampler_init(&c, 10, 3, 42, 0, 0));
     ASSERT_OK(ct_sampler_set_epoch(&c, 5));
     for (int64_t i = 0; i < 10; i++) ASSERT_EQ(c.perm[i], i);
-    ct_sampler_deinit(&c);
-    ct_sampler_deinit(&c); /* twice is safe */
+    ct_sampler_fini(&c);
+    ct_sampler_fini(&c); /* twice is safe */
     free(e0);
-    ct_sampler_deinit(&a);
-    ct_sampler_deinit(&b);
+    ct_sampler_fini(&a);
+    ct_sampler_fini(&b);
 }
 
 /* Pins the order against an independent Python implementation (Philox
@@ -64,13 +64,13 @@ TEST(sampler_order_is_pinned)
     ASSERT_OK(ct_sampler_set_epoch(&s, 3));
     static const int64_t want[10] = {8, 6, 7, 2, 1, 9, 3, 0, 5, 4};
     for (int i = 0; i < 10; i++) ASSERT_EQ(s.perm[i], want[i]);
-    ct_sampler_deinit(&s);
+    ct_sampler_fini(&s);
 
     ASSERT_OK(ct_sampler_init(&s, 60000, 64, 1234, 1, 0));
     static const int64_t head[8] = {4723, 24940, 25179, 40066, 56410, 12663, 30200, 6955};
     for (int i = 0; i < 8; i++) ASSERT_EQ(s.perm[i], head[i]);
     ASSERT_EQ(s.perm[59999], 7206);
-    ct_sampler_deinit(&s);
+    ct_sampler_fini(&s);
 }
 
 /* Every value lands in every position about equally often. */
@@ -94,7 +94,7 @@ TEST(sampler_is_uniform)
         }
     /* 64 cells, 49 degrees of freedom: p(chi2 > 100) < 1e-5. */
     ASSERT(chi2 < 100);
-    ct_sampler_deinit(&s);
+    ct_sampler_fini(&s);
 }
 
 TEST(sampler_same_global_order_for_any_world_size)
@@ -131,7 +131,7 @@ TEST(sampler_same_global_order_for_any_world_size)
             }
             ASSERT_EQ(seen, drop ? 100 : 103);
         }
-        ct_sampler_deinit(&s);
+        ct_sampler_fini(&s);
     }
 }
 
@@ -142,7 +142,7 @@ TEST(sampler_edges_and_errors)
     ASSERT_ERR(ct_sampler_init(&s, -1, 4, 1, 1, 0), CT_EINVAL, "samples");
     ASSERT_OK(ct_sampler_init(&s, 3, 4, 1, 1, 1));
     ASSERT_EQ(ct_sampler_nbatches(&s), 0); /* drop_last with fewer samples than a batch */
-    ct_sampler_deinit(&s);
+    ct_sampler_fini(&s);
     ASSERT_OK(ct_sampler_init(&s, 3, 4, 1, 1, 0));
     ASSERT_EQ(ct_sampler_nbatches(&s), 1);
     int64_t idx[4], n = -1;
@@ -153,8 +153,8 @@ TEST(sampler_edges_and_errors)
     ASSERT_ERR(ct_sampler_batch(&s, 1, 0, 1, idx, &n), CT_EINVAL, "batch 1 is out of range");
     ASSERT_ERR(ct_sampler_batch(&s, 0, 4, 4, idx, &n), CT_EINVAL, "rank 4 of a world of 4");
     ASSERT_ERR(ct_sampler_set_epoch(&s, -1), CT_EINVAL, "epoch is -1");
-    ct_sampler_deinit(&s);
+    ct_sampler_fini(&s);
     ASSERT_OK(ct_sampler_init(&s, 0, 4, 1, 1, 0));
     ASSERT_EQ(ct_sampler_nbatches(&s), 0);
-    ct_sampler_deinit(&s);
+    ct_sampler_fini(&s);
 }

@@ -14,7 +14,7 @@ static ct_tensor *fwd(ct_module *m, ct_tensor *x, ct_record **rec, const ct_fwd_
 
 TEST(linear_forward_matches_naive_loop)
 {
-    ct_module *m = ct_linear_new(7, 5, 1);
+    ct_module *m = ct_linear_create(7, 5, 1);
     rand_params(m, 1);
     ct_tensor *x = rand_tensor(3, (int64_t[]){2, 3, 7}, 2, -1.0f, 1.0f);
     ct_tensor *y = fwd(m, x, NULL, NULL);
@@ -29,13 +29,13 @@ TEST(linear_forward_matches_naive_loop)
         }
     ct_tensor_release(y);
     ct_tensor_release(x);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 TEST(linear_backward_without_din_still_accumulates_params)
 {
     ct_fwd_ctx ctx = train_ctx();
-    ct_module *m = ct_linear_new(3, 2, 1);
+    ct_module *m = ct_linear_create(3, 2, 1);
     rand_params(m, 3);
     ct_tensor *x = rand_tensor(2, (int64_t[]){4, 3}, 4, -1.0f, 1.0f);
     ct_record *rec;
@@ -56,13 +56,13 @@ TEST(linear_backward_without_din_still_accumulates_params)
     ct_tensor_release(dy);
     ct_tensor_release(y);
     ct_tensor_release(x);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 TEST(frozen_params_get_no_gradient)
 {
     ct_fwd_ctx ctx = train_ctx();
-    ct_module *m = ct_linear_new(3, 2, 1);
+    ct_module *m = ct_linear_create(3, 2, 1);
     rand_params(m, 6);
     m->params[0]->requires_grad = 0;
     ct_tensor *x = rand_tensor(2, (int64_t[]){4, 3}, 7, -1.0f, 1.0f);
@@ -74,7 +74,7 @@ TEST(frozen_params_get_no_gradient)
     ct_tensor_release(dx);
     ct_tensor_release(y);
     ct_tensor_release(x);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 /* ---- conv2d ------------------------------------------------------------ */
@@ -98,7 +98,7 @@ static double conv_ref(const ct_tensor *x, const ct_module *m, int n, int o, int
 
 static void check_conv_forward(int N, int C, int H, int W, int Co, int k, int s, int pad, int stepw)
 {
-    ct_module *m = ct_conv2d_new(C, Co, k, s, pad, 1);
+    ct_module *m = ct_conv2d_create(C, Co, k, s, pad, 1);
     rand_params(m, 8);
     ct_tensor *x = rand_tensor(4, (int64_t[]){N, C, H, W}, 9, -1.0f, 1.0f);
     ct_tensor *y = fwd(m, x, NULL, NULL);
@@ -113,7 +113,7 @@ static void check_conv_forward(int N, int C, int H, int W, int Co, int k, int s,
                                 conv_ref(x, m, n, o, oh, ow, k, s, pad), 1e-4);
     ct_tensor_release(y);
     ct_tensor_release(x);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 TEST(conv2d_forward_matches_direct_convolution)
@@ -130,7 +130,7 @@ TEST(conv2d_forward_matches_direct_convolution)
 static void check_conv_chunks(int N, int C, int HW, uint64_t seed)
 {
     ct_fwd_ctx ctx = train_ctx();
-    ct_module *m = ct_conv2d_new(C, 2, 3, 1, 1, 1);
+    ct_module *m = ct_conv2d_create(C, 2, 3, 1, 1, 1);
     rand_params(m, seed);
     ct_tensor *x = rand_tensor(4, (int64_t[]){N, C, HW, HW}, seed + 1, -1.0f, 1.0f);
     ct_tensor *dy = rand_tensor(4, (int64_t[]){N, 2, HW, HW}, seed + 2, -1.0f, 1.0f);
@@ -157,7 +157,7 @@ static void check_conv_chunks(int N, int C, int HW, uint64_t seed)
     for (int i = 0; i < 2; i++) ASSERT_CLOSE(ct_f32(m->params[1]->grad)[i], ct_f32(gb)[i], 1e-4, 1e-3);
     ct_tensor *ts[] = {gw, gb, dx, y, dy, x};
     for (int i = 0; i < 6; i++) ct_tensor_release(ts[i]);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 TEST(conv2d_backward_chunks_match_single_images)
@@ -169,9 +169,9 @@ TEST(conv2d_backward_chunks_match_single_images)
 
 TEST(maxpool2d_forward_values)
 {
-    ct_module *m = ct_maxpool2d_new(2, 0);
+    ct_module *m = ct_maxpool2d_create(2, 0);
     float v[16] = {1, 5, 2, 0, 3, 4, 9, 8, -1, -2, -3, -4, -5, -6, -7, -0.5f};
-    ct_tensor *x = ct_tensor_new4(1, 1, 4, 4, CT_MEM_ACT);
+    ct_tensor *x = ct_tensor_create4(1, 1, 4, 4, CT_MEM_ACT);
     memcpy(x->data, v, sizeof v);
     ct_tensor *y = fwd(m, x, NULL, NULL);
     ASSERT_EQ(y->shape[2], 2);
@@ -181,15 +181,15 @@ TEST(maxpool2d_forward_values)
     ASSERT_NEAR(ct_f32(y)[3], -0.5, 0);
     ct_tensor_release(y);
     ct_tensor_release(x);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 /* ---- activations ------------------------------------------------------- */
 
 TEST(activation_forward_values)
 {
-    ct_module *g = ct_gelu_new(), *r = ct_relu_new(), *t = ct_tanh_new();
-    ct_tensor *x = ct_tensor_new1(4, CT_MEM_ACT);
+    ct_module *g = ct_gelu_create(), *r = ct_relu_create(), *t = ct_tanh_create();
+    ct_tensor *x = ct_tensor_create1(4, CT_MEM_ACT);
     float v[4] = {-2.0f, -0.5f, 0.0f, 1.5f};
     memcpy(x->data, v, sizeof v);
     ct_tensor *yg = fwd(g, x, NULL, NULL), *yr = fwd(r, x, NULL, NULL), *yt = fwd(t, x, NULL, NULL);
@@ -204,14 +204,14 @@ TEST(activation_forward_values)
     ct_tensor_release(yr);
     ct_tensor_release(yt);
     ct_tensor_release(x);
-    ct_module_free(g);
-    ct_module_free(r);
-    ct_module_free(t);
+    ct_module_destroy(g);
+    ct_module_destroy(r);
+    ct_module_destroy(t);
 }
 
 TEST(layernorm_forward_normalises_rows)
 {
-    ct_module *m = ct_layernorm_new(5, 1e-5f);
+    ct_module *m = ct_layernorm_create(5, 1e-5f);
     ct_tensor *x = rand_tensor(2, (int64_t[]){3, 5}, 13, 10.0f, 14.0f);
     ct_tensor *y = fwd(m, x, NULL, NULL);
     for (int r = 0; r < 3; r++) {
@@ -223,7 +223,7 @@ TEST(layernorm_forward_normalises_rows)
     }
     ct_tensor_release(y);
     ct_tensor_release(x);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 /* ---- batchnorm running stats ------------------------------------------- */
@@ -231,7 +231,7 @@ TEST(layernorm_forward_normalises_rows)
 TEST(batchnorm_running_stats_and_eval)
 {
     ct_fwd_ctx tr = train_ctx(), ev = {0, 0, 0, 0};
-    ct_module *m = ct_batchnorm_new(2, 1e-5f, 0.1f);
+    ct_module *m = ct_batchnorm_create(2, 1e-5f, 0.1f);
     ASSERT_EQ(m->nbuffers, 3);
     ASSERT(!strcmp(m->buffers[0]->local, "running_mean"));
     ASSERT(!strcmp(m->buffers[1]->local, "running_var"));
@@ -269,21 +269,21 @@ TEST(batchnorm_running_stats_and_eval)
     ASSERT_EQ(ct_f32(m->buffers[0]->data)[0], rm0);
     ct_tensor_release(y);
     ct_tensor_release(x);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 /* ---- dropout ----------------------------------------------------------- */
 
 static ct_tensor *ones(int64_t n)
 {
-    ct_tensor *t = ct_tensor_new1(n, CT_MEM_ACT);
+    ct_tensor *t = ct_tensor_create1(n, CT_MEM_ACT);
     ct_tensor_fill(t, 1.0f);
     return t;
 }
 
 TEST(dropout_mask_is_deterministic_per_step_and_micro)
 {
-    ct_module *m = ct_dropout_new(0.3f);
+    ct_module *m = ct_dropout_create(0.3f);
     ct_tensor *x = ones(20000);
     ct_fwd_ctx a = train_ctx(), b = a, c = a;
     b.step++;
@@ -307,14 +307,14 @@ TEST(dropout_mask_is_deterministic_per_step_and_micro)
     ct_tensor *ys[] = {ya, ya2, yb, yc};
     for (int i = 0; i < 4; i++) ct_tensor_release(ys[i]);
     ct_tensor_release(x);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 TEST(dropout_streams_differ_by_module_name)
 {
-    ct_module *seq = ct_sequential_new();
-    ASSERT_OK(ct_module_add(seq, "a", ct_dropout_new(0.5f)));
-    ASSERT_OK(ct_module_add(seq, "b", ct_dropout_new(0.5f)));
+    ct_module *seq = ct_sequential_create();
+    ASSERT_OK(ct_module_add(seq, "a", ct_dropout_create(0.5f)));
+    ASSERT_OK(ct_module_add(seq, "b", ct_dropout_create(0.5f)));
     ct_tensor *x = ones(4000);
     ct_fwd_ctx ctx = train_ctx();
     ct_tensor *ya = fwd(seq->kids[0], x, NULL, &ctx), *yb = fwd(seq->kids[1], x, NULL, &ctx);
@@ -324,12 +324,12 @@ TEST(dropout_streams_differ_by_module_name)
     ct_tensor_release(ya);
     ct_tensor_release(yb);
     ct_tensor_release(x);
-    ct_module_free(seq);
+    ct_module_destroy(seq);
 }
 
 TEST(dropout_backward_uses_forward_mask)
 {
-    ct_module *m = ct_dropout_new(0.5f);
+    ct_module *m = ct_dropout_create(0.5f);
     ct_tensor *x = ones(1000), *g = ones(1000);
     ct_fwd_ctx ctx = train_ctx();
     ct_record *rec;
@@ -340,12 +340,12 @@ TEST(dropout_backward_uses_forward_mask)
     ct_tensor_release(y);
     ct_tensor_release(g);
     ct_tensor_release(x);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 TEST(dropout_eval_is_identity)
 {
-    ct_module *m = ct_dropout_new(0.5f);
+    ct_module *m = ct_dropout_create(0.5f);
     ct_tensor *x = rand_tensor(1, (int64_t[]){500}, 15, -1.0f, 1.0f), *g = ones(500);
     ct_fwd_ctx ev = {0, 1234, 5, 0};
     ct_record *rec;
@@ -358,10 +358,10 @@ TEST(dropout_eval_is_identity)
     ct_tensor_release(y);
     ct_tensor_release(g);
     ct_tensor_release(x);
-    ct_module_free(m);
-    ASSERT(ct_dropout_new(1.0f) == NULL);
+    ct_module_destroy(m);
+    ASSERT(ct_dropout_create(1.0f) == NULL);
     ASSERT_STR_CONTAINS(ct_last_error(), "[0, 1)");
-    ASSERT(ct_dropout_new(-0.1f) == NULL);
+    ASSERT(ct_dropout_create(-0.1f) == NULL);
 }
 
 /* ---- embedding --------------------------------------------------------- */
@@ -369,11 +369,11 @@ TEST(dropout_eval_is_identity)
 TEST(embedding_lookup_and_repeated_indices_accumulate)
 {
     ct_fwd_ctx ctx = train_ctx();
-    ct_module *m = ct_embedding_new(6, 2);
+    ct_module *m = ct_embedding_create(6, 2);
     rand_params(m, 16);
     for (int dt = 0; dt < 2; dt++) {
         ct_module_zero_grad(m);
-        ct_tensor *idx = ct_tensor_new(dt ? CT_I64 : CT_I32, 1, (int64_t[]){4}, CT_MEM_ACT);
+        ct_tensor *idx = ct_tensor_create(dt ? CT_I64 : CT_I32, 1, (int64_t[]){4}, CT_MEM_ACT);
         int v[4] = {3, 5, 3, 3};
         for (int i = 0; i < 4; i++) {
             if (dt) ((int64_t *)idx->data)[i] = v[i];
@@ -399,25 +399,25 @@ TEST(embedding_lookup_and_repeated_indices_accumulate)
         ct_tensor_release(y);
         ct_tensor_release(idx);
     }
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 TEST(embedding_rejects_out_of_range_index)
 {
-    ct_module *seq = ct_sequential_new();
-    ASSERT_OK(ct_module_add(seq, "tok", ct_embedding_new(10, 4)));
-    ct_tensor *idx = ct_tensor_new(CT_I32, 1, (int64_t[]){3}, CT_MEM_ACT);
+    ct_module *seq = ct_sequential_create();
+    ASSERT_OK(ct_module_add(seq, "tok", ct_embedding_create(10, 4)));
+    ct_tensor *idx = ct_tensor_create(CT_I32, 1, (int64_t[]){3}, CT_MEM_ACT);
     ((int32_t *)idx->data)[1] = 10;
     ct_tensor *y;
     ASSERT_ERR(ct_module_forward(seq, idx, &y, NULL, NULL), CT_EINVAL, "embedding 'tok': index 10");
     ASSERT_STR_CONTAINS(ct_last_error(), "num_embeddings 10");
     ((int32_t *)idx->data)[1] = -1;
     ASSERT_ERR(ct_module_forward(seq, idx, &y, NULL, NULL), CT_EINVAL, "index -1 at position 1");
-    ct_tensor *f = ct_tensor_new1(3, CT_MEM_ACT);
+    ct_tensor *f = ct_tensor_create1(3, CT_MEM_ACT);
     ASSERT_ERR(ct_module_forward(seq, f, &y, NULL, NULL), CT_EINVAL, "I32 or I64");
     ct_tensor_release(f);
     ct_tensor_release(idx);
-    ct_module_free(seq);
+    ct_module_destroy(seq);
 }
 
 /* ---- cross-entropy ----------------------------------------------------- */
@@ -427,8 +427,8 @@ TEST(cross_entropy_value_grad_and_ignore_index)
     /* Rows: [1,2,3]->2, [1,1,1]->0, [5,0,-5]->ignored, [0,10,0]->1. */
     float z[12] = {1, 2, 3, 1, 1, 1, 5, 0, -5, 0, 10, 0};
     int64_t t[4] = {2, 0, -100, 1};
-    ct_tensor *logits = ct_tensor_new2(4, 3, CT_MEM_ACT);
-    ct_tensor *tg = ct_tensor_new(CT_I64, 1, (int64_t[]){4}, CT_MEM_ACT);
+    ct_tensor *logits = ct_tensor_create2(4, 3, CT_MEM_ACT);
+    ct_tensor *tg = ct_tensor_create(CT_I64, 1, (int64_t[]){4}, CT_MEM_ACT);
     memcpy(logits->data, z, sizeof z);
     memcpy(tg->data, t, sizeof t);
     float loss;
@@ -465,8 +465,8 @@ TEST(cross_entropy_count_correct_ties_and_i32)
 {
     float z[6] = {1, 1, 0, 0, 2, 2};
     int32_t t[2] = {1, 1};
-    ct_tensor *logits = ct_tensor_new2(2, 3, CT_MEM_ACT);
-    ct_tensor *tg = ct_tensor_new(CT_I32, 1, (int64_t[]){2}, CT_MEM_ACT);
+    ct_tensor *logits = ct_tensor_create2(2, 3, CT_MEM_ACT);
+    ct_tensor *tg = ct_tensor_create(CT_I32, 1, (int64_t[]){2}, CT_MEM_ACT);
     memcpy(logits->data, z, sizeof z);
     memcpy(tg->data, t, sizeof t);
     ASSERT_EQ(ct_count_correct(logits, tg, -100), 1); /* ties go to the first max */
@@ -476,8 +476,8 @@ TEST(cross_entropy_count_correct_ties_and_i32)
 
 TEST(cross_entropy_large_logits_are_stable)
 {
-    ct_tensor *logits = ct_tensor_new2(1, 2, CT_MEM_ACT);
-    ct_tensor *tg = ct_tensor_new(CT_I32, 1, (int64_t[]){1}, CT_MEM_ACT);
+    ct_tensor *logits = ct_tensor_create2(1, 2, CT_MEM_ACT);
+    ct_tensor *tg = ct_tensor_create(CT_I32, 1, (int64_t[]){1}, CT_MEM_ACT);
     ct_f32(logits)[0] = 1000.0f;
     ct_f32(logits)[1] = 999.0f;
     ((int32_t *)tg->data)[0] = 1;
@@ -494,7 +494,7 @@ TEST(cross_entropy_large_logits_are_stable)
 TEST(cross_entropy_all_ignored_and_bad_targets)
 {
     ct_tensor *logits = rand_tensor(2, (int64_t[]){3, 4}, 18, -1.0f, 1.0f);
-    ct_tensor *tg = ct_tensor_new(CT_I64, 1, (int64_t[]){3}, CT_MEM_ACT);
+    ct_tensor *tg = ct_tensor_create(CT_I64, 1, (int64_t[]){3}, CT_MEM_ACT);
     for (int i = 0; i < 3; i++) ((int64_t *)tg->data)[i] = -100;
     float loss = 123;
     ct_tensor *d;
@@ -508,7 +508,7 @@ TEST(cross_entropy_all_ignored_and_bad_targets)
     ((int64_t *)tg->data)[2] = -3;
     ASSERT_ERR(ct_cross_entropy(logits, tg, -100, &loss, NULL), CT_EINVAL, "target -3 at row 2");
     ASSERT_EQ(ct_count_correct(logits, tg, -100), -1);
-    ct_tensor *short_t = ct_tensor_new(CT_I64, 1, (int64_t[]){2}, CT_MEM_ACT);
+    ct_tensor *short_t = ct_tensor_create(CT_I64, 1, (int64_t[]){2}, CT_MEM_ACT);
     ASSERT_ERR(ct_cross_entropy(logits, short_t, -100, &loss, NULL), CT_EINVAL, "2 targets");
     ct_tensor_release(short_t);
     ct_tensor_release(tg);
@@ -553,20 +553,20 @@ static void check_accumulates(ct_module *m, ct_tensor *x)
 
 TEST(param_gradients_accumulate)
 {
-    ct_module *ms[] = {ct_linear_new(4, 3, 1), ct_conv2d_new(2, 3, 3, 2, 1, 1),
-                       ct_layernorm_new(4, 1e-5f), ct_batchnorm_new(2, 1e-5f, 0.1f),
-                       ct_embedding_new(5, 4)};
+    ct_module *ms[] = {ct_linear_create(4, 3, 1), ct_conv2d_create(2, 3, 3, 2, 1, 1),
+                       ct_layernorm_create(4, 1e-5f), ct_batchnorm_create(2, 1e-5f, 0.1f),
+                       ct_embedding_create(5, 4)};
     ct_tensor *xs[] = {rand_tensor(2, (int64_t[]){3, 4}, 20, -1, 1),
                        rand_tensor(4, (int64_t[]){2, 2, 5, 5}, 21, -1, 1),
                        rand_tensor(2, (int64_t[]){3, 4}, 22, -1, 1),
                        rand_tensor(4, (int64_t[]){2, 2, 3, 3}, 23, -1, 1),
-                       ct_tensor_new(CT_I32, 1, (int64_t[]){3}, CT_MEM_ACT)};
+                       ct_tensor_create(CT_I32, 1, (int64_t[]){3}, CT_MEM_ACT)};
     ((int32_t *)xs[4]->data)[0] = 4;
     for (int k = 0; k < 5; k++) {
         rand_params(ms[k], 24 + (uint64_t)k);
         check_accumulates(ms[k], xs[k]);
         ct_tensor_release(xs[k]);
-        ct_module_free(ms[k]);
+        ct_module_destroy(ms[k]);
     }
 }
 
@@ -574,77 +574,77 @@ TEST(param_gradients_accumulate)
 
 TEST(bad_inputs_are_rejected_naming_the_module)
 {
-    ct_module *net = ct_sequential_new();
-    ASSERT_OK(ct_module_add(net, "fc1", ct_linear_new(512, 10, 1)));
-    ct_tensor *x = ct_tensor_new2(4, 784, CT_MEM_ACT), *y = NULL;
+    ct_module *net = ct_sequential_create();
+    ASSERT_OK(ct_module_add(net, "fc1", ct_linear_create(512, 10, 1)));
+    ct_tensor *x = ct_tensor_create2(4, 784, CT_MEM_ACT), *y = NULL;
     ASSERT_ERR(ct_module_forward(net, x, &y, NULL, NULL), CT_EINVAL,
                "linear 'fc1': input [4, 784] has 784 features but the layer expects 512");
     ASSERT(y == NULL);
     ct_tensor_release(x);
-    ct_module_free(net);
+    ct_module_destroy(net);
 
-    ct_module *m = ct_linear_new(3, 2, 0);
-    ct_tensor *xi = ct_tensor_new(CT_I64, 2, (int64_t[]){2, 3}, CT_MEM_ACT);
+    ct_module *m = ct_linear_create(3, 2, 0);
+    ct_tensor *xi = ct_tensor_create(CT_I64, 2, (int64_t[]){2, 3}, CT_MEM_ACT);
     ASSERT_ERR(ct_module_forward(m, xi, &y, NULL, NULL), CT_EINVAL, "input is I64");
     ct_tensor_release(xi);
-    ct_module_free(m);
+    ct_module_destroy(m);
 
-    net = ct_sequential_new();
-    ASSERT_OK(ct_module_add(net, "conv", ct_conv2d_new(3, 4, 3, 1, 0, 1)));
-    ASSERT_OK(ct_module_add(net, "bn", ct_batchnorm_new(4, 1e-5f, 0.1f)));
-    ASSERT_OK(ct_module_add(net, "pool", ct_maxpool2d_new(2, 2)));
-    ct_tensor *x4 = ct_tensor_new4(2, 1, 8, 8, CT_MEM_ACT);
+    net = ct_sequential_create();
+    ASSERT_OK(ct_module_add(net, "conv", ct_conv2d_create(3, 4, 3, 1, 0, 1)));
+    ASSERT_OK(ct_module_add(net, "bn", ct_batchnorm_create(4, 1e-5f, 0.1f)));
+    ASSERT_OK(ct_module_add(net, "pool", ct_maxpool2d_create(2, 2)));
+    ct_tensor *x4 = ct_tensor_create4(2, 1, 8, 8, CT_MEM_ACT);
     ASSERT_ERR(ct_module_forward(net, x4, &y, NULL, NULL), CT_EINVAL, "conv2d 'conv'");
     ASSERT_STR_CONTAINS(ct_last_error(), "[N, 3, H, W]");
     ct_tensor_release(x4);
-    x4 = ct_tensor_new4(2, 3, 2, 8, CT_MEM_ACT);
+    x4 = ct_tensor_create4(2, 3, 2, 8, CT_MEM_ACT);
     ASSERT_ERR(ct_module_forward(net, x4, &y, NULL, NULL), CT_EINVAL, "smaller than the 3x3 kernel");
     ct_tensor_release(x4);
-    ct_tensor *x3 = ct_tensor_new2(2, 5, CT_MEM_ACT);
+    ct_tensor *x3 = ct_tensor_create2(2, 5, CT_MEM_ACT);
     ASSERT_ERR(ct_module_forward(net->kids[1], x3, &y, NULL, NULL), CT_EINVAL, "batchnorm 'bn'");
     ASSERT_ERR(ct_module_forward(net->kids[2], x3, &y, NULL, NULL), CT_EINVAL, "maxpool2d 'pool'");
     ct_tensor_release(x3);
-    x4 = ct_tensor_new4(1, 4, 1, 1, CT_MEM_ACT);
+    x4 = ct_tensor_create4(1, 4, 1, 1, CT_MEM_ACT);
     ct_fwd_ctx tr = train_ctx();
     ASSERT_ERR(ct_module_forward(net->kids[1], x4, &y, NULL, &tr), CT_EINVAL,
                "more than 1 value per channel");
     ASSERT_ERR(ct_module_forward(net->kids[2], x4, &y, NULL, &tr), CT_EINVAL, "2x2 window");
     ct_tensor_release(x4);
-    ct_module_free(net);
+    ct_module_destroy(net);
 
-    m = ct_layernorm_new(8, 1e-5f);
-    x3 = ct_tensor_new2(2, 5, CT_MEM_ACT);
+    m = ct_layernorm_create(8, 1e-5f);
+    x3 = ct_tensor_create2(2, 5, CT_MEM_ACT);
     ASSERT_ERR(ct_module_forward(m, x3, &y, NULL, NULL), CT_EINVAL, "layernorm '(root)'");
     ct_tensor_release(x3);
-    ct_module_free(m);
+    ct_module_destroy(m);
 
-    ASSERT(ct_linear_new(0, 3, 1) == NULL);
-    ASSERT(ct_conv2d_new(1, 1, 0, 1, 0, 1) == NULL);
-    ASSERT(ct_batchnorm_new(3, 1e-5f, 1.5f) == NULL);
-    ASSERT(ct_embedding_new(0, 3) == NULL);
+    ASSERT(ct_linear_create(0, 3, 1) == NULL);
+    ASSERT(ct_conv2d_create(1, 1, 0, 1, 0, 1) == NULL);
+    ASSERT(ct_batchnorm_create(3, 1e-5f, 1.5f) == NULL);
+    ASSERT(ct_embedding_create(0, 3) == NULL);
 }
 
 TEST(backward_rejects_wrong_gradient_shape)
 {
     ct_fwd_ctx ctx = train_ctx();
-    ct_module *m = ct_linear_new(3, 2, 1);
-    ct_tensor *x = ct_tensor_new2(4, 3, CT_MEM_ACT), *bad = ct_tensor_new2(4, 3, CT_MEM_ACT), *dx;
+    ct_module *m = ct_linear_create(3, 2, 1);
+    ct_tensor *x = ct_tensor_create2(4, 3, CT_MEM_ACT), *bad = ct_tensor_create2(4, 3, CT_MEM_ACT), *dx;
     ct_record *rec;
     ct_tensor *y = fwd(m, x, &rec, &ctx);
     ASSERT_ERR(ct_module_backward(m, bad, &dx, rec), CT_EINVAL, "output gradient");
     ct_tensor_release(y);
     ct_tensor_release(bad);
     ct_tensor_release(x);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 TEST(layers_survive_allocation_failures)
 {
     /* Every allocation a forward + backward makes fails in turn: errors, never crashes or leaks. */
     ct_fwd_ctx ctx = train_ctx();
-    ct_module *ms[] = {ct_linear_new(4, 3, 1), ct_conv2d_new(2, 3, 3, 1, 1, 1),
-                       ct_layernorm_new(4, 1e-5f), ct_batchnorm_new(2, 1e-5f, 0.1f),
-                       ct_dropout_new(0.5f), ct_maxpool2d_new(2, 2), ct_flatten_new(), ct_gelu_new()};
+    ct_module *ms[] = {ct_linear_create(4, 3, 1), ct_conv2d_create(2, 3, 3, 1, 1, 1),
+                       ct_layernorm_create(4, 1e-5f), ct_batchnorm_create(2, 1e-5f, 0.1f),
+                       ct_dropout_create(0.5f), ct_maxpool2d_create(2, 2), ct_flatten_create(), ct_gelu_create()};
     int64_t shp[][4] = {{2, 4}, {2, 2, 4, 4}, {2, 4}, {2, 2, 4, 4}, {2, 4}, {2, 2, 4, 4}, {2, 2, 4, 4}, {2, 4}};
     int nd[] = {2, 4, 2, 4, 2, 4, 4, 2};
     for (int k = 0; k < 8; k++) {
@@ -666,7 +666,7 @@ TEST(layers_survive_allocation_failures)
         }
         ASSERT(ok);
         ct_tensor_release(x);
-        ct_module_free(ms[k]);
+        ct_module_destroy(ms[k]);
     }
     for (int c = 0; c < CT_MEM_NCAT; c++)
         if (c != CT_MEM_PARAM && c != CT_MEM_GRAD && c != CT_MEM_OTHER) ASSERT_EQ(ct_mem_current(c), 0);

@@ -15,7 +15,7 @@
 /* Uniform values in [lo, hi). */
 static inline ct_tensor *rand_tensor(int ndim, const int64_t *shape, uint64_t seed, float lo, float hi)
 {
-    ct_tensor *t = ct_tensor_new(CT_F32, ndim, shape, CT_MEM_ACT);
+    ct_tensor *t = ct_tensor_create(CT_F32, ndim, shape, CT_MEM_ACT);
     ct_rng r;
     ct_rng_init(&r, seed, 77);
     ct_rng_uniform(&r, ct_f32(t), (size_t)t->numel);
@@ -85,7 +85,7 @@ static inline fd_result fd_check(ct_module *m, ct_tensor *x, const ct_fwd_ctx *c
     ct_record *rec;
     ct_status s = ct_module_forward(m, x, &y, &rec, ctx);
     if (s != CT_OK) ct_test_fail(__FILE__, __LINE__, "forward failed: %s", ct_last_error());
-    ct_tensor *R = ct_tensor_new(CT_F32, y->ndim, y->shape, CT_MEM_ACT);
+    ct_tensor *R = ct_tensor_create(CT_F32, y->ndim, y->shape, CT_MEM_ACT);
     ct_rng rng;
     ct_rng_init(&rng, seed, 99);
     ct_rng_normal(&rng, ct_f32(R), (size_t)R->numel, 0.0f, 1.0f);

@@ -64,7 +64,7 @@ TEST(models_mlp_matches_pytorch_sequential)
     check_params(m, want, 6);
     ASSERT_EQ(ct_module_num_params(m), 235146);
     check_kinds(m, "linear relu linear relu linear");
-    ct_module_free(m);
+    ct_module_destroy(m);
 
     ASSERT_OK(ct_model_config_parse_hidden(&c, "64"));
     ASSERT_OK(ct_model_build(&c, 1, &m));
@@ -72,7 +72,7 @@ TEST(models_mlp_matches_pytorch_sequential)
                               {"2.bias", 1, {10}}};
     check_params(m, one, 4);
     check_kinds(m, "linear relu linear");
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 TEST(models_cnn_matches_pytorch_sequential)
@@ -89,7 +89,7 @@ TEST(models_cnn_matches_pytorch_sequential)
     };
     check_params(m, want, 8);
     check_kinds(m, "conv2d relu maxpool2d conv2d relu maxpool2d flatten linear relu linear");
-    ct_tensor *x = ct_tensor_new4(3, 1, 28, 28, CT_MEM_ACT);
+    ct_tensor *x = ct_tensor_create4(3, 1, 28, 28, CT_MEM_ACT);
     ct_tensor_fill(x, 0.5f);
     ct_tensor *y;
     ct_fwd_ctx ctx = {0, 0, 0, 0};
@@ -99,7 +99,7 @@ TEST(models_cnn_matches_pytorch_sequential)
     ASSERT_EQ(y->shape[1], 10);
     ct_tensor_release(x);
     ct_tensor_release(y);
-    ct_module_free(m);
+    ct_module_destroy(m);
 
     /* Three 5x5 convs on 28x28: 28 -> 14 -> 7 -> 3, so the fc takes 8*3*3. */
     ASSERT_OK(ct_model_config_parse_hidden(&c, "4,6,8,20"));
@@ -111,7 +111,7 @@ TEST(models_cnn_matches_pytorch_sequential)
         {"12.weight", 2, {10, 20}},    {"12.bias", 1, {10}},
     };
     check_params(m, three, 10);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 /* A 3-2-2 MLP with weights set by hand: the output is worked out here
@@ -132,7 +132,7 @@ TEST(models_mlp_forward_by_hand)
     memcpy(ct_module_find(m, "2.bias")->data->data, b2, sizeof b2);
     int64_t shape[4];
     ASSERT_EQ(ct_model_input_shape(&c, 2, shape), 2);
-    ct_tensor *x = ct_tensor_new(CT_F32, 2, shape, CT_MEM_ACT);
+    ct_tensor *x = ct_tensor_create(CT_F32, 2, shape, CT_MEM_ACT);
     const float xs[] = {1, 2, 3, -1, 0, 1};
     memcpy(x->data, xs, sizeof xs);
     ct_tensor *y;
@@ -144,7 +144,7 @@ TEST(models_mlp_forward_by_hand)
     for (int i = 0; i < 4; i++) ASSERT_NEAR(ct_f32(y)[i], want[i], 1e-6);
     ct_tensor_release(x);
     ct_tensor_release(y);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 TEST(models_init_is_seeded_and_bounded)
@@ -167,9 +167,9 @@ TEST(models_init_is_seeded_and_bounded)
         ASSERT(maxabs <= bound);
         ASSERT(maxabs > 0.9 * bound);
     }
-    ct_module_free(a);
-    ct_module_free(b);
-    ct_module_free(d);
+    ct_module_destroy(a);
+    ct_module_destroy(b);
+    ct_module_destroy(d);
 }
 
 static void meta_copy(const ct_meta *src, ct_meta *dst) { memcpy(dst, src, sizeof *dst); }
@@ -332,7 +332,7 @@ TEST(models_build_survives_allocation_failures)
             ct_mem_fail_after(-1);
             if (st == CT_OK) {
                 ASSERT(m != NULL);
-                ct_module_free(m);
+                ct_module_destroy(m);
                 break;
             }
             failures++;

@@ -3,18 +3,18 @@
 
 static ct_module *mlp(int drop)
 {
-    ct_module *m = ct_sequential_new();
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_new(6, 8, 1)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_relu_new()));
-    if (drop) ASSERT_OK(ct_module_add(m, NULL, ct_dropout_new(0.3f)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_new(8, 4, 1)));
+    ct_module *m = ct_sequential_create();
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(6, 8, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_relu_create()));
+    if (drop) ASSERT_OK(ct_module_add(m, NULL, ct_dropout_create(0.3f)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(8, 4, 1)));
     ct_module_init_params(m, 7);
     return m;
 }
 
 static ct_tensor *rand_tensor(int64_t r, int64_t c, uint64_t stream)
 {
-    ct_tensor *t = ct_tensor_new2(r, c, CT_MEM_ACT);
+    ct_tensor *t = ct_tensor_create2(r, c, CT_MEM_ACT);
     ct_rng g;
     ct_rng_init(&g, 99, stream);
     ct_rng_normal(&g, ct_f32(t), (size_t)t->numel, 0, 1);
@@ -23,12 +23,12 @@ static ct_tensor *rand_tensor(int64_t r, int64_t c, uint64_t stream)
 
 TEST(nn_names_follow_pytorch)
 {
-    ct_module *root = ct_sequential_new();
-    ct_module *inner = ct_sequential_new();
-    ASSERT_OK(ct_module_add(inner, NULL, ct_linear_new(3, 3, 1)));
-    ASSERT_OK(ct_module_add(root, NULL, ct_linear_new(2, 3, 0)));
+    ct_module *root = ct_sequential_create();
+    ct_module *inner = ct_sequential_create();
+    ASSERT_OK(ct_module_add(inner, NULL, ct_linear_create(3, 3, 1)));
+    ASSERT_OK(ct_module_add(root, NULL, ct_linear_create(2, 3, 0)));
     ASSERT_OK(ct_module_add(root, "layers", inner));
-    ASSERT_OK(ct_module_add(root, NULL, ct_batchnorm_new(3, 1e-5f, 0.1f)));
+    ASSERT_OK(ct_module_add(root, NULL, ct_batchnorm_create(3, 1e-5f, 0.1f)));
     ct_param **ps;
     int n;
     ASSERT_OK(ct_module_params(root, &ps, &n));
@@ -45,8 +45,8 @@ TEST(nn_names_follow_pytorch)
     ASSERT(ct_module_find(root, "layers.0.bias") != NULL);
     ASSERT(ct_module_find(root, "layers.1.bias") == NULL);
     ASSERT_EQ(ct_module_num_params(root), 6 + 9 + 3 + 3 + 3);
-    ASSERT_ERR(ct_module_add(root, "layers", ct_relu_new()), CT_EINVAL, "already has a child named");
-    ct_module_free(root);
+    ASSERT_ERR(ct_module_add(root, "layers", ct_relu_create()), CT_EINVAL, "already has a child named");
+    ct_module_destroy(root);
 }
 
 /* Hook log: "F>name" pre-forward, "F<name" post-forward, "B>" / "B<" backward, "G:param" grad-ready. */
@@ -118,7 +118,7 @@ TEST(nn_hooks_fire_in_documented_order)
     ct_tensor_release(x);
     ct_tensor_release(y);
     ct_tensor_release(dy);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 static ct_status failing_hook(ct_module *m, ct_hook_kind kind, void *ud)
@@ -140,7 +140,7 @@ TEST(nn_failing_hook_aborts_forward_cleanly)
     ASSERT_EQ(ct_mem_current(CT_MEM_ACT), act_before); /* nothing leaked */
     ct_hook_remove(h);
     ct_tensor_release(x);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 TEST(nn_backward_needs_record)
@@ -149,7 +149,7 @@ TEST(nn_backward_needs_record)
     ct_tensor *dy = rand_tensor(2, 4, 1);
     ASSERT_ERR(ct_module_backward(m, dy, NULL, NULL), CT_ESTATE, "without an activation record");
     ct_tensor_release(dy);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 /* Several micro-batches in flight: records belong to calls, not layers. */
@@ -184,8 +184,8 @@ TEST(nn_records_allow_interleaved_microbatches)
     ct_free(pb);
     ct_tensor *ts[] = {x1, x2, dy1, dy2};
     for (int i = 0; i < 4; i++) ct_tensor_release(ts[i]);
-    ct_module_free(a);
-    ct_module_free(b);
+    ct_module_destroy(a);
+    ct_module_destroy(b);
 }
 
 /* Runs forward+backward and returns the input gradient; grads accumulate in m. */
@@ -201,12 +201,12 @@ static ct_tensor *fwd_bwd(ct_module *m, ct_tensor *x, ct_tensor *dy, const ct_fw
 /* seq(body, linear) with body = seq(linear, relu, dropout), optionally checkpointed. */
 static ct_module *ckpt_model(int ckpt)
 {
-    ct_module *m = ct_sequential_new(), *body = ct_sequential_new();
-    ASSERT_OK(ct_module_add(body, NULL, ct_linear_new(6, 8, 1)));
-    ASSERT_OK(ct_module_add(body, NULL, ct_relu_new()));
-    ASSERT_OK(ct_module_add(body, NULL, ct_dropout_new(0.3f)));
-    ASSERT_OK(ct_module_add(m, NULL, ckpt ? ct_checkpoint_new(body) : body));
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_new(8, 4, 1)));
+    ct_module *m = ct_sequential_create(), *body = ct_sequential_create();
+    ASSERT_OK(ct_module_add(body, NULL, ct_linear_create(6, 8, 1)));
+    ASSERT_OK(ct_module_add(body, NULL, ct_relu_create()));
+    ASSERT_OK(ct_module_add(body, NULL, ct_dropout_create(0.3f)));
+    ASSERT_OK(ct_module_add(m, NULL, ckpt ? ct_checkpoint_create(body) : body));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(8, 4, 1)));
     ct_module_init_params(m, 7);
     return m;
 }
@@ -249,14 +249,14 @@ TEST(nn_checkpoint_bit_identical_with_dropout)
     ct_free(pw);
     ct_tensor_release(x);
     ct_tensor_release(dy);
-    ct_module_free(plain);
-    ct_module_free(wrapped);
+    ct_module_destroy(plain);
+    ct_module_destroy(wrapped);
 }
 
 TEST(nn_residual_adds_identity_gradient)
 {
-    ct_module *body = ct_linear_new(4, 4, 0);
-    ct_module *r = ct_residual_new(body);
+    ct_module *body = ct_linear_create(4, 4, 0);
+    ct_module *r = ct_residual_create(body);
     ASSERT(r && !strcmp(r->kids[0]->name, "body"));
     ASSERT(!strcmp(body->params[0]->name, "body.weight"));
     ct_tensor_fill(body->params[0]->data, 0.0f); /* body(x) = 0: residual is identity */
@@ -275,15 +275,15 @@ TEST(nn_residual_adds_identity_gradient)
             for (int n = 0; n < 3; n++) s += ct_f32(dy)[n * 4 + o] * ct_f32(x)[n * 4 + i];
             ASSERT_NEAR(gw[o * 4 + i], s, 1e-5);
         }
-    ct_module *bad = ct_residual_new(ct_linear_new(4, 2, 0));
+    ct_module *bad = ct_residual_create(ct_linear_create(4, 2, 0));
     ct_tensor *y2 = NULL;
     ASSERT_ERR(ct_module_forward(bad, x, &y2, NULL, &ctx), CT_EINVAL, "must keep the shape");
-    ct_module_free(bad);
+    ct_module_destroy(bad);
     ct_tensor_release(x);
     ct_tensor_release(y);
     ct_tensor_release(dx);
     ct_tensor_release(dy);
-    ct_module_free(r);
+    ct_module_destroy(r);
 }
 
 TEST(nn_init_is_deterministic_and_pytorch_bounded)
@@ -296,8 +296,8 @@ TEST(nn_init_is_deterministic_and_pytorch_bounded)
     ASSERT(mx <= bound && mx > 0.5f * bound);
     /* Weight and bias of one layer draw different numbers. */
     ASSERT(ct_f32(a->kids[0]->params[1]->data)[0] != ct_f32(wa->data)[0]);
-    ct_module_free(a);
-    ct_module_free(b);
+    ct_module_destroy(a);
+    ct_module_destroy(b);
 }
 
 /* Lazy zero_grad: the next backward overwrites, the one after accumulates,
@@ -345,6 +345,6 @@ TEST(nn_lazy_zero_grad_overwrites_then_accumulates)
     ct_free(pb);
     ct_tensor_release(x);
     ct_tensor_release(dy);
-    ct_module_free(a);
-    ct_module_free(b);
+    ct_module_destroy(a);
+    ct_module_destroy(b);
 }

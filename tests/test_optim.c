@@ -51,8 +51,8 @@ static ct_param *make_param(const char *name, int64_t n)
     size_t len = strlen(name) + 1;
     p->name = ct_alloc(len, CT_MEM_OTHER);
     memcpy(p->name, name, len);
-    p->data = ct_tensor_new1(n, CT_MEM_PARAM);
-    p->grad = ct_tensor_new1(n, CT_MEM_GRAD);
+    p->data = ct_tensor_create1(n, CT_MEM_PARAM);
+    p->grad = ct_tensor_create1(n, CT_MEM_GRAD);
     ASSERT(p->data && p->grad);
     p->requires_grad = 1;
     return p;
@@ -418,9 +418,9 @@ TEST(optim_param_slots_follow_repointing)
     ASSERT(opt);
     ASSERT_EQ(ct_optim_num_slots(opt), 1);
     /* A strategy re-points data and grad at its own storage (a bucket). */
-    ct_tensor *bucket = ct_tensor_new1(2 * N, CT_MEM_COMM);
+    ct_tensor *bucket = ct_tensor_create1(2 * N, CT_MEM_COMM);
     ct_tensor *gview = ct_tensor_view(bucket, N, 1, (int64_t[]){N});
-    ct_tensor *newdata = ct_tensor_new1(N, CT_MEM_PARAM);
+    ct_tensor *newdata = ct_tensor_create1(N, CT_MEM_PARAM);
     for (int i = 0; i < N; i++) ct_f32(gview)[i] = (float)i, ct_f32(newdata)[i] = 1;
     ct_tensor_release(p->grad);
     ct_tensor_release(p->data);
@@ -433,7 +433,7 @@ TEST(optim_param_slots_follow_repointing)
     ASSERT_EQ(ct_f32(frozen->data)[0], 0);
 
     /* A parameter that changes size under the optimizer is refused, untouched. */
-    ct_tensor *wrong = ct_tensor_new1(N + 1, CT_MEM_PARAM);
+    ct_tensor *wrong = ct_tensor_create1(N + 1, CT_MEM_PARAM);
     ct_tensor *keep = p->data;
     p->data = wrong;
     ASSERT_ERR(ct_optim_step(opt), CT_ESTATE, "parameter w");
@@ -564,7 +564,7 @@ TEST(optim_invalid_options)
 
     /* A bf16 parameter is not something the optimizer can step. */
     ct_tensor *f32 = p->data;
-    p->data = ct_tensor_new(CT_BF16, 1, (int64_t[]){4}, CT_MEM_PARAM);
+    p->data = ct_tensor_create(CT_BF16, 1, (int64_t[]){4}, CT_MEM_PARAM);
     ct_clear_error();
     ASSERT(ct_optim_create(&o, &p, 1) == NULL);
     ASSERT_STR_CONTAINS(ct_last_error(), "parameter w is BF16");
@@ -700,7 +700,7 @@ TEST(optim_clip_parts_over_shards_and_half_grads)
 
     /* bf16 gradients (exact small values) are summed and scaled too. */
     ct_tensor_release(a->grad);
-    a->grad = ct_tensor_new(CT_BF16, 1, (int64_t[]){N}, CT_MEM_GRAD);
+    a->grad = ct_tensor_create(CT_BF16, 1, (int64_t[]){N}, CT_MEM_GRAD);
     uint16_t *h = a->grad->data;
     for (int i = 0; i < N; i++) h[i] = ct_f32_to_bf16((float)(i - 3));
     ASSERT_NEAR(ct_grad_sq_sum(&a, 1), 9 + 4 + 1 + 0 + 1 + 4 + 9 + 16, 0);

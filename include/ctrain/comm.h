@@ -106,7 +106,7 @@ void ct_group_destroy(ct_group *g);
 
 /* ---- asynchronous collectives ------------------------------------------
  * Each starts an operation on g and returns at once.  Pass a ct_work ** to
- * get a handle (free it with ct_work_free), or NULL to wait for completion
+ * get a handle (free it with ct_work_destroy), or NULL to wait for completion
  * before returning (the blocking form).  Reductions support CT_F32, CT_BF16
  * and CT_F16 with every op (16-bit values are added in f32 and rounded back
  * at each step; on the shared-memory path, summed in f32 over all ranks and
@@ -192,7 +192,7 @@ ct_status ct_work_on_complete(ct_work *w, ct_work_fn fn, void *arg);
 /* Releases the handle.  If the operation is still running it completes in
  * the background (its callback still runs) and its buffers must stay valid
  * until then.  NULL is a no-op. */
-void ct_work_free(ct_work *w);
+void ct_work_destroy(ct_work *w);
 
 /* ---- tuning and introspection -----------------------------------------
  * Defaults come from bench/comm_overlap on 2 ranks.  ct_comm_init also sets

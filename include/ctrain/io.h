@@ -4,9 +4,9 @@
  * sets such as Fashion-MNIST, and the deterministic sampler that gives each
  * rank its slice of every global batch.  This room uses src/core only.
  *
- * Ownership: ct_dataset is caller-owned (ct_dataset_deinit frees its
- * tensors); ct_sampler is caller-owned (ct_sampler_deinit); ct_safetensors
- * is a heap handle (ct_safetensors_free) that owns the tensors it hands out.
+ * Ownership: ct_dataset is caller-owned (ct_dataset_fini frees its
+ * tensors); ct_sampler is caller-owned (ct_sampler_fini); ct_safetensors
+ * is a heap handle (ct_safetensors_destroy) that owns the tensors it hands out.
  */
 #ifndef CTRAIN_IO_H
 #define CTRAIN_IO_H
@@ -43,7 +43,7 @@ ct_status ct_fashion_mnist_load(const char *dir, int train, ct_dataset *out);
 /* Fashion-MNIST class name ("T-shirt/top", ...); "?" outside [0, 10). */
 const char *ct_fashion_mnist_class(int label);
 /* Releases the tensors and zeroes *d; safe on a zeroed or deinited struct. */
-void ct_dataset_deinit(ct_dataset *d);
+void ct_dataset_fini(ct_dataset *d);
 /* New batch of the count samples idx[0..count): *x f32 [count, 1, rows, cols]
  * and *y i32 [count], both under CT_MEM_ACT; the caller releases them. */
 ct_status ct_dataset_gather(const ct_dataset *ds, const int64_t *idx, int64_t count,
@@ -70,7 +70,7 @@ typedef struct {
 ct_status ct_sampler_init(ct_sampler *s, int64_t n, int64_t batch, uint64_t seed,
                           int shuffle, int drop_last);
 /* Frees the permutation; safe on a zeroed or deinited struct. */
-void ct_sampler_deinit(ct_sampler *s);
+void ct_sampler_fini(ct_sampler *s);
 /* Computes the order of epoch (>= 0). */
 ct_status ct_sampler_set_epoch(ct_sampler *s, int64_t epoch);
 /* Global batches in an epoch. */
@@ -106,7 +106,7 @@ ct_status ct_safetensors_load(const char *path, ct_safetensors **out);
  * and broadcast to every rank); name stands for the file in messages. */
 ct_status ct_safetensors_load_mem(const void *data, size_t len, const char *name, ct_safetensors **out);
 /* Frees the file object and its tensors (retain a tensor to keep it); NULL is a no-op. */
-void ct_safetensors_free(ct_safetensors *st);
+void ct_safetensors_destroy(ct_safetensors *st);
 /* Number of tensors. */
 int ct_safetensors_count(const ct_safetensors *st);
 /* Name of tensor i (0 <= i < count), in sorted order. */

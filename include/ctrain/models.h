@@ -14,7 +14,7 @@
  *        of the fully connected layer ("16,32,128"); each pool halves H and W.
  *
  * Ownership: ct_model_config and ct_meta are plain values (no heap); the
- * module from ct_model_build is the caller's (ct_module_free).
+ * module from ct_model_build is the caller's (ct_module_destroy).
  */
 #ifndef CTRAIN_MODELS_H
 #define CTRAIN_MODELS_H

@@ -3,11 +3,11 @@
  * PyTorch-style fully qualified names, buffers, hooks, and activation
  * records.  A forward call saves what its backward needs in a ct_record that
  * belongs to that call (not to the layer), so several micro-batches can be
- * in flight and a record can be dropped and recomputed (ct_checkpoint_new).
+ * in flight and a record can be dropped and recomputed (ct_checkpoint_create).
  * This room knows nothing of ranks.
  *
  * Ownership: a module owns its children, parameters and buffers;
- * ct_module_free frees the whole tree.  Forward returns a new reference in
+ * ct_module_destroy frees the whole tree.  Forward returns a new reference in
  * *out that the caller releases.  Backward consumes the record and returns
  * a new reference in *din (if din is not NULL).  Parameter gradients are
  * accumulated (+=), never overwritten.
@@ -102,7 +102,7 @@ struct ct_record {
 
 /* Runs pre-forward hooks, the module's forward and post-forward hooks.
  * rec NULL: inference, nothing saved.  Otherwise *rec receives a new record
- * for ct_module_backward (or ct_record_free). */
+ * for ct_module_backward (or ct_record_destroy). */
 ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out,
                             ct_record **rec, const ct_fwd_ctx *ctx);
 /* Runs pre-backward hooks, backward, grad-ready hooks of the module's own
@@ -110,20 +110,20 @@ ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out,
 ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
                              ct_record *rec);
 /* Frees a record and its children (releasing saved tensors); NULL is a no-op. */
-void ct_record_free(ct_record *rec);
+void ct_record_destroy(ct_record *rec);
 /* New empty record for module m (for module kinds that call children). */
-ct_record *ct__record_new(ct_module *m, const ct_fwd_ctx *ctx);
+ct_record *ct_record_create(ct_module *m, const ct_fwd_ctx *ctx);
 /* Appends a child record to rec. */
-ct_status ct__record_add_kid(ct_record *rec, ct_record *kid);
+ct_status ct_record_add_kid(ct_record *rec, ct_record *kid);
 
 /* ---- building modules -------------------------------------------------- */
 
 /* Bare module of a kind (for custom layers); NULL on failure. */
-ct_module *ct_module_new(const ct_module_ops *ops, void *impl);
+ct_module *ct_module_create(const ct_module_ops *ops, void *impl);
 /* Frees the module tree; NULL is a no-op. */
-void ct_module_free(ct_module *m);
+void ct_module_destroy(ct_module *m);
 /* Adds kid under name (NULL: its index); m owns kid from now on, and on
- * failure kid is freed (so ct_module_add(m, NULL, ct_relu_new()) never
+ * failure kid is freed (so ct_module_add(m, NULL, ct_relu_create()) never
  * leaks) unless it already belongs to another tree. */
 ct_status ct_module_add(ct_module *m, const char *name, ct_module *kid);
 /* Adds a zero-initialised parameter (with a gradient) of the given shape. */
@@ -193,35 +193,35 @@ void ct_hook_remove(ct_hook *h);
  * stream) via ct_module_init_params; shapes follow PyTorch. */
 
 /* y[N,out] = x[N,in] W^T + b; weight [out,in], bias [out] (bias 0: none). */
-ct_module *ct_linear_new(int64_t in, int64_t out, int bias);
-ct_module *ct_relu_new(void);
+ct_module *ct_linear_create(int64_t in, int64_t out, int bias);
+ct_module *ct_relu_create(void);
 /* tanh approximation off: exact erf GELU, as PyTorch's default. */
-ct_module *ct_gelu_new(void);
-ct_module *ct_tanh_new(void);
+ct_module *ct_gelu_create(void);
+ct_module *ct_tanh_create(void);
 /* Normalises the last dim of size dim; weight and bias [dim]. */
-ct_module *ct_layernorm_new(int64_t dim, float eps);
+ct_module *ct_layernorm_create(int64_t dim, float eps);
 /* Input i32 or i64 indices [...]; output [..., dim]; weight [num, dim]. */
-ct_module *ct_embedding_new(int64_t num, int64_t dim);
+ct_module *ct_embedding_create(int64_t num, int64_t dim);
 /* Zeroes with probability p and scales by 1/(1-p) in training; identity otherwise. */
-ct_module *ct_dropout_new(float p);
+ct_module *ct_dropout_create(float p);
 /* x[N,Cin,H,W] -> [N,Cout,Ho,Wo]; weight [Cout,Cin,k,k], bias [Cout]. */
-ct_module *ct_conv2d_new(int64_t cin, int64_t cout, int k, int stride, int pad, int bias);
+ct_module *ct_conv2d_create(int64_t cin, int64_t cout, int k, int stride, int pad, int bias);
 /* Max over k x k windows with stride (0 = k). */
-ct_module *ct_maxpool2d_new(int k, int stride);
+ct_module *ct_maxpool2d_create(int k, int stride);
 /* Over channel dim 1 of [N,C] or [N,C,H,W]; weight, bias, running_mean,
  * running_var buffers and num_batches_tracked (as PyTorch). */
-ct_module *ct_batchnorm_new(int64_t c, float eps, float momentum);
+ct_module *ct_batchnorm_create(int64_t c, float eps, float momentum);
 /* [N, ...] -> [N, prod(...)]. */
-ct_module *ct_flatten_new(void);
+ct_module *ct_flatten_create(void);
 /* Children run in order; add them with ct_module_add(m, NULL, kid). */
-ct_module *ct_sequential_new(void);
+ct_module *ct_sequential_create(void);
 /* y = x + body(x); body becomes the child named "body" (shape-preserving). */
-ct_module *ct_residual_new(ct_module *body);
+ct_module *ct_residual_create(ct_module *body);
 /* Wraps inner: forward keeps only its input, backward recomputes inner's
  * forward with the same context (so dropout draws the same mask) and then
  * runs its backward.  Transparent in names: inner's parameters keep their
  * names. */
-ct_module *ct_checkpoint_new(ct_module *inner);
+ct_module *ct_checkpoint_create(ct_module *inner);
 
 /* Initialises every parameter under root the way PyTorch does by default
  * (kaiming-uniform weights, uniform(+-1/sqrt(fan_in)) biases, ones/zeros for

@@ -106,7 +106,7 @@ ct_step_stats ct_strategy_stats(const ct_strategy *s);
 
 /* ---- state for checkpoints -------------------------------------------- */
 
-/* Named tensors (retained references); free with ct_state_free. */
+/* Named tensors (retained references); free with ct_state_fini. */
 typedef struct {
     int n;
     char **names;
@@ -116,7 +116,7 @@ typedef struct {
 /* Appends a retained reference under a copy of name. */
 ct_status ct_state_add(ct_state *st, const char *name, ct_tensor *t);
 /* Releases the tensors and names and zeroes st. */
-void ct_state_free(ct_state *st);
+void ct_state_fini(ct_state *st);
 
 /* The full model state (parameters then buffers, PyTorch names), valid on
  * every rank. */

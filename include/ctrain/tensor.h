@@ -38,11 +38,11 @@ const char *ct_dtype_name(ct_dtype dt);
 int ct_dtype_parse(const char *name, ct_dtype *dt);
 
 /* New zeroed tensor (refcount 1) owning its data under cat; NULL (error set) on failure. */
-ct_tensor *ct_tensor_new(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat cat);
+ct_tensor *ct_tensor_create(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat cat);
 /* Shorthands for f32 tensors of 1..4 dims. */
-ct_tensor *ct_tensor_new1(int64_t d0, ct_mem_cat cat);
-ct_tensor *ct_tensor_new2(int64_t d0, int64_t d1, ct_mem_cat cat);
-ct_tensor *ct_tensor_new4(int64_t d0, int64_t d1, int64_t d2, int64_t d3, ct_mem_cat cat);
+ct_tensor *ct_tensor_create1(int64_t d0, ct_mem_cat cat);
+ct_tensor *ct_tensor_create2(int64_t d0, int64_t d1, ct_mem_cat cat);
+ct_tensor *ct_tensor_create4(int64_t d0, int64_t d1, int64_t d2, int64_t d3, ct_mem_cat cat);
 /* Tensor over memory the caller owns and keeps alive longer than the tensor. */
 ct_tensor *ct_tensor_wrap(ct_dtype dt, int ndim, const int64_t *shape, void *data);
 /* View of numel(shape) elements of base starting at element offset; retains base. */

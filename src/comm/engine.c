@@ -182,7 +182,7 @@ ct_status ct_work_on_complete(ct_work *w, ct_work_fn fn, void *arg)
     return CT_OK;
 }
 
-void ct_work_free(ct_work *w)
+void ct_work_destroy(ct_work *w)
 {
     if (!w) return;
     lock();

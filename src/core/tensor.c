@@ -62,7 +62,7 @@ static ct_tensor *header(ct_dtype dt, int ndim, const int64_t *shape)
     return t;
 }
 
-ct_tensor *ct_tensor_new(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat cat)
+ct_tensor *ct_tensor_create(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat cat)
 {
     ct_tensor *t = header(dt, ndim, shape);
     if (!t) return NULL;
@@ -76,17 +76,17 @@ ct_tensor *ct_tensor_new(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat
     return t;
 }
 
-ct_tensor *ct_tensor_new1(int64_t d0, ct_mem_cat cat)
+ct_tensor *ct_tensor_create1(int64_t d0, ct_mem_cat cat)
 {
-    return ct_tensor_new(CT_F32, 1, (int64_t[]){d0}, cat);
+    return ct_tensor_create(CT_F32, 1, (int64_t[]){d0}, cat);
 }
-ct_tensor *ct_tensor_new2(int64_t d0, int64_t d1, ct_mem_cat cat)
+ct_tensor *ct_tensor_create2(int64_t d0, int64_t d1, ct_mem_cat cat)
 {
-    return ct_tensor_new(CT_F32, 2, (int64_t[]){d0, d1}, cat);
+    return ct_tensor_create(CT_F32, 2, (int64_t[]){d0, d1}, cat);
 }
-ct_tensor *ct_tensor_new4(int64_t d0, int64_t d1, int64_t d2, int64_t d3, ct_mem_cat cat)
+ct_tensor *ct_tensor_create4(int64_t d0, int64_t d1, int64_t d2, int64_t d3, ct_mem_cat cat)
 {
-    return ct_tensor_new(CT_F32, 4, (int64_t[]){d0, d1, d2, d3}, cat);
+    return ct_tensor_create(CT_F32, 4, (int64_t[]){d0, d1, d2, d3}, cat);
 }
 
 ct_tensor *ct_tensor_wrap(ct_dtype dt, int ndim, const int64_t *shape, void *data)
@@ -133,7 +133,7 @@ ct_tensor *ct_tensor_reshape(ct_tensor *t, int ndim, const int64_t *shape)
 
 ct_tensor *ct_tensor_clone(const ct_tensor *t, ct_mem_cat cat)
 {
-    ct_tensor *c = ct_tensor_new(t->dtype, t->ndim, t->shape, cat);
+    ct_tensor *c = ct_tensor_create(t->dtype, t->ndim, t->shape, cat);
     if (c) memcpy(c->data, t->data, ct_tensor_bytes(t));
     return c;
 }

@@ -171,8 +171,8 @@ ct_status ct_idx_load(const char *images_path, const char *labels_path, int ncla
     if ((s = check_claim(&fi, total, "pixels")) != CT_OK) goto out_close;
     if ((s = check_claim(&fl, n, "labels")) != CT_OK) goto out_close;
 
-    out->images = ct_tensor_new4(n, 1, rows, cols, CT_MEM_OTHER);
-    out->labels = ct_tensor_new(CT_I32, 1, &n, CT_MEM_OTHER);
+    out->images = ct_tensor_create4(n, 1, rows, cols, CT_MEM_OTHER);
+    out->labels = ct_tensor_create(CT_I32, 1, &n, CT_MEM_OTHER);
     if (!out->images || !out->labels) { s = CT_ENOMEM; goto out_close; }
     if ((s = read_pixels(&fi, ct_f32(out->images), total, mean, std)) != CT_OK) goto out_close;
     if ((s = read_labels(&fl, out->labels->data, n, nclasses)) != CT_OK) goto out_close;
@@ -183,7 +183,7 @@ ct_status ct_idx_load(const char *images_path, const char *labels_path, int ncla
 out_close:
     idx_close(&fi);
     idx_close(&fl);
-    if (s != CT_OK) ct_dataset_deinit(out);
+    if (s != CT_OK) ct_dataset_fini(out);
     return s;
 }
 
@@ -222,7 +222,7 @@ ct_status ct_fashion_mnist_load(const char *dir, int train, ct_dataset *out)
     if (out->rows != 28 || out->cols != 28) {
         ct_status s = ct_error(CT_EFORMAT, "%s: Fashion-MNIST images are 28x28 but this file holds %lldx%lld",
                                img, (long long)out->rows, (long long)out->cols);
-        ct_dataset_deinit(out);
+        ct_dataset_fini(out);
         return s;
     }
     return CT_OK;
@@ -235,7 +235,7 @@ const char *ct_fashion_mnist_class(int label)
     return label >= 0 && label < 10 ? names[label] : "?";
 }
 
-void ct_dataset_deinit(ct_dataset *d)
+void ct_dataset_fini(ct_dataset *d)
 {
     if (!d) return;
     ct_tensor_release(d->images);
@@ -253,8 +253,8 @@ ct_status ct_dataset_gather(const ct_dataset *ds, const int64_t *idx, int64_t co
         if (idx[i] < 0 || idx[i] >= ds->n)
             return ct_error(CT_EINVAL, "sample index %lld (position %lld of the batch) is outside the data set "
                             "of %lld samples", (long long)idx[i], (long long)i, (long long)ds->n);
-    ct_tensor *tx = ct_tensor_new4(count, 1, ds->rows, ds->cols, CT_MEM_ACT);
-    ct_tensor *ty = ct_tensor_new(CT_I32, 1, &count, CT_MEM_ACT);
+    ct_tensor *tx = ct_tensor_create4(count, 1, ds->rows, ds->cols, CT_MEM_ACT);
+    ct_tensor *ty = ct_tensor_create(CT_I32, 1, &count, CT_MEM_ACT);
     if (!tx || !ty) {
         ct_tensor_release(tx);
         ct_tensor_release(ty);

@@ -334,7 +334,7 @@ static ct_status load_from(source *f, const char *path, ct_safetensors *st)
      * sequential pass with one fread per tensor, straight into its memory. */
     for (i = 0; i < nt; i++) {
         st->names[i] = ti[i].name;
-        st->tensors[i] = ct_tensor_new(ti[i].dt, ti[i].ndim, ti[i].shape, CT_MEM_OTHER);
+        st->tensors[i] = ct_tensor_create(ti[i].dt, ti[i].ndim, ti[i].shape, CT_MEM_OTHER);
         if (!st->tensors[i]) { s = CT_ENOMEM; goto out_free_info; }
         st->n = i + 1;
     }
@@ -361,7 +361,7 @@ static ct_status load_source(source *src, const char *path, ct_safetensors **out
     if (!st) return CT_ENOMEM;
     ct_status s = load_from(src, path, st);
     if (s != CT_OK) {
-        ct_safetensors_free(st);
+        ct_safetensors_destroy(st);
         return s;
     }
     ct_free(st->doc.nodes); /* the strings stay; the tree is no longer needed */
@@ -397,7 +397,7 @@ ct_status ct_safetensors_load_mem(const void *data, size_t len, const char *name
     return load_source(&src, name ? name : "(memory)", out);
 }
 
-void ct_safetensors_free(ct_safetensors *st)
+void ct_safetensors_destroy(ct_safetensors *st)
 {
     if (!st) return;
     for (int i = 0; i < st->n; i++) ct_tensor_release(st->tensors[i]);

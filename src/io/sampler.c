@@ -61,11 +61,11 @@ ct_status ct_sampler_init(ct_sampler *s, int64_t n, int64_t batch, uint64_t seed
     s->perm = ct_alloc((size_t)n * sizeof *s->perm + 1, CT_MEM_OTHER);
     if (!s->perm) return CT_ENOMEM;
     ct_status st = ct_sampler_set_epoch(s, 0);
-    if (st != CT_OK) ct_sampler_deinit(s);
+    if (st != CT_OK) ct_sampler_fini(s);
     return st;
 }
 
-void ct_sampler_deinit(ct_sampler *s)
+void ct_sampler_fini(ct_sampler *s)
 {
     if (!s) return;
     ct_free(s->perm);

@@ -10,26 +10,26 @@
 ct_status ct__cnn_build(const ct_model_config *cfg, ct_module **out)
 {
     *out = NULL;
-    ct_module *seq = ct_sequential_new();
+    ct_module *seq = ct_sequential_create();
     if (!seq) return CT_ENOMEM;
     int nconv = cfg->nhidden - 1, k = cfg->kernel;
     int64_t c = cfg->in[0], h = cfg->in[1], w = cfg->in[2];
     ct_status st = CT_OK;
     for (int i = 0; i < nconv && st == CT_OK; i++) {
-        st = ct__seq_push(seq, ct_conv2d_new(c, cfg->hidden[i], k, 1, k / 2, 1));
-        if (st == CT_OK) st = ct__seq_push(seq, ct_relu_new());
-        if (st == CT_OK) st = ct__seq_push(seq, ct_maxpool2d_new(2, 2));
+        st = ct__seq_push(seq, ct_conv2d_create(c, cfg->hidden[i], k, 1, k / 2, 1));
+        if (st == CT_OK) st = ct__seq_push(seq, ct_relu_create());
+        if (st == CT_OK) st = ct__seq_push(seq, ct_maxpool2d_create(2, 2));
         c = cfg->hidden[i];
         h /= 2;
         w /= 2;
     }
     int64_t fc = cfg->hidden[nconv];
-    if (st == CT_OK) st = ct__seq_push(seq, ct_flatten_new());
-    if (st == CT_OK) st = ct__seq_push(seq, ct_linear_new(c * h * w, fc, 1));
-    if (st == CT_OK) st = ct__seq_push(seq, ct_relu_new());
-    if (st == CT_OK) st = ct__seq_push(seq, ct_linear_new(fc, cfg->classes, 1));
+    if (st == CT_OK) st = ct__seq_push(seq, ct_flatten_create());
+    if (st == CT_OK) st = ct__seq_push(seq, ct_linear_create(c * h * w, fc, 1));
+    if (st == CT_OK) st = ct__seq_push(seq, ct_relu_create());
+    if (st == CT_OK) st = ct__seq_push(seq, ct_linear_create(fc, cfg->classes, 1));
     if (st != CT_OK) {
-        ct_module_free(seq);
+        ct_module_destroy(seq);
         return st;
     }
     *out = seq;

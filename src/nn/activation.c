@@ -28,7 +28,7 @@ static ct_status act_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
     if (in->dtype != CT_F32)
         return ct_error(CT_EINVAL, "%s '%s': input is %s but the layer takes F32", m->ops->kind,
                         nm(m), ct_dtype_name(in->dtype));
-    ct_tensor *y = ct_tensor_new(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
+    ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
     const float *x = ct_f32(in);
     float *yd = ct_f32(y);
@@ -59,7 +59,7 @@ static ct_status act_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
                         ct_shape_str(s, b, sizeof b));
     }
     if (!din) return CT_OK; /* no parameters: nothing else to do */
-    ct_tensor *dx = ct_tensor_new(CT_F32, s->ndim, s->shape, CT_MEM_ACT);
+    ct_tensor *dx = ct_tensor_create(CT_F32, s->ndim, s->shape, CT_MEM_ACT);
     if (!dx) return CT_ENOMEM;
     const float *v = ct_f32(s), *dy = ct_f32(dout);
     float *g = ct_f32(dx);
@@ -92,6 +92,6 @@ static const ct_module_ops gelu_ops = {"gelu", act_forward, act_backward, NULL, 
 static const ct_module_ops tanh_ops = {"tanh", act_forward, act_backward, NULL, 0};
 
 /* Activations have no state: the ops table says which one a module is. */
-ct_module *ct_relu_new(void) { return ct_module_new(&relu_ops, NULL); }
-ct_module *ct_gelu_new(void) { return ct_module_new(&gelu_ops, NULL); }
-ct_module *ct_tanh_new(void) { return ct_module_new(&tanh_ops, NULL); }
+ct_module *ct_relu_create(void) { return ct_module_create(&relu_ops, NULL); }
+ct_module *ct_gelu_create(void) { return ct_module_create(&gelu_ops, NULL); }
+ct_module *ct_tanh_create(void) { return ct_module_create(&tanh_ops, NULL); }

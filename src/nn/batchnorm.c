@@ -40,8 +40,8 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
         return ct_error(CT_EINVAL, "batchnorm '%s': training needs more than 1 value per channel, "
                         "input is %s; use a larger batch or eval mode", nm(m),
                         ct_shape_str(in, sh, sizeof sh));
-    ct_tensor *y = ct_tensor_new(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
-    ct_tensor *mean = ct_tensor_new1(C, CT_MEM_ACT), *rstd = ct_tensor_new1(C, CT_MEM_ACT);
+    ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
+    ct_tensor *mean = ct_tensor_create1(C, CT_MEM_ACT), *rstd = ct_tensor_create1(C, CT_MEM_ACT);
     if (!y || !mean || !rstd) {
         ct_tensor_release(y);
         ct_tensor_release(mean);
@@ -109,7 +109,7 @@ static ct_status bn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
     for (int i = 2; i < xt->ndim; i++) S *= xt->shape[i];
     double cnt = (double)(N * S);
     ct_tensor *dx = NULL;
-    if (din && !(dx = ct_tensor_new(CT_F32, xt->ndim, xt->shape, CT_MEM_ACT))) return CT_ENOMEM;
+    if (din && !(dx = ct_tensor_create(CT_F32, xt->ndim, xt->shape, CT_MEM_ACT))) return CT_ENOMEM;
     const float *x = ct_f32(xt), *dy = ct_f32(dout), *w = ct_f32(m->params[0]->data);
     const float *mu = ct_f32(rec->saved[1]), *rs = ct_f32(rec->saved[2]);
     ct_param *Wp = m->params[0], *Bp = m->params[1];
@@ -145,7 +145,7 @@ static void bn_destroy(ct_module *m) { ct_free(m->impl); }
 
 static const ct_module_ops bn_ops = {"batchnorm", bn_forward, bn_backward, bn_destroy, 0};
 
-ct_module *ct_batchnorm_new(int64_t c, float eps, float momentum)
+ct_module *ct_batchnorm_create(int64_t c, float eps, float momentum)
 {
     if (c <= 0 || !(eps >= 0.0f) || !(momentum >= 0.0f && momentum <= 1.0f)) {
         ct_error(CT_EINVAL, "batchnorm needs c > 0, eps >= 0 and momentum in [0, 1]; got c=%lld "
@@ -155,7 +155,7 @@ ct_module *ct_batchnorm_new(int64_t c, float eps, float momentum)
     bn_impl *B = ct_alloc(sizeof *B, CT_MEM_OTHER);
     if (!B) return NULL;
     *B = (bn_impl){c, eps, momentum};
-    ct_module *m = ct_module_new(&bn_ops, B);
+    ct_module *m = ct_module_create(&bn_ops, B);
     if (!m) {
         ct_free(B);
         return NULL;
@@ -166,7 +166,7 @@ ct_module *ct_batchnorm_new(int64_t c, float eps, float momentum)
         !ct_module_add_buffer(m, "running_mean", 1, (int64_t[]){c}, 0.0f) ||
         !ct_module_add_buffer(m, "running_var", 1, (int64_t[]){c}, 1.0f) ||
         !ct_module_add_buffer(m, "num_batches_tracked", 0, NULL, 0.0f)) {
-        ct_module_free(m);
+        ct_module_destroy(m);
         return NULL;
     }
     ct_tensor_fill(w->data, 1.0f);

@@ -16,8 +16,8 @@ static ct_status seq_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
         ct_record *kr = NULL;
         ct_status s = ct_module_forward(m->kids[i], x, &y, rec ? &kr : NULL, ctx);
         ct_tensor_release(x);
-        if (s == CT_OK && rec && ct__record_add_kid(rec, kr) != CT_OK) {
-            ct_record_free(kr);
+        if (s == CT_OK && rec && ct_record_add_kid(rec, kr) != CT_OK) {
+            ct_record_destroy(kr);
             ct_tensor_release(y);
             s = CT_ENOMEM;
         }
@@ -54,7 +54,7 @@ static ct_status seq_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
 
 static const ct_module_ops seq_ops = {"sequential", seq_forward, seq_backward, NULL, 0};
 
-ct_module *ct_sequential_new(void) { return ct_module_new(&seq_ops, NULL); }
+ct_module *ct_sequential_create(void) { return ct_module_create(&seq_ops, NULL); }
 
 /* ---- residual ---------------------------------------------------------- */
 
@@ -70,13 +70,13 @@ static ct_status res_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
         s = ct_error(CT_EINVAL, "residual '%s': body maps %s to %s; a residual body must keep the "
                      "shape (f32)", m->fqn, ct_shape_str(in, a, sizeof a), ct_shape_str(y, b, sizeof b));
     }
-    if (s == CT_OK && rec) s = ct__record_add_kid(rec, kr) ? CT_ENOMEM : CT_OK;
+    if (s == CT_OK && rec) s = ct_record_add_kid(rec, kr) ? CT_ENOMEM : CT_OK;
     if (s != CT_OK) {
-        ct_record_free(kr);
+        ct_record_destroy(kr);
         ct_tensor_release(y);
         return s;
     }
-    ct_tensor *o = ct_tensor_new(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
+    ct_tensor *o = ct_tensor_create(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
     if (!o) {
         ct_tensor_release(y);
         return CT_ENOMEM;
@@ -97,7 +97,7 @@ static ct_status res_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
     CT_TRY(ct_module_backward(m->kids[0], dout, din ? &gx : NULL, kr));
     if (!din) return CT_OK;
     if (!gx) return ct_error(CT_EUNSUPPORTED, "residual '%s': body gives no input gradient", m->fqn);
-    ct_tensor *g = ct_tensor_new(CT_F32, dout->ndim, dout->shape, CT_MEM_ACT);
+    ct_tensor *g = ct_tensor_create(CT_F32, dout->ndim, dout->shape, CT_MEM_ACT);
     if (!g) {
         ct_tensor_release(gx);
         return CT_ENOMEM;
@@ -112,19 +112,19 @@ static ct_status res_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
 
 static const ct_module_ops res_ops = {"residual", res_forward, res_backward, NULL, 0};
 
-ct_module *ct_residual_new(ct_module *body)
+ct_module *ct_residual_create(ct_module *body)
 {
     if (!body) {
         ct_error(CT_EINVAL, "residual needs a body module");
         return NULL;
     }
-    ct_module *m = ct_module_new(&res_ops, NULL);
+    ct_module *m = ct_module_create(&res_ops, NULL);
     if (!m) {
-        ct_module_free(body);
+        ct_module_destroy(body);
         return NULL;
     }
     if (ct_module_add(m, "body", body) != CT_OK) { /* body freed by the add */
-        ct_module_free(m);
+        ct_module_destroy(m);
         return NULL;
     }
     return m;
@@ -154,20 +154,20 @@ static ct_status ckpt_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
 
 static const ct_module_ops ckpt_ops = {"checkpoint", ckpt_forward, ckpt_backward, NULL, 0};
 
-ct_module *ct_checkpoint_new(ct_module *inner)
+ct_module *ct_checkpoint_create(ct_module *inner)
 {
     if (!inner) {
         ct_error(CT_EINVAL, "checkpoint needs a module to wrap");
         return NULL;
     }
-    ct_module *m = ct_module_new(&ckpt_ops, NULL);
+    ct_module *m = ct_module_create(&ckpt_ops, NULL);
     if (!m) {
-        ct_module_free(inner);
+        ct_module_destroy(inner);
         return NULL;
     }
     m->transparent = 1;
     if (ct_module_add(m, "inner", inner) != CT_OK) { /* inner freed by the add */
-        ct_module_free(m);
+        ct_module_destroy(m);
         return NULL;
     }
     return m;

@@ -143,7 +143,7 @@ static ct_status conv_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     const conv_impl *c = m->impl;
     conv_geom g;
     CT_TRY(conv_check(m, in, &g));
-    ct_tensor *y = ct_tensor_new4(g.N, c->cout, g.Ho, g.Wo, CT_MEM_ACT);
+    ct_tensor *y = ct_tensor_create4(g.N, c->cout, g.Ho, g.Wo, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
     if (g.N == 0) goto done;
     int64_t ld = (int64_t)g.nb * g.P;
@@ -207,7 +207,7 @@ static ct_status conv_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     float *gw = Wp->requires_grad && Wp->grad ? ct_f32(Wp->grad) : NULL;
     float *gb = Bp && Bp->requires_grad && Bp->grad ? ct_f32(Bp->grad) : NULL;
     ct_tensor *dx = NULL;
-    if (din && !(dx = ct_tensor_new(CT_F32, 4, xt->shape, CT_MEM_ACT))) return CT_ENOMEM;
+    if (din && !(dx = ct_tensor_create(CT_F32, 4, xt->shape, CT_MEM_ACT))) return CT_ENOMEM;
     if (g.N == 0 || (!gw && !gb && !dx)) goto done;
 
     int64_t ld = (int64_t)g.nb * g.P;
@@ -265,7 +265,7 @@ static void conv_destroy(ct_module *m) { ct_free(m->impl); }
 
 static const ct_module_ops conv_ops = {"conv2d", conv_forward, conv_backward, conv_destroy, 0};
 
-ct_module *ct_conv2d_new(int64_t cin, int64_t cout, int k, int stride, int pad, int bias)
+ct_module *ct_conv2d_create(int64_t cin, int64_t cout, int k, int stride, int pad, int bias)
 {
     if (cin <= 0 || cout <= 0 || cin > 65535 || cout > 65535 || k <= 0 || k > 255 || stride <= 0 ||
         pad < 0 || pad > 255) {
@@ -277,14 +277,14 @@ ct_module *ct_conv2d_new(int64_t cin, int64_t cout, int k, int stride, int pad, 
     conv_impl *c = ct_alloc(sizeof *c, CT_MEM_OTHER);
     if (!c) return NULL;
     *c = (conv_impl){(int)cin, (int)cout, k, stride, pad, bias != 0};
-    ct_module *m = ct_module_new(&conv_ops, c);
+    ct_module *m = ct_module_create(&conv_ops, c);
     if (!m) {
         ct_free(c);
         return NULL;
     }
     if (!ct_module_add_param(m, "weight", 4, (int64_t[]){cout, cin, k, k}) ||
         (bias && !ct_module_add_param(m, "bias", 1, (int64_t[]){cout}))) {
-        ct_module_free(m);
+        ct_module_destroy(m);
         return NULL;
     }
     return m;
@@ -309,8 +309,8 @@ static ct_status pool_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     int64_t NC = in->shape[0] * in->shape[1];
     int H = (int)in->shape[2], W = (int)in->shape[3], k = pl->k, s = pl->stride;
     int Ho = (H - k) / s + 1, Wo = (W - k) / s + 1;
-    ct_tensor *y = ct_tensor_new4(in->shape[0], in->shape[1], Ho, Wo, CT_MEM_ACT);
-    ct_tensor *arg = rec && y ? ct_tensor_new(CT_I32, 4, y->shape, CT_MEM_ACT) : NULL;
+    ct_tensor *y = ct_tensor_create4(in->shape[0], in->shape[1], Ho, Wo, CT_MEM_ACT);
+    ct_tensor *arg = rec && y ? ct_tensor_create(CT_I32, 4, y->shape, CT_MEM_ACT) : NULL;
     if (!y || (rec && !arg)) {
         ct_tensor_release(y);
         ct_tensor_release(arg);
@@ -358,7 +358,7 @@ static ct_status pool_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     }
     if (!din) return CT_OK;
     int64_t H = rec->ival[0], W = rec->ival[1], Po = arg->shape[2] * arg->shape[3];
-    ct_tensor *dx = ct_tensor_new4(arg->shape[0], arg->shape[1], H, W, CT_MEM_ACT);
+    ct_tensor *dx = ct_tensor_create4(arg->shape[0], arg->shape[1], H, W, CT_MEM_ACT);
     if (!dx) return CT_ENOMEM;
     const int32_t *am = arg->data;
     const float *dy = ct_f32(dout);
@@ -373,7 +373,7 @@ static void pool_destroy(ct_module *m) { ct_free(m->impl); }
 
 static const ct_module_ops pool_ops = {"maxpool2d", pool_forward, pool_backward, pool_destroy, 0};
 
-ct_module *ct_maxpool2d_new(int k, int stride)
+ct_module *ct_maxpool2d_create(int k, int stride)
 {
     if (k <= 0 || stride < 0) {
         ct_error(CT_EINVAL, "maxpool2d needs k > 0 and stride >= 0 (0 = k), got k=%d stride=%d", k,
@@ -383,7 +383,7 @@ ct_module *ct_maxpool2d_new(int k, int stride)
     pool_impl *p = ct_alloc(sizeof *p, CT_MEM_OTHER);
     if (!p) return NULL;
     *p = (pool_impl){k, stride ? stride : k};
-    ct_module *m = ct_module_new(&pool_ops, p);
+    ct_module *m = ct_module_create(&pool_ops, p);
     if (!m) ct_free(p);
     return m;
 }

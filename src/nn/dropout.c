@@ -3,7 +3,7 @@
  * the kept ones by 1/(1-p); otherwise the identity.  The mask comes from the
  * counter-based RNG keyed by (run seed, module stream) at counter (step,
  * micro-batch), so it is a pure function of those four: a recompute in
- * backward (ct_checkpoint_new) or a restart draws the same mask, and two
+ * backward (ct_checkpoint_create) or a restart draws the same mask, and two
  * micro-batches of one step draw different ones.  The record keeps the mask
  * as one byte per element.
  */
@@ -39,8 +39,8 @@ static ct_status drop_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
         *out = y;
         return CT_OK;
     }
-    ct_tensor *y = ct_tensor_new(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
-    ct_tensor *mask = rec ? ct_tensor_new(CT_U8, in->ndim, in->shape, CT_MEM_ACT) : NULL;
+    ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
+    ct_tensor *mask = rec ? ct_tensor_create(CT_U8, in->ndim, in->shape, CT_MEM_ACT) : NULL;
     if (!y || (rec && !mask)) {
         ct_tensor_release(y);
         ct_tensor_release(mask);
@@ -82,7 +82,7 @@ static ct_status drop_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
                         mask ? ct_shape_str(mask, b, sizeof b) : "(F32)");
     }
     if (!din) return CT_OK;
-    ct_tensor *dx = ct_tensor_new(CT_F32, dout->ndim, dout->shape, CT_MEM_ACT);
+    ct_tensor *dx = ct_tensor_create(CT_F32, dout->ndim, dout->shape, CT_MEM_ACT);
     if (!dx) return CT_ENOMEM;
     const float *dy = ct_f32(dout);
     float *g = ct_f32(dx);
@@ -101,7 +101,7 @@ static void drop_destroy(ct_module *m) { ct_free(m->impl); }
 
 static const ct_module_ops drop_ops = {"dropout", drop_forward, drop_backward, drop_destroy, 0};
 
-ct_module *ct_dropout_new(float p)
+ct_module *ct_dropout_create(float p)
 {
     if (!(p >= 0.0f && p < 1.0f)) {
         ct_error(CT_EINVAL, "dropout probability %g must be in [0, 1)", (double)p);
@@ -110,7 +110,7 @@ ct_module *ct_dropout_new(float p)
     drop_impl *D = ct_alloc(sizeof *D, CT_MEM_OTHER);
     if (!D) return NULL;
     D->p = p;
-    ct_module *m = ct_module_new(&drop_ops, D);
+    ct_module *m = ct_module_create(&drop_ops, D);
     if (!m) ct_free(D);
     return m;
 }

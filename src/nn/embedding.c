@@ -41,7 +41,7 @@ static ct_status emb_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
     int64_t shape[CT_MAX_DIMS];
     for (int i = 0; i < in->ndim; i++) shape[i] = in->shape[i];
     shape[in->ndim] = E->dim;
-    ct_tensor *y = ct_tensor_new(CT_F32, in->ndim + 1, shape, CT_MEM_ACT);
+    ct_tensor *y = ct_tensor_create(CT_F32, in->ndim + 1, shape, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
     const float *w = ct_f32(m->params[0]->data);
     float *yd = ct_f32(y);
@@ -79,7 +79,7 @@ static void emb_destroy(ct_module *m) { ct_free(m->impl); }
 
 static const ct_module_ops emb_ops = {"embedding", emb_forward, emb_backward, emb_destroy, 0};
 
-ct_module *ct_embedding_new(int64_t num, int64_t dim)
+ct_module *ct_embedding_create(int64_t num, int64_t dim)
 {
     if (num <= 0 || dim <= 0) {
         ct_error(CT_EINVAL, "embedding needs num > 0 and dim > 0, got num=%lld dim=%lld",
@@ -89,13 +89,13 @@ ct_module *ct_embedding_new(int64_t num, int64_t dim)
     emb_impl *E = ct_alloc(sizeof *E, CT_MEM_OTHER);
     if (!E) return NULL;
     *E = (emb_impl){num, dim};
-    ct_module *m = ct_module_new(&emb_ops, E);
+    ct_module *m = ct_module_create(&emb_ops, E);
     if (!m) {
         ct_free(E);
         return NULL;
     }
     if (!ct_module_add_param(m, "weight", 2, (int64_t[]){num, dim})) {
-        ct_module_free(m);
+        ct_module_destroy(m);
         return NULL;
     }
     return m;

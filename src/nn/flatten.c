@@ -58,4 +58,4 @@ static ct_status flat_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
 
 static const ct_module_ops flat_ops = {"flatten", flat_forward, flat_backward, NULL, 0};
 
-ct_module *ct_flatten_new(void) { return ct_module_new(&flat_ops, NULL); }
+ct_module *ct_flatten_create(void) { return ct_module_create(&flat_ops, NULL); }

@@ -27,9 +27,9 @@ static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
                         "check the normalised size", nm(m), ct_dtype_name(in->dtype),
                         ct_shape_str(in, sh, sizeof sh), (long long)L->dim);
     int64_t D = L->dim, rows = in->numel / D;
-    ct_tensor *y = ct_tensor_new(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
-    ct_tensor *mean = rec ? ct_tensor_new1(rows, CT_MEM_ACT) : NULL;
-    ct_tensor *rstd = rec ? ct_tensor_new1(rows, CT_MEM_ACT) : NULL;
+    ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
+    ct_tensor *mean = rec ? ct_tensor_create1(rows, CT_MEM_ACT) : NULL;
+    ct_tensor *rstd = rec ? ct_tensor_create1(rows, CT_MEM_ACT) : NULL;
     if (!y || (rec && (!mean || !rstd))) {
         ct_tensor_release(y);
         ct_tensor_release(mean);
@@ -75,7 +75,7 @@ static ct_status ln_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
     }
     int64_t D = L->dim, rows = xt->numel / D;
     ct_tensor *dx = NULL;
-    if (din && !(dx = ct_tensor_new(CT_F32, xt->ndim, xt->shape, CT_MEM_ACT))) return CT_ENOMEM;
+    if (din && !(dx = ct_tensor_create(CT_F32, xt->ndim, xt->shape, CT_MEM_ACT))) return CT_ENOMEM;
     const float *x = ct_f32(xt), *dy = ct_f32(dout), *w = ct_f32(m->params[0]->data);
     const float *mean = ct_f32(rec->saved[1]), *rstd = ct_f32(rec->saved[2]);
     ct_param *W = m->params[0], *B = m->params[1];
@@ -108,7 +108,7 @@ static void ln_destroy(ct_module *m) { ct_free(m->impl); }
 
 static const ct_module_ops ln_ops = {"layernorm", ln_forward, ln_backward, ln_destroy, 0};
 
-ct_module *ct_layernorm_new(int64_t dim, float eps)
+ct_module *ct_layernorm_create(int64_t dim, float eps)
 {
     if (dim <= 0 || !(eps >= 0.0f)) {
         ct_error(CT_EINVAL, "layernorm needs dim > 0 and eps >= 0, got dim=%lld eps=%g",
@@ -118,7 +118,7 @@ ct_module *ct_layernorm_new(int64_t dim, float eps)
     ln_impl *L = ct_alloc(sizeof *L, CT_MEM_OTHER);
     if (!L) return NULL;
     *L = (ln_impl){dim, eps};
-    ct_module *m = ct_module_new(&ln_ops, L);
+    ct_module *m = ct_module_create(&ln_ops, L);
     if (!m) {
         ct_free(L);
         return NULL;
@@ -126,7 +126,7 @@ ct_module *ct_layernorm_new(int64_t dim, float eps)
     /* Ones and zeros, so the layer is usable even before ct_module_init_params. */
     ct_param *w = ct_module_add_param(m, "weight", 1, (int64_t[]){dim});
     if (!w || !ct_module_add_param(m, "bias", 1, (int64_t[]){dim})) {
-        ct_module_free(m);
+        ct_module_destroy(m);
         return NULL;
     }
     ct_tensor_fill(w->data, 1.0f);

@@ -38,7 +38,7 @@ static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct
     int64_t shape[CT_MAX_DIMS];
     for (int i = 0; i < in->ndim; i++) shape[i] = in->shape[i];
     shape[in->ndim - 1] = L->out;
-    ct_tensor *y = ct_tensor_new(CT_F32, in->ndim, shape, CT_MEM_ACT);
+    ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, shape, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
 
     float *yd = ct_f32(y);
@@ -87,7 +87,7 @@ static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
         }
     }
     if (din) {
-        ct_tensor *dx = ct_tensor_new(CT_F32, x->ndim, x->shape, CT_MEM_ACT);
+        ct_tensor *dx = ct_tensor_create(CT_F32, x->ndim, x->shape, CT_MEM_ACT);
         if (!dx) return CT_ENOMEM;
         ct_sgemm(0, 0, (int)rows, (int)L->in, (int)L->out, 1.0f, dy, (int)L->out, ct_f32(W->data),
                  (int)L->in, 0.0f, ct_f32(dx), (int)L->in);
@@ -100,7 +100,7 @@ static void linear_destroy(ct_module *m) { ct_free(m->impl); }
 
 static const ct_module_ops linear_ops = {"linear", linear_forward, linear_backward, linear_destroy, 1};
 
-ct_module *ct_linear_new(int64_t in, int64_t out, int bias)
+ct_module *ct_linear_create(int64_t in, int64_t out, int bias)
 {
     if (in <= 0 || out <= 0 || in > INT_MAX || out > INT_MAX) {
         ct_error(CT_EINVAL, "linear layer needs positive sizes below 2^31, got in=%lld out=%lld",
@@ -110,14 +110,14 @@ ct_module *ct_linear_new(int64_t in, int64_t out, int bias)
     linear_impl *L = ct_alloc(sizeof *L, CT_MEM_OTHER);
     if (!L) return NULL;
     *L = (linear_impl){in, out, bias != 0};
-    ct_module *m = ct_module_new(&linear_ops, L);
+    ct_module *m = ct_module_create(&linear_ops, L);
     if (!m) {
         ct_free(L);
         return NULL;
     }
     if (!ct_module_add_param(m, "weight", 2, (int64_t[]){out, in}) ||
         (bias && !ct_module_add_param(m, "bias", 1, (int64_t[]){out}))) {
-        ct_module_free(m);
+        ct_module_destroy(m);
         return NULL;
     }
     return m;

@@ -51,7 +51,7 @@ ct_status ct_cross_entropy(const ct_tensor *logits, const ct_tensor *targets, in
     if (dlogits) *dlogits = NULL;
     CT_TRY(check(logits, targets, ignore_index, &rows, &C));
     ct_tensor *d = NULL;
-    if (dlogits && !(d = ct_tensor_new(CT_F32, logits->ndim, logits->shape, CT_MEM_ACT)))
+    if (dlogits && !(d = ct_tensor_create(CT_F32, logits->ndim, logits->shape, CT_MEM_ACT)))
         return CT_ENOMEM;
     int64_t count = 0;
     for (int64_t r = 0; r < rows; r++) count += target_at(targets, r) != ignore_index;

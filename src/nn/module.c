@@ -30,7 +30,7 @@ static char *dupstr(const char *s)
 
 /* ---- records ----------------------------------------------------------- */
 
-ct_record *ct__record_new(ct_module *m, const ct_fwd_ctx *ctx)
+ct_record *ct_record_create(ct_module *m, const ct_fwd_ctx *ctx)
 {
     ct_record *r = ct_alloc(sizeof *r, CT_MEM_OTHER);
     if (!r) return NULL;
@@ -39,7 +39,7 @@ ct_record *ct__record_new(ct_module *m, const ct_fwd_ctx *ctx)
     return r;
 }
 
-ct_status ct__record_add_kid(ct_record *rec, ct_record *kid)
+ct_status ct_record_add_kid(ct_record *rec, ct_record *kid)
 {
     if (rec->nkids == rec->kcap) {
         int cap = rec->kcap ? 2 * rec->kcap : 8;
@@ -54,11 +54,11 @@ ct_status ct__record_add_kid(ct_record *rec, ct_record *kid)
     return CT_OK;
 }
 
-void ct_record_free(ct_record *rec)
+void ct_record_destroy(ct_record *rec)
 {
     if (!rec) return;
     for (int i = 0; i < CT_REC_NSAVED; i++) ct_tensor_release(rec->saved[i]);
-    for (int i = 0; i < rec->nkids; i++) ct_record_free(rec->kids[i]);
+    for (int i = 0; i < rec->nkids; i++) ct_record_destroy(rec->kids[i]);
     ct_free(rec->kids);
     ct_free(rec->extra);
     ct_free(rec);
@@ -153,7 +153,7 @@ ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
     if (rec) *rec = NULL;
     CT_TRY(fire_module(m, CT_HOOK_PRE_FORWARD));
     ct_record *r = NULL;
-    if (rec && !(r = ct__record_new(m, ctx))) return CT_ENOMEM;
+    if (rec && !(r = ct_record_create(m, ctx))) return CT_ENOMEM;
     ct_status s = m->ops->forward(m, in, out, r, ctx);
     if (s == CT_OK && !*out)
         s = ct_error(CT_ESTATE, "module '%s' (%s) returned no output", m->fqn, m->ops->kind);
@@ -161,7 +161,7 @@ ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
     if (s != CT_OK) {
         ct_tensor_release(*out);
         *out = NULL;
-        ct_record_free(r);
+        ct_record_destroy(r);
         return s;
     }
     if (rec) *rec = r;
@@ -175,14 +175,14 @@ ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
         return ct_error(CT_ESTATE, "backward of '%s' (%s) without an activation record: run "
                                    "forward with a record (rec != NULL) first", m->fqn, m->ops->kind);
     if (rec->m != m) {
-        ct_record_free(rec);
+        ct_record_destroy(rec);
         return ct_error(CT_EINVAL, "record passed to backward of '%s' belongs to another module", m->fqn);
     }
     ct_status s = fire_module(m, CT_HOOK_PRE_BACKWARD);
     if (!m->ops->lazy_grad)
         for (int i = 0; i < m->nparams; i++) ct_param_grad_sync(m->params[i]);
     if (s == CT_OK) s = m->ops->backward(m, dout, din, rec);
-    ct_record_free(rec);
+    ct_record_destroy(rec);
     /* A gradient the backward did not write (frozen, skipped) is still zero. */
     for (int i = 0; i < m->nparams; i++) ct_param_grad_sync(m->params[i]);
     for (int i = 0; s == CT_OK && i < m->nparams; i++)
@@ -197,7 +197,7 @@ ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
 
 /* ---- building ---------------------------------------------------------- */
 
-ct_module *ct_module_new(const ct_module_ops *ops, void *impl)
+ct_module *ct_module_create(const ct_module_ops *ops, void *impl)
 {
     CT_ASSERT(ops && ops->forward && ops->backward && ops->kind);
     ct_module *m = ct_alloc(sizeof *m, CT_MEM_OTHER);
@@ -227,10 +227,10 @@ static void param_free(ct_param *p)
     ct_free(p);
 }
 
-void ct_module_free(ct_module *m)
+void ct_module_destroy(ct_module *m)
 {
     if (!m) return;
-    for (int i = 0; i < m->nkids; i++) ct_module_free(m->kids[i]);
+    for (int i = 0; i < m->nkids; i++) ct_module_destroy(m->kids[i]);
     for (int i = 0; i < m->nparams; i++) param_free(m->params[i]);
     for (int i = 0; i < m->nbuffers; i++) param_free(m->buffers[i]);
     if (m->ops->destroy) m->ops->destroy(m);
@@ -340,7 +340,7 @@ ct_status ct_module_add(ct_module *m, const char *name, ct_module *kid)
     kid->parent = m;
     return ct_module_name_tree(root_of(m));
 out_free_kid:
-    ct_module_free(kid);
+    ct_module_destroy(kid);
     return st;
 }
 
@@ -359,8 +359,8 @@ static ct_param *new_param(ct_module *m, const char *local, int ndim, const int6
     p->owner = m;
     p->is_buffer = buffer;
     p->requires_grad = !buffer;
-    p->data = ct_tensor_new(CT_F32, ndim, shape, CT_MEM_PARAM);
-    if (!buffer && p->data) p->grad = ct_tensor_new(CT_F32, ndim, shape, CT_MEM_GRAD);
+    p->data = ct_tensor_create(CT_F32, ndim, shape, CT_MEM_PARAM);
+    if (!buffer && p->data) p->grad = ct_tensor_create(CT_F32, ndim, shape, CT_MEM_GRAD);
     p->name = join(m->fqn, local);
     if (!p->local || !p->data || (!buffer && !p->grad) || !p->name) goto out_free;
     if (push_ptr(buffer ? (void ***)&m->buffers : (void ***)&m->params,

@@ -67,7 +67,7 @@ static void release_buckets(ct_group *g, bucket_t *b, int nb)
 {
     for (int i = 0; i < nb; i++) {
         if (b[i].work) ct_work_wait(b[i].work);
-        ct_work_free(b[i].work);
+        ct_work_destroy(b[i].work);
         ct_tensor_release(b[i].buf);
         ct_group_free_shared(g, b[i].mem);
         ct_group_free_shared(g, b[i].wire);
@@ -179,7 +179,7 @@ static ct_status launch(ct_strategy *s, bucket_t *b)
     if (dt == CT_BF16) ct_f32_to_bf16_n(buf, b->wire, (size_t)b->numel);
     if (dt == CT_F16) ct_f32_to_f16_n(buf, b->wire, (size_t)b->numel);
     if (dt != CT_F32) buf = b->wire;
-    ct_work_free(b->work);
+    ct_work_destroy(b->work);
     b->work = NULL;
     /* A sum: gradients were already scaled by 1/world (ddp_grad_scale). */
     CT_TRY(ct_group_allreduce(s->g, buf, b->numel, dt, CT_OP_SUM, &b->work));

@@ -94,7 +94,7 @@ ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
     double t0 = ct_now();
     ct_status st = s->ops->pre_backward ? s->ops->pre_backward(s) : CT_OK;
     if (st != CT_OK) {
-        ct_record_free(rec);
+        ct_record_destroy(rec);
         return st;
     }
     /* Backward is linear in dout, so scaling it scales every gradient: DDP
@@ -104,12 +104,12 @@ ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
     ct_tensor *g = dout;
     if (scale != 1.0f) {
         if (dout->dtype != CT_F32) {
-            ct_record_free(rec);
+            ct_record_destroy(rec);
             return ct_error(CT_EINVAL, "backward: the loss gradient is %s; it must be F32",
                             ct_dtype_name(dout->dtype));
         }
         if (!(g = ct_tensor_clone(dout, CT_MEM_ACT))) {
-            ct_record_free(rec);
+            ct_record_destroy(rec);
             return CT_ENOMEM;
         }
         float *gp = ct_f32(g);
@@ -190,7 +190,7 @@ ct_status ct_state_add(ct_state *st, const char *name, ct_tensor *t)
     return CT_OK;
 }
 
-void ct_state_free(ct_state *st)
+void ct_state_fini(ct_state *st)
 {
     for (int i = 0; i < st->n; i++) {
         ct_free(st->names[i]);
@@ -214,7 +214,7 @@ ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out)
     }
     return CT_OK;
 fail:
-    ct_state_free(out);
+    ct_state_fini(out);
     return CT_ENOMEM;
 }
 
@@ -253,7 +253,7 @@ ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out)
         }
     }
     if (st == CT_OK) {
-        ct_tensor *step = ct_tensor_new(CT_I64, 1, (int64_t[]){1}, CT_MEM_OTHER);
+        ct_tensor *step = ct_tensor_create(CT_I64, 1, (int64_t[]){1}, CT_MEM_OTHER);
         if (!step) st = CT_ENOMEM;
         else {
             ((int64_t *)step->data)[0] = ct_optim_get_step(s->opt);
@@ -261,7 +261,7 @@ ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out)
             ct_tensor_release(step);
         }
     }
-    if (st != CT_OK) ct_state_free(out);
+    if (st != CT_OK) ct_state_fini(out);
     return st;
 }
 

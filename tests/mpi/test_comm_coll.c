@@ -69,7 +69,7 @@ static void allreduce_case(ct_dtype dt, ct_reduce_op op, int64_t n, int seed)
     ASSERT_OK(ct_group_allreduce(g, b, n, dt, op, &w));
     ASSERT_OK(ct_work_wait(w));
     ASSERT(ct_work_test(w));
-    ct_work_free(w);
+    ct_work_destroy(w);
     check_reduced(b, dt, op, n, ct_group_size(g), seed, "allreduce");
     check_same_on_all(g, b, (size_t)n * ct_dtype_size(dt), "allreduce");
     ct_free(b);
@@ -124,7 +124,7 @@ TEST(comm_allreduce_tensor)
     soft_begin();
     ct_group *g = W();
     int p = ct_group_size(g);
-    ct_tensor *t = ct_tensor_new2(3, 5, CT_MEM_GRAD);
+    ct_tensor *t = ct_tensor_create2(3, 5, CT_MEM_GRAD);
     ASSERT(t);
     for (int i = 0; i < 15; i++) ct_f32(t)[i] = (float)(ct_group_rank(g) + i);
     ASSERT_OK(ct_group_allreduce_tensor(g, t, CT_OP_SUM, NULL));
@@ -153,7 +153,7 @@ TEST(comm_reduce_every_root)
             ct_work *w;
             ASSERT_OK(ct_group_reduce(g, b, cases[c].n, cases[c].dt, cases[c].op, root, &w));
             ASSERT_OK(ct_work_wait(w));
-            ct_work_free(w);
+            ct_work_destroy(w);
             if (me == root) {
                 check_reduced(b, cases[c].dt, cases[c].op, cases[c].n, p, seed, "reduce");
             } else { /* non-roots keep their input */
@@ -217,7 +217,7 @@ TEST(comm_allgather)
                 ct_work *w;
                 ASSERT_OK(ct_group_allgather(g, send, recv, n, dt, &w));
                 ASSERT_OK(ct_work_wait(w));
-                ct_work_free(w);
+                ct_work_destroy(w);
                 for (int r = 0; r < p; r++) {
                     void *want = fill_new(dt, n, r, seed);
                     if (memcmp(recv + (size_t)(r * n) * esz, want, (size_t)n * esz))
@@ -292,7 +292,7 @@ TEST(comm_reduce_scatter)
             ct_work *w;
             ASSERT_OK(ct_group_reduce_scatter(g, send, recv, n, dt, cases[c].op, &w));
             ASSERT_OK(ct_work_wait(w));
-            ct_work_free(w);
+            ct_work_destroy(w);
             /* this rank's block of the full reduction */
             check_reduced_at(recv, dt, cases[c].op, n, me * n, p, seed,
                              inplace ? "reduce_scatter in place" : "reduce_scatter");
@@ -330,7 +330,7 @@ TEST(comm_many_in_flight_complete_in_order)
         ASSERT(ct_work_test(w[i]));
         ASSERT_EQ(atomic_load(&cb_count[i]), 1);
         ASSERT_EQ(cb_order[i], i);
-        ct_work_free(w[i]);
+        ct_work_destroy(w[i]);
         check_reduced(buf[i], dt[i], CT_OP_SUM, n[i], p, 800 + i, "in flight");
         ct_free(buf[i]);
     }
@@ -364,7 +364,7 @@ TEST(comm_progress_while_computing)
         ct_sgemm(0, 0, 128, 128, 128, 1.0f, a, 128, a, 128, 0.0f, c, 128);
     ASSERT(done);
     ASSERT_OK(ct_work_wait(w));
-    ct_work_free(w);
+    ct_work_destroy(w);
     check_reduced(b, CT_F32, CT_OP_SUM, n, p, 900, "progress");
     ct_free(a);
     ct_free(c);
@@ -400,7 +400,7 @@ TEST(comm_held_back_collectives_start_in_order)
     ASSERT_OK(ct_group_reduce_scatter(g, rs, scattered, 16, CT_F32, CT_OP_SUM, &w[NA + 1]));
     ASSERT_OK(ct_group_barrier(dup));
     ASSERT_OK(ct_work_wait_all(w, NA + 2));
-    for (int i = 0; i < NA + 2; i++) ct_work_free(w[i]);
+    for (int i = 0; i < NA + 2; i++) ct_work_destroy(w[i]);
     ct_group_destroy(dup);
     ct_comm_set_max_running(saved);
     for (int i = 0; i < NA; i++) {

@@ -65,7 +65,7 @@ TEST(comm_split_even_odd)
     ASSERT_OK(ct_group_allreduce(g, &world_sum, 1, CT_I32, CT_OP_SUM, &w[1]));
     ASSERT_OK(ct_group_broadcast(sub, &from_last, 1, CT_I32, nsame - 1, &w[2]));
     ASSERT_OK(ct_work_wait_all(w, 3));
-    for (int i = 0; i < 3; i++) ct_work_free(w[i]);
+    for (int i = 0; i < 3; i++) ct_work_destroy(w[i]);
     ASSERT_EQ(s, want_sum);
     ASSERT_EQ(world_sum, p * (p - 1) / 2);
     /* sub-rank nsame-1 is the lowest world rank of this parity */
@@ -108,7 +108,7 @@ TEST(comm_split_then_destroy_with_work_in_flight)
     static float big[1 << 18];
     ct_work *w;
     ASSERT_OK(ct_group_allreduce(sub, big, 1 << 18, CT_F32, CT_OP_SUM, &w));
-    ct_work_free(w);       /* detached: completes in the background */
+    ct_work_destroy(w);       /* detached: completes in the background */
     ct_group_destroy(sub); /* waits for it */
 }
 
@@ -131,7 +131,7 @@ TEST(comm_send_recv_ring)
     ASSERT_OK(ct_group_send(g, hout, 5, CT_F16, right, 9, &w[2 * N + 1]));
     for (int m = 0; m < N; m++) ASSERT_OK(ct_group_send(g, out[m], LEN, CT_F32, right, 5, &w[N + m]));
     ASSERT_OK(ct_work_wait_all(w, 2 * N + 2));
-    for (int i = 0; i < 2 * N + 2; i++) ct_work_free(w[i]);
+    for (int i = 0; i < 2 * N + 2; i++) ct_work_destroy(w[i]);
     for (int m = 0; m < N; m++)
         for (int i = 0; i < LEN; i += 100) ASSERT_EQ(in[m][i], left * 100000 + m * 1000 + i);
     for (int i = 0; i < 5; i++) ASSERT_EQ(ct_f16_to_f32(hin[i]) * 4, left + i);
@@ -147,8 +147,8 @@ TEST(comm_send_to_self)
     ASSERT_OK(ct_group_send(g, a, 4, CT_I64, me, 0, &s));
     ASSERT_OK(ct_work_wait(s));
     ASSERT_OK(ct_work_wait(r));
-    ct_work_free(r);
-    ct_work_free(s);
+    ct_work_destroy(r);
+    ct_work_destroy(s);
     ASSERT(!memcmp(a, b, sizeof a));
 }
 
@@ -239,17 +239,17 @@ TEST(comm_callbacks_run_once_on_the_comm_thread)
     ASSERT_EQ(atomic_load(&ncalls), 1);
 
     /* A callback set after completion runs at once, on this thread. */
-    ct_work_free(r);
+    ct_work_destroy(r);
     ASSERT_OK(ct_work_wait(s));
     ASSERT_OK(ct_work_on_complete(s, count_cb, NULL));
     ASSERT_EQ(atomic_load(&ncalls), 2);
     ASSERT(pthread_equal(cb_thread, pthread_self()));
-    ct_work_free(s);
+    ct_work_destroy(s);
 
     /* A freed (detached) handle still completes and calls back once. */
     ASSERT_OK(ct_group_recv(g, &y, 1, CT_I32, left, 2, &r));
     ASSERT_OK(ct_work_on_complete(r, count_cb, NULL));
-    ct_work_free(r);
+    ct_work_destroy(r);
     ASSERT_OK(ct_group_barrier(g));
     ASSERT_OK(ct_group_send(g, &x, 1, CT_I32, right, 2, NULL));
     double t0 = now();
@@ -262,11 +262,11 @@ TEST(comm_callbacks_run_once_on_the_comm_thread)
     ASSERT_OK(ct_group_allreduce(g, &a, 1, CT_F32, CT_OP_SUM, &r));
     ASSERT_OK(ct_work_on_complete(r, nested_cb, &b));
     ASSERT_OK(ct_work_wait(r));
-    ct_work_free(r);
+    ct_work_destroy(r);
     ASSERT_EQ(cb_nested, CT_ESTATE);
     ASSERT(chained);
     ASSERT_OK(ct_work_wait(chained));
-    ct_work_free(chained);
+    ct_work_destroy(chained);
     ASSERT_EQ(a, p);
     ASSERT_EQ(b, p * (p - 1) / 2);
 }
@@ -330,8 +330,8 @@ TEST(comm_mpi_errors_become_statuses)
     char msg[512];
     snprintf(msg, sizeof msg, "%s", ct_last_error());
     ASSERT_OK(ct_work_wait(s));
-    ct_work_free(r);
-    ct_work_free(s);
+    ct_work_destroy(r);
+    ct_work_destroy(s);
     ASSERT_EQ(rs, CT_ECOMM);
     ASSERT_STR_CONTAINS(msg, "MPI_Irecv failed on rank");
     ASSERT_STR_CONTAINS(msg, "MPI_ERR_TRUNCATE");
@@ -339,5 +339,5 @@ TEST(comm_mpi_errors_become_statuses)
     ASSERT_OK(ct_group_recv(g, in, 5, CT_F32, left, 4, &r));
     ASSERT_OK(ct_group_send(g, out, 3, CT_F32, right, 4, NULL));
     ASSERT_ERR(ct_work_wait(r), CT_ECOMM, "sent 3 elements with tag 4 but 5 were expected");
-    ct_work_free(r);
+    ct_work_destroy(r);
 }

@@ -170,7 +170,7 @@ static void shared_case(ct_group *g, void *b, ct_dtype dt, ct_reduce_op op, int6
     ASSERT_OK(ct_group_allreduce(g, b, n, dt, op, &w));
     ASSERT_OK(ct_work_wait(w));
     ASSERT(ct_work_test(w));
-    ct_work_free(w);
+    ct_work_destroy(w);
     check_reduced(b, dt, op, n, ct_group_size(g), seed, "shm allreduce");
     check_same_on_all(g, b, (size_t)n * ct_dtype_size(dt), "shm allreduce");
 }
@@ -345,7 +345,7 @@ TEST(shm_in_flight_mixed_with_mpi_collectives)
         ASSERT(ct_work_test(w[i]));
         if (atomic_load(&cb_count[i]) != 1) soft_fail("callback %d ran %d times", i, atomic_load(&cb_count[i]));
         if (cb_order[i] != i) soft_fail("callback %d ran as number %d", cb_order[i], i);
-        ct_work_free(w[i]);
+        ct_work_destroy(w[i]);
     }
     if (atomic_load(&cb_next) != nops) soft_fail("%d callbacks for %d works", atomic_load(&cb_next), nops);
     for (int i = 0; i < NSH; i++)
@@ -398,7 +398,7 @@ TEST(shm_stress_back_to_back)
         ASSERT_OK(ct_work_wait(wb));
         ASSERT_OK(ct_work_wait(wa));
         if (wp) ASSERT_OK(ct_work_wait(wp));
-        ct_work_free(wa), ct_work_free(wb), ct_work_free(wp);
+        ct_work_destroy(wa), ct_work_destroy(wb), ct_work_destroy(wp);
         float s1 = (float)(p * (p + 1) / 2), s2 = (float)(p * (p + 3) / 2);
         for (int i = 0; i < N; i++) {
             float want = s1 * (float)(it % 13 + 1) + (float)(p * (i % 17));
@@ -452,7 +452,7 @@ TEST(shm_mismatch_fails_on_every_rank)
     ASSERT_OK(ct_group_allreduce(g, x, me ? 101 : 100, CT_F32, CT_OP_SUM, &w));
     ASSERT_OK(ct_work_on_complete(w, on_done, (void *)(intptr_t)0));
     ASSERT_ERR(ct_work_wait(w), CT_EINVAL, "rank 1 101 x F32 SUM");
-    ct_work_free(w);
+    ct_work_destroy(w);
     ASSERT_EQ(atomic_load(&cb_next), 1); /* ran once, with the error */
     ASSERT_EQ(atomic_load(&cb_count[0]), 0);
     /* the last rank passes private memory, the others shared */

@@ -19,7 +19,7 @@ static ct_status branch_fwd(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
 {
     ct_record *kr = NULL;
     CT_TRY(ct_module_forward(m->kids[0], in, out, rec ? &kr : NULL, ctx));
-    if (rec) CT_TRY(ct__record_add_kid(rec, kr));
+    if (rec) CT_TRY(ct_record_add_kid(rec, kr));
     return CT_OK;
 }
 
@@ -39,10 +39,10 @@ static ct_status twice_fwd(ct_module *m, ct_tensor *in, ct_tensor **out, ct_reco
     ct_tensor *mid;
     ct_record *r1 = NULL, *r2 = NULL;
     CT_TRY(ct_module_forward(m->kids[0], in, &mid, rec ? &r1 : NULL, ctx));
-    if (rec) CT_TRY(ct__record_add_kid(rec, r1));
+    if (rec) CT_TRY(ct_record_add_kid(rec, r1));
     ct_status s = ct_module_forward(m->kids[0], mid, out, rec ? &r2 : NULL, ctx);
     ct_tensor_release(mid);
-    if (s == CT_OK && rec) s = ct__record_add_kid(rec, r2);
+    if (s == CT_OK && rec) s = ct_record_add_kid(rec, r2);
     return s;
 }
 
@@ -53,7 +53,7 @@ static ct_status twice_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_re
     rec->kids[0] = rec->kids[1] = NULL;
     ct_status s = ct_module_backward(m->kids[0], dout, &g, r2);
     if (s != CT_OK) {
-        ct_record_free(r1);
+        ct_record_destroy(r1);
         return s;
     }
     s = ct_module_backward(m->kids[0], g, din, r1);
@@ -69,25 +69,25 @@ enum { PLAIN, WITH_BN, WITH_UNUSED, WITH_TWICE, BIGGER };
 
 static ct_module *model(int kind, uint64_t seed)
 {
-    ct_module *m = ct_sequential_new();
+    ct_module *m = ct_sequential_create();
     int hidden = kind == BIGGER ? 17 : 16;
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_new(IN, hidden, 1)));
-    if (kind == WITH_BN) ASSERT_OK(ct_module_add(m, NULL, ct_batchnorm_new(hidden, 1e-5f, 0.1f)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_new()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(IN, hidden, 1)));
+    if (kind == WITH_BN) ASSERT_OK(ct_module_add(m, NULL, ct_batchnorm_create(hidden, 1e-5f, 0.1f)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
     if (kind == WITH_UNUSED) {
-        ct_module *br = ct_module_new(&branch_ops, NULL);
-        ASSERT_OK(ct_module_add(br, "used", ct_linear_new(hidden, hidden, 1)));
-        ASSERT_OK(ct_module_add(br, "unused", ct_linear_new(hidden, hidden, 1)));
+        ct_module *br = ct_module_create(&branch_ops, NULL);
+        ASSERT_OK(ct_module_add(br, "used", ct_linear_create(hidden, hidden, 1)));
+        ASSERT_OK(ct_module_add(br, "unused", ct_linear_create(hidden, hidden, 1)));
         ASSERT_OK(ct_module_add(m, NULL, br));
     } else if (kind == WITH_TWICE) {
-        ct_module *tw = ct_module_new(&twice_ops, NULL);
-        ASSERT_OK(ct_module_add(tw, "f", ct_linear_new(hidden, hidden, 1)));
+        ct_module *tw = ct_module_create(&twice_ops, NULL);
+        ASSERT_OK(ct_module_add(tw, "f", ct_linear_create(hidden, hidden, 1)));
         ASSERT_OK(ct_module_add(m, NULL, tw));
     } else {
-        ASSERT_OK(ct_module_add(m, NULL, ct_linear_new(hidden, hidden, 1)));
+        ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(hidden, hidden, 1)));
     }
-    ASSERT_OK(ct_module_add(m, NULL, ct_relu_new()));
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_new(hidden, NCLS, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_relu_create()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(hidden, NCLS, 1)));
     ct_module_init_params(m, seed);
     return m;
 }
@@ -95,8 +95,8 @@ static ct_module *model(int kind, uint64_t seed)
 /* Global batch of a step: the same on every rank. */
 static void global_batch(int step, int64_t n, ct_tensor **x, ct_tensor **y)
 {
-    *x = ct_tensor_new2(n, IN, CT_MEM_ACT);
-    *y = ct_tensor_new(CT_I32, 1, &n, CT_MEM_ACT);
+    *x = ct_tensor_create2(n, IN, CT_MEM_ACT);
+    *y = ct_tensor_create(CT_I32, 1, &n, CT_MEM_ACT);
     ct_rng r;
     ct_rng_init(&r, 1234, (uint64_t)step);
     ct_rng_normal(&r, ct_f32(*x), (size_t)(n * IN), 0, 1);
@@ -192,8 +192,8 @@ static void ddp_vs_single(int kind, ct_optim_kind ok, const ct_strategy_opts *o,
     ct_strategy_destroy(rs);
     ct_optim_destroy(dopt);
     ct_optim_destroy(ropt);
-    ct_module_free(dm);
-    ct_module_free(rm);
+    ct_module_destroy(dm);
+    ct_module_destroy(rm);
 }
 
 TEST(ddp_matches_single_process_sgd)
@@ -246,7 +246,7 @@ TEST(ddp_find_unused_parameters_with_skipped_branch)
     ct_tensor_release(y);
     ct_strategy_destroy(s);
     ct_optim_destroy(opt);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 TEST(ddp_no_sync_accumulation_equals_combined_batch)
@@ -280,8 +280,8 @@ TEST(ddp_no_sync_accumulation_equals_combined_batch)
     ct_strategy_destroy(rs);
     ct_optim_destroy(dopt);
     ct_optim_destroy(ropt);
-    ct_module_free(dm);
-    ct_module_free(rm);
+    ct_module_destroy(dm);
+    ct_module_destroy(rm);
 }
 
 /* 1 if buffer `name` holds the same values on every rank. */
@@ -328,7 +328,7 @@ TEST(ddp_broadcasts_buffers_from_rank0)
         ct_tensor_release(y);
         ct_strategy_destroy(s);
         ct_optim_destroy(opt);
-        ct_module_free(m);
+        ct_module_destroy(m);
     }
 }
 
@@ -342,7 +342,7 @@ TEST(ddp_rejects_model_that_differs_across_ranks)
     ASSERT_ERR(ct_strategy_create("ddp", m, opt, g, NULL, &s), CT_EINVAL, "rank 1's model differs");
     ASSERT(s == NULL);
     ct_optim_destroy(opt);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
 
 TEST(ddp_rejects_gradient_produced_twice)
@@ -358,5 +358,5 @@ TEST(ddp_rejects_gradient_produced_twice)
     ct_tensor_release(y);
     ct_strategy_destroy(s);
     ct_optim_destroy(opt);
-    ct_module_free(m);
+    ct_module_destroy(m);
 }
