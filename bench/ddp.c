@@ -70,7 +70,7 @@ int main(int argc, char **argv)
     ct_rng r;
     ct_rng_init(&r, 7, (uint64_t)rank);
     ct_rng_normal(&r, ct_f32(x), (size_t)x->numel, 0, 1);
-    for (int i = 0; i < BATCH; i++) ((int32_t *)y->data)[i] = (i * 37 + rank) % WIDTH;
+    for (int i = 0; i < BATCH; i++) ((int32_t *)ct_tensor_data(y))[i] = (i * 37 + rank) % WIDTH;
 
     double *t_step = calloc((size_t)steps, sizeof(double)), *t_f = calloc((size_t)steps, sizeof(double)),
            *t_b = calloc((size_t)steps, sizeof(double)), *t_w = calloc((size_t)steps, sizeof(double)),

@@ -14,7 +14,7 @@ static void tally(const ct_tensor *logits, const ct_tensor *y, int64_t classes, 
 {
     int64_t n = logits->shape[0], C = logits->shape[1];
     const float *z = ct_f32(logits);
-    const int32_t *t = y->data;
+    const int32_t *t = ct_tensor_data(y);
     for (int64_t i = 0; i < n; i++) {
         int64_t best = 0;
         for (int64_t c = 1; c < C; c++)

@@ -299,7 +299,7 @@ static void same_files(const char *a, const char *b)
         const ct_tensor *tx = ct_safetensors_tensor(x, i), *ty = ct_safetensors_tensor(y, i);
         ASSERT(!strcmp(ct_safetensors_name(x, i), ct_safetensors_name(y, i)));
         ASSERT(ct_tensor_same_shape(tx, ty));
-        if (memcmp(tx->data, ty->data, ct_tensor_bytes(tx)))
+        if (memcmp(ct_tensor_data(tx), ct_tensor_data(ty), ct_tensor_bytes(tx)))
             ct_test_fail(__FILE__, __LINE__, "%s differs between %s and %s", ct_safetensors_name(x, i), a, b);
     }
     ct_safetensors_destroy(x);
@@ -337,7 +337,7 @@ TEST(cli_resume_is_bit_exact)
     ASSERT_OK(ct_safetensors_load(a, &x));
     ASSERT_OK(ct_safetensors_load(b, &y));
     const ct_tensor *wa = ct_safetensors_find(x, "0.weight"), *wb = ct_safetensors_find(y, "0.weight");
-    ASSERT(memcmp(wa->data, wb->data, ct_tensor_bytes(wa)));
+    ASSERT(memcmp(ct_tensor_data(wa), ct_tensor_data(wb), ct_tensor_bytes(wa)));
     ct_safetensors_destroy(x);
     ct_safetensors_destroy(y);
     /* A flag that would change the data order is refused, not silently ignored. */

@@ -25,11 +25,11 @@ TEST(core_tensor_new_and_accounting)
     ASSERT(t->shape[0] == 2 && t->shape[1] == 3 && t->shape[2] == 5);
     ASSERT_EQ(t->numel, 30);
     ASSERT_EQ(t->refcount, 1);
-    ASSERT(t->base == NULL && t->owns);
-    ASSERT_EQ(t->cat, CT_MEM_PARAM);
+    ASSERT(t->storage && t->storage->owns && !t->storage->window && t->offset == 0);
+    ASSERT_EQ(ct_tensor_cat(t), CT_MEM_PARAM);
     ASSERT_EQ(ct_tensor_bytes(t), 120);
     ASSERT_EQ(ct_mem_current(CT_MEM_PARAM) - param0, 120);
-    ASSERT_EQ((uintptr_t)t->data % 64, 0);
+    ASSERT_EQ((uintptr_t)ct_tensor_data(t) % 64, 0);
     for (int i = 0; i < 30; i++) ASSERT(ct_f32(t)[i] == 0.0f);
     ct_tensor_release(t);
     ASSERT_EQ(mem_total(), total0);
@@ -71,13 +71,13 @@ TEST(core_tensor_view_keeps_base_alive)
     for (int i = 0; i < 10; i++) ct_f32(base)[i] = (float)i;
     ct_tensor *v = ct_tensor_view(base, 4, 2, (int64_t[]){2, 3});
     ASSERT(v != NULL);
-    ASSERT(v->base == base);
-    ASSERT_EQ(base->refcount, 2);
-    ASSERT(!v->owns);
+    ASSERT(v->storage == base->storage);
+    ASSERT_EQ(base->storage->refcount, 2);
+    ASSERT_EQ(base->refcount, 1);
     ASSERT_EQ(v->numel, 6);
-    ASSERT(v->data == (char *)base->data + 4 * sizeof(float));
+    ASSERT(ct_tensor_data(v) == (char *)ct_tensor_data(base) + 4 * sizeof(float));
     ASSERT(ct_f32(v)[0] == 4.0f && ct_f32(v)[5] == 9.0f);
-    ASSERT_EQ(v->cat, CT_MEM_PARAM);
+    ASSERT_EQ(ct_tensor_cat(v), CT_MEM_PARAM);
 
     /* Writes through the view land in the base. */
     ct_f32(v)[1] = 50.0f;
@@ -85,17 +85,18 @@ TEST(core_tensor_view_keeps_base_alive)
 
     /* Views of views: the chain keeps everything alive. */
     ct_tensor *vv = ct_tensor_view(v, 3, 1, (int64_t[]){3});
-    ASSERT(vv && vv->base == v && v->refcount == 2);
+    ASSERT(vv && vv->storage == base->storage && base->storage->refcount == 3);
     ASSERT(ct_f32(vv)[0] == 7.0f);
 
-    ct_tensor_release(base); /* the caller lets go; the views still hold it */
-    ASSERT_EQ(base->refcount, 1);
+    ct_storage *mem = base->storage;
+    ct_tensor_release(base); /* the caller lets go; the views still hold the storage */
+    ASSERT_EQ(mem->refcount, 2);
     ct_tensor_release(v);
-    ASSERT_EQ(v->refcount, 1);
+    ASSERT_EQ(mem->refcount, 1);
     ct_f32(vv)[2] += 1.0f; /* ASan: would be a use-after-free if the base had gone */
     ASSERT(ct_f32(vv)[2] == 10.0f);
     ASSERT(ct_f32(vv)[0] == 7.0f);
-    ct_tensor_release(vv); /* frees vv, then v, then base */
+    ct_tensor_release(vv); /* frees vv, then the storage */
     ASSERT_EQ(mem_total(), total0);
 }
 
@@ -107,16 +108,16 @@ TEST(core_tensor_reshape_clone_retain)
 
     ct_tensor *r = ct_tensor_reshape(t, 3, (int64_t[]){2, 2, 3});
     ASSERT(r != NULL);
-    ASSERT(r->data == t->data && r->ndim == 3 && r->shape[2] == 3 && r->numel == 12);
-    ASSERT_EQ(t->refcount, 2);
+    ASSERT(ct_tensor_data(r) == ct_tensor_data(t) && r->ndim == 3 && r->shape[2] == 3 && r->numel == 12);
+    ASSERT_EQ(t->storage->refcount, 2);
 
     ct_tensor *c = ct_tensor_clone(r, CT_MEM_GRAD);
     ASSERT(c != NULL);
-    ASSERT(c->data != t->data && c->owns && c->base == NULL && c->refcount == 1);
-    ASSERT_EQ(c->cat, CT_MEM_GRAD);
+    ASSERT(ct_tensor_data(c) != ct_tensor_data(t) && c->storage != t->storage && c->refcount == 1);
+    ASSERT_EQ(ct_tensor_cat(c), CT_MEM_GRAD);
     ASSERT(ct_tensor_same_shape(c, r));
     ASSERT(!ct_tensor_same_shape(c, t));
-    ASSERT(!memcmp(c->data, t->data, 48));
+    ASSERT(!memcmp(ct_tensor_data(c), ct_tensor_data(t), 48));
     ct_f32(c)[0] = -1.0f; /* a clone is independent */
     ASSERT(ct_f32(t)[0] == 0.0f);
 
@@ -139,7 +140,7 @@ TEST(core_tensor_wrap_fill_copy)
     float buf[6] = {1, 2, 3, 4, 5, 6};
     ct_tensor *w = ct_tensor_wrap(CT_F32, 2, (int64_t[]){2, 3}, buf);
     ASSERT(w != NULL);
-    ASSERT(w->data == buf && !w->owns && w->numel == 6);
+    ASSERT(ct_tensor_data(w) == buf && !w->storage->owns && w->numel == 6);
 
     ct_tensor *t = ct_tensor_create2(2, 3, CT_MEM_ACT);
     ASSERT_OK(ct_tensor_copy(t, w));
@@ -212,7 +213,7 @@ TEST(core_tensor_bad_shapes_rejected)
     ASSERT_NULL_ERR(ct_tensor_view(t, INT64_MAX, 1, (int64_t[]){1}), "exceeds");
     ASSERT_NULL_ERR(ct_tensor_view(t, 0, 7, seven), "at most 6");
     ASSERT_NULL_ERR(ct_tensor_view(t, 0, 1, (int64_t[]){-3}), "negative");
-    ASSERT_EQ(t->refcount, 1); /* failed views hold no reference */
+    ASSERT_EQ(t->storage->refcount, 1); /* failed views hold no reference */
     ct_tensor *edge = ct_tensor_view(t, 10, 1, (int64_t[]){0}); /* empty view at the end */
     ASSERT(edge != NULL);
     ct_tensor_release(edge);

@@ -78,7 +78,7 @@ static void check_loaded(const fixture *fx, const ct_dataset *ds, float mean, fl
     ASSERT_EQ(ds->labels->dtype, CT_I32);
     for (int i = 0; i < N * R * C; i++)
         ASSERT_NEAR(ct_f32(ds->images)[i], (fx->pix[i] / 255.0 - mean) / std, 1e-5);
-    for (int i = 0; i < N; i++) ASSERT_EQ(((int32_t *)ds->labels->data)[i], fx->lab[i]);
+    for (int i = 0; i < N; i++) ASSERT_EQ(((int32_t *)ct_tensor_data(ds->labels))[i], fx->lab[i]);
 }
 
 TEST(idx_roundtrip_gzip_and_plain)
@@ -124,7 +124,7 @@ TEST(idx_gather_makes_batches)
     for (int b = 0; b < 3; b++) {
         for (int p = 0; p < R * C; p++)
             ASSERT_NEAR(ct_f32(x)[b * R * C + p], fx.pix[idx[b] * R * C + p] / 255.0, 1e-6);
-        ASSERT_EQ(((int32_t *)y->data)[b], fx.lab[idx[b]]);
+        ASSERT_EQ(((int32_t *)ct_tensor_data(y))[b], fx.lab[idx[b]]);
     }
     ct_tensor_release(x);
     ct_tensor_release(y);
@@ -291,7 +291,7 @@ TEST(idx_fashion_mnist_real)
     ASSERT_EQ(ds.rows, 28);
     ASSERT_EQ(ds.cols, 28);
     int hist[10] = {0};
-    for (int64_t i = 0; i < ds.n; i++) hist[((int32_t *)ds.labels->data)[i]]++;
+    for (int64_t i = 0; i < ds.n; i++) hist[((int32_t *)ct_tensor_data(ds.labels))[i]]++;
     for (int c = 0; c < 10; c++) ASSERT_EQ(hist[c], 1000);
     double sum = 0, sq = 0;
     const float *x = ct_f32(ds.images);

@@ -69,27 +69,27 @@ TEST(pytorch_writes_ctrain_reads)
     t = ct_safetensors_find(st, "bf16");
     ASSERT(t && t->dtype == CT_BF16 && t->ndim == 1 && t->shape[0] == 4);
     const float bf[4] = {1.5f, -2.25f, 3072.0f, 0.0078125f};
-    for (int i = 0; i < 4; i++) ASSERT_EQ(ct_bf16_to_f32(((uint16_t *)t->data)[i]), bf[i]);
+    for (int i = 0; i < 4; i++) ASSERT_EQ(ct_bf16_to_f32(((uint16_t *)ct_tensor_data(t))[i]), bf[i]);
 
     t = ct_safetensors_find(st, "f16");
     ASSERT(t && t->dtype == CT_F16 && t->ndim == 2 && t->shape[0] == 2 && t->shape[1] == 2);
     const float hf[4] = {0.5f, -1.0f, 65504.0f, 5.9604644775390625e-08f};
-    for (int i = 0; i < 4; i++) ASSERT_EQ(ct_f16_to_f32(((uint16_t *)t->data)[i]), hf[i]);
+    for (int i = 0; i < 4; i++) ASSERT_EQ(ct_f16_to_f32(((uint16_t *)ct_tensor_data(t))[i]), hf[i]);
 
     t = ct_safetensors_find(st, "i64");
     ASSERT(t && t->dtype == CT_I64 && t->numel == 4);
     const int64_t i64[4] = {0, -1, ((int64_t)1 << 40) + 3, -((int64_t)1 << 62)};
-    for (int i = 0; i < 4; i++) ASSERT_EQ(((int64_t *)t->data)[i], i64[i]);
+    for (int i = 0; i < 4; i++) ASSERT_EQ(((int64_t *)ct_tensor_data(t))[i], i64[i]);
 
     t = ct_safetensors_find(st, "i32");
     ASSERT(t && t->dtype == CT_I32 && t->ndim == 2 && t->shape[0] == 1 && t->shape[1] == 3);
     const int32_t i32[3] = {INT32_MIN, INT32_MAX, 7};
-    for (int i = 0; i < 3; i++) ASSERT_EQ(((int32_t *)t->data)[i], i32[i]);
+    for (int i = 0; i < 3; i++) ASSERT_EQ(((int32_t *)ct_tensor_data(t))[i], i32[i]);
 
     t = ct_safetensors_find(st, "u8");
     ASSERT(t && t->dtype == CT_U8 && t->numel == 5);
     const uint8_t u8[5] = {0, 1, 127, 128, 255};
-    ASSERT_EQ(memcmp(t->data, u8, 5), 0);
+    ASSERT_EQ(memcmp(ct_tensor_data(t), u8, 5), 0);
 
     t = ct_safetensors_find(st, "scalar");
     ASSERT(t && t->dtype == CT_F32 && t->ndim == 0 && t->numel == 1);
@@ -128,18 +128,18 @@ TEST(ctrain_writes_pytorch_reads)
     double sums[NT] = {0};
     for (int i = 0; i < 20; i++) sums[0] += ct_f32(t[0])[i] = (float)(i - 7) * 0.125f;
     for (int i = 0; i < 6; i++) {
-        ((uint16_t *)t[1]->data)[i] = ct_f32_to_bf16((float)i * -1.75f);
-        sums[1] += ct_bf16_to_f32(((uint16_t *)t[1]->data)[i]);
+        ((uint16_t *)ct_tensor_data(t[1]))[i] = ct_f32_to_bf16((float)i * -1.75f);
+        sums[1] += ct_bf16_to_f32(((uint16_t *)ct_tensor_data(t[1]))[i]);
     }
     for (int i = 0; i < 5; i++) {
-        ((uint16_t *)t[2]->data)[i] = ct_f32_to_f16((float)i / 8.0f + 1000.0f);
-        sums[2] += ct_f16_to_f32(((uint16_t *)t[2]->data)[i]);
+        ((uint16_t *)ct_tensor_data(t[2]))[i] = ct_f32_to_f16((float)i / 8.0f + 1000.0f);
+        sums[2] += ct_f16_to_f32(((uint16_t *)ct_tensor_data(t[2]))[i]);
     }
     const int64_t steps[3] = {1, (int64_t)1 << 35, -12345};
-    memcpy(t[3]->data, steps, sizeof steps);
+    memcpy(ct_tensor_data(t[3]), steps, sizeof steps);
     sums[3] = 1.0 + 34359738368.0 - 12345.0;
-    for (int i = 0; i < 4; i++) sums[4] += ((int32_t *)t[4]->data)[i] = -100000 * (i + 1);
-    for (int i = 0; i < 9; i++) sums[5] += ((uint8_t *)t[5]->data)[i] = (uint8_t)(200 + i * 7);
+    for (int i = 0; i < 4; i++) sums[4] += ((int32_t *)ct_tensor_data(t[4]))[i] = -100000 * (i + 1);
+    for (int i = 0; i < 9; i++) sums[5] += ((uint8_t *)ct_tensor_data(t[5]))[i] = (uint8_t)(200 + i * 7);
     sums[6] = ct_f32(t[6])[0] = -0.75f;
     const char *shapes[NT] = {"[4, 5]", "[3, 2]", "[5]", "[3]", "[2, 1, 2]", "[9]", "[]"};
     const char *mk[] = {"format", "weird"}, *mv[] = {"pt", "\"q\" \\b\\ \n\t \xc3\xa9\xe2\x9c\x93\xf0\x9f\x98\x80 \x02"};

@@ -79,11 +79,11 @@ TEST(st_roundtrip_all_dtypes_and_metadata)
     t[7] = ct_tensor_create(CT_F32, 0, NULL, CT_MEM_OTHER);              /* 0-dim */
     for (int i = 0; i < 15; i++) ct_f32(t[0])[i] = (float)i * 0.25f - 1.0f;
     for (int i = 0; i < 5; i++) ct_f32(t[1])[i] = -(float)i / 3.0f;
-    for (int i = 0; i < 6; i++) ((uint16_t *)t[2]->data)[i] = ct_f32_to_bf16((float)i - 2.5f);
-    for (int i = 0; i < 4; i++) ((uint16_t *)t[3]->data)[i] = ct_f32_to_f16((float)i * 1.5f);
+    for (int i = 0; i < 6; i++) ((uint16_t *)ct_tensor_data(t[2]))[i] = ct_f32_to_bf16((float)i - 2.5f);
+    for (int i = 0; i < 4; i++) ((uint16_t *)ct_tensor_data(t[3]))[i] = ct_f32_to_f16((float)i * 1.5f);
     int64_t i64[4] = {0, -1, (int64_t)1 << 40, INT64_MIN};
-    memcpy(t[4]->data, i64, sizeof i64);
-    for (int i = 0; i < 7; i++) ((uint8_t *)t[6]->data)[i] = (uint8_t)(250 + i);
+    memcpy(ct_tensor_data(t[4]), i64, sizeof i64);
+    for (int i = 0; i < 7; i++) ((uint8_t *)ct_tensor_data(t[6]))[i] = (uint8_t)(250 + i);
     ct_f32(t[7])[0] = 3.5f;
     const char *mk[] = {"format", "note", "", "ünïcode"};
     const char *mv[] = {"pt", "quote \" backslash \\ slash / nl \n tab \t cr \r ctl \x01\x1f end",
@@ -99,13 +99,13 @@ TEST(st_roundtrip_all_dtypes_and_metadata)
     for (int i = 0; i < 8; i++) {
         ct_tensor *g = ct_safetensors_find(st, names[i]);
         ASSERT(g != NULL);
-        ASSERT(g != t[i] && g->data != t[i]->data);
+        ASSERT(g != t[i] && ct_tensor_data(g) != ct_tensor_data(t[i]));
         ASSERT(ct_tensor_same_shape(g, t[i]));
-        ASSERT_EQ(memcmp(g->data, t[i]->data, ct_tensor_bytes(t[i])), 0);
+        ASSERT_EQ(memcmp(ct_tensor_data(g), ct_tensor_data(t[i]), ct_tensor_bytes(t[i])), 0);
     }
     ASSERT(ct_safetensors_find(st, "nope") == NULL);
     ASSERT_NEAR(ct_f32(ct_safetensors_find(st, "fc.weight"))[14], 2.5, 0);
-    ASSERT_EQ(((int64_t *)ct_safetensors_find(st, "steps")->data)[3], INT64_MIN);
+    ASSERT_EQ(((int64_t *)ct_tensor_data(ct_safetensors_find(st, "steps")))[3], INT64_MIN);
     ASSERT_EQ(ct_safetensors_meta_count(st), 4);
     for (int i = 0; i < 4; i++) {
         const char *v = ct_safetensors_meta(st, mk[i]);
@@ -129,7 +129,7 @@ TEST(st_writer_exact_bytes)
     /* Layout by element size then name: b (F32) before a (U8); header padded. */
     ct_tensor *a = ct_tensor_create(CT_U8, 1, (int64_t[]){3}, CT_MEM_OTHER);
     ct_tensor *b = ct_tensor_create1(2, CT_MEM_OTHER);
-    memcpy(a->data, "xyz", 3);
+    memcpy(ct_tensor_data(a), "xyz", 3);
     ct_f32(b)[0] = 1.0f;
     ct_f32(b)[1] = -2.0f;
     const char *path = tmp_path("exact.safetensors");
@@ -498,14 +498,14 @@ TEST(st_fuzz_mutations)
 TEST(st_load_from_memory)
 {
     ct_tensor *a = ct_tensor_create(CT_I32, 2, (int64_t[]){2, 2}, CT_MEM_OTHER);
-    for (int i = 0; i < 4; i++) ((int32_t *)a->data)[i] = -7 * i;
+    for (int i = 0; i < 4; i++) ((int32_t *)ct_tensor_data(a))[i] = -7 * i;
     const char *path = tmp_path("mem.st");
     ASSERT_OK(ct_safetensors_save(path, (const char *[]){"m"}, &a, 1, (const char *[]){"k"}, (const char *[]){"v"}, 1));
     size_t n;
     unsigned char *f = read_bytes(path, &n);
     ct_safetensors *st;
     ASSERT_OK(ct_safetensors_load_mem(f, n, "bcast", &st));
-    ASSERT_EQ(memcmp(ct_safetensors_find(st, "m")->data, a->data, 16), 0);
+    ASSERT_EQ(memcmp(ct_tensor_data(ct_safetensors_find(st, "m")), ct_tensor_data(a), 16), 0);
     ASSERT(!strcmp(ct_safetensors_meta(st, "k"), "v"));
     ct_safetensors_destroy(st);
     ASSERT_ERR(ct_safetensors_load_mem(f, n - 1, "bcast", &st), CT_EFORMAT,

@@ -172,7 +172,7 @@ TEST(maxpool2d_forward_values)
     ct_module *m = ct_maxpool2d_create(2, 0);
     float v[16] = {1, 5, 2, 0, 3, 4, 9, 8, -1, -2, -3, -4, -5, -6, -7, -0.5f};
     ct_tensor *x = ct_tensor_create4(1, 1, 4, 4, CT_MEM_ACT);
-    memcpy(x->data, v, sizeof v);
+    memcpy(ct_tensor_data(x), v, sizeof v);
     ct_tensor *y = fwd(m, x, NULL, NULL);
     ASSERT_EQ(y->shape[2], 2);
     ASSERT_NEAR(ct_f32(y)[0], 5, 0);
@@ -191,7 +191,7 @@ TEST(activation_forward_values)
     ct_module *g = ct_gelu_create(), *r = ct_relu_create(), *t = ct_tanh_create();
     ct_tensor *x = ct_tensor_create1(4, CT_MEM_ACT);
     float v[4] = {-2.0f, -0.5f, 0.0f, 1.5f};
-    memcpy(x->data, v, sizeof v);
+    memcpy(ct_tensor_data(x), v, sizeof v);
     ct_tensor *yg = fwd(g, x, NULL, NULL), *yr = fwd(r, x, NULL, NULL), *yt = fwd(t, x, NULL, NULL);
     /* torch.nn.functional.gelu(torch.tensor([-2, -.5, 0, 1.5])) */
     double ref[4] = {-0.04550026, -0.15426877, 0.0, 1.39978920};
@@ -350,7 +350,7 @@ TEST(dropout_eval_is_identity)
     ct_fwd_ctx ev = {0, 1234, 5, 0};
     ct_record *rec;
     ct_tensor *y = fwd(m, x, &rec, &ev), *dx;
-    ASSERT(y != x && y->data != x->data);
+    ASSERT(y != x && ct_tensor_data(y) != ct_tensor_data(x));
     for (int i = 0; i < 500; i++) ASSERT_EQ(ct_f32(y)[i], ct_f32(x)[i]);
     ASSERT_OK(ct_module_backward(m, g, &dx, rec));
     for (int i = 0; i < 500; i++) ASSERT_EQ(ct_f32(dx)[i], 1.0f);
@@ -376,8 +376,8 @@ TEST(embedding_lookup_and_repeated_indices_accumulate)
         ct_tensor *idx = ct_tensor_create(dt ? CT_I64 : CT_I32, 1, (int64_t[]){4}, CT_MEM_ACT);
         int v[4] = {3, 5, 3, 3};
         for (int i = 0; i < 4; i++) {
-            if (dt) ((int64_t *)idx->data)[i] = v[i];
-            else ((int32_t *)idx->data)[i] = v[i];
+            if (dt) ((int64_t *)ct_tensor_data(idx))[i] = v[i];
+            else ((int32_t *)ct_tensor_data(idx))[i] = v[i];
         }
         ct_record *rec;
         ct_tensor *y = fwd(m, idx, &rec, &ctx), *din = (ct_tensor *)1;
@@ -407,11 +407,11 @@ TEST(embedding_rejects_out_of_range_index)
     ct_module *seq = ct_sequential_create();
     ASSERT_OK(ct_module_add(seq, "tok", ct_embedding_create(10, 4)));
     ct_tensor *idx = ct_tensor_create(CT_I32, 1, (int64_t[]){3}, CT_MEM_ACT);
-    ((int32_t *)idx->data)[1] = 10;
+    ((int32_t *)ct_tensor_data(idx))[1] = 10;
     ct_tensor *y;
     ASSERT_ERR(ct_module_forward(seq, idx, &y, NULL, NULL), CT_EINVAL, "embedding 'tok': index 10");
     ASSERT_STR_CONTAINS(ct_last_error(), "num_embeddings 10");
-    ((int32_t *)idx->data)[1] = -1;
+    ((int32_t *)ct_tensor_data(idx))[1] = -1;
     ASSERT_ERR(ct_module_forward(seq, idx, &y, NULL, NULL), CT_EINVAL, "index -1 at position 1");
     ct_tensor *f = ct_tensor_create1(3, CT_MEM_ACT);
     ASSERT_ERR(ct_module_forward(seq, f, &y, NULL, NULL), CT_EINVAL, "I32 or I64");
@@ -429,8 +429,8 @@ TEST(cross_entropy_value_grad_and_ignore_index)
     int64_t t[4] = {2, 0, -100, 1};
     ct_tensor *logits = ct_tensor_create2(4, 3, CT_MEM_ACT);
     ct_tensor *tg = ct_tensor_create(CT_I64, 1, (int64_t[]){4}, CT_MEM_ACT);
-    memcpy(logits->data, z, sizeof z);
-    memcpy(tg->data, t, sizeof t);
+    memcpy(ct_tensor_data(logits), z, sizeof z);
+    memcpy(ct_tensor_data(tg), t, sizeof t);
     float loss;
     ct_tensor *d;
     ASSERT_OK(ct_cross_entropy(logits, tg, -100, &loss, &d));
@@ -467,8 +467,8 @@ TEST(cross_entropy_count_correct_ties_and_i32)
     int32_t t[2] = {1, 1};
     ct_tensor *logits = ct_tensor_create2(2, 3, CT_MEM_ACT);
     ct_tensor *tg = ct_tensor_create(CT_I32, 1, (int64_t[]){2}, CT_MEM_ACT);
-    memcpy(logits->data, z, sizeof z);
-    memcpy(tg->data, t, sizeof t);
+    memcpy(ct_tensor_data(logits), z, sizeof z);
+    memcpy(ct_tensor_data(tg), t, sizeof t);
     ASSERT_EQ(ct_count_correct(logits, tg, -100), 1); /* ties go to the first max */
     ct_tensor_release(tg);
     ct_tensor_release(logits);
@@ -480,7 +480,7 @@ TEST(cross_entropy_large_logits_are_stable)
     ct_tensor *tg = ct_tensor_create(CT_I32, 1, (int64_t[]){1}, CT_MEM_ACT);
     ct_f32(logits)[0] = 1000.0f;
     ct_f32(logits)[1] = 999.0f;
-    ((int32_t *)tg->data)[0] = 1;
+    ((int32_t *)ct_tensor_data(tg))[0] = 1;
     float loss;
     ct_tensor *d;
     ASSERT_OK(ct_cross_entropy(logits, tg, -1, &loss, &d));
@@ -495,17 +495,17 @@ TEST(cross_entropy_all_ignored_and_bad_targets)
 {
     ct_tensor *logits = rand_tensor(2, (int64_t[]){3, 4}, 18, -1.0f, 1.0f);
     ct_tensor *tg = ct_tensor_create(CT_I64, 1, (int64_t[]){3}, CT_MEM_ACT);
-    for (int i = 0; i < 3; i++) ((int64_t *)tg->data)[i] = -100;
+    for (int i = 0; i < 3; i++) ((int64_t *)ct_tensor_data(tg))[i] = -100;
     float loss = 123;
     ct_tensor *d;
     ASSERT_OK(ct_cross_entropy(logits, tg, -100, &loss, &d));
     ASSERT_EQ(loss, 0.0f);
     for (int i = 0; i < 12; i++) ASSERT_EQ(ct_f32(d)[i], 0.0f);
     ct_tensor_release(d);
-    ((int64_t *)tg->data)[2] = 4;
+    ((int64_t *)ct_tensor_data(tg))[2] = 4;
     ASSERT_ERR(ct_cross_entropy(logits, tg, -100, &loss, &d), CT_EINVAL, "target 4 at row 2");
     ASSERT(d == NULL);
-    ((int64_t *)tg->data)[2] = -3;
+    ((int64_t *)ct_tensor_data(tg))[2] = -3;
     ASSERT_ERR(ct_cross_entropy(logits, tg, -100, &loss, NULL), CT_EINVAL, "target -3 at row 2");
     ASSERT_EQ(ct_count_correct(logits, tg, -100), -1);
     ct_tensor *short_t = ct_tensor_create(CT_I64, 1, (int64_t[]){2}, CT_MEM_ACT);
@@ -561,7 +561,7 @@ TEST(param_gradients_accumulate)
                        rand_tensor(2, (int64_t[]){3, 4}, 22, -1, 1),
                        rand_tensor(4, (int64_t[]){2, 2, 3, 3}, 23, -1, 1),
                        ct_tensor_create(CT_I32, 1, (int64_t[]){3}, CT_MEM_ACT)};
-    ((int32_t *)xs[4]->data)[0] = 4;
+    ((int32_t *)ct_tensor_data(xs[4]))[0] = 4;
     for (int k = 0; k < 5; k++) {
         rand_params(ms[k], 24 + (uint64_t)k);
         check_accumulates(ms[k], xs[k]);

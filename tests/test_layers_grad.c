@@ -201,7 +201,7 @@ TEST(fd_embedding_weight)
     rand_params(m, 41);
     ct_tensor *idx = ct_tensor_create(CT_I64, 2, (int64_t[]){2, 3}, CT_MEM_ACT);
     int64_t v[6] = {1, 4, 1, 0, 1, 4};
-    memcpy(idx->data, v, sizeof v);
+    memcpy(ct_tensor_data(idx), v, sizeof v);
     fd_result r = fd_check(m, idx, &ctx, FD_H, FD_RTOL, FD_ATOL, 42);
     ASSERT_EQ(r.checked, 15); /* weight only: indices have no gradient */
     ASSERT_FD(r);

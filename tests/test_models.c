@@ -126,15 +126,15 @@ TEST(models_mlp_forward_by_hand)
     ASSERT_OK(ct_model_build(&c, 0, &m));
     const float w1[] = {1, -1, 2, 0.5f, 0.5f, -3}, b1[] = {0.25f, -0.5f};
     const float w2[] = {1, 2, -1, 4}, b2[] = {0.125f, -1};
-    memcpy(ct_module_find(m, "0.weight")->data->data, w1, sizeof w1);
-    memcpy(ct_module_find(m, "0.bias")->data->data, b1, sizeof b1);
-    memcpy(ct_module_find(m, "2.weight")->data->data, w2, sizeof w2);
-    memcpy(ct_module_find(m, "2.bias")->data->data, b2, sizeof b2);
+    memcpy(ct_tensor_data(ct_module_find(m, "0.weight")->data), w1, sizeof w1);
+    memcpy(ct_tensor_data(ct_module_find(m, "0.bias")->data), b1, sizeof b1);
+    memcpy(ct_tensor_data(ct_module_find(m, "2.weight")->data), w2, sizeof w2);
+    memcpy(ct_tensor_data(ct_module_find(m, "2.bias")->data), b2, sizeof b2);
     int64_t shape[4];
     ASSERT_EQ(ct_model_input_shape(&c, 2, shape), 2);
     ct_tensor *x = ct_tensor_create(CT_F32, 2, shape, CT_MEM_ACT);
     const float xs[] = {1, 2, 3, -1, 0, 1};
-    memcpy(x->data, xs, sizeof xs);
+    memcpy(ct_tensor_data(x), xs, sizeof xs);
     ct_tensor *y;
     ct_fwd_ctx ctx = {0, 0, 0, 0};
     ASSERT_OK(ct_module_forward(m, x, &y, NULL, &ctx));
@@ -159,8 +159,8 @@ TEST(models_init_is_seeded_and_bounded)
     for (int k = 0; k < 4; k++) {
         ct_tensor *ta = ct_module_find(a, names[k])->data, *tb = ct_module_find(b, names[k])->data;
         ct_tensor *td = ct_module_find(d, names[k])->data;
-        ASSERT(!memcmp(ta->data, tb->data, ct_tensor_bytes(ta)));
-        ASSERT(memcmp(ta->data, td->data, ct_tensor_bytes(ta)));
+        ASSERT(!memcmp(ct_tensor_data(ta), ct_tensor_data(tb), ct_tensor_bytes(ta)));
+        ASSERT(memcmp(ct_tensor_data(ta), ct_tensor_data(td), ct_tensor_bytes(ta)));
         /* PyTorch's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for Linear weight and bias. */
         double bound = 1.0 / sqrt(fan_in[k]), maxabs = 0;
         for (int64_t i = 0; i < ta->numel; i++) maxabs = fmax(maxabs, fabs(ct_f32(ta)[i]));

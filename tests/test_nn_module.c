@@ -236,10 +236,10 @@ TEST(nn_checkpoint_bit_identical_with_dropout)
         ct_tensor *dx2 = fwd_bwd(wrapped, x, dy, &ctx, &y2);
         act_ckpt = ct_mem_peak(CT_MEM_ACT) - base;
         ASSERT(act_ckpt > 0 && act_plain > 0);
-        ASSERT(!memcmp(y1->data, y2->data, ct_tensor_bytes(y1)));
-        ASSERT(!memcmp(dx1->data, dx2->data, ct_tensor_bytes(dx1)));
+        ASSERT(!memcmp(ct_tensor_data(y1), ct_tensor_data(y2), ct_tensor_bytes(y1)));
+        ASSERT(!memcmp(ct_tensor_data(dx1), ct_tensor_data(dx2), ct_tensor_bytes(dx1)));
         for (int i = 0; i < np; i++)
-            ASSERT(!memcmp(pp[i]->grad->data, pw[i]->grad->data, ct_tensor_bytes(pp[i]->grad)));
+            ASSERT(!memcmp(ct_tensor_data(pp[i]->grad), ct_tensor_data(pw[i]->grad), ct_tensor_bytes(pp[i]->grad)));
         ct_tensor_release(y1);
         ct_tensor_release(y2);
         ct_tensor_release(dx1);
@@ -290,7 +290,7 @@ TEST(nn_init_is_deterministic_and_pytorch_bounded)
 {
     ct_module *a = mlp(0), *b = mlp(0);
     ct_param *wa = a->kids[0]->params[0], *wb = b->kids[0]->params[0];
-    ASSERT(!memcmp(wa->data->data, wb->data->data, ct_tensor_bytes(wa->data)));
+    ASSERT(!memcmp(ct_tensor_data(wa->data), ct_tensor_data(wb->data), ct_tensor_bytes(wa->data)));
     float bound = 1.0f / sqrtf(6.0f), mx = 0;
     for (int64_t i = 0; i < wa->data->numel; i++) mx = fmaxf(mx, fabsf(ct_f32(wa->data)[i]));
     ASSERT(mx <= bound && mx > 0.5f * bound);
@@ -324,7 +324,7 @@ TEST(nn_lazy_zero_grad_overwrites_then_accumulates)
         ct_tensor_release(dx);
         for (int i = 0; i < n; i++) {
             ASSERT(!pa[i]->grad_stale);
-            ASSERT(!memcmp(pa[i]->grad->data, pb[i]->grad->data, ct_tensor_bytes(pa[i]->grad)));
+            ASSERT(!memcmp(ct_tensor_data(pa[i]->grad), ct_tensor_data(pb[i]->grad), ct_tensor_bytes(pa[i]->grad)));
         }
     }
     /* A frozen parameter's gradient is never written: it must still read as zero. */

@@ -701,7 +701,7 @@ TEST(optim_clip_parts_over_shards_and_half_grads)
     /* bf16 gradients (exact small values) are summed and scaled too. */
     ct_tensor_release(a->grad);
     a->grad = ct_tensor_create(CT_BF16, 1, (int64_t[]){N}, CT_MEM_GRAD);
-    uint16_t *h = a->grad->data;
+    uint16_t *h = ct_tensor_data(a->grad);
     for (int i = 0; i < N; i++) h[i] = ct_f32_to_bf16((float)(i - 3));
     ASSERT_NEAR(ct_grad_sq_sum(&a, 1), 9 + 4 + 1 + 0 + 1 + 4 + 9 + 16, 0);
     ct_scale_grads(&a, 1, 0.5f);

@@ -320,11 +320,11 @@ ct_status ct_group_recv(ct_group *g, void *buf, int64_t count, ct_dtype dt, int 
 ct_status ct_group_allreduce_tensor(ct_group *g, ct_tensor *t, ct_reduce_op op, ct_work **work)
 {
     if (!t) return ct_error(CT_EINVAL, "allreduce: tensor is NULL");
-    return ct_group_allreduce(g, t->data, t->numel, t->dtype, op, work);
+    return ct_group_allreduce(g, ct_tensor_data(t), t->numel, t->dtype, op, work);
 }
 
 ct_status ct_group_broadcast_tensor(ct_group *g, ct_tensor *t, int root, ct_work **work)
 {
     if (!t) return ct_error(CT_EINVAL, "broadcast: tensor is NULL");
-    return ct_group_broadcast(g, t->data, t->numel, t->dtype, root, work);
+    return ct_group_broadcast(g, ct_tensor_data(t), t->numel, t->dtype, root, work);
 }

@@ -1,4 +1,4 @@
-/* Reference-counted tensors over tracked memory, views and wrapped memory. */
+/* Storage (memory that can leave and return) and the tensors that view it. */
 #include "ctrain/tensor.h"
 
 #include <stdio.h>
@@ -44,6 +44,112 @@ static ct_status shape_numel(ct_dtype dt, int ndim, const int64_t *shape, int64_
     return CT_OK;
 }
 
+/* ---- storage ----------------------------------------------------------- */
+
+static int refs_inc(int *rc) { return __atomic_add_fetch(rc, 1, __ATOMIC_RELAXED); }
+static int refs_dec(int *rc) { return __atomic_sub_fetch(rc, 1, __ATOMIC_ACQ_REL); }
+
+static void *alloc_bytes(size_t bytes, ct_mem_cat cat, int zero)
+{
+    /* ct_alloc never returns NULL for 0 bytes, so an empty tensor still has
+     * an address (and ct_tensor_data NULL keeps meaning "released"). */
+    void *p = ct_alloc(bytes, cat);
+    if (p && zero) memset(p, 0, bytes);
+    return p;
+}
+
+ct_storage *ct_storage_create(size_t bytes, ct_mem_cat cat, int zero)
+{
+    ct_storage *s = ct_alloc(sizeof *s, CT_MEM_OTHER);
+    if (!s) return NULL;
+    memset(s, 0, sizeof *s);
+    if (!(s->ptr = alloc_bytes(bytes, cat, zero))) {
+        ct_free(s);
+        return NULL;
+    }
+    s->bytes = bytes;
+    s->cat = cat;
+    s->refcount = 1;
+    s->owns = 1;
+    return s;
+}
+
+ct_storage *ct_storage_wrap(void *ptr, size_t bytes)
+{
+    ct_storage *s = ct_alloc(sizeof *s, CT_MEM_OTHER);
+    if (!s) return NULL;
+    memset(s, 0, sizeof *s);
+    s->ptr = ptr;
+    s->bytes = bytes;
+    s->cat = CT_MEM_OTHER;
+    s->refcount = 1;
+    return s;
+}
+
+ct_storage *ct_storage_retain(ct_storage *s)
+{
+    if (s) refs_inc(&s->refcount);
+    return s;
+}
+
+void ct_storage_release(ct_storage *s)
+{
+    if (!s) return;
+    int left = refs_dec(&s->refcount);
+    CT_ASSERT(left >= 0);
+    if (left > 0) return;
+    if (s->owns) ct_free(s->ptr);
+    ct_storage_release(s->window);
+    ct_free(s);
+}
+
+ct_status ct_storage_free_data(ct_storage *s)
+{
+    if (!s->owns || s->window)
+        return ct_error(CT_ESTATE, "cannot free the memory of a storage that does not own it "
+                        "(wrapped or repointed into a flat buffer); free the flat buffer instead");
+    ct_free(s->ptr);
+    s->ptr = NULL;
+    return CT_OK;
+}
+
+ct_status ct_storage_alloc_data(ct_storage *s, int zero)
+{
+    if (s->window || (!s->owns && s->ptr)) return CT_OK;
+    if (s->ptr) return CT_OK;
+    if (!(s->ptr = alloc_bytes(s->bytes, s->cat, zero))) return CT_ENOMEM;
+    s->owns = 1;
+    return CT_OK;
+}
+
+int ct_storage_has_data(const ct_storage *s) { return ct_storage_ptr(s) != NULL; }
+
+ct_status ct_storage_repoint(ct_storage *s, ct_storage *flat, size_t off, int copy)
+{
+    if (off > flat->bytes || s->bytes > flat->bytes - off)
+        return ct_error(CT_EINVAL, "window of %zu bytes at %zu does not fit a flat buffer of %zu bytes",
+                        s->bytes, off, flat->bytes);
+    if (s == flat) return ct_error(CT_EINVAL, "a storage cannot be a window onto itself");
+    char *dst = ct_storage_ptr(flat);
+    const void *src = ct_storage_ptr(s);
+    if (copy && s->bytes) {
+        if (!dst || !src)
+            return ct_error(CT_ESTATE, "repoint with copy needs memory on both sides (one is released)");
+        memmove(dst + off, src, s->bytes);
+    }
+    ct_storage_retain(flat);
+    if (s->owns) ct_free(s->ptr);
+    ct_storage_release(s->window);
+    s->ptr = NULL;
+    s->owns = 0;
+    s->window = flat;
+    s->window_off = off;
+    s->cat = flat->cat;
+    return CT_OK;
+}
+
+/* ---- tensors ----------------------------------------------------------- */
+
 static ct_tensor *header(ct_dtype dt, int ndim, const int64_t *shape)
 {
     if (ndim < 0 || ndim > CT_MAX_DIMS) {
@@ -54,6 +160,7 @@ static ct_tensor *header(ct_dtype dt, int ndim, const int64_t *shape)
     if (shape_numel(dt, ndim, shape, &numel) != CT_OK) return NULL;
     ct_tensor *t = ct_alloc(sizeof *t, CT_MEM_OTHER);
     if (!t) return NULL;
+    memset(t, 0, sizeof *t);
     t->dtype = dt;
     t->ndim = ndim;
     for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
@@ -62,18 +169,25 @@ static ct_tensor *header(ct_dtype dt, int ndim, const int64_t *shape)
     return t;
 }
 
-ct_tensor *ct_tensor_create(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat cat)
+static ct_tensor *create(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat cat, int zero)
 {
     ct_tensor *t = header(dt, ndim, shape);
     if (!t) return NULL;
-    t->cat = cat;
-    t->data = ct_alloc((size_t)t->numel * ct_dtype_size(dt), cat);
-    if (!t->data) {
+    if (!(t->storage = ct_storage_create(ct_tensor_bytes(t), cat, zero))) {
         ct_free(t);
         return NULL;
     }
-    t->owns = 1;
     return t;
+}
+
+ct_tensor *ct_tensor_create(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat cat)
+{
+    return create(dt, ndim, shape, cat, 1);
+}
+
+ct_tensor *ct_tensor_empty(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat cat)
+{
+    return create(dt, ndim, shape, cat, 0);
 }
 
 ct_tensor *ct_tensor_create1(int64_t d0, ct_mem_cat cat)
@@ -89,12 +203,30 @@ ct_tensor *ct_tensor_create4(int64_t d0, int64_t d1, int64_t d2, int64_t d3, ct_
     return ct_tensor_create(CT_F32, 4, (int64_t[]){d0, d1, d2, d3}, cat);
 }
 
+ct_tensor *ct_tensor_on(ct_storage *s, size_t offset, ct_dtype dt, int ndim, const int64_t *shape)
+{
+    ct_tensor *t = header(dt, ndim, shape);
+    if (!t) return NULL;
+    size_t bytes = ct_tensor_bytes(t);
+    if (offset > s->bytes || bytes > s->bytes - offset) { /* no offset + bytes: it could overflow */
+        ct_error(CT_EINVAL, "view of %zu bytes at byte offset %zu exceeds a storage of %zu bytes",
+                 bytes, offset, s->bytes);
+        ct_free(t);
+        return NULL;
+    }
+    t->storage = ct_storage_retain(s);
+    t->offset = offset;
+    return t;
+}
+
 ct_tensor *ct_tensor_wrap(ct_dtype dt, int ndim, const int64_t *shape, void *data)
 {
     ct_tensor *t = header(dt, ndim, shape);
     if (!t) return NULL;
-    t->data = data;
-    t->cat = CT_MEM_OTHER;
+    if (!(t->storage = ct_storage_wrap(data, ct_tensor_bytes(t)))) {
+        ct_free(t);
+        return NULL;
+    }
     return t;
 }
 
@@ -108,9 +240,8 @@ ct_tensor *ct_tensor_view(ct_tensor *base, int64_t offset, int ndim, const int64
         ct_free(t); /* after the message, which reads t->numel */
         return NULL;
     }
-    t->data = (char *)base->data + (size_t)offset * ct_dtype_size(base->dtype);
-    t->cat = base->cat;
-    t->base = ct_tensor_retain(base);
+    t->storage = ct_storage_retain(base->storage);
+    t->offset = base->offset + (size_t)offset * ct_dtype_size(base->dtype);
     return t;
 }
 
@@ -133,24 +264,24 @@ ct_tensor *ct_tensor_reshape(ct_tensor *t, int ndim, const int64_t *shape)
 
 ct_tensor *ct_tensor_clone(const ct_tensor *t, ct_mem_cat cat)
 {
-    ct_tensor *c = ct_tensor_create(t->dtype, t->ndim, t->shape, cat);
-    if (c) memcpy(c->data, t->data, ct_tensor_bytes(t));
+    ct_tensor *c = ct_tensor_empty(t->dtype, t->ndim, t->shape, cat);
+    if (c) memcpy(ct_tensor_data(c), ct_tensor_data(t), ct_tensor_bytes(t));
     return c;
 }
 
 ct_tensor *ct_tensor_retain(ct_tensor *t)
 {
-    if (t) t->refcount++;
+    if (t) refs_inc(&t->refcount);
     return t;
 }
 
 void ct_tensor_release(ct_tensor *t)
 {
     if (!t) return;
-    CT_ASSERT(t->refcount > 0);
-    if (--t->refcount > 0) return;
-    if (t->owns) ct_free(t->data);
-    ct_tensor_release(t->base);
+    int left = refs_dec(&t->refcount);
+    CT_ASSERT(left >= 0);
+    if (left > 0) return;
+    ct_storage_release(t->storage);
     ct_free(t);
 }
 
@@ -176,7 +307,7 @@ char *ct_shape_str(const ct_tensor *t, char *buf, size_t n)
 void ct_tensor_fill(ct_tensor *t, float v)
 {
     if (v == 0.0f) {
-        memset(t->data, 0, ct_tensor_bytes(t));
+        memset(ct_tensor_data(t), 0, ct_tensor_bytes(t));
         return;
     }
     float *p = ct_f32(t);
@@ -189,12 +320,14 @@ ct_status ct_tensor_copy(ct_tensor *dst, const ct_tensor *src)
         return ct_error(CT_EINVAL, "copy between %s[%lld] and %s[%lld]: dtype or size differ",
                         ct_dtype_name(dst->dtype), (long long)dst->numel,
                         ct_dtype_name(src->dtype), (long long)src->numel);
-    memmove(dst->data, src->data, ct_tensor_bytes(src));
+    memmove(ct_tensor_data(dst), ct_tensor_data(src), ct_tensor_bytes(src));
     return CT_OK;
 }
 
 float *ct_f32(const ct_tensor *t)
 {
     CT_ASSERT(t->dtype == CT_F32);
-    return (float *)t->data;
+    float *p = ct_tensor_data(t);
+    CT_ASSERT(p != NULL || t->numel == 0);
+    return p;
 }

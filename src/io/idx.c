@@ -175,7 +175,7 @@ ct_status ct_idx_load(const char *images_path, const char *labels_path, int ncla
     out->labels = ct_tensor_create(CT_I32, 1, &n, CT_MEM_OTHER);
     if (!out->images || !out->labels) { s = CT_ENOMEM; goto out_close; }
     if ((s = read_pixels(&fi, ct_f32(out->images), total, mean, std)) != CT_OK) goto out_close;
-    if ((s = read_labels(&fl, out->labels->data, n, nclasses)) != CT_OK) goto out_close;
+    if ((s = read_labels(&fl, ct_tensor_data(out->labels), n, nclasses)) != CT_OK) goto out_close;
     out->n = n;
     out->rows = rows;
     out->cols = cols;
@@ -262,9 +262,9 @@ ct_status ct_dataset_gather(const ct_dataset *ds, const int64_t *idx, int64_t co
     }
     size_t per = (size_t)(ds->rows * ds->cols);
     const float *src = ct_f32(ds->images);
-    const int32_t *lab = ds->labels->data;
+    const int32_t *lab = ct_tensor_data(ds->labels);
     float *dx = ct_f32(tx);
-    int32_t *dy = ty->data;
+    int32_t *dy = ct_tensor_data(ty);
     for (int64_t i = 0; i < count; i++) {
         memcpy(dx + (size_t)i * per, src + (size_t)idx[i] * per, per * sizeof(float));
         dy[i] = lab[idx[i]];

@@ -343,7 +343,7 @@ static ct_status load_from(source *f, const char *path, ct_safetensors *st)
         ct_tensor *dst = st->tensors[t - ti];
         char what[96];
         snprintf(what, sizeof what, "tensor '%.64s'", t->name);
-        if ((s = read_full(f, dst->data, (size_t)(t->end - t->begin), path, what)) != CT_OK) break;
+        if ((s = read_full(f, ct_tensor_data(dst), (size_t)(t->end - t->begin), path, what)) != CT_OK) break;
     }
 out_free_info:
     ct_free(ti);

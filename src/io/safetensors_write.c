@@ -62,7 +62,7 @@ static ct_status prepare(const char *path, const char *const *names, ct_tensor *
         if (!strcmp(names[i], "__metadata__"))
             return ct_error(CT_EINVAL, "%s: '__metadata__' is reserved and cannot name a tensor", path);
         CT_TRY(check_utf8(path, "tensor name", names[i]));
-        if (!t->data && ct_tensor_bytes(t))
+        if (!ct_tensor_data(t) && ct_tensor_bytes(t))
             return ct_error(CT_EINVAL, "%s: tensor '%s' has no data", path, names[i]);
         ents[i] = (entry){names[i], t};
     }
@@ -174,7 +174,7 @@ ct_status ct_safetensors_save(const char *path, const char *const *names,
     if ((s = write_all(f, lenb, 8, tmp)) != CT_OK) goto out_unlink;
     if ((s = write_all(f, hdr.p, hdr.len, tmp)) != CT_OK) goto out_unlink;
     for (int i = 0; i < n; i++)
-        if ((s = write_all(f, ents[i].t->data, ct_tensor_bytes(ents[i].t), tmp)) != CT_OK) goto out_unlink;
+        if ((s = write_all(f, ct_tensor_data(ents[i].t), ct_tensor_bytes(ents[i].t), tmp)) != CT_OK) goto out_unlink;
     if (fflush(f) != 0 || fsync(fileno(f)) != 0) {
         s = ct_error(CT_EIO, "%s: flush failed: %s; is the disk full?", tmp, strerror(errno));
         goto out_unlink;

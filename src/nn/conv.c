@@ -318,7 +318,7 @@ static ct_status pool_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     }
     const float *x = ct_f32(in);
     float *yd = ct_f32(y);
-    int32_t *am = arg ? arg->data : NULL;
+    int32_t *am = arg ? ct_tensor_data(arg) : NULL;
     for (int64_t pc = 0; pc < NC; pc++) {
         const float *plane = x + pc * H * W;
         for (int oh = 0; oh < Ho; oh++)
@@ -360,7 +360,7 @@ static ct_status pool_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     int64_t H = rec->ival[0], W = rec->ival[1], Po = arg->shape[2] * arg->shape[3];
     ct_tensor *dx = ct_tensor_create4(arg->shape[0], arg->shape[1], H, W, CT_MEM_ACT);
     if (!dx) return CT_ENOMEM;
-    const int32_t *am = arg->data;
+    const int32_t *am = ct_tensor_data(arg);
     const float *dy = ct_f32(dout);
     float *g = ct_f32(dx);
     for (int64_t pc = 0; pc < arg->shape[0] * arg->shape[1]; pc++)

@@ -51,7 +51,7 @@ static ct_status drop_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
                 ((uint64_t)ctx->step << 32) | (uint64_t)ctx->micro);
     const float *x = ct_f32(in);
     float *yd = ct_f32(y);
-    uint8_t *mk = mask ? mask->data : NULL;
+    uint8_t *mk = mask ? ct_tensor_data(mask) : NULL;
     float p = D->p, scale = 1.0f / (1.0f - p);
     float u[256];
     for (int64_t i0 = 0; i0 < in->numel; i0 += 256) {
@@ -89,7 +89,7 @@ static ct_status drop_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     if (!mask) {
         for (int64_t i = 0; i < dout->numel; i++) g[i] = dy[i];
     } else {
-        const uint8_t *mk = mask->data;
+        const uint8_t *mk = ct_tensor_data(mask);
         float scale = 1.0f / (1.0f - D->p);
         for (int64_t i = 0; i < dout->numel; i++) g[i] = mk[i] ? dy[i] * scale : 0.0f;
     }

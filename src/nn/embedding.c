@@ -16,7 +16,7 @@ static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : 
 
 static inline int64_t index_at(const ct_tensor *t, int64_t i)
 {
-    return t->dtype == CT_I64 ? ((const int64_t *)t->data)[i] : ((const int32_t *)t->data)[i];
+    return t->dtype == CT_I64 ? ((const int64_t *)ct_tensor_data(t))[i] : ((const int32_t *)ct_tensor_data(t))[i];
 }
 
 /* idx [...] -> y [..., dim]; saves idx by reference. */

@@ -14,7 +14,7 @@
 
 static inline int64_t target_at(const ct_tensor *t, int64_t i)
 {
-    return t->dtype == CT_I64 ? ((const int64_t *)t->data)[i] : ((const int32_t *)t->data)[i];
+    return t->dtype == CT_I64 ? ((const int64_t *)ct_tensor_data(t))[i] : ((const int32_t *)ct_tensor_data(t))[i];
 }
 
 static ct_status check(const ct_tensor *logits, const ct_tensor *targets, int64_t ignore_index,

@@ -37,10 +37,10 @@ static double sq_sum_tensor(const ct_tensor *t)
 {
     switch (t->dtype) {
     case CT_F32:
-        return sq_sum_f32(t->data, t->numel);
+        return sq_sum_f32(ct_tensor_data(t), t->numel);
     case CT_BF16:
     case CT_F16: {
-        const uint16_t *h = t->data;
+        const uint16_t *h = ct_tensor_data(t);
         double s = 0;
         for (int64_t i = 0; i < t->numel; i++) {
             double x = t->dtype == CT_BF16 ? ct_bf16_to_f32(h[i]) : ct_f16_to_f32(h[i]);
@@ -58,17 +58,17 @@ static void scale_tensor(ct_tensor *t, float scale)
 {
     switch (t->dtype) {
     case CT_F32:
-        scale_f32(t->data, t->numel, scale);
+        scale_f32(ct_tensor_data(t), t->numel, scale);
         return;
     case CT_BF16:
         for (int64_t i = 0; i < t->numel; i++) {
-            uint16_t *h = (uint16_t *)t->data + i;
+            uint16_t *h = (uint16_t *)ct_tensor_data(t) + i;
             *h = ct_f32_to_bf16(ct_bf16_to_f32(*h) * scale);
         }
         return;
     case CT_F16:
         for (int64_t i = 0; i < t->numel; i++) {
-            uint16_t *h = (uint16_t *)t->data + i;
+            uint16_t *h = (uint16_t *)ct_tensor_data(t) + i;
             *h = ct_f32_to_f16(ct_f16_to_f32(*h) * scale);
         }
         return;

@@ -125,8 +125,8 @@ static ct_status refresh(slot_t *sl)
         return ct_error(CT_ESTATE, "gradient of parameter %s is %s with %lld elements; the optimizer needs f32 with %lld",
                         p->name ? p->name : "?", ct_dtype_name(p->grad->dtype),
                         (long long)p->grad->numel, (long long)sl->s.n);
-    sl->s.data = p->data->data;
-    sl->s.grad = p->grad ? p->grad->data : NULL;
+    sl->s.data = ct_tensor_data(p->data);
+    sl->s.grad = p->grad ? ct_tensor_data(p->grad) : NULL;
     return CT_OK;
 }
 

@@ -142,7 +142,7 @@ static ct_status build_buckets(ct_strategy *s, const int *order)
         ct_tensor *v = ct_tensor_view(nbk[d->bucket_of[p]].buf, d->offset[p], pa->data->ndim,
                                       pa->data->shape);
         CT_ASSERT(v); /* shapes come from the parameter itself */
-        memcpy(v->data, pa->grad->data, ct_tensor_bytes(v));
+        memcpy(ct_tensor_data(v), ct_tensor_data(pa->grad), ct_tensor_bytes(v));
         ct_tensor_release(pa->grad);
         pa->grad = v;
     }
@@ -173,7 +173,7 @@ static ct_status launch(ct_strategy *s, bucket_t *b)
      * still be only marked zero; every module that ran has synced its own. */
     for (int i = 0; d->ran && i < d->ntp; i++)
         if (d->bucket_of[i] == b->index) ct_param_grad_sync(d->tp[i]);
-    void *buf = b->buf->data;
+    void *buf = ct_tensor_data(b->buf);
     b->t_start = ct_now();
     b->t_end = 0;
     if (dt == CT_BF16) ct_f32_to_bf16_n(buf, b->wire, (size_t)b->numel);
@@ -336,7 +336,7 @@ static void ddp_fini(ct_strategy *s)
     for (int i = 0; d->tp && i < d->ntp; i++) {
         ct_param *p = d->tp[i];
         if (d->grad_hooks) ct_hook_remove(d->grad_hooks[i]);
-        if (p->grad && p->grad->base) {
+        if (p->grad && p->grad->storage->window) {
             ct_tensor *own = ct_tensor_clone(p->grad, CT_MEM_GRAD);
             if (own) {
                 ct_tensor_release(p->grad);
@@ -429,8 +429,8 @@ static ct_status ddp_post_backward(ct_strategy *s)
         double end = bk->t_end > 0 ? bk->t_end : t1;
         comm += end - bk->t_start;
         ct_trace_event("allreduce", "comm", bk->t_start, end, 1);
-        if (s->o.ddp.comm_dtype == CT_BF16) ct_bf16_to_f32_n(bk->wire, bk->buf->data, (size_t)bk->numel);
-        if (s->o.ddp.comm_dtype == CT_F16) ct_f16_to_f32_n(bk->wire, bk->buf->data, (size_t)bk->numel);
+        if (s->o.ddp.comm_dtype == CT_BF16) ct_bf16_to_f32_n(bk->wire, ct_tensor_data(bk->buf), (size_t)bk->numel);
+        if (s->o.ddp.comm_dtype == CT_F16) ct_f16_to_f32_n(bk->wire, ct_tensor_data(bk->buf), (size_t)bk->numel);
     }
     if (d->nb) ct_trace_event("wait for allreduce", "comm", t0, t1, 0);
     s->stats.comm_wait += t1 - t0;

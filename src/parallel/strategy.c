@@ -256,7 +256,7 @@ ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out)
         ct_tensor *step = ct_tensor_create(CT_I64, 1, (int64_t[]){1}, CT_MEM_OTHER);
         if (!step) st = CT_ENOMEM;
         else {
-            ((int64_t *)step->data)[0] = ct_optim_get_step(s->opt);
+            ((int64_t *)ct_tensor_data(step))[0] = ct_optim_get_step(s->opt);
             st = ct_state_add(out, "step", step);
             ct_tensor_release(step);
         }
@@ -273,9 +273,9 @@ static ct_status load_into(float *dst, int64_t n, const ct_tensor *src, const ch
                         "the checkpoint is for a different model configuration",
                         name, (long long)src->numel, (long long)n);
     switch (src->dtype) {
-    case CT_F32: memcpy(dst, src->data, (size_t)n * 4); break;
-    case CT_BF16: ct_bf16_to_f32_n(src->data, dst, (size_t)n); break;
-    case CT_F16: ct_f16_to_f32_n(src->data, dst, (size_t)n); break;
+    case CT_F32: memcpy(dst, ct_tensor_data(src), (size_t)n * 4); break;
+    case CT_BF16: ct_bf16_to_f32_n(ct_tensor_data(src), dst, (size_t)n); break;
+    case CT_F16: ct_f16_to_f32_n(ct_tensor_data(src), dst, (size_t)n); break;
     default:
         return ct_error(CT_EINVAL, "'%s' is %s in the checkpoint; parameters must be F32, BF16 or F16",
                         name, ct_dtype_name(src->dtype));
@@ -323,7 +323,7 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
     int64_t step = -1;
     for (int i = 0; i < n; i++)
         if (!strcmp(names[i], "step") && ts[i]->dtype == CT_I64 && ts[i]->numel == 1)
-            step = ((const int64_t *)ts[i]->data)[0];
+            step = ((const int64_t *)ct_tensor_data(ts[i]))[0];
     if (step < 0) return ct_error(CT_EINVAL, "optimizer state has no I64 'step' tensor");
     for (int k = 0; k < ct_optim_num_slots(s->opt); k++) {
         const ct_optim_slot *sl = ct_optim_slot_at(s->opt, k);

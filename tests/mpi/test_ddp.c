@@ -100,7 +100,7 @@ static void global_batch(int step, int64_t n, ct_tensor **x, ct_tensor **y)
     ct_rng r;
     ct_rng_init(&r, 1234, (uint64_t)step);
     ct_rng_normal(&r, ct_f32(*x), (size_t)(n * IN), 0, 1);
-    for (int64_t i = 0; i < n; i++) ((int32_t *)(*y)->data)[i] = (int32_t)((i * 7 + step) % NCLS);
+    for (int64_t i = 0; i < n; i++) ((int32_t *)ct_tensor_data(*y))[i] = (int32_t)((i * 7 + step) % NCLS);
 }
 
 static ct_tensor *rows(ct_tensor *t, int64_t start, int64_t count)
@@ -292,7 +292,7 @@ static int same_everywhere(ct_group *g, ct_module *m, const char *name)
     int world = ct_group_size(g);
     int64_t n = p->data->numel;
     float *all = ct_alloc(sizeof(float) * (size_t)(n * world), CT_MEM_OTHER);
-    ASSERT_OK(ct_group_allgather(g, p->data->data, all, n, CT_F32, NULL));
+    ASSERT_OK(ct_group_allgather(g, ct_tensor_data(p->data), all, n, CT_F32, NULL));
     int same = 1;
     for (int r = 1; r < world; r++)
         if (memcmp(all, all + r * n, sizeof(float) * (size_t)n)) same = 0;
