@@ -30,18 +30,19 @@ int main(int argc, char **argv)
     bench_relaunch_under_mpirun(argc, argv, 2);
     int steps = 20, warmup = 3;
     const char *trace = NULL;
-    ct_strategy_opts so = ct_strategy_defaults();
+    char so[256] = "";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--warmup") && i + 1 < argc) warmup = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--trace") && i + 1 < argc) trace = argv[++i];
-        else if (!strcmp(argv[i], "--bucket-cap-mb") && i + 1 < argc) so.ddp.bucket_cap_mb = atof(argv[++i]);
-        else if (!strcmp(argv[i], "--compress") && i + 1 < argc) {
-            i++;
-            so.ddp.comm_dtype = !strcmp(argv[i], "bf16") ? CT_BF16 : !strcmp(argv[i], "f16") ? CT_F16 : CT_F32;
-        } else {
+        else if (!strcmp(argv[i], "--bucket-cap-mb") && i + 1 < argc) snprintf(so + strlen(so), sizeof so - strlen(so), ",bucket_cap_mb=%s", argv[++i]);
+        else if (!strcmp(argv[i], "--compress") && i + 1 < argc)
+            snprintf(so + strlen(so), sizeof so - strlen(so), ",reduce_dtype=%s", argv[++i]);
+        else if (!strcmp(argv[i], "--mixed") && i + 1 < argc)
+            snprintf(so + strlen(so), sizeof so - strlen(so), ",param_dtype=%s", argv[++i]);
+        else {
             fprintf(stderr, "usage: bench/ddp [--steps N] [--warmup N] [--trace FILE] "
-                            "[--compress bf16|f16] [--bucket-cap-mb X]\n");
+                            "[--compress bf16|f16] [--mixed bf16] [--bucket-cap-mb X]\n");
             return 2;
         }
     }
@@ -56,14 +57,9 @@ int main(int argc, char **argv)
         check(ct_module_add(m, NULL, ct_relu_create()), "add relu");
     }
     ct_module_init_params(m, 1);
-    ct_param **ps;
-    int np;
-    check(ct_module_params(m, &ps, &np), "params");
     ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
-    ct_optim *opt = ct_optim_create(&oo, ps, np);
-    if (!opt) ct_comm_abort("optimizer: %s", ct_last_error());
     ct_strategy *s;
-    check(ct_strategy_create("ddp", m, opt, g, &so, &s), "ddp wrap");
+    check(ct_strategy_create("ddp", m, &oo, g, so, &s), "ddp wrap");
 
     ct_tensor *x = ct_tensor_create2(BATCH, WIDTH, CT_MEM_ACT);
     ct_tensor *y = ct_tensor_create(CT_I32, 1, (int64_t[]){BATCH}, CT_MEM_ACT);
@@ -81,7 +77,7 @@ int main(int argc, char **argv)
         ct_tensor *logits, *dl;
         ct_record *rec;
         float loss;
-        ct_fwd_ctx ctx = {1, 1, (uint64_t)it, 0};
+        ct_fwd_ctx ctx = {.training = 1, .seed = 1, .step = (uint64_t)it, .micro = 0};
         check(ct_strategy_forward(s, x, &logits, &rec, &ctx), "forward");
         double l0 = ct_now();
         check(ct_cross_entropy(logits, y, -100, &loss, &dl), "loss");
@@ -113,8 +109,8 @@ int main(int argc, char **argv)
     }
     if (rank == 0) {
         printf("ctrain DDP, %d ranks, MLP %d x Linear(%d,%d)+ReLU, batch %d/rank, AdamW, 1 BLAS thread/rank "
-               "(%s), %d buckets, wire %s\n", world, DEPTH, WIDTH, WIDTH, BATCH, ct_blas_corename(),
-               last.nbuckets, ct_dtype_name(so.ddp.comm_dtype));
+               "(%s), %d buckets, reduce %s, compute %s\n", world, DEPTH, WIDTH, WIDTH, BATCH, ct_blas_corename(),
+               last.nbuckets, ct_strategy_opt(s, "reduce_dtype"), ct_strategy_opt(s, "param_dtype"));
         double fw = median(t_f, steps), bw = median(t_b, steps), wt = median(t_w, steps),
                op = median(t_o, steps), ov = median(t_ov, steps), st = median(t_step, steps);
         printf("  forward   %8.2f ms\n  backward  %8.2f ms  (allreduce runs during it)\n"
@@ -127,8 +123,6 @@ int main(int argc, char **argv)
     ct_tensor_release(x);
     ct_tensor_release(y);
     ct_strategy_destroy(s);
-    ct_optim_destroy(opt);
-    ct_free(ps);
     ct_module_destroy(m);
     free(t_step); free(t_f); free(t_b); free(t_w); free(t_o); free(t_ov);
     ct_comm_finalize();

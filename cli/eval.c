@@ -53,7 +53,6 @@ static ct_status run(const eval_opts *o)
     ct_safetensors *st = NULL;
     ct_dataset test = {0};
     ct_module *model = NULL;
-    ct_optim *opt = NULL;
     ct_strategy *s = NULL;
     int64_t *conf = NULL;
     ct_model_config cfg;
@@ -69,18 +68,8 @@ static ct_status run(const eval_opts *o)
     if (r == CT_OK) r = cli_check_input(&cfg, &test);
     if (r == CT_OK) r = ct_model_build(&cfg, 0, &model);
     /* The weights go in through the strategy's loader, the same checks as training. */
-    if (r == CT_OK) {
-        ct_param **ps;
-        int n;
-        ct_optim_opts oo = ct_optim_defaults(CT_OPT_SGD);
-        r = ct_module_params(model, &ps, &n);
-        if (r == CT_OK) {
-            opt = ct_optim_create(&oo, ps, n);
-            ct_free(ps);
-            if (!opt) r = CT_ENOMEM;
-        }
-    }
-    if (r == CT_OK) r = ct_strategy_create("none", model, opt, g, NULL, &s);
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_SGD);
+    if (r == CT_OK) r = ct_strategy_create("none", model, &oo, g, NULL, &s);
     if (r == CT_OK) {
         r = cli_load_state(s, st, 0);
         if (r != CT_OK) {
@@ -105,7 +94,6 @@ static ct_status run(const eval_opts *o)
     }
     ct_free(conf);
     ct_strategy_destroy(s);
-    ct_optim_destroy(opt);
     ct_module_destroy(model);
     ct_dataset_fini(&test);
     ct_safetensors_destroy(st);

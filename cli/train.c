@@ -5,15 +5,15 @@
  * a failure inside the loop stops the job (ct_comm_abort) rather than leave
  * the other ranks waiting in a collective.
  *
- * One step: global batch `pos` of the epoch's order is cut into
- * grad_accum micro-batches and each of those across the ranks (the sampler
- * slices the batch for grad_accum*world "virtual ranks"; micro-batch m is
- * ranks m*world .. m*world+world-1).  A rank's loss gradient is scaled by
- * local_count * world / global_count, so that DDP's average over ranks,
- * summed over micro-batches, is exactly the global batch's mean gradient
- * however unevenly the samples fall.  Everything a step depends on is a
- * function of (seed, step, epoch, position) and the saved optimizer state,
- * which is what makes --resume continue bit for bit.
+ * One step: global batch `pos` of the epoch's order is cut across the ranks
+ * (contiguous slices in rank order) and each rank hands its slice to
+ * ct_strategy_train_step, which cuts it into --grad-accum micro-batches and
+ * scales each loss gradient so the result is the global batch's mean
+ * gradient however unevenly the samples fall.  Dropout keys on a row's
+ * place in the global batch, so any number of ranks draws the masks one
+ * process would.  Everything a step depends on is a function of (seed,
+ * step, epoch, position) and the saved optimizer state, which is what makes
+ * --resume continue bit for bit.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -176,34 +176,41 @@ static ct_status read_checkpoints(trainer *t)
     return resume_settings(t, side, &m);
 }
 
-static ct_status make_optimizer(trainer *t)
+/* The optimizer spec; the strategy builds the optimizer over what this rank owns. */
+static ct_status optimizer_spec(trainer *t, ct_optim_opts *oo)
 {
     train_opts *o = t->o;
     if (!o->resume && ct_optim_parse(o->optim, &t->okind)) return ct_error(CT_EINVAL, "unknown --optim %s", o->optim);
-    ct_optim_opts oo = ct_optim_defaults(t->okind);
-    if (o->has_lr) oo.lr = o->lr;
-    if (o->has_wd) oo.weight_decay = o->weight_decay;
-    if (o->has_momentum) oo.momentum = o->momentum;
-    if (ct_optim_validate(&oo) != CT_OK) {
+    *oo = ct_optim_defaults(t->okind);
+    if (o->has_lr) oo->lr = o->lr;
+    if (o->has_wd) oo->weight_decay = o->weight_decay;
+    if (o->has_momentum) oo->momentum = o->momentum;
+    if (ct_optim_validate(oo) != CT_OK) {
         t->usage = 1;
         return CT_EINVAL;
     }
-    ct_param **ps;
-    int n;
-    CT_TRY(ct_module_params(t->model, &ps, &n));
-    t->opt = ct_optim_create(&oo, ps, n);
-    ct_free(ps);
-    return t->opt ? CT_OK : CT_ENOMEM;
+    return CT_OK;
 }
 
+/* The strategy's key=value options from the flags, then --strategy-opt
+ * (later keys win, so --strategy-opt can override a flag's). */
 static ct_status make_strategy(trainer *t)
 {
     train_opts *o = t->o;
-    ct_strategy_opts so = ct_strategy_defaults();
-    so.ddp.bucket_cap_mb = o->bucket_cap_mb;
-    so.ddp.find_unused_parameters = o->find_unused;
-    so.ddp.comm_dtype = !strcmp(o->grad_compress, "bf16") ? CT_BF16 : !strcmp(o->grad_compress, "f16") ? CT_F16 : CT_F32;
-    return ct_strategy_create(o->strategy, t->model, t->opt, t->g, &so, &t->s);
+    ct_optim_opts oo;
+    CT_TRY(optimizer_spec(t, &oo));
+    char opts[2048];
+    int n = snprintf(opts, sizeof opts, "grad_accum=%lld,param_dtype=%s,reduce_dtype=%s", (long long)o->grad_accum,
+                     strcmp(o->mixed, "none") ? o->mixed : "f32",
+                     strcmp(o->grad_compress, "none") ? o->grad_compress : "f32");
+    if (!strcmp(o->strategy, "ddp"))
+        n += snprintf(opts + n, sizeof opts - (size_t)n, ",bucket_cap_mb=%.17g,find_unused_parameters=%d",
+                      o->bucket_cap_mb, o->find_unused);
+    if (o->strategy_opt) snprintf(opts + n, sizeof opts - (size_t)n, ",%s", o->strategy_opt);
+    ct_status st = ct_strategy_create(o->strategy, t->model, &oo, t->g, opts, &t->s);
+    if (st == CT_OK) t->opt = ct_strategy_optim(t->s);
+    else if (st == CT_EINVAL) t->usage = 1;
+    return st;
 }
 
 static ct_status make_schedule(trainer *t)
@@ -212,7 +219,7 @@ static ct_status make_schedule(trainer *t)
     ct_sched_kind k;
     ct_sched_parse(o->schedule, &k);
     t->sched = (ct_lr_schedule){k, ct_optim_get_lr(t->opt), o->warmup, t->total, 0.0};
-    if (ct_sched_validate(&t->sched) != CT_OK) {
+    if (ct_strategy_set_schedule(t->s, &t->sched) != CT_OK) {
         char why[400];
         snprintf(why, sizeof why, "%s", ct_last_error());
         t->usage = 1;
@@ -289,7 +296,6 @@ static ct_status setup(trainer *t)
     CT_TRY(ct_group_check(t->g, st));
 
     st = ct_model_build(&t->cfg, t->seed, &t->model);
-    if (st == CT_OK) st = make_optimizer(t);
     CT_TRY(ct_group_check(t->g, st));
     CT_TRY(ct_group_check(t->g, make_strategy(t)));
 
@@ -331,36 +337,22 @@ static ct_status loop_fail(trainer *t, ct_status st, const char *what)
     return ct_error(st, "%s at step %lld failed: %s", what, (long long)t->step + 1, why);
 }
 
-/* One micro-batch: forward, loss, scaled loss gradient, backward.  Adds the
- * local loss sum and sample count to sums. */
-static ct_status micro_step(trainer *t, int m, int64_t *idx, double *sums)
+/* This rank's slice of the step's global batch, through the strategy:
+ * forward, loss and backward per micro-batch, then the synchronisation.
+ * Adds the local loss sum and row count to sums. */
+static ct_status train_step(trainer *t, int64_t *idx, double *sums)
 {
     int64_t count, global = ct_sampler_batch_size(&t->sampler, t->pos);
-    int virt = (int)t->o->grad_accum * t->world;
-    CT_TRY(ct_sampler_batch(&t->sampler, t->pos, m * t->world + t->rank, virt, idx, &count));
-    ct_tensor *x = NULL, *y = NULL, *z = NULL, *dz = NULL;
-    ct_record *rec = NULL;
-    float loss = 0;
-    ct_fwd_ctx ctx = {1, t->seed, (uint64_t)t->step, (uint32_t)m};
-    ct_status st = cli_batch(&t->train, &t->cfg, idx, count, &x, &y);
-    if (st == CT_OK) st = ct_strategy_forward(t->s, x, &z, &rec, &ctx);
-    if (st == CT_OK) st = ct_cross_entropy(z, y, -100, &loss, &dz);
-    if (st == CT_OK) {
-        float scale = (float)((double)count * t->world / (double)global);
-        if (scale != 1.0f) {
-            float *d = ct_f32(dz);
-            for (int64_t i = 0; i < dz->numel; i++) d[i] *= scale;
-        }
-        sums[0] += (double)loss * (double)count;
-        sums[1] += (double)count;
-        st = ct_strategy_backward(t->s, dz, rec);
-        rec = NULL;
-    }
-    ct_record_destroy(rec);
-    ct_tensor_release(x);
-    ct_tensor_release(y);
-    ct_tensor_release(z);
-    ct_tensor_release(dz);
+    CT_TRY(ct_sampler_batch(&t->sampler, t->pos, t->rank, t->world, idx, &count));
+    ct_batch b = {.global_rows = global, .sample0 = ct_sampler_first(&t->sampler, t->pos, t->rank, t->world)};
+    ct_fwd_ctx ctx = {.training = 1, .seed = t->seed, .step = (uint64_t)t->step};
+    ct_step_out out = {0, 0};
+    ct_status st = cli_batch(&t->train, &t->cfg, idx, count, &b.x, &b.y);
+    if (st == CT_OK) st = ct_strategy_train_step(t->s, &b, ct_loss_cross_entropy, NULL, &ctx, &out);
+    sums[0] += out.loss_sum;
+    sums[1] += (double)out.rows;
+    ct_tensor_release(b.x);
+    ct_tensor_release(b.y);
     return st;
 }
 
@@ -429,17 +421,12 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
             t->pos = 0;
             if ((st = ct_sampler_set_epoch(&t->sampler, t->epoch))) break;
         }
-        double lr = ct_lr_at(&t->sched, t->step);
-        ct_optim_set_lr(t->opt, lr);
-        for (int m = 0; m < o->grad_accum && st == CT_OK; m++) {
-            ct_strategy_set_no_sync(t->s, m + 1 < o->grad_accum);
-            st = micro_step(t, m, idx, win);
-        }
-        if (st != CT_OK) {
+        double lr = ct_strategy_lr(t->s);
+        if ((st = train_step(t, idx, win)) != CT_OK) {
             st = loop_fail(t, st, "forward/backward");
             break;
         }
-        if (o->clip > 0 && (st = ct_strategy_clip_grad_norm(t->s, (float)o->clip, NULL))) {
+        if (o->clip > 0 && (st = ct_strategy_clip_grad_norm(t->s, (float)o->clip, 2.0, NULL))) {
             st = loop_fail(t, st, "gradient clipping");
             break;
         }
@@ -530,8 +517,7 @@ static ct_status write_trace(trainer *t)
 
 static void teardown(trainer *t)
 {
-    ct_strategy_destroy(t->s);
-    ct_optim_destroy(t->opt);
+    ct_strategy_destroy(t->s); /* and the optimizer it built */
     ct_module_destroy(t->model);
     ct_sampler_fini(&t->sampler);
     ct_dataset_fini(&t->train);
@@ -607,6 +593,17 @@ int cli_train(int argc, char **argv)
     if (rc) {
         if (cli_rank == 0) fprintf(stderr, "%s\n", err);
         return rc;
+    }
+    if (o.strategy_opt && !strcmp(o.strategy_opt, "help")) {
+        const char *kinds[] = {"none", "ddp"};
+        char buf[4096];
+        for (size_t i = 0; i < sizeof kinds / sizeof kinds[0] && cli_rank == 0; i++) {
+            if (o.has_strategy && strcmp(o.strategy, kinds[i])) continue;
+            ct_strategy_help(kinds[i], buf, sizeof buf);
+            printf("--strategy %s takes --strategy-opt KEY=VALUE,... with these keys (defaults shown):\n%s",
+                   kinds[i], buf);
+        }
+        return CLI_OK;
     }
     if (ct_comm_init(NULL, NULL) != CT_OK) {
         cli_err("train", "cannot start communication: %s", ct_last_error());

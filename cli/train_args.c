@@ -54,7 +54,9 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--grad-accum", OPT_INT, &o->grad_accum, "N", "split each step into N micro-batches (1)");
     OPT("--bucket-cap-mb", OPT_NUM, &o->bucket_cap_mb, "MB", "ddp: gradient bucket size (25)");
     OPT("--find-unused-parameters", OPT_FLAG, &o->find_unused, NULL, "ddp: allow parameters without a gradient");
-    OPT("--grad-compress", OPT_STR, &o->grad_compress, "NAME", "ddp: gradients on the wire as none, bf16 or f16");
+    OPT("--grad-compress", OPT_STR, &o->grad_compress, "NAME", "gradients reduced as none (f32), bf16 or f16");
+    OPT("--mixed", OPT_STR, &o->mixed, "DTYPE", "mixed precision: bf16 products on f32 master weights (none)");
+    OPT("--strategy-opt", OPT_STR, &o->strategy_opt, "K=V,...", "strategy options (--strategy-opt help lists them)");
     OPT("--threads", OPT_INT, &o->threads, "N", "BLAS threads per rank (cores / ranks on the node)");
     OPT("--flush-denormal", OPT_FLAG, &o->flush_denormal, NULL, "treat subnormal floats as 0 (faster; as torch.set_flush_denormal)");
     OPT("--trace", OPT_STR, &o->trace, "FILE", "write a Chrome trace (FILE.rank<r>.json with several ranks)");
@@ -65,7 +67,7 @@ static int table(train_opts *o, cli_opt *t)
     return n;
 }
 
-#define MAXOPT 40
+#define MAXOPT 48
 
 void train_help(FILE *f)
 {
@@ -95,6 +97,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->grad_accum = 1;
     o->bucket_cap_mb = 25;
     o->grad_compress = "none";
+    o->mixed = "none";
     o->eval_batch = 500;
     cli_opt t[MAXOPT];
     int n = table(o, t), npos;
@@ -172,6 +175,8 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (!(o->bucket_cap_mb > 0)) return BAD("--bucket-cap-mb %g must be positive", o->bucket_cap_mb);
     static const char *const comp[] = {"none", "bf16", "f16", NULL};
     if (!in_list(o->grad_compress, comp)) return BAD("unknown --grad-compress '%s'; choose none, bf16 or f16", o->grad_compress);
+    static const char *const mixed[] = {"none", "bf16", NULL};
+    if (!in_list(o->mixed, mixed)) return BAD("unknown --mixed '%s'; choose none or bf16", o->mixed);
     if (o->threads < 0) return BAD("--threads %lld must not be negative (0: automatic)", (long long)o->threads);
     if (o->limit_train < 0 || o->limit_test < 0) return BAD("--limit-train and --limit-test must not be negative");
     if (o->eval_batch < 1) return BAD("--eval-batch %lld must be at least 1", (long long)o->eval_batch);

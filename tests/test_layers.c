@@ -230,7 +230,7 @@ TEST(layernorm_forward_normalises_rows)
 
 TEST(batchnorm_running_stats_and_eval)
 {
-    ct_fwd_ctx tr = train_ctx(), ev = {0, 0, 0, 0};
+    ct_fwd_ctx tr = train_ctx(), ev = {.training = 0};
     ct_module *m = ct_batchnorm_create(2, 1e-5f, 0.1f);
     ASSERT_EQ(m->nbuffers, 3);
     ASSERT(!strcmp(m->buffers[0]->local, "running_mean"));
@@ -347,7 +347,7 @@ TEST(dropout_eval_is_identity)
 {
     ct_module *m = ct_dropout_create(0.5f);
     ct_tensor *x = rand_tensor(1, (int64_t[]){500}, 15, -1.0f, 1.0f), *g = ones(500);
-    ct_fwd_ctx ev = {0, 1234, 5, 0};
+    ct_fwd_ctx ev = {.training = 0, .seed = 1234, .step = 5, .micro = 0};
     ct_record *rec;
     ct_tensor *y = fwd(m, x, &rec, &ev), *dx;
     ASSERT(y != x && ct_tensor_data(y) != ct_tensor_data(x));

@@ -37,7 +37,7 @@ static inline void rand_params(ct_module *m, uint64_t seed)
     for (int i = 0; i < m->nparams; i++) rand_fill(m->params[i]->data, seed + 101 * (uint64_t)i, -1.0f, 1.0f);
 }
 
-static inline ct_fwd_ctx train_ctx(void) { return (ct_fwd_ctx){1, 1234, 5, 0}; }
+static inline ct_fwd_ctx train_ctx(void) { return (ct_fwd_ctx){.training = 1, .seed = 1234, .step = 5}; }
 
 /* sum(y * R) in double for one inference forward. */
 static inline double fd_proj(ct_module *m, ct_tensor *x, const ct_tensor *R, const ct_fwd_ctx *ctx)

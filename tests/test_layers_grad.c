@@ -183,7 +183,7 @@ TEST(fd_batchnorm_training_2d_and_4d)
 
 TEST(fd_batchnorm_eval)
 {
-    ct_fwd_ctx ctx = {0, 1, 0, 0};
+    ct_fwd_ctx ctx = {.training = 0, .seed = 1, .step = 0, .micro = 0};
     ct_module *m = ct_batchnorm_create(2, 1e-5f, 0.1f);
     rand_params(m, 36);
     rand_fill(m->buffers[0]->data, 37, -0.5f, 0.5f);

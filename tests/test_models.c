@@ -92,7 +92,7 @@ TEST(models_cnn_matches_pytorch_sequential)
     ct_tensor *x = ct_tensor_create4(3, 1, 28, 28, CT_MEM_ACT);
     ct_tensor_fill(x, 0.5f);
     ct_tensor *y;
-    ct_fwd_ctx ctx = {0, 0, 0, 0};
+    ct_fwd_ctx ctx = {.training = 0, .seed = 0, .step = 0, .micro = 0};
     ASSERT_OK(ct_module_forward(m, x, &y, NULL, &ctx));
     ASSERT_EQ(y->ndim, 2);
     ASSERT_EQ(y->shape[0], 3);
@@ -136,7 +136,7 @@ TEST(models_mlp_forward_by_hand)
     const float xs[] = {1, 2, 3, -1, 0, 1};
     memcpy(ct_tensor_data(x), xs, sizeof xs);
     ct_tensor *y;
-    ct_fwd_ctx ctx = {0, 0, 0, 0};
+    ct_fwd_ctx ctx = {.training = 0, .seed = 0, .step = 0, .micro = 0};
     ASSERT_OK(ct_module_forward(m, x, &y, NULL, &ctx));
     /* x0: h = relu(1-2+6+0.25, 0.5+1-9-0.5) = (5.25, 0); y = (5.25+0.125, -5.25-1)
      * x1: h = relu(-1+0+2+0.25, -0.5+0-3-0.5) = (1.25, 0); y = (1.25+0.125, -1.25-1) */

@@ -92,7 +92,7 @@ TEST(nn_hooks_fire_in_documented_order)
 
     ct_tensor *x = rand_tensor(5, 6, 1), *y, *dy, *dx;
     ct_record *rec;
-    ct_fwd_ctx ctx = {1, 1, 0, 0};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 1, .step = 0, .micro = 0};
     hook_log[0] = 0;
     ASSERT_OK(ct_module_forward(m, x, &y, &rec, &ctx));
     dy = rand_tensor(5, 4, 2);
@@ -159,7 +159,7 @@ TEST(nn_records_allow_interleaved_microbatches)
     ct_tensor *x1 = rand_tensor(3, 6, 1), *x2 = rand_tensor(3, 6, 2), *dy1 = rand_tensor(3, 4, 3),
               *dy2 = rand_tensor(3, 4, 4), *y, *y2;
     ct_record *r1, *r2;
-    ct_fwd_ctx c1 = {1, 5, 0, 0}, c2 = {1, 5, 0, 1};
+    ct_fwd_ctx c1 = {.training = 1, .seed = 5, .micro = 0}, c2 = {.training = 1, .seed = 5, .micro = 1};
     /* a: f1 b1 f2 b2 in sequence; b: f1 f2 b2 b1 interleaved. */
     ASSERT_OK(ct_module_forward(a, x1, &y, &r1, &c1));
     ct_tensor_release(y);
@@ -226,7 +226,7 @@ TEST(nn_checkpoint_bit_identical_with_dropout)
     ct_tensor *x = rand_tensor(16, 6, 1), *dy = rand_tensor(16, 4, 2), *y1, *y2;
     size_t act_plain, act_ckpt;
     for (int step = 0; step < 3; step++) {
-        ct_fwd_ctx ctx = {1, 11, (uint64_t)step, 0};
+        ct_fwd_ctx ctx = {.training = 1, .seed = 11, .step = (uint64_t)step, .micro = 0};
         ct_mem_reset_peak();
         size_t base = ct_mem_current(CT_MEM_ACT);
         ct_tensor *dx1 = fwd_bwd(plain, x, dy, &ctx, &y1);
@@ -261,7 +261,7 @@ TEST(nn_residual_adds_identity_gradient)
     ASSERT(!strcmp(body->params[0]->name, "body.weight"));
     ct_tensor_fill(body->params[0]->data, 0.0f); /* body(x) = 0: residual is identity */
     ct_tensor *x = rand_tensor(3, 4, 1), *dy = rand_tensor(3, 4, 2), *y;
-    ct_fwd_ctx ctx = {1, 0, 0, 0};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 0, .step = 0, .micro = 0};
     ct_tensor *dx = fwd_bwd(r, x, dy, &ctx, &y);
     for (int64_t i = 0; i < x->numel; i++) {
         ASSERT_NEAR(ct_f32(y)[i], ct_f32(x)[i], 0);
@@ -306,7 +306,7 @@ TEST(nn_lazy_zero_grad_overwrites_then_accumulates)
 {
     ct_module *a = mlp(0), *b = mlp(0);
     ct_tensor *x = rand_tensor(5, 6, 1), *dy = rand_tensor(5, 4, 2), *y;
-    ct_fwd_ctx ctx = {1, 1, 0, 0};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 1, .step = 0, .micro = 0};
     ct_param **pa, **pb;
     int n;
     ASSERT_OK(ct_module_params(a, &pa, &n));

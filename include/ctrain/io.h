@@ -82,6 +82,9 @@ int64_t ct_sampler_batch_size(const ct_sampler *s, int64_t b);
  * 0 when the batch has fewer samples than the world has ranks. */
 ct_status ct_sampler_batch(const ct_sampler *s, int64_t b, int rank, int world,
                            int64_t *idx, int64_t *count);
+/* Position within global batch b where rank's slice starts (ranks' slices
+ * are contiguous and in rank order), for ct_batch.sample0. */
+int64_t ct_sampler_first(const ct_sampler *s, int64_t b, int rank, int world);
 
 /* ---- safetensors ------------------------------------------------------- */
 

@@ -32,6 +32,8 @@ typedef struct {
     uint64_t seed;   /* run seed */
     uint64_t step;   /* optimizer step: part of the dropout RNG counter */
     uint32_t micro;  /* micro-batch index within the step */
+    int64_t sample0; /* global index, within the step's global batch, of this call's first row
+                        (the strategy sets it: rank offset + micro-batch offset) */
 } ct_fwd_ctx;
 
 /* A parameter or buffer.  A strategy may replace data/grad with views into
@@ -48,6 +50,10 @@ struct ct_param {
     void *user;          /* free for strategies */
     int grad_stale;      /* grad is logically zero but its memory was not cleared
                             (ct_module_zero_grad_lazy); see ct_param_grad_sync */
+    ct_tensor *compute;  /* compute copy of data in a lower precision (bf16) that layers read
+                            for their products when not NULL; owned by whoever set it (a
+                            strategy's mixed-precision policy); data stays the f32 master and
+                            grad stays f32 */
 };
 
 /* What a kind of module does.  forward must save into rec only when rec is

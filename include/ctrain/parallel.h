@@ -9,10 +9,15 @@
  *   "ddp"   DistributedDataParallel: replicas, bucketed gradient allreduce
  *           started from grad-ready hooks so it overlaps backward
  *
- * Ownership: the strategy borrows the model, the optimizer and the group;
- * they must outlive it.  A strategy may re-point parameter gradients into
- * storage it owns (DDP: views into bucket buffers); destroying the strategy
- * gives every parameter a gradient tensor of its own again.
+ * The strategy owns the step: it builds the optimizer over what this rank
+ * owns, runs micro-batches (ct_strategy_train_step), synchronises, clips
+ * over whatever is sharded, steps, and saves and loads state.
+ *
+ * Ownership: the strategy borrows the model and the group (they must
+ * outlive it) and owns its optimizer.  A strategy may re-point parameter
+ * data and gradients into storage it owns (DDP: gradients are views into
+ * bucket buffers); destroying the strategy gives every parameter memory of
+ * its own again.
  */
 #ifndef CTRAIN_PARALLEL_H
 #define CTRAIN_PARALLEL_H
@@ -36,27 +41,27 @@ extern "C" {
 ct_status ct_bucket_assign(const size_t *bytes, const int *keys, int n, const size_t *limits,
                            int nlimits, int *bucket_of, int *nbuckets);
 
-/* ---- options ----------------------------------------------------------- */
-
-typedef struct {
-    double bucket_cap_mb;       /* bucket size after the first (default 25) */
-    double first_bucket_mb;     /* first bucket, so the first allreduce starts early (default 1) */
-    int broadcast_buffers;      /* broadcast buffers from rank 0 before every forward (default 1) */
-    int find_unused_parameters; /* parameters of modules that did not run are marked ready (default 0) */
-    ct_dtype comm_dtype;        /* CT_F32, or CT_BF16 / CT_F16 to compress gradients on the wire */
-    int rebuild_buckets;        /* after the first step, rebuild buckets in the order gradients became ready (default 1) */
-} ct_ddp_opts;
-
-typedef struct {
-    ct_ddp_opts ddp;
-} ct_strategy_opts;
-
-/* Defaults as PyTorch's DDP. */
-ct_strategy_opts ct_strategy_defaults(void);
-
 /* ---- the strategy interface ------------------------------------------- */
 
 typedef struct ct_strategy ct_strategy;
+
+/* Options are "key=value" pairs separated by commas, parsed by the strategy:
+ * a strategy's options grow without breaking any caller (no struct layout
+ * to keep), the command line passes them through unchanged (--strategy-opt),
+ * and a key the strategy does not know is an error that lists the ones it
+ * does.  Keys every strategy takes:
+ *   grad_accum=N        micro-batches per ct_strategy_train_step (1)
+ *   param_dtype=f32|bf16  mixed precision: dtype of the compute copies of
+ *                       the parameters (f32 master weights and optimizer
+ *                       state stay; norm layers' parameters stay f32)
+ *   reduce_dtype=f32|bf16|f16  dtype gradients are reduced in (f32)
+ * DDP's keys: bucket_cap_mb (25), first_bucket_mb (1), broadcast_buffers
+ * (1), find_unused_parameters (0), rebuild_buckets (1).
+ * ct_strategy_help lists every key of a kind with its default. */
+
+/* Writes the keys kind accepts, one per line ("key=default  meaning"), to
+ * buf (n bytes).  CT_EINVAL for an unknown kind. */
+ct_status ct_strategy_help(const char *kind, char *buf, size_t n);
 
 /* Timings of the last step, in seconds, and how much communication hid
  * behind backward. */
@@ -67,48 +72,105 @@ typedef struct {
     int nbuckets;
 } ct_step_stats;
 
-/* Wraps model and opt for training over group g (NULL: the world) with the
- * strategy named kind ("none" or "ddp").  Collective over g for "ddp": all
- * ranks call it; parameters and buffers are broadcast from rank 0; a model
- * that differs across ranks is an error on every rank. */
-ct_status ct_strategy_create(const char *kind, ct_module *model, ct_optim *opt, ct_group *g,
-                             const ct_strategy_opts *o, ct_strategy **out);
-/* Unwraps and frees; NULL is a no-op. */
+/* Wraps model for training over group g (NULL: the world) with the strategy
+ * named kind ("none" or "ddp"), options opts (NULL or "" for defaults), and
+ * builds the optimizer described by optim over what this rank owns (whole
+ * parameters for ddp).  Collective over g for "ddp": all ranks call it with
+ * the same arguments; parameters and buffers are broadcast from rank 0; a
+ * model that differs across ranks is an error on every rank. */
+ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_opts *optim,
+                             ct_group *g, const char *opts, ct_strategy **out);
+/* Unwraps (parameters get gradients of their own again) and frees the
+ * strategy and its optimizer; NULL is a no-op. */
 void ct_strategy_destroy(ct_strategy *s);
 /* "none", "ddp". */
 const char *ct_strategy_kind(const ct_strategy *s);
 /* Names accepted by ct_strategy_create, comma separated. */
 const char *ct_strategy_list(void);
 
+/* ---- one training step, the strategy's way ----------------------------- */
+
+/* A loss: from the model's output and the targets, the mean loss over the
+ * rows and (dout != NULL) a new tensor with d(mean loss)/d(out). */
+typedef ct_status (*ct_loss_fn)(ct_tensor *out, ct_tensor *target, void *ud, float *loss,
+                                ct_tensor **dout);
+/* Softmax cross-entropy (ct_cross_entropy with ignore_index -100); ud unused. */
+ct_status ct_loss_cross_entropy(ct_tensor *out, ct_tensor *target, void *ud, float *loss,
+                                ct_tensor **dout);
+
+/* This rank's share of one step's global batch. */
+typedef struct {
+    ct_tensor *x;         /* inputs [rows, ...] */
+    ct_tensor *y;         /* targets [rows, ...] */
+    int64_t global_rows;  /* rows of the step's batch over all ranks (0: rows x group size) */
+    int64_t sample0;      /* index of x's first row within the global batch (dropout keys on it) */
+} ct_batch;
+
+/* What a train step measured on this rank. */
+typedef struct {
+    double loss_sum;      /* sum over this rank's rows of the loss (mean x rows per micro-batch) */
+    int64_t rows;
+} ct_step_out;
+
+/* Forward, loss and backward over this rank's batch in grad_accum
+ * micro-batches (contiguous row ranges), then the synchronisation: when it
+ * returns, the gradients are the mean loss gradient over the global batch,
+ * however rows fall over ranks and micro-batches.  ctx gives training,
+ * seed and step (sample0 and micro are set per micro-batch).  Every rank
+ * of the group calls it; each needs at least grad_accum rows.  The
+ * optimizer step is separate (ct_strategy_step), so a caller can clip
+ * first. */
+ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+                                 const ct_fwd_ctx *ctx, ct_step_out *out);
+
+/* ---- the pieces, for a loop of one's own ------------------------------- */
+
 /* Forward through the wrapped model (see ct_module_forward). */
 ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct_record **rec,
                               const ct_fwd_ctx *ctx);
 /* Backward from dout (consumes rec).  Gradients accumulate; unless no_sync
- * is on, they are averaged over the group's ranks when this returns.  DDP
- * folds the 1/world of the average into dout, so under no_sync the local
- * gradients read as 1/world of their plain sum. */
+ * is on, they are averaged over the group's ranks when this returns (as
+ * PyTorch's DDP does).  DDP folds the 1/world of the average into dout, so
+ * under no_sync the local gradients read as 1/world of their plain sum. */
 ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec);
-/* Clips the gradients by their global norm (as clip_grad_norm_); *norm gets it. */
-ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, float *norm);
-/* Optimizer step on the synchronised gradients. */
-ct_status ct_strategy_step(ct_strategy *s);
-/* Zeroes every gradient. */
-void ct_strategy_zero_grad(ct_strategy *s);
 /* While on, backward only accumulates locally (gradient accumulation); the
  * first backward after turning it off synchronises the accumulated sum. */
 void ct_strategy_set_no_sync(ct_strategy *s, int on);
-/* The model, optimizer and group the strategy wraps. */
+
+/* Clips the gradients by their global norm over the whole model, however
+ * they are sharded (torch.nn.utils.clip_grad_norm_); norm_type 2 or
+ * INFINITY.  *norm (may be NULL) gets the norm before clipping; the same on
+ * every rank.  CT_EINVAL for a negative or NaN max_norm or another norm_type. */
+ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm);
+/* Optimizer step on the synchronised gradients (with the schedule's
+ * learning rate if one is set), then whatever the strategy does after it
+ * (mixed precision: refresh the compute copies). */
+ct_status ct_strategy_step(ct_strategy *s);
+/* Zeroes every gradient (lazily: the next backward overwrites). */
+void ct_strategy_zero_grad(ct_strategy *s);
+/* Learning rate from now on (replaces a schedule). */
+void ct_strategy_set_lr(ct_strategy *s, double lr);
+/* Learning rate by schedule: each ct_strategy_step first sets
+ * ct_lr_at(sched, optimizer step count).  The schedule is copied. */
+ct_status ct_strategy_set_schedule(ct_strategy *s, const ct_lr_schedule *sched);
+/* Learning rate the next step will use. */
+double ct_strategy_lr(const ct_strategy *s);
+
+/* The model, the optimizer the strategy built, and the group. */
 ct_module *ct_strategy_model(const ct_strategy *s);
 ct_optim *ct_strategy_optim(const ct_strategy *s);
 ct_group *ct_strategy_group(const ct_strategy *s);
 /* Timings of the last completed step. */
 ct_step_stats ct_strategy_stats(const ct_strategy *s);
+/* Option value as the strategy parsed it ("25" for bucket_cap_mb), or NULL
+ * for a key it does not take. */
+const char *ct_strategy_opt(const ct_strategy *s, const char *key);
 
 /* ---- state for checkpoints -------------------------------------------- */
 
 /* Named tensors (retained references); free with ct_state_fini. */
 typedef struct {
-    int n;
+    int n, cap;
     char **names;
     ct_tensor **tensors;
 } ct_state;
@@ -124,9 +186,16 @@ ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out);
 /* The optimizer state: "<param>.exp_avg", "<param>.exp_avg_sq" (AdamW) or
  * "<param>.momentum_buffer" (SGD), full tensors, plus an I64 tensor "step". */
 ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out);
+/* This rank's share of model_state (optim 0) or optim_state (optim 1) for
+ * a sharded checkpoint: over the group's ranks every tensor appears exactly
+ * once (I64 "step" on rank 0), shares balanced by bytes, so every rank
+ * writes its own file at once.  Collective over the group. */
+ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out);
 /* Loads tensors by name into the model (every parameter and buffer must be
  * present with its shape; f32, or bf16/f16 converted) or, with optim != 0,
- * into the optimizer state.  Names not in the model are an error. */
+ * into the optimizer state (a sharded strategy takes what this rank owns).
+ * Names not in the model are an error.  The same set on every rank (a
+ * sharded checkpoint is read whole: any world size can load it). */
 ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names,
                                  ct_tensor *const *tensors, int n, int optim);
 

@@ -102,6 +102,13 @@ int64_t ct_sampler_batch_size(const ct_sampler *s, int64_t b)
     return left < s->batch ? left : s->batch;
 }
 
+/* The first g % world ranks take one sample more. */
+int64_t ct_sampler_first(const ct_sampler *s, int64_t b, int rank, int world)
+{
+    int64_t g = ct_sampler_batch_size(s, b), q = g / world, rem = g % world;
+    return rank * q + (rank < rem ? rank : rem);
+}
+
 ct_status ct_sampler_batch(const ct_sampler *s, int64_t b, int rank, int world,
                            int64_t *idx, int64_t *count)
 {
@@ -113,9 +120,8 @@ ct_status ct_sampler_batch(const ct_sampler *s, int64_t b, int rank, int world,
     if (b < 0 || b >= nb)
         return ct_error(CT_EINVAL, "batch %lld is out of range: epoch %lld has %lld batches",
                         (long long)b, (long long)s->epoch, (long long)nb);
-    /* The first g % world ranks take one sample more. */
     int64_t g = ct_sampler_batch_size(s, b), q = g / world, rem = g % world;
-    int64_t start = rank * q + (rank < rem ? rank : rem), len = q + (rank < rem);
+    int64_t start = ct_sampler_first(s, b, rank, world), len = q + (rank < rem);
     CT_ASSERT(idx || len == 0);
     if (len) memcpy(idx, s->perm + b * s->batch + start, (size_t)len * sizeof *idx);
     *count = len;

@@ -147,7 +147,7 @@ static ct_status fire_grad_ready(ct_param *p)
 ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record **rec,
                             const ct_fwd_ctx *ctx)
 {
-    static const ct_fwd_ctx eval_ctx = {0, 0, 0, 0};
+    static const ct_fwd_ctx eval_ctx = {.training = 0, .seed = 0, .step = 0, .micro = 0};
     if (!ctx) ctx = &eval_ctx;
     *out = NULL;
     if (rec) *rec = NULL;

@@ -21,6 +21,30 @@
 
 #include "internal.h"
 
+/* DDP's own options (key=value; see parallel.h). */
+typedef struct {
+    double bucket_cap_mb;       /* bucket size after the first */
+    double first_bucket_mb;     /* first bucket, so the first allreduce starts early */
+    int broadcast_buffers;      /* broadcast buffers from rank 0 before every forward */
+    int find_unused_parameters; /* parameters of modules that did not run are marked ready */
+    int rebuild_buckets;        /* after the first step, rebuild buckets in gradient-ready order */
+} ddp_opts;
+
+static const ct__opt_def ddp_opt_defs[] = {
+    {"bucket_cap_mb", CT__OPT_NUM, offsetof(ddp_opts, bucket_cap_mb), "25",
+     "gradient bucket size in MiB after the first bucket", 0},
+    {"first_bucket_mb", CT__OPT_NUM, offsetof(ddp_opts, first_bucket_mb), "1",
+     "first bucket in MiB (small, so the first allreduce starts early)", 0},
+    {"broadcast_buffers", CT__OPT_BOOL, offsetof(ddp_opts, broadcast_buffers), "1",
+     "broadcast buffers (batchnorm statistics) from rank 0 before every forward", 0},
+    {"find_unused_parameters", CT__OPT_BOOL, offsetof(ddp_opts, find_unused_parameters), "0",
+     "mark parameters of modules that did not run as ready", 0},
+    {"rebuild_buckets", CT__OPT_BOOL, offsetof(ddp_opts, rebuild_buckets), "1",
+     "after the first step, rebuild buckets in the order gradients became ready", 0},
+};
+
+static const ddp_opts *O(const ct_strategy *s) { return s->kopts; }
+
 typedef struct {
     ct_tensor *buf;   /* f32 [numel] over mem: the gradients' storage */
     float *mem;       /* from ct_group_alloc_shared: reduced in place without copies on one node */
@@ -102,8 +126,8 @@ static ct_status build_buckets(ct_strategy *s, const int *order)
         bytes[k] = (size_t)d->tp[order[k]]->data->numel * 4;
         keys[k] = 0; /* every gradient is f32 */
     }
-    size_t limits[2] = {(size_t)(s->o.ddp.first_bucket_mb * 1048576.0),
-                        (size_t)(s->o.ddp.bucket_cap_mb * 1048576.0)};
+    size_t limits[2] = {(size_t)(O(s)->first_bucket_mb * 1048576.0),
+                        (size_t)(O(s)->bucket_cap_mb * 1048576.0)};
     if (!limits[0]) limits[0] = 1;
     if (!limits[1]) limits[1] = 1;
     int nb;
@@ -128,7 +152,7 @@ static ct_status build_buckets(ct_strategy *s, const int *order)
         st = ct_group_alloc_shared(s->g, (size_t)nbk[b].numel * 4, CT_MEM_GRAD, (void **)&nbk[b].mem);
         if (st == CT_OK && !(nbk[b].buf = ct_tensor_wrap(CT_F32, 1, &nbk[b].numel, nbk[b].mem)))
             st = CT_ENOMEM;
-        if (st == CT_OK && s->o.ddp.comm_dtype != CT_F32)
+        if (st == CT_OK && (ct_dtype)s->common.reduce_dtype != CT_F32)
             st = ct_group_alloc_shared(s->g, (size_t)nbk[b].numel * 2, CT_MEM_COMM, (void **)&nbk[b].wire);
     }
     if (st != CT_OK) {
@@ -168,7 +192,7 @@ static void on_allreduce_done(ct_work *w, ct_status status, void *arg)
 static ct_status launch(ct_strategy *s, bucket_t *b)
 {
     ddp_t *d = D(s);
-    ct_dtype dt = s->o.ddp.comm_dtype;
+    ct_dtype dt = (ct_dtype)s->common.reduce_dtype;
     /* Only with find_unused_parameters can a member have got no gradient and
      * still be only marked zero; every module that ran has synced its own. */
     for (int i = 0; d->ran && i < d->ntp; i++)
@@ -271,13 +295,7 @@ static void ddp_fini(ct_strategy *s);
 
 static ct_status ddp_init(ct_strategy *s)
 {
-    const ct_ddp_opts *o = &s->o.ddp;
-    if (o->comm_dtype != CT_F32 && o->comm_dtype != CT_BF16 && o->comm_dtype != CT_F16)
-        return ct_error(CT_EINVAL, "DDP gradient compression must be f32 (none), bf16 or f16, not %s",
-                        ct_dtype_name(o->comm_dtype));
-    if (!(o->bucket_cap_mb > 0) || !(o->first_bucket_mb > 0))
-        return ct_error(CT_EINVAL, "DDP bucket sizes must be positive (bucket_cap_mb %g, first_bucket_mb %g)",
-                        o->bucket_cap_mb, o->first_bucket_mb);
+    const ddp_opts *o = O(s);
     ddp_t *d = ct_alloc(sizeof *d, CT_MEM_OTHER);
     if (!d) return CT_ENOMEM;
     s->priv = d;
@@ -364,7 +382,7 @@ static ct_status ddp_pre_forward(ct_strategy *s)
 {
     ddp_t *d = D(s);
     if (d->ran) memset(d->ran, 0, (size_t)d->nmods);
-    if (s->o.ddp.broadcast_buffers && s->nbuffers) return broadcast_state(s, 1);
+    if (O(s)->broadcast_buffers && s->nbuffers) return broadcast_state(s, 1);
     return CT_OK;
 }
 
@@ -383,7 +401,7 @@ static ct_status ddp_pre_backward(ct_strategy *s)
 {
     ddp_t *d = D(s);
     if (s->no_sync) return CT_OK;
-    if (s->o.ddp.rebuild_buckets && !d->rebuilt && d->synced_steps == 1) CT_TRY(rebuild(s));
+    if (O(s)->rebuild_buckets && !d->rebuilt && d->synced_steps == 1) CT_TRY(rebuild(s));
     memset(d->ready, 0, (size_t)d->ntp);
     for (int b = 0; b < d->nb; b++) d->b[b].pending = d->b[b].nmembers;
     d->next_launch = 0;
@@ -429,8 +447,8 @@ static ct_status ddp_post_backward(ct_strategy *s)
         double end = bk->t_end > 0 ? bk->t_end : t1;
         comm += end - bk->t_start;
         ct_trace_event("allreduce", "comm", bk->t_start, end, 1);
-        if (s->o.ddp.comm_dtype == CT_BF16) ct_bf16_to_f32_n(bk->wire, ct_tensor_data(bk->buf), (size_t)bk->numel);
-        if (s->o.ddp.comm_dtype == CT_F16) ct_f16_to_f32_n(bk->wire, ct_tensor_data(bk->buf), (size_t)bk->numel);
+        if ((ct_dtype)s->common.reduce_dtype == CT_BF16) ct_bf16_to_f32_n(bk->wire, ct_tensor_data(bk->buf), (size_t)bk->numel);
+        if ((ct_dtype)s->common.reduce_dtype == CT_F16) ct_f16_to_f32_n(bk->wire, ct_tensor_data(bk->buf), (size_t)bk->numel);
     }
     if (d->nb) ct_trace_event("wait for allreduce", "comm", t0, t1, 0);
     s->stats.comm_wait += t1 - t0;
@@ -443,5 +461,15 @@ static ct_status ddp_post_backward(ct_strategy *s)
  * collective is a plain sum with no scaling pass afterwards. */
 static float ddp_grad_scale(ct_strategy *s) { return 1.0f / (float)ct_group_size(s->g); }
 
-const ct__strategy_ops ct__ddp_ops = {"ddp", ddp_init, ddp_fini, ddp_pre_forward,
-                                      ddp_pre_backward, ddp_post_backward, ddp_grad_scale};
+const ct__strategy_ops ct__ddp_ops = {
+    .kind = "ddp",
+    .opts = ddp_opt_defs,
+    .nopts = (int)(sizeof ddp_opt_defs / sizeof ddp_opt_defs[0]),
+    .opts_size = sizeof(ddp_opts),
+    .init = ddp_init,
+    .fini = ddp_fini,
+    .pre_forward = ddp_pre_forward,
+    .pre_backward = ddp_pre_backward,
+    .post_backward = ddp_post_backward,
+    .grad_scale = ddp_grad_scale,
+};

@@ -1,11 +1,37 @@
-/* Private to src/parallel: the strategy object and the vtable each strategy fills. */
+/* Private to src/parallel: the strategy object, the vtable each strategy
+ * fills, and the option tables. */
 #ifndef CTRAIN_PARALLEL_INTERNAL_H
 #define CTRAIN_PARALLEL_INTERNAL_H
 
+#include <stddef.h>
+
 #include "ctrain/parallel.h"
+
+/* One "key=value" option: where its parsed value goes (an offset into the
+ * strategy's own options struct, or into ct__common), its default and a
+ * line of help. */
+typedef enum { CT__OPT_INT, CT__OPT_NUM, CT__OPT_BOOL, CT__OPT_DTYPE } ct__opt_type;
+typedef struct {
+    const char *key;
+    ct__opt_type type;
+    size_t off;
+    const char *def;
+    const char *help;
+    unsigned dtypes; /* CT__OPT_DTYPE: bit per ct_dtype allowed */
+} ct__opt_def;
+
+/* Options every strategy takes. */
+typedef struct {
+    int grad_accum;
+    int param_dtype;  /* ct_dtype: CT_F32 or CT_BF16 */
+    int reduce_dtype; /* ct_dtype: CT_F32, CT_BF16, CT_F16 */
+} ct__common;
 
 typedef struct {
     const char *kind;
+    const ct__opt_def *opts; /* the kind's own keys */
+    int nopts;
+    size_t opts_size;        /* bytes of the kind's options struct (s->kopts) */
     /* Sets up s->priv; collective for distributed strategies. */
     ct_status (*init)(ct_strategy *s);
     void (*fini)(ct_strategy *s);
@@ -13,8 +39,20 @@ typedef struct {
     ct_status (*pre_forward)(ct_strategy *s);
     ct_status (*pre_backward)(ct_strategy *s);
     ct_status (*post_backward)(ct_strategy *s);
-    /* Factor applied to the loss gradient before backward (NULL: 1). */
+    /* Factor ct_strategy_backward applies to the loss gradient (NULL: 1). */
     float (*grad_scale)(ct_strategy *s);
+    /* Per-strategy entries; NULL takes the replicated default (whole,
+     * synchronised gradients and parameters on every rank). */
+    ct_status (*build_optim)(ct_strategy *s, const ct_optim_opts *o);
+    ct_status (*grad_norm)(ct_strategy *s, double norm_type, double *norm);
+    void (*scale_grads)(ct_strategy *s, float k);
+    ct_status (*post_step)(ct_strategy *s);
+    void (*zero_grad)(ct_strategy *s);
+    ct_status (*model_state)(ct_strategy *s, ct_state *out);
+    ct_status (*optim_state)(ct_strategy *s, ct_state *out);
+    ct_status (*shard_state)(ct_strategy *s, int optim, ct_state *out);
+    ct_status (*load_state)(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
+                            int optim);
 } ct__strategy_ops;
 
 struct ct_strategy {
@@ -22,17 +60,45 @@ struct ct_strategy {
     ct_module *model;
     ct_optim *opt;
     ct_group *g;
-    ct_strategy_opts o;
+    ct__common common;
+    void *kopts;           /* the kind's options struct */
+    char *opt_text[64];    /* parsed option values as text, by key (ct_strategy_opt) */
+    const char *opt_keys[64];
+    int nopt_text;
     int no_sync;
-    ct_param **params; /* every parameter, model order */
+    ct_param **params;     /* every parameter, model order */
     int nparams;
     ct_param **buffers;
     int nbuffers;
+    ct_lr_schedule sched;
+    int has_sched;
     ct_step_stats stats;   /* being measured */
     ct_step_stats last;    /* last completed step */
+    void *mp;              /* mixed-precision state (mixed.c) */
     void *priv;
 };
 
 extern const ct__strategy_ops ct__ddp_ops;
+
+/* Parses "k=v,k=v" against the common keys and ops' keys into s->common and
+ * s->kopts (defaults first).  CT_EINVAL naming a bad or unknown key. */
+ct_status ct__opts_parse(ct_strategy *s, const char *text);
+void ct__opts_free(ct_strategy *s);
+/* Help lines for ops' keys (and the common ones) into buf. */
+void ct__opts_help(const ct__strategy_ops *ops, char *buf, size_t n);
+
+/* Replicated defaults (state.c): full state, load, shards by greedy balance. */
+ct_status ct__replicated_model_state(ct_strategy *s, ct_state *out);
+ct_status ct__replicated_optim_state(ct_strategy *s, ct_state *out);
+ct_status ct__replicated_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts,
+                                    int n, int optim);
+ct_status ct__replicated_shard_state(ct_strategy *s, int optim, ct_state *out);
+
+/* Mixed precision (mixed.c): compute copies of the parameters in
+ * common.param_dtype, made at wrap and refreshed after every step and load;
+ * no-ops for f32. */
+ct_status ct__mixed_init(ct_strategy *s);
+ct_status ct__mixed_refresh(ct_strategy *s);
+void ct__mixed_fini(ct_strategy *s);
 
 #endif

@@ -1,60 +1,71 @@
 /*
- * The strategy interface: the parts every strategy shares (timing, clipping,
- * the optimizer step, checkpoint state) and dispatch to the strategy's own
- * hooks.  "none" is the strategy with no hooks at all.
+ * The strategy interface: dispatch to the strategy's own entries, with the
+ * replicated defaults (whole synchronised gradients on every rank) where a
+ * strategy has none; the train step with its micro-batches; timing; the
+ * learning rate.  "none" is the strategy with no entries at all.
  */
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
 
-static const ct__strategy_ops none_ops = {"none", NULL, NULL, NULL, NULL, NULL, NULL};
+static const ct__strategy_ops none_ops = {.kind = "none"};
 
 static const ct__strategy_ops *const kinds[] = {&none_ops, &ct__ddp_ops};
 
 const char *ct_strategy_list(void) { return "none, ddp"; }
 
-ct_strategy_opts ct_strategy_defaults(void)
+static const ct__strategy_ops *find_kind(const char *kind)
 {
-    ct_strategy_opts o;
-    memset(&o, 0, sizeof o);
-    o.ddp.bucket_cap_mb = 25;
-    o.ddp.first_bucket_mb = 1;
-    o.ddp.broadcast_buffers = 1;
-    o.ddp.find_unused_parameters = 0;
-    o.ddp.comm_dtype = CT_F32;
-    o.ddp.rebuild_buckets = 1;
-    return o;
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+        if (kind && !strcmp(kinds[i]->kind, kind)) return kinds[i];
+    ct_error(CT_EINVAL, "unknown strategy '%s'; choose one of: %s", kind ? kind : "(null)", ct_strategy_list());
+    return NULL;
 }
 
-ct_status ct_strategy_create(const char *kind, ct_module *model, ct_optim *opt, ct_group *g,
-                             const ct_strategy_opts *o, ct_strategy **out)
+ct_status ct_strategy_help(const char *kind, char *buf, size_t n)
+{
+    const ct__strategy_ops *ops = find_kind(kind);
+    if (!ops) return CT_EINVAL;
+    ct__opts_help(ops, buf, n);
+    return CT_OK;
+}
+
+/* Whole-parameter optimizer over every trainable parameter: what a rank
+ * that holds the whole model owns. */
+static ct_status build_whole_optim(ct_strategy *s, const ct_optim_opts *o)
+{
+    s->opt = ct_optim_create(o, s->params, s->nparams);
+    return s->opt ? CT_OK : (ct_status)CT_EINVAL;
+}
+
+ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_opts *optim,
+                             ct_group *g, const char *opts, ct_strategy **out)
 {
     *out = NULL;
-    const ct__strategy_ops *ops = NULL;
-    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
-        if (kind && !strcmp(kinds[i]->kind, kind)) ops = kinds[i];
-    if (!ops)
-        return ct_error(CT_EINVAL, "unknown strategy '%s'; choose one of: %s", kind ? kind : "(null)",
-                        ct_strategy_list());
-    if (!model || !opt) return ct_error(CT_EINVAL, "strategy '%s' needs a model and an optimizer", kind);
+    const ct__strategy_ops *ops = find_kind(kind);
+    if (!ops) return CT_EINVAL;
+    if (!model || !optim)
+        return ct_error(CT_EINVAL, "strategy '%s' needs a model and an optimizer spec", kind);
+    CT_TRY(ct_optim_validate(optim));
     if (!g) g = ct_group_world();
     if (ops != &none_ops && !g)
         return ct_error(CT_ESTATE, "strategy '%s' needs communication: call ct_comm_init first", kind);
     ct_strategy *s = ct_alloc(sizeof *s, CT_MEM_OTHER);
     if (!s) return CT_ENOMEM;
+    memset(s, 0, sizeof *s);
     s->ops = ops;
     s->model = model;
-    s->opt = opt;
     s->g = g;
-    s->o = o ? *o : ct_strategy_defaults();
-    ct_status st = ct_module_params(model, &s->params, &s->nparams);
+    ct_status st = ct__opts_parse(s, opts);
+    if (st == CT_OK) st = ct_module_params(model, &s->params, &s->nparams);
     if (st == CT_OK) st = ct_module_buffers(model, &s->buffers, &s->nbuffers);
     if (st == CT_OK && ops->init) st = ops->init(s);
+    if (st == CT_OK) st = ops->build_optim ? ops->build_optim(s, optim) : build_whole_optim(s, optim);
+    if (st == CT_OK) st = ct__mixed_init(s);
     if (st != CT_OK) {
-        ct_free(s->params);
-        ct_free(s->buffers);
-        ct_free(s);
+        ct_strategy_destroy(s);
         return st;
     }
     *out = s;
@@ -64,7 +75,10 @@ ct_status ct_strategy_create(const char *kind, ct_module *model, ct_optim *opt, 
 void ct_strategy_destroy(ct_strategy *s)
 {
     if (!s) return;
-    if (s->ops->fini) s->ops->fini(s);
+    ct__mixed_fini(s);
+    if (s->priv && s->ops->fini) s->ops->fini(s);
+    ct_optim_destroy(s->opt);
+    ct__opts_free(s);
     ct_free(s->params);
     ct_free(s->buffers);
     ct_free(s);
@@ -76,6 +90,8 @@ ct_optim *ct_strategy_optim(const ct_strategy *s) { return s->opt; }
 ct_group *ct_strategy_group(const ct_strategy *s) { return s->g; }
 ct_step_stats ct_strategy_stats(const ct_strategy *s) { return s->last; }
 void ct_strategy_set_no_sync(ct_strategy *s, int on) { s->no_sync = on; }
+
+/* ---- forward and backward ------------------------------------------------ */
 
 ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct_record **rec,
                               const ct_fwd_ctx *ctx)
@@ -89,7 +105,10 @@ ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct
     return st;
 }
 
-ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
+/* Backward from dout times scale.  Backward is linear in dout, so scaling
+ * it scales every gradient: the mean over ranks and micro-batches costs
+ * one pass over the loss gradient instead of one over all gradients. */
+static ct_status backward_scaled(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale)
 {
     double t0 = ct_now();
     ct_status st = s->ops->pre_backward ? s->ops->pre_backward(s) : CT_OK;
@@ -97,10 +116,6 @@ ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
         ct_record_destroy(rec);
         return st;
     }
-    /* Backward is linear in dout, so scaling it scales every gradient: DDP
-     * passes 1/world here and then only has to sum, saving a pass over all
-     * gradients after the allreduce. */
-    float scale = s->ops->grad_scale ? s->ops->grad_scale(s) : 1.0f;
     ct_tensor *g = dout;
     if (scale != 1.0f) {
         if (dout->dtype != CT_F32) {
@@ -124,24 +139,160 @@ ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
     return st;
 }
 
+ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
+{
+    return backward_scaled(s, dout, rec, s->ops->grad_scale ? s->ops->grad_scale(s) : 1.0f);
+}
+
+ct_status ct_loss_cross_entropy(ct_tensor *out, ct_tensor *target, void *ud, float *loss, ct_tensor **dout)
+{
+    (void)ud;
+    return ct_cross_entropy(out, target, -100, loss, dout);
+}
+
+/* Rows [r0, r0 + n) of t: a view (rows are contiguous). */
+static ct_tensor *rows(ct_tensor *t, int64_t r0, int64_t n)
+{
+    int64_t shape[CT_MAX_DIMS];
+    memcpy(shape, t->shape, sizeof shape);
+    shape[0] = n;
+    return ct_tensor_view(t, r0 * (t->numel / t->shape[0]), t->ndim, shape);
+}
+
+static ct_status micro_step(ct_strategy *s, const ct_batch *b, int64_t r0, int64_t n, int64_t global,
+                            ct_loss_fn loss, void *ud, ct_fwd_ctx ctx, ct_step_out *out)
+{
+    ct_tensor *x = rows(b->x, r0, n), *y = rows(b->y, r0, n), *z = NULL, *dz = NULL;
+    ct_record *rec = NULL;
+    float l = 0;
+    ctx.sample0 = b->sample0 + r0;
+    ct_status st = x && y ? CT_OK : CT_ENOMEM;
+    if (st == CT_OK) st = ct_strategy_forward(s, x, &z, &rec, &ctx);
+    if (st == CT_OK) st = loss(z, y, ud, &l, &dz);
+    if (st == CT_OK) {
+        out->loss_sum += (double)l * (double)n;
+        out->rows += n;
+        /* d(global mean)/d(micro-batch mean) = n / global; the reduction sums. */
+        st = backward_scaled(s, dz, rec, (float)((double)n / (double)global));
+        rec = NULL;
+    }
+    ct_record_destroy(rec);
+    ct_tensor_release(x);
+    ct_tensor_release(y);
+    ct_tensor_release(z);
+    ct_tensor_release(dz);
+    return st;
+}
+
+ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+                                 const ct_fwd_ctx *ctx, ct_step_out *out)
+{
+    ct_step_out local = {0, 0};
+    if (out) *out = local;
+    if (!b || !b->x || !b->y || !loss || !ctx)
+        return ct_error(CT_EINVAL, "train step needs a batch (x and y), a loss and a context");
+    int64_t nrows = b->x->ndim ? b->x->shape[0] : 0;
+    int k = s->common.grad_accum;
+    if (b->y->ndim == 0 || b->y->shape[0] != nrows)
+        return ct_error(CT_EINVAL, "train step: x has %lld rows but y has %lld; they must match",
+                        (long long)nrows, (long long)(b->y->ndim ? b->y->shape[0] : 0));
+    if (nrows < k)
+        return ct_error(CT_EINVAL, "train step: %lld rows on this rank cannot fill %d micro-batches "
+                        "(grad_accum); give every rank at least %d rows or lower grad_accum",
+                        (long long)nrows, k, k);
+    int64_t global = b->global_rows ? b->global_rows : nrows * ct_group_size(s->g);
+    if (global < nrows)
+        return ct_error(CT_EINVAL, "train step: global_rows %lld is fewer than this rank's %lld rows",
+                        (long long)global, (long long)nrows);
+    ct_fwd_ctx c = *ctx;
+    int64_t r0 = 0;
+    ct_status st = CT_OK;
+    for (int m = 0; m < k && st == CT_OK; m++) {
+        int64_t n = nrows / k + (m < nrows % k); /* as even as rows allow */
+        c.micro = (uint32_t)m;
+        ct_strategy_set_no_sync(s, m + 1 < k);
+        st = micro_step(s, b, r0, n, global, loss, ud, c, &local);
+        r0 += n;
+    }
+    ct_strategy_set_no_sync(s, 0);
+    if (out) *out = local;
+    return st;
+}
+
+/* ---- clip, step, zero_grad, lr ------------------------------------------- */
+
 /* Gradients marked zero by the lazy zero_grad that no backward wrote since. */
 static void sync_grads(ct_strategy *s)
 {
     for (int i = 0; i < s->nparams; i++) ct_param_grad_sync(s->params[i]);
 }
 
-ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, float *norm)
+static ct_status replicated_norm(ct_strategy *s, double norm_type, double *norm)
 {
+    double acc = 0;
+    for (int i = 0; i < s->nparams; i++) {
+        ct_param *p = s->params[i];
+        if (!p->grad || !p->requires_grad) continue;
+        if (isinf(norm_type)) {
+            const float *gp = ct_f32(p->grad);
+            for (int64_t j = 0; j < p->grad->numel; j++) {
+                double a = fabs((double)gp[j]);
+                if (a > acc || isnan(a)) acc = a;
+            }
+        } else {
+            acc += ct_grad_sq_sum(&p, 1);
+        }
+    }
+    *norm = isinf(norm_type) ? acc : sqrt(acc);
+    return CT_OK;
+}
+
+ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm)
+{
+    if (!(max_norm >= 0))
+        return ct_error(CT_EINVAL, "clip: max_norm must be >= 0 (got %g)", (double)max_norm);
+    if (norm_type != 2.0 && !isinf(norm_type))
+        return ct_error(CT_EINVAL, "clip: norm_type %g is not supported; use 2 or infinity", norm_type);
     sync_grads(s);
-    /* Every strategy here holds full, synchronised gradients, so the local norm is the global one. */
-    return ct_clip_grad_norm(s->params, s->nparams, max_norm, norm);
+    double total = 0;
+    CT_TRY(s->ops->grad_norm ? s->ops->grad_norm(s, norm_type, &total) : replicated_norm(s, norm_type, &total));
+    if (norm) *norm = (float)total;
+    float coef = ct_clip_coef(total, max_norm);
+    if (coef < 1.0f) {
+        if (s->ops->scale_grads) s->ops->scale_grads(s, coef);
+        else ct_scale_grads(s->params, s->nparams, coef);
+    }
+    return CT_OK;
+}
+
+void ct_strategy_set_lr(ct_strategy *s, double lr)
+{
+    s->has_sched = 0;
+    ct_optim_set_lr(s->opt, lr);
+}
+
+ct_status ct_strategy_set_schedule(ct_strategy *s, const ct_lr_schedule *sched)
+{
+    CT_TRY(ct_sched_validate(sched));
+    s->sched = *sched;
+    s->has_sched = 1;
+    ct_optim_set_lr(s->opt, ct_lr_at(sched, ct_optim_get_step(s->opt)));
+    return CT_OK;
+}
+
+double ct_strategy_lr(const ct_strategy *s)
+{
+    return s->has_sched ? ct_lr_at(&s->sched, ct_optim_get_step(s->opt)) : ct_optim_get_lr(s->opt);
 }
 
 ct_status ct_strategy_step(ct_strategy *s)
 {
     double t0 = ct_now();
     sync_grads(s);
+    if (s->has_sched) ct_optim_set_lr(s->opt, ct_lr_at(&s->sched, ct_optim_get_step(s->opt)));
     ct_status st = ct_optim_step(s->opt);
+    if (st == CT_OK && s->ops->post_step) st = s->ops->post_step(s);
+    if (st == CT_OK) st = ct__mixed_refresh(s);
     double t1 = ct_now();
     ct_trace_event("optimizer", "step", t0, t1, 0);
     s->stats.optimizer += t1 - t0;
@@ -159,195 +310,37 @@ ct_status ct_strategy_step(ct_strategy *s)
 
 /* Lazy: the next backward overwrites the gradients instead of adding to
  * zeros, which saves a write and a read of all gradient memory per step. */
-void ct_strategy_zero_grad(ct_strategy *s) { ct_module_zero_grad_lazy(s->model); }
-
-/* ---- state ------------------------------------------------------------- */
-
-ct_status ct_state_add(ct_state *st, const char *name, ct_tensor *t)
+void ct_strategy_zero_grad(ct_strategy *s)
 {
-    size_t len = strlen(name) + 1;
-    char **nn = ct_alloc(sizeof *nn * (size_t)(st->n + 1), CT_MEM_OTHER);
-    ct_tensor **nt = ct_alloc(sizeof *nt * (size_t)(st->n + 1), CT_MEM_OTHER);
-    char *copy = ct_alloc(len, CT_MEM_OTHER);
-    if (!nn || !nt || !copy) {
-        ct_free(nn);
-        ct_free(nt);
-        ct_free(copy);
-        return CT_ENOMEM;
-    }
-    memcpy(copy, name, len);
-    if (st->n) {
-        memcpy(nn, st->names, sizeof *nn * (size_t)st->n);
-        memcpy(nt, st->tensors, sizeof *nt * (size_t)st->n);
-    }
-    nn[st->n] = copy;
-    nt[st->n] = ct_tensor_retain(t);
-    ct_free(st->names);
-    ct_free(st->tensors);
-    st->names = nn;
-    st->tensors = nt;
-    st->n++;
-    return CT_OK;
+    if (s->ops->zero_grad) s->ops->zero_grad(s);
+    else ct_module_zero_grad_lazy(s->model);
 }
 
-void ct_state_fini(ct_state *st)
-{
-    for (int i = 0; i < st->n; i++) {
-        ct_free(st->names[i]);
-        ct_tensor_release(st->tensors[i]);
-    }
-    ct_free(st->names);
-    ct_free(st->tensors);
-    memset(st, 0, sizeof *st);
-}
+/* ---- state ----------------------------------------------------------------- */
 
 ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out)
 {
     memset(out, 0, sizeof *out);
-    for (int i = 0; i < s->nparams; i++) {
-        ct_status st = ct_state_add(out, s->params[i]->name, s->params[i]->data);
-        if (st) goto fail;
-    }
-    for (int i = 0; i < s->nbuffers; i++) {
-        ct_status st = ct_state_add(out, s->buffers[i]->name, s->buffers[i]->data);
-        if (st) goto fail;
-    }
-    return CT_OK;
-fail:
-    ct_state_fini(out);
-    return CT_ENOMEM;
-}
-
-/* Parameter a whole-parameter optimizer slot belongs to. */
-static ct_param *slot_param(ct_strategy *s, const ct_optim_slot *sl)
-{
-    for (int i = 0; i < s->nparams; i++)
-        if (sl->name && !strcmp(s->params[i]->name, sl->name)) return s->params[i];
-    return NULL;
+    return s->ops->model_state ? s->ops->model_state(s, out) : ct__replicated_model_state(s, out);
 }
 
 ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out)
 {
     memset(out, 0, sizeof *out);
-    char name[512];
-    ct_status st = CT_OK;
-    for (int i = 0; i < ct_optim_num_slots(s->opt) && st == CT_OK; i++) {
-        const ct_optim_slot *sl = ct_optim_slot_at(s->opt, i);
-        ct_param *p = slot_param(s, sl);
-        float *bufs[2];
-        const char *names[2];
-        int nb = ct_optim_state(s->opt, i, bufs, names);
-        if (nb < 0) {
-            st = nb;
-            break;
-        }
-        if (!p || sl->offset != 0 || sl->n != p->data->numel)
-            st = ct_error(CT_EUNSUPPORTED, "optimizer slot %d ('%s') is not a whole parameter of the model",
-                          i, sl->name ? sl->name : "?");
-        for (int k = 0; k < nb && st == CT_OK; k++) {
-            ct_tensor *t = ct_tensor_wrap(CT_F32, p->data->ndim, p->data->shape, bufs[k]);
-            if (!t) { st = CT_ENOMEM; break; }
-            snprintf(name, sizeof name, "%s.%s", sl->name, names[k]);
-            st = ct_state_add(out, name, t);
-            ct_tensor_release(t);
-        }
-    }
-    if (st == CT_OK) {
-        ct_tensor *step = ct_tensor_create(CT_I64, 1, (int64_t[]){1}, CT_MEM_OTHER);
-        if (!step) st = CT_ENOMEM;
-        else {
-            ((int64_t *)ct_tensor_data(step))[0] = ct_optim_get_step(s->opt);
-            st = ct_state_add(out, "step", step);
-            ct_tensor_release(step);
-        }
-    }
-    if (st != CT_OK) ct_state_fini(out);
-    return st;
+    return s->ops->optim_state ? s->ops->optim_state(s, out) : ct__replicated_optim_state(s, out);
 }
 
-/* Copies src (f32, bf16 or f16) into the f32 destination of n elements. */
-static ct_status load_into(float *dst, int64_t n, const ct_tensor *src, const char *name)
+ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out)
 {
-    if (src->numel != n)
-        return ct_error(CT_EINVAL, "'%s' has %lld elements in the checkpoint but %lld in the model; "
-                        "the checkpoint is for a different model configuration",
-                        name, (long long)src->numel, (long long)n);
-    switch (src->dtype) {
-    case CT_F32: memcpy(dst, ct_tensor_data(src), (size_t)n * 4); break;
-    case CT_BF16: ct_bf16_to_f32_n(ct_tensor_data(src), dst, (size_t)n); break;
-    case CT_F16: ct_f16_to_f32_n(ct_tensor_data(src), dst, (size_t)n); break;
-    default:
-        return ct_error(CT_EINVAL, "'%s' is %s in the checkpoint; parameters must be F32, BF16 or F16",
-                        name, ct_dtype_name(src->dtype));
-    }
-    return CT_OK;
-}
-
-static ct_status load_model(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n)
-{
-    for (int i = 0; i < n; i++) {
-        if (ct_module_find(s->model, names[i])) continue;
-        const char *dot = strrchr(names[i], '.');
-        if (!strcmp(names[i], "step") || (dot && (!strcmp(dot, ".exp_avg") || !strcmp(dot, ".exp_avg_sq") ||
-                                                  !strcmp(dot, ".momentum_buffer"))))
-            return ct_error(CT_EINVAL, "checkpoint tensor '%s' is optimizer state: this is an optimizer "
-                            "file (X.optim.safetensors); pass the model file X.safetensors", names[i]);
-        return ct_error(CT_EINVAL, "checkpoint tensor '%s' is not in the model (wrong --model or --hidden?)",
-                        names[i]);
-    }
-    for (int pass = 0; pass < 2; pass++) {
-        ct_param **ps = pass ? s->buffers : s->params;
-        int np = pass ? s->nbuffers : s->nparams;
-        for (int j = 0; j < np; j++) {
-            const ct_tensor *src = NULL;
-            for (int i = 0; i < n && !src; i++)
-                if (!strcmp(names[i], ps[j]->name)) src = ts[i];
-            if (!src)
-                return ct_error(CT_EINVAL, "checkpoint has no tensor '%s' that the model needs", ps[j]->name);
-            if (src->ndim != ps[j]->data->ndim ||
-                memcmp(src->shape, ps[j]->data->shape, sizeof(int64_t) * (size_t)src->ndim)) {
-                char a[64], b[64];
-                return ct_error(CT_EINVAL, "'%s' is %s in the checkpoint but %s in the model",
-                                ps[j]->name, ct_shape_str(src, a, sizeof a),
-                                ct_shape_str(ps[j]->data, b, sizeof b));
-            }
-            CT_TRY(load_into(ct_f32(ps[j]->data), ps[j]->data->numel, src, ps[j]->name));
-        }
-    }
-    return CT_OK;
-}
-
-static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n)
-{
-    char name[512];
-    int64_t step = -1;
-    for (int i = 0; i < n; i++)
-        if (!strcmp(names[i], "step") && ts[i]->dtype == CT_I64 && ts[i]->numel == 1)
-            step = ((const int64_t *)ct_tensor_data(ts[i]))[0];
-    if (step < 0) return ct_error(CT_EINVAL, "optimizer state has no I64 'step' tensor");
-    for (int k = 0; k < ct_optim_num_slots(s->opt); k++) {
-        const ct_optim_slot *sl = ct_optim_slot_at(s->opt, k);
-        float *bufs[2];
-        const char *bn[2];
-        int nb = ct_optim_state(s->opt, k, bufs, bn);
-        if (nb < 0) return nb;
-        for (int b = 0; b < nb; b++) {
-            snprintf(name, sizeof name, "%s.%s", sl->name, bn[b]);
-            const ct_tensor *src = NULL;
-            for (int i = 0; i < n && !src; i++)
-                if (!strcmp(names[i], name)) src = ts[i];
-            if (!src)
-                return ct_error(CT_EINVAL, "optimizer state has no '%s' (saved with another optimizer? "
-                                "this run uses %s)", name, ct_optim_name(s->opt));
-            CT_TRY(load_into(bufs[b], sl->n, src, name));
-        }
-    }
-    ct_optim_set_step(s->opt, step);
-    return CT_OK;
+    memset(out, 0, sizeof *out);
+    return s->ops->shard_state ? s->ops->shard_state(s, optim, out) : ct__replicated_shard_state(s, optim, out);
 }
 
 ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
                                  int n, int optim)
 {
-    return optim ? load_optim(s, names, tensors, n) : load_model(s, names, tensors, n);
+    CT_TRY(s->ops->load_state ? s->ops->load_state(s, names, tensors, n, optim)
+                              : ct__replicated_load_state(s, names, tensors, n, optim));
+    /* New master weights: the compute copies follow. */
+    return optim ? CT_OK : ct__mixed_refresh(s);
 }

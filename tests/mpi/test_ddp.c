@@ -6,6 +6,8 @@
  * the errors for a model that differs across ranks or a gradient produced
  * twice.
  */
+#include <math.h>
+
 #include "../test.h"
 
 #define IN 12
@@ -118,7 +120,7 @@ static ct_status train_micro(ct_strategy *s, ct_tensor *gx, ct_tensor *gy, int64
 {
     ct_tensor *x = rows(gx, start, count), *y = rows(gy, start, count), *logits, *dl;
     ct_record *rec;
-    ct_fwd_ctx ctx = {1, 5, (uint64_t)step, (uint32_t)micro};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 5, .step = (uint64_t)step, .micro = (uint32_t)micro};
     float loss;
     ct_status st = ct_strategy_forward(s, x, &logits, &rec, &ctx);
     if (st == CT_OK) {
@@ -133,18 +135,12 @@ static ct_status train_micro(ct_strategy *s, ct_tensor *gx, ct_tensor *gy, int64
     return st;
 }
 
-static ct_optim *optim_for(ct_module *m, ct_optim_kind k)
+static ct_optim_opts optim_for(ct_optim_kind k)
 {
     ct_optim_opts o = ct_optim_defaults(k);
     o.lr = k == CT_OPT_SGD ? 0.1f : 0.01f;
     if (k == CT_OPT_SGD) o.momentum = 0.9f;
-    ct_param **ps;
-    int n;
-    ASSERT_OK(ct_module_params(m, &ps, &n));
-    ct_optim *opt = ct_optim_create(&o, ps, n);
-    ct_free(ps);
-    ASSERT(opt);
-    return opt;
+    return o;
 }
 
 static void assert_params_close(ct_module *a, ct_module *b, double tol)
@@ -162,16 +158,16 @@ static void assert_params_close(ct_module *a, ct_module *b, double tol)
 }
 
 /* DDP with per-rank batch b vs one process with batch world*b, `steps` steps. */
-static void ddp_vs_single(int kind, ct_optim_kind ok, const ct_strategy_opts *o, double tol, int steps)
+static void ddp_vs_single(int kind, ct_optim_kind ok, const char *o, double tol, int steps)
 {
     ct_group *g = ct_group_world();
     int rank = ct_group_rank(g), world = ct_group_size(g);
     int64_t b = 6, n = b * world;
     ct_module *dm = model(kind, 42 + (uint64_t)rank), *rm = model(kind, 42);
-    ct_optim *dopt = optim_for(dm, ok), *ropt = optim_for(rm, ok);
+    ct_optim_opts dopt = optim_for(ok), ropt = optim_for(ok);
     ct_strategy *ds, *rs;
-    ASSERT_OK(ct_strategy_create("ddp", dm, dopt, g, o, &ds));
-    ASSERT_OK(ct_strategy_create("none", rm, ropt, NULL, NULL, &rs));
+    ASSERT_OK(ct_strategy_create("ddp", dm, &dopt, g, o, &ds));
+    ASSERT_OK(ct_strategy_create("none", rm, &ropt, NULL, NULL, &rs));
     assert_params_close(dm, rm, 0); /* broadcast from rank 0 at wrap */
     for (int step = 0; step < steps; step++) {
         ct_tensor *x, *y;
@@ -190,54 +186,43 @@ static void ddp_vs_single(int kind, ct_optim_kind ok, const ct_strategy_opts *o,
     ASSERT(st.nbuckets >= 1);
     ct_strategy_destroy(ds);
     ct_strategy_destroy(rs);
-    ct_optim_destroy(dopt);
-    ct_optim_destroy(ropt);
     ct_module_destroy(dm);
     ct_module_destroy(rm);
 }
 
 TEST(ddp_matches_single_process_sgd)
 {
-    ct_strategy_opts o = ct_strategy_defaults();
-    ddp_vs_single(PLAIN, CT_OPT_SGD, &o, 2e-5, 5);
+    ddp_vs_single(PLAIN, CT_OPT_SGD, NULL, 2e-5, 5);
 }
 
 TEST(ddp_matches_single_process_adamw)
 {
-    ct_strategy_opts o = ct_strategy_defaults();
-    ddp_vs_single(PLAIN, CT_OPT_ADAMW, &o, 2e-5, 5);
+    ddp_vs_single(PLAIN, CT_OPT_ADAMW, "", 2e-5, 5);
 }
 
 TEST(ddp_many_small_buckets_rebuilt_after_first_step)
 {
-    ct_strategy_opts o = ct_strategy_defaults();
-    o.ddp.first_bucket_mb = 100.0 / 1048576; /* 100 bytes: almost one bucket per gradient */
-    o.ddp.bucket_cap_mb = 700.0 / 1048576;
-    ddp_vs_single(BIGGER, CT_OPT_ADAMW, &o, 2e-5, 4);
-    o.ddp.rebuild_buckets = 0;
-    ddp_vs_single(BIGGER, CT_OPT_SGD, &o, 2e-5, 3);
+    /* 100 bytes: almost one bucket per gradient */
+    ddp_vs_single(BIGGER, CT_OPT_ADAMW, "first_bucket_mb=0.0000953674,bucket_cap_mb=0.000667572", 2e-5, 4);
+    ddp_vs_single(BIGGER, CT_OPT_SGD, "first_bucket_mb=0.0000953674,bucket_cap_mb=0.000667572,rebuild_buckets=0",
+                  2e-5, 3);
 }
 
 TEST(ddp_bf16_and_f16_compression_close_to_f32)
 {
-    ct_strategy_opts o = ct_strategy_defaults();
-    o.ddp.comm_dtype = CT_BF16;
-    ddp_vs_single(PLAIN, CT_OPT_SGD, &o, 2e-2, 3);
-    o.ddp.comm_dtype = CT_F16;
-    ddp_vs_single(PLAIN, CT_OPT_SGD, &o, 2e-3, 3);
+    ddp_vs_single(PLAIN, CT_OPT_SGD, "reduce_dtype=bf16", 2e-2, 3);
+    ddp_vs_single(PLAIN, CT_OPT_SGD, "reduce_dtype=f16", 2e-3, 3);
 }
 
 TEST(ddp_find_unused_parameters_with_skipped_branch)
 {
-    ct_strategy_opts o = ct_strategy_defaults();
-    o.ddp.find_unused_parameters = 1;
-    ddp_vs_single(WITH_UNUSED, CT_OPT_SGD, &o, 2e-5, 3);
+    ddp_vs_single(WITH_UNUSED, CT_OPT_SGD, "find_unused_parameters=1", 2e-5, 3);
 
     /* Without the flag: a clear error on every rank, not a hang. */
     ct_module *m = model(WITH_UNUSED, 1);
-    ct_optim *opt = optim_for(m, CT_OPT_SGD);
+    ct_optim_opts opt = optim_for(CT_OPT_SGD);
     ct_strategy *s;
-    ASSERT_OK(ct_strategy_create("ddp", m, opt, NULL, NULL, &s));
+    ASSERT_OK(ct_strategy_create("ddp", m, &opt, NULL, NULL, &s));
     ct_tensor *x, *y;
     global_batch(0, 4, &x, &y);
     ASSERT_ERR(train_micro(s, x, y, 0, 4, 1, 0, 0), CT_ESTATE, "find_unused_parameters");
@@ -245,7 +230,6 @@ TEST(ddp_find_unused_parameters_with_skipped_branch)
     ct_tensor_release(x);
     ct_tensor_release(y);
     ct_strategy_destroy(s);
-    ct_optim_destroy(opt);
     ct_module_destroy(m);
 }
 
@@ -255,10 +239,10 @@ TEST(ddp_no_sync_accumulation_equals_combined_batch)
     int rank = ct_group_rank(g), world = ct_group_size(g);
     int64_t b = 4, n = 2 * b * world;
     ct_module *dm = model(PLAIN, 3), *rm = model(PLAIN, 3);
-    ct_optim *dopt = optim_for(dm, CT_OPT_ADAMW), *ropt = optim_for(rm, CT_OPT_ADAMW);
+    ct_optim_opts dopt = optim_for(CT_OPT_ADAMW), ropt = optim_for(CT_OPT_ADAMW);
     ct_strategy *ds, *rs;
-    ASSERT_OK(ct_strategy_create("ddp", dm, dopt, g, NULL, &ds));
-    ASSERT_OK(ct_strategy_create("none", rm, ropt, NULL, NULL, &rs));
+    ASSERT_OK(ct_strategy_create("ddp", dm, &dopt, g, NULL, &ds));
+    ASSERT_OK(ct_strategy_create("none", rm, &ropt, NULL, NULL, &rs));
     for (int step = 0; step < 3; step++) {
         ct_tensor *x, *y;
         global_batch(step, n, &x, &y);
@@ -278,8 +262,6 @@ TEST(ddp_no_sync_accumulation_equals_combined_batch)
     assert_params_close(dm, rm, 2e-5);
     ct_strategy_destroy(ds);
     ct_strategy_destroy(rs);
-    ct_optim_destroy(dopt);
-    ct_optim_destroy(ropt);
     ct_module_destroy(dm);
     ct_module_destroy(rm);
 }
@@ -305,12 +287,11 @@ TEST(ddp_broadcasts_buffers_from_rank0)
     ct_group *g = ct_group_world();
     int rank = ct_group_rank(g);
     for (int bcast = 0; bcast < 2; bcast++) {
-        ct_strategy_opts o = ct_strategy_defaults();
-        o.ddp.broadcast_buffers = bcast;
+        const char *o = bcast ? "broadcast_buffers=1" : "broadcast_buffers=0";
         ct_module *m = model(WITH_BN, 9);
-        ct_optim *opt = optim_for(m, CT_OPT_SGD);
+        ct_optim_opts opt = optim_for(CT_OPT_SGD);
         ct_strategy *s;
-        ASSERT_OK(ct_strategy_create("ddp", m, opt, g, &o, &s));
+        ASSERT_OK(ct_strategy_create("ddp", m, &opt, g, o, &s));
         ASSERT(same_everywhere(g, m, "1.running_mean"));
         ct_tensor *x, *y, *out;
         global_batch(100 + rank, 8, &x, &y); /* different data per rank: running stats diverge */
@@ -319,7 +300,7 @@ TEST(ddp_broadcasts_buffers_from_rank0)
         ASSERT(!same_everywhere(g, m, "1.running_mean"));
         /* An eval forward does not update the stats, so after it they are whatever the
          * forward's buffer broadcast left: rank 0's everywhere, or still diverged. */
-        ct_fwd_ctx eval = {0, 5, 1, 0};
+        ct_fwd_ctx eval = {.training = 0, .seed = 5, .step = 1, .micro = 0};
         ASSERT_OK(ct_strategy_forward(s, x, &out, NULL, &eval));
         ASSERT_EQ(same_everywhere(g, m, "1.running_mean"), bcast);
         ASSERT_EQ(same_everywhere(g, m, "1.running_var"), bcast);
@@ -327,7 +308,6 @@ TEST(ddp_broadcasts_buffers_from_rank0)
         ct_tensor_release(x);
         ct_tensor_release(y);
         ct_strategy_destroy(s);
-        ct_optim_destroy(opt);
         ct_module_destroy(m);
     }
 }
@@ -337,26 +317,196 @@ TEST(ddp_rejects_model_that_differs_across_ranks)
     ct_group *g = ct_group_world();
     int rank = ct_group_rank(g);
     ct_module *m = model(rank == 1 ? BIGGER : PLAIN, 1);
-    ct_optim *opt = optim_for(m, CT_OPT_SGD);
+    ct_optim_opts opt = optim_for(CT_OPT_SGD);
     ct_strategy *s = NULL;
-    ASSERT_ERR(ct_strategy_create("ddp", m, opt, g, NULL, &s), CT_EINVAL, "rank 1's model differs");
+    ASSERT_ERR(ct_strategy_create("ddp", m, &opt, g, NULL, &s), CT_EINVAL, "rank 1's model differs");
     ASSERT(s == NULL);
-    ct_optim_destroy(opt);
     ct_module_destroy(m);
 }
 
 TEST(ddp_rejects_gradient_produced_twice)
 {
     ct_module *m = model(WITH_TWICE, 1);
-    ct_optim *opt = optim_for(m, CT_OPT_SGD);
+    ct_optim_opts opt = optim_for(CT_OPT_SGD);
     ct_strategy *s;
-    ASSERT_OK(ct_strategy_create("ddp", m, opt, NULL, NULL, &s));
+    ASSERT_OK(ct_strategy_create("ddp", m, &opt, NULL, NULL, &s));
     ct_tensor *x, *y;
     global_batch(0, 4, &x, &y);
     ASSERT_ERR(train_micro(s, x, y, 0, 4, 1, 0, 0), CT_ESTATE, "received its gradient twice");
     ct_tensor_release(x);
     ct_tensor_release(y);
     ct_strategy_destroy(s);
-    ct_optim_destroy(opt);
+    ct_module_destroy(m);
+}
+
+/* ---- the v2 interface: train step, clip, options, shards ----------------- */
+
+/* Rank r's contiguous slice of n rows, the first n % world ranks one more
+ * (the sampler's split). */
+static void slice(int64_t n, int rank, int world, int64_t *first, int64_t *count)
+{
+    int64_t q = n / world, rem = n % world;
+    *first = rank * q + (rank < rem ? rank : rem);
+    *count = q + (rank < rem);
+}
+
+/* One train step over this rank's slice of the global batch of `step`. */
+static void step_on_slice(ct_strategy *s, int step, int64_t n, int rank, int world, ct_step_out *out)
+{
+    ct_tensor *x, *y;
+    global_batch(step, n, &x, &y);
+    int64_t first, count;
+    slice(n, rank, world, &first, &count);
+    ct_batch b = {rows(x, first, count), rows(y, first, count), n, first};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 5, .step = (uint64_t)step};
+    ASSERT_OK(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, out));
+    ct_tensor_release(b.x);
+    ct_tensor_release(b.y);
+    ct_tensor_release(x);
+    ct_tensor_release(y);
+}
+
+TEST(ddp_train_step_micro_batches_equal_one_process)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    int64_t n = 9 * world + 2; /* uneven over ranks and over 3 micro-batches */
+    ct_module *dm = model(PLAIN, 7), *rm = model(PLAIN, 7);
+    ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
+    ct_strategy *ds, *rs;
+    ASSERT_OK(ct_strategy_create("ddp", dm, &oo, g, "grad_accum=3", &ds));
+    ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, NULL, &rs));
+    ASSERT_STR_CONTAINS(ct_strategy_opt(ds, "grad_accum"), "3");
+    for (int step = 0; step < 4; step++) {
+        ct_step_out o1, o2;
+        step_on_slice(ds, step, n, rank, world, &o1);
+        step_on_slice(rs, step, n, 0, 1, &o2);
+        /* The loss over the global batch is the ranks' sums added up. */
+        float sums[2] = {(float)o1.loss_sum, (float)o1.rows};
+        ASSERT_OK(ct_group_allreduce(g, sums, 2, CT_F32, CT_OP_SUM, NULL));
+        ASSERT_EQ(o2.rows, n);
+        ASSERT_EQ((int64_t)sums[1], n);
+        ASSERT_CLOSE(sums[0], o2.loss_sum, 1e-5, 1e-5);
+        ASSERT_OK(ct_strategy_step(ds));
+        ASSERT_OK(ct_strategy_step(rs));
+        ct_strategy_zero_grad(ds);
+        ct_strategy_zero_grad(rs);
+    }
+    assert_params_close(dm, rm, 2e-5);
+    ct_strategy_destroy(ds);
+    ct_strategy_destroy(rs);
+    ct_module_destroy(dm);
+    ct_module_destroy(rm);
+}
+
+TEST(ddp_clip_grad_norm_is_the_global_norm)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    int64_t n = 5 * world + 1;
+    for (int inf = 0; inf < 2; inf++) {
+        ct_module *dm = model(PLAIN, 11), *rm = model(PLAIN, 11);
+        ct_optim_opts oo = optim_for(CT_OPT_SGD);
+        ct_strategy *ds, *rs;
+        ASSERT_OK(ct_strategy_create("ddp", dm, &oo, g, NULL, &ds));
+        ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, NULL, &rs));
+        ct_step_out o;
+        step_on_slice(ds, 0, n, rank, world, &o);
+        step_on_slice(rs, 0, n, 0, 1, &o);
+        float nd, nr, nd2;
+        double type = inf ? INFINITY : 2.0;
+        ASSERT_OK(ct_strategy_clip_grad_norm(ds, 0.05f, type, &nd));
+        ASSERT_OK(ct_strategy_clip_grad_norm(rs, 0.05f, type, &nr));
+        ASSERT_CLOSE(nd, nr, 1e-5, 1e-6);
+        ASSERT(nd > 0.05f); /* the test clips for real */
+        ASSERT_OK(ct_strategy_clip_grad_norm(ds, 1e9f, type, &nd2));
+        ASSERT_CLOSE(nd2, 0.05f, 1e-4, 1e-6); /* clipped to max_norm */
+        ASSERT_OK(ct_strategy_step(ds));
+        ASSERT_OK(ct_strategy_step(rs));
+        assert_params_close(dm, rm, 2e-5);
+        ASSERT_ERR(ct_strategy_clip_grad_norm(ds, 1.0f, 1.0, NULL), CT_EINVAL, "norm_type 1");
+        ASSERT_ERR(ct_strategy_clip_grad_norm(ds, -1.0f, 2.0, NULL), CT_EINVAL, "max_norm");
+        ct_strategy_destroy(ds);
+        ct_strategy_destroy(rs);
+        ct_module_destroy(dm);
+        ct_module_destroy(rm);
+    }
+}
+
+TEST(strategy_options_are_checked_by_key)
+{
+    ct_module *m = model(PLAIN, 1);
+    ct_optim_opts oo = optim_for(CT_OPT_SGD);
+    ct_strategy *s = NULL;
+    ASSERT_ERR(ct_strategy_create("ddp", m, &oo, NULL, "bucket_cap=4", &s), CT_EINVAL,
+               "strategy ddp has no option 'bucket_cap'; its options are: grad_accum");
+    ASSERT_STR_CONTAINS(ct_last_error(), "bucket_cap_mb");
+    ASSERT_ERR(ct_strategy_create("ddp", m, &oo, NULL, "bucket_cap_mb=-1", &s), CT_EINVAL, "positive number");
+    ASSERT_ERR(ct_strategy_create("ddp", m, &oo, NULL, "reduce_dtype=i32", &s), CT_EINVAL, "f32, bf16, f16");
+    ASSERT_ERR(ct_strategy_create("ddp", m, &oo, NULL, "grad_accum", &s), CT_EINVAL, "not key=value");
+    ASSERT_ERR(ct_strategy_create("none", m, &oo, NULL, "bucket_cap_mb=4", &s), CT_EINVAL,
+               "strategy none has no option 'bucket_cap_mb'");
+    ASSERT_ERR(ct_strategy_create("zero9", m, &oo, NULL, NULL, &s), CT_EINVAL, "none, ddp");
+    ct_optim_opts bad = oo;
+    bad.lr = -1;
+    ASSERT_ERR(ct_strategy_create("none", m, &bad, NULL, NULL, &s), CT_EINVAL, "lr");
+    ASSERT(s == NULL);
+    /* later keys win; values read back as given */
+    ASSERT_OK(ct_strategy_create("ddp", m, &oo, NULL, "bucket_cap_mb=4,,bucket_cap_mb=8,broadcast_buffers=off", &s));
+    ASSERT_STR_CONTAINS(ct_strategy_opt(s, "bucket_cap_mb"), "8");
+    ASSERT_STR_CONTAINS(ct_strategy_opt(s, "broadcast_buffers"), "off");
+    ASSERT(ct_strategy_opt(s, "nonsense") == NULL);
+    ct_strategy_destroy(s);
+    char help[2048];
+    ASSERT_OK(ct_strategy_help("ddp", help, sizeof help));
+    ASSERT_STR_CONTAINS(help, "find_unused_parameters=0");
+    ASSERT_STR_CONTAINS(help, "param_dtype=f32");
+    ct_module_destroy(m);
+}
+
+TEST(shard_state_covers_the_state_once)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    ct_module *m = model(BIGGER, 3);
+    ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
+    ct_strategy *s;
+    ASSERT_OK(ct_strategy_create("ddp", m, &oo, g, NULL, &s));
+    ct_step_out o;
+    step_on_slice(s, 0, 4 * world, rank, world, &o);
+    ASSERT_OK(ct_strategy_step(s));
+    for (int optim = 0; optim < 2; optim++) {
+        ct_state full, mine;
+        ASSERT_OK(optim ? ct_strategy_optim_state(s, &full) : ct_strategy_model_state(s, &full));
+        ASSERT_OK(ct_strategy_shard_state(s, optim, &mine));
+        /* per full-state entry: how many ranks hold it, and their bytes */
+        int64_t *have = ct_alloc(sizeof *have * (size_t)(full.n + 1), CT_MEM_OTHER);
+        int64_t bytes = 0;
+        for (int i = 0; i < full.n; i++) {
+            have[i] = 0;
+            for (int k = 0; k < mine.n; k++)
+                if (!strcmp(full.names[i], mine.names[k])) {
+                    have[i] = 1;
+                    ASSERT(ct_tensor_same_shape(full.tensors[i], mine.tensors[k]));
+                    ASSERT(!memcmp(ct_tensor_data(full.tensors[i]), ct_tensor_data(mine.tensors[k]),
+                                   ct_tensor_bytes(mine.tensors[k])));
+                    bytes += (int64_t)ct_tensor_bytes(mine.tensors[k]);
+                }
+        }
+        ASSERT_OK(ct_group_allreduce(g, have, full.n, CT_I64, CT_OP_SUM, NULL));
+        for (int i = 0; i < full.n; i++) ASSERT_EQ(have[i], 1);
+        /* balanced: no rank holds more than its share plus the largest tensor */
+        int64_t total = 0, largest = 0;
+        for (int i = 0; i < full.n; i++) {
+            int64_t b = (int64_t)ct_tensor_bytes(full.tensors[i]);
+            total += b;
+            if (b > largest) largest = b;
+        }
+        ASSERT(bytes <= total / world + largest);
+        ct_free(have);
+        ct_state_fini(&full);
+        ct_state_fini(&mine);
+    }
+    ct_strategy_destroy(s);
     ct_module_destroy(m);
 }

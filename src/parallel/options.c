@@ -1,0 +1,190 @@
+/*
+ * Strategy options as "key=value" text.  Each strategy kind lists its keys
+ * in a table (type, where the value goes, default, help); the keys every
+ * strategy takes are in the common table here.  Parsing fills defaults
+ * first, then the given pairs in order (a later pair wins), and keeps the
+ * text of every value so ct_strategy_opt can answer "what did you use".
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define DT(x) (1u << (x))
+
+static const ct__opt_def common_opts[] = {
+    {"grad_accum", CT__OPT_INT, offsetof(ct__common, grad_accum), "1",
+     "micro-batches per train step (gradient accumulation)", 0},
+    {"param_dtype", CT__OPT_DTYPE, offsetof(ct__common, param_dtype), "f32",
+     "dtype of the parameters' compute copies (bf16: mixed precision, f32 master weights)",
+     DT(CT_F32) | DT(CT_BF16)},
+    {"reduce_dtype", CT__OPT_DTYPE, offsetof(ct__common, reduce_dtype), "f32",
+     "dtype gradients are reduced in across ranks", DT(CT_F32) | DT(CT_BF16) | DT(CT_F16)},
+};
+#define NCOMMON ((int)(sizeof common_opts / sizeof common_opts[0]))
+
+static int parse_dtype(const char *v, int *dt)
+{
+    static const struct { const char *name; ct_dtype dt; } names[] = {
+        {"f32", CT_F32}, {"fp32", CT_F32}, {"float32", CT_F32}, {"bf16", CT_BF16},
+        {"bfloat16", CT_BF16}, {"f16", CT_F16}, {"fp16", CT_F16}, {"float16", CT_F16}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(v, names[i].name)) {
+            *dt = (int)names[i].dt;
+            return 0;
+        }
+    return -1;
+}
+
+static ct_status set_value(const char *kind, const ct__opt_def *d, void *base, const char *v)
+{
+    char *end;
+    void *dst = (char *)base + d->off;
+    errno = 0;
+    switch (d->type) {
+    case CT__OPT_INT: {
+        long long x = strtoll(v, &end, 10);
+        if (end == v || *end || errno || x < 1 || x > 1 << 30)
+            return ct_error(CT_EINVAL, "%s option %s=%s: expected a whole number from 1", kind, d->key, v);
+        *(int *)dst = (int)x;
+        return CT_OK;
+    }
+    case CT__OPT_NUM: {
+        double x = strtod(v, &end);
+        if (end == v || *end || !isfinite(x) || x <= 0)
+            return ct_error(CT_EINVAL, "%s option %s=%s: expected a positive number", kind, d->key, v);
+        *(double *)dst = x;
+        return CT_OK;
+    }
+    case CT__OPT_BOOL:
+        if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "on")) *(int *)dst = 1;
+        else if (!strcmp(v, "0") || !strcmp(v, "false") || !strcmp(v, "off")) *(int *)dst = 0;
+        else return ct_error(CT_EINVAL, "%s option %s=%s: expected 1 or 0 (true/false, on/off)", kind, d->key, v);
+        return CT_OK;
+    case CT__OPT_DTYPE: {
+        int dt;
+        if (parse_dtype(v, &dt) || !(d->dtypes & DT(dt))) {
+            char allowed[64] = "";
+            for (int t = 0; t < CT_NDTYPE; t++)
+                if (d->dtypes & DT(t))
+                    snprintf(allowed + strlen(allowed), sizeof allowed - strlen(allowed), "%s%s",
+                             allowed[0] ? ", " : "", t == CT_F32 ? "f32" : t == CT_BF16 ? "bf16" : "f16");
+            return ct_error(CT_EINVAL, "%s option %s=%s: expected one of %s", kind, d->key, v, allowed);
+        }
+        *(int *)dst = dt;
+        return CT_OK;
+    }
+    }
+    return ct_error(CT_EINVAL, "%s option %s: unknown type", kind, d->key);
+}
+
+/* Remembers the text of key's value (replacing an earlier one). */
+static ct_status keep_text(ct_strategy *s, const char *key, const char *v)
+{
+    int i = 0;
+    while (i < s->nopt_text && strcmp(s->opt_keys[i], key)) i++;
+    if (i == (int)(sizeof s->opt_keys / sizeof s->opt_keys[0]))
+        return ct_error(CT_EINVAL, "too many strategy options");
+    size_t len = strlen(v) + 1;
+    char *copy = ct_alloc(len, CT_MEM_OTHER);
+    if (!copy) return CT_ENOMEM;
+    memcpy(copy, v, len);
+    if (i == s->nopt_text) s->nopt_text++;
+    else ct_free(s->opt_text[i]);
+    s->opt_keys[i] = key;
+    s->opt_text[i] = copy;
+    return CT_OK;
+}
+
+static const ct__opt_def *find(const ct__strategy_ops *ops, const char *key, int *common)
+{
+    for (int i = 0; i < NCOMMON; i++)
+        if (!strcmp(common_opts[i].key, key)) {
+            *common = 1;
+            return &common_opts[i];
+        }
+    for (int i = 0; i < ops->nopts; i++)
+        if (!strcmp(ops->opts[i].key, key)) {
+            *common = 0;
+            return &ops->opts[i];
+        }
+    return NULL;
+}
+
+static void key_list(const ct__strategy_ops *ops, char *buf, size_t n)
+{
+    size_t off = 0;
+    buf[0] = 0;
+    for (int i = 0; i < NCOMMON + ops->nopts && off < n; i++)
+        off += (size_t)snprintf(buf + off, n - off, "%s%s", i ? ", " : "",
+                                i < NCOMMON ? common_opts[i].key : ops->opts[i - NCOMMON].key);
+}
+
+static ct_status apply(ct_strategy *s, const char *key, const char *val)
+{
+    int common;
+    const ct__opt_def *d = find(s->ops, key, &common);
+    if (!d) {
+        char keys[512];
+        key_list(s->ops, keys, sizeof keys);
+        return ct_error(CT_EINVAL, "strategy %s has no option '%s'; its options are: %s", s->ops->kind, key, keys);
+    }
+    CT_TRY(set_value(s->ops->kind, d, common ? (void *)&s->common : s->kopts, val));
+    return keep_text(s, d->key, val);
+}
+
+ct_status ct__opts_parse(ct_strategy *s, const char *text)
+{
+    if (s->ops->opts_size && !(s->kopts = ct_alloc(s->ops->opts_size, CT_MEM_OTHER))) return CT_ENOMEM;
+    if (s->kopts) memset(s->kopts, 0, s->ops->opts_size);
+    memset(&s->common, 0, sizeof s->common);
+    for (int i = 0; i < NCOMMON; i++) CT_TRY(apply(s, common_opts[i].key, common_opts[i].def));
+    for (int i = 0; i < s->ops->nopts; i++) CT_TRY(apply(s, s->ops->opts[i].key, s->ops->opts[i].def));
+    if (!text) return CT_OK;
+    char pair[512];
+    for (const char *p = text; *p;) {
+        const char *comma = strchr(p, ',');
+        size_t len = comma ? (size_t)(comma - p) : strlen(p);
+        if (len >= sizeof pair) return ct_error(CT_EINVAL, "strategy option '%.40s...' is too long", p);
+        memcpy(pair, p, len);
+        pair[len] = 0;
+        p += len + (comma != NULL);
+        if (!len) continue;
+        char *eq = strchr(pair, '=');
+        if (!eq || eq == pair)
+            return ct_error(CT_EINVAL, "strategy option '%s' is not key=value (e.g. bucket_cap_mb=50)", pair);
+        *eq = 0;
+        CT_TRY(apply(s, pair, eq + 1));
+    }
+    return CT_OK;
+}
+
+void ct__opts_free(ct_strategy *s)
+{
+    for (int i = 0; i < s->nopt_text; i++) ct_free(s->opt_text[i]);
+    s->nopt_text = 0;
+    ct_free(s->kopts);
+    s->kopts = NULL;
+}
+
+const char *ct_strategy_opt(const ct_strategy *s, const char *key)
+{
+    for (int i = 0; i < s->nopt_text; i++)
+        if (!strcmp(s->opt_keys[i], key)) return s->opt_text[i];
+    return NULL;
+}
+
+void ct__opts_help(const ct__strategy_ops *ops, char *buf, size_t n)
+{
+    size_t off = 0;
+    buf[0] = 0;
+    for (int i = 0; i < NCOMMON + ops->nopts && off < n; i++) {
+        const ct__opt_def *d = i < NCOMMON ? &common_opts[i] : &ops->opts[i - NCOMMON];
+        char kv[64];
+        snprintf(kv, sizeof kv, "%s=%s", d->key, d->def);
+        off += (size_t)snprintf(buf + off, n - off, "  %-28s %s\n", kv, d->help);
+    }
+}
