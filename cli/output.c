@@ -99,6 +99,9 @@ const char *cli_config_str(const ct_model_config *cfg, char *buf, size_t n)
     if (cfg->kind == CT_MODEL_CNN)
         snprintf(buf, n, "%s [%s] %dx%d", ct_model_kind_name(cfg->kind),
                  ct_model_config_hidden_str(cfg, hid, sizeof hid), cfg->kernel, cfg->kernel);
+    else if (cfg->dropout > 0)
+        snprintf(buf, n, "%s [%s] dropout %g", ct_model_kind_name(cfg->kind),
+                 ct_model_config_hidden_str(cfg, hid, sizeof hid), (double)cfg->dropout);
     else
         snprintf(buf, n, "%s [%s]", ct_model_kind_name(cfg->kind), ct_model_config_hidden_str(cfg, hid, sizeof hid));
     return buf;

@@ -72,6 +72,11 @@ static ct_status choose_config(trainer *t)
                                 o->hidden, ct_meta_get(&m, "ctrain.hidden"), file);
             }
         }
+        if (o->has_dropout && (float)o->dropout != t->cfg.dropout) {
+            t->usage = 1;
+            return ct_error(CT_EINVAL, "--dropout %g differs from the checkpoint's %g (%s); drop --dropout",
+                            o->dropout, (double)t->cfg.dropout, file);
+        }
         return CT_OK;
     }
     ct_model_kind kind;
@@ -79,6 +84,7 @@ static ct_status choose_config(trainer *t)
     t->cfg = ct_model_config_default(kind);
     if (o->has_hidden) CT_TRY(ct_model_config_parse_hidden(&t->cfg, o->hidden));
     if (o->has_kernel) t->cfg.kernel = (int)o->kernel;
+    if (o->has_dropout) t->cfg.dropout = (float)o->dropout;
     return ct_model_config_validate(&t->cfg);
 }
 

@@ -30,6 +30,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--model", OPT_STR, &o->model, "NAME", "model to train: mlp or cnn");
     OPT("--hidden", OPT_STR, &o->hidden, "LIST", "layer sizes (mlp 256,128; cnn conv channels then fc: 16,32,128)");
     OPT("--kernel", OPT_INT, &o->kernel, "K", "cnn: conv kernel size, odd (3)");
+    OPT("--dropout", OPT_NUM, &o->dropout, "P", "mlp: dropout after every hidden layer (0)");
     OPT("--data", OPT_STR, &o->data, "NAME", "data set (fashion-mnist)");
     OPT("--data-dir", OPT_STR, &o->data_dir, "DIR", "where the data files are (" CT_FASHION_MNIST_DIR ")");
     OPT("--epochs", OPT_INT, &o->epochs, "N", "train until N epochs are done");
@@ -121,6 +122,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->has_clip = GIVEN("--clip");
     o->has_accum = GIVEN("--grad-accum");
     o->has_kernel = GIVEN("--kernel");
+    o->has_dropout = GIVEN("--dropout");
     int has_epochs = GIVEN("--epochs"), has_steps = GIVEN("--steps");
 #undef GIVEN
 
@@ -144,6 +146,9 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
         if (o->has_model && ct_model_config_validate(&c) != CT_OK)
             return BAD("%s: %s", o->has_kernel ? "--kernel" : "--hidden", ct_last_error());
     }
+    if (o->has_dropout && !(o->dropout >= 0 && o->dropout < 1))
+        return BAD("--dropout %g must be in [0, 1)", o->dropout);
+    if (o->has_dropout && o->has_model && kind != CT_MODEL_MLP) return BAD("--dropout applies to --model mlp only");
     if (strcmp(o->data, "fashion-mnist")) return BAD("unknown data set '%s' for --data; this ctrain knows: fashion-mnist", o->data);
     if (o->batch < 1) return BAD("--batch %lld must be at least 1", (long long)o->batch);
     ct_optim_kind ok;

@@ -8,6 +8,7 @@
  *
  *   mlp  Sequential(Linear(in, h1), ReLU, Linear(h1, h2), ReLU, ..., Linear(hk, classes))
  *        input [N, in]                        ("0.weight" [h1, in], "0.bias", "2.weight", ...)
+ *        with dropout p > 0: Linear, ReLU, Dropout(p), Linear, ... ("0.weight", "3.weight", ...)
  *   cnn  Sequential(Conv2d(C, c1, k, pad k/2), ReLU, MaxPool2d(2), ..., Flatten,
  *                   Linear(ck*H'*W', f), ReLU, Linear(f, classes))
  *        input [N, C, H, W]; hidden lists the conv channels then the width f
@@ -37,6 +38,7 @@ typedef struct {
     int64_t hidden[CT_MODEL_MAX_HIDDEN]; /* mlp: layer widths; cnn: conv channels, then fc width */
     int64_t classes;
     int kernel;         /* cnn: square kernel size (odd; padding kernel/2 keeps H, W) */
+    float dropout;      /* mlp: Dropout(p) after every hidden ReLU when > 0 (0) */
 } ct_model_config;
 
 /* "mlp, cnn": the names ct_model_parse_kind accepts. */

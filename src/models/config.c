@@ -112,6 +112,10 @@ ct_status ct_model_config_validate(const ct_model_config *cfg)
         if (cfg->hidden[i] < 1)
             return ct_error(CT_EINVAL, "hidden size %d is %lld; sizes must be positive", i + 1,
                             (long long)cfg->hidden[i]);
+    if (!(cfg->dropout >= 0 && cfg->dropout < 1))
+        return ct_error(CT_EINVAL, "dropout %g must be in [0, 1)", (double)cfg->dropout);
+    if (cfg->dropout > 0 && cfg->kind != CT_MODEL_MLP)
+        return ct_error(CT_EINVAL, "dropout applies to the mlp only (the cnn has none)");
     if (cfg->kind == CT_MODEL_MLP) {
         if (cfg->in_ndim != 1 || cfg->in[0] < 1)
             return ct_error(CT_EINVAL, "mlp input must be one positive size (features per sample)");

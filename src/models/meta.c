@@ -58,6 +58,7 @@ ct_status ct_model_config_to_meta(const ct_model_config *cfg, ct_meta *m)
     CT_TRY(ct_meta_set(m, "ctrain.hidden", "%s", ct_model_config_hidden_str(cfg, hid, sizeof hid)));
     CT_TRY(ct_meta_set(m, "ctrain.classes", "%lld", (long long)cfg->classes));
     if (cfg->kind == CT_MODEL_CNN) CT_TRY(ct_meta_set(m, "ctrain.kernel", "%d", cfg->kernel));
+    if (cfg->dropout > 0) CT_TRY(ct_meta_set(m, "ctrain.dropout", "%.9g", (double)cfg->dropout));
     return CT_OK;
 }
 
@@ -107,6 +108,13 @@ ct_status ct_model_config_from_meta(const ct_meta *m, ct_model_config *out)
     if (kind == CT_MODEL_CNN) {
         CT_TRY(int_list(m, "ctrain.kernel", v, 1, &one));
         c.kernel = (int)v[0];
+    }
+    const char *dv = ct_meta_get(m, "ctrain.dropout");
+    if (dv) { /* absent: no dropout (checkpoints from before it existed) */
+        char *end;
+        c.dropout = strtof(dv, &end);
+        if (end == dv || *end)
+            return ct_error(CT_EFORMAT, "checkpoint metadata 'ctrain.dropout' is '%s', not a number", dv);
     }
     if (ct_model_config_validate(&c) != CT_OK) {
         char why[400];

@@ -1,6 +1,7 @@
 /*
  * The multi-layer perceptron: Linear and ReLU alternating, numbered as
- * torch.nn.Sequential numbers them, so Linear i sits at index 2*i.
+ * torch.nn.Sequential numbers them, so Linear i sits at index 2*i (3*i with
+ * a Dropout after every ReLU).
  */
 #include "internal.h"
 
@@ -15,6 +16,7 @@ ct_status ct__mlp_build(const ct_model_config *cfg, ct_module **out)
         int64_t next = i < cfg->nhidden ? cfg->hidden[i] : cfg->classes;
         st = ct__seq_push(seq, ct_linear_create(width, next, 1));
         if (st == CT_OK && i < cfg->nhidden) st = ct__seq_push(seq, ct_relu_create());
+        if (st == CT_OK && i < cfg->nhidden && cfg->dropout > 0) st = ct__seq_push(seq, ct_dropout_create(cfg->dropout));
         width = next;
     }
     if (st != CT_OK) {
