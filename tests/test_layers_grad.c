@@ -9,7 +9,7 @@ static ct_status off_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
     (void)ctx;
     ct_tensor *y = ct_tensor_clone(in, CT_MEM_ACT);
     for (int64_t i = 0; i < y->numel; i++) ct_f32(y)[i] = 2.0f * ct_f32(in)[i] * ct_f32(in)[i];
-    if (rec) rec->saved[0] = ct_tensor_retain(in);
+    if (rec) ASSERT(ct_record_save(rec, in) == 0);
     *out = y;
     return CT_OK;
 }
@@ -19,7 +19,7 @@ static ct_status off_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
     (void)m;
     ct_tensor *dx = ct_tensor_clone(dout, CT_MEM_ACT);
     for (int64_t i = 0; i < dx->numel; i++)
-        ct_f32(dx)[i] = 1.03f * 4.0f * ct_f32(rec->saved[0])[i] * ct_f32(dout)[i];
+        ct_f32(dx)[i] = 1.03f * 4.0f * ct_f32(ct_record_saved(rec, 0))[i] * ct_f32(dout)[i];
     *din = dx;
     return CT_OK;
 }

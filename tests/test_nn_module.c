@@ -348,3 +348,121 @@ TEST(nn_lazy_zero_grad_overwrites_then_accumulates)
     ct_module_destroy(a);
     ct_module_destroy(b);
 }
+
+/* A custom layer that saves more tensors than any fixed table held: y = x *
+ * (c_0 + ... + c_{K-1}) with K constant tensors, each saved in the record;
+ * backward reads them all back by index. */
+#define MANY 11
+
+static ct_status many_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
+                              const ct_fwd_ctx *ctx)
+{
+    (void)m;
+    (void)ctx;
+    ct_tensor *y = ct_tensor_clone(in, CT_MEM_ACT);
+    if (!y) return CT_ENOMEM;
+    ct_tensor_fill(y, 0.0f);
+    for (int k = 0; k < MANY; k++) {
+        ct_tensor *c = ct_tensor_create1(1, CT_MEM_ACT);
+        if (!c) {
+            ct_tensor_release(y);
+            return CT_ENOMEM;
+        }
+        ct_f32(c)[0] = (float)(k + 1);
+        for (int64_t i = 0; i < y->numel; i++) ct_f32(y)[i] += ct_f32(in)[i] * ct_f32(c)[0];
+        int idx = rec ? ct_record_save(rec, c) : k;
+        ct_tensor_release(c); /* the record keeps its own reference */
+        if (idx < 0) {
+            ct_tensor_release(y);
+            return idx;
+        }
+        ASSERT_EQ(idx, k); /* indices count the saves */
+    }
+    *out = y;
+    return CT_OK;
+}
+
+static ct_status many_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
+{
+    (void)m;
+    ASSERT_EQ(rec->nsaved, MANY);
+    float s = 0;
+    for (int k = 0; k < MANY; k++) s += ct_f32(ct_record_saved(rec, k))[0];
+    if (!din) return CT_OK;
+    ct_tensor *dx = ct_tensor_clone(dout, CT_MEM_ACT);
+    if (!dx) return CT_ENOMEM;
+    for (int64_t i = 0; i < dx->numel; i++) ct_f32(dx)[i] *= s;
+    *din = dx;
+    return CT_OK;
+}
+
+TEST(nn_record_saves_any_number_of_tensors)
+{
+    static const ct_module_ops ops = {"many", many_forward, many_backward, NULL, 0};
+    ct_module *m = ct_module_create(&ops, NULL);
+    ct_tensor *x = rand_tensor(3, 5, 1), *dy = rand_tensor(3, 5, 2), *y, *dx;
+    ct_fwd_ctx ctx = {1, 1, 0, 0};
+    size_t act0 = ct_mem_current(CT_MEM_ACT);
+    dx = fwd_bwd(m, x, dy, &ctx, &y);
+    for (int64_t i = 0; i < x->numel; i++) {
+        ASSERT_EQ(ct_f32(y)[i], ct_f32(x)[i] * 66.0f); /* 1 + 2 + ... + 11 */
+        ASSERT_EQ(ct_f32(dx)[i], ct_f32(dy)[i] * 66.0f);
+    }
+    ct_tensor_release(y);
+    ct_tensor_release(dx);
+    ASSERT_EQ(ct_mem_current(CT_MEM_ACT), act0); /* the record released every saved tensor */
+    /* Every allocation failing in turn: CT_ENOMEM, never a leak or a crash. */
+    int ok = 0;
+    for (long f = 0; f < 64 && !ok; f++) {
+        ct_record *rec;
+        ct_mem_fail_after(f);
+        ct_status s = ct_module_forward(m, x, &y, &rec, &ctx);
+        ct_mem_fail_after(-1);
+        if (s == CT_OK) {
+            ok = 1;
+            ASSERT_EQ(rec->nsaved, MANY);
+            ct_tensor_release(y);
+            ct_record_destroy(rec);
+        } else {
+            ASSERT_EQ(s, CT_ENOMEM);
+        }
+        ASSERT_EQ(ct_mem_current(CT_MEM_ACT), act0);
+    }
+    ASSERT(ok);
+    ct_tensor_release(x);
+    ct_tensor_release(dy);
+    ct_module_destroy(m);
+}
+
+/* Children, parameters, buffers and child records live in arrays that
+ * double, so n appends copy O(n) pointers, not O(n^2). */
+TEST(nn_lists_grow_geometrically)
+{
+    ct_module *seq = ct_sequential_create();
+    for (int i = 0; i < 1000; i++) ASSERT_OK(ct_module_add(seq, NULL, ct_relu_create()));
+    ASSERT_EQ(seq->nkids, 1000);
+    ASSERT_EQ(seq->kids_cap, 1024);
+    ASSERT(!strcmp(seq->kids[999]->fqn, "999"));
+    ct_module *holder = ct_sequential_create();
+    for (int i = 0; i < 100; i++) {
+        char nm[16];
+        snprintf(nm, sizeof nm, "p%d", i);
+        ASSERT(ct_module_add_param(holder, nm, 1, (int64_t[]){1}) != NULL);
+        snprintf(nm, sizeof nm, "b%d", i);
+        ASSERT(ct_module_add_buffer(holder, nm, 1, (int64_t[]){1}, 0.0f) != NULL);
+    }
+    ASSERT_EQ(holder->params_cap, 128);
+    ASSERT_EQ(holder->buffers_cap, 128);
+    ASSERT(!strcmp(holder->params[99]->name, "p99"));
+    ct_tensor *x = rand_tensor(2, 3, 1), *y;
+    ct_record *rec;
+    ct_fwd_ctx ctx = {1, 1, 0, 0};
+    ASSERT_OK(ct_module_forward(seq, x, &y, &rec, &ctx));
+    ASSERT_EQ(rec->nkids, 1000);
+    ASSERT_EQ(rec->kcap, 1024);
+    ASSERT_OK(ct_module_backward(seq, y, NULL, rec));
+    ct_tensor_release(x);
+    ct_tensor_release(y);
+    ct_module_destroy(seq);
+    ct_module_destroy(holder);
+}

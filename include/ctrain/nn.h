@@ -72,30 +72,32 @@ struct ct_module {
     char *fqn;             /* full path ("layers.0"); "" for a root */
     ct_module *parent;
     ct_module **kids;
-    int nkids;
+    int nkids, kids_cap;   /* count and allocated capacity (arrays grow by doubling) */
     ct_param **params;     /* direct parameters, in registration order */
-    int nparams;
+    int nparams, params_cap;
     ct_param **buffers;    /* direct buffers (running stats) */
-    int nbuffers;
+    int nbuffers, buffers_cap;
     void *impl;            /* kind-specific state */
     uint64_t rng_stream;   /* from fqn: dropout stream */
     ct_hook *hooks;        /* pre/post forward and backward hooks */
     int transparent;       /* wrapper whose child takes its place in names */
 };
 
-/* Per-call activation record: saved tensors (retained), small values, and
- * the records of child calls. */
-#define CT_REC_NSAVED 6
+/* Per-call activation record: any number of saved tensors (retained; add
+ * them with ct_record_save, read them with ct_record_saved), small values,
+ * and the records of child calls (ct_record_add_kid).  A backward that takes
+ * a child record out of kids[] sets the slot to NULL: destroying the record
+ * then skips it. */
 struct ct_record {
     ct_module *m;
-    ct_tensor *saved[CT_REC_NSAVED];
+    ct_tensor **saved;     /* [nsaved], in save order */
+    int nsaved, saved_cap;
     int64_t ival[4];
     double fval[4];
     void *extra;           /* freed with ct_free when the record is freed */
-    ct_record **kids;
-    int nkids;
-    int kcap;
-    ct_fwd_ctx ctx;
+    ct_record **kids;      /* [nkids], in call order */
+    int nkids, kcap;
+    ct_fwd_ctx ctx;        /* the context of the call, for a recompute */
 };
 
 /* ---- running modules --------------------------------------------------- */
@@ -113,8 +115,16 @@ ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
 void ct_record_destroy(ct_record *rec);
 /* New empty record for module m (for module kinds that call children). */
 ct_record *ct_record_create(ct_module *m, const ct_fwd_ctx *ctx);
-/* Appends a child record to rec. */
+/* Appends a child record to rec, which owns it from then on (CT_ENOMEM
+ * leaves kid the caller's). */
 ct_status ct_record_add_kid(ct_record *rec, ct_record *kid);
+/* Keeps t alive for backward: retains it (the caller keeps its own
+ * reference) and returns its index, 0 for the first save, 1 for the next...;
+ * a negative ct_status (CT_ENOMEM, nothing retained) on failure. */
+int ct_record_save(ct_record *rec, ct_tensor *t);
+/* The tensor saved at index i (borrowed: the record holds the reference).
+ * i outside [0, rec->nsaved) is a programmer error (CT_ASSERT). */
+ct_tensor *ct_record_saved(const ct_record *rec, int i);
 
 /* ---- building modules -------------------------------------------------- */
 

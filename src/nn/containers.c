@@ -136,9 +136,8 @@ static ct_status ckpt_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
                               const ct_fwd_ctx *ctx)
 {
     /* Run the body without records: only our input survives until backward. */
-    CT_TRY(ct_module_forward(m->kids[0], in, out, NULL, ctx));
-    if (rec) rec->saved[0] = ct_tensor_retain(in);
-    return CT_OK;
+    if (rec && ct_record_save(rec, in) < 0) return CT_ENOMEM;
+    return ct_module_forward(m->kids[0], in, out, NULL, ctx);
 }
 
 static ct_status ckpt_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
@@ -147,7 +146,7 @@ static ct_status ckpt_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     ct_record *kr;
     /* Same context as the first forward: same step, micro-batch, seed, so the
      * recomputed dropout masks are the ones the loss saw. */
-    CT_TRY(ct_module_forward(m->kids[0], rec->saved[0], &y, &kr, &rec->ctx));
+    CT_TRY(ct_module_forward(m->kids[0], ct_record_saved(rec, 0), &y, &kr, &rec->ctx));
     ct_tensor_release(y);
     return ct_module_backward(m->kids[0], dout, din, kr);
 }

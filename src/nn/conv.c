@@ -143,6 +143,7 @@ static ct_status conv_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     const conv_impl *c = m->impl;
     conv_geom g;
     CT_TRY(conv_check(m, in, &g));
+    if (rec && ct_record_save(rec, in) < 0) return CT_ENOMEM;
     ct_tensor *y = ct_tensor_create4(g.N, c->cout, g.Ho, g.Wo, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
     if (g.N == 0) goto done;
@@ -186,7 +187,6 @@ static ct_status conv_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     ct_free(col);
     ct_free(tmp);
 done:
-    if (rec) rec->saved[0] = ct_tensor_retain(in);
     *out = y;
     return CT_OK;
 }
@@ -194,7 +194,7 @@ done:
 static ct_status conv_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     const conv_impl *c = m->impl;
-    ct_tensor *xt = rec->saved[0];
+    ct_tensor *xt = ct_record_saved(rec, 0);
     conv_geom g;
     CT_TRY(conv_check(m, xt, &g));
     if (dout->dtype != CT_F32 || dout->numel != (int64_t)g.N * c->cout * g.P) {
@@ -340,7 +340,12 @@ static ct_status pool_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
             }
     }
     if (rec) {
-        rec->saved[0] = arg;
+        int s = ct_record_save(rec, arg);
+        ct_tensor_release(arg); /* the record holds it now */
+        if (s < 0) {
+            ct_tensor_release(y);
+            return CT_ENOMEM;
+        }
         rec->ival[0] = in->shape[2];
         rec->ival[1] = in->shape[3];
     }
@@ -350,7 +355,7 @@ static ct_status pool_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
 
 static ct_status pool_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
-    const ct_tensor *arg = rec->saved[0];
+    const ct_tensor *arg = ct_record_saved(rec, 0);
     if (dout->dtype != CT_F32 || dout->numel != arg->numel) {
         char a[64], b[64];
         return ct_error(CT_EINVAL, "maxpool2d '%s': output gradient %s does not match the output %s",

@@ -41,11 +41,13 @@ static ct_status drop_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     }
     ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
     ct_tensor *mask = rec ? ct_tensor_create(CT_U8, in->ndim, in->shape, CT_MEM_ACT) : NULL;
-    if (!y || (rec && !mask)) {
+    int saved = mask ? ct_record_save(rec, mask) : 0;
+    ct_tensor_release(mask); /* the record holds it now */
+    if (!y || (rec && (!mask || saved < 0))) {
         ct_tensor_release(y);
-        ct_tensor_release(mask);
         return CT_ENOMEM;
     }
+    if (rec) rec->ival[0] = 1;
     ct_rng r;
     ct_rng_init(&r, mix64(ctx->seed + mix64(m->rng_stream)),
                 ((uint64_t)ctx->step << 32) | (uint64_t)ctx->micro);
@@ -63,10 +65,6 @@ static ct_status drop_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
             if (mk) mk[i0 + j] = (uint8_t)keep;
         }
     }
-    if (rec) {
-        rec->saved[0] = mask;
-        rec->ival[0] = 1;
-    }
     *out = y;
     return CT_OK;
 }
@@ -74,7 +72,7 @@ static ct_status drop_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
 static ct_status drop_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     const drop_impl *D = m->impl;
-    const ct_tensor *mask = rec->ival[0] ? rec->saved[0] : NULL;
+    const ct_tensor *mask = rec->ival[0] ? ct_record_saved(rec, 0) : NULL;
     if (dout->dtype != CT_F32 || (mask && dout->numel != mask->numel)) {
         char a[64], b[64];
         return ct_error(CT_EINVAL, "dropout '%s': output gradient %s does not match the output %s",

@@ -41,13 +41,13 @@ static ct_status emb_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
     int64_t shape[CT_MAX_DIMS];
     for (int i = 0; i < in->ndim; i++) shape[i] = in->shape[i];
     shape[in->ndim] = E->dim;
+    if (rec && ct_record_save(rec, in) < 0) return CT_ENOMEM;
     ct_tensor *y = ct_tensor_create(CT_F32, in->ndim + 1, shape, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
     const float *w = ct_f32(m->params[0]->data);
     float *yd = ct_f32(y);
     size_t row = (size_t)E->dim * sizeof(float);
     for (int64_t i = 0; i < in->numel; i++) memcpy(yd + i * E->dim, w + index_at(in, i) * E->dim, row);
-    if (rec) rec->saved[0] = ct_tensor_retain(in);
     *out = y;
     return CT_OK;
 }
@@ -55,7 +55,7 @@ static ct_status emb_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
 static ct_status emb_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     const emb_impl *E = m->impl;
-    const ct_tensor *idx = rec->saved[0];
+    const ct_tensor *idx = ct_record_saved(rec, 0);
     if (din) *din = NULL;
     if (dout->dtype != CT_F32 || dout->numel != idx->numel * E->dim) {
         char a[64];

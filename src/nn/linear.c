@@ -38,6 +38,7 @@ static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct
     int64_t shape[CT_MAX_DIMS];
     for (int i = 0; i < in->ndim; i++) shape[i] = in->shape[i];
     shape[in->ndim - 1] = L->out;
+    if (rec && ct_record_save(rec, in) < 0) return CT_ENOMEM;
     ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, shape, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
 
@@ -53,7 +54,6 @@ static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct
     }
     ct_sgemm(0, 1, (int)rows, (int)L->out, (int)L->in, 1.0f, ct_f32(in), (int)L->in, w, (int)L->in,
              beta, yd, (int)L->out);
-    if (rec) rec->saved[0] = ct_tensor_retain(in);
     *out = y;
     return CT_OK;
 }
@@ -62,7 +62,7 @@ static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct
 static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     const linear_impl *L = m->impl;
-    ct_tensor *x = rec->saved[0];
+    ct_tensor *x = ct_record_saved(rec, 0);
     int64_t rows = x->numel / L->in;
     if (dout->dtype != CT_F32 || dout->numel != rows * L->out) {
         char a[64];
