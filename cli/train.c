@@ -341,7 +341,10 @@ static ct_status micro_step(trainer *t, int m, int64_t *idx, double *sums)
     ct_tensor *x = NULL, *y = NULL, *z = NULL, *dz = NULL;
     ct_record *rec = NULL;
     float loss = 0;
-    ct_fwd_ctx ctx = {1, t->seed, (uint64_t)t->step, (uint32_t)m};
+    /* Dropout keys on the global row: this call starts where ct_sampler_batch
+     * put part m*world+rank of virt (the first g % virt parts hold one more). */
+    int64_t part = (int64_t)m * t->world + t->rank, q = global / virt, rem = global % virt;
+    ct_fwd_ctx ctx = {1, t->seed, (uint64_t)t->step, part * q + (part < rem ? part : rem)};
     ct_status st = cli_batch(&t->train, &t->cfg, idx, count, &x, &y);
     if (st == CT_OK) st = ct_strategy_forward(t->s, x, &z, &rec, &ctx);
     if (st == CT_OK) st = ct_cross_entropy(z, y, -100, &loss, &dz);

@@ -281,17 +281,21 @@ static ct_tensor *ones(int64_t n)
     return t;
 }
 
-TEST(dropout_mask_is_deterministic_per_step_and_micro)
+/* The mask is a function of (seed, step, stream, global row, element): the
+ * same context repeats it, another step redraws it, and sample0 only moves
+ * which global rows a call covers. */
+TEST(dropout_mask_is_deterministic_per_step_and_row)
 {
     ct_module *m = ct_dropout_create(0.3f);
-    ct_tensor *x = ones(20000);
+    ct_tensor *x = ct_tensor_create2(200, 100, CT_MEM_ACT);
+    ct_tensor_fill(x, 1.0f);
     ct_fwd_ctx a = train_ctx(), b = a, c = a;
     b.step++;
-    c.micro++;
+    c.sample0 += 7;
     ct_tensor *ya = fwd(m, x, NULL, &a), *ya2 = fwd(m, x, NULL, &a);
     ct_tensor *yb = fwd(m, x, NULL, &b), *yc = fwd(m, x, NULL, &c);
-    int64_t dropped = 0, diff_b = 0, diff_c = 0;
-    for (int64_t i = 0; i < x->numel; i++) {
+    int64_t dropped = 0, diff_b = 0, diff_c = 0, n = x->numel;
+    for (int64_t i = 0; i < n; i++) {
         float v = ct_f32(ya)[i];
         ASSERT(v == 0.0f || fabsf(v - 1.0f / 0.7f) < 1e-6f); /* kept values scaled by 1/(1-p) */
         ASSERT_EQ(v, ct_f32(ya2)[i]);
@@ -299,11 +303,13 @@ TEST(dropout_mask_is_deterministic_per_step_and_micro)
         diff_b += v != ct_f32(yb)[i];
         diff_c += v != ct_f32(yc)[i];
     }
+    /* Row r of the call starting at global row 7 is row r + 7 of the one at 0. */
+    ASSERT(!memcmp(ct_f32(yc), ct_f32(ya) + 7 * 100, (size_t)(193 * 100) * sizeof(float)));
     /* Fraction ~ p: 0.3 +- 4.5 sigma of a binomial over 20000 draws. */
-    ASSERT_NEAR((double)dropped / 20000, 0.3, 0.015);
+    ASSERT_NEAR((double)dropped / n, 0.3, 0.015);
     /* Independent masks disagree on 2p(1-p) = 42% of elements. */
-    ASSERT_NEAR((double)diff_b / 20000, 0.42, 0.03);
-    ASSERT_NEAR((double)diff_c / 20000, 0.42, 0.03);
+    ASSERT_NEAR((double)diff_b / n, 0.42, 0.03);
+    ASSERT_NEAR((double)diff_c / n, 0.42, 0.03);
     ct_tensor *ys[] = {ya, ya2, yb, yc};
     for (int i = 0; i < 4; i++) ct_tensor_release(ys[i]);
     ct_tensor_release(x);

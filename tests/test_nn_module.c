@@ -159,7 +159,7 @@ TEST(nn_records_allow_interleaved_microbatches)
     ct_tensor *x1 = rand_tensor(3, 6, 1), *x2 = rand_tensor(3, 6, 2), *dy1 = rand_tensor(3, 4, 3),
               *dy2 = rand_tensor(3, 4, 4), *y, *y2;
     ct_record *r1, *r2;
-    ct_fwd_ctx c1 = {1, 5, 0, 0}, c2 = {1, 5, 0, 1};
+    ct_fwd_ctx c1 = {1, 5, 0, 0}, c2 = {1, 5, 0, 3};
     /* a: f1 b1 f2 b2 in sequence; b: f1 f2 b2 b1 interleaved. */
     ASSERT_OK(ct_module_forward(a, x1, &y, &r1, &c1));
     ct_tensor_release(y);
@@ -465,4 +465,104 @@ TEST(nn_lists_grow_geometrically)
     ct_tensor_release(y);
     ct_module_destroy(seq);
     ct_module_destroy(holder);
+}
+
+/* ---- dropout across ranks and micro-batches ----------------------------- */
+
+/* Values k/4 for small integers k: with dropout p = 0.5 (scale 2) every
+ * product and sum below is exact in f32, so results cannot depend on how
+ * BLAS orders a sum, and bit equality tests the masks alone. */
+static void quarters(ct_tensor *t, uint64_t seed)
+{
+    ct_rng g;
+    ct_rng_init(&g, seed, 5);
+    ct_rng_uniform(&g, ct_f32(t), (size_t)t->numel);
+    for (int64_t i = 0; i < t->numel; i++) ct_f32(t)[i] = floorf(ct_f32(t)[i] * 9.0f - 4.0f) / 4.0f;
+}
+
+/* seq(linear 6->8, relu, dropout 0.5, [checkpoint](seq(linear 8->8, dropout 0.5)), linear 8->4). */
+static ct_module *drop_model(int ckpt)
+{
+    ct_module *m = ct_sequential_create(), *body = ct_sequential_create();
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(6, 8, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_relu_create()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_dropout_create(0.5f)));
+    ASSERT_OK(ct_module_add(body, NULL, ct_linear_create(8, 8, 1)));
+    ASSERT_OK(ct_module_add(body, NULL, ct_dropout_create(0.5f)));
+    ASSERT_OK(ct_module_add(m, NULL, ckpt ? ct_checkpoint_create(body) : body));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(8, 4, 1)));
+    ct_param **ps;
+    int n;
+    ASSERT_OK(ct_module_params(m, &ps, &n));
+    for (int i = 0; i < n; i++) quarters(ps[i]->data, 40 + (uint64_t)i);
+    ct_free(ps);
+    return m;
+}
+
+static ct_tensor *rows_of(ct_tensor *t, int64_t start, int64_t count)
+{
+    int64_t shape[CT_MAX_DIMS];
+    memcpy(shape, t->shape, sizeof shape);
+    shape[0] = count;
+    return ct_tensor_view(t, start * (t->numel / t->shape[0]), t->ndim, shape);
+}
+
+static void same_bits(const ct_tensor *a, const float *b, int64_t n, const char *what)
+{
+    ASSERT_EQ(a->numel, n);
+    if (memcmp(ct_f32(a), b, (size_t)n * sizeof(float)))
+        ct_test_fail(__FILE__, __LINE__, "%s differs between the whole batch and its slices", what);
+}
+
+/* One call over 12 rows equals calls over rows [0,5) and [5,12) with
+ * sample0 0 and 5 -- as two ranks or two micro-batches would run them --
+ * in outputs, input gradients and (summed) parameter gradients, bit for bit;
+ * likewise with part of the model checkpointed (recompute draws the same
+ * masks at sample0 5).  A wrong sample0 changes the result. */
+TEST(nn_dropout_masks_follow_global_rows)
+{
+    ct_module *whole = drop_model(0), *split = drop_model(0), *ck = drop_model(1);
+    ct_tensor *x = ct_tensor_create2(12, 6, CT_MEM_ACT), *dy = ct_tensor_create2(12, 4, CT_MEM_ACT);
+    quarters(x, 1);
+    quarters(dy, 2);
+    ct_fwd_ctx ctx = {1, 77, 3, 0};
+    ct_tensor *y, *dx = fwd_bwd(whole, x, dy, &ctx, &y);
+    int64_t cut[3] = {0, 5, 12};
+    float ys[2][12 * 4], dxs[2][12 * 6];
+    for (int v = 0; v < 2; v++) {
+        ct_module *m = v ? ck : split;
+        for (int s = 0; s < 2; s++) {
+            ct_tensor *xs = rows_of(x, cut[s], cut[s + 1] - cut[s]);
+            ct_tensor *dys = rows_of(dy, cut[s], cut[s + 1] - cut[s]), *ysl;
+            ct_fwd_ctx c = ctx;
+            c.sample0 = cut[s];
+            ct_tensor *dxsl = fwd_bwd(m, xs, dys, &c, &ysl);
+            memcpy(ys[v] + cut[s] * 4, ct_f32(ysl), (size_t)ysl->numel * sizeof(float));
+            memcpy(dxs[v] + cut[s] * 6, ct_f32(dxsl), (size_t)dxsl->numel * sizeof(float));
+            ct_tensor *ts[] = {xs, dys, ysl, dxsl};
+            for (int i = 0; i < 4; i++) ct_tensor_release(ts[i]);
+        }
+        same_bits(y, ys[v], 48, v ? "checkpointed output" : "output");
+        same_bits(dx, dxs[v], 72, v ? "checkpointed input gradient" : "input gradient");
+        ct_param **pw, **ps;
+        int n, n2;
+        ASSERT_OK(ct_module_params(whole, &pw, &n));
+        ASSERT_OK(ct_module_params(m, &ps, &n2));
+        ASSERT_EQ(n, n2);
+        for (int i = 0; i < n; i++) {
+            ASSERT(!strcmp(pw[i]->name, ps[i]->name));
+            same_bits(pw[i]->grad, ct_f32(ps[i]->grad), pw[i]->grad->numel, pw[i]->name);
+        }
+        ct_free(pw);
+        ct_free(ps);
+    }
+    /* The second slice run as if it started at row 0 draws other masks. */
+    ct_tensor *xs = rows_of(x, 5, 7), *ybad;
+    ASSERT_OK(ct_module_forward(split, xs, &ybad, NULL, &ctx));
+    ASSERT(memcmp(ct_f32(ybad), ct_f32(y) + 5 * 4, 7 * 4 * sizeof(float)));
+    ct_tensor *ts[] = {x, dy, y, dx, xs, ybad};
+    for (int i = 0; i < 6; i++) ct_tensor_release(ts[i]);
+    ct_module_destroy(whole);
+    ct_module_destroy(split);
+    ct_module_destroy(ck);
 }

@@ -26,12 +26,17 @@ typedef struct ct_param ct_param;
 typedef struct ct_record ct_record;
 typedef struct ct_hook ct_hook;
 
-/* What a forward call needs to know besides its input. */
+/* What a forward call needs to know besides its input.  Dropout draws the
+ * mask of input row r (index r along dim 0) from (seed, step, the module's
+ * stream, sample0 + r) only, so the masks of a step do not depend on how its
+ * global batch is cut into ranks and micro-batches: N ranks equal one
+ * process, and a pipeline's micro-batches draw what the whole batch would. */
 typedef struct {
     int training;    /* dropout active, batchnorm uses batch stats */
     uint64_t seed;   /* run seed */
-    uint64_t step;   /* optimizer step: part of the dropout RNG counter */
-    uint32_t micro;  /* micro-batch index within the step */
+    uint64_t step;   /* optimizer step: part of the dropout RNG key */
+    int64_t sample0; /* global index, within the step's global batch, of this call's first
+                        row (the strategy sets it: rank offset + micro-batch offset) */
 } ct_fwd_ctx;
 
 /* A parameter or buffer.  A strategy may replace data/grad with views into

@@ -144,8 +144,8 @@ static ct_status ckpt_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
 {
     ct_tensor *y;
     ct_record *kr;
-    /* Same context as the first forward: same step, micro-batch, seed, so the
-     * recomputed dropout masks are the ones the loss saw. */
+    /* Same context as the first forward: same seed, step and first sample
+     * index, so the recomputed dropout masks are the ones the loss saw. */
     CT_TRY(ct_module_forward(m->kids[0], ct_record_saved(rec, 0), &y, &kr, &rec->ctx));
     ct_tensor_release(y);
     return ct_module_backward(m->kids[0], dout, din, kr);
