@@ -677,3 +677,114 @@ TEST(layers_survive_allocation_failures)
     for (int c = 0; c < CT_MEM_NCAT; c++)
         if (c != CT_MEM_PARAM && c != CT_MEM_GRAD && c != CT_MEM_OTHER) ASSERT_EQ(ct_mem_current(c), 0);
 }
+
+/* ---- output shapes ----------------------------------------------------- */
+
+/* ct_module_out_shape of m at shape equals the shape forward returns. */
+static void check_out_shape(ct_module *m, ct_dtype dt, int ndim, const int64_t *shape)
+{
+    int on = -1;
+    int64_t os[CT_MAX_DIMS];
+    ASSERT_OK(ct_module_out_shape(m, ndim, shape, &on, os));
+    ct_tensor *x = ct_tensor_create(dt, ndim, shape, CT_MEM_ACT); /* zeros: valid indices too */
+    ct_fwd_ctx ctx = train_ctx();
+    ct_tensor *y = fwd(m, x, NULL, &ctx);
+    char a[64], b[64];
+    ct_tensor h = *y;
+    h.ndim = on;
+    memcpy(h.shape, os, sizeof os);
+    if (on != y->ndim || memcmp(os, y->shape, (size_t)on * sizeof *os))
+        ct_test_fail(__FILE__, __LINE__, "%s: inferred %s, forward gave %s", m->ops->kind,
+                     ct_shape_str(&h, a, sizeof a), ct_shape_str(y, b, sizeof b));
+    ct_tensor_release(x);
+    ct_tensor_release(y);
+}
+
+TEST(layers_out_shape_matches_forward)
+{
+    struct {
+        ct_module *m;
+        ct_dtype dt;
+        int ndim;
+        int64_t shape[4];
+    } cases[] = {
+        {ct_linear_create(7, 5, 1), CT_F32, 2, {3, 7}},
+        {ct_linear_create(7, 5, 0), CT_F32, 3, {2, 3, 7}},
+        {ct_relu_create(), CT_F32, 3, {2, 3, 4}},
+        {ct_gelu_create(), CT_F32, 1, {5}},
+        {ct_tanh_create(), CT_F32, 4, {1, 2, 3, 4}},
+        {ct_layernorm_create(6, 1e-5f), CT_F32, 3, {2, 4, 6}},
+        {ct_embedding_create(10, 6), CT_I64, 2, {2, 5}},
+        {ct_embedding_create(10, 6), CT_I32, 1, {4}},
+        {ct_dropout_create(0.5f), CT_F32, 2, {4, 6}},
+        {ct_conv2d_create(3, 4, 3, 1, 1, 1), CT_F32, 4, {2, 3, 8, 8}},
+        {ct_conv2d_create(3, 4, 5, 2, 1, 0), CT_F32, 4, {2, 3, 9, 11}},
+        {ct_maxpool2d_create(2, 0), CT_F32, 4, {2, 3, 8, 6}},
+        {ct_maxpool2d_create(3, 2), CT_F32, 4, {2, 3, 7, 9}},
+        {ct_batchnorm_create(3, 1e-5f, 0.1f), CT_F32, 2, {4, 3}},
+        {ct_batchnorm_create(3, 1e-5f, 0.1f), CT_F32, 4, {2, 3, 4, 5}},
+        {ct_flatten_create(), CT_F32, 4, {2, 3, 4, 5}},
+        {ct_flatten_create(), CT_F32, 1, {7}},
+        {ct_residual_create(ct_linear_create(4, 4, 1)), CT_F32, 2, {3, 4}},
+        {ct_checkpoint_create(ct_conv2d_create(2, 5, 3, 2, 0, 1)), CT_F32, 4, {1, 2, 9, 9}},
+    };
+    int n = (int)(sizeof cases / sizeof cases[0]);
+    for (int i = 0; i < n; i++) {
+        ASSERT(cases[i].m);
+        check_out_shape(cases[i].m, cases[i].dt, cases[i].ndim, cases[i].shape);
+        ct_module_destroy(cases[i].m);
+    }
+    /* A sequential composes its children: a small CNN. */
+    ct_module *net = ct_sequential_create();
+    ASSERT_OK(ct_module_add(net, NULL, ct_conv2d_create(1, 4, 3, 1, 1, 1)));
+    ASSERT_OK(ct_module_add(net, NULL, ct_batchnorm_create(4, 1e-5f, 0.1f)));
+    ASSERT_OK(ct_module_add(net, NULL, ct_relu_create()));
+    ASSERT_OK(ct_module_add(net, NULL, ct_maxpool2d_create(2, 2)));
+    ASSERT_OK(ct_module_add(net, NULL, ct_flatten_create()));
+    ASSERT_OK(ct_module_add(net, NULL, ct_linear_create(4 * 5 * 5, 3, 1)));
+    check_out_shape(net, CT_F32, 4, (int64_t[]){2, 1, 10, 11});
+    ct_module_destroy(net);
+    /* An empty sequential is the identity. */
+    net = ct_sequential_create();
+    check_out_shape(net, CT_F32, 2, (int64_t[]){2, 3});
+    ct_module_destroy(net);
+}
+
+/* An input forward rejects is rejected by shape inference with the same cause. */
+TEST(layers_out_shape_rejects_what_forward_rejects)
+{
+    int on;
+    int64_t os[CT_MAX_DIMS];
+    struct {
+        ct_module *m;
+        int ndim;
+        int64_t shape[CT_MAX_DIMS];
+        const char *why;
+    } cases[] = {
+        {ct_linear_create(7, 5, 1), 2, {3, 6}, "has 6 features but the layer expects 7"},
+        {ct_layernorm_create(6, 1e-5f), 2, {3, 5}, "last dim 6"},
+        {ct_conv2d_create(3, 4, 3, 1, 0, 1), 4, {2, 2, 8, 8}, "[N, 3, H, W]"},
+        {ct_conv2d_create(3, 4, 5, 1, 0, 1), 4, {2, 3, 4, 8}, "smaller than the 5x5 kernel"},
+        {ct_maxpool2d_create(3, 2), 3, {2, 7, 9}, "must be [N, C, H, W]"},
+        {ct_maxpool2d_create(3, 2), 4, {2, 3, 2, 9}, "does not fit a 3x3 window"},
+        {ct_batchnorm_create(3, 1e-5f, 0.1f), 2, {4, 2}, "[N, 3, ...]"},
+        {ct_flatten_create(), 0, {0}, "needs a batch dim"},
+        {ct_embedding_create(10, 6), CT_MAX_DIMS, {1, 1, 1, 1, 1, 1}, "dims; at most"},
+        {ct_residual_create(ct_linear_create(4, 2, 1)), 2, {3, 4}, "must keep the shape"},
+    };
+    int n = (int)(sizeof cases / sizeof cases[0]);
+    for (int i = 0; i < n; i++) {
+        ASSERT(cases[i].m);
+        ASSERT_ERR(ct_module_out_shape(cases[i].m, cases[i].ndim, cases[i].shape, &on, os), CT_EINVAL,
+                   cases[i].why);
+        ct_module_destroy(cases[i].m);
+    }
+    /* A sequential names the child that fails. */
+    ct_module *net = ct_sequential_create();
+    ASSERT_OK(ct_module_add(net, NULL, ct_linear_create(4, 6, 1)));
+    ASSERT_OK(ct_module_add(net, "head", ct_linear_create(5, 2, 1)));
+    ASSERT_ERR(ct_module_out_shape(net, 2, (int64_t[]){3, 4}, &on, os), CT_EINVAL, "linear 'head'");
+    ASSERT_ERR(ct_module_out_shape(net, 9, (int64_t[]){3, 4}, &on, os), CT_EINVAL, "0 to");
+    ASSERT_ERR(ct_module_out_shape(net, 2, (int64_t[]){-1, 4}, &on, os), CT_EINVAL, "dim 0 is -1");
+    ct_module_destroy(net);
+}

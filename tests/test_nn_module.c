@@ -398,7 +398,7 @@ static ct_status many_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
 
 TEST(nn_record_saves_any_number_of_tensors)
 {
-    static const ct_module_ops ops = {"many", many_forward, many_backward, NULL, 0};
+    static const ct_module_ops ops = {"many", many_forward, many_backward, NULL, 0, NULL};
     ct_module *m = ct_module_create(&ops, NULL);
     ct_tensor *x = rand_tensor(3, 5, 1), *dy = rand_tensor(3, 5, 2), *y, *dx;
     ct_fwd_ctx ctx = {1, 1, 0, 0};
@@ -565,4 +565,105 @@ TEST(nn_dropout_masks_follow_global_rows)
     ct_module_destroy(whole);
     ct_module_destroy(split);
     ct_module_destroy(ck);
+}
+
+/* ---- surgery ------------------------------------------------------------ */
+
+/* A nested sequential split into stages: the stages keep its path, so names
+ * and dropout streams are the unsplit tree's, and the stages in turn compute
+ * what it did, dropout included. */
+TEST(nn_split_keeps_names_and_dropout_of_nested_sequential)
+{
+    ct_module *a = ct_sequential_create(), *b = ct_sequential_create();
+    for (int v = 0; v < 2; v++) {
+        ct_module *root = v ? b : a;
+        ASSERT_OK(ct_module_add(root, "layers", drop_model(0)));
+    }
+    ct_param **pa;
+    int na;
+    ASSERT_OK(ct_module_params(a, &pa, &na));
+    ASSERT(!strcmp(pa[0]->name, "layers.0.weight"));
+    ct_module *layers = ct_module_detach(b, 0), *st[2];
+    ASSERT(layers && layers->parent == NULL && b->nkids == 0);
+    ASSERT(!strcmp(layers->fqn, "layers"));
+    ASSERT_OK(ct_module_name_tree(layers)); /* renaming a detached root keeps its names */
+    ASSERT_OK(ct_sequential_split(layers, (int[]){3, 2}, 2, st));
+    ct_module_destroy(layers);
+    ASSERT(!strcmp(st[1]->kids[0]->fqn, "layers.3"));
+    ASSERT(!strcmp(st[1]->kids[0]->kids[0]->params[0]->name, "layers.3.0.weight"));
+    ASSERT(ct_module_find(st[1], "layers.4.bias") != NULL);
+    ASSERT(ct_module_find(st[0], "layers.0.weight") == st[0]->kids[0]->params[0]);
+
+    ct_tensor *x = rand_tensor(6, 6, 1), *dy = rand_tensor(6, 4, 2), *y, *y0, *y1, *g1, *g0;
+    ct_fwd_ctx ctx = {1, 3, 1, 4};
+    ct_tensor *dx = fwd_bwd(a, x, dy, &ctx, &y);
+    ct_record *r0, *r1;
+    ASSERT_OK(ct_module_forward(st[0], x, &y0, &r0, &ctx));
+    ASSERT_OK(ct_module_forward(st[1], y0, &y1, &r1, &ctx));
+    ASSERT_OK(ct_module_backward(st[1], dy, &g1, r1));
+    ASSERT_OK(ct_module_backward(st[0], g1, &g0, r0));
+    ASSERT(!memcmp(ct_f32(y), ct_f32(y1), ct_tensor_bytes(y)));
+    ASSERT(!memcmp(ct_f32(dx), ct_f32(g0), ct_tensor_bytes(dx)));
+    int k = 0;
+    for (int s = 0; s < 2; s++) {
+        ct_param **ps;
+        int np;
+        ASSERT_OK(ct_module_params(st[s], &ps, &np));
+        for (int i = 0; i < np; i++, k++) {
+            ASSERT(!strcmp(ps[i]->name, pa[k]->name));
+            ASSERT(!memcmp(ct_f32(ps[i]->grad), ct_f32(pa[k]->grad), ct_tensor_bytes(ps[i]->grad)));
+        }
+        ct_free(ps);
+    }
+    ASSERT_EQ(k, na);
+    ct_free(pa);
+    ct_tensor *ts[] = {x, dy, y, y0, y1, g1, g0, dx};
+    for (int i = 0; i < 8; i++) ct_tensor_release(ts[i]);
+    ct_module_destroy(st[0]);
+    ct_module_destroy(st[1]);
+    ct_module_destroy(a);
+    ct_module_destroy(b);
+}
+
+TEST(nn_detach_takes_a_child_out_with_its_names)
+{
+    ct_module *m = mlp(0); /* linear relu linear */
+    ASSERT(ct_module_detach(m, 3) == NULL);
+    ASSERT_STR_CONTAINS(ct_last_error(), "has 3 children, so there is no child 3");
+    ASSERT(ct_module_detach(m, -1) == NULL);
+    ct_module *k = ct_module_detach(m, 1);
+    ASSERT(k && k->parent == NULL && !strcmp(k->fqn, "1") && !strcmp(k->ops->kind, "relu"));
+    ASSERT_EQ(m->nkids, 2);
+    ASSERT(!strcmp(m->kids[1]->fqn, "2") && !strcmp(m->kids[1]->params[0]->name, "2.weight"));
+    /* It can join another tree, named there anew. */
+    ct_module *other = ct_sequential_create();
+    ASSERT_OK(ct_module_add(other, "act", k));
+    ASSERT(!strcmp(k->fqn, "act"));
+    ct_module_destroy(other);
+    /* A residual without its body says so instead of crashing. */
+    ct_module *r = ct_residual_create(ct_linear_create(6, 6, 1)), *body = ct_module_detach(r, 0);
+    ct_tensor *x = rand_tensor(2, 6, 1), *y = NULL;
+    ASSERT_ERR(ct_module_forward(r, x, &y, NULL, NULL), CT_ESTATE, "was it detached?");
+    int on;
+    int64_t os[CT_MAX_DIMS];
+    ASSERT_ERR(ct_module_out_shape(r, 2, x->shape, &on, os), CT_ESTATE, "instead of its one body");
+    ct_module_destroy(body);
+    ct_module_destroy(r);
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
+/* A custom module without an out_shape op: shape inference says which module and how to fix it. */
+TEST(nn_out_shape_of_custom_module_without_op_is_a_clear_error)
+{
+    static const ct_module_ops ops = {"many", many_forward, many_backward, NULL, 0, NULL};
+    ct_module *seq = ct_sequential_create();
+    ASSERT_OK(ct_module_add(seq, NULL, ct_linear_create(6, 6, 1)));
+    ASSERT_OK(ct_module_add(seq, "mine", ct_module_create(&ops, NULL)));
+    int on;
+    int64_t os[CT_MAX_DIMS];
+    ASSERT_ERR(ct_module_out_shape(seq, 2, (int64_t[]){3, 6}, &on, os), CT_EUNSUPPORTED,
+               "module 'mine' (many) cannot infer its output shape");
+    ASSERT_STR_CONTAINS(ct_last_error(), "ct_module_out_shape_same");
+    ct_module_destroy(seq);
 }

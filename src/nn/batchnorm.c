@@ -13,7 +13,7 @@
  */
 #include <math.h>
 
-#include "ctrain/nn.h"
+#include "internal.h"
 
 typedef struct {
     int64_t c;
@@ -141,7 +141,21 @@ static ct_status bn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
 
 static void bn_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops bn_ops = {"batchnorm", bn_forward, bn_backward, bn_destroy, 0};
+static ct_status bn_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                              int64_t *out_shape)
+{
+    const bn_impl *B = m->impl;
+    if (ndim < 2 || in_shape[1] != B->c) {
+        ct_tensor t = ct__shape_header(ndim, in_shape);
+        char sh[64];
+        return ct_error(CT_EINVAL, "batchnorm '%s': input %s must be [N, %lld, ...]; check the "
+                        "channel count of the previous layer", nm(m),
+                        ct_shape_str(&t, sh, sizeof sh), (long long)B->c);
+    }
+    return ct_module_out_shape_same(m, ndim, in_shape, out_ndim, out_shape);
+}
+
+static const ct_module_ops bn_ops = {"batchnorm", bn_forward, bn_backward, bn_destroy, 0, bn_out_shape};
 
 ct_module *ct_batchnorm_create(int64_t c, float eps, float momentum)
 {

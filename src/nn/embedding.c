@@ -6,7 +6,7 @@
  */
 #include <string.h>
 
-#include "ctrain/nn.h"
+#include "internal.h"
 
 typedef struct {
     int64_t num, dim;
@@ -77,7 +77,22 @@ static ct_status emb_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
 
 static void emb_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops emb_ops = {"embedding", emb_forward, emb_backward, emb_destroy, 0};
+/* [...] -> [..., dim]; index values are data, so only the rank is checked. */
+static ct_status emb_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                               int64_t *out_shape)
+{
+    const emb_impl *E = m->impl;
+    if (ndim >= CT_MAX_DIMS)
+        return ct_error(CT_EINVAL, "embedding '%s': input has %d dims; at most %d fit with the "
+                        "embedding dim added", nm(m), ndim, CT_MAX_DIMS - 1);
+    memcpy(out_shape, in_shape, (size_t)ndim * sizeof *out_shape);
+    out_shape[ndim] = E->dim;
+    *out_ndim = ndim + 1;
+    return CT_OK;
+}
+
+static const ct_module_ops emb_ops = {"embedding", emb_forward, emb_backward, emb_destroy, 0,
+                                      emb_out_shape};
 
 ct_module *ct_embedding_create(int64_t num, int64_t dim)
 {

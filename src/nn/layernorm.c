@@ -6,7 +6,7 @@
  */
 #include <math.h>
 
-#include "ctrain/nn.h"
+#include "internal.h"
 
 typedef struct {
     int64_t dim;
@@ -105,7 +105,20 @@ static ct_status ln_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
 
 static void ln_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops ln_ops = {"layernorm", ln_forward, ln_backward, ln_destroy, 0};
+static ct_status ln_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                              int64_t *out_shape)
+{
+    const ln_impl *L = m->impl;
+    if (ndim < 1 || in_shape[ndim - 1] != L->dim) {
+        ct_tensor t = ct__shape_header(ndim, in_shape);
+        char sh[64];
+        return ct_error(CT_EINVAL, "layernorm '%s': input %s must have last dim %lld; check the "
+                        "normalised size", nm(m), ct_shape_str(&t, sh, sizeof sh), (long long)L->dim);
+    }
+    return ct_module_out_shape_same(m, ndim, in_shape, out_ndim, out_shape);
+}
+
+static const ct_module_ops ln_ops = {"layernorm", ln_forward, ln_backward, ln_destroy, 0, ln_out_shape};
 
 ct_module *ct_layernorm_create(int64_t dim, float eps)
 {

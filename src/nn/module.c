@@ -223,6 +223,39 @@ ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
     return s;
 }
 
+/* ---- shapes ------------------------------------------------------------ */
+
+static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
+
+ct_status ct_module_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                              int64_t *out_shape)
+{
+    int64_t in[CT_MAX_DIMS]; /* a copy: out_shape may be in_shape */
+    if (ndim < 0 || ndim > CT_MAX_DIMS || (ndim && !in_shape))
+        return ct_error(CT_EINVAL, "output shape of '%s': an input of %d dims; a tensor has 0 to %d",
+                        nm(m), ndim, CT_MAX_DIMS);
+    for (int i = 0; i < ndim; i++) {
+        if (in_shape[i] < 0)
+            return ct_error(CT_EINVAL, "output shape of '%s': input dim %d is %lld; sizes are >= 0",
+                            nm(m), i, (long long)in_shape[i]);
+        in[i] = in_shape[i];
+    }
+    if (!m->ops->out_shape)
+        return ct_error(CT_EUNSUPPORTED, "module '%s' (%s) cannot infer its output shape: its "
+                        "ct_module_ops has no out_shape; give it one (ct_module_out_shape_same "
+                        "if the output has the input's shape)", nm(m), m->ops->kind);
+    return m->ops->out_shape(m, ndim, in, out_ndim, out_shape);
+}
+
+ct_status ct_module_out_shape_same(ct_module *m, int ndim, const int64_t *in_shape,
+                                   int *out_ndim, int64_t *out_shape)
+{
+    (void)m;
+    for (int i = 0; i < ndim; i++) out_shape[i] = in_shape[i];
+    *out_ndim = ndim;
+    return CT_OK;
+}
+
 /* ---- building ---------------------------------------------------------- */
 
 ct_module *ct_module_create(const ct_module_ops *ops, void *impl)
@@ -361,6 +394,21 @@ ct_status ct_module_add(ct_module *m, const char *name, ct_module *kid)
 out_free_kid:
     ct_module_destroy(kid);
     return st;
+}
+
+ct_module *ct_module_detach(ct_module *parent, int index)
+{
+    if (index < 0 || index >= parent->nkids) {
+        ct_error(CT_EINVAL, "'%s' has %d children, so there is no child %d to detach",
+                 nm(parent), parent->nkids, index);
+        return NULL;
+    }
+    ct_module *kid = parent->kids[index];
+    memmove(parent->kids + index, parent->kids + index + 1,
+            (size_t)(parent->nkids - index - 1) * sizeof *parent->kids);
+    parent->nkids--;
+    kid->parent = NULL; /* names untouched: its fqn is the prefix of its subtree */
+    return kid;
 }
 
 static ct_param *new_param(ct_module *m, const char *local, int ndim, const int64_t *shape, int buffer)

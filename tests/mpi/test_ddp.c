@@ -30,7 +30,7 @@ static ct_status branch_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_r
     return ct_module_backward(m->kids[0], dout, din, kr);
 }
 
-static const ct_module_ops branch_ops = {"branch", branch_fwd, branch_bwd, NULL, 0};
+static const ct_module_ops branch_ops = {"branch", branch_fwd, branch_bwd, NULL, 0, NULL};
 
 /* Calls child 0 twice: y = f(f(x)), so f's gradients arrive twice per backward. */
 static ct_status twice_fwd(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
@@ -61,7 +61,7 @@ static ct_status twice_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_re
     return s;
 }
 
-static const ct_module_ops twice_ops = {"twice", twice_fwd, twice_bwd, NULL, 0};
+static const ct_module_ops twice_ops = {"twice", twice_fwd, twice_bwd, NULL, 0, NULL};
 
 /* ---- helpers ------------------------------------------------------------ */
 
