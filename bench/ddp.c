@@ -77,7 +77,7 @@ int main(int argc, char **argv)
         ct_tensor *logits, *dl;
         ct_record *rec;
         float loss;
-        ct_fwd_ctx ctx = {.training = 1, .seed = 1, .step = (uint64_t)it, .micro = 0};
+        ct_fwd_ctx ctx = {.training = 1, .seed = 1, .step = (uint64_t)it};
         check(ct_strategy_forward(s, x, &logits, &rec, &ctx), "forward");
         double l0 = ct_now();
         check(ct_cross_entropy(logits, y, -100, &loss, &dl), "loss");

@@ -4,6 +4,8 @@ Same model (8 x Linear(1024,1024)+ReLU), batch 64 per rank, AdamW, cross-entropy
 over 1024 classes, one intra-op thread per rank.  Ranks are started by the
 caller with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (torchrun is broken on
 Debian's Python 3.11).  Rank 0 prints "torch_ddp step_ms=<median>".
+With a second argument "bf16" the forward and loss run under
+torch.autocast("cpu", dtype=torch.bfloat16), PyTorch's CPU mixed precision.
 """
 import os
 import statistics
@@ -20,6 +22,7 @@ WIDTH, DEPTH, BATCH = 1024, 8, 64
 
 def main():
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+    bf16 = len(sys.argv) > 2 and sys.argv[2] == "bf16"
     warmup = 3
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -37,7 +40,8 @@ def main():
     times = []
     for it in range(warmup + steps):
         t0 = time.perf_counter()
-        loss = loss_fn(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -45,9 +49,9 @@ def main():
         if it >= warmup:
             times.append(t1 - t0)
     if rank == 0:
-        print("torch_ddp step_ms=%.3f (torch %s, gloo, %d ranks, BLAS %s)" % (
+        print("torch_ddp step_ms=%.3f (torch %s, gloo, %d ranks, BLAS %s, %s)" % (
             statistics.median(times) * 1e3, torch.__version__, dist.get_world_size(),
-            os.environ.get("OPENBLAS_CORETYPE", "default")))
+            os.environ.get("OPENBLAS_CORETYPE", "default"), "autocast bf16" if bf16 else "f32"))
     dist.destroy_process_group()
 
 

@@ -75,7 +75,7 @@ static timings run(ct_module *lin, ct_tensor *x, ct_tensor *dy, int reps, int wa
     double *lf = malloc(sizeof(double) * (size_t)n * 9);
     double *lb = lf + n, *nt = lb + n, *tn = nt + n, *nn = tn + n, *rb = nn + n;
     double *qf = rb + n, *qb = qf + n, *qa = qb + n;
-    ct_fwd_ctx ctx = {.training = 1, .seed = 1, .step = 0, .micro = 0};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 1, .step = 0};
     for (int i = 0; i < n; i++) {
         double t0 = now();
         ct_sgemm(0, 1, BATCH, OUT, IN, 1.0f, xr, IN, w, IN, 0.0f, y, OUT);

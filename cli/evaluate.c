@@ -35,7 +35,7 @@ ct_status cli_evaluate(ct_module *model, const ct_model_config *cfg, const ct_da
     if (confusion) memset(confusion, 0, sizeof *confusion * (size_t)(C * C));
     int64_t *idx = ct_alloc(sizeof *idx * (size_t)(batch > 0 ? batch : 1), CT_MEM_OTHER);
     if (!idx) return CT_ENOMEM;
-    ct_fwd_ctx ctx = {.training = 0, .seed = 0, .step = 0, .micro = 0};
+    ct_fwd_ctx ctx = {.training = 0, .seed = 0, .step = 0};
     double loss_sum = 0;
     int64_t correct = 0;
     ct_status st = CT_OK;

@@ -461,7 +461,7 @@ TEST(cli_checkpoint_loads_in_pytorch)
     }
     ct_tensor *x = ct_tensor_create2(5, 784, CT_MEM_ACT), *y;
     for (int64_t i = 0; i < x->numel; i++) ct_f32(x)[i] = (float)sin(0.37 * (double)i) * 1.5f;
-    ct_fwd_ctx ctx = {.training = 0, .seed = 0, .step = 0, .micro = 0};
+    ct_fwd_ctx ctx = {.training = 0, .seed = 0, .step = 0};
     ASSERT_OK(ct_module_forward(model, x, &y, NULL, &ctx));
     const char *names[] = {"x", "logits"};
     ct_tensor *ts[] = {x, y};

@@ -281,17 +281,21 @@ static ct_tensor *ones(int64_t n)
     return t;
 }
 
-TEST(dropout_mask_is_deterministic_per_step_and_micro)
+/* The mask is a function of (seed, step, stream, global row, element): the
+ * same context repeats it, another step redraws it, and sample0 only moves
+ * which global rows a call covers. */
+TEST(dropout_mask_is_deterministic_per_step_and_row)
 {
     ct_module *m = ct_dropout_create(0.3f);
-    ct_tensor *x = ones(20000);
+    ct_tensor *x = ct_tensor_create2(200, 100, CT_MEM_ACT);
+    ct_tensor_fill(x, 1.0f);
     ct_fwd_ctx a = train_ctx(), b = a, c = a;
     b.step++;
-    c.micro++;
+    c.sample0 += 7;
     ct_tensor *ya = fwd(m, x, NULL, &a), *ya2 = fwd(m, x, NULL, &a);
     ct_tensor *yb = fwd(m, x, NULL, &b), *yc = fwd(m, x, NULL, &c);
-    int64_t dropped = 0, diff_b = 0, diff_c = 0;
-    for (int64_t i = 0; i < x->numel; i++) {
+    int64_t dropped = 0, diff_b = 0, diff_c = 0, n = x->numel;
+    for (int64_t i = 0; i < n; i++) {
         float v = ct_f32(ya)[i];
         ASSERT(v == 0.0f || fabsf(v - 1.0f / 0.7f) < 1e-6f); /* kept values scaled by 1/(1-p) */
         ASSERT_EQ(v, ct_f32(ya2)[i]);
@@ -299,11 +303,13 @@ TEST(dropout_mask_is_deterministic_per_step_and_micro)
         diff_b += v != ct_f32(yb)[i];
         diff_c += v != ct_f32(yc)[i];
     }
+    /* Row r of the call starting at global row 7 is row r + 7 of the one at 0. */
+    ASSERT(!memcmp(ct_f32(yc), ct_f32(ya) + 7 * 100, (size_t)(193 * 100) * sizeof(float)));
     /* Fraction ~ p: 0.3 +- 4.5 sigma of a binomial over 20000 draws. */
-    ASSERT_NEAR((double)dropped / 20000, 0.3, 0.015);
+    ASSERT_NEAR((double)dropped / n, 0.3, 0.015);
     /* Independent masks disagree on 2p(1-p) = 42% of elements. */
-    ASSERT_NEAR((double)diff_b / 20000, 0.42, 0.03);
-    ASSERT_NEAR((double)diff_c / 20000, 0.42, 0.03);
+    ASSERT_NEAR((double)diff_b / n, 0.42, 0.03);
+    ASSERT_NEAR((double)diff_c / n, 0.42, 0.03);
     ct_tensor *ys[] = {ya, ya2, yb, yc};
     for (int i = 0; i < 4; i++) ct_tensor_release(ys[i]);
     ct_tensor_release(x);
@@ -347,7 +353,7 @@ TEST(dropout_eval_is_identity)
 {
     ct_module *m = ct_dropout_create(0.5f);
     ct_tensor *x = rand_tensor(1, (int64_t[]){500}, 15, -1.0f, 1.0f), *g = ones(500);
-    ct_fwd_ctx ev = {.training = 0, .seed = 1234, .step = 5, .micro = 0};
+    ct_fwd_ctx ev = {.training = 0, .seed = 1234, .step = 5};
     ct_record *rec;
     ct_tensor *y = fwd(m, x, &rec, &ev), *dx;
     ASSERT(y != x && ct_tensor_data(y) != ct_tensor_data(x));
@@ -670,4 +676,115 @@ TEST(layers_survive_allocation_failures)
     }
     for (int c = 0; c < CT_MEM_NCAT; c++)
         if (c != CT_MEM_PARAM && c != CT_MEM_GRAD && c != CT_MEM_OTHER) ASSERT_EQ(ct_mem_current(c), 0);
+}
+
+/* ---- output shapes ----------------------------------------------------- */
+
+/* ct_module_out_shape of m at shape equals the shape forward returns. */
+static void check_out_shape(ct_module *m, ct_dtype dt, int ndim, const int64_t *shape)
+{
+    int on = -1;
+    int64_t os[CT_MAX_DIMS];
+    ASSERT_OK(ct_module_out_shape(m, ndim, shape, &on, os));
+    ct_tensor *x = ct_tensor_create(dt, ndim, shape, CT_MEM_ACT); /* zeros: valid indices too */
+    ct_fwd_ctx ctx = train_ctx();
+    ct_tensor *y = fwd(m, x, NULL, &ctx);
+    char a[64], b[64];
+    ct_tensor h = *y;
+    h.ndim = on;
+    memcpy(h.shape, os, sizeof os);
+    if (on != y->ndim || memcmp(os, y->shape, (size_t)on * sizeof *os))
+        ct_test_fail(__FILE__, __LINE__, "%s: inferred %s, forward gave %s", m->ops->kind,
+                     ct_shape_str(&h, a, sizeof a), ct_shape_str(y, b, sizeof b));
+    ct_tensor_release(x);
+    ct_tensor_release(y);
+}
+
+TEST(layers_out_shape_matches_forward)
+{
+    struct {
+        ct_module *m;
+        ct_dtype dt;
+        int ndim;
+        int64_t shape[4];
+    } cases[] = {
+        {ct_linear_create(7, 5, 1), CT_F32, 2, {3, 7}},
+        {ct_linear_create(7, 5, 0), CT_F32, 3, {2, 3, 7}},
+        {ct_relu_create(), CT_F32, 3, {2, 3, 4}},
+        {ct_gelu_create(), CT_F32, 1, {5}},
+        {ct_tanh_create(), CT_F32, 4, {1, 2, 3, 4}},
+        {ct_layernorm_create(6, 1e-5f), CT_F32, 3, {2, 4, 6}},
+        {ct_embedding_create(10, 6), CT_I64, 2, {2, 5}},
+        {ct_embedding_create(10, 6), CT_I32, 1, {4}},
+        {ct_dropout_create(0.5f), CT_F32, 2, {4, 6}},
+        {ct_conv2d_create(3, 4, 3, 1, 1, 1), CT_F32, 4, {2, 3, 8, 8}},
+        {ct_conv2d_create(3, 4, 5, 2, 1, 0), CT_F32, 4, {2, 3, 9, 11}},
+        {ct_maxpool2d_create(2, 0), CT_F32, 4, {2, 3, 8, 6}},
+        {ct_maxpool2d_create(3, 2), CT_F32, 4, {2, 3, 7, 9}},
+        {ct_batchnorm_create(3, 1e-5f, 0.1f), CT_F32, 2, {4, 3}},
+        {ct_batchnorm_create(3, 1e-5f, 0.1f), CT_F32, 4, {2, 3, 4, 5}},
+        {ct_flatten_create(), CT_F32, 4, {2, 3, 4, 5}},
+        {ct_flatten_create(), CT_F32, 1, {7}},
+        {ct_residual_create(ct_linear_create(4, 4, 1)), CT_F32, 2, {3, 4}},
+        {ct_checkpoint_create(ct_conv2d_create(2, 5, 3, 2, 0, 1)), CT_F32, 4, {1, 2, 9, 9}},
+    };
+    int n = (int)(sizeof cases / sizeof cases[0]);
+    for (int i = 0; i < n; i++) {
+        ASSERT(cases[i].m);
+        check_out_shape(cases[i].m, cases[i].dt, cases[i].ndim, cases[i].shape);
+        ct_module_destroy(cases[i].m);
+    }
+    /* A sequential composes its children: a small CNN. */
+    ct_module *net = ct_sequential_create();
+    ASSERT_OK(ct_module_add(net, NULL, ct_conv2d_create(1, 4, 3, 1, 1, 1)));
+    ASSERT_OK(ct_module_add(net, NULL, ct_batchnorm_create(4, 1e-5f, 0.1f)));
+    ASSERT_OK(ct_module_add(net, NULL, ct_relu_create()));
+    ASSERT_OK(ct_module_add(net, NULL, ct_maxpool2d_create(2, 2)));
+    ASSERT_OK(ct_module_add(net, NULL, ct_flatten_create()));
+    ASSERT_OK(ct_module_add(net, NULL, ct_linear_create(4 * 5 * 5, 3, 1)));
+    check_out_shape(net, CT_F32, 4, (int64_t[]){2, 1, 10, 11});
+    ct_module_destroy(net);
+    /* An empty sequential is the identity. */
+    net = ct_sequential_create();
+    check_out_shape(net, CT_F32, 2, (int64_t[]){2, 3});
+    ct_module_destroy(net);
+}
+
+/* An input forward rejects is rejected by shape inference with the same cause. */
+TEST(layers_out_shape_rejects_what_forward_rejects)
+{
+    int on;
+    int64_t os[CT_MAX_DIMS];
+    struct {
+        ct_module *m;
+        int ndim;
+        int64_t shape[CT_MAX_DIMS];
+        const char *why;
+    } cases[] = {
+        {ct_linear_create(7, 5, 1), 2, {3, 6}, "has 6 features but the layer expects 7"},
+        {ct_layernorm_create(6, 1e-5f), 2, {3, 5}, "last dim 6"},
+        {ct_conv2d_create(3, 4, 3, 1, 0, 1), 4, {2, 2, 8, 8}, "[N, 3, H, W]"},
+        {ct_conv2d_create(3, 4, 5, 1, 0, 1), 4, {2, 3, 4, 8}, "smaller than the 5x5 kernel"},
+        {ct_maxpool2d_create(3, 2), 3, {2, 7, 9}, "must be [N, C, H, W]"},
+        {ct_maxpool2d_create(3, 2), 4, {2, 3, 2, 9}, "does not fit a 3x3 window"},
+        {ct_batchnorm_create(3, 1e-5f, 0.1f), 2, {4, 2}, "[N, 3, ...]"},
+        {ct_flatten_create(), 0, {0}, "needs a batch dim"},
+        {ct_embedding_create(10, 6), CT_MAX_DIMS, {1, 1, 1, 1, 1, 1}, "dims; at most"},
+        {ct_residual_create(ct_linear_create(4, 2, 1)), 2, {3, 4}, "must keep the shape"},
+    };
+    int n = (int)(sizeof cases / sizeof cases[0]);
+    for (int i = 0; i < n; i++) {
+        ASSERT(cases[i].m);
+        ASSERT_ERR(ct_module_out_shape(cases[i].m, cases[i].ndim, cases[i].shape, &on, os), CT_EINVAL,
+                   cases[i].why);
+        ct_module_destroy(cases[i].m);
+    }
+    /* A sequential names the child that fails. */
+    ct_module *net = ct_sequential_create();
+    ASSERT_OK(ct_module_add(net, NULL, ct_linear_create(4, 6, 1)));
+    ASSERT_OK(ct_module_add(net, "head", ct_linear_create(5, 2, 1)));
+    ASSERT_ERR(ct_module_out_shape(net, 2, (int64_t[]){3, 4}, &on, os), CT_EINVAL, "linear 'head'");
+    ASSERT_ERR(ct_module_out_shape(net, 9, (int64_t[]){3, 4}, &on, os), CT_EINVAL, "0 to");
+    ASSERT_ERR(ct_module_out_shape(net, 2, (int64_t[]){-1, 4}, &on, os), CT_EINVAL, "dim 0 is -1");
+    ct_module_destroy(net);
 }

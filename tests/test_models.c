@@ -92,7 +92,7 @@ TEST(models_cnn_matches_pytorch_sequential)
     ct_tensor *x = ct_tensor_create4(3, 1, 28, 28, CT_MEM_ACT);
     ct_tensor_fill(x, 0.5f);
     ct_tensor *y;
-    ct_fwd_ctx ctx = {.training = 0, .seed = 0, .step = 0, .micro = 0};
+    ct_fwd_ctx ctx = {.training = 0, .seed = 0, .step = 0};
     ASSERT_OK(ct_module_forward(m, x, &y, NULL, &ctx));
     ASSERT_EQ(y->ndim, 2);
     ASSERT_EQ(y->shape[0], 3);
@@ -136,7 +136,7 @@ TEST(models_mlp_forward_by_hand)
     const float xs[] = {1, 2, 3, -1, 0, 1};
     memcpy(ct_tensor_data(x), xs, sizeof xs);
     ct_tensor *y;
-    ct_fwd_ctx ctx = {.training = 0, .seed = 0, .step = 0, .micro = 0};
+    ct_fwd_ctx ctx = {.training = 0, .seed = 0, .step = 0};
     ASSERT_OK(ct_module_forward(m, x, &y, NULL, &ctx));
     /* x0: h = relu(1-2+6+0.25, 0.5+1-9-0.5) = (5.25, 0); y = (5.25+0.125, -5.25-1)
      * x1: h = relu(-1+0+2+0.25, -0.5+0-3-0.5) = (1.25, 0); y = (1.25+0.125, -1.25-1) */
@@ -342,5 +342,175 @@ TEST(models_build_survives_allocation_failures)
         }
         ASSERT(failures > 5);
         for (int cat = 0; cat < CT_MEM_NCAT; cat++) ASSERT_EQ(ct_mem_current((ct_mem_cat)cat), before[cat]);
+    }
+}
+
+/* ---- pipeline stages and shape inference -------------------------------- */
+
+static int same_tensor(const ct_tensor *a, const ct_tensor *b)
+{
+    return ct_tensor_same_shape(a, b) && !memcmp(ct_tensor_data(a), ct_tensor_data(b), ct_tensor_bytes(a));
+}
+
+/* ct_module_out_shape(m) at x's shape must be y's shape. */
+static void check_inferred(ct_module *m, const ct_tensor *x, const ct_tensor *y)
+{
+    int on;
+    int64_t os[CT_MAX_DIMS];
+    ASSERT_OK(ct_module_out_shape(m, x->ndim, x->shape, &on, os));
+    ASSERT_EQ(on, y->ndim);
+    for (int i = 0; i < on; i++) ASSERT_EQ(os[i], y->shape[i]);
+}
+
+/* The model split by sizes into stages run one after the other -- forward
+ * in order, backward in reverse, each stage's input gradient the previous
+ * stage's output gradient, as a pipeline runs them -- computes what the
+ * whole model does, bit for bit, and names every parameter as the whole. */
+static void check_split(const ct_model_config *c, const int *sizes, int nparts)
+{
+    ct_module *whole, *seq, *st[4];
+    ASSERT_OK(ct_model_build(c, 3, &whole));
+    ASSERT_OK(ct_model_build(c, 3, &seq));
+    int nlayers = seq->nkids;
+    ASSERT_OK(ct_sequential_split(seq, sizes, nparts, st));
+    ASSERT_EQ(seq->nkids, 0);
+    ct_module_destroy(seq);
+
+    ct_param **pw;
+    int nw, k = 0, layers = 0;
+    ASSERT_OK(ct_module_params(whole, &pw, &nw));
+    for (int s = 0; s < nparts; s++) {
+        ct_param **ps;
+        int np;
+        ASSERT_OK(ct_module_params(st[s], &ps, &np));
+        for (int i = 0; i < np; i++, k++) {
+            ASSERT(k < nw);
+            if (strcmp(ps[i]->name, pw[k]->name))
+                ct_test_fail(__FILE__, __LINE__, "stage %d names '%s' where the model has '%s'", s,
+                             ps[i]->name, pw[k]->name);
+            ASSERT(ct_module_find(st[s], pw[k]->name) == ps[i]);
+        }
+        ct_free(ps);
+        ASSERT_EQ(st[s]->nkids, sizes[s]);
+        ASSERT(st[s]->parent == NULL);
+        layers += st[s]->nkids;
+    }
+    ASSERT_EQ(k, nw);
+    ASSERT_EQ(layers, nlayers);
+
+    int64_t shape[4];
+    int nd = ct_model_input_shape(c, 5, shape);
+    ct_tensor *x = ct_tensor_create(CT_F32, nd, shape, CT_MEM_ACT);
+    ct_rng g;
+    ct_rng_init(&g, 8, 1);
+    ct_rng_normal(&g, ct_f32(x), (size_t)x->numel, 0, 1);
+    ct_fwd_ctx ctx = {1, 9, 2, 0};
+    ct_tensor *y, *dx;
+    ct_record *rec;
+    ASSERT_OK(ct_module_forward(whole, x, &y, &rec, &ctx));
+    check_inferred(whole, x, y);
+    ct_tensor *dy = ct_tensor_create(CT_F32, y->ndim, y->shape, CT_MEM_ACT);
+    ct_rng_normal(&g, ct_f32(dy), (size_t)dy->numel, 0, 1);
+    ASSERT_OK(ct_module_backward(whole, dy, &dx, rec));
+
+    ct_tensor *act[5];
+    ct_record *recs[4];
+    act[0] = ct_tensor_retain(x);
+    for (int s = 0; s < nparts; s++) {
+        ASSERT_OK(ct_module_forward(st[s], act[s], &act[s + 1], &recs[s], &ctx));
+        check_inferred(st[s], act[s], act[s + 1]);
+    }
+    ASSERT(same_tensor(act[nparts], y));
+    ct_tensor *g_ = ct_tensor_retain(dy);
+    for (int s = nparts - 1; s >= 0; s--) {
+        ct_tensor *gin;
+        ASSERT_OK(ct_module_backward(st[s], g_, &gin, recs[s]));
+        ct_tensor_release(g_);
+        g_ = gin;
+    }
+    ASSERT(same_tensor(g_, dx));
+    k = 0;
+    for (int s = 0; s < nparts; s++) {
+        ct_param **ps;
+        int np;
+        ASSERT_OK(ct_module_params(st[s], &ps, &np));
+        for (int i = 0; i < np; i++, k++)
+            if (!same_tensor(ps[i]->grad, pw[k]->grad))
+                ct_test_fail(__FILE__, __LINE__, "gradient of '%s' differs in stage %d", ps[i]->name, s);
+        ct_free(ps);
+    }
+    ct_free(pw);
+    ct_tensor_release(g_);
+    for (int s = 0; s <= nparts; s++) ct_tensor_release(act[s]);
+    for (int s = 0; s < nparts; s++) ct_module_destroy(st[s]);
+    ct_tensor *ts[] = {x, y, dy, dx};
+    for (int i = 0; i < 4; i++) ct_tensor_release(ts[i]);
+    ct_module_destroy(whole);
+}
+
+TEST(models_split_into_stages_matches_whole)
+{
+    ct_model_config mlp = ct_model_config_default(CT_MODEL_MLP);
+    check_split(&mlp, (int[]){2, 3}, 2);          /* linear relu | linear relu linear */
+    check_split(&mlp, (int[]){1, 2, 2}, 3);
+    ct_model_config cnn = ct_model_config_default(CT_MODEL_CNN);
+    ASSERT_OK(ct_model_config_parse_hidden(&cnn, "4,6,16"));
+    check_split(&cnn, (int[]){3, 7}, 2);          /* conv relu pool | conv relu pool flatten linear relu linear */
+    check_split(&cnn, (int[]){4, 3, 3}, 3);       /* ... | relu pool flatten | linear relu linear */
+}
+
+TEST(models_split_balance_errors_name_the_fix)
+{
+    ct_model_config c = ct_model_config_default(CT_MODEL_MLP); /* 5 layers */
+    ct_module *m, *st[3] = {NULL, NULL, NULL};
+    ASSERT_OK(ct_model_build(&c, 1, &m));
+    ASSERT_ERR(ct_sequential_split(m, (int[]){2, 2}, 2, st), CT_EINVAL,
+               "sizes sum to 4 but the model ('(root)') has 5 layers; give sizes that add up to 5");
+    ASSERT_ERR(ct_sequential_split(m, (int[]){3, 3}, 2, st), CT_EINVAL, "sizes sum to 6");
+    ASSERT_ERR(ct_sequential_split(m, (int[]){5, 0}, 2, st), CT_EINVAL, "part 1 has 0 layers");
+    ASSERT_ERR(ct_sequential_split(m, (int[]){5}, 0, st), CT_EINVAL, "at least one part");
+    ASSERT_ERR(ct_sequential_split(m->kids[0], (int[]){1}, 1, st), CT_EINVAL, "is a linear, not a sequential");
+    ASSERT(st[0] == NULL && st[1] == NULL);
+    ASSERT_EQ(m->nkids, 5); /* untouched */
+    /* Out of memory at every allocation in turn: nothing changes, nothing leaks. */
+    int ok = 0;
+    for (long f = 0; f < 32 && !ok; f++) {
+        ct_mem_fail_after(f);
+        ct_status s = ct_sequential_split(m, (int[]){1, 2, 2}, 3, st);
+        ct_mem_fail_after(-1);
+        if (s == CT_OK) {
+            ok = 1;
+        } else {
+            ASSERT_EQ(s, CT_ENOMEM);
+            ASSERT_EQ(m->nkids, 5);
+            ASSERT(st[0] == NULL && st[1] == NULL && st[2] == NULL);
+        }
+    }
+    ASSERT(ok);
+    ASSERT_EQ(m->nkids, 0);
+    ASSERT(!strcmp(st[2]->kids[1]->params[0]->name, "4.weight"));
+    for (int i = 0; i < 3; i++) ct_module_destroy(st[i]);
+    ct_module_destroy(m);
+}
+
+/* Shape inference of the ready models equals their forward's output shape. */
+TEST(models_out_shape_matches_forward)
+{
+    ct_model_config cs[3] = {ct_model_config_default(CT_MODEL_MLP), ct_model_config_default(CT_MODEL_CNN),
+                             ct_model_config_default(CT_MODEL_CNN)};
+    ASSERT_OK(ct_model_config_parse_hidden(&cs[2], "4,6,8,20"));
+    cs[2].kernel = 5;
+    for (int i = 0; i < 3; i++) {
+        ct_module *m;
+        ASSERT_OK(ct_model_build(&cs[i], 1, &m));
+        int64_t shape[4];
+        int nd = ct_model_input_shape(&cs[i], 3, shape);
+        ct_tensor *x = ct_tensor_create(CT_F32, nd, shape, CT_MEM_ACT), *y;
+        ASSERT_OK(ct_module_forward(m, x, &y, NULL, NULL));
+        check_inferred(m, x, y);
+        ASSERT_EQ(y->shape[1], cs[i].classes);
+        ct_tensor_release(x);
+        ct_tensor_release(y);
+        ct_module_destroy(m);
     }
 }

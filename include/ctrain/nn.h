@@ -26,14 +26,17 @@ typedef struct ct_param ct_param;
 typedef struct ct_record ct_record;
 typedef struct ct_hook ct_hook;
 
-/* What a forward call needs to know besides its input. */
+/* What a forward call needs to know besides its input.  Dropout draws the
+ * mask of input row r (index r along dim 0) from (seed, step, the module's
+ * stream, sample0 + r) only, so the masks of a step do not depend on how its
+ * global batch is cut into ranks and micro-batches: N ranks equal one
+ * process, and a pipeline's micro-batches draw what the whole batch would. */
 typedef struct {
     int training;    /* dropout active, batchnorm uses batch stats */
     uint64_t seed;   /* run seed */
-    uint64_t step;   /* optimizer step: part of the dropout RNG counter */
-    uint32_t micro;  /* micro-batch index within the step */
-    int64_t sample0; /* global index, within the step's global batch, of this call's first row
-                        (the strategy sets it: rank offset + micro-batch offset) */
+    uint64_t step;   /* optimizer step: part of the dropout RNG key */
+    int64_t sample0; /* global index, within the step's global batch, of this call's first
+                        row (the strategy sets it: rank offset + micro-batch offset) */
 } ct_fwd_ctx;
 
 /* A parameter or buffer.  A strategy may replace data/grad with views into
@@ -59,7 +62,9 @@ struct ct_param {
 /* What a kind of module does.  forward must save into rec only when rec is
  * not NULL (rec NULL = inference, nothing saved).  backward reads rec,
  * accumulates parameter gradients, and writes a new reference to the input
- * gradient into *din when din is not NULL. */
+ * gradient into *din when din is not NULL.  out_shape (optional, see
+ * ct_module_out_shape) gives the output shape for an input shape without
+ * running forward, with the errors forward would give. */
 typedef struct {
     const char *kind;
     ct_status (*forward)(ct_module *m, ct_tensor *in, ct_tensor **out,
@@ -70,6 +75,11 @@ typedef struct {
     /* 1 if backward handles gradients marked zero itself (ct_param_grad_beta);
      * otherwise the wrapper clears them before calling backward. */
     int lazy_grad;
+    /* May be NULL (then the kind cannot infer shapes).  out_shape has room
+     * for CT_MAX_DIMS dims; in_shape is already checked (0 <= ndim <=
+     * CT_MAX_DIMS, no negative dim). */
+    ct_status (*out_shape)(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                           int64_t *out_shape);
 } ct_module_ops;
 
 struct ct_module {
@@ -78,30 +88,32 @@ struct ct_module {
     char *fqn;             /* full path ("layers.0"); "" for a root */
     ct_module *parent;
     ct_module **kids;
-    int nkids;
+    int nkids, kids_cap;   /* count and allocated capacity (arrays grow by doubling) */
     ct_param **params;     /* direct parameters, in registration order */
-    int nparams;
+    int nparams, params_cap;
     ct_param **buffers;    /* direct buffers (running stats) */
-    int nbuffers;
+    int nbuffers, buffers_cap;
     void *impl;            /* kind-specific state */
     uint64_t rng_stream;   /* from fqn: dropout stream */
     ct_hook *hooks;        /* pre/post forward and backward hooks */
     int transparent;       /* wrapper whose child takes its place in names */
 };
 
-/* Per-call activation record: saved tensors (retained), small values, and
- * the records of child calls. */
-#define CT_REC_NSAVED 6
+/* Per-call activation record: any number of saved tensors (retained; add
+ * them with ct_record_save, read them with ct_record_saved), small values,
+ * and the records of child calls (ct_record_add_kid).  A backward that takes
+ * a child record out of kids[] sets the slot to NULL: destroying the record
+ * then skips it. */
 struct ct_record {
     ct_module *m;
-    ct_tensor *saved[CT_REC_NSAVED];
+    ct_tensor **saved;     /* [nsaved], in save order */
+    int nsaved, saved_cap;
     int64_t ival[4];
     double fval[4];
     void *extra;           /* freed with ct_free when the record is freed */
-    ct_record **kids;
-    int nkids;
-    int kcap;
-    ct_fwd_ctx ctx;
+    ct_record **kids;      /* [nkids], in call order */
+    int nkids, kcap;
+    ct_fwd_ctx ctx;        /* the context of the call, for a recompute */
 };
 
 /* ---- running modules --------------------------------------------------- */
@@ -115,12 +127,34 @@ ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out,
  * parameters, then post-backward hooks.  Consumes rec even on failure. */
 ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
                              ct_record *rec);
+/* Output shape of m for an input of shape in_shape (ndim dims), without
+ * running anything: writes *out_ndim and out_shape (room for CT_MAX_DIMS).
+ * Every built-in layer knows its rule and containers compose their
+ * children's; an input the forward would reject gives the same CT_EINVAL.
+ * A module kind without an out_shape op (a custom module) is CT_EUNSUPPORTED
+ * naming the module: give its ct_module_ops an out_shape (shape-preserving
+ * kinds can use ct_module_out_shape_same).  No forward is run as a fallback:
+ * that would cost a batch of activations and could not know the input's
+ * dtype. */
+ct_status ct_module_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                              int64_t *out_shape);
+/* An out_shape op for kinds whose output has their input's shape. */
+ct_status ct_module_out_shape_same(ct_module *m, int ndim, const int64_t *in_shape,
+                                   int *out_ndim, int64_t *out_shape);
 /* Frees a record and its children (releasing saved tensors); NULL is a no-op. */
 void ct_record_destroy(ct_record *rec);
 /* New empty record for module m (for module kinds that call children). */
 ct_record *ct_record_create(ct_module *m, const ct_fwd_ctx *ctx);
-/* Appends a child record to rec. */
+/* Appends a child record to rec, which owns it from then on (CT_ENOMEM
+ * leaves kid the caller's). */
 ct_status ct_record_add_kid(ct_record *rec, ct_record *kid);
+/* Keeps t alive for backward: retains it (the caller keeps its own
+ * reference) and returns its index, 0 for the first save, 1 for the next...;
+ * a negative ct_status (CT_ENOMEM, nothing retained) on failure. */
+int ct_record_save(ct_record *rec, ct_tensor *t);
+/* The tensor saved at index i (borrowed: the record holds the reference).
+ * i outside [0, rec->nsaved) is a programmer error (CT_ASSERT). */
+ct_tensor *ct_record_saved(const ct_record *rec, int i);
 
 /* ---- building modules -------------------------------------------------- */
 
@@ -141,6 +175,13 @@ ct_param *ct_module_add_buffer(ct_module *m, const char *local, int ndim,
 /* Computes fully qualified names of every module and parameter under root.
  * Called by ct_module_add; call again after re-parenting a tree by hand. */
 ct_status ct_module_name_tree(ct_module *root);
+/* Takes child index out of parent and returns it as a root of its own that
+ * keeps its names: its fqn stays what it was ("layers.3"), so its parameters
+ * are still "layers.3.weight" and its dropout streams do not change.  The
+ * caller owns the result (ct_module_destroy, or ct_module_add, which names it
+ * anew under its new parent).  The other children keep their names too.
+ * NULL with CT_EINVAL if index is not a child's. */
+ct_module *ct_module_detach(ct_module *parent, int index);
 
 /* ---- walking the tree -------------------------------------------------- */
 
@@ -221,6 +262,18 @@ ct_module *ct_batchnorm_create(int64_t c, float eps, float momentum);
 ct_module *ct_flatten_create(void);
 /* Children run in order; add them with ct_module_add(m, NULL, kid). */
 ct_module *ct_sequential_create(void);
+/* Cuts sequential seq into pipeline stages: moves its children, in order,
+ * into nparts new sequentials, parts[0] taking the first sizes[0] children,
+ * parts[1] the next sizes[1], and so on.  Names do not change: each part is
+ * a root with seq's path and every child keeps its name, so a part holding
+ * children 3..5 names its parameters "3.weight" ... "5.bias" ("layers.3.weight"
+ * when seq is "layers") exactly as the unsplit model's state_dict, and
+ * dropout draws the same masks.  Running the parts in turn computes what seq
+ * did.  On success seq is left without children (still the caller's to
+ * destroy; hooks on seq stay on it) and parts[i] are new roots the caller
+ * destroys; on failure (sizes that do not add up to seq's children, a part
+ * of size < 1, seq not a sequential, out of memory) nothing has changed. */
+ct_status ct_sequential_split(ct_module *seq, const int *sizes, int nparts, ct_module **parts);
 /* y = x + body(x); body becomes the child named "body" (shape-preserving). */
 ct_module *ct_residual_create(ct_module *body);
 /* Wraps inner: forward keeps only its input, backward recomputes inner's

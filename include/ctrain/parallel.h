@@ -116,7 +116,7 @@ typedef struct {
  * micro-batches (contiguous row ranges), then the synchronisation: when it
  * returns, the gradients are the mean loss gradient over the global batch,
  * however rows fall over ranks and micro-batches.  ctx gives training,
- * seed and step (sample0 and micro are set per micro-batch).  Every rank
+ * seed and step (sample0 is set per micro-batch).  Every rank
  * of the group calls it; each needs at least grad_accum rows.  The
  * optimizer step is separate (ct_strategy_step), so a caller can clip
  * first. */

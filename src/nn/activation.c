@@ -30,6 +30,10 @@ static ct_status act_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
                         nm(m), ct_dtype_name(in->dtype));
     ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
+    if (rec && ct_record_save(rec, kind_of(m) == ACT_GELU ? in : y) < 0) {
+        ct_tensor_release(y);
+        return CT_ENOMEM;
+    }
     const float *x = ct_f32(in);
     float *yd = ct_f32(y);
     int64_t n = in->numel;
@@ -44,14 +48,13 @@ static ct_status act_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
         for (int64_t i = 0; i < n; i++) yd[i] = tanhf(x[i]);
         break;
     }
-    if (rec) rec->saved[0] = ct_tensor_retain(kind_of(m) == ACT_GELU ? in : y);
     *out = y;
     return CT_OK;
 }
 
 static ct_status act_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
-    const ct_tensor *s = rec->saved[0]; /* relu, tanh: output; gelu: input */
+    const ct_tensor *s = ct_record_saved(rec, 0); /* relu, tanh: output; gelu: input */
     if (!ct_tensor_same_shape(dout, s)) {
         char a[64], b[64];
         return ct_error(CT_EINVAL, "%s '%s': output gradient %s does not match the output %s",
@@ -87,9 +90,9 @@ static ct_status act_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
     return CT_OK;
 }
 
-static const ct_module_ops relu_ops = {"relu", act_forward, act_backward, NULL, 0};
-static const ct_module_ops gelu_ops = {"gelu", act_forward, act_backward, NULL, 0};
-static const ct_module_ops tanh_ops = {"tanh", act_forward, act_backward, NULL, 0};
+static const ct_module_ops relu_ops = {"relu", act_forward, act_backward, NULL, 0, ct_module_out_shape_same};
+static const ct_module_ops gelu_ops = {"gelu", act_forward, act_backward, NULL, 0, ct_module_out_shape_same};
+static const ct_module_ops tanh_ops = {"tanh", act_forward, act_backward, NULL, 0, ct_module_out_shape_same};
 
 /* Activations have no state: the ops table says which one a module is. */
 ct_module *ct_relu_create(void) { return ct_module_create(&relu_ops, NULL); }

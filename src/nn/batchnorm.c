@@ -13,7 +13,7 @@
  */
 #include <math.h>
 
-#include "ctrain/nn.h"
+#include "internal.h"
 
 typedef struct {
     int64_t c;
@@ -42,7 +42,11 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
                         ct_shape_str(in, sh, sizeof sh));
     ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
     ct_tensor *mean = ct_tensor_create1(C, CT_MEM_ACT), *rstd = ct_tensor_create1(C, CT_MEM_ACT);
-    if (!y || !mean || !rstd) {
+    /* Saved before any running stat is written, so a failure changes nothing;
+     * the record holds its own references to mean and rstd (released below). */
+    if (!y || !mean || !rstd ||
+        (rec && (ct_record_save(rec, in) < 0 || ct_record_save(rec, mean) < 0 ||
+                 ct_record_save(rec, rstd) < 0))) {
         ct_tensor_release(y);
         ct_tensor_release(mean);
         ct_tensor_release(rstd);
@@ -81,15 +85,9 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
         }
     }
     if (training) ct_f32(m->buffers[2]->data)[0] += 1.0f;
-    if (rec) {
-        rec->saved[0] = ct_tensor_retain(in);
-        rec->saved[1] = mean;
-        rec->saved[2] = rstd;
-        rec->ival[0] = training;
-    } else {
-        ct_tensor_release(mean);
-        ct_tensor_release(rstd);
-    }
+    if (rec) rec->ival[0] = training;
+    ct_tensor_release(mean);
+    ct_tensor_release(rstd);
     *out = y;
     return CT_OK;
 }
@@ -99,7 +97,7 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
 static ct_status bn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     const bn_impl *B = m->impl;
-    const ct_tensor *xt = rec->saved[0];
+    const ct_tensor *xt = ct_record_saved(rec, 0);
     if (!ct_tensor_same_shape(dout, xt)) {
         char a[64], b[64];
         return ct_error(CT_EINVAL, "batchnorm '%s': output gradient %s does not match the output %s",
@@ -111,7 +109,7 @@ static ct_status bn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
     ct_tensor *dx = NULL;
     if (din && !(dx = ct_tensor_create(CT_F32, xt->ndim, xt->shape, CT_MEM_ACT))) return CT_ENOMEM;
     const float *x = ct_f32(xt), *dy = ct_f32(dout), *w = ct_f32(m->params[0]->data);
-    const float *mu = ct_f32(rec->saved[1]), *rs = ct_f32(rec->saved[2]);
+    const float *mu = ct_f32(ct_record_saved(rec, 1)), *rs = ct_f32(ct_record_saved(rec, 2));
     ct_param *Wp = m->params[0], *Bp = m->params[1];
     float *gw = Wp->requires_grad && Wp->grad ? ct_f32(Wp->grad) : NULL;
     float *gb = Bp->requires_grad && Bp->grad ? ct_f32(Bp->grad) : NULL;
@@ -143,7 +141,21 @@ static ct_status bn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
 
 static void bn_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops bn_ops = {"batchnorm", bn_forward, bn_backward, bn_destroy, 0};
+static ct_status bn_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                              int64_t *out_shape)
+{
+    const bn_impl *B = m->impl;
+    if (ndim < 2 || in_shape[1] != B->c) {
+        ct_tensor t = ct__shape_header(ndim, in_shape);
+        char sh[64];
+        return ct_error(CT_EINVAL, "batchnorm '%s': input %s must be [N, %lld, ...]; check the "
+                        "channel count of the previous layer", nm(m),
+                        ct_shape_str(&t, sh, sizeof sh), (long long)B->c);
+    }
+    return ct_module_out_shape_same(m, ndim, in_shape, out_ndim, out_shape);
+}
+
+static const ct_module_ops bn_ops = {"batchnorm", bn_forward, bn_backward, bn_destroy, 0, bn_out_shape};
 
 ct_module *ct_batchnorm_create(int64_t c, float eps, float momentum)
 {

@@ -1,9 +1,23 @@
 /*
- * Containers: sequential (children in order), residual (x + body(x)) and the
- * checkpoint wrapper (drop a sub-tree's records after forward, recompute them
- * in backward with the same forward context, so dropout draws the same mask).
+ * Containers: sequential (children in order; split into pipeline stages),
+ * residual (x + body(x)) and the checkpoint wrapper (drop a sub-tree's
+ * records after forward, recompute them in backward with the same forward
+ * context, so dropout draws the same mask).  Their output shapes compose
+ * their children's.
  */
-#include "ctrain/nn.h"
+#include <string.h>
+
+#include "internal.h"
+
+static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
+
+/* Residual and checkpoint have exactly one child; ct_module_detach can take it. */
+static ct_status need_child(const ct_module *m)
+{
+    if (m->nkids == 1) return CT_OK;
+    return ct_error(CT_ESTATE, "%s '%s' has %d children instead of its one %s (was it detached?)",
+                    m->ops->kind, nm(m), m->nkids, m->transparent ? "inner module" : "body");
+}
 
 /* ---- sequential -------------------------------------------------------- */
 
@@ -52,9 +66,81 @@ static ct_status seq_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
     return CT_OK;
 }
 
-static const ct_module_ops seq_ops = {"sequential", seq_forward, seq_backward, NULL, 0};
+static ct_status seq_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                               int64_t *out_shape)
+{
+    int64_t cur[CT_MAX_DIMS];
+    int n = ndim;
+    memcpy(cur, in_shape, (size_t)ndim * sizeof *cur);
+    for (int i = 0; i < m->nkids; i++) CT_TRY(ct_module_out_shape(m->kids[i], n, cur, &n, cur));
+    memcpy(out_shape, cur, (size_t)n * sizeof *cur);
+    *out_ndim = n;
+    return CT_OK;
+}
+
+static const ct_module_ops seq_ops = {"sequential", seq_forward, seq_backward, NULL, 0, seq_out_shape};
 
 ct_module *ct_sequential_create(void) { return ct_module_create(&seq_ops, NULL); }
+
+static char *dupstr(const char *s)
+{
+    size_t n = strlen(s) + 1;
+    char *d = ct_alloc(n, CT_MEM_OTHER);
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+ct_status ct_sequential_split(ct_module *seq, const int *sizes, int nparts, ct_module **parts)
+{
+    if (seq->ops != &seq_ops)
+        return ct_error(CT_EINVAL, "ct_sequential_split: '%s' is a %s, not a sequential; split the "
+                        "sequential that holds the layers", nm(seq), seq->ops->kind);
+    if (nparts < 1 || !sizes || !parts)
+        return ct_error(CT_EINVAL, "ct_sequential_split: %d parts; give at least one part size and "
+                        "room for the parts", nparts);
+    long long sum = 0;
+    for (int i = 0; i < nparts; i++) {
+        if (sizes[i] < 1)
+            return ct_error(CT_EINVAL, "ct_sequential_split: part %d has %d layers; every part needs "
+                            "at least one", i, sizes[i]);
+        sum += sizes[i];
+    }
+    if (sum != seq->nkids)
+        return ct_error(CT_EINVAL, "ct_sequential_split: sizes sum to %lld but the model ('%s') has "
+                        "%d layers; give sizes that add up to %d", sum, nm(seq), seq->nkids,
+                        seq->nkids);
+    /* Everything that can fail first, so a failure changes nothing. */
+    for (int i = 0; i < nparts; i++) parts[i] = NULL;
+    for (int i = 0; i < nparts; i++) {
+        ct_module *p = parts[i] = ct_sequential_create();
+        char *fqn = p ? dupstr(seq->fqn) : NULL;
+        ct_module **kids = fqn ? ct_alloc((size_t)sizes[i] * sizeof *kids, CT_MEM_OTHER) : NULL;
+        if (!kids) {
+            ct_free(fqn);
+            goto out_free_parts;
+        }
+        /* The part's path is seq's: its children's names come out as they were. */
+        ct_free(p->fqn);
+        p->fqn = fqn;
+        p->rng_stream = seq->rng_stream;
+        p->kids = kids;
+        p->kids_cap = sizes[i];
+    }
+    for (int i = 0, k = 0; i < nparts; i++)
+        for (int j = 0; j < sizes[i]; j++) {
+            ct_module *kid = seq->kids[k++];
+            kid->parent = parts[i];
+            parts[i]->kids[parts[i]->nkids++] = kid;
+        }
+    seq->nkids = 0;
+    return CT_OK;
+out_free_parts:
+    for (int i = 0; i < nparts; i++) {
+        ct_module_destroy(parts[i]);
+        parts[i] = NULL;
+    }
+    return CT_ENOMEM;
+}
 
 /* ---- residual ---------------------------------------------------------- */
 
@@ -63,6 +149,7 @@ static ct_status res_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
 {
     ct_tensor *y;
     ct_record *kr = NULL;
+    CT_TRY(need_child(m));
     CT_TRY(ct_module_forward(m->kids[0], in, &y, rec ? &kr : NULL, ctx));
     ct_status s = CT_OK;
     if (!ct_tensor_same_shape(in, y) || in->dtype != CT_F32) {
@@ -91,6 +178,7 @@ static ct_status res_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
 
 static ct_status res_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
+    CT_TRY(need_child(m));
     ct_record *kr = rec->kids[0];
     rec->kids[0] = NULL;
     ct_tensor *gx = NULL;
@@ -110,7 +198,24 @@ static ct_status res_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
     return CT_OK;
 }
 
-static const ct_module_ops res_ops = {"residual", res_forward, res_backward, NULL, 0};
+static ct_status res_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                               int64_t *out_shape)
+{
+    int64_t y[CT_MAX_DIMS];
+    int n;
+    CT_TRY(need_child(m));
+    CT_TRY(ct_module_out_shape(m->kids[0], ndim, in_shape, &n, y));
+    if (n != ndim || memcmp(y, in_shape, (size_t)n * sizeof *y)) {
+        ct_tensor a = ct__shape_header(ndim, in_shape), b = ct__shape_header(n, y);
+        char sa[64], sb[64];
+        return ct_error(CT_EINVAL, "residual '%s': body maps %s to %s; a residual body must keep "
+                        "the shape (f32)", nm(m), ct_shape_str(&a, sa, sizeof sa),
+                        ct_shape_str(&b, sb, sizeof sb));
+    }
+    return ct_module_out_shape_same(m, ndim, in_shape, out_ndim, out_shape);
+}
+
+static const ct_module_ops res_ops = {"residual", res_forward, res_backward, NULL, 0, res_out_shape};
 
 ct_module *ct_residual_create(ct_module *body)
 {
@@ -136,23 +241,31 @@ static ct_status ckpt_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
                               const ct_fwd_ctx *ctx)
 {
     /* Run the body without records: only our input survives until backward. */
-    CT_TRY(ct_module_forward(m->kids[0], in, out, NULL, ctx));
-    if (rec) rec->saved[0] = ct_tensor_retain(in);
-    return CT_OK;
+    CT_TRY(need_child(m));
+    if (rec && ct_record_save(rec, in) < 0) return CT_ENOMEM;
+    return ct_module_forward(m->kids[0], in, out, NULL, ctx);
 }
 
 static ct_status ckpt_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     ct_tensor *y;
     ct_record *kr;
-    /* Same context as the first forward: same step, micro-batch, seed, so the
-     * recomputed dropout masks are the ones the loss saw. */
-    CT_TRY(ct_module_forward(m->kids[0], rec->saved[0], &y, &kr, &rec->ctx));
+    CT_TRY(need_child(m));
+    /* Same context as the first forward: same seed, step and first sample
+     * index, so the recomputed dropout masks are the ones the loss saw. */
+    CT_TRY(ct_module_forward(m->kids[0], ct_record_saved(rec, 0), &y, &kr, &rec->ctx));
     ct_tensor_release(y);
     return ct_module_backward(m->kids[0], dout, din, kr);
 }
 
-static const ct_module_ops ckpt_ops = {"checkpoint", ckpt_forward, ckpt_backward, NULL, 0};
+static ct_status ckpt_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                                int64_t *out_shape)
+{
+    CT_TRY(need_child(m));
+    return ct_module_out_shape(m->kids[0], ndim, in_shape, out_ndim, out_shape);
+}
+
+static const ct_module_ops ckpt_ops = {"checkpoint", ckpt_forward, ckpt_backward, NULL, 0, ckpt_out_shape};
 
 ct_module *ct_checkpoint_create(ct_module *inner)
 {

@@ -13,7 +13,7 @@
 #include <limits.h>
 #include <string.h>
 
-#include "ctrain/nn.h"
+#include "internal.h"
 
 /* Upper bound on the col scratch, in floats (512 KB): small enough to stay in
  * L2 between im2col and the product, which measured 2-3x faster on LeNet's
@@ -143,6 +143,7 @@ static ct_status conv_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     const conv_impl *c = m->impl;
     conv_geom g;
     CT_TRY(conv_check(m, in, &g));
+    if (rec && ct_record_save(rec, in) < 0) return CT_ENOMEM;
     ct_tensor *y = ct_tensor_create4(g.N, c->cout, g.Ho, g.Wo, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
     if (g.N == 0) goto done;
@@ -186,7 +187,6 @@ static ct_status conv_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     ct_free(col);
     ct_free(tmp);
 done:
-    if (rec) rec->saved[0] = ct_tensor_retain(in);
     *out = y;
     return CT_OK;
 }
@@ -194,7 +194,7 @@ done:
 static ct_status conv_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     const conv_impl *c = m->impl;
-    ct_tensor *xt = rec->saved[0];
+    ct_tensor *xt = ct_record_saved(rec, 0);
     conv_geom g;
     CT_TRY(conv_check(m, xt, &g));
     if (dout->dtype != CT_F32 || dout->numel != (int64_t)g.N * c->cout * g.P) {
@@ -263,7 +263,24 @@ done:
 
 static void conv_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops conv_ops = {"conv2d", conv_forward, conv_backward, conv_destroy, 0};
+/* [N, Cin, H, W] -> [N, Cout, Ho, Wo], with conv_check's checks. */
+static ct_status conv_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                                int64_t *out_shape)
+{
+    const conv_impl *c = m->impl;
+    ct_tensor t = ct__shape_header(ndim, in_shape);
+    conv_geom g;
+    CT_TRY(conv_check(m, &t, &g));
+    out_shape[0] = g.N;
+    out_shape[1] = c->cout;
+    out_shape[2] = g.Ho;
+    out_shape[3] = g.Wo;
+    *out_ndim = 4;
+    return CT_OK;
+}
+
+static const ct_module_ops conv_ops = {"conv2d", conv_forward, conv_backward, conv_destroy, 0,
+                                       conv_out_shape};
 
 ct_module *ct_conv2d_create(int64_t cin, int64_t cout, int k, int stride, int pad, int bias)
 {
@@ -340,7 +357,12 @@ static ct_status pool_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
             }
     }
     if (rec) {
-        rec->saved[0] = arg;
+        int s = ct_record_save(rec, arg);
+        ct_tensor_release(arg); /* the record holds it now */
+        if (s < 0) {
+            ct_tensor_release(y);
+            return CT_ENOMEM;
+        }
         rec->ival[0] = in->shape[2];
         rec->ival[1] = in->shape[3];
     }
@@ -350,7 +372,7 @@ static ct_status pool_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
 
 static ct_status pool_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
-    const ct_tensor *arg = rec->saved[0];
+    const ct_tensor *arg = ct_record_saved(rec, 0);
     if (dout->dtype != CT_F32 || dout->numel != arg->numel) {
         char a[64], b[64];
         return ct_error(CT_EINVAL, "maxpool2d '%s': output gradient %s does not match the output %s",
@@ -371,7 +393,29 @@ static ct_status pool_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
 
 static void pool_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops pool_ops = {"maxpool2d", pool_forward, pool_backward, pool_destroy, 0};
+/* [N, C, H, W] -> [N, C, Ho, Wo], with pool_forward's checks. */
+static ct_status pool_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                                int64_t *out_shape)
+{
+    const pool_impl *pl = m->impl;
+    ct_tensor t = ct__shape_header(ndim, in_shape);
+    char sh[64];
+    if (ndim != 4)
+        return ct_error(CT_EINVAL, "maxpool2d '%s': input %s must be [N, C, H, W]", nm(m),
+                        ct_shape_str(&t, sh, sizeof sh));
+    if (in_shape[2] < pl->k || in_shape[3] < pl->k || in_shape[2] * in_shape[3] > INT32_MAX)
+        return ct_error(CT_EINVAL, "maxpool2d '%s': input %s does not fit a %dx%d window", nm(m),
+                        ct_shape_str(&t, sh, sizeof sh), pl->k, pl->k);
+    out_shape[0] = in_shape[0];
+    out_shape[1] = in_shape[1];
+    out_shape[2] = (in_shape[2] - pl->k) / pl->stride + 1;
+    out_shape[3] = (in_shape[3] - pl->k) / pl->stride + 1;
+    *out_ndim = 4;
+    return CT_OK;
+}
+
+static const ct_module_ops pool_ops = {"maxpool2d", pool_forward, pool_backward, pool_destroy, 0,
+                                       pool_out_shape};
 
 ct_module *ct_maxpool2d_create(int k, int stride)
 {

@@ -1,11 +1,16 @@
 /*
  * Dropout: in training, zeroes each element with probability p and scales
- * the kept ones by 1/(1-p); otherwise the identity.  The mask comes from the
- * counter-based RNG keyed by (run seed, module stream) at counter (step,
- * micro-batch), so it is a pure function of those four: a recompute in
- * backward (ct_checkpoint_create) or a restart draws the same mask, and two
- * micro-batches of one step draw different ones.  The record keeps the mask
- * as one byte per element.
+ * the kept ones by 1/(1-p); otherwise the identity.
+ *
+ * The mask is a pure function of (run seed, step, module stream, global row,
+ * element): row r of a call (index r along dim 0) is global row
+ * ctx->sample0 + r, and element j of that row keeps iff uniform number j of
+ * the Philox stream keyed by (seed, step, module stream) with counter
+ * (global row, j) is >= p.  So any split of a step's global batch into ranks
+ * and micro-batches draws, row for row, the bits one call over the whole
+ * batch would; a recompute in backward (ct_checkpoint_create) or a restart
+ * draws the same mask; and steps, modules and rows draw independent ones.
+ * The record keeps the mask as one byte per element.
  */
 #include "ctrain/nn.h"
 
@@ -41,31 +46,33 @@ static ct_status drop_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     }
     ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
     ct_tensor *mask = rec ? ct_tensor_create(CT_U8, in->ndim, in->shape, CT_MEM_ACT) : NULL;
-    if (!y || (rec && !mask)) {
+    int saved = mask ? ct_record_save(rec, mask) : 0;
+    ct_tensor_release(mask); /* the record holds it now */
+    if (!y || (rec && (!mask || saved < 0))) {
         ct_tensor_release(y);
-        ct_tensor_release(mask);
         return CT_ENOMEM;
     }
-    ct_rng r;
-    ct_rng_init(&r, mix64(ctx->seed + mix64(m->rng_stream)),
-                ((uint64_t)ctx->step << 32) | (uint64_t)ctx->micro);
+    if (rec) rec->ival[0] = 1;
+    /* A 0-dim input is one row of one element. */
+    int64_t rows = in->ndim ? in->shape[0] : 1, len = rows ? in->numel / rows : 0;
+    uint64_t key = mix64(ctx->seed + mix64(m->rng_stream + mix64(ctx->step)));
     const float *x = ct_f32(in);
     float *yd = ct_f32(y);
     uint8_t *mk = mask ? ct_tensor_data(mask) : NULL;
     float p = D->p, scale = 1.0f / (1.0f - p);
     float u[256];
-    for (int64_t i0 = 0; i0 < in->numel; i0 += 256) {
-        int64_t n = in->numel - i0 < 256 ? in->numel - i0 : 256;
-        ct_rng_uniform(&r, u, (size_t)n);
-        for (int64_t j = 0; j < n; j++) {
-            int keep = u[j] >= p;
-            yd[i0 + j] = keep ? x[i0 + j] * scale : 0.0f;
-            if (mk) mk[i0 + j] = (uint8_t)keep;
+    for (int64_t r = 0; r < rows; r++) {
+        ct_rng g; /* stream = global row: element j of the row is number j of the stream */
+        ct_rng_init(&g, key, (uint64_t)(ctx->sample0 + r));
+        for (int64_t j0 = 0; j0 < len; j0 += 256) {
+            int64_t n = len - j0 < 256 ? len - j0 : 256, i0 = r * len + j0;
+            ct_rng_uniform(&g, u, (size_t)n);
+            for (int64_t j = 0; j < n; j++) {
+                int keep = u[j] >= p;
+                yd[i0 + j] = keep ? x[i0 + j] * scale : 0.0f;
+                if (mk) mk[i0 + j] = (uint8_t)keep;
+            }
         }
-    }
-    if (rec) {
-        rec->saved[0] = mask;
-        rec->ival[0] = 1;
     }
     *out = y;
     return CT_OK;
@@ -74,7 +81,7 @@ static ct_status drop_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
 static ct_status drop_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     const drop_impl *D = m->impl;
-    const ct_tensor *mask = rec->ival[0] ? rec->saved[0] : NULL;
+    const ct_tensor *mask = rec->ival[0] ? ct_record_saved(rec, 0) : NULL;
     if (dout->dtype != CT_F32 || (mask && dout->numel != mask->numel)) {
         char a[64], b[64];
         return ct_error(CT_EINVAL, "dropout '%s': output gradient %s does not match the output %s",
@@ -99,7 +106,8 @@ static ct_status drop_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
 
 static void drop_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops drop_ops = {"dropout", drop_forward, drop_backward, drop_destroy, 0};
+static const ct_module_ops drop_ops = {"dropout", drop_forward, drop_backward, drop_destroy, 0,
+                                       ct_module_out_shape_same};
 
 ct_module *ct_dropout_create(float p)
 {

@@ -6,7 +6,7 @@
  */
 #include <string.h>
 
-#include "ctrain/nn.h"
+#include "internal.h"
 
 typedef struct {
     int64_t num, dim;
@@ -41,13 +41,13 @@ static ct_status emb_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
     int64_t shape[CT_MAX_DIMS];
     for (int i = 0; i < in->ndim; i++) shape[i] = in->shape[i];
     shape[in->ndim] = E->dim;
+    if (rec && ct_record_save(rec, in) < 0) return CT_ENOMEM;
     ct_tensor *y = ct_tensor_create(CT_F32, in->ndim + 1, shape, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
     const float *w = ct_f32(m->params[0]->data);
     float *yd = ct_f32(y);
     size_t row = (size_t)E->dim * sizeof(float);
     for (int64_t i = 0; i < in->numel; i++) memcpy(yd + i * E->dim, w + index_at(in, i) * E->dim, row);
-    if (rec) rec->saved[0] = ct_tensor_retain(in);
     *out = y;
     return CT_OK;
 }
@@ -55,7 +55,7 @@ static ct_status emb_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
 static ct_status emb_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     const emb_impl *E = m->impl;
-    const ct_tensor *idx = rec->saved[0];
+    const ct_tensor *idx = ct_record_saved(rec, 0);
     if (din) *din = NULL;
     if (dout->dtype != CT_F32 || dout->numel != idx->numel * E->dim) {
         char a[64];
@@ -77,7 +77,22 @@ static ct_status emb_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
 
 static void emb_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops emb_ops = {"embedding", emb_forward, emb_backward, emb_destroy, 0};
+/* [...] -> [..., dim]; index values are data, so only the rank is checked. */
+static ct_status emb_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                               int64_t *out_shape)
+{
+    const emb_impl *E = m->impl;
+    if (ndim >= CT_MAX_DIMS)
+        return ct_error(CT_EINVAL, "embedding '%s': input has %d dims; at most %d fit with the "
+                        "embedding dim added", nm(m), ndim, CT_MAX_DIMS - 1);
+    memcpy(out_shape, in_shape, (size_t)ndim * sizeof *out_shape);
+    out_shape[ndim] = E->dim;
+    *out_ndim = ndim + 1;
+    return CT_OK;
+}
+
+static const ct_module_ops emb_ops = {"embedding", emb_forward, emb_backward, emb_destroy, 0,
+                                      emb_out_shape};
 
 ct_module *ct_embedding_create(int64_t num, int64_t dim)
 {

@@ -56,6 +56,19 @@ static ct_status flat_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     return CT_OK;
 }
 
-static const ct_module_ops flat_ops = {"flatten", flat_forward, flat_backward, NULL, 0};
+static ct_status flat_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                                int64_t *out_shape)
+{
+    if (ndim < 1)
+        return ct_error(CT_EINVAL, "flatten '%s': input is a scalar; it needs a batch dim", nm(m));
+    int64_t rest = 1;
+    for (int i = 1; i < ndim; i++) rest *= in_shape[i];
+    out_shape[0] = in_shape[0];
+    out_shape[1] = rest;
+    *out_ndim = 2;
+    return CT_OK;
+}
+
+static const ct_module_ops flat_ops = {"flatten", flat_forward, flat_backward, NULL, 0, flat_out_shape};
 
 ct_module *ct_flatten_create(void) { return ct_module_create(&flat_ops, NULL); }

@@ -6,7 +6,7 @@
  */
 #include <math.h>
 
-#include "ctrain/nn.h"
+#include "internal.h"
 
 typedef struct {
     int64_t dim;
@@ -30,7 +30,9 @@ static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
     ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
     ct_tensor *mean = rec ? ct_tensor_create1(rows, CT_MEM_ACT) : NULL;
     ct_tensor *rstd = rec ? ct_tensor_create1(rows, CT_MEM_ACT) : NULL;
-    if (!y || (rec && (!mean || !rstd))) {
+    /* The record holds its own references to mean and rstd (released below). */
+    if (!y || (rec && (!mean || !rstd || ct_record_save(rec, in) < 0 ||
+                       ct_record_save(rec, mean) < 0 || ct_record_save(rec, rstd) < 0))) {
         ct_tensor_release(y);
         ct_tensor_release(mean);
         ct_tensor_release(rstd);
@@ -53,11 +55,8 @@ static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
             ct_f32(rstd)[r] = rs;
         }
     }
-    if (rec) {
-        rec->saved[0] = ct_tensor_retain(in);
-        rec->saved[1] = mean;
-        rec->saved[2] = rstd;
-    }
+    ct_tensor_release(mean);
+    ct_tensor_release(rstd);
     *out = y;
     return CT_OK;
 }
@@ -67,7 +66,7 @@ static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
 static ct_status ln_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     const ln_impl *L = m->impl;
-    const ct_tensor *xt = rec->saved[0];
+    const ct_tensor *xt = ct_record_saved(rec, 0);
     if (!ct_tensor_same_shape(dout, xt)) {
         char a[64], b[64];
         return ct_error(CT_EINVAL, "layernorm '%s': output gradient %s does not match the output %s",
@@ -77,7 +76,7 @@ static ct_status ln_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
     ct_tensor *dx = NULL;
     if (din && !(dx = ct_tensor_create(CT_F32, xt->ndim, xt->shape, CT_MEM_ACT))) return CT_ENOMEM;
     const float *x = ct_f32(xt), *dy = ct_f32(dout), *w = ct_f32(m->params[0]->data);
-    const float *mean = ct_f32(rec->saved[1]), *rstd = ct_f32(rec->saved[2]);
+    const float *mean = ct_f32(ct_record_saved(rec, 1)), *rstd = ct_f32(ct_record_saved(rec, 2));
     ct_param *W = m->params[0], *B = m->params[1];
     float *gw = W->requires_grad && W->grad ? ct_f32(W->grad) : NULL;
     float *gb = B->requires_grad && B->grad ? ct_f32(B->grad) : NULL;
@@ -106,7 +105,20 @@ static ct_status ln_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
 
 static void ln_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops ln_ops = {"layernorm", ln_forward, ln_backward, ln_destroy, 0};
+static ct_status ln_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                              int64_t *out_shape)
+{
+    const ln_impl *L = m->impl;
+    if (ndim < 1 || in_shape[ndim - 1] != L->dim) {
+        ct_tensor t = ct__shape_header(ndim, in_shape);
+        char sh[64];
+        return ct_error(CT_EINVAL, "layernorm '%s': input %s must have last dim %lld; check the "
+                        "normalised size", nm(m), ct_shape_str(&t, sh, sizeof sh), (long long)L->dim);
+    }
+    return ct_module_out_shape_same(m, ndim, in_shape, out_ndim, out_shape);
+}
+
+static const ct_module_ops ln_ops = {"layernorm", ln_forward, ln_backward, ln_destroy, 0, ln_out_shape};
 
 ct_module *ct_layernorm_create(int64_t dim, float eps)
 {

@@ -7,7 +7,7 @@
  */
 #include <limits.h>
 
-#include "ctrain/nn.h"
+#include "internal.h"
 
 typedef struct {
     int64_t in, out;
@@ -38,6 +38,7 @@ static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct
     int64_t shape[CT_MAX_DIMS];
     for (int i = 0; i < in->ndim; i++) shape[i] = in->shape[i];
     shape[in->ndim - 1] = L->out;
+    if (rec && ct_record_save(rec, in) < 0) return CT_ENOMEM;
     ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, shape, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
 
@@ -53,7 +54,6 @@ static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct
     }
     ct_sgemm(0, 1, (int)rows, (int)L->out, (int)L->in, 1.0f, ct_f32(in), (int)L->in, w, (int)L->in,
              beta, yd, (int)L->out);
-    if (rec) rec->saved[0] = ct_tensor_retain(in);
     *out = y;
     return CT_OK;
 }
@@ -62,7 +62,7 @@ static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct
 static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     const linear_impl *L = m->impl;
-    ct_tensor *x = rec->saved[0];
+    ct_tensor *x = ct_record_saved(rec, 0);
     int64_t rows = x->numel / L->in;
     if (dout->dtype != CT_F32 || dout->numel != rows * L->out) {
         char a[64];
@@ -98,7 +98,29 @@ static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
 
 static void linear_destroy(ct_module *m) { ct_free(m->impl); }
 
-static const ct_module_ops linear_ops = {"linear", linear_forward, linear_backward, linear_destroy, 1};
+/* [..., in] -> [..., out], with the checks of linear_forward. */
+static ct_status linear_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                                  int64_t *out_shape)
+{
+    const linear_impl *L = m->impl;
+    ct_tensor t = ct__shape_header(ndim, in_shape);
+    char sh[64];
+    if (ndim < 1 || in_shape[ndim - 1] != L->in)
+        return ct_error(CT_EINVAL, "linear '%s': input %s has %lld features but the layer expects "
+                        "%lld; check the previous layer's output size", nm(m),
+                        ct_shape_str(&t, sh, sizeof sh), ndim ? (long long)in_shape[ndim - 1] : 0LL,
+                        (long long)L->in);
+    if (t.numel / L->in > INT_MAX)
+        return ct_error(CT_EINVAL, "linear '%s': %lld rows exceed what BLAS can index; split the batch",
+                        nm(m), (long long)(t.numel / L->in));
+    memcpy(out_shape, in_shape, (size_t)ndim * sizeof *out_shape);
+    out_shape[ndim - 1] = L->out;
+    *out_ndim = ndim;
+    return CT_OK;
+}
+
+static const ct_module_ops linear_ops = {"linear", linear_forward, linear_backward, linear_destroy, 1,
+                                         linear_out_shape};
 
 ct_module *ct_linear_create(int64_t in, int64_t out, int bias)
 {

@@ -28,6 +28,23 @@ static char *dupstr(const char *s)
     return d;
 }
 
+/* ---- growable arrays --------------------------------------------------- */
+
+/* Returns arr with room for one more element (n in use, *cap allocated):
+ * arr itself, or a copy with double the capacity (from 4), so n appends copy
+ * O(n) elements in all.  NULL when out of memory (arr is then untouched). */
+static void *grow(void *arr, int n, int *cap, size_t elem)
+{
+    if (n < *cap) return arr;
+    int c = *cap ? 2 * *cap : 4;
+    void *a = ct_alloc((size_t)c * elem, CT_MEM_OTHER);
+    if (!a) return NULL;
+    if (n) memcpy(a, arr, (size_t)n * elem);
+    ct_free(arr);
+    *cap = c;
+    return a;
+}
+
 /* ---- records ----------------------------------------------------------- */
 
 ct_record *ct_record_create(ct_module *m, const ct_fwd_ctx *ctx)
@@ -41,24 +58,35 @@ ct_record *ct_record_create(ct_module *m, const ct_fwd_ctx *ctx)
 
 ct_status ct_record_add_kid(ct_record *rec, ct_record *kid)
 {
-    if (rec->nkids == rec->kcap) {
-        int cap = rec->kcap ? 2 * rec->kcap : 8;
-        ct_record **k = ct_alloc((size_t)cap * sizeof *k, CT_MEM_OTHER);
-        if (!k) return CT_ENOMEM;
-        if (rec->nkids) memcpy(k, rec->kids, (size_t)rec->nkids * sizeof *k);
-        ct_free(rec->kids);
-        rec->kids = k;
-        rec->kcap = cap;
-    }
-    rec->kids[rec->nkids++] = kid;
+    ct_record **k = grow(rec->kids, rec->nkids, &rec->kcap, sizeof *k);
+    if (!k) return CT_ENOMEM;
+    rec->kids = k;
+    k[rec->nkids++] = kid;
     return CT_OK;
+}
+
+int ct_record_save(ct_record *rec, ct_tensor *t)
+{
+    CT_ASSERT(rec && t);
+    ct_tensor **sv = grow(rec->saved, rec->nsaved, &rec->saved_cap, sizeof *sv);
+    if (!sv) return CT_ENOMEM;
+    rec->saved = sv;
+    sv[rec->nsaved] = ct_tensor_retain(t);
+    return rec->nsaved++;
+}
+
+ct_tensor *ct_record_saved(const ct_record *rec, int i)
+{
+    CT_ASSERT(rec && i >= 0 && i < rec->nsaved);
+    return rec->saved[i];
 }
 
 void ct_record_destroy(ct_record *rec)
 {
     if (!rec) return;
-    for (int i = 0; i < CT_REC_NSAVED; i++) ct_tensor_release(rec->saved[i]);
+    for (int i = 0; i < rec->nsaved; i++) ct_tensor_release(rec->saved[i]);
     for (int i = 0; i < rec->nkids; i++) ct_record_destroy(rec->kids[i]);
+    ct_free(rec->saved);
     ct_free(rec->kids);
     ct_free(rec->extra);
     ct_free(rec);
@@ -147,7 +175,7 @@ static ct_status fire_grad_ready(ct_param *p)
 ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record **rec,
                             const ct_fwd_ctx *ctx)
 {
-    static const ct_fwd_ctx eval_ctx = {.training = 0, .seed = 0, .step = 0, .micro = 0};
+    static const ct_fwd_ctx eval_ctx = {.training = 0, .seed = 0, .step = 0};
     if (!ctx) ctx = &eval_ctx;
     *out = NULL;
     if (rec) *rec = NULL;
@@ -193,6 +221,39 @@ ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
         *din = NULL;
     }
     return s;
+}
+
+/* ---- shapes ------------------------------------------------------------ */
+
+static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
+
+ct_status ct_module_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
+                              int64_t *out_shape)
+{
+    int64_t in[CT_MAX_DIMS]; /* a copy: out_shape may be in_shape */
+    if (ndim < 0 || ndim > CT_MAX_DIMS || (ndim && !in_shape))
+        return ct_error(CT_EINVAL, "output shape of '%s': an input of %d dims; a tensor has 0 to %d",
+                        nm(m), ndim, CT_MAX_DIMS);
+    for (int i = 0; i < ndim; i++) {
+        if (in_shape[i] < 0)
+            return ct_error(CT_EINVAL, "output shape of '%s': input dim %d is %lld; sizes are >= 0",
+                            nm(m), i, (long long)in_shape[i]);
+        in[i] = in_shape[i];
+    }
+    if (!m->ops->out_shape)
+        return ct_error(CT_EUNSUPPORTED, "module '%s' (%s) cannot infer its output shape: its "
+                        "ct_module_ops has no out_shape; give it one (ct_module_out_shape_same "
+                        "if the output has the input's shape)", nm(m), m->ops->kind);
+    return m->ops->out_shape(m, ndim, in, out_ndim, out_shape);
+}
+
+ct_status ct_module_out_shape_same(ct_module *m, int ndim, const int64_t *in_shape,
+                                   int *out_ndim, int64_t *out_shape)
+{
+    (void)m;
+    for (int i = 0; i < ndim; i++) out_shape[i] = in_shape[i];
+    *out_ndim = ndim;
+    return CT_OK;
 }
 
 /* ---- building ---------------------------------------------------------- */
@@ -241,18 +302,6 @@ void ct_module_destroy(ct_module *m)
     ct_free(m->name);
     ct_free(m->fqn);
     ct_free(m);
-}
-
-/* Appends x to a pointer array of n elements (grown one at a time: trees are small). */
-static int push_ptr(void ***arr, int *n, void *x)
-{
-    void **a = ct_alloc((size_t)(*n + 1) * sizeof *a, CT_MEM_OTHER);
-    if (!a) return -1;
-    if (*n) memcpy(a, *arr, (size_t)*n * sizeof *a);
-    a[(*n)++] = x;
-    ct_free(*arr);
-    *arr = a;
-    return 0;
 }
 
 static char *join(const char *prefix, const char *name)
@@ -330,11 +379,14 @@ ct_status ct_module_add(ct_module *m, const char *name, ct_module *kid)
             goto out_free_kid;
         }
     char *nm = dupstr(name);
-    if (!nm || push_ptr((void ***)&m->kids, &m->nkids, kid)) {
+    ct_module **kids = nm ? grow(m->kids, m->nkids, &m->kids_cap, sizeof *kids) : NULL;
+    if (!kids) {
         ct_free(nm);
         st = CT_ENOMEM;
         goto out_free_kid;
     }
+    m->kids = kids;
+    kids[m->nkids++] = kid;
     ct_free(kid->name);
     kid->name = nm;
     kid->parent = m;
@@ -342,6 +394,21 @@ ct_status ct_module_add(ct_module *m, const char *name, ct_module *kid)
 out_free_kid:
     ct_module_destroy(kid);
     return st;
+}
+
+ct_module *ct_module_detach(ct_module *parent, int index)
+{
+    if (index < 0 || index >= parent->nkids) {
+        ct_error(CT_EINVAL, "'%s' has %d children, so there is no child %d to detach",
+                 nm(parent), parent->nkids, index);
+        return NULL;
+    }
+    ct_module *kid = parent->kids[index];
+    memmove(parent->kids + index, parent->kids + index + 1,
+            (size_t)(parent->nkids - index - 1) * sizeof *parent->kids);
+    parent->nkids--;
+    kid->parent = NULL; /* names untouched: its fqn is the prefix of its subtree */
+    return kid;
 }
 
 static ct_param *new_param(ct_module *m, const char *local, int ndim, const int64_t *shape, int buffer)
@@ -363,9 +430,17 @@ static ct_param *new_param(ct_module *m, const char *local, int ndim, const int6
     if (!buffer && p->data) p->grad = ct_tensor_create(CT_F32, ndim, shape, CT_MEM_GRAD);
     p->name = join(m->fqn, local);
     if (!p->local || !p->data || (!buffer && !p->grad) || !p->name) goto out_free;
-    if (push_ptr(buffer ? (void ***)&m->buffers : (void ***)&m->params,
-                 buffer ? &m->nbuffers : &m->nparams, p))
-        goto out_free;
+    if (buffer) {
+        ct_param **b = grow(m->buffers, m->nbuffers, &m->buffers_cap, sizeof *b);
+        if (!b) goto out_free;
+        m->buffers = b;
+        b[m->nbuffers++] = p;
+    } else {
+        ct_param **a = grow(m->params, m->nparams, &m->params_cap, sizeof *a);
+        if (!a) goto out_free;
+        m->params = a;
+        a[m->nparams++] = p;
+    }
     return p;
 out_free:
     param_free(p);
@@ -389,9 +464,18 @@ ct_param *ct_module_add_buffer(ct_module *m, const char *local, int ndim, const 
 
 typedef struct {
     void **items;
-    int n;
+    int n, cap;
     int what; /* 0 params, 1 buffers, 2 modules */
 } collect_t;
+
+static int collect_push(collect_t *c, void *x)
+{
+    void **a = grow(c->items, c->n, &c->cap, sizeof *a);
+    if (!a) return -1;
+    c->items = a;
+    a[c->n++] = x;
+    return 0;
+}
 
 static int seen(const collect_t *c, const void *x)
 {
@@ -403,12 +487,12 @@ static int seen(const collect_t *c, const void *x)
 static int collect(ct_module *m, collect_t *c)
 {
     if (c->what == 2) {
-        if (push_ptr(&c->items, &c->n, m)) return -1;
+        if (collect_push(c, m)) return -1;
     } else {
         ct_param **ps = c->what ? m->buffers : m->params;
         int n = c->what ? m->nbuffers : m->nparams;
         for (int i = 0; i < n; i++) /* a shared parameter is listed once, as PyTorch does */
-            if (!seen(c, ps[i]) && push_ptr(&c->items, &c->n, ps[i])) return -1;
+            if (!seen(c, ps[i]) && collect_push(c, ps[i])) return -1;
     }
     for (int i = 0; i < m->nkids; i++)
         if (collect(m->kids[i], c)) return -1;
@@ -417,7 +501,7 @@ static int collect(ct_module *m, collect_t *c)
 
 static ct_status collect_into(ct_module *root, int what, void ***list, int *n)
 {
-    collect_t c = {NULL, 0, what};
+    collect_t c = {NULL, 0, 0, what};
     if (collect(root, &c)) {
         ct_free(c.items);
         return CT_ENOMEM;

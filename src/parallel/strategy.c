@@ -209,7 +209,6 @@ ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     ct_status st = CT_OK;
     for (int m = 0; m < k && st == CT_OK; m++) {
         int64_t n = nrows / k + (m < nrows % k); /* as even as rows allow */
-        c.micro = (uint32_t)m;
         ct_strategy_set_no_sync(s, m + 1 < k);
         st = micro_step(s, b, r0, n, global, loss, ud, c, &local);
         r0 += n;

@@ -32,7 +32,7 @@ static ct_status branch_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_r
     return ct_module_backward(m->kids[0], dout, din, kr);
 }
 
-static const ct_module_ops branch_ops = {"branch", branch_fwd, branch_bwd, NULL, 0};
+static const ct_module_ops branch_ops = {"branch", branch_fwd, branch_bwd, NULL, 0, NULL};
 
 /* Calls child 0 twice: y = f(f(x)), so f's gradients arrive twice per backward. */
 static ct_status twice_fwd(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
@@ -63,7 +63,7 @@ static ct_status twice_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_re
     return s;
 }
 
-static const ct_module_ops twice_ops = {"twice", twice_fwd, twice_bwd, NULL, 0};
+static const ct_module_ops twice_ops = {"twice", twice_fwd, twice_bwd, NULL, 0, NULL};
 
 /* ---- helpers ------------------------------------------------------------ */
 
@@ -116,11 +116,11 @@ static ct_tensor *rows(ct_tensor *t, int64_t start, int64_t count)
 /* forward + cross-entropy + backward of rows [start, start+count) with the
  * loss gradient scaled by scale. */
 static ct_status train_micro(ct_strategy *s, ct_tensor *gx, ct_tensor *gy, int64_t start, int64_t count,
-                             float scale, int step, int micro)
+                             float scale, int step)
 {
     ct_tensor *x = rows(gx, start, count), *y = rows(gy, start, count), *logits, *dl;
     ct_record *rec;
-    ct_fwd_ctx ctx = {.training = 1, .seed = 5, .step = (uint64_t)step, .micro = (uint32_t)micro};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 5, .step = (uint64_t)step, .sample0 = start};
     float loss;
     ct_status st = ct_strategy_forward(s, x, &logits, &rec, &ctx);
     if (st == CT_OK) {
@@ -174,8 +174,8 @@ static void ddp_vs_single(int kind, ct_optim_kind ok, const char *o, double tol,
         global_batch(step, n, &x, &y);
         ct_strategy_zero_grad(ds);
         ct_strategy_zero_grad(rs);
-        ASSERT_OK(train_micro(ds, x, y, rank * b, b, 1.0f, step, 0));
-        ASSERT_OK(train_micro(rs, x, y, 0, n, 1.0f, step, 0));
+        ASSERT_OK(train_micro(ds, x, y, rank * b, b, 1.0f, step));
+        ASSERT_OK(train_micro(rs, x, y, 0, n, 1.0f, step));
         ASSERT_OK(ct_strategy_step(ds));
         ASSERT_OK(ct_strategy_step(rs));
         ct_tensor_release(x);
@@ -225,7 +225,7 @@ TEST(ddp_find_unused_parameters_with_skipped_branch)
     ASSERT_OK(ct_strategy_create("ddp", m, &opt, NULL, NULL, &s));
     ct_tensor *x, *y;
     global_batch(0, 4, &x, &y);
-    ASSERT_ERR(train_micro(s, x, y, 0, 4, 1, 0, 0), CT_ESTATE, "find_unused_parameters");
+    ASSERT_ERR(train_micro(s, x, y, 0, 4, 1, 0), CT_ESTATE, "find_unused_parameters");
     ASSERT_STR_CONTAINS(ct_last_error(), "'2.unused.weight'");
     ct_tensor_release(x);
     ct_tensor_release(y);
@@ -250,10 +250,10 @@ TEST(ddp_no_sync_accumulation_equals_combined_batch)
         ct_strategy_zero_grad(rs);
         /* Rank r's micro-batches are rows [2br, 2br+b) and [2br+b, 2br+2b). */
         ct_strategy_set_no_sync(ds, 1);
-        ASSERT_OK(train_micro(ds, x, y, 2 * b * rank, b, 0.5f, step, 0));
+        ASSERT_OK(train_micro(ds, x, y, 2 * b * rank, b, 0.5f, step));
         ct_strategy_set_no_sync(ds, 0);
-        ASSERT_OK(train_micro(ds, x, y, 2 * b * rank + b, b, 0.5f, step, 1));
-        ASSERT_OK(train_micro(rs, x, y, 0, n, 1.0f, step, 0));
+        ASSERT_OK(train_micro(ds, x, y, 2 * b * rank + b, b, 0.5f, step));
+        ASSERT_OK(train_micro(rs, x, y, 0, n, 1.0f, step));
         ASSERT_OK(ct_strategy_step(ds));
         ASSERT_OK(ct_strategy_step(rs));
         ct_tensor_release(x);
@@ -295,12 +295,12 @@ TEST(ddp_broadcasts_buffers_from_rank0)
         ASSERT(same_everywhere(g, m, "1.running_mean"));
         ct_tensor *x, *y, *out;
         global_batch(100 + rank, 8, &x, &y); /* different data per rank: running stats diverge */
-        ASSERT_OK(train_micro(s, x, y, 0, 8, 1, 0, 0));
+        ASSERT_OK(train_micro(s, x, y, 0, 8, 1, 0));
         ASSERT_OK(ct_strategy_step(s));
         ASSERT(!same_everywhere(g, m, "1.running_mean"));
         /* An eval forward does not update the stats, so after it they are whatever the
          * forward's buffer broadcast left: rank 0's everywhere, or still diverged. */
-        ct_fwd_ctx eval = {.training = 0, .seed = 5, .step = 1, .micro = 0};
+        ct_fwd_ctx eval = {.training = 0, .seed = 5, .step = 1};
         ASSERT_OK(ct_strategy_forward(s, x, &out, NULL, &eval));
         ASSERT_EQ(same_everywhere(g, m, "1.running_mean"), bcast);
         ASSERT_EQ(same_everywhere(g, m, "1.running_var"), bcast);
@@ -332,7 +332,7 @@ TEST(ddp_rejects_gradient_produced_twice)
     ASSERT_OK(ct_strategy_create("ddp", m, &opt, NULL, NULL, &s));
     ct_tensor *x, *y;
     global_batch(0, 4, &x, &y);
-    ASSERT_ERR(train_micro(s, x, y, 0, 4, 1, 0, 0), CT_ESTATE, "received its gradient twice");
+    ASSERT_ERR(train_micro(s, x, y, 0, 4, 1, 0), CT_ESTATE, "received its gradient twice");
     ct_tensor_release(x);
     ct_tensor_release(y);
     ct_strategy_destroy(s);
