@@ -4,7 +4,11 @@
  * records.  A forward call saves what its backward needs in a ct_record that
  * belongs to that call (not to the layer), so several micro-batches can be
  * in flight and a record can be dropped and recomputed (ct_checkpoint_create).
- * This room knows nothing of ranks.
+ * A pipeline cuts a sequential into stages that keep their names
+ * (ct_sequential_split) and sizes the activations between them without
+ * running anything (ct_module_out_shape).  This room knows nothing of ranks:
+ * a strategy tells dropout where a call's rows sit in the global batch
+ * (ct_fwd_ctx.sample0).
  *
  * Ownership: a module owns its children, parameters and buffers;
  * ct_module_destroy frees the whole tree.  Forward returns a new reference in
