@@ -384,6 +384,43 @@ TEST(cli_ddp_grad_accum_matches_single_process)
     ASSERT_NEAR(number_after(out, "final train loss "), l1, 1e-4);
 }
 
+/* Dropout keys on a sample's place in the global batch: 1 process and 2, 3
+ * and 4 ranks draw the same masks and train the same weights. */
+TEST(cli_dropout_same_for_any_number_of_ranks)
+{
+    static char out[OUT_MAX];
+    char ref[512], path[512];
+    snprintf(ref, sizeof ref, "%s/drop1.safetensors", ct_test_tmpdir());
+    int code = RUN(out, "train " SMALL " --steps 5 --batch 48 --seed 2 --dropout 0.2 --log-every 1 --save %s", ref);
+    if (code) ct_test_fail(__FILE__, __LINE__, "single process failed:\n%s", out);
+    ASSERT_STR_CONTAINS(out, "dropout 0.2");
+    double l1 = number_after(out, "final train loss ");
+    ct_safetensors *a;
+    ASSERT_OK(ct_safetensors_load(ref, &a));
+    for (int np = 2; np <= 4; np++) {
+        snprintf(path, sizeof path, "%s/drop%d.safetensors", ct_test_tmpdir(), np);
+        code = run_np(np, out, "train " SMALL " --steps 5 --batch 48 --seed 2 --dropout 0.2 --log-every 1 --save %s",
+                      path);
+        if (code) ct_test_fail(__FILE__, __LINE__, "%d ranks failed:\n%s", np, out);
+        ASSERT_NEAR(number_after(out, "final train loss "), l1, 1e-5);
+        ct_safetensors *b;
+        ASSERT_OK(ct_safetensors_load(path, &b));
+        ASSERT_EQ(ct_safetensors_count(a), ct_safetensors_count(b));
+        for (int i = 0; i < ct_safetensors_count(a); i++) {
+            ct_tensor *ta = ct_safetensors_tensor(a, i), *tb = ct_safetensors_find(b, ct_safetensors_name(a, i));
+            ASSERT(tb && ta->numel == tb->numel);
+            for (int64_t j = 0; j < ta->numel; j++) ASSERT_NEAR(ct_f32(ta)[j], ct_f32(tb)[j], 1e-5);
+        }
+        ct_safetensors_destroy(b);
+    }
+    /* and the mask is real: without dropout the run differs */
+    code = RUN(out, "train " SMALL " --steps 5 --batch 48 --seed 2 --log-every 1");
+    ASSERT_EQ(code, 0);
+    ASSERT(fabs(number_after(out, "final train loss ") - l1) > 1e-4);
+    ct_safetensors_destroy(a);
+    remove_scratch();
+}
+
 /* World-size errors: every rank sees them, rank 0 says them once. */
 TEST(cli_ddp_usage_errors)
 {

@@ -67,7 +67,7 @@ static const ct_module_ops twice_ops = {"twice", twice_fwd, twice_bwd, NULL, 0, 
 
 /* ---- helpers ------------------------------------------------------------ */
 
-enum { PLAIN, WITH_BN, WITH_UNUSED, WITH_TWICE, BIGGER };
+enum { PLAIN, WITH_BN, WITH_UNUSED, WITH_TWICE, BIGGER, WITH_DROPOUT };
 
 static ct_module *model(int kind, uint64_t seed)
 {
@@ -76,6 +76,7 @@ static ct_module *model(int kind, uint64_t seed)
     ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(IN, hidden, 1)));
     if (kind == WITH_BN) ASSERT_OK(ct_module_add(m, NULL, ct_batchnorm_create(hidden, 1e-5f, 0.1f)));
     ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
+    if (kind == WITH_DROPOUT) ASSERT_OK(ct_module_add(m, NULL, ct_dropout_create(0.2f)));
     if (kind == WITH_UNUSED) {
         ct_module *br = ct_module_create(&branch_ops, NULL);
         ASSERT_OK(ct_module_add(br, "used", ct_linear_create(hidden, hidden, 1)));
@@ -509,4 +510,32 @@ TEST(shard_state_covers_the_state_once)
     }
     ct_strategy_destroy(s);
     ct_module_destroy(m);
+}
+
+/* Dropout masks key on the global row: N ranks, in micro-batches, train
+ * what one process trains on the whole batch (5 AdamW steps). */
+TEST(ddp_dropout_equals_one_process)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    int64_t n = 6 * world + 1;
+    ct_module *dm = model(WITH_DROPOUT, 8), *rm = model(WITH_DROPOUT, 8);
+    ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
+    ct_strategy *ds, *rs;
+    ASSERT_OK(ct_strategy_create("ddp", dm, &oo, g, "grad_accum=2", &ds));
+    ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, NULL, &rs));
+    for (int step = 0; step < 5; step++) {
+        ct_step_out o;
+        step_on_slice(ds, step, n, rank, world, &o);
+        step_on_slice(rs, step, n, 0, 1, &o);
+        ASSERT_OK(ct_strategy_step(ds));
+        ASSERT_OK(ct_strategy_step(rs));
+        ct_strategy_zero_grad(ds);
+        ct_strategy_zero_grad(rs);
+    }
+    assert_params_close(dm, rm, 2e-5);
+    ct_strategy_destroy(ds);
+    ct_strategy_destroy(rs);
+    ct_module_destroy(dm);
+    ct_module_destroy(rm);
 }
