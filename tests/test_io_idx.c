@@ -282,8 +282,7 @@ TEST(idx_fashion_mnist_real)
     char path[512];
     snprintf(path, sizeof path, "%s/t10k-images-idx3-ubyte.gz", CT_FASHION_MNIST_DIR);
     if (access(path, R_OK) != 0) {
-        printf("    skipped: %s absent (Debian package dataset-fashion-mnist)\n", path);
-        return;
+        SKIP("%s absent (Debian package dataset-fashion-mnist)", path);
     }
     ct_dataset ds;
     ASSERT_OK(ct_fashion_mnist_load(NULL, 0, &ds));
