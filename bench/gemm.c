@@ -60,12 +60,12 @@ typedef struct {
 static timings run(ct_module *lin, ct_tensor *x, ct_tensor *dy, int reps, int warmup)
 {
     /* Raw operands, separate from the layer's so neither warms the other's cache unfairly. */
-    float *w = ct_alloc((size_t)OUT * IN * sizeof(float), CT_MEM_OTHER);
-    float *gw = ct_alloc((size_t)OUT * IN * sizeof(float), CT_MEM_OTHER);
-    float *xr = ct_alloc((size_t)BATCH * IN * sizeof(float), CT_MEM_OTHER);
-    float *dyr = ct_alloc((size_t)BATCH * OUT * sizeof(float), CT_MEM_OTHER);
-    float *y = ct_alloc((size_t)BATCH * OUT * sizeof(float), CT_MEM_OTHER);
-    float *dx = ct_alloc((size_t)BATCH * IN * sizeof(float), CT_MEM_OTHER);
+    float *w = ct_alloc_zeroed((size_t)OUT * IN * sizeof(float), CT_MEM_OTHER);
+    float *gw = ct_alloc_zeroed((size_t)OUT * IN * sizeof(float), CT_MEM_OTHER);
+    float *xr = ct_alloc_zeroed((size_t)BATCH * IN * sizeof(float), CT_MEM_OTHER);
+    float *dyr = ct_alloc_zeroed((size_t)BATCH * OUT * sizeof(float), CT_MEM_OTHER);
+    float *y = ct_alloc_zeroed((size_t)BATCH * OUT * sizeof(float), CT_MEM_OTHER);
+    float *dx = ct_alloc_zeroed((size_t)BATCH * IN * sizeof(float), CT_MEM_OTHER);
     if (!w || !gw || !xr || !dyr || !y || !dx) check(CT_ENOMEM, "allocation");
     fill(w, (size_t)OUT * IN, 1);
     fill(xr, (size_t)BATCH * IN, 2);

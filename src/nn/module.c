@@ -23,7 +23,7 @@ struct ct_hook {
 static char *dupstr(const char *s)
 {
     size_t n = strlen(s) + 1;
-    char *d = ct_alloc(n, CT_MEM_OTHER);
+    char *d = ct_alloc_zeroed(n, CT_MEM_OTHER);
     if (d) memcpy(d, s, n);
     return d;
 }
@@ -32,7 +32,7 @@ static char *dupstr(const char *s)
 
 ct_record *ct_record_create(ct_module *m, const ct_fwd_ctx *ctx)
 {
-    ct_record *r = ct_alloc(sizeof *r, CT_MEM_OTHER);
+    ct_record *r = ct_alloc_zeroed(sizeof *r, CT_MEM_OTHER);
     if (!r) return NULL;
     r->m = m;
     if (ctx) r->ctx = *ctx;
@@ -43,7 +43,7 @@ ct_status ct_record_add_kid(ct_record *rec, ct_record *kid)
 {
     if (rec->nkids == rec->kcap) {
         int cap = rec->kcap ? 2 * rec->kcap : 8;
-        ct_record **k = ct_alloc((size_t)cap * sizeof *k, CT_MEM_OTHER);
+        ct_record **k = ct_alloc_zeroed((size_t)cap * sizeof *k, CT_MEM_OTHER);
         if (!k) return CT_ENOMEM;
         if (rec->nkids) memcpy(k, rec->kids, (size_t)rec->nkids * sizeof *k);
         ct_free(rec->kids);
@@ -68,7 +68,7 @@ void ct_record_destroy(ct_record *rec)
 
 static ct_hook *hook_push(ct_hook **head, ct_hook_kind kind, void *ud)
 {
-    ct_hook *h = ct_alloc(sizeof *h, CT_MEM_OTHER);
+    ct_hook *h = ct_alloc_zeroed(sizeof *h, CT_MEM_OTHER);
     if (!h) return NULL;
     h->kind = kind;
     h->ud = ud;
@@ -200,7 +200,7 @@ ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
 ct_module *ct_module_create(const ct_module_ops *ops, void *impl)
 {
     CT_ASSERT(ops && ops->forward && ops->backward && ops->kind);
-    ct_module *m = ct_alloc(sizeof *m, CT_MEM_OTHER);
+    ct_module *m = ct_alloc_zeroed(sizeof *m, CT_MEM_OTHER);
     if (!m) return NULL;
     m->ops = ops;
     m->impl = impl;
@@ -246,7 +246,7 @@ void ct_module_destroy(ct_module *m)
 /* Appends x to a pointer array of n elements (grown one at a time: trees are small). */
 static int push_ptr(void ***arr, int *n, void *x)
 {
-    void **a = ct_alloc((size_t)(*n + 1) * sizeof *a, CT_MEM_OTHER);
+    void **a = ct_alloc_zeroed((size_t)(*n + 1) * sizeof *a, CT_MEM_OTHER);
     if (!a) return -1;
     if (*n) memcpy(a, *arr, (size_t)*n * sizeof *a);
     a[(*n)++] = x;
@@ -258,7 +258,7 @@ static int push_ptr(void ***arr, int *n, void *x)
 static char *join(const char *prefix, const char *name)
 {
     size_t a = strlen(prefix), b = strlen(name);
-    char *s = ct_alloc(a + b + 2, CT_MEM_OTHER);
+    char *s = ct_alloc_zeroed(a + b + 2, CT_MEM_OTHER);
     if (!s) return NULL;
     if (a && b) sprintf(s, "%s.%s", prefix, name);
     else sprintf(s, "%s", a ? prefix : name);
@@ -353,7 +353,7 @@ static ct_param *new_param(ct_module *m, const char *local, int ndim, const int6
             ct_error(CT_EINVAL, "module '%s' already has '%s'", m->fqn, local);
             return NULL;
         }
-    ct_param *p = ct_alloc(sizeof *p, CT_MEM_OTHER);
+    ct_param *p = ct_alloc_zeroed(sizeof *p, CT_MEM_OTHER);
     if (!p) return NULL;
     p->local = dupstr(local);
     p->owner = m;

@@ -41,7 +41,7 @@ ct_status ct_strategy_create(const char *kind, ct_module *model, ct_optim *opt, 
     if (!g) g = ct_group_world();
     if (ops != &none_ops && !g)
         return ct_error(CT_ESTATE, "strategy '%s' needs communication: call ct_comm_init first", kind);
-    ct_strategy *s = ct_alloc(sizeof *s, CT_MEM_OTHER);
+    ct_strategy *s = ct_alloc_zeroed(sizeof *s, CT_MEM_OTHER);
     if (!s) return CT_ENOMEM;
     s->ops = ops;
     s->model = model;
@@ -166,9 +166,9 @@ void ct_strategy_zero_grad(ct_strategy *s) { ct_module_zero_grad_lazy(s->model);
 ct_status ct_state_add(ct_state *st, const char *name, ct_tensor *t)
 {
     size_t len = strlen(name) + 1;
-    char **nn = ct_alloc(sizeof *nn * (size_t)(st->n + 1), CT_MEM_OTHER);
-    ct_tensor **nt = ct_alloc(sizeof *nt * (size_t)(st->n + 1), CT_MEM_OTHER);
-    char *copy = ct_alloc(len, CT_MEM_OTHER);
+    char **nn = ct_alloc_zeroed(sizeof *nn * (size_t)(st->n + 1), CT_MEM_OTHER);
+    ct_tensor **nt = ct_alloc_zeroed(sizeof *nt * (size_t)(st->n + 1), CT_MEM_OTHER);
+    char *copy = ct_alloc_zeroed(len, CT_MEM_OTHER);
     if (!nn || !nt || !copy) {
         ct_free(nn);
         ct_free(nt);
