@@ -118,6 +118,7 @@ static timings run(ct_module *lin, ct_tensor *x, ct_tensor *dy, int reps, int wa
 
 int main(int argc, char **argv)
 {
+    ct_blas_select_kernel(argc, argv); /* measure the fast kernel, as ctrain runs it */
     int reps = 200, warmup = 20;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);

@@ -182,6 +182,9 @@ static void run_mpi(const char *bin, int np, double timeout, int nfilt, char **f
 
 int main(int argc, char **argv)
 {
+    /* Tests run with the fast BLAS kernel, as the ctrain program does (the
+     * test processes inherit the choice through the environment). */
+    if (ct_blas_select_kernel(argc, argv) != CT_OK) fprintf(stderr, "run: warning: %s\n", ct_last_error());
     setvbuf(stdout, NULL, _IOLBF, 0);
     ct_tests_sort();
     if (argc == 3 && !strcmp(argv[1], "--one")) {

@@ -199,8 +199,21 @@ void ct_blas_set_threads(int n);
 int ct_blas_get_threads(void);
 /* Name of the kernel OpenBLAS runs ("SkylakeX", "Haswell", ...). */
 const char *ct_blas_corename(void);
-/* How the kernel was chosen: "auto-selected", "user's OPENBLAS_CORETYPE", "OpenBLAS default". */
+/* How the kernel was chosen: "auto-selected by ctrain", "user's OPENBLAS_CORETYPE", "OpenBLAS default". */
 const char *ct_blas_kernel_source(void);
+/* Re-executes this program once with the fast kernel if OpenBLAS picked a
+ * slow one (OpenBLAS reads OPENBLAS_CORETYPE only when it loads, so there is
+ * no other cure).  Call it first thing in main, with main's argc and argv
+ * unchanged, before threads or other state exist: on re-execution it does
+ * not return, and the program starts again from the top.  Linking libctrain
+ * never does this by itself.  Returns CT_OK and does nothing when the kernel
+ * is fine, the CPU has nothing better, the user set OPENBLAS_CORETYPE, or
+ * CTRAIN_NO_REEXEC=1; CT_EUNSUPPORTED (the program can go on, slowly) if the
+ * re-exec failed.  CTRAIN_BLAS_DISTRUST=1 treats any kernel as slow (tests). */
+ct_status ct_blas_select_kernel(int argc, char **argv);
+/* Logs one warning per process, naming the fix, if OpenBLAS runs a slower
+ * kernel than the CPU allows and the user did not choose it. */
+void ct_blas_warn_if_slow(void);
 
 /* ---- time and tracing -------------------------------------------------- */
 

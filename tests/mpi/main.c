@@ -110,6 +110,7 @@ static int abort_demo(ct_group *w)
 
 int main(int argc, char **argv)
 {
+    if (ct_blas_select_kernel(argc, argv) != CT_OK) fprintf(stderr, "mpi_run: warning: %s\n", ct_last_error());
     setvbuf(stdout, NULL, _IOLBF, 0);
     size_t bytes0 = ctrain_bytes();
     if (ct_comm_init(&argc, &argv) != CT_OK) {
