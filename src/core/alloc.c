@@ -68,12 +68,14 @@ _Static_assert(sizeof(hdr_t) <= HDR, "the block header must fit in HDR bytes");
 
 static size_t page_size(void)
 {
-    static size_t pg;
-    if (!pg) {
+    static _Atomic size_t pg; /* threads may race to set it, to the same value */
+    size_t v = atomic_load_explicit(&pg, memory_order_relaxed);
+    if (!v) {
         long p = sysconf(_SC_PAGESIZE);
-        pg = p > 0 ? (size_t)p : 4096;
+        v = p > 0 ? (size_t)p : 4096;
+        atomic_store_explicit(&pg, v, memory_order_relaxed);
     }
-    return pg;
+    return v;
 }
 
 static hdr_t *hdr_of(const void *p) { return (hdr_t *)((char *)p - HDR); }
