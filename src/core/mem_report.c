@@ -122,7 +122,7 @@ ct_status ct_mem_report_format(const ct_mem_report *r, char *buf, size_t n)
 {
     out_t o = {buf, n, 0};
     char a[32];
-    put(&o, "memory        %12s %12s\n", "current", "peak");
+    put(&o, "%-13s%12s %12s\n", "memory", "current", "peak");
     for (int c = 0; c < CT_MEM_NCAT; c++)
         row(&o, ct_mem_cat_name((ct_mem_cat)c), r->current[c], r->peak[c], "");
     row(&o, "total", r->current_total, r->peak_total, "(peak of the sum)");
