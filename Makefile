@@ -64,10 +64,18 @@ $(B)/tests/run: $(TEST_OBJ) $(B)/libctrain.a
 $(B)/tests/mpi_run: $(MPI_OBJ) $(B)/libctrain.a
 	$(CC) -o $@ $(MPI_OBJ) $(B)/libctrain.a $(SANFLAGS) $(LDLIBS)
 
+# A user's program with a constructor, linked with libctrain statically and
+# as a shared library (tests/test_core_blas.c checks it starts untouched).
+$(B)/tests/ctor_prog: $(B)/tests/ctor_prog.o $(B)/libctrain.a
+	$(CC) -o $@ $< $(B)/libctrain.a $(SANFLAGS) $(LDLIBS)
+
+$(B)/tests/ctor_prog_so: $(B)/tests/ctor_prog.o $(B)/libctrain.so
+	$(CC) -o $@ $< -L$(B) -lctrain -Wl,-rpath,'$$ORIGIN/..' $(SANFLAGS) $(LDLIBS)
+
 $(B)/bench/%: $(B)/bench/%.o $(B)/libctrain.a
 	$(CC) -o $@ $< $(B)/libctrain.a $(SANFLAGS) $(LDLIBS)
 
-test: all $(B)/tests/run $(B)/tests/mpi_run
+test: all $(B)/tests/run $(B)/tests/mpi_run $(B)/tests/ctor_prog $(B)/tests/ctor_prog_so
 	$(B)/tests/run --mpi $(B)/tests/mpi_run --np $(NP) $(T)
 
 # Same tests under AddressSanitizer + UndefinedBehaviorSanitizer in build-san/.

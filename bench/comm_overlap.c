@@ -145,7 +145,7 @@ static void compare_shm(int reps)
             for (int i = 0; i < nbuf; i++) {
                 if (path) check(ct_group_alloc_shared(g, bytes, CT_MEM_COMM, (void **)&buf[i]),
                                 "ct_group_alloc_shared");
-                else if (!(buf[i] = ct_alloc(bytes, CT_MEM_COMM))) ct_comm_abort("out of memory");
+                else if (!(buf[i] = ct_alloc_zeroed(bytes, CT_MEM_COMM))) ct_comm_abort("out of memory");
                 for (int64_t j = 0; j < count; j++) buf[i][j] = 1e-3f * (float)(j % 7);
             }
             int direct = ct_group_is_shared(g, buf[0], bytes);
@@ -181,6 +181,7 @@ static void compare_shm(int reps)
 
 int main(int argc, char **argv)
 {
+    ct_blas_select_kernel(argc, argv); /* measure the fast kernel, as ctrain runs it */
     bench_relaunch_under_mpirun(argc, argv, 2);
     int reps = 9, shm_mode = 0;
     double mib = 4;
@@ -206,9 +207,9 @@ int main(int argc, char **argv)
     int rank = ct_group_rank(g);
     ct_blas_set_threads(1);
     count = (int64_t)(mib * 1024 * 1024 / sizeof(float));
-    a = ct_alloc((size_t)M * K * sizeof(float), CT_MEM_ACT);
-    b = ct_alloc((size_t)K * N * sizeof(float), CT_MEM_ACT);
-    c = ct_alloc((size_t)M * N * sizeof(float), CT_MEM_ACT);
+    a = ct_alloc_zeroed((size_t)M * K * sizeof(float), CT_MEM_ACT);
+    b = ct_alloc_zeroed((size_t)K * N * sizeof(float), CT_MEM_ACT);
+    c = ct_alloc_zeroed((size_t)M * N * sizeof(float), CT_MEM_ACT);
     if (!a || !b || !c) ct_comm_abort("out of memory");
     for (int i = 0; i < M * K; i++) a[i] = (float)(i % 7) * 0.01f;
     for (int i = 0; i < K * N; i++) b[i] = (float)(i % 5) * 0.01f;
@@ -219,7 +220,7 @@ int main(int argc, char **argv)
         return 0;
     }
     for (int i = 0; i < nbuf; i++) {
-        buf[i] = ct_alloc((size_t)count * sizeof(float), CT_MEM_COMM);
+        buf[i] = ct_alloc_zeroed((size_t)count * sizeof(float), CT_MEM_COMM);
         if (!buf[i]) ct_comm_abort("out of memory");
     }
 

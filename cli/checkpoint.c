@@ -58,8 +58,8 @@ ct_status cli_meta_int(const ct_meta *m, const char *file, const char *key, int6
 ct_status cli_load_state(ct_strategy *s, const ct_safetensors *st, int optim)
 {
     int n = ct_safetensors_count(st);
-    const char **names = ct_alloc(sizeof *names * (size_t)(n + 1), CT_MEM_OTHER);
-    ct_tensor **ts = ct_alloc(sizeof *ts * (size_t)(n + 1), CT_MEM_OTHER);
+    const char **names = ct_alloc_zeroed(sizeof *names * (size_t)(n + 1), CT_MEM_OTHER);
+    ct_tensor **ts = ct_alloc_zeroed(sizeof *ts * (size_t)(n + 1), CT_MEM_OTHER);
     ct_status r = CT_ENOMEM;
     if (names && ts) {
         for (int i = 0; i < n; i++) {

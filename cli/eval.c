@@ -78,7 +78,7 @@ static ct_status run(const eval_opts *o)
             r = ct_error(r, "%s does not match the model its metadata describes: %s", o->ckpt, why);
         }
     }
-    if (r == CT_OK && !(conf = ct_alloc(sizeof *conf * (size_t)(cfg.classes * cfg.classes), CT_MEM_OTHER)))
+    if (r == CT_OK && !(conf = ct_alloc_zeroed(sizeof *conf * (size_t)(cfg.classes * cfg.classes), CT_MEM_OTHER)))
         r = CT_ENOMEM;
     r = ct_group_check(g, r);
     cli_eval ev;

@@ -33,7 +33,7 @@ ct_status cli_evaluate(ct_module *model, const ct_model_config *cfg, const ct_da
     int64_t lo = rank * q + (rank < rem ? rank : rem), hi = lo + q + (rank < rem);
     int64_t C = cfg->classes;
     if (confusion) memset(confusion, 0, sizeof *confusion * (size_t)(C * C));
-    int64_t *idx = ct_alloc(sizeof *idx * (size_t)(batch > 0 ? batch : 1), CT_MEM_OTHER);
+    int64_t *idx = ct_alloc_zeroed(sizeof *idx * (size_t)(batch > 0 ? batch : 1), CT_MEM_OTHER);
     if (!idx) return CT_ENOMEM;
     ct_fwd_ctx ctx = {.training = 0, .seed = 0, .step = 0};
     double loss_sum = 0;

@@ -56,6 +56,8 @@ static int dispatch(int argc, char **argv)
 
 int main(int argc, char **argv)
 {
+    /* First thing: may start this program again with OpenBLAS's fast kernel. */
+    if (ct_blas_select_kernel(argc, argv) != CT_OK) fprintf(stderr, "ctrain: warning: %s\n", ct_last_error());
     int rc = dispatch(argc, argv);
 #if defined(__SANITIZE_ADDRESS__)
     size_t left = 0;

@@ -71,7 +71,7 @@ ct_status cli_sum_f64(ct_group *g, double *v, int n)
 {
     int size = ct_group_size(g);
     if (size == 1) return CT_OK;
-    double *all = ct_alloc(sizeof *all * (size_t)n * (size_t)size, CT_MEM_COMM);
+    double *all = ct_alloc_zeroed(sizeof *all * (size_t)n * (size_t)size, CT_MEM_COMM);
     if (!all) return CT_ENOMEM;
     /* Bytes, not a reduction: the sum is then done in rank order, the same on every rank. */
     ct_status st = ct_group_allgather(g, v, all, (int64_t)(sizeof *v * (size_t)n), CT_U8, NULL);

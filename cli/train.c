@@ -416,7 +416,7 @@ static ct_status save(trainer *t)
 static ct_status train_loop(trainer *t, cli_progress *prog)
 {
     train_opts *o = t->o;
-    int64_t *idx = ct_alloc(sizeof *idx * (size_t)o->batch, CT_MEM_OTHER);
+    int64_t *idx = ct_alloc_zeroed(sizeof *idx * (size_t)o->batch, CT_MEM_OTHER);
     if (!idx) return CT_ENOMEM;
     double win[2] = {0, 0}, t_win = ct_now();
     int64_t win_steps = 0;

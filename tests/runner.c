@@ -2,8 +2,10 @@
  * The unit test runner.  Each test runs in a fresh process (fork + exec of
  * this binary with --one NAME) under a timeout, so a crash or a hang fails
  * that test alone.  With --mpi BIN it then runs the multi-rank suite BIN
- * under mpirun at each rank count and counts its per-test lines.  The last
- * line is "N passed, N failed".
+ * under mpirun at each rank count and counts its per-test lines.  A test
+ * that calls SKIP exits with CT_TEST_EXIT_SKIP and counts as skipped, never
+ * as passed.  The last line is "N passed, N failed, N skipped".  Scratch
+ * directories a test process leaves behind (it crashed) are removed.
  *
  *   run [--timeout S] [--mpi BIN] [--np 2,3,4] [NAME-SUBSTRING...]
  */
@@ -18,7 +20,7 @@
 
 #include "harness.h"
 
-static int passed, failed;
+static int passed, failed, skipped;
 
 static double now(void)
 {
@@ -32,9 +34,10 @@ static int run_one_inprocess(const char *name)
     for (int i = 0; i < ct_ntests; i++) {
         if (strcmp(ct_tests[i].name, name)) continue;
         ct_test_fn volatile fn = ct_tests[i].fn;
-        if (setjmp(ct_test_jmp)) return 1;
-        fn();
-        return 0;
+        int end = setjmp(ct_test_jmp);
+        if (end == 0) fn();
+        ct__test_tmpdir_done(end == CT_TEST_JMP_FAIL);
+        return end == CT_TEST_JMP_SKIP ? CT_TEST_EXIT_SKIP : end == CT_TEST_JMP_FAIL;
     }
     fprintf(stderr, "no test named %s\n", name);
     return 2;
@@ -78,9 +81,13 @@ static void run_unit(const ct_test_entry *t, double timeout)
     }
     int to, st = wait_timeout(pid, timeout, &to);
     double dt = now() - t0;
+    ct__test_tmpdir_reap((int)pid);
     if (!to && WIFEXITED(st) && WEXITSTATUS(st) == 0) {
         passed++;
         printf("ok   %-48s %6.2fs\n", t->name, dt);
+    } else if (!to && WIFEXITED(st) && WEXITSTATUS(st) == CT_TEST_EXIT_SKIP) {
+        skipped++;
+        printf("skip %-48s %6.2fs\n", t->name, dt);
     } else {
         failed++;
         if (to) printf("FAIL %-48s timed out after %.0fs\n", t->name, timeout);
@@ -90,8 +97,8 @@ static void run_unit(const ct_test_entry *t, double timeout)
     fflush(stdout);
 }
 
-/* Runs the MPI suite at np ranks; every "ok NAME" / "FAIL NAME" line of its
- * stdout counts once.  A suite that crashes or hangs counts one failure. */
+/* Runs the MPI suite at np ranks; every "ok NAME" / "FAIL NAME" / "skip NAME"
+ * line of its stdout counts once.  A suite that crashes or hangs counts one failure. */
 static void run_mpi(const char *bin, int np, double timeout, int nfilt, char **filt)
 {
     int fd[2];
@@ -151,6 +158,9 @@ static void run_mpi(const char *bin, int np, double timeout, int nfilt, char **f
             } else if (!strncmp(line, "FAIL ", 5)) {
                 failed++; seen++;
                 printf("FAIL %-48s [np=%d]\n", line + 5, np);
+            } else if (!strncmp(line, "skip ", 5)) {
+                skipped++; seen++;
+                printf("skip %-48s [np=%d]\n", line + 5, np);
             } else {
                 printf("     %s\n", line);
             }
@@ -172,6 +182,9 @@ static void run_mpi(const char *bin, int np, double timeout, int nfilt, char **f
 
 int main(int argc, char **argv)
 {
+    /* Tests run with the fast BLAS kernel, as the ctrain program does (the
+     * test processes inherit the choice through the environment). */
+    if (ct_blas_select_kernel(argc, argv) != CT_OK) fprintf(stderr, "run: warning: %s\n", ct_last_error());
     setvbuf(stdout, NULL, _IOLBF, 0);
     ct_tests_sort();
     if (argc == 3 && !strcmp(argv[1], "--one")) {
@@ -194,6 +207,6 @@ int main(int argc, char **argv)
         if (matches(ct_tests[i].name, nfilt, filt)) run_unit(&ct_tests[i], timeout);
     if (mpi_bin)
         for (int i = 0; i < nnp; i++) run_mpi(mpi_bin, nps[i], timeout * 4, nfilt, filt);
-    printf("%d passed, %d failed\n", passed, failed);
+    printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
     return failed ? 1 : 0;
 }

@@ -1,7 +1,8 @@
 /*
  * The test harness: TEST(name) registers a test at load time, so a test file
  * only has to be linked in.  Assertions print both values and the location
- * and then fail the current test (a longjmp back to the runner).  The same
+ * and then fail the current test (a longjmp back to the runner); SKIP ends
+ * it as skipped when something it needs is missing.  The same
  * macros serve the unit runner (each test in its own process) and the MPI
  * runner (every rank runs every test; a test passes when it passes on all
  * ranks).
@@ -19,8 +20,17 @@ typedef void (*ct_test_fn)(void);
 void ct_test_register(const char *name, ct_test_fn fn, const char *file);
 void ct_test_fail(const char *file, int line, const char *fmt, ...)
     __attribute__((noreturn, format(printf, 3, 4)));
-/* Directory for scratch files of the running test (exists, unique per process). */
+/* Ends the running test as skipped: prints "    skipped: REASON" and the
+ * runners count it as skipped, never as passed.  Free what the test holds
+ * first (the runners check for leaks either way). */
+void ct_test_skip(const char *fmt, ...) __attribute__((noreturn, format(printf, 1, 2)));
+#define SKIP(...) ct_test_skip(__VA_ARGS__)
+/* Directory for scratch files of the running test: made on first use
+ * (unique, under $TMPDIR or /tmp) and removed with its contents when the
+ * test ends, pass or fail (CTRAIN_TEST_KEEP_TMP=1 keeps a failed test's). */
 const char *ct_test_tmpdir(void);
+/* Removes path and everything under it (no symlinks followed); 0 when gone. */
+int ct_test_rmtree(const char *path);
 
 #define TEST(name)                                                            \
     static void test_##name(void);                                            \

@@ -5,7 +5,6 @@
  * with train, inspect, bit-exact resume, DDP under mpirun matching a single
  * process, and PyTorch loading a checkpoint and computing the same logits.
  */
-#include <dirent.h>
 #include <libgen.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -56,23 +55,6 @@ static int run_np(int np, char *out, const char *fmt, ...)
 }
 
 #define RUN(out, ...) run_np(0, out, __VA_ARGS__)
-
-/* Removes this test's scratch files (left in place when a test fails, to look at). */
-static void remove_scratch(void)
-{
-    const char *dir = ct_test_tmpdir();
-    DIR *d = opendir(dir);
-    if (!d) return;
-    struct dirent *e;
-    char path[1024];
-    while ((e = readdir(d)))
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-            unlink(path);
-        }
-    closedir(d);
-    rmdir(dir);
-}
 
 static int count_lines(const char *s)
 {
@@ -222,7 +204,6 @@ TEST(cli_runtime_errors)
     ASSERT_STR_CONTAINS(out, "small.optim.safetensors is missing");
     ASSERT_STR_CONTAINS(out, "use --init");
     ASSERT_EQ(count_lines(out), 1);
-    remove_scratch();
 }
 
 /* Trains on 2000 samples, then eval and inspect the checkpoint. */
@@ -285,7 +266,6 @@ TEST(cli_train_eval_inspect)
     ASSERT_STR_CONTAINS(out, "ctrain.hidden = 256,128");
     ASSERT_STR_CONTAINS(out, "ctrain.step = 250");
     ASSERT_STR_CONTAINS(out, "ctrain.optim = adamw");
-    remove_scratch();
 }
 
 /* Loads two safetensors files and requires the same names and identical bytes. */
@@ -343,7 +323,6 @@ TEST(cli_resume_is_bit_exact)
     /* A flag that would change the data order is refused, not silently ignored. */
     ASSERT_EQ(RUN(out, "train --resume %s --steps 80 --seed 4 --limit-train 1000", a), 2);
     ASSERT_STR_CONTAINS(out, "--seed 4 differs from the 3");
-    remove_scratch();
 }
 
 /* Two ranks with DDP reach the loss one process reaches with the same
@@ -418,7 +397,6 @@ TEST(cli_dropout_same_for_any_number_of_ranks)
     ASSERT_EQ(code, 0);
     ASSERT(fabs(number_after(out, "final train loss ") - l1) > 1e-4);
     ct_safetensors_destroy(a);
-    remove_scratch();
 }
 
 /* World-size errors: every rank sees them, rank 0 says them once. */
@@ -462,16 +440,14 @@ TEST(cli_checkpoint_loads_in_pytorch)
 {
     static char out[OUT_MAX];
     if (system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
-        fprintf(stderr, "    skipped: /usr/bin/python3 cannot import torch\n");
-        return;
+        SKIP("/usr/bin/python3 cannot import torch");
     }
     char scripts[1100], ckpt[1024], io[1024], py[1024], cmd[8192];
     snprintf(scripts, sizeof scripts, "%s/../scripts", bin_dir());
     char probe[1200];
     snprintf(probe, sizeof probe, "%s/st_check.py", scripts);
     if (access(probe, R_OK) != 0) {
-        fprintf(stderr, "    skipped: %s is missing\n", probe);
-        return;
+        SKIP("%s is missing", probe);
     }
     const char *tmp = ct_test_tmpdir();
     snprintf(ckpt, sizeof ckpt, "%s/torch.safetensors", tmp);
@@ -521,5 +497,4 @@ TEST(cli_checkpoint_loads_in_pytorch)
     ct_tensor_release(y);
     ct_module_destroy(model);
     ct_safetensors_destroy(st);
-    remove_scratch();
 }

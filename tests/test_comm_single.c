@@ -127,8 +127,7 @@ TEST(comm_abort_on_one_rank_ends_the_job)
     ASSERT(slash);
     strcpy(slash + 1, "mpi_run");
     if (access(exe, X_OK)) {
-        fprintf(stderr, "    skipped: %s is not built (make it to run this test)\n", exe);
-        return;
+        SKIP("%s is not built (make it to run this test)", exe);
     }
     setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
     setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);

@@ -1,7 +1,11 @@
 /*
- * Tests of the tracked allocator (src/core/alloc.c): per-category counters
- * and peaks against hand-computed sums, alignment, zeroing, and fault
- * injection, including tensors built under an injected failure.
+ * Tests of the tracked allocator (src/core/alloc.c) and the memory report
+ * (src/core/mem_report.c): per-category counters and peaks against
+ * hand-computed sums, the resident peak as a peak of the sum, alignment,
+ * zeroing (ct_alloc_zeroed) and its absence (ct_alloc), the cache of large
+ * blocks and RSS falling when it is trimmed, the table and JSON forms of the
+ * report, and fault injection, including tensors built under an injected
+ * failure.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -83,12 +87,13 @@ TEST(core_alloc_counters_and_peaks)
 
 TEST(core_alloc_alignment_zero_size)
 {
-    size_t sizes[] = {0, 1, 3, 63, 64, 65, 100, 4095, 4096, 100000};
+    size_t sizes[] = {0, 1, 3, 63, 64, 65, 100, 4095, 4096, 100000, 65536, 65537, 1 << 20};
     void *p[sizeof sizes / sizeof sizes[0]];
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
-        p[i] = ct_alloc(sizes[i], CT_MEM_OTHER);
+        p[i] = ct_alloc_zeroed(sizes[i], CT_MEM_OTHER);
         ASSERT(p[i] != NULL);
         ASSERT_EQ((uintptr_t)p[i] % 64, 0);
+        if (sizes[i] >= 65536) ASSERT_EQ((uintptr_t)p[i] % 4096, 0); /* large blocks are page aligned */
         ASSERT_EQ(ct_alloc_size(p[i]), sizes[i]);
         const unsigned char *b = p[i];
         for (size_t j = 0; j < sizes[i]; j++)
@@ -96,9 +101,9 @@ TEST(core_alloc_alignment_zero_size)
         memset(p[i], 0xab, sizes[i]); /* dirty it for the reuse below; ASan checks the bounds */
     }
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) ct_free(p[i]);
-    /* Fresh blocks of the same sizes (often the same memory) are zero again. */
+    /* Zeroed blocks of the same sizes (often the same memory) are zero again. */
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
-        unsigned char *b = ct_alloc(sizes[i], CT_MEM_ACT);
+        unsigned char *b = ct_alloc_zeroed(sizes[i], CT_MEM_ACT);
         ASSERT(b != NULL);
         for (size_t j = 0; j < sizes[i]; j++) ASSERT_EQ(b[j], 0);
         ct_free(b);
@@ -108,8 +113,8 @@ TEST(core_alloc_alignment_zero_size)
 
 TEST(core_alloc_cat_names)
 {
-    const char *want[] = {"param", "grad", "optim", "act", "comm", "other"};
-    ASSERT_EQ(CT_MEM_NCAT, 6);
+    const char *want[] = {"param", "grad", "optim", "act", "comm", "data", "other"};
+    ASSERT_EQ(CT_MEM_NCAT, 7);
     for (int c = 0; c < CT_MEM_NCAT; c++) ASSERT(!strcmp(ct_mem_cat_name((ct_mem_cat)c), want[c]));
     ASSERT(ct_mem_cat_name(CT_MEM_NCAT) != NULL);
 }
@@ -209,27 +214,306 @@ TEST(core_alloc_fault_injection_tensors)
     for (int k = 0; k < CT_MEM_NCAT; k++) ASSERT_EQ(s1.cur[k], s0.cur[k]);
 }
 
-/* Large blocks come back from the cache zeroed and are not counted while cached. */
-TEST(core_alloc_cache_reuses_large_blocks)
+
+/* ---- zeroing and the cache of large blocks ----------------------------- */
+
+/* A freed large block is cached and handed out again as it was: ct_alloc
+ * returns it with the old bytes (it does not zero), ct_alloc_zeroed and
+ * ct_tensor_create return it zeroed, ct_tensor_empty does not.  The cache is
+ * turned on explicitly, so this also runs under AddressSanitizer. */
+TEST(core_alloc_zeroed_and_not)
 {
+    const size_t MB = 1 << 20;
+    ct_mem_set_cache_limit(64 * MB);
     ct_mem_trim();
     size_t base = ct_mem_current(CT_MEM_ACT);
-    unsigned char *a = ct_alloc(1 << 20, CT_MEM_ACT);
+    unsigned char *a = ct_alloc(MB, CT_MEM_ACT);
     ASSERT(a);
-    memset(a, 0xAB, 1 << 20);
+    memset(a, 0xAB, MB);
     ct_free(a);
     ASSERT_EQ(ct_mem_current(CT_MEM_ACT), base);
-#if !defined(__SANITIZE_ADDRESS__)
-    if (!getenv("CTRAIN_ALLOC_CACHE_MB")) {
-        ASSERT(ct_mem_cached() >= (1u << 20));
-        unsigned char *b = ct_alloc(1 << 20, CT_MEM_GRAD);
-        ASSERT(b == a); /* same block, handed out again */
-        for (size_t i = 0; i < (1u << 20); i += 4093) ASSERT_EQ(b[i], 0);
-        ASSERT_EQ(ct_alloc_size(b), 1 << 20);
-        ASSERT_EQ(ct_mem_current(CT_MEM_GRAD) >= (1u << 20), 1);
-        ct_free(b);
-    }
-#endif
+    ASSERT_EQ(ct_mem_cached(), MB); /* cached bytes are reported apart from live ones */
+
+    unsigned char *b = ct_alloc(MB, CT_MEM_GRAD);
+    ASSERT(b == a); /* the same block, handed out again */
+    ASSERT_EQ(ct_mem_cached(), 0);
+    ASSERT_EQ(ct_alloc_size(b), MB);
+    for (size_t i = 0; i < MB; i += 4093) ASSERT_EQ(b[i], 0xAB); /* not zeroed */
+    b[0] = 0x11;
+    ct_free(b);
+
+    unsigned char *c = ct_alloc_zeroed(MB, CT_MEM_GRAD);
+    ASSERT(c == a);
+    for (size_t i = 0; i < MB; i++)
+        if (c[i]) ct_test_fail(__FILE__, __LINE__, "byte %zu of a zeroed block is %d", i, c[i]);
+    memset(c, 0xCD, MB);
+    ct_free(c);
+
+    /* Tensors: empty keeps the old bytes, create zeroes. */
+    ct_tensor *e = ct_tensor_empty(CT_U8, 1, (int64_t[]){(int64_t)MB}, CT_MEM_ACT);
+    ASSERT(e && ct_tensor_data(e) == (void *)a);
+    ASSERT_EQ(((unsigned char *)ct_tensor_data(e))[MB / 2], 0xCD);
+    ct_tensor_release(e);
+    ct_tensor *z = ct_tensor_create(CT_U8, 1, (int64_t[]){(int64_t)MB}, CT_MEM_ACT);
+    ASSERT(z && ct_tensor_data(z) == (void *)a);
+    for (size_t i = 0; i < MB; i += 509) ASSERT_EQ(((unsigned char *)ct_tensor_data(z))[i], 0);
+    ct_tensor_release(z);
+
+    /* A fresh mapping (nothing cached) comes zeroed by the OS. */
     ct_mem_trim();
     ASSERT_EQ(ct_mem_cached(), 0);
+    unsigned char *f = ct_alloc_zeroed(3 * MB + 5, CT_MEM_ACT);
+    ASSERT(f);
+    for (size_t i = 0; i < 3 * MB + 5; i += 1021) ASSERT_EQ(f[i], 0);
+    ASSERT_EQ(f[3 * MB + 4], 0);
+    ct_free(f);
+
+    /* Limit 0 turns the cache off: blocks go straight back to the OS. */
+    ct_mem_set_cache_limit(0);
+    void *g = ct_alloc(MB, CT_MEM_ACT);
+    ct_free(g);
+    ASSERT_EQ(ct_mem_cached(), 0);
+    ASSERT_EQ(ct_mem_current(CT_MEM_ACT), base);
+}
+
+/* ---- peaks and the memory report --------------------------------------- */
+
+/* One training step's allocations, by hand: activations, gradients, the
+ * optimizer state (created by the first step and kept), a communication
+ * buffer; then activations and gradients are freed. */
+static void *optim_state;
+static void fake_step(void)
+{
+    void *act1 = ct_alloc(25600, CT_MEM_ACT), *act2 = ct_alloc(12800, CT_MEM_ACT);
+    void *gw = ct_alloc_zeroed(40000, CT_MEM_GRAD), *gb = ct_alloc_zeroed(400, CT_MEM_GRAD);
+    ASSERT(act1 && act2 && gw && gb);
+    ct_free(act2);
+    ct_free(act1);
+    if (!optim_state) ASSERT((optim_state = ct_alloc_zeroed(80800, CT_MEM_OPTIM)) != NULL);
+    void *comm = ct_alloc(40400, CT_MEM_COMM);
+    ASSERT(comm);
+    ct_free(comm);
+    ct_free(gw);
+    ct_free(gb);
+}
+
+/* r's peaks over the start s0, against the numbers a step gives. */
+static void expect_step_peaks(const ct_mem_report *r, const snap *s0)
+{
+    ASSERT_EQ(r->peak[CT_MEM_PARAM] - s0->cur[CT_MEM_PARAM], 40400);
+    ASSERT_EQ(r->peak[CT_MEM_GRAD] - s0->cur[CT_MEM_GRAD], 40400);
+    ASSERT_EQ(r->peak[CT_MEM_OPTIM] - s0->cur[CT_MEM_OPTIM], 80800);
+    ASSERT_EQ(r->peak[CT_MEM_ACT] - s0->cur[CT_MEM_ACT], 38400);
+    ASSERT_EQ(r->peak[CT_MEM_COMM] - s0->cur[CT_MEM_COMM], 40400);
+    ASSERT_EQ(r->peak[CT_MEM_DATA] - s0->cur[CT_MEM_DATA], 0);
+    ASSERT_EQ(r->peak[CT_MEM_OTHER] - s0->cur[CT_MEM_OTHER], 0);
+    /* The highest simultaneous sum: param 40400 + optim 80800 + grads 40400
+     * + comm 40400, while the comm buffer is live. */
+    ASSERT_EQ(r->peak_total - s0->total, 202000);
+    /* Resident: param + grads + optim = 161600 at the optimizer step. */
+    size_t res0 = s0->cur[CT_MEM_PARAM] + s0->cur[CT_MEM_GRAD] + s0->cur[CT_MEM_OPTIM];
+    ASSERT_EQ(r->peak_resident - res0, 161600);
+}
+
+TEST(core_mem_peaks_after_reset_match_a_steady_step)
+{
+    ct_mem_set_cache_limit(0); /* exact bytes either way; keep the cache out of it */
+    snap s0 = take();
+    void *w = ct_alloc_zeroed(40000, CT_MEM_PARAM), *b = ct_alloc_zeroed(400, CT_MEM_PARAM);
+    ASSERT(w && b);
+    ct_mem_reset_peak();
+    ct_mem_report r;
+    ct_mem_report_get(&r);
+    ASSERT_EQ(r.peak[CT_MEM_PARAM] - s0.cur[CT_MEM_PARAM], 40400);
+    ASSERT_EQ(r.peak_total - s0.total, 40400);
+    ASSERT_EQ(r.peak[CT_MEM_GRAD], r.current[CT_MEM_GRAD]);
+
+    fake_step(); /* the first step also creates the optimizer state */
+    ct_mem_report_get(&r);
+    expect_step_peaks(&r, &s0);
+    ASSERT_EQ(r.current[CT_MEM_OPTIM] - s0.cur[CT_MEM_OPTIM], 80800);
+    ASSERT_EQ(r.current_total - s0.total, 121200);
+    ASSERT_EQ(r.resident - (s0.cur[CT_MEM_PARAM] + s0.cur[CT_MEM_GRAD] + s0.cur[CT_MEM_OPTIM]), 121200);
+
+    /* Steady state: a reset between steps, then one step, gives the same
+     * peaks again, however many steps came before. */
+    for (int i = 0; i < 3; i++) {
+        fake_step();
+        ct_mem_reset_peak();
+        ct_mem_report_get(&r);
+        ASSERT_EQ(r.peak_total - s0.total, 121200); /* param + optim, nothing else live */
+        ASSERT_EQ(r.peak[CT_MEM_ACT], r.current[CT_MEM_ACT]);
+        fake_step();
+        ct_mem_report_get(&r);
+        expect_step_peaks(&r, &s0);
+        /* The getters agree with the report. */
+        for (int c = 0; c < CT_MEM_NCAT; c++) ASSERT_EQ(ct_mem_peak((ct_mem_cat)c), r.peak[c]);
+        ASSERT_EQ(ct_mem_peak_total(), r.peak_total);
+    }
+    ct_free(optim_state);
+    optim_state = NULL;
+    ct_free(w);
+    ct_free(b);
+    snap s1 = take();
+    for (int k = 0; k < CT_MEM_NCAT; k++) ASSERT_EQ(s1.cur[k], s0.cur[k]);
+}
+
+/* The resident peak is the peak of param + grad + optim together, not the
+ * sum of their separate peaks. */
+TEST(core_mem_resident_peak_is_peak_of_sum)
+{
+    ct_mem_reset_peak();
+    ct_mem_report r0;
+    ct_mem_report_get(&r0);
+    void *p = ct_alloc(1000, CT_MEM_PARAM);
+    void *g = ct_alloc(3000, CT_MEM_GRAD); /* resident 4000 */
+    ct_free(g);                           /* 1000 */
+    void *o = ct_alloc(2000, CT_MEM_OPTIM); /* 3000 */
+    void *a = ct_alloc(9000, CT_MEM_ACT);   /* not resident */
+    ct_mem_report r;
+    ct_mem_report_get(&r);
+    ASSERT_EQ(r.peak_resident - r0.resident, 4000);
+    size_t sum_of_peaks = (r.peak[CT_MEM_PARAM] - r0.current[CT_MEM_PARAM]) +
+                          (r.peak[CT_MEM_GRAD] - r0.current[CT_MEM_GRAD]) +
+                          (r.peak[CT_MEM_OPTIM] - r0.current[CT_MEM_OPTIM]);
+    ASSERT_EQ(sum_of_peaks, 6000); /* what a sum of peaks would wrongly claim */
+    ASSERT_EQ(r.resident - r0.resident, 3000);
+    ASSERT_EQ(r.peak_total - r0.current_total, 12000); /* 1000 + 2000 + 9000 */
+
+    /* A reset starts the resident peak at the current sum. */
+    ct_mem_reset_peak();
+    ct_mem_report_get(&r);
+    ASSERT_EQ(r.peak_resident - r0.resident, 3000);
+    ct_free(o);
+    void *g2 = ct_alloc(500, CT_MEM_GRAD); /* 1500 */
+    ct_mem_report_get(&r);
+    ASSERT_EQ(r.peak_resident - r0.resident, 3000);
+    ASSERT_EQ(r.resident - r0.resident, 1500);
+    ct_free(g2);
+    ct_free(a);
+    ct_free(p);
+}
+
+/* VmRSS of this process, read independently of the report. */
+static size_t proc_rss(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    ASSERT(f);
+    char line[256];
+    unsigned long long kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "VmRSS: %llu kB", &kb) == 1) break;
+    fclose(f);
+    return (size_t)kb << 10;
+}
+
+/* 64 MiB in 1 MiB blocks, touched: freeing them into the cache keeps the
+ * RSS (and the report says so, apart from live bytes); ct_mem_trim returns
+ * them and the RSS falls by most of the 64 MiB.  The way a program really
+ * allocates: a large block was freed before (glibc then raises its mmap
+ * threshold and serves later large blocks from its heap) and small blocks
+ * (tensor headers) are made between the large ones and outlive them. */
+TEST(core_mem_rss_falls_after_trim)
+{
+    enum { NB = 64 };
+    const size_t MB = 1 << 20;
+    ct_mem_set_cache_limit(256 * MB);
+    ct_mem_trim();
+    ct_mem_reset_peak();
+    ct_mem_report r0, r1, r2, r3;
+    ct_mem_report_get(&r0);
+    ASSERT(r0.rss > 0);
+    ASSERT(r0.peak_rss >= r0.rss);
+    ct_free(ct_alloc(4 * MB, CT_MEM_ACT));
+    ct_mem_trim();
+    void *blk[NB], *small[NB];
+    for (int i = 0; i < NB; i++) {
+        ASSERT((blk[i] = ct_alloc(MB, CT_MEM_ACT)) != NULL);
+        ASSERT((small[i] = ct_alloc(128, CT_MEM_OTHER)) != NULL);
+        memset(blk[i], i + 1, MB); /* touch every page */
+    }
+    ct_mem_report_get(&r1);
+    ASSERT_EQ(r1.current[CT_MEM_ACT] - r0.current[CT_MEM_ACT], NB * MB);
+    ASSERT(r1.rss >= r0.rss + 60 * MB);
+    ASSERT(r1.peak_rss >= r1.rss);
+
+    for (int i = 0; i < NB; i++) ct_free(blk[i]);
+    ct_mem_report_get(&r2);
+    ASSERT_EQ(r2.current[CT_MEM_ACT], r0.current[CT_MEM_ACT]);
+    ASSERT_EQ(r2.cached, NB * MB); /* reported apart from live bytes */
+    ASSERT(r2.rss >= r0.rss + 60 * MB); /* the cache still holds the pages */
+    ASSERT(r2.peak_rss >= r1.rss);
+    printf("    rss: %zu MiB before, %zu MiB allocated, %zu MiB cached", r0.rss / MB, r1.rss / MB, r2.rss / MB);
+
+    ct_mem_trim();
+    ct_mem_report_get(&r3);
+    printf(", %zu MiB trimmed (peak %zu MiB)\n", r3.rss / MB, r3.peak_rss / MB);
+    ASSERT_EQ(r3.cached, 0);
+    ASSERT_EQ(ct_mem_cached(), 0);
+    ASSERT(r3.rss + 57 * MB <= r2.rss); /* fell by at least 90% of 64 MiB */
+    ASSERT(proc_rss() + 57 * MB <= r2.rss);
+    ASSERT(r3.peak_rss >= r1.rss); /* the peak remembers */
+
+    /* A reset starts a new peak window at the current RSS. */
+    ct_mem_reset_peak();
+    ct_mem_report r4;
+    ct_mem_report_get(&r4);
+    ASSERT(r4.peak_rss + 48 * MB <= r1.rss);
+    ASSERT(r4.peak_rss >= r4.rss);
+    for (int i = 0; i < NB; i++) ct_free(small[i]);
+}
+
+TEST(core_mem_report_json_and_table)
+{
+    ct_mem_report r;
+    memset(&r, 0, sizeof r);
+    for (int c = 0; c < CT_MEM_NCAT; c++) {
+        r.current[c] = (size_t)(c + 1) * 1000;
+        r.peak[c] = (size_t)(c + 1) * 1111;
+    }
+    r.current_total = 28000;
+    r.peak_total = 30000;
+    r.resident = 6000;
+    r.peak_resident = 7000;
+    r.cached = (size_t)3 << 20;
+    r.rss = (size_t)100 << 20;
+    r.peak_rss = ((size_t)5 << 30) + 1;
+    char buf[CT_MEM_REPORT_JSON_MAX];
+    ASSERT_OK(ct_mem_report_json(&r, 3, buf, sizeof buf));
+    ASSERT(!strcmp(buf, "{\"rank\":3,\"param\":1111,\"grad\":2222,\"optim\":3333,\"act\":4444,"
+                        "\"comm\":5555,\"data\":6666,\"other\":7777,\"peak_total\":30000,"
+                        "\"resident\":7000,\"cached\":3145728,\"rss\":5368709121}"));
+    /* Too small a buffer is an error, never a cut object. */
+    char small[40];
+    ASSERT_ERR(ct_mem_report_json(&r, 3, small, sizeof small), CT_EINVAL, "too small");
+    ASSERT_STR_CONTAINS(ct_last_error(), "pass at least");
+    ASSERT_EQ(small[0], 0);
+    /* The largest values still fit the documented size. */
+    ct_mem_report big;
+    memset(&big, 0xff, sizeof big);
+    ASSERT_OK(ct_mem_report_json(&big, -2147483647 - 1, buf, sizeof buf));
+
+    char table[CT_MEM_REPORT_TABLE_MAX];
+    ASSERT_OK(ct_mem_report_format(&r, table, sizeof table));
+    ASSERT_STR_CONTAINS(table, "current");
+    ASSERT_STR_CONTAINS(table, "  param ");
+    ASSERT_STR_CONTAINS(table, "1000 B");
+    ASSERT_STR_CONTAINS(table, "1.08 KiB"); /* 1111 bytes */
+    ASSERT_STR_CONTAINS(table, "  data ");
+    ASSERT_STR_CONTAINS(table, "(param + grad + optim)");
+    ASSERT_STR_CONTAINS(table, "3.00 MiB");
+    ASSERT_STR_CONTAINS(table, "100.0 MiB");
+    ASSERT_STR_CONTAINS(table, "5.00 GiB");
+    int lines = 0;
+    for (const char *s = table; *s; s++) lines += *s == '\n';
+    ASSERT_EQ(lines, 1 + CT_MEM_NCAT + 4);
+    ASSERT_OK(ct_mem_report_format(&big, table, sizeof table));
+    ASSERT_ERR(ct_mem_report_format(&r, table, 100), CT_EINVAL, "too small");
+
+    /* A live report of this process. */
+    ct_mem_report live;
+    ct_mem_report_get(&live);
+    ASSERT_OK(ct_mem_report_json(&live, 0, buf, sizeof buf));
+    ASSERT(!strncmp(buf, "{\"rank\":0,\"param\":", 18));
+    ASSERT(live.rss > 0 && live.peak_rss >= live.rss);
 }

@@ -1,8 +1,8 @@
 /*
  * Tests of the BLAS layer (src/core/blas.c): ct_sgemm against a naive
- * double-precision triple loop, and the kernel selection at load time, seen
- * from outside by running the built ctrain program with different
- * environments.
+ * double-precision triple loop, and the kernel selection, seen from outside
+ * by running the built ctrain program and tests/ctor_prog.c (a user's
+ * program with a constructor of its own) with different environments.
  */
 #include <limits.h>
 #include <stdlib.h>
@@ -99,9 +99,10 @@ TEST(core_sgemm_degenerate)
     ASSERT(d[0] == 4 && d[1] == 5 && d[2] == 10 && d[3] == 11);
 }
 
-/* ---- kernel selection, seen through `ctrain version` ------------------- */
+/* ---- kernel selection, seen through `ctrain version` and ctor_prog ----- */
 
-static void ctrain_path(char *out, size_t n)
+/* Path of a program of this build: rel is relative to this binary's folder. */
+static void built_path(char *out, size_t n, const char *rel)
 {
     char self[PATH_MAX];
     ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
@@ -110,25 +111,26 @@ static void ctrain_path(char *out, size_t n)
     char *slash = strrchr(self, '/');
     ASSERT(slash != NULL);
     *slash = 0;
-    snprintf(out, n, "%s/../ctrain", self);
+    snprintf(out, n, "%s/%s", self, rel);
     if (access(out, X_OK))
-        ct_test_fail(__FILE__, __LINE__, "%s is missing: build the ctrain program first "
-                     "(make, or make B=<dir> for that build)", out);
+        ct_test_fail(__FILE__, __LINE__, "%s is missing: build it first (make test builds it; "
+                     "make B=<dir> for that build)", out);
 }
 
-/* Runs `ctrain version` with the given variables set (NULL value: unset);
- * every ctrain variable not listed is unset, since this process may itself
- * have been re-executed with some of them.  Returns its output. */
-static const char *run_version(const char *const *vars)
+/* Runs the program rel (see built_path) with args, with the given variables
+ * set; every BLAS-related variable not listed is unset, since this process
+ * may have been started with some of them.  Returns its output (stdout and
+ * stderr). */
+static const char *run_prog(const char *rel, const char *args, const char *const *vars)
 {
     static char out[4096];
     static const char *ours[] = {"OPENBLAS_CORETYPE", "CTRAIN_CORETYPE_AUTO", "CTRAIN_NO_REEXEC",
-                                 "CTRAIN_BLAS_DISTRUST", NULL};
-    char path[PATH_MAX + 16], cmd[PATH_MAX + 64];
-    ctrain_path(path, sizeof path);
+                                 "CTRAIN_BLAS_DISTRUST", "CTOR_PROG_LOG", NULL};
+    char path[PATH_MAX + 16], cmd[PATH_MAX + 128];
+    built_path(path, sizeof path, rel);
     for (int i = 0; ours[i]; i++) unsetenv(ours[i]);
     for (int i = 0; vars[i]; i += 2) setenv(vars[i], vars[i + 1], 1);
-    snprintf(cmd, sizeof cmd, "'%s' version 2>&1", path);
+    snprintf(cmd, sizeof cmd, "'%s' %s 2>&1", path, args);
     FILE *p = popen(cmd, "r");
     ASSERT(p != NULL);
     size_t n = fread(out, 1, sizeof out - 1, p);
@@ -136,6 +138,13 @@ static const char *run_version(const char *const *vars)
     int st = pclose(p);
     for (int i = 0; ours[i]; i++) unsetenv(ours[i]);
     if (st != 0) ct_test_fail(__FILE__, __LINE__, "%s exited with %d:\n%s", cmd, st, out);
+    return out;
+}
+
+/* Runs `ctrain version` (see run_prog). */
+static const char *run_version(const char *const *vars)
+{
+    const char *out = run_prog("../ctrain", "version", vars);
     ASSERT_STR_CONTAINS(out, "ctrain " CT_VERSION);
     return out;
 }
@@ -196,4 +205,98 @@ TEST(core_blas_default_kernel_not_slow)
     ASSERT(here != NULL && here[0]);
     if (cpu_has_avx512() && strcmp(ct_blas_kernel_source(), "user's OPENBLAS_CORETYPE"))
         ASSERT(strcmp(here, "Prescott"));
+}
+
+/* ---- linking libctrain changes nothing about how a program starts ------ */
+
+/* Lines in the constructor log (each run of ctor_prog's constructor adds one). */
+static int log_lines(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    int n = 0, ch;
+    while ((ch = fgetc(f)) != EOF) n += ch == '\n';
+    fclose(f);
+    return n;
+}
+
+static const char *wanted_kernel(void)
+{
+    return cpu_has_avx512() ? "SkylakeX" : cpu_has_avx2() ? "Haswell" : NULL;
+}
+
+/* A program with a constructor of its own, linked with libctrain statically
+ * and as a shared library, runs that constructor once and sees its own
+ * environment, even when OpenBLAS's kernel looks slow (forced here with
+ * CTRAIN_BLAS_DISTRUST): the library does not re-execute anyone. */
+TEST(core_blas_linking_does_not_reexec)
+{
+    const char *progs[] = {"ctor_prog", "ctor_prog_so"};
+    char log[1024];
+    snprintf(log, sizeof log, "%s/ctor.log", ct_test_tmpdir());
+    for (int i = 0; i < 2; i++) {
+        unlink(log);
+        const char *out = run_prog(progs[i], "", (const char *[]){"CTRAIN_BLAS_DISTRUST", "1",
+                                                                  "CTOR_PROG_LOG", log, NULL});
+        if (log_lines(log) != 1)
+            ct_test_fail(__FILE__, __LINE__, "%s: its constructor ran %d times (once wanted):\n%s",
+                         progs[i], log_lines(log), out);
+        ASSERT_STR_CONTAINS(out, "constructor runs in this image: 1");
+        ASSERT_STR_CONTAINS(out, "OPENBLAS_CORETYPE: (unset)");
+        ASSERT_STR_CONTAINS(out, "(OpenBLAS default)");
+    }
+}
+
+/* ct_blas_select_kernel re-executes the program once, with the fast kernel,
+ * when asked to; never when the user chose a kernel or CTRAIN_NO_REEXEC is set. */
+TEST(core_blas_select_kernel_reexecs_once)
+{
+    char log[1024], want[96];
+    snprintf(log, sizeof log, "%s/ctor.log", ct_test_tmpdir());
+    const char *k = wanted_kernel();
+    const char *out = run_prog("ctor_prog", "--select", (const char *[]){"CTRAIN_BLAS_DISTRUST", "1",
+                                                                         "CTOR_PROG_LOG", log, NULL});
+    if (k) {
+        ASSERT_EQ(log_lines(log), 2); /* the first image and the re-executed one */
+        snprintf(want, sizeof want, "kernel %s (auto-selected by ctrain)", k);
+        ASSERT_STR_CONTAINS(out, want);
+        snprintf(want, sizeof want, "OPENBLAS_CORETYPE: %s", k);
+        ASSERT_STR_CONTAINS(out, want);
+    } else {
+        ASSERT_EQ(log_lines(log), 1); /* nothing better to choose */
+        ASSERT_STR_CONTAINS(out, "(OpenBLAS default)");
+    }
+
+    unlink(log);
+    out = run_prog("ctor_prog", "--select", (const char *[]){"CTRAIN_BLAS_DISTRUST", "1", "CTRAIN_NO_REEXEC", "1",
+                                                             "CTOR_PROG_LOG", log, NULL});
+    ASSERT_EQ(log_lines(log), 1);
+    ASSERT_STR_CONTAINS(out, "(OpenBLAS default)");
+
+    unlink(log);
+    out = run_prog("ctor_prog", "--select", (const char *[]){"CTRAIN_BLAS_DISTRUST", "1", "OPENBLAS_CORETYPE",
+                                                             "Haswell", "CTOR_PROG_LOG", log, NULL});
+    ASSERT_EQ(log_lines(log), 1);
+    ASSERT_STR_CONTAINS(out, "kernel Haswell (user's OPENBLAS_CORETYPE)");
+}
+
+/* ct_blas_warn_if_slow: one line naming the fix, once per process; silent
+ * when the user chose the kernel. */
+TEST(core_blas_warn_if_slow)
+{
+    const char *out = run_prog("ctor_prog", "--warn", (const char *[]){"CTRAIN_BLAS_DISTRUST", "1", NULL});
+    const char *k = wanted_kernel();
+    if (k) {
+        char fix[64];
+        snprintf(fix, sizeof fix, "set OPENBLAS_CORETYPE=%s", k);
+        ASSERT_STR_CONTAINS(out, fix);
+        ASSERT_STR_CONTAINS(out, "ct_blas_select_kernel");
+        const char *first = strstr(out, fix);
+        ASSERT(strstr(first + 1, fix) == NULL); /* once, though called twice */
+    } else {
+        ASSERT(!strstr(out, "OPENBLAS_CORETYPE="));
+    }
+    out = run_prog("ctor_prog", "--warn", (const char *[]){"CTRAIN_BLAS_DISTRUST", "1", "OPENBLAS_CORETYPE",
+                                                           "Haswell", NULL});
+    ASSERT(!strstr(out, "OPENBLAS_CORETYPE="));
 }

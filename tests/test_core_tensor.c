@@ -1,9 +1,12 @@
 /*
  * Tests of tensors (src/core/tensor.c): construction and accounting,
  * views and reshapes that keep their base alive, clones, reference counts,
- * rejected shapes with their messages, shape strings and dtype names.  Run
- * under ASan, the lifetime tests catch use-after-free and leaks.
+ * rejected shapes with their messages, shape strings and dtype names;
+ * storage that is released and brought back or repointed into a flat buffer
+ * under several views; references released from several threads at once.
+ * Run under ASan, the lifetime tests catch use-after-free and leaks.
  */
+#include <pthread.h>
 #include <stdint.h>
 
 #include "test.h"
@@ -272,4 +275,215 @@ TEST(core_dtype_names_and_sizes)
         ASSERT_EQ(dt, CT_F16); /* untouched on failure */
     }
     ASSERT(!strcmp(ct_dtype_name(CT_NDTYPE), "?"));
+}
+
+/* ---- storage that leaves and comes back -------------------------------- */
+
+/* A flat storage under several views (two of it, one a view of a view):
+ * releasing its memory takes the data from every view and the bytes from
+ * the counters; bringing it back gives every view the new memory. */
+TEST(core_storage_release_and_rematerialise)
+{
+    size_t total0 = mem_total(), param0 = ct_mem_current(CT_MEM_PARAM);
+    ct_storage *flat = ct_storage_create(4000, CT_MEM_PARAM, 1);
+    ASSERT(flat && flat->refcount == 1 && ct_storage_has_data(flat));
+    ct_tensor *a = ct_tensor_on(flat, 0, CT_F32, 2, (int64_t[]){10, 20});
+    ct_tensor *b = ct_tensor_on(flat, 800, CT_F32, 1, (int64_t[]){100});
+    ASSERT(a && b);
+    ct_tensor *c = ct_tensor_view(a, 5, 1, (int64_t[]){3});
+    ASSERT(c);
+    ASSERT_EQ(flat->refcount, 4);
+    ASSERT_EQ(ct_mem_current(CT_MEM_PARAM) - param0, 4000);
+    for (int i = 0; i < 200; i++) ct_f32(a)[i] = (float)i;
+    for (int i = 0; i < 100; i++) ct_f32(b)[i] = -(float)i;
+    ASSERT(ct_f32(c)[1] == 6.0f);
+    ASSERT(((float *)ct_storage_ptr(flat))[200 + 7] == -7.0f);
+
+    /* Released: no data through any view, no bytes counted. */
+    ASSERT_OK(ct_storage_free_data(flat));
+    ASSERT(!ct_storage_has_data(flat));
+    ASSERT(ct_tensor_data(a) == NULL && ct_tensor_data(b) == NULL && ct_tensor_data(c) == NULL);
+    ASSERT_EQ(ct_mem_current(CT_MEM_PARAM), param0);
+    ASSERT_EQ(flat->refcount, 4); /* the views stay */
+    ASSERT_OK(ct_storage_free_data(flat)); /* released twice: a no-op */
+    ASSERT_EQ(ct_mem_current(CT_MEM_PARAM), param0);
+
+    /* Back, zeroed: every view follows the new memory at its offset. */
+    ASSERT_OK(ct_storage_alloc_data(flat, 1));
+    char *p = ct_storage_ptr(flat);
+    ASSERT(p != NULL);
+    ASSERT(ct_tensor_data(a) == p && ct_tensor_data(b) == p + 800 && ct_tensor_data(c) == p + 20);
+    ASSERT_EQ(ct_mem_current(CT_MEM_PARAM) - param0, 4000);
+    for (int i = 0; i < 1000; i++) ASSERT(((float *)p)[i] == 0.0f);
+    ASSERT_OK(ct_storage_alloc_data(flat, 1)); /* has memory: a no-op */
+    ASSERT(ct_storage_ptr(flat) == p);
+    ASSERT_EQ(ct_mem_current(CT_MEM_PARAM) - param0, 4000);
+    ct_f32(c)[2] = 42.0f;
+    ASSERT(ct_f32(a)[7] == 42.0f);
+
+    /* Several rounds, as FSDP does every step; without zeroing the caller
+     * writes everything (here through the views). */
+    for (int round = 0; round < 5; round++) {
+        ASSERT_OK(ct_storage_free_data(flat));
+        ASSERT(ct_tensor_data(c) == NULL);
+        ASSERT_EQ(ct_mem_current(CT_MEM_PARAM), param0);
+        ASSERT_OK(ct_storage_alloc_data(flat, 0));
+        for (int i = 0; i < 200; i++) ct_f32(a)[i] = (float)(round * 1000 + i);
+        ASSERT(ct_f32(c)[0] == (float)(round * 1000 + 5));
+        ASSERT_EQ(ct_mem_current(CT_MEM_PARAM) - param0, 4000);
+    }
+
+    /* Bringing it back can fail like any allocation, and then changes nothing. */
+    ASSERT_OK(ct_storage_free_data(flat));
+    ct_mem_fail_after(0);
+    ct_clear_error();
+    ASSERT_EQ(ct_storage_alloc_data(flat, 1), CT_ENOMEM);
+    ASSERT_STR_CONTAINS(ct_last_error(), "out of memory");
+    ASSERT(!ct_storage_has_data(flat) && ct_tensor_data(b) == NULL);
+    ASSERT_EQ(ct_mem_current(CT_MEM_PARAM), param0);
+    ASSERT_OK(ct_storage_alloc_data(flat, 1));
+    ASSERT(ct_f32(b)[99] == 0.0f);
+
+    /* Memory that is not the storage's own cannot be freed through it. */
+    float buf[4];
+    ct_tensor *w = ct_tensor_wrap(CT_F32, 1, (int64_t[]){4}, buf);
+    ASSERT_ERR(ct_storage_free_data(w->storage), CT_ESTATE, "does not own it");
+    ASSERT(ct_tensor_data(w) == buf);
+    ct_tensor_release(w);
+
+    /* Refcounts drop to zero cleanly whatever the order: the storage goes
+     * with its last view (ASan checks for leaks and double frees). */
+    ct_storage_release(flat);
+    ASSERT_EQ(flat->refcount, 3);
+    ct_tensor_release(a);
+    ASSERT(ct_f32(c)[0] == 0.0f); /* c keeps the storage alive */
+    ct_tensor_release(c);
+    ASSERT_EQ(flat->refcount, 1);
+    ct_tensor_release(b);
+    ASSERT_EQ(mem_total(), total0);
+
+    /* A storage released while its memory is out frees cleanly too. */
+    ct_storage *gone = ct_storage_create(256, CT_MEM_GRAD, 0);
+    ct_tensor *gv = ct_tensor_on(gone, 128, CT_U8, 1, (int64_t[]){128});
+    ASSERT(gone && gv);
+    ASSERT_OK(ct_storage_free_data(gone));
+    ct_storage_release(gone);
+    ct_tensor_release(gv);
+    ASSERT_EQ(mem_total(), total0);
+}
+
+/* Parameters moved into a flat buffer (ct_storage_repoint with copy) keep
+ * their values and their views; their own memory is freed; the flat buffer
+ * can then leave and come back with every window following it. */
+TEST(core_storage_repoint_keeps_values)
+{
+    size_t total0 = mem_total(), param0 = ct_mem_current(CT_MEM_PARAM);
+    ct_tensor *w = ct_tensor_create2(3, 4, CT_MEM_PARAM);
+    ct_tensor *bias = ct_tensor_create1(4, CT_MEM_PARAM);
+    ASSERT(w && bias);
+    for (int i = 0; i < 12; i++) ct_f32(w)[i] = 0.5f * (float)i + 1.0f;
+    for (int i = 0; i < 4; i++) ct_f32(bias)[i] = -(float)i - 0.25f;
+    ct_tensor *row1 = ct_tensor_view(w, 4, 1, (int64_t[]){4});
+    ASSERT(row1);
+    ct_storage *flat = ct_storage_create(48 + 16 + 64, CT_MEM_PARAM, 1);
+    ASSERT(flat);
+    ASSERT_EQ(ct_mem_current(CT_MEM_PARAM) - param0, 48 + 16 + 128);
+
+    ASSERT_OK(ct_storage_repoint(w->storage, flat, 0, 1));
+    ASSERT_OK(ct_storage_repoint(bias->storage, flat, 64, 1)); /* leaves a 16-byte gap */
+    char *fp = ct_storage_ptr(flat);
+    ASSERT(ct_tensor_data(w) == fp && ct_tensor_data(row1) == fp + 16 && ct_tensor_data(bias) == fp + 64);
+    for (int i = 0; i < 12; i++) ASSERT(ct_f32(w)[i] == 0.5f * (float)i + 1.0f);
+    for (int i = 0; i < 4; i++) ASSERT(ct_f32(row1)[i] == 0.5f * (float)(4 + i) + 1.0f);
+    for (int i = 0; i < 4; i++) ASSERT(ct_f32(bias)[i] == -(float)i - 0.25f);
+    ASSERT_EQ(ct_mem_current(CT_MEM_PARAM) - param0, 128); /* the old memory is gone */
+    ASSERT_EQ(flat->refcount, 3);
+    ASSERT(!w->storage->owns && w->storage->window == flat);
+    ((float *)fp)[5] = 99.0f; /* writes through the flat buffer land in the views */
+    ASSERT(ct_f32(row1)[1] == 99.0f);
+
+    /* A window cannot be freed on its own, nor placed outside the buffer. */
+    ASSERT_ERR(ct_storage_free_data(w->storage), CT_ESTATE, "repointed");
+    ct_storage *extra = ct_storage_create(80, CT_MEM_PARAM, 1);
+    ASSERT_ERR(ct_storage_repoint(extra, flat, 64, 1), CT_EINVAL, "does not fit");
+    ASSERT_ERR(ct_storage_repoint(extra, flat, (size_t)-1, 1), CT_EINVAL, "does not fit");
+    ASSERT_ERR(ct_storage_repoint(flat, flat, 0, 0), CT_EINVAL, "itself");
+    ASSERT(extra->owns && ct_storage_has_data(extra)); /* untouched by the failures */
+
+    /* The flat buffer leaves: every window and view loses its data, and the
+     * bytes are counted nowhere; it comes back and they follow. */
+    ASSERT_OK(ct_storage_free_data(flat));
+    ASSERT(ct_tensor_data(w) == NULL && ct_tensor_data(row1) == NULL && ct_tensor_data(bias) == NULL);
+    ASSERT(!ct_storage_has_data(w->storage));
+    ASSERT_EQ(ct_mem_current(CT_MEM_PARAM) - param0, 80);
+    ASSERT_ERR(ct_storage_repoint(extra, flat, 0, 1), CT_ESTATE, "released");
+    ASSERT_OK(ct_storage_alloc_data(flat, 1));
+    fp = ct_storage_ptr(flat);
+    ASSERT(ct_tensor_data(w) == fp && ct_tensor_data(row1) == fp + 16 && ct_tensor_data(bias) == fp + 64);
+    ASSERT(ct_f32(bias)[3] == 0.0f);
+    ASSERT_EQ(ct_mem_current(CT_MEM_PARAM) - param0, 128 + 80);
+
+    /* The caller lets go of the buffer first; the windows keep it alive. */
+    ct_storage_release(extra);
+    ct_storage_release(flat);
+    ASSERT_EQ(flat->refcount, 2);
+    ct_f32(w)[11] = 7.0f; /* ASan: a use-after-free if the buffer had gone */
+    ct_tensor_release(w);
+    ct_tensor_release(bias);
+    ASSERT_EQ(ct_mem_current(CT_MEM_PARAM) - param0, 128);
+    ASSERT(ct_f32(row1)[0] == 0.0f);
+    ct_tensor_release(row1); /* the last reference: window storage, then the buffer */
+    ASSERT_EQ(mem_total(), total0);
+}
+
+/* ---- references released from several threads ------------------------- */
+
+enum { NTHREADS = 4, NVIEWS = 16, SPINS = 20000 };
+
+typedef struct {
+    ct_tensor *t;
+    ct_tensor *views[NVIEWS];
+    pthread_barrier_t *go;
+} thread_arg;
+
+static void *hammer(void *p)
+{
+    thread_arg *a = p;
+    pthread_barrier_wait(a->go);
+    for (int i = 0; i < SPINS; i++) {
+        ct_tensor_retain(a->t);
+        ct_storage_retain(a->t->storage);
+        ct_storage_release(a->t->storage);
+        ct_tensor_release(a->t);
+    }
+    for (int v = 0; v < NVIEWS; v++) ct_tensor_release(a->views[v]);
+    ct_tensor_release(a->t); /* whichever thread is last frees t and the storage */
+    return NULL;
+}
+
+TEST(core_tensor_refcounts_released_from_threads)
+{
+    size_t total0 = mem_total();
+    for (int round = 0; round < 4; round++) {
+        ct_tensor *t = ct_tensor_create1(1 << 16, CT_MEM_ACT);
+        ASSERT(t);
+        pthread_barrier_t go;
+        pthread_barrier_init(&go, NULL, NTHREADS);
+        thread_arg args[NTHREADS];
+        for (int k = 0; k < NTHREADS; k++) {
+            args[k].t = ct_tensor_retain(t);
+            args[k].go = &go;
+            for (int v = 0; v < NVIEWS; v++)
+                ASSERT((args[k].views[v] = ct_tensor_view(t, v * 64, 1, (int64_t[]){64})) != NULL);
+        }
+        ASSERT_EQ(t->refcount, NTHREADS + 1);
+        ASSERT_EQ(t->storage->refcount, 1 + NTHREADS * NVIEWS);
+        ct_tensor_release(t); /* from here on only the threads hold it */
+        pthread_t th[NTHREADS];
+        for (int k = 0; k < NTHREADS; k++) ASSERT_EQ(pthread_create(&th[k], NULL, hammer, &args[k]), 0);
+        for (int k = 0; k < NTHREADS; k++) pthread_join(th[k], NULL);
+        pthread_barrier_destroy(&go);
+        /* Every count reached zero exactly once: all freed, nothing twice. */
+        ASSERT_EQ(mem_total(), total0);
+    }
 }

@@ -26,13 +26,11 @@ static int run_script(const char *mode, const char *path, char *out, size_t cap)
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
-static int available(void)
+/* Skips the test unless the interpreter and the script are there. */
+static void require_script(void)
 {
-    if (access(PY, X_OK) != 0 || access(SCRIPT, R_OK) != 0) {
-        printf("    skipped: needs %s and %s (run from the repository root)\n", PY, SCRIPT);
-        return 0;
-    }
-    return 1;
+    if (access(PY, X_OK) != 0 || access(SCRIPT, R_OK) != 0)
+        SKIP("needs %s and %s (run from the repository root)", PY, SCRIPT);
 }
 
 static void tmp_path(char *buf, size_t n, const char *name)
@@ -49,14 +47,11 @@ static void expect_meta(const ct_safetensors *st, const char *key, const char *v
 
 TEST(pytorch_writes_ctrain_reads)
 {
-    if (!available()) return;
+    require_script();
     char path[512], out[4096];
     tmp_path(path, sizeof path, "from_torch.safetensors");
     int rc = run_script("write", path, out, sizeof out);
-    if (rc == 3) {
-        printf("    skipped: %s cannot import torch\n", PY);
-        return;
-    }
+    if (rc == 3) SKIP("%s cannot import torch", PY);
     if (rc != 0) ct_test_fail(__FILE__, __LINE__, "st_check.py write failed (%d): %s", rc, out);
     ct_safetensors *st;
     ASSERT_OK(ct_safetensors_load(path, &st));
@@ -113,7 +108,7 @@ static void hex(const char *s, char *out)
 
 TEST(ctrain_writes_pytorch_reads)
 {
-    if (!available()) return;
+    require_script();
     enum { NT = 7 };
     const char *names[NT] = {"w", "h.bf16", "h.f16", "steps", "ids", "bytes", "s"};
     ct_tensor *t[NT];
@@ -149,8 +144,8 @@ TEST(ctrain_writes_pytorch_reads)
     ASSERT_OK(ct_safetensors_save(path, names, t, NT, mk, mv, 2));
     int rc = run_script("read", path, out, sizeof out);
     if (rc == 3) {
-        printf("    skipped: %s cannot import torch\n", PY);
-        goto out_free;
+        for (int i = 0; i < NT; i++) ct_tensor_release(t[i]);
+        SKIP("%s cannot import torch", PY);
     }
     if (rc != 0) ct_test_fail(__FILE__, __LINE__, "st_check.py read failed (%d): %s", rc, out);
     int seen = 0, seen_meta = 0;
@@ -183,6 +178,5 @@ TEST(ctrain_writes_pytorch_reads)
     }
     ASSERT_EQ(seen, NT);
     ASSERT_EQ(seen_meta, 2);
-out_free:
     for (int i = 0; i < NT; i++) ct_tensor_release(t[i]);
 }

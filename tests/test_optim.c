@@ -46,10 +46,10 @@ static float gradv(int i, int t) { return (float)(((i * 7 + t * 3) % 11 - 5) * 0
 /* A parameter built by hand: the optimizer only reads these fields. */
 static ct_param *make_param(const char *name, int64_t n)
 {
-    ct_param *p = ct_alloc(sizeof *p, CT_MEM_OTHER);
+    ct_param *p = ct_alloc_zeroed(sizeof *p, CT_MEM_OTHER);
     ASSERT(p);
     size_t len = strlen(name) + 1;
-    p->name = ct_alloc(len, CT_MEM_OTHER);
+    p->name = ct_alloc_zeroed(len, CT_MEM_OTHER);
     memcpy(p->name, name, len);
     p->data = ct_tensor_create1(n, CT_MEM_PARAM);
     p->grad = ct_tensor_create1(n, CT_MEM_GRAD);

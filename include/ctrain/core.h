@@ -77,13 +77,18 @@ typedef enum {
     CT_MEM_OPTIM,
     CT_MEM_ACT,
     CT_MEM_COMM,
+    CT_MEM_DATA,   /* data sets loaded in memory */
     CT_MEM_OTHER,
     CT_MEM_NCAT
 } ct_mem_cat;
 
-/* Zeroed, 64-byte aligned block of bytes counted under cat; NULL (error set) on failure. */
+/* 64-byte aligned block of bytes counted under cat, NOT zeroed (like
+ * torch.empty: for memory that is written in full before it is read); NULL
+ * (error set) on failure.  Blocks of 64 KiB and more are page aligned. */
 void *ct_alloc(size_t bytes, ct_mem_cat cat);
-/* Frees a block from ct_alloc; NULL is a no-op. */
+/* Same, zeroed. */
+void *ct_alloc_zeroed(size_t bytes, ct_mem_cat cat);
+/* Frees a block from ct_alloc or ct_alloc_zeroed; NULL is a no-op. */
 void ct_free(void *p);
 /* Bytes the block was allocated with (0 for NULL). */
 size_t ct_alloc_size(const void *p);
@@ -93,16 +98,62 @@ size_t ct_mem_current(ct_mem_cat cat);
 size_t ct_mem_peak(ct_mem_cat cat);
 /* Highest sum over all categories since start or the last reset. */
 size_t ct_mem_peak_total(void);
-/* Sets every peak to the current value. */
+/* Starts a new peak window: every peak (per category, total, resident and
+ * RSS) is set to its current value. */
 void ct_mem_reset_peak(void);
-/* "param", "grad", "optim", "act", "comm", "other". */
+/* "param", "grad", "optim", "act", "comm", "data", "other". */
 const char *ct_mem_cat_name(ct_mem_cat cat);
 /* Bytes of freed large blocks kept for reuse (not counted as in use). */
 size_t ct_mem_cached(void);
-/* Returns every cached block to the system. */
+/* Returns every cached block to the OS (munmap), and malloc's free memory
+ * where the C library allows it, so the process's RSS falls. */
 void ct_mem_trim(void);
+/* Bounds the cache of freed large blocks to bytes (0 turns it off), trimming
+ * it if it holds more; overrides CTRAIN_ALLOC_CACHE_MB (default 2048 MiB, 0
+ * under AddressSanitizer). */
+void ct_mem_set_cache_limit(size_t bytes);
 /* Fault injection: the n-th ct_alloc from now (0 = the next one) fails; -1 turns it off. */
 void ct_mem_fail_after(long n);
+
+/* ---- memory report ----------------------------------------------------- */
+
+/* One rank's memory, in bytes.  Peaks are since the start of the process or
+ * the last ct_mem_reset_peak.  A plain value: ranks can combine reports
+ * (say, an allreduce MAX over the fields) before formatting them. */
+typedef struct {
+    size_t current[CT_MEM_NCAT], peak[CT_MEM_NCAT]; /* per category (ct_mem_cat) */
+    size_t current_total, peak_total;  /* all categories; the peak is of the sum */
+    size_t resident, peak_resident;    /* param + grad + optim; the peak is of the sum,
+                                          not a sum of the three peaks */
+    size_t cached;                     /* freed large blocks kept for reuse, apart
+                                          from the above (ct_mem_cached) */
+    size_t rss, peak_rss;              /* the process's resident set: VmRSS now, and
+                                          its highest value in the window (VmHWM after
+                                          a reset through /proc/self/clear_refs, else
+                                          the highest sample); 0 where unknown */
+} ct_mem_report;
+
+/* Buffer sizes that always fit ct_mem_report_format / ct_mem_report_json. */
+#define CT_MEM_REPORT_TABLE_MAX 1536
+#define CT_MEM_REPORT_JSON_MAX 512
+
+/* Fills r from the allocator's counters and /proc/self/status. */
+void ct_mem_report_get(ct_mem_report *r);
+/* Writes r as a table for people (one row per category, current and peak,
+ * then total, resident, cached and RSS; sizes in KiB/MiB/GiB) into buf, each
+ * line ending in a newline.  CT_EINVAL if n is too small (nothing is cut
+ * silently): pass CT_MEM_REPORT_TABLE_MAX bytes. */
+ct_status ct_mem_report_format(const ct_mem_report *r, char *buf, size_t n);
+/* Writes r as one JSON object on one line (no newline), every value an
+ * integer count of bytes:
+ *   {"rank":R,"param":P,"grad":G,"optim":O,"act":A,"comm":C,"data":D,
+ *    "other":X,"peak_total":T,"resident":S,"cached":K,"rss":M}
+ * where rank is the caller's rank (core knows no ranks), each category is
+ * its peak since the last reset (r->peak[cat]), peak_total is r->peak_total,
+ * resident is the peak of param+grad+optim (r->peak_resident), cached is the
+ * cache now (r->cached) and rss is the peak RSS (r->peak_rss).  CT_EINVAL if
+ * n is too small: pass CT_MEM_REPORT_JSON_MAX bytes. */
+ct_status ct_mem_report_json(const ct_mem_report *r, int rank, char *buf, size_t n);
 
 /* ---- counter-based RNG (Philox 4x32-10) -------------------------------- */
 
@@ -148,8 +199,21 @@ void ct_blas_set_threads(int n);
 int ct_blas_get_threads(void);
 /* Name of the kernel OpenBLAS runs ("SkylakeX", "Haswell", ...). */
 const char *ct_blas_corename(void);
-/* How the kernel was chosen: "auto-selected", "user's OPENBLAS_CORETYPE", "OpenBLAS default". */
+/* How the kernel was chosen: "auto-selected by ctrain", "user's OPENBLAS_CORETYPE", "OpenBLAS default". */
 const char *ct_blas_kernel_source(void);
+/* Re-executes this program once with the fast kernel if OpenBLAS picked a
+ * slow one (OpenBLAS reads OPENBLAS_CORETYPE only when it loads, so there is
+ * no other cure).  Call it first thing in main, with main's argc and argv
+ * unchanged, before threads or other state exist: on re-execution it does
+ * not return, and the program starts again from the top.  Linking libctrain
+ * never does this by itself.  Returns CT_OK and does nothing when the kernel
+ * is fine, the CPU has nothing better, the user set OPENBLAS_CORETYPE, or
+ * CTRAIN_NO_REEXEC=1; CT_EUNSUPPORTED (the program can go on, slowly) if the
+ * re-exec failed.  CTRAIN_BLAS_DISTRUST=1 treats any kernel as slow (tests). */
+ct_status ct_blas_select_kernel(int argc, char **argv);
+/* Logs one warning per process, naming the fix, if OpenBLAS runs a slower
+ * kernel than the CPU allows and the user did not choose it. */
+void ct_blas_warn_if_slow(void);
 
 /* ---- time and tracing -------------------------------------------------- */
 

@@ -203,8 +203,8 @@ ct_status ct_group_allgatherv(ct_group *g, const void *send, int64_t send_count,
                           dt);
     if (!w) return CT_ENOMEM;
     w->inplace = inplace;
-    w->counts = ct_alloc((size_t)g->size * sizeof(int), CT_MEM_OTHER);
-    w->displs = ct_alloc((size_t)g->size * sizeof(int), CT_MEM_OTHER);
+    w->counts = ct_alloc_zeroed((size_t)g->size * sizeof(int), CT_MEM_OTHER);
+    w->displs = ct_alloc_zeroed((size_t)g->size * sizeof(int), CT_MEM_OTHER);
     if (!w->counts || !w->displs) {
         ct__work_destroy(w);
         return CT_ENOMEM;

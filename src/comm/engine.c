@@ -95,7 +95,7 @@ int ct__on_comm_thread(void) { return is_comm_thread; }
 ct_work *ct__work_new(ct_group *g, const char *name, ct__start_fn start, ct__finish_fn finish,
                       int ordered)
 {
-    ct_work *w = ct_alloc(sizeof *w, CT_MEM_OTHER);
+    ct_work *w = ct_alloc_zeroed(sizeof *w, CT_MEM_OTHER);
     if (!w) return NULL;
     w->g = g;
     w->name = name;
@@ -338,10 +338,10 @@ static int reserve_inflight(void)
 {
     if (F.n < F.cap) return 0;
     int cap = F.cap ? 2 * F.cap : 64;
-    ct_work **work = ct_alloc((size_t)cap * sizeof *work, CT_MEM_OTHER);
-    MPI_Request *req = ct_alloc((size_t)cap * sizeof *req, CT_MEM_OTHER);
-    MPI_Status *st = ct_alloc((size_t)cap * sizeof *st, CT_MEM_OTHER);
-    int *idx = ct_alloc((size_t)cap * sizeof *idx, CT_MEM_OTHER);
+    ct_work **work = ct_alloc_zeroed((size_t)cap * sizeof *work, CT_MEM_OTHER);
+    MPI_Request *req = ct_alloc_zeroed((size_t)cap * sizeof *req, CT_MEM_OTHER);
+    MPI_Status *st = ct_alloc_zeroed((size_t)cap * sizeof *st, CT_MEM_OTHER);
+    int *idx = ct_alloc_zeroed((size_t)cap * sizeof *idx, CT_MEM_OTHER);
     if (!work || !req || !st || !idx) {
         ct_free(work), ct_free(req), ct_free(st), ct_free(idx);
         return -1;

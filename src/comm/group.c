@@ -213,7 +213,7 @@ ct_status ct_group_split(ct_group *g, int color, int key, ct_group **out)
     if (!g || !out)
         return ct_error(CT_EINVAL, "ct_group_split: %s is NULL", g ? "out" : "group");
     *out = NULL;
-    ct_group *ng = ct_alloc(sizeof *ng, CT_MEM_OTHER);
+    ct_group *ng = ct_alloc_zeroed(sizeof *ng, CT_MEM_OTHER);
     if (!ng) return CT_ENOMEM;
     ng->comm = MPI_COMM_NULL;
     ct_work *w = ct__work_new(g, "MPI_Comm_split", split_start, NULL, 1);

@@ -234,11 +234,11 @@ static ct_status alloc_start(ct_work *w, MPI_Request *req)
     /* Allocate what can fail locally first, so every rank knows before the
      * window's collective call whether all can go on. */
     struct ct__shm *s = NULL;
-    shm_alloc *a = ct_alloc(sizeof *a, CT_MEM_OTHER);
-    if (a) a->base = ct_alloc((size_t)g->size * sizeof *a->base, CT_MEM_OTHER);
+    shm_alloc *a = ct_alloc_zeroed(sizeof *a, CT_MEM_OTHER);
+    if (a) a->base = ct_alloc_zeroed((size_t)g->size * sizeof *a->base, CT_MEM_OTHER);
     if (!g->shm) {
-        s = ct_alloc(sizeof *s, CT_MEM_OTHER);
-        if (s) s->slot = ct_alloc((size_t)g->size * sizeof *s->slot, CT_MEM_OTHER);
+        s = ct_alloc_zeroed(sizeof *s, CT_MEM_OTHER);
+        if (s) s->slot = ct_alloc_zeroed((size_t)g->size * sizeof *s->slot, CT_MEM_OTHER);
     }
     int local[2] = {shm_enabled() && g->size > 1 && g->local_size == g->size,
                     a && a->base && (g->shm || (s && s->slot))};
@@ -392,8 +392,8 @@ ct_status ct_group_alloc_shared(ct_group *g, size_t bytes, ct_mem_cat cat, void 
         *ptr = q.out->base[g->rank];
         return CT_OK;
     }
-    struct ct__plain *node = ct_alloc(sizeof *node, CT_MEM_OTHER);
-    void *p = node ? ct_alloc(bytes, cat) : NULL;
+    struct ct__plain *node = ct_alloc_zeroed(sizeof *node, CT_MEM_OTHER);
+    void *p = node ? ct_alloc_zeroed(bytes, cat) : NULL;
     if (!p) {
         ct_free(node);
         return CT_ENOMEM;

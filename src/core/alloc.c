@@ -1,42 +1,107 @@
 /*
  * The tracked allocator.  Every block carries a small header with its size
- * and category so ct_free can keep per-category current and peak counts.
- * Counters are atomic because the communication thread allocates too.
+ * and category so ct_free can keep per-category current and peak counts,
+ * and a running count of resident bytes (param + grad + optim together)
+ * with its own peak.  Counters are atomic because the communication thread
+ * allocates too.
  *
- * Large blocks (64 KiB and up) are kept in a cache of exact sizes when
- * freed, the way PyTorch's caching allocator keeps device memory: a
- * training step allocates the same activation and gradient sizes every
- * time, and handing them back to the OS makes every step pay page faults
- * again (measured: a Linear(1024,1024) forward at batch 64 spent ~5% of its
- * time faulting in its output).  Cached bytes are not counted as in use.
- * CTRAIN_ALLOC_CACHE_MB bounds the cache (default 2048; 0 turns it off);
- * AddressSanitizer builds turn it off so use-after-free stays visible.
+ * Small blocks come from malloc (aligned_alloc).  Large blocks (64 KiB and
+ * up) are mapped from the OS with mmap and given back with munmap, so
+ * freeing them really lowers the process's RSS: glibc would keep big freed
+ * chunks in its heap once its dynamic mmap threshold has grown.  The data of
+ * a large block starts on a page boundary; its header sits at the end of
+ * the page before.
+ *
+ * Freed large blocks are kept in a cache of exact sizes, the way PyTorch's
+ * caching allocator keeps device memory: a training step allocates the same
+ * activation and gradient sizes every time, and handing them back to the OS
+ * makes every step pay page faults again (measured: a Linear(1024,1024)
+ * forward at batch 64 spent ~5% of its time faulting in its output).  Cached
+ * bytes are not counted as in use (ct_mem_cached reports them apart) and
+ * ct_mem_trim returns them to the OS.  CTRAIN_ALLOC_CACHE_MB bounds the
+ * cache (default 2048; 0 turns it off), ct_mem_set_cache_limit overrides
+ * it; AddressSanitizer builds turn it off by default so use-after-free stays
+ * visible, and poison the blocks it holds when it is turned on.
+ *
+ * ct_alloc does not zero (torch.empty); ct_alloc_zeroed does, and skips the
+ * memset for freshly mapped pages, which the OS hands out zeroed.
  */
 #include "ctrain/core.h"
+#include "internal.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define HDR 64 /* keeps the user block 64-byte aligned */
-#define MAGIC 0xC7A1A10Cu
-#define CACHE_MIN (64u << 10)
-#define NBINS 256
+#include <sys/mman.h>
+#include <unistd.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
 #define CACHE_DEFAULT_MB 0
 #else
+#define POISON(p, n) ((void)(p), (void)(n))
+#define UNPOISON(p, n) ((void)(p), (void)(n))
 #define CACHE_DEFAULT_MB 2048
 #endif
 
+#define HDR 64 /* keeps the user block of a small block 64-byte aligned */
+#define MAGIC 0xC7A1A10Cu
+#define LARGE_MIN (64u << 10)
+#define NBINS 256
+
 typedef struct {
     size_t size;  /* bytes asked for */
-    size_t cap;   /* bytes usable after the header */
+    size_t cap;   /* bytes usable (a multiple of the page size for large blocks) */
     uint32_t magic;
     int cat;
+    int mapped;   /* large block: data is at a page boundary of an mmap of page + cap */
     void *next;   /* free list link while cached */
 } hdr_t;
+
+_Static_assert(sizeof(hdr_t) <= HDR, "the block header must fit in HDR bytes");
+
+static size_t page_size(void)
+{
+    static _Atomic size_t pg; /* threads may race to set it, to the same value */
+    size_t v = atomic_load_explicit(&pg, memory_order_relaxed);
+    if (!v) {
+        long p = sysconf(_SC_PAGESIZE);
+        v = p > 0 ? (size_t)p : 4096;
+        atomic_store_explicit(&pg, v, memory_order_relaxed);
+    }
+    return v;
+}
+
+static hdr_t *hdr_of(const void *p) { return (hdr_t *)((char *)p - HDR); }
+static char *data_of(hdr_t *h) { return (char *)h + HDR; }
+
+/* ---- large blocks: mmap / munmap --------------------------------------- */
+
+static hdr_t *map_block(size_t cap)
+{
+    size_t pg = page_size();
+    char *base = mmap(NULL, pg + cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return NULL;
+    hdr_t *h = (hdr_t *)(base + pg - HDR);
+    h->cap = cap;
+    h->mapped = 1;
+    return h;
+}
+
+static void unmap_block(hdr_t *h)
+{
+    size_t pg = page_size();
+    UNPOISON(data_of(h), h->cap);
+    munmap(data_of(h) - pg, pg + h->cap);
+}
+
+/* ---- the cache of freed large blocks ----------------------------------- */
 
 typedef struct {
     size_t cap;
@@ -45,8 +110,9 @@ typedef struct {
 
 static pthread_mutex_t cache_mu = PTHREAD_MUTEX_INITIALIZER;
 static bin_t bins[NBINS];
-static size_t cached_bytes, cache_limit = (size_t)-1;
+static size_t cached_bytes, cache_limit = (size_t)-1; /* -1: not read from the environment yet */
 
+/* Under cache_mu. */
 static size_t cache_limit_bytes(void)
 {
     if (cache_limit == (size_t)-1) {
@@ -83,6 +149,7 @@ static hdr_t *cache_take(size_t cap)
         cached_bytes -= cap;
     }
     pthread_mutex_unlock(&cache_mu);
+    if (h) UNPOISON(data_of(h), cap);
     return h;
 }
 
@@ -93,6 +160,7 @@ static int cache_put(hdr_t *h)
     if (cached_bytes + h->cap <= cache_limit_bytes()) {
         bin_t *b = bin_for(h->cap, 1);
         if (b) {
+            POISON(data_of(h), h->cap);
             h->next = b->head;
             b->head = h;
             cached_bytes += h->cap;
@@ -118,17 +186,33 @@ void ct_mem_trim(void)
         while (bins[i].head) {
             hdr_t *h = bins[i].head;
             bins[i].head = h->next;
-            free(h);
+            unmap_block(h);
         }
         bins[i].cap = 0;
     }
     cached_bytes = 0;
     pthread_mutex_unlock(&cache_mu);
+#if defined(__GLIBC__)
+    malloc_trim(0); /* and what small blocks left free at the top of malloc's heap */
+#endif
 }
+
+void ct_mem_set_cache_limit(size_t bytes)
+{
+    pthread_mutex_lock(&cache_mu);
+    cache_limit = bytes == (size_t)-1 ? bytes - 1 : bytes;
+    pthread_mutex_unlock(&cache_mu);
+    if (ct_mem_cached() > bytes) ct_mem_trim();
+}
+
+/* ---- counters ---------------------------------------------------------- */
 
 static _Atomic size_t cur[CT_MEM_NCAT], peak[CT_MEM_NCAT];
 static _Atomic size_t cur_total, peak_total;
+static _Atomic size_t cur_resident, peak_resident; /* param + grad + optim */
 static _Atomic long fail_countdown = -1;
+
+static int is_resident(int cat) { return cat == CT_MEM_PARAM || cat == CT_MEM_GRAD || cat == CT_MEM_OPTIM; }
 
 static void raise_peak(_Atomic size_t *pk, size_t v)
 {
@@ -136,9 +220,27 @@ static void raise_peak(_Atomic size_t *pk, size_t v)
     while (v > old && !atomic_compare_exchange_weak(pk, &old, v)) {}
 }
 
-void *ct_alloc(size_t bytes, ct_mem_cat cat)
+static void count_up(int cat, size_t d)
+{
+    raise_peak(&peak[cat], atomic_fetch_add(&cur[cat], d) + d);
+    raise_peak(&peak_total, atomic_fetch_add(&cur_total, d) + d);
+    if (is_resident(cat)) raise_peak(&peak_resident, atomic_fetch_add(&cur_resident, d) + d);
+}
+
+static void count_down(int cat, size_t d)
+{
+    atomic_fetch_sub(&cur[cat], d);
+    atomic_fetch_sub(&cur_total, d);
+    if (is_resident(cat)) atomic_fetch_sub(&cur_resident, d);
+}
+
+/* ---- ct_alloc / ct_free ------------------------------------------------ */
+
+/* A block of bytes under cat; *fresh says its memory came zeroed from the OS. */
+static void *alloc_block(size_t bytes, ct_mem_cat cat, int *fresh)
 {
     CT_ASSERT(cat >= 0 && cat < CT_MEM_NCAT);
+    *fresh = 0;
     long fc = atomic_load(&fail_countdown);
     if (fc >= 0) {
         if (atomic_fetch_sub(&fail_countdown, 1) == 0) {
@@ -146,44 +248,66 @@ void *ct_alloc(size_t bytes, ct_mem_cat cat)
             return NULL;
         }
     }
-    if (bytes > SIZE_MAX - HDR - 4096) {
-        ct_error(CT_ENOMEM, "allocation of %zu bytes overflows", bytes);
+    size_t pg = page_size();
+    if (bytes > SIZE_MAX / 2 - pg) {
+        ct_error(CT_ENOMEM, "allocation of %zu bytes is larger than any address space; check the size "
+                 "for an overflowed or negative value", bytes);
         return NULL;
     }
     size_t cap = (bytes + 63) & ~(size_t)63;
-    if (cap >= CACHE_MIN) cap = (cap + 4095) & ~(size_t)4095;
-    hdr_t *h = cap >= CACHE_MIN ? cache_take(cap) : NULL;
-    char *raw = (char *)h;
-    if (!raw) raw = aligned_alloc(64, HDR + cap);
-    if (!raw) {
-        ct_mem_trim(); /* the cache may hold what we need, in other sizes */
-        raw = aligned_alloc(64, HDR + cap);
+    hdr_t *h = NULL;
+    if (cap >= LARGE_MIN) {
+        cap = (cap + pg - 1) & ~(pg - 1);
+        if (!(h = cache_take(cap))) {
+            h = map_block(cap);
+            if (!h) {
+                ct_mem_trim(); /* the cache may hold what we need, in other sizes */
+                h = map_block(cap);
+            }
+            *fresh = h != NULL;
+        }
+    } else {
+        h = aligned_alloc(64, HDR + cap);
+        if (h) h->mapped = 0;
     }
-    if (!raw) {
-        ct_error(CT_ENOMEM, "out of memory allocating %zu bytes for %s; reduce the batch or model size",
-                 bytes, ct_mem_cat_name(cat));
+    if (!h) {
+        ct_error(CT_ENOMEM, "out of memory allocating %zu bytes for %s; reduce the batch or model size "
+                 "(the memory report says what holds memory)", bytes, ct_mem_cat_name(cat));
         return NULL;
     }
-    memset(raw + HDR, 0, bytes);
-    h = (hdr_t *)raw;
     h->cap = cap;
     h->size = bytes;
     h->magic = MAGIC;
     h->cat = (int)cat;
-    raise_peak(&peak[cat], atomic_fetch_add(&cur[cat], bytes) + bytes);
-    raise_peak(&peak_total, atomic_fetch_add(&cur_total, bytes) + bytes);
-    return raw + HDR;
+    POISON(data_of(h) + bytes, cap - bytes); /* slack after the block: no one's */
+    count_up(cat, bytes);
+    return data_of(h);
+}
+
+void *ct_alloc(size_t bytes, ct_mem_cat cat)
+{
+    int fresh;
+    return alloc_block(bytes, cat, &fresh);
+}
+
+void *ct_alloc_zeroed(size_t bytes, ct_mem_cat cat)
+{
+    int fresh;
+    void *p = alloc_block(bytes, cat, &fresh);
+    if (p && !fresh) memset(p, 0, bytes);
+    return p;
 }
 
 void ct_free(void *p)
 {
     if (!p) return;
-    hdr_t *h = (hdr_t *)((char *)p - HDR);
+    hdr_t *h = hdr_of(p);
     CT_ASSERT(h->magic == MAGIC);
     h->magic = 0;
-    atomic_fetch_sub(&cur[h->cat], h->size);
-    atomic_fetch_sub(&cur_total, h->size);
-    if (h->cap < CACHE_MIN || !cache_put(h)) free(h);
+    count_down(h->cat, h->size);
+    UNPOISON(p, h->cap);
+    if (!h->mapped) free(h);
+    else if (!cache_put(h)) unmap_block(h);
 }
 
 /* Declared in src/comm/internal.h: memory MPI allocated for ctrain (shared
@@ -191,21 +315,14 @@ void ct_free(void *p)
 void ct__mem_account(ct_mem_cat cat, int64_t delta)
 {
     CT_ASSERT(cat >= 0 && cat < CT_MEM_NCAT);
-    if (delta >= 0) {
-        size_t d = (size_t)delta;
-        raise_peak(&peak[cat], atomic_fetch_add(&cur[cat], d) + d);
-        raise_peak(&peak_total, atomic_fetch_add(&cur_total, d) + d);
-    } else {
-        size_t d = (size_t)-delta;
-        atomic_fetch_sub(&cur[cat], d);
-        atomic_fetch_sub(&cur_total, d);
-    }
+    if (delta >= 0) count_up(cat, (size_t)delta);
+    else count_down(cat, (size_t)-delta);
 }
 
 size_t ct_alloc_size(const void *p)
 {
     if (!p) return 0;
-    const hdr_t *h = (const hdr_t *)((const char *)p - HDR);
+    const hdr_t *h = hdr_of(p);
     CT_ASSERT(h->magic == MAGIC);
     return h->size;
 }
@@ -218,11 +335,33 @@ void ct_mem_reset_peak(void)
 {
     for (int c = 0; c < CT_MEM_NCAT; c++) atomic_store(&peak[c], atomic_load(&cur[c]));
     atomic_store(&peak_total, atomic_load(&cur_total));
+    atomic_store(&peak_resident, atomic_load(&cur_resident));
+    ct__rss_reset_peak();
+}
+
+void ct__mem_counters(ct_mem_report *r)
+{
+    size_t sum = 0;
+    for (int c = 0; c < CT_MEM_NCAT; c++) {
+        r->current[c] = atomic_load(&cur[c]);
+        r->peak[c] = atomic_load(&peak[c]);
+        /* Other threads may move a counter between the two loads. */
+        if (r->peak[c] < r->current[c]) r->peak[c] = r->current[c];
+        sum += r->current[c];
+    }
+    r->current_total = sum;
+    r->peak_total = atomic_load(&peak_total);
+    if (r->peak_total < sum) r->peak_total = sum;
+    r->resident = r->current[CT_MEM_PARAM] + r->current[CT_MEM_GRAD] + r->current[CT_MEM_OPTIM];
+    r->peak_resident = atomic_load(&peak_resident);
+    if (r->peak_resident < r->resident) r->peak_resident = r->resident;
+    r->cached = ct_mem_cached();
 }
 
 const char *ct_mem_cat_name(ct_mem_cat cat)
 {
-    static const char *names[] = {"param", "grad", "optim", "act", "comm", "other"};
+    static const char *names[] = {"param", "grad", "optim", "act", "comm", "data", "other"};
+    _Static_assert(sizeof names / sizeof names[0] == CT_MEM_NCAT, "one name per category");
     return (cat >= 0 && cat < CT_MEM_NCAT) ? names[cat] : "?";
 }
 

@@ -2,29 +2,38 @@
  * BLAS set-up.  Debian's OpenBLAS 0.3.21 is built for many CPUs and picks its
  * kernel when the library loads; on some AVX-512 machines it misdetects the
  * CPU and falls back to 'Prescott', about 4.5x slower.  OpenBLAS reads
- * OPENBLAS_CORETYPE only at load time, so setting it later does nothing:
- * this constructor (which runs after OpenBLAS's own, since we link to it)
- * checks the kernel against what the CPU can do and, if it is the slow one,
- * sets OPENBLAS_CORETYPE and re-executes the program once, before main.
+ * OPENBLAS_CORETYPE only at load time, so setting it later does nothing: the
+ * only cure inside a running program is to set it and execute the program
+ * again.  The library never does that on its own (linking libctrain changes
+ * nothing about how a program starts: no constructor here); a program that
+ * wants it calls ct_blas_select_kernel first thing in main, as the ctrain
+ * program does, and ct_blas_warn_if_slow tells everyone else how to fix it.
+ *
  * A user's own OPENBLAS_CORETYPE is always respected; CTRAIN_NO_REEXEC=1
  * turns the re-exec off (for debuggers).  CTRAIN_BLAS_DISTRUST=1 makes the
- * check treat any kernel as misdetected, so tests can exercise the re-exec on
- * machines where OpenBLAS already gets it right.
+ * check treat any kernel as misdetected, so tests can exercise the re-exec
+ * on machines where OpenBLAS already gets it right.
  */
 #include "ctrain/core.h"
 
 #include <cblas.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 extern char *openblas_get_corename(void);
 extern void openblas_set_num_threads(int);
 extern int openblas_get_num_threads(void);
 
+/* Set with OPENBLAS_CORETYPE when ct_blas_select_kernel re-executes; it is
+ * inherited by child processes, so it only vouches for OPENBLAS_CORETYPE
+ * while the two agree. */
 #define MARK "CTRAIN_CORETYPE_AUTO"
-
-static const char *kernel_source = "OpenBLAS default";
 
 static const char *wanted_core(void)
 {
@@ -37,39 +46,66 @@ static const char *wanted_core(void)
     return NULL;
 }
 
-static int is_slower_kernel(const char *have)
+/* 1 if OpenBLAS runs a kernel slower than want (or CTRAIN_BLAS_DISTRUST). */
+static int kernel_is_slow(const char *have, const char *want)
 {
     /* The kernels that are at least as fast as what we would choose. */
     static const char *good[] = {"SkylakeX", "Cooperlake", "SapphireRapids", "Zen", NULL};
+    if (getenv("CTRAIN_BLAS_DISTRUST")) return 1;
+    if (!have || !strcasecmp(have, want)) return 0;
     for (int i = 0; good[i]; i++)
         if (!strcasecmp(have, good[i])) return 0;
     return 1;
 }
 
-__attribute__((constructor)) static void ct_blas_boot(int argc, char **argv, char **envp)
+/* How the kernel was chosen, from the environment OpenBLAS saw at load time
+ * (read once, before ct_blas_select_kernel touches it). */
+static pthread_once_t source_once = PTHREAD_ONCE_INIT;
+static const char *kernel_source = "OpenBLAS default";
+static int user_chose; /* OPENBLAS_CORETYPE was set when the program started */
+
+static void read_source(void)
 {
-    (void)argc;
-    (void)envp;
     const char *core = getenv("OPENBLAS_CORETYPE");
-    if (core) {
-        /* MARK holds the core we chose and is inherited by child processes: it
-         * only vouches for OPENBLAS_CORETYPE while the two still agree. */
-        const char *mark = getenv(MARK);
-        kernel_source = mark && !strcmp(mark, core) ? "auto-selected by ctrain"
-                                                     : "user's OPENBLAS_CORETYPE";
-        return;
-    }
+    if (!core) return;
+    const char *mark = getenv(MARK);
+    user_chose = 1;
+    kernel_source = mark && !strcmp(mark, core) ? "auto-selected by ctrain" : "user's OPENBLAS_CORETYPE";
+}
+
+ct_status ct_blas_select_kernel(int argc, char **argv)
+{
+    pthread_once(&source_once, read_source);
+    if (user_chose) return CT_OK; /* the user's choice, or we already re-executed */
     const char *want = wanted_core();
-    if (!want || getenv("CTRAIN_NO_REEXEC") || !argv || !argv[0]) return;
-    const char *have = openblas_get_corename();
-    int distrust = getenv("CTRAIN_BLAS_DISTRUST") != NULL;
-    if (!distrust && have && (!strcasecmp(have, want) || !is_slower_kernel(have))) return;
+    if (!want || getenv("CTRAIN_NO_REEXEC")) return CT_OK;
+    if (!kernel_is_slow(openblas_get_corename(), want)) return CT_OK;
+    if (argc < 1 || !argv || !argv[0] || argv[argc])
+        return ct_error(CT_EINVAL, "ct_blas_select_kernel needs main's argc and argv (argv[argc] NULL) "
+                        "to re-execute the program; pass them unchanged");
     setenv("OPENBLAS_CORETYPE", want, 1);
     setenv(MARK, want, 1);
+    fflush(NULL); /* output buffered so far would be written twice */
     execv("/proc/self/exe", argv);
-    /* exec failed: carry on with the slow kernel rather than fail. */
+    int err = errno;
     unsetenv("OPENBLAS_CORETYPE");
     unsetenv(MARK);
+    return ct_error(CT_EUNSUPPORTED, "cannot re-execute %s to select OpenBLAS's %s kernel (%s); the "
+                    "program goes on with the %s kernel: set OPENBLAS_CORETYPE=%s before starting it",
+                    argv[0], want, strerror(err), openblas_get_corename(), want);
+}
+
+void ct_blas_warn_if_slow(void)
+{
+    static atomic_int warned;
+    pthread_once(&source_once, read_source);
+    const char *want = wanted_core();
+    if (user_chose || !want) return;
+    const char *have = openblas_get_corename();
+    if (!kernel_is_slow(have, want) || atomic_exchange(&warned, 1)) return;
+    ct_log(CT_LOG_WARN, "OpenBLAS runs its %s kernel on a CPU that supports %s, up to ~4.5x slower for "
+           "matrix products: set OPENBLAS_CORETYPE=%s before starting the program, or call "
+           "ct_blas_select_kernel(argc, argv) first thing in main", have ? have : "?", want, want);
 }
 
 void ct_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha,
@@ -85,4 +121,8 @@ void ct_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha,
 void ct_blas_set_threads(int n) { openblas_set_num_threads(n < 1 ? 1 : n); }
 int ct_blas_get_threads(void) { return openblas_get_num_threads(); }
 const char *ct_blas_corename(void) { return openblas_get_corename(); }
-const char *ct_blas_kernel_source(void) { return kernel_source; }
+const char *ct_blas_kernel_source(void)
+{
+    pthread_once(&source_once, read_source);
+    return kernel_source;
+}

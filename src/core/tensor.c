@@ -53,9 +53,7 @@ static void *alloc_bytes(size_t bytes, ct_mem_cat cat, int zero)
 {
     /* ct_alloc never returns NULL for 0 bytes, so an empty tensor still has
      * an address (and ct_tensor_data NULL keeps meaning "released"). */
-    void *p = ct_alloc(bytes, cat);
-    if (p && zero) memset(p, 0, bytes);
-    return p;
+    return zero ? ct_alloc_zeroed(bytes, cat) : ct_alloc(bytes, cat);
 }
 
 ct_storage *ct_storage_create(size_t bytes, ct_mem_cat cat, int zero)

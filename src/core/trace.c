@@ -49,7 +49,7 @@ void ct_trace_event(const char *name, const char *cat, double t0, double t1, int
     pthread_mutex_lock(&mu);
     if (nev == cap) {
         size_t nc = cap ? 2 * cap : 4096;
-        event_t *e = ct_alloc(nc * sizeof *e, CT_MEM_OTHER);
+        event_t *e = ct_alloc_zeroed(nc * sizeof *e, CT_MEM_OTHER);
         if (!e) {
             pthread_mutex_unlock(&mu);
             return; /* tracing is best effort: never fail training for it */

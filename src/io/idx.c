@@ -105,7 +105,7 @@ static ct_status read_pixels(idx_file *f, float *out, int64_t total, float mean,
 {
     float lut[256];
     for (int v = 0; v < 256; v++) lut[v] = ((float)v / 255.0f - mean) / std;
-    unsigned char *buf = ct_alloc(CHUNK, CT_MEM_OTHER);
+    unsigned char *buf = ct_alloc_zeroed(CHUNK, CT_MEM_OTHER);
     if (!buf) return CT_ENOMEM;
     char what[96];
     snprintf(what, sizeof what, "the pixel data (%lld bytes expected)", (long long)total);
@@ -122,7 +122,7 @@ static ct_status read_pixels(idx_file *f, float *out, int64_t total, float mean,
 
 static ct_status read_labels(idx_file *f, int32_t *out, int64_t n, int nclasses)
 {
-    unsigned char *buf = ct_alloc((size_t)n, CT_MEM_OTHER);
+    unsigned char *buf = ct_alloc_zeroed((size_t)n, CT_MEM_OTHER);
     if (!buf) return CT_ENOMEM;
     ct_status s = read_exact(f, buf, n, "the labels");
     for (int64_t i = 0; s == CT_OK && i < n; i++) {
@@ -171,8 +171,8 @@ ct_status ct_idx_load(const char *images_path, const char *labels_path, int ncla
     if ((s = check_claim(&fi, total, "pixels")) != CT_OK) goto out_close;
     if ((s = check_claim(&fl, n, "labels")) != CT_OK) goto out_close;
 
-    out->images = ct_tensor_create4(n, 1, rows, cols, CT_MEM_OTHER);
-    out->labels = ct_tensor_create(CT_I32, 1, &n, CT_MEM_OTHER);
+    out->images = ct_tensor_create4(n, 1, rows, cols, CT_MEM_DATA);
+    out->labels = ct_tensor_create(CT_I32, 1, &n, CT_MEM_DATA);
     if (!out->images || !out->labels) { s = CT_ENOMEM; goto out_close; }
     if ((s = read_pixels(&fi, ct_f32(out->images), total, mean, std)) != CT_OK) goto out_close;
     if ((s = read_labels(&fl, ct_tensor_data(out->labels), n, nclasses)) != CT_OK) goto out_close;

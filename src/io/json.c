@@ -78,7 +78,7 @@ static int32_t new_node(parser *p, ct__jkind kind)
             return -1;
         }
         int32_t cap = d->cap ? d->cap * 2 : 64;
-        ct__json *nn = ct_alloc((size_t)cap * sizeof *nn, CT_MEM_OTHER);
+        ct__json *nn = ct_alloc_zeroed((size_t)cap * sizeof *nn, CT_MEM_OTHER);
         if (!nn) {
             p->st = CT_ENOMEM;
             return -1;
@@ -305,7 +305,7 @@ ct_status ct__json_parse(const char *text, size_t len, const char *what, ct__jso
                         what, bad);
     /* Decoded strings plus their NULs never exceed the text: each string
      * spends two quotes on one NUL, and escapes only shrink. */
-    doc->strs = ct_alloc(len + 1, CT_MEM_OTHER);
+    doc->strs = ct_alloc_zeroed(len + 1, CT_MEM_OTHER);
     if (!doc->strs) return CT_ENOMEM;
     parser p = {text, len, 0, what, doc, CT_OK};
     if (parse_value(&p, 0) < 0) goto fail;
@@ -335,7 +335,7 @@ static int buf_reserve(ct__buf *b, size_t extra)
     if (b->len + extra + 1 <= b->cap) return 1;
     size_t cap = b->cap ? b->cap : 256;
     while (cap < b->len + extra + 1) cap *= 2;
-    char *np = ct_alloc(cap, CT_MEM_OTHER);
+    char *np = ct_alloc_zeroed(cap, CT_MEM_OTHER);
     if (!np) { b->failed = 1; return 0; }
     if (b->len) memcpy(np, b->p, b->len);
     ct_free(b->p);

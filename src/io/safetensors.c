@@ -172,8 +172,8 @@ static ct_status parse_meta(const char *path, const ct__json_doc *d, const ct__j
     if (m->kind != CT__JOBJ)
         return ct_error(CT_EFORMAT, "%s: __metadata__ is not an object", path);
     if (m->count == 0) return CT_OK;
-    st->mkeys = ct_alloc((size_t)m->count * sizeof *st->mkeys, CT_MEM_OTHER);
-    st->mvals = ct_alloc((size_t)m->count * sizeof *st->mvals, CT_MEM_OTHER);
+    st->mkeys = ct_alloc_zeroed((size_t)m->count * sizeof *st->mkeys, CT_MEM_OTHER);
+    st->mvals = ct_alloc_zeroed((size_t)m->count * sizeof *st->mvals, CT_MEM_OTHER);
     if (!st->mkeys || !st->mvals) return CT_ENOMEM;
     for (int32_t k = m->first; k >= 0; k = d->nodes[k].next) {
         const ct__json *v = &d->nodes[k];
@@ -291,7 +291,7 @@ static ct_status load_from(source *f, const char *path, ct_safetensors *st)
                         path, (unsigned long long)hlen);
     int64_t data_size = fsize - 8 - (int64_t)hlen;
 
-    char *hdr = ct_alloc(hlen, CT_MEM_OTHER);
+    char *hdr = ct_alloc_zeroed(hlen, CT_MEM_OTHER);
     if (!hdr) return CT_ENOMEM;
     ct_status s = read_full(f, hdr, hlen, path, "the header");
     if (s == CT_OK) s = ct__json_parse(hdr, hlen, path, &st->doc);
@@ -309,10 +309,10 @@ static ct_status load_from(source *f, const char *path, ct_safetensors *st)
     }
     if (nmeta_entries > 1) return ct_error(CT_EFORMAT, "%s: __metadata__ appears twice", path);
 
-    tinfo *ti = ct_alloc((size_t)nt * sizeof *ti + 1, CT_MEM_OTHER);
-    tinfo **by_off = ct_alloc((size_t)nt * sizeof *by_off + 1, CT_MEM_OTHER);
-    st->names = ct_alloc((size_t)nt * sizeof *st->names + 1, CT_MEM_OTHER);
-    st->tensors = ct_alloc((size_t)nt * sizeof *st->tensors + 1, CT_MEM_OTHER);
+    tinfo *ti = ct_alloc_zeroed((size_t)nt * sizeof *ti + 1, CT_MEM_OTHER);
+    tinfo **by_off = ct_alloc_zeroed((size_t)nt * sizeof *by_off + 1, CT_MEM_OTHER);
+    st->names = ct_alloc_zeroed((size_t)nt * sizeof *st->names + 1, CT_MEM_OTHER);
+    st->tensors = ct_alloc_zeroed((size_t)nt * sizeof *st->tensors + 1, CT_MEM_OTHER);
     if (!ti || !by_off || !st->names || !st->tensors) { s = CT_ENOMEM; goto out_free_info; }
     int i = 0;
     for (int32_t k = root->first; k >= 0; k = d->nodes[k].next) {
@@ -357,7 +357,7 @@ static ct_status load_source(source *src, const char *path, ct_safetensors **out
     if (src->size < 8)
         return ct_error(CT_EFORMAT, "%s: file is %lld bytes, too short for the 8-byte header length; "
                         "the file is truncated or not safetensors", path, (long long)src->size);
-    ct_safetensors *st = ct_alloc(sizeof *st, CT_MEM_OTHER);
+    ct_safetensors *st = ct_alloc_zeroed(sizeof *st, CT_MEM_OTHER);
     if (!st) return CT_ENOMEM;
     ct_status s = load_from(src, path, st);
     if (s != CT_OK) {

@@ -153,15 +153,15 @@ ct_status ct_safetensors_save(const char *path, const char *const *names,
     ct__buf hdr = {0};
     char *tmp = NULL;
     FILE *f = NULL;
-    entry *ents = ct_alloc((size_t)n * sizeof *ents + 1, CT_MEM_OTHER);
-    meta *ms = ct_alloc((size_t)nmeta * sizeof *ms + 1, CT_MEM_OTHER);
+    entry *ents = ct_alloc_zeroed((size_t)n * sizeof *ents + 1, CT_MEM_OTHER);
+    meta *ms = ct_alloc_zeroed((size_t)nmeta * sizeof *ms + 1, CT_MEM_OTHER);
     if (!ents || !ms) { s = CT_ENOMEM; goto out_free; }
     if ((s = prepare(path, names, tensors, n, meta_keys, meta_vals, nmeta, ents, ms)) != CT_OK)
         goto out_free;
     if ((s = build_header(ents, n, ms, nmeta, &hdr)) != CT_OK) goto out_free;
 
     size_t tlen = strlen(path) + 32;
-    tmp = ct_alloc(tlen, CT_MEM_OTHER);
+    tmp = ct_alloc_zeroed(tlen, CT_MEM_OTHER);
     if (!tmp) { s = CT_ENOMEM; goto out_free; }
     snprintf(tmp, tlen, "%s.tmp.%d", path, (int)getpid());
     f = fopen(tmp, "wb");

@@ -58,7 +58,7 @@ ct_status ct_sampler_init(ct_sampler *s, int64_t n, int64_t batch, uint64_t seed
     s->seed = seed;
     s->shuffle = shuffle != 0;
     s->drop_last = drop_last != 0;
-    s->perm = ct_alloc((size_t)n * sizeof *s->perm + 1, CT_MEM_OTHER);
+    s->perm = ct_alloc_zeroed((size_t)n * sizeof *s->perm + 1, CT_MEM_OTHER);
     if (!s->perm) return CT_ENOMEM;
     ct_status st = ct_sampler_set_epoch(s, 0);
     if (st != CT_OK) ct_sampler_fini(s);

@@ -164,7 +164,7 @@ ct_module *ct_batchnorm_create(int64_t c, float eps, float momentum)
                  "eps=%g momentum=%g", (long long)c, (double)eps, (double)momentum);
         return NULL;
     }
-    bn_impl *B = ct_alloc(sizeof *B, CT_MEM_OTHER);
+    bn_impl *B = ct_alloc_zeroed(sizeof *B, CT_MEM_OTHER);
     if (!B) return NULL;
     *B = (bn_impl){c, eps, momentum};
     ct_module *m = ct_module_create(&bn_ops, B);

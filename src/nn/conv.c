@@ -148,8 +148,8 @@ static ct_status conv_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     if (!y) return CT_ENOMEM;
     if (g.N == 0) goto done;
     int64_t ld = (int64_t)g.nb * g.P;
-    float *col = ct_alloc((size_t)g.K * ld * sizeof(float), CT_MEM_ACT);
-    float *tmp = g.nb > 1 ? ct_alloc((size_t)c->cout * ld * sizeof(float), CT_MEM_ACT) : NULL;
+    float *col = ct_alloc_zeroed((size_t)g.K * ld * sizeof(float), CT_MEM_ACT);
+    float *tmp = g.nb > 1 ? ct_alloc_zeroed((size_t)c->cout * ld * sizeof(float), CT_MEM_ACT) : NULL;
     if (!col || (g.nb > 1 && !tmp)) {
         ct_free(col);
         ct_free(tmp);
@@ -211,8 +211,8 @@ static ct_status conv_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     if (g.N == 0 || (!gw && !gb && !dx)) goto done;
 
     int64_t ld = (int64_t)g.nb * g.P;
-    float *col = ct_alloc((size_t)g.K * ld * sizeof(float), CT_MEM_ACT);
-    float *dyc = g.nb > 1 ? ct_alloc((size_t)c->cout * ld * sizeof(float), CT_MEM_ACT) : NULL;
+    float *col = ct_alloc_zeroed((size_t)g.K * ld * sizeof(float), CT_MEM_ACT);
+    float *dyc = g.nb > 1 ? ct_alloc_zeroed((size_t)c->cout * ld * sizeof(float), CT_MEM_ACT) : NULL;
     if (!col || (g.nb > 1 && !dyc)) {
         ct_free(col);
         ct_free(dyc);
@@ -291,7 +291,7 @@ ct_module *ct_conv2d_create(int64_t cin, int64_t cout, int k, int stride, int pa
                  (long long)cin, (long long)cout, k, stride, pad);
         return NULL;
     }
-    conv_impl *c = ct_alloc(sizeof *c, CT_MEM_OTHER);
+    conv_impl *c = ct_alloc_zeroed(sizeof *c, CT_MEM_OTHER);
     if (!c) return NULL;
     *c = (conv_impl){(int)cin, (int)cout, k, stride, pad, bias != 0};
     ct_module *m = ct_module_create(&conv_ops, c);
@@ -424,7 +424,7 @@ ct_module *ct_maxpool2d_create(int k, int stride)
                  stride);
         return NULL;
     }
-    pool_impl *p = ct_alloc(sizeof *p, CT_MEM_OTHER);
+    pool_impl *p = ct_alloc_zeroed(sizeof *p, CT_MEM_OTHER);
     if (!p) return NULL;
     *p = (pool_impl){k, stride ? stride : k};
     ct_module *m = ct_module_create(&pool_ops, p);

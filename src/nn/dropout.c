@@ -115,7 +115,7 @@ ct_module *ct_dropout_create(float p)
         ct_error(CT_EINVAL, "dropout probability %g must be in [0, 1)", (double)p);
         return NULL;
     }
-    drop_impl *D = ct_alloc(sizeof *D, CT_MEM_OTHER);
+    drop_impl *D = ct_alloc_zeroed(sizeof *D, CT_MEM_OTHER);
     if (!D) return NULL;
     D->p = p;
     ct_module *m = ct_module_create(&drop_ops, D);

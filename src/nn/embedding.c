@@ -101,7 +101,7 @@ ct_module *ct_embedding_create(int64_t num, int64_t dim)
                  (long long)num, (long long)dim);
         return NULL;
     }
-    emb_impl *E = ct_alloc(sizeof *E, CT_MEM_OTHER);
+    emb_impl *E = ct_alloc_zeroed(sizeof *E, CT_MEM_OTHER);
     if (!E) return NULL;
     *E = (emb_impl){num, dim};
     ct_module *m = ct_module_create(&emb_ops, E);

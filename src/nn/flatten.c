@@ -24,7 +24,7 @@ static ct_status flat_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
         for (int i = 1; i < in->ndim; i++) rest *= in->shape[i];
     flat_shape *fs = NULL;
     if (rec) {
-        if (!(fs = ct_alloc(sizeof *fs, CT_MEM_OTHER))) return CT_ENOMEM;
+        if (!(fs = ct_alloc_zeroed(sizeof *fs, CT_MEM_OTHER))) return CT_ENOMEM;
         fs->ndim = in->ndim;
         for (int i = 0; i < in->ndim; i++) fs->shape[i] = in->shape[i];
     }

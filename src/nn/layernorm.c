@@ -127,7 +127,7 @@ ct_module *ct_layernorm_create(int64_t dim, float eps)
                  (long long)dim, (double)eps);
         return NULL;
     }
-    ln_impl *L = ct_alloc(sizeof *L, CT_MEM_OTHER);
+    ln_impl *L = ct_alloc_zeroed(sizeof *L, CT_MEM_OTHER);
     if (!L) return NULL;
     *L = (ln_impl){dim, eps};
     ct_module *m = ct_module_create(&ln_ops, L);

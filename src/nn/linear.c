@@ -129,7 +129,7 @@ ct_module *ct_linear_create(int64_t in, int64_t out, int bias)
                  (long long)in, (long long)out);
         return NULL;
     }
-    linear_impl *L = ct_alloc(sizeof *L, CT_MEM_OTHER);
+    linear_impl *L = ct_alloc_zeroed(sizeof *L, CT_MEM_OTHER);
     if (!L) return NULL;
     *L = (linear_impl){in, out, bias != 0};
     ct_module *m = ct_module_create(&linear_ops, L);

@@ -23,7 +23,7 @@ struct ct_hook {
 static char *dupstr(const char *s)
 {
     size_t n = strlen(s) + 1;
-    char *d = ct_alloc(n, CT_MEM_OTHER);
+    char *d = ct_alloc_zeroed(n, CT_MEM_OTHER);
     if (d) memcpy(d, s, n);
     return d;
 }
@@ -49,7 +49,7 @@ static void *grow(void *arr, int n, int *cap, size_t elem)
 
 ct_record *ct_record_create(ct_module *m, const ct_fwd_ctx *ctx)
 {
-    ct_record *r = ct_alloc(sizeof *r, CT_MEM_OTHER);
+    ct_record *r = ct_alloc_zeroed(sizeof *r, CT_MEM_OTHER);
     if (!r) return NULL;
     r->m = m;
     if (ctx) r->ctx = *ctx;
@@ -96,7 +96,7 @@ void ct_record_destroy(ct_record *rec)
 
 static ct_hook *hook_push(ct_hook **head, ct_hook_kind kind, void *ud)
 {
-    ct_hook *h = ct_alloc(sizeof *h, CT_MEM_OTHER);
+    ct_hook *h = ct_alloc_zeroed(sizeof *h, CT_MEM_OTHER);
     if (!h) return NULL;
     h->kind = kind;
     h->ud = ud;
@@ -261,7 +261,7 @@ ct_status ct_module_out_shape_same(ct_module *m, int ndim, const int64_t *in_sha
 ct_module *ct_module_create(const ct_module_ops *ops, void *impl)
 {
     CT_ASSERT(ops && ops->forward && ops->backward && ops->kind);
-    ct_module *m = ct_alloc(sizeof *m, CT_MEM_OTHER);
+    ct_module *m = ct_alloc_zeroed(sizeof *m, CT_MEM_OTHER);
     if (!m) return NULL;
     m->ops = ops;
     m->impl = impl;
@@ -307,7 +307,7 @@ void ct_module_destroy(ct_module *m)
 static char *join(const char *prefix, const char *name)
 {
     size_t a = strlen(prefix), b = strlen(name);
-    char *s = ct_alloc(a + b + 2, CT_MEM_OTHER);
+    char *s = ct_alloc_zeroed(a + b + 2, CT_MEM_OTHER);
     if (!s) return NULL;
     if (a && b) sprintf(s, "%s.%s", prefix, name);
     else sprintf(s, "%s", a ? prefix : name);
@@ -420,7 +420,7 @@ static ct_param *new_param(ct_module *m, const char *local, int ndim, const int6
             ct_error(CT_EINVAL, "module '%s' already has '%s'", m->fqn, local);
             return NULL;
         }
-    ct_param *p = ct_alloc(sizeof *p, CT_MEM_OTHER);
+    ct_param *p = ct_alloc_zeroed(sizeof *p, CT_MEM_OTHER);
     if (!p) return NULL;
     p->local = dupstr(local);
     p->owner = m;

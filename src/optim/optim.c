@@ -160,11 +160,11 @@ static ct_optim *optim_new(const ct_optim_opts *o, int nslots)
         ct_error(CT_EINVAL, "optimizer got %d slots; the count must be >= 0", nslots);
         return NULL;
     }
-    ct_optim *opt = ct_alloc(sizeof *opt, CT_MEM_OPTIM);
+    ct_optim *opt = ct_alloc_zeroed(sizeof *opt, CT_MEM_OPTIM);
     if (!opt) return NULL;
     opt->o = *o;
     if (nslots > 0) {
-        opt->slots = ct_alloc(sizeof *opt->slots * (size_t)nslots, CT_MEM_OPTIM);
+        opt->slots = ct_alloc_zeroed(sizeof *opt->slots * (size_t)nslots, CT_MEM_OPTIM);
         if (!opt->slots) {
             ct_free(opt);
             return NULL;
@@ -249,7 +249,7 @@ ct_optim *ct_optim_create_slots(const ct_optim_opts *o, const ct_optim_slot *slo
             nm = tmp;
         }
         size_t len = strlen(nm) + 1;
-        sl->name = ct_alloc(len, CT_MEM_OPTIM);
+        sl->name = ct_alloc_zeroed(len, CT_MEM_OPTIM);
         if (!sl->name) goto out_destroy;
         memcpy(sl->name, nm, len);
         sl->s.name = sl->name;
@@ -280,7 +280,7 @@ void ct_optim_set_slot(ct_optim *opt, int i, float *data, float *grad)
         /* The parameter's name may be freed by a later renaming; keep a copy. */
         (void)refresh(sl);
         size_t len = strlen(sl->s.name) + 1;
-        char *nm = ct_alloc(len, CT_MEM_OPTIM);
+        char *nm = ct_alloc_zeroed(len, CT_MEM_OPTIM);
         if (nm) {
             memcpy(nm, sl->s.name, len);
             sl->name = nm;
@@ -324,7 +324,7 @@ static ct_status ensure_state(ct_optim *opt)
     if (opt->slab_len > SIZE_MAX / sizeof(float))
         return ct_error(CT_ENOMEM, "optimizer state of %zu floats is too large", opt->slab_len);
     size_t len = opt->slab_len > 16 ? opt->slab_len : 16;
-    opt->slab = ct_alloc(len * sizeof(float), CT_MEM_OPTIM);
+    opt->slab = ct_alloc_zeroed(len * sizeof(float), CT_MEM_OPTIM);
     return opt->slab ? CT_OK : CT_ENOMEM;
 }
 

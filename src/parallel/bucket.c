@@ -33,9 +33,9 @@ ct_status ct_bucket_assign(const size_t *bytes, const int *keys, int n, const si
 {
     if (n < 0 || nlimits < 1)
         return ct_error(CT_EINVAL, "bucket assignment needs n >= 0 and at least one size limit");
-    open_bucket *ob = ct_alloc(sizeof *ob * (size_t)(n ? n : 1), CT_MEM_OTHER);
-    closed *cl = ct_alloc(sizeof *cl * (size_t)(n ? n : 1), CT_MEM_OTHER);
-    int *remap = ct_alloc(sizeof *remap * (size_t)(n ? n : 1), CT_MEM_OTHER);
+    open_bucket *ob = ct_alloc_zeroed(sizeof *ob * (size_t)(n ? n : 1), CT_MEM_OTHER);
+    closed *cl = ct_alloc_zeroed(sizeof *cl * (size_t)(n ? n : 1), CT_MEM_OTHER);
+    int *remap = ct_alloc_zeroed(sizeof *remap * (size_t)(n ? n : 1), CT_MEM_OTHER);
     if (!ob || !cl || !remap) {
         ct_free(ob);
         ct_free(cl);

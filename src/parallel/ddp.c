@@ -114,9 +114,9 @@ static ct_status build_buckets(ct_strategy *s, const int *order)
 {
     ddp_t *d = D(s);
     int n = d->ntp;
-    size_t *bytes = ct_alloc(sizeof *bytes * (size_t)(n + 1), CT_MEM_OTHER);
-    int *keys = ct_alloc(sizeof *keys * (size_t)(n + 1), CT_MEM_OTHER);
-    int *of = ct_alloc(sizeof *of * (size_t)(n + 1), CT_MEM_OTHER);
+    size_t *bytes = ct_alloc_zeroed(sizeof *bytes * (size_t)(n + 1), CT_MEM_OTHER);
+    int *keys = ct_alloc_zeroed(sizeof *keys * (size_t)(n + 1), CT_MEM_OTHER);
+    int *of = ct_alloc_zeroed(sizeof *of * (size_t)(n + 1), CT_MEM_OTHER);
     ct_status st = CT_OK;
     if (!bytes || !keys || !of) {
         st = CT_ENOMEM;
@@ -132,7 +132,7 @@ static ct_status build_buckets(ct_strategy *s, const int *order)
     if (!limits[1]) limits[1] = 1;
     int nb;
     if ((st = ct_bucket_assign(bytes, keys, n, limits, 2, of, &nb))) goto out;
-    bucket_t *nbk = ct_alloc(sizeof *nbk * (size_t)(nb ? nb : 1), CT_MEM_OTHER);
+    bucket_t *nbk = ct_alloc_zeroed(sizeof *nbk * (size_t)(nb ? nb : 1), CT_MEM_OTHER);
     if (!nbk) {
         st = CT_ENOMEM;
         goto out;
@@ -265,7 +265,7 @@ static ct_status check_same_model(ct_strategy *s)
     }
     int size = ct_group_size(s->g), rank = ct_group_rank(s->g);
     int64_t mine[2] = {(int64_t)(h >> 1), (int64_t)d->ntp};
-    int64_t *all = ct_alloc(sizeof *all * 2 * (size_t)size, CT_MEM_COMM);
+    int64_t *all = ct_alloc_zeroed(sizeof *all * 2 * (size_t)size, CT_MEM_COMM);
     if (!all) return CT_ENOMEM;
     ct_status st = ct_group_allgather(s->g, mine, all, 2, CT_I64, NULL);
     for (int r = 1; st == CT_OK && r < size; r++)
@@ -296,20 +296,20 @@ static void ddp_fini(ct_strategy *s);
 static ct_status ddp_init(ct_strategy *s)
 {
     const ddp_opts *o = O(s);
-    ddp_t *d = ct_alloc(sizeof *d, CT_MEM_OTHER);
+    ddp_t *d = ct_alloc_zeroed(sizeof *d, CT_MEM_OTHER);
     if (!d) return CT_ENOMEM;
     s->priv = d;
     int n = 0;
     for (int i = 0; i < s->nparams; i++) n += s->params[i]->requires_grad != 0;
     d->ntp = n;
     size_t nn = (size_t)(n ? n : 1);
-    d->tp = ct_alloc(sizeof *d->tp * nn, CT_MEM_OTHER);
-    d->bucket_of = ct_alloc(sizeof *d->bucket_of * nn, CT_MEM_OTHER);
-    d->offset = ct_alloc(sizeof *d->offset * nn, CT_MEM_OTHER);
-    d->ready = ct_alloc(nn, CT_MEM_OTHER);
-    d->ready_order = ct_alloc(sizeof *d->ready_order * nn, CT_MEM_OTHER);
-    d->grad_hooks = ct_alloc(sizeof *d->grad_hooks * nn, CT_MEM_OTHER);
-    int *order = ct_alloc(sizeof *order * nn, CT_MEM_OTHER);
+    d->tp = ct_alloc_zeroed(sizeof *d->tp * nn, CT_MEM_OTHER);
+    d->bucket_of = ct_alloc_zeroed(sizeof *d->bucket_of * nn, CT_MEM_OTHER);
+    d->offset = ct_alloc_zeroed(sizeof *d->offset * nn, CT_MEM_OTHER);
+    d->ready = ct_alloc_zeroed(nn, CT_MEM_OTHER);
+    d->ready_order = ct_alloc_zeroed(sizeof *d->ready_order * nn, CT_MEM_OTHER);
+    d->grad_hooks = ct_alloc_zeroed(sizeof *d->grad_hooks * nn, CT_MEM_OTHER);
+    int *order = ct_alloc_zeroed(sizeof *order * nn, CT_MEM_OTHER);
     ct_status st = CT_OK;
     if (!d->tp || !d->bucket_of || !d->offset || !d->ready || !d->ready_order || !d->grad_hooks || !order) {
         st = CT_ENOMEM;
@@ -330,8 +330,8 @@ static ct_status ddp_init(ct_strategy *s)
     if (st == CT_OK && o->find_unused_parameters) {
         st = ct_module_modules(s->model, &d->mods, &d->nmods);
         if (st == CT_OK) {
-            d->ran = ct_alloc((size_t)d->nmods + 1, CT_MEM_OTHER);
-            d->fwd_hooks = ct_alloc(sizeof *d->fwd_hooks * ((size_t)d->nmods + 1), CT_MEM_OTHER);
+            d->ran = ct_alloc_zeroed((size_t)d->nmods + 1, CT_MEM_OTHER);
+            d->fwd_hooks = ct_alloc_zeroed(sizeof *d->fwd_hooks * ((size_t)d->nmods + 1), CT_MEM_OTHER);
             if (!d->ran || !d->fwd_hooks) st = CT_ENOMEM;
         }
         for (int i = 0; st == CT_OK && i < d->nmods; i++)

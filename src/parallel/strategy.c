@@ -52,7 +52,7 @@ ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_
     if (!g) g = ct_group_world();
     if (ops != &none_ops && !g)
         return ct_error(CT_ESTATE, "strategy '%s' needs communication: call ct_comm_init first", kind);
-    ct_strategy *s = ct_alloc(sizeof *s, CT_MEM_OTHER);
+    ct_strategy *s = ct_alloc_zeroed(sizeof *s, CT_MEM_OTHER);
     if (!s) return CT_ENOMEM;
     memset(s, 0, sizeof *s);
     s->ops = ops;

@@ -4,8 +4,10 @@
  *
  * Every rank runs every selected test, in the same order (collectives must
  * be called in the same order on all ranks).  A test passes when it passes
- * on all ranks (an allreduce MIN of the outcome); rank 0 prints one line
- * "ok NAME" or "FAIL NAME" per test, which the runner counts.  A watchdog
+ * on all ranks (an allreduce MIN of the outcome: fail < skip < ok, so a
+ * test that skips on some rank and passes on the others is skipped); rank 0
+ * prints one line "ok NAME", "skip NAME" or "FAIL NAME" per test, which the
+ * runner counts.  Each test's scratch directory is removed when it ends.  A watchdog
  * turns a test that hangs (say, one rank failed an assertion and skipped a
  * collective the others wait in) into a FAIL line and a job abort instead
  * of a silent hang.  Exit status 0 means the suite ran, whatever failed;
@@ -108,6 +110,7 @@ static int abort_demo(ct_group *w)
 
 int main(int argc, char **argv)
 {
+    if (ct_blas_select_kernel(argc, argv) != CT_OK) fprintf(stderr, "mpi_run: warning: %s\n", ct_last_error());
     setvbuf(stdout, NULL, _IOLBF, 0);
     size_t bytes0 = ctrain_bytes();
     if (ct_comm_init(&argc, &argv) != CT_OK) {
@@ -125,26 +128,33 @@ int main(int argc, char **argv)
 
     ct_tests_sort();
     double t0 = now();
-    int nrun = 0, nfail = 0;
+    enum { OUT_FAIL = 0, OUT_SKIP = 1, OUT_OK = 2 };
+    static const char *const out_word[] = {"FAIL", "skip", "ok"};
+    int nrun = 0, nfail = 0, nskip = 0;
     for (int i = 0; i < ct_ntests; i++) {
         if (!matches(ct_tests[i].name, argc - 1, argv + 1)) continue;
         dog_set(ct_tests[i].name);
-        volatile int ok = 0;
+        volatile int outcome = OUT_FAIL;
         double ts = now();
-        if (!setjmp(ct_test_jmp)) {
+        int end = setjmp(ct_test_jmp);
+        if (end == 0) {
             ct_tests[i].fn();
-            ok = 1;
+            outcome = OUT_OK;
+        } else if (end == CT_TEST_JMP_SKIP) {
+            outcome = OUT_SKIP;
         } else {
             fprintf(stderr, "    (%s failed on rank %d)\n", ct_tests[i].name, rank);
         }
-        int32_t all = ok;
+        ct__test_tmpdir_done(outcome == OUT_FAIL);
+        int32_t all = outcome;
         if (ct_group_allreduce(w, &all, 1, CT_I32, CT_OP_MIN, NULL) != CT_OK)
             ct_comm_abort("cannot combine the results of %s: %s", ct_tests[i].name, ct_last_error());
         dog_set(NULL);
         nrun++;
-        nfail += !all;
+        nfail += all == OUT_FAIL;
+        nskip += all == OUT_SKIP;
         if (rank == 0) {
-            printf("%s %s\n", all ? "ok" : "FAIL", ct_tests[i].name);
+            printf("%s %s\n", out_word[all], ct_tests[i].name);
             if (getenv("CTRAIN_MPI_TEST_TIMES"))
                 fprintf(stderr, "    %s %.3fs\n", ct_tests[i].name, now() - ts);
             fflush(stdout);
@@ -157,8 +167,8 @@ int main(int argc, char **argv)
     pthread_join(dog_th, NULL);
     if (rank == 0 && nrun == 0) fprintf(stderr, "mpi_run: no test matched\n");
     if (rank == 0)
-        fprintf(stderr, "mpi_run: %d tests, %d failed, at %d ranks, %.2fs\n", nrun, nfail,
-                ct_group_size(w), now() - t0);
+        fprintf(stderr, "mpi_run: %d tests, %d failed, %d skipped, at %d ranks, %.2fs\n", nrun,
+                nfail, nskip, ct_group_size(w), now() - t0);
     ct_comm_finalize();
     size_t left = ctrain_bytes();
     if (nfail == 0 && left != bytes0) {

@@ -18,7 +18,7 @@
 
 static void *fill_new(ct_dtype dt, int64_t n, int r, int seed)
 {
-    void *b = ct_alloc((size_t)(n ? n : 1) * ct_dtype_size(dt), CT_MEM_COMM);
+    void *b = ct_alloc_zeroed((size_t)(n ? n : 1) * ct_dtype_size(dt), CT_MEM_COMM);
     ASSERT(b);
     for (int64_t i = 0; i < n; i++) put(b, dt, i, input(r, i, seed, dt));
     return b;
@@ -207,7 +207,7 @@ TEST(comm_allgather)
                 int64_t n = sizes[s];
                 size_t esz = ct_dtype_size(dt);
                 int seed = 500 + 10 * d + s;
-                char *recv = ct_alloc((size_t)(n * p) * esz, CT_MEM_COMM);
+                char *recv = ct_alloc_zeroed((size_t)(n * p) * esz, CT_MEM_COMM);
                 void *mine = fill_new(dt, n, me, seed);
                 const void *send = mine;
                 if (inplace) {
@@ -247,7 +247,7 @@ TEST(comm_allgatherv)
     for (int mode = 0; mode < 3; mode++) { /* packed, with gaps, gaps in place */
         int gaps = mode > 0;
         int64_t total = gaps ? end : pend;
-        float *recv = ct_alloc((size_t)(total + 1) * sizeof(float), CT_MEM_COMM);
+        float *recv = ct_alloc_zeroed((size_t)(total + 1) * sizeof(float), CT_MEM_COMM);
         for (int64_t i = 0; i < total; i++) recv[i] = -1000;
         float *mine = fill_new(CT_F32, counts[me], me, 600);
         const float *send = mine;
@@ -288,7 +288,7 @@ TEST(comm_reduce_scatter)
             size_t esz = ct_dtype_size(dt);
             int seed = 700 + c;
             char *send = fill_new(dt, n * p, me, seed);
-            char *recv = inplace ? send + (size_t)(me * n) * esz : ct_alloc((size_t)n * esz, CT_MEM_COMM);
+            char *recv = inplace ? send + (size_t)(me * n) * esz : ct_alloc_zeroed((size_t)n * esz, CT_MEM_COMM);
             ct_work *w;
             ASSERT_OK(ct_group_reduce_scatter(g, send, recv, n, dt, cases[c].op, &w));
             ASSERT_OK(ct_work_wait(w));
@@ -354,8 +354,8 @@ TEST(comm_progress_while_computing)
     int p = ct_group_size(g), me = ct_group_rank(g);
     int64_t n = 1 << 20;
     float *b = fill_new(CT_F32, n, me, 900);
-    float *a = ct_alloc(128 * 128 * sizeof(float), CT_MEM_ACT);
-    float *c = ct_alloc(128 * 128 * sizeof(float), CT_MEM_ACT);
+    float *a = ct_alloc_zeroed(128 * 128 * sizeof(float), CT_MEM_ACT);
+    float *c = ct_alloc_zeroed(128 * 128 * sizeof(float), CT_MEM_ACT);
     ct_work *w;
     ASSERT_OK(ct_group_allreduce(g, b, n, CT_F32, CT_OP_SUM, &w));
     double t0 = now();

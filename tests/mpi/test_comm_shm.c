@@ -231,7 +231,7 @@ TEST(shm_allreduce_f32_matches_mpi_path)
     int64_t n = 100003;
     float *sh = alloc_shared(g, (size_t)n * sizeof(float));
     int direct = ct_group_is_shared(g, sh, (size_t)n * sizeof(float));
-    float *pr = ct_alloc((size_t)n * sizeof(float), CT_MEM_COMM);
+    float *pr = ct_alloc_zeroed((size_t)n * sizeof(float), CT_MEM_COMM);
     ASSERT(pr);
     for (int op = CT_OP_SUM; op <= CT_OP_MIN; op++) {
         for (int64_t i = 0; i < n; i++) sh[i] = pr[i] = rnd(me, i, op);
@@ -315,9 +315,9 @@ TEST(shm_in_flight_mixed_with_mpi_collectives)
     }
     char *sh = alloc_shared(g, total);
     int64_t n_pr = 30011;
-    float *pr = ct_alloc((size_t)n_pr * 4, CT_MEM_COMM);
-    float *bc = ct_alloc(1000 * 4, CT_MEM_COMM);
-    float *ag_send = ct_alloc(100 * 4, CT_MEM_COMM), *ag = ct_alloc((size_t)p * 100 * 4, CT_MEM_COMM);
+    float *pr = ct_alloc_zeroed((size_t)n_pr * 4, CT_MEM_COMM);
+    float *bc = ct_alloc_zeroed(1000 * 4, CT_MEM_COMM);
+    float *ag_send = ct_alloc_zeroed(100 * 4, CT_MEM_COMM), *ag = ct_alloc_zeroed((size_t)p * 100 * 4, CT_MEM_COMM);
     ct_work *w[NOPS];
     atomic_store(&cb_next, 0);
     for (int i = 0; i < NOPS; i++) atomic_store(&cb_count[i], 0);
@@ -439,7 +439,7 @@ TEST(shm_mismatch_fails_on_every_rank)
         ct_group_free_shared(g, x);
         return;
     }
-    float *priv = ct_alloc((size_t)n * sizeof(float), CT_MEM_COMM);
+    float *priv = ct_alloc_zeroed((size_t)n * sizeof(float), CT_MEM_COMM);
     for (int64_t i = 0; i < n; i++) x[i] = priv[i] = (float)(me * 10000 + i);
     /* offsets differ */
     ASSERT_ERR(ct_group_allreduce(g, x + 16 * me, 1000, CT_F32, CT_OP_SUM, NULL), CT_EINVAL,

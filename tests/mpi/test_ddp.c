@@ -274,7 +274,7 @@ static int same_everywhere(ct_group *g, ct_module *m, const char *name)
     ASSERT(p);
     int world = ct_group_size(g);
     int64_t n = p->data->numel;
-    float *all = ct_alloc(sizeof(float) * (size_t)(n * world), CT_MEM_OTHER);
+    float *all = ct_alloc_zeroed(sizeof(float) * (size_t)(n * world), CT_MEM_OTHER);
     ASSERT_OK(ct_group_allgather(g, ct_tensor_data(p->data), all, n, CT_F32, NULL));
     int same = 1;
     for (int r = 1; r < world; r++)
