@@ -131,6 +131,9 @@ void cli_progress_log(cli_progress *p, int64_t step, int64_t epoch, double loss,
                       double samples_per_s);
 /* Clears the bar and closes the metrics file. */
 void cli_progress_finish(cli_progress *p);
+/* Rank 0: the last line of --metrics, {"event":"summary","step_ms":...,
+ * "memory":[one ct_mem_report_json object per rank]}. */
+ct_status cli_progress_summary(cli_progress *p, double step_ms, const ct_mem_report *mem, int nranks);
 
 /* ---- commands ---------------------------------------------------------- */
 

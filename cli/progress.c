@@ -71,6 +71,20 @@ void cli_progress_log(cli_progress *p, int64_t step, int64_t epoch, double loss,
     }
 }
 
+ct_status cli_progress_summary(cli_progress *p, double step_ms, const ct_mem_report *mem, int nranks)
+{
+    if (!p->metrics) return CT_OK;
+    fprintf(p->metrics, "{\"event\":\"summary\",\"step_ms\":%.4f,\"memory\":[", step_ms);
+    for (int r = 0; r < nranks; r++) {
+        char js[CT_MEM_REPORT_JSON_MAX];
+        CT_TRY(ct_mem_report_json(&mem[r], r, js, sizeof js));
+        fprintf(p->metrics, "%s%s", r ? "," : "", js);
+    }
+    fprintf(p->metrics, "]}\n");
+    if (fflush(p->metrics) != 0) return ct_error(CT_EIO, "cannot write the metrics file: %s", strerror(errno));
+    return CT_OK;
+}
+
 void cli_progress_finish(cli_progress *p)
 {
     if (cli_rank == 0) clear_bar(p);

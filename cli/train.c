@@ -44,6 +44,9 @@ typedef struct {
     double last_loss;      /* mean loss over the last logged window */
     ct_step_stats sum;     /* strategy timings summed over steps */
     int64_t nstats;
+    double *step_s;        /* wall time of each step of this run */
+    int64_t nstep_s;
+    ct_mem_report *mem;    /* every rank's, gathered after the loop */
     int usage;             /* the failure is the command line's (exit 2) */
 } trainer;
 
@@ -327,6 +330,13 @@ static ct_status setup(trainer *t)
     if (st == CT_OK) st = make_schedule(t);
     CT_TRY(ct_group_check(t->g, st));
     t->start_step = t->step;
+    int64_t n = t->total > t->step ? t->total - t->step : 1;
+    t->step_s = ct_alloc(sizeof *t->step_s * (size_t)n, CT_MEM_OTHER);
+    t->mem = ct_alloc(sizeof *t->mem * (size_t)t->world, CT_MEM_OTHER);
+    CT_TRY(ct_group_check(t->g, t->step_s && t->mem ? CT_OK : CT_ENOMEM));
+    /* Wrapping's one-off transients (the gradients before DDP moves them
+     * into buckets) are not the steady state the report is about. */
+    ct_mem_reset_peak();
     return CT_OK;
 }
 
@@ -427,7 +437,7 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
             t->pos = 0;
             if ((st = ct_sampler_set_epoch(&t->sampler, t->epoch))) break;
         }
-        double lr = ct_strategy_lr(t->s);
+        double lr = ct_strategy_lr(t->s), t_step = ct_now();
         if ((st = train_step(t, idx, win)) != CT_OK) {
             st = loop_fail(t, st, "forward/backward");
             break;
@@ -441,6 +451,7 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
             break;
         }
         ct_strategy_zero_grad(t->s);
+        t->step_s[t->nstep_s++] = ct_now() - t_step;
         add_stats(t);
         t->step++;
         t->pos++;
@@ -469,11 +480,58 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
 
 /* ---- the report ---------------------------------------------------------- */
 
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Median wall time of this run's steps in ms (0 if none ran). */
+static double median_step_ms(trainer *t)
+{
+    if (!t->nstep_s) return 0;
+    qsort(t->step_s, (size_t)t->nstep_s, sizeof *t->step_s, cmp_double);
+    int64_t n = t->nstep_s;
+    return 1000.0 * (n % 2 ? t->step_s[n / 2] : 0.5 * (t->step_s[n / 2 - 1] + t->step_s[n / 2]));
+}
+
+/* Peak bytes per category over the training steps, a column per rank (up
+ * to 8; beyond that the largest rank's figure). */
+static void print_memory(trainer *t)
+{
+    static const char *rows[] = {"param", "grad", "optim", "act", "comm", "data", "other",
+                                 "total", "resident", "cached", "rss"};
+    int cols = t->world <= 8 ? t->world : 1;
+    char b[32];
+    cli_out("peak memory over the training steps%s:\n  %-9s", t->world > 8 ? " (max over ranks)" : "", "");
+    for (int r = 0; r < cols; r++) {
+        char h[16];
+        snprintf(h, sizeof h, cols == 1 && t->world == 1 ? "bytes" : t->world > 8 ? "max" : "rank %d", r);
+        cli_out("%12s", h);
+    }
+    cli_out("\n");
+    for (size_t k = 0; k < sizeof rows / sizeof rows[0]; k++) {
+        cli_out("  %-9s", rows[k]);
+        for (int r = 0; r < cols; r++) {
+            size_t v = 0;
+            for (int q = t->world > 8 ? 0 : r; q < (t->world > 8 ? t->world : r + 1); q++) {
+                const ct_mem_report *m = &t->mem[q];
+                size_t x = k < CT_MEM_NCAT ? m->peak[k] : k == 7 ? m->peak_total : k == 8 ? m->peak_resident
+                         : k == 9 ? m->cached : m->peak_rss;
+                if (x > v) v = x;
+            }
+            cli_out("%12s", cli_bytes((double)v, b, sizeof b));
+        }
+        cli_out("\n");
+    }
+    cli_out("  (resident = param + grad + optim at its peak; rss = the process's peak resident set)\n");
+}
+
 static ct_status report(trainer *t, double seconds)
 {
     train_opts *o = t->o;
     cli_eval ev;
-    char buf[256], b2[64];
+    char buf[256];
     CT_TRY(cli_evaluate(t->model, &t->cfg, &t->test, o->eval_batch, t->g, &ev, NULL));
     int64_t steps = t->step - t->start_step;
     if (steps > 0)
@@ -481,17 +539,7 @@ static ct_status report(trainer *t, double seconds)
                 (long long)steps, (long long)t->step, (double)t->step / (double)t->spe, seconds,
                 (double)steps * (double)o->batch / seconds, t->last_loss);
     cli_out("test: %s\n", cli_eval_str(&ev, buf, sizeof buf));
-    int64_t peak[CT_MEM_NCAT + 1];
-    for (int c = 0; c < CT_MEM_NCAT; c++) peak[c] = (int64_t)ct_mem_peak((ct_mem_cat)c);
-    peak[CT_MEM_NCAT] = (int64_t)ct_mem_peak_total();
-    if (t->world > 1) CT_TRY(ct_group_allreduce(t->g, peak, CT_MEM_NCAT + 1, CT_I64, CT_OP_MAX, NULL));
-    size_t off = 0;
-    char line[512];
-    for (int c = 0; c < CT_MEM_NCAT; c++)
-        off += (size_t)snprintf(line + off, sizeof line - off, "%s%s %s", c ? ", " : "",
-                                ct_mem_cat_name((ct_mem_cat)c), cli_bytes((double)peak[c], b2, sizeof b2));
-    cli_out("peak memory per rank%s: %s; all together %s\n", t->world > 1 ? " (max over ranks)" : "", line,
-            cli_bytes((double)peak[CT_MEM_NCAT], b2, sizeof b2));
+    print_memory(t);
     if (t->nstats) {
         double n = (double)t->nstats, ms = 1000.0 / n;
         ct_step_stats s = t->sum;
@@ -530,6 +578,8 @@ static void teardown(trainer *t)
     ct_dataset_fini(&t->test);
     ct_safetensors_destroy(t->ck);
     ct_safetensors_destroy(t->side);
+    ct_free(t->step_s);
+    ct_free(t->mem);
 }
 
 static void describe(trainer *t)
@@ -566,6 +616,8 @@ int train_run(train_opts *o)
         st = ct_group_check(t.g, cli_progress_init(&prog, t.total, t.spe, o->metrics, o->resume != NULL));
     }
     if (st == CT_OK) st = train_loop(&t, &prog);
+    if (st == CT_OK) st = ct_strategy_memory(t.s, t.mem);
+    if (st == CT_OK && t.rank == 0) st = cli_progress_summary(&prog, median_step_ms(&t), t.mem, t.world);
     cli_progress_finish(&prog);
     double seconds = ct_now() - t0;
     if (st == CT_OK) st = report(&t, seconds);

@@ -220,25 +220,41 @@ TEST(cli_train_eval_inspect)
     double loss = number_after(out, "final train loss ");
     ASSERT(loss < 1.0); /* chance is ln 10 = 2.30 */
     ASSERT_STR_CONTAINS(out, "step 250/250");
-    ASSERT_STR_CONTAINS(out, "peak memory per rank: param");
+    ASSERT_STR_CONTAINS(out, "peak memory over the training steps");
+    ASSERT_STR_CONTAINS(out, "  resident      3.6 MiB");
     ASSERT_STR_CONTAINS(out, "step time (none");
     line_after(out, "test: ", acc_train, sizeof acc_train);
     ASSERT(number_after(out, "accuracy ") > 60);
 
-    /* The metrics file: one JSON object per logged step. */
+    /* The metrics file: one JSON object per logged step, then the summary:
+     * median step time and the memory report, in bytes.  235146 f32
+     * parameters: 940584 bytes each of param and grad, two AdamW moments. */
     FILE *f = fopen(metrics, "r");
     ASSERT(f);
-    char line[512];
+    char line[4096];
     int n = 0;
     while (fgets(line, sizeof line, f)) {
         n++;
+        if (n == 6) {
+            ASSERT_STR_CONTAINS(line, "{\"event\":\"summary\",\"step_ms\":");
+            ASSERT(number_after(line, "\"step_ms\":") > 0);
+            ASSERT_STR_CONTAINS(line, "\"memory\":[{\"rank\":0,\"param\":940584,\"grad\":940584,");
+            /* the moments, plus the optimizer's small per-slot bookkeeping */
+            double optim = number_after(line, "\"optim\":"), resident = number_after(line, "\"resident\":");
+            ASSERT(optim >= 1881168 && optim < 1881168 + 4096);
+            ASSERT_EQ((int64_t)resident, 940584 * 2 + (int64_t)optim);
+            ASSERT(number_after(line, "\"data\":") > 2000 * 784 * 4);
+            ASSERT(number_after(line, "\"rss\":") > number_after(line, "\"peak_total\":"));
+            ASSERT_STR_CONTAINS(line, "}]}");
+            continue;
+        }
         ASSERT_STR_CONTAINS(line, "{\"step\":");
         ASSERT_STR_CONTAINS(line, "\"loss\":");
         ASSERT_STR_CONTAINS(line, "\"lr\":0.001");
         ASSERT_STR_CONTAINS(line, "\"samples_per_s\":");
     }
     fclose(f);
-    ASSERT_EQ(n, 5);
+    ASSERT_EQ(n, 6);
 
     /* eval rebuilds the model from the checkpoint alone and agrees with train. */
     code = RUN(ev, "eval --checkpoint %s --limit-test 1000", ckpt);
@@ -344,9 +360,20 @@ TEST(cli_ddp_matches_single_process)
 {
     static char out[OUT_MAX];
     double l1 = single_process_loss(out);
-    int code = run_np(2, out, "train " DDP_ARGS " --strategy ddp");
+    char metrics[512], line[4096] = "";
+    snprintf(metrics, sizeof metrics, "%s/ddp.jsonl", ct_test_tmpdir());
+    int code = run_np(2, out, "train " DDP_ARGS " --strategy ddp --metrics %s", metrics);
     if (code) ct_test_fail(__FILE__, __LINE__, "ddp failed:\n%s", out);
     ASSERT_STR_CONTAINS(out, "over 2 ranks (ddp)");
+    ASSERT_STR_CONTAINS(out, "rank 0      rank 1");
+    /* The summary has a memory object per rank; the gradients live in the
+     * buckets once, also after they were rebuilt in ready order (step 2). */
+    FILE *f = fopen(metrics, "r");
+    ASSERT(f);
+    while (fgets(line, sizeof line, f) && !strstr(line, "\"summary\"")) {}
+    fclose(f);
+    ASSERT_STR_CONTAINS(line, "{\"rank\":0,\"param\":940584,\"grad\":940584,");
+    ASSERT_STR_CONTAINS(line, "{\"rank\":1,\"param\":940584,\"grad\":940584,");
     /* Only rank 0 prints. */
     ASSERT_EQ(occurrences(out, "test: loss"), 1);
     ASSERT_EQ(occurrences(out, "step 40/40"), 1);

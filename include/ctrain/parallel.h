@@ -162,6 +162,10 @@ ct_optim *ct_strategy_optim(const ct_strategy *s);
 ct_group *ct_strategy_group(const ct_strategy *s);
 /* Timings of the last completed step. */
 ct_step_stats ct_strategy_stats(const ct_strategy *s);
+/* Every rank's memory report (ct_mem_report_get on each), gathered into
+ * all[0 .. group size) on every rank.  Collective over the group.  Call
+ * ct_mem_reset_peak after set-up so the peaks cover the training steps. */
+ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all);
 /* Option value as the strategy parsed it ("25" for bucket_cap_mb), or NULL
  * for a key it does not take. */
 const char *ct_strategy_opt(const ct_strategy *s, const char *key);

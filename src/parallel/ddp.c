@@ -77,6 +77,7 @@ typedef struct {
     char *ran;             /* [nmods] module ran forward since the last backward */
     int nmods;
     ct_status hook_error;
+    char rebuild_error[512]; /* why the rebuild at zero_grad failed, for the next backward */
 } ddp_t;
 
 static ddp_t *D(ct_strategy *s) { return s->priv; }
@@ -109,8 +110,9 @@ static void free_buckets(ct_strategy *s)
 
 /* Puts the trainable parameters into buckets in the given order (indices
  * into d->tp) and re-points their gradients into the bucket buffers,
- * keeping the current gradient values. */
-static ct_status build_buckets(ct_strategy *s, const int *order)
+ * keeping the current gradient values, or (keep_values 0: the old buckets
+ * are gone and every gradient is marked zero) not. */
+static ct_status build_buckets(ct_strategy *s, const int *order, int keep_values)
 {
     ddp_t *d = D(s);
     int n = d->ntp;
@@ -162,11 +164,15 @@ static ct_status build_buckets(ct_strategy *s, const int *order)
     /* Re-point gradients: views into the new buffers, values kept. */
     for (int p = 0; p < n; p++) {
         ct_param *pa = d->tp[p];
-        ct_param_grad_sync(pa);
         ct_tensor *v = ct_tensor_view(nbk[d->bucket_of[p]].buf, d->offset[p], pa->data->ndim,
                                       pa->data->shape);
         CT_ASSERT(v); /* shapes come from the parameter itself */
-        memcpy(ct_tensor_data(v), ct_tensor_data(pa->grad), ct_tensor_bytes(v));
+        if (keep_values) {
+            ct_param_grad_sync(pa);
+            memcpy(ct_tensor_data(v), ct_tensor_data(pa->grad), ct_tensor_bytes(v));
+        } else {
+            CT_ASSERT(pa->grad_stale);
+        }
         ct_tensor_release(pa->grad);
         pa->grad = v;
     }
@@ -324,7 +330,7 @@ static ct_status ddp_init(ct_strategy *s)
     st = ct_group_check(s->g, check_same_model(s));
     if (st == CT_OK) st = broadcast_state(s, 0);
     for (int k = 0; k < n; k++) order[k] = n - 1 - k; /* reverse: last layers first */
-    if (st == CT_OK) st = build_buckets(s, order);
+    if (st == CT_OK) st = build_buckets(s, order, 1);
     for (int i = 0; st == CT_OK && i < n; i++)
         if (!(d->grad_hooks[i] = ct_param_add_hook(d->tp[i], grad_ready_hook, s))) st = CT_ENOMEM;
     if (st == CT_OK && o->find_unused_parameters) {
@@ -387,21 +393,49 @@ static ct_status ddp_pre_forward(ct_strategy *s)
 }
 
 /* Rebuilds the buckets in the order gradients became ready in the first
- * synchronised backward; rank 0's order is used everywhere. */
-static ct_status rebuild(ct_strategy *s)
+ * synchronised backward; rank 0's order is used everywhere.  From
+ * zero_grad (gradients about to be dropped) the old buckets go first, so
+ * the rebuild costs no second copy of all gradient memory; from backward
+ * (a caller that never zeroes, say accumulating across steps) the values
+ * move over. */
+static ct_status rebuild(ct_strategy *s, int keep_values)
 {
     ddp_t *d = D(s);
     d->rebuilt = 1;
     if (d->nready != d->ntp) return CT_OK; /* some gradients never became ready: keep the layout */
     CT_TRY(ct_group_broadcast(s->g, d->ready_order, d->ntp, CT_I32, 0, NULL));
-    return build_buckets(s, d->ready_order);
+    if (!keep_values) free_buckets(s);
+    return build_buckets(s, d->ready_order, keep_values);
+}
+
+static int rebuild_due(ct_strategy *s)
+{
+    ddp_t *d = D(s);
+    return O(s)->rebuild_buckets && !d->rebuilt && d->synced_steps == 1;
+}
+
+/* Collective the first time after the first synchronised step (the rebuild). */
+static void ddp_zero_grad(ct_strategy *s)
+{
+    ct_module_zero_grad_lazy(s->model);
+    if (!rebuild_due(s)) return;
+    ct_status st = rebuild(s, 0);
+    if (st != CT_OK) { /* zero_grad returns nothing: the next backward reports it */
+        D(s)->hook_error = st;
+        snprintf(D(s)->rebuild_error, sizeof D(s)->rebuild_error, "%s", ct_last_error());
+    }
 }
 
 static ct_status ddp_pre_backward(ct_strategy *s)
 {
     ddp_t *d = D(s);
     if (s->no_sync) return CT_OK;
-    if (O(s)->rebuild_buckets && !d->rebuilt && d->synced_steps == 1) CT_TRY(rebuild(s));
+    if (d->hook_error) {
+        ct_status st = d->hook_error;
+        d->hook_error = CT_OK;
+        return ct_error(st, "DDP: rebuilding the gradient buckets at zero_grad failed: %s", d->rebuild_error);
+    }
+    if (rebuild_due(s)) CT_TRY(rebuild(s, 1));
     memset(d->ready, 0, (size_t)d->ntp);
     for (int b = 0; b < d->nb; b++) d->b[b].pending = d->b[b].nmembers;
     d->next_launch = 0;
@@ -472,4 +506,5 @@ const ct__strategy_ops ct__ddp_ops = {
     .pre_backward = ddp_pre_backward,
     .post_backward = ddp_post_backward,
     .grad_scale = ddp_grad_scale,
+    .zero_grad = ddp_zero_grad,
 };

@@ -315,6 +315,17 @@ void ct_strategy_zero_grad(ct_strategy *s)
     else ct_module_zero_grad_lazy(s->model);
 }
 
+ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all)
+{
+    ct_mem_report mine;
+    ct_mem_report_get(&mine);
+    if (ct_group_size(s->g) == 1) {
+        all[0] = mine;
+        return CT_OK;
+    }
+    return ct_group_allgather(s->g, &mine, all, (int64_t)sizeof mine, CT_U8, NULL);
+}
+
 /* ---- state ----------------------------------------------------------------- */
 
 ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out)
