@@ -146,6 +146,8 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
     CT_TRY(saved_num(m, side, "ctrain.weight_decay", o->has_wd, &o->weight_decay));
     CT_TRY(saved_num(m, side, "ctrain.momentum", o->has_momentum, &o->momentum));
     CT_TRY(saved_num(m, side, "ctrain.clip", o->has_clip, &o->clip));
+    const char *cn = ct_meta_get(m, "ctrain.clip_norm"); /* absent in older files: 2 */
+    if (!o->has_clip_norm && cn) o->clip_norm = !strcmp(cn, "inf") ? "inf" : "2";
     o->has_lr = o->has_wd = o->has_momentum = 1;
     if (!o->has_warmup) CT_TRY(cli_meta_int(m, side, "ctrain.warmup", &o->warmup));
     if (!o->has_accum) CT_TRY(cli_meta_int(m, side, "ctrain.grad_accum", &o->grad_accum));
@@ -404,6 +406,7 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
     CT_TRY(ct_meta_set(side, "ctrain.weight_decay", "%.17g", oo->weight_decay));
     CT_TRY(ct_meta_set(side, "ctrain.momentum", "%.17g", oo->momentum));
     CT_TRY(ct_meta_set(side, "ctrain.clip", "%.17g", o->clip));
+    CT_TRY(ct_meta_set(side, "ctrain.clip_norm", "%s", o->clip_norm));
     CT_TRY(ct_meta_set(side, "ctrain.schedule", "%s", ct_sched_name(t->sched.kind)));
     CT_TRY(ct_meta_set(side, "ctrain.warmup", "%lld", (long long)t->sched.warmup_steps));
     CT_TRY(ct_meta_set(side, "ctrain.total_steps", "%lld", (long long)t->sched.total_steps));
@@ -442,7 +445,7 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
             st = loop_fail(t, st, "forward/backward");
             break;
         }
-        if (o->clip > 0 && (st = ct_strategy_clip_grad_norm(t->s, (float)o->clip, 2.0, NULL))) {
+        if (o->clip > 0 && (st = ct_strategy_clip_grad_norm(t->s, (float)o->clip, !strcmp(o->clip_norm, "inf") ? INFINITY : 2.0, NULL))) {
             st = loop_fail(t, st, "gradient clipping");
             break;
         }

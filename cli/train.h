@@ -13,14 +13,14 @@ typedef struct {
     int no_shuffle;
     const char *init, *resume, *save, *metrics, *trace;
     int64_t save_every, log_every;
-    const char *strategy, *grad_compress, *strategy_opt, *mixed;
+    const char *strategy, *grad_compress, *strategy_opt, *mixed, *clip_norm;
     int64_t grad_accum, threads;
     double bucket_cap_mb;
     int find_unused, flush_denormal;
     int64_t limit_train, limit_test, eval_batch; /* unlisted: small runs for tests */
     /* which flags the user gave (resume takes the others from the checkpoint) */
     int has_model, has_hidden, has_seed, has_batch, has_optim, has_lr, has_wd, has_momentum, has_strategy;
-    int has_schedule, has_warmup, has_clip, has_accum, has_kernel, has_dropout;
+    int has_schedule, has_warmup, has_clip, has_accum, has_kernel, has_dropout, has_clip_norm;
 } train_opts;
 
 /* Parses and checks the train command's flags (what needs no MPI).  Returns

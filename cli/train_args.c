@@ -43,6 +43,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--schedule", OPT_STR, &o->schedule, "NAME", "learning rate schedule: constant or cosine (constant)");
     OPT("--warmup", OPT_INT, &o->warmup, "N", "linear warm-up over the first N steps (0)");
     OPT("--clip", OPT_NUM, &o->clip, "MAXNORM", "clip the gradient's global norm to MAXNORM (off)");
+    OPT("--clip-norm", OPT_STR, &o->clip_norm, "TYPE", "norm --clip measures: 2 or inf (2)");
     OPT("--seed", OPT_INT, &o->seed, "S", "seed of weights, shuffling and dropout (0)");
     OPT("--no-shuffle", OPT_FLAG, &o->no_shuffle, NULL, "visit the training set in file order");
     OPT("--init", OPT_STR, &o->init, "CKPT", "start from these weights (optimizer starts fresh)");
@@ -99,6 +100,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->bucket_cap_mb = 25;
     o->grad_compress = "none";
     o->mixed = "none";
+    o->clip_norm = "2";
     o->eval_batch = 500;
     cli_opt t[MAXOPT];
     int n = table(o, t), npos;
@@ -123,6 +125,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->has_accum = GIVEN("--grad-accum");
     o->has_kernel = GIVEN("--kernel");
     o->has_dropout = GIVEN("--dropout");
+    o->has_clip_norm = GIVEN("--clip-norm");
     int has_epochs = GIVEN("--epochs"), has_steps = GIVEN("--steps");
 #undef GIVEN
 
@@ -160,6 +163,8 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     ct_sched_kind sk;
     if (ct_sched_parse(o->schedule, &sk)) return BAD("unknown schedule '%s' for --schedule; choose constant or cosine", o->schedule);
     if (o->warmup < 0) return BAD("--warmup %lld must not be negative", (long long)o->warmup);
+    if (strcmp(o->clip_norm, "2") && strcmp(o->clip_norm, "inf"))
+        return BAD("unknown --clip-norm '%s'; choose 2 or inf", o->clip_norm);
     if (o->clip < 0) return BAD("--clip %g must not be negative (leave it out for no clipping)", o->clip);
     if (o->seed < 0) return BAD("--seed %lld must not be negative", (long long)o->seed);
     if (o->save_every < 0) return BAD("--save-every %lld must not be negative", (long long)o->save_every);

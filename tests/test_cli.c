@@ -100,7 +100,7 @@ TEST(cli_help)
     ASSERT_EQ(RUN(out, "train --help"), 0);
     const char *flags[] = {"--model", "--hidden", "--epochs", "--steps", "--batch", "--lr", "--optim",
                            "--weight-decay", "--momentum", "--schedule", "--warmup", "--clip", "--seed",
-                           "--no-shuffle", "--init", "--resume", "--save", "--save-every", "--log-every",
+                           "--clip-norm", "--mixed", "--strategy-opt", "--dropout", "--no-shuffle", "--init", "--resume", "--save", "--save-every", "--log-every",
                            "--metrics", "--strategy", "--grad-accum", "--bucket-cap-mb",
                            "--find-unused-parameters", "--grad-compress", "--threads", "--trace", "--data-dir"};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) ASSERT_STR_CONTAINS(out, flags[i]);
