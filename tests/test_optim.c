@@ -774,3 +774,40 @@ TEST(optim_lr_schedules)
     ASSERT_NEAR(ct_optim_get_opts(opt)->lr, 0.55, 1e-12);
     ct_optim_destroy(opt);
 }
+
+/* Ranges of a parameter (a ZeRO rank's share) step exactly as the whole
+ * parameter does, follow the parameter when it is re-pointed, and reject
+ * ranges outside it. */
+#define NR 37
+TEST(optim_ranges_follow_their_parameter)
+{
+    ct_param *a = make_param("w", NR), *b = make_param("w", NR);
+    for (int i = 0; i < NR; i++) ct_f32(a->data)[i] = ct_f32(b->data)[i] = p0v(i);
+    ct_optim_opts o = ct_optim_defaults(CT_OPT_ADAMW);
+    ct_optim *whole = ct_optim_create(&o, &a, 1);
+    ct_optim_range r[3] = {{b, 0, 10}, {b, 10, 0}, {b, 10, 27}};
+    ct_optim *parts = ct_optim_create_ranges(&o, r, 3);
+    ASSERT(whole && parts);
+    ASSERT_EQ(ct_optim_slot_at(parts, 2)->offset, 10);
+    for (int t = 0; t < 4; t++) {
+        set_grad_t(a, t);
+        set_grad_t(b, t);
+        if (t == 2) { /* re-point b's data and grad: the ranges follow */
+            ct_tensor *d = ct_tensor_clone(b->data, CT_MEM_PARAM), *g = ct_tensor_clone(b->grad, CT_MEM_GRAD);
+            ct_tensor_release(b->data);
+            ct_tensor_release(b->grad);
+            b->data = d;
+            b->grad = g;
+        }
+        ASSERT_OK(ct_optim_step(whole));
+        ASSERT_OK(ct_optim_step(parts));
+        ASSERT(!memcmp(ct_tensor_data(a->data), ct_tensor_data(b->data), (size_t)NR * 4));
+    }
+    ct_optim_range bad = {b, 30, 8};
+    ASSERT(ct_optim_create_ranges(&o, &bad, 1) == NULL);
+    ASSERT_STR_CONTAINS(ct_last_error(), "not inside its parameter");
+    ct_optim_destroy(whole);
+    ct_optim_destroy(parts);
+    free_param(a);
+    free_param(b);
+}

@@ -73,6 +73,19 @@ typedef struct ct_optim ct_optim;
  * numel) and p->name.  Data must be f32 (CT_EUNSUPPORTED otherwise).
  * Returns NULL with the error set (CT_EINVAL for bad options) on failure. */
 ct_optim *ct_optim_create(const ct_optim_opts *o, ct_param **params, int n);
+/* A range of a parameter: elements [offset, offset + count) of its data. */
+typedef struct {
+    ct_param *param;
+    int64_t offset, count;
+} ct_optim_range;
+
+/* Optimizer over ranges of parameters (what a rank owns under ZeRO), in
+ * order.  Like whole-parameter slots they follow their parameter: each step
+ * re-reads p->data and p->grad at the range's offset, so a strategy may
+ * re-point them; a NULL grad skips the range.  Slot i's offset is the
+ * range's.  NULL with the error set on failure (a range outside its
+ * parameter, a non-f32 parameter). */
+ct_optim *ct_optim_create_ranges(const ct_optim_opts *o, const ct_optim_range *r, int n);
 /* Optimizer over explicit slots (ranges of parameters); copies the slot
  * table and names (a NULL name becomes "slot<i>").  n may be 0 (a rank that
  * owns no shard).  Returns NULL with the error set on failure. */

@@ -17,6 +17,7 @@
 typedef struct {
     ct_optim_slot s;
     ct_param *param;  /* followed parameter, or NULL for an explicit range */
+    int ranged;       /* follows [s.offset, s.offset + s.n) of param, not all of it */
     char *name;       /* our copy of the name for explicit ranges */
     size_t state_off; /* floats from the slab start to this slot's first buffer */
     int64_t step;     /* PyTorch's per-parameter step */
@@ -116,17 +117,19 @@ static ct_status refresh(slot_t *sl)
     ct_param *p = sl->param;
     if (!p) return CT_OK;
     sl->s.name = p->name ? p->name : "";
-    if (!p->data || p->data->dtype != CT_F32 || p->data->numel != sl->s.n)
+    int64_t need = sl->ranged ? sl->s.offset + sl->s.n : sl->s.n;
+    if (!p->data || p->data->dtype != CT_F32 || (sl->ranged ? p->data->numel < need : p->data->numel != need))
         return ct_error(CT_ESTATE,
                         "parameter %s is no longer an f32 tensor of %lld elements as when the "
                         "optimizer was created; create the optimizer after re-pointing parameters",
-                        p->name ? p->name : "?", (long long)sl->s.n);
-    if (p->grad && (p->grad->dtype != CT_F32 || p->grad->numel != sl->s.n))
+                        p->name ? p->name : "?", (long long)need);
+    if (p->grad && (p->grad->dtype != CT_F32 || p->grad->numel != p->data->numel))
         return ct_error(CT_ESTATE, "gradient of parameter %s is %s with %lld elements; the optimizer needs f32 with %lld",
                         p->name ? p->name : "?", ct_dtype_name(p->grad->dtype),
-                        (long long)p->grad->numel, (long long)sl->s.n);
-    sl->s.data = ct_tensor_data(p->data);
-    sl->s.grad = p->grad ? ct_tensor_data(p->grad) : NULL;
+                        (long long)p->grad->numel, (long long)p->data->numel);
+    int64_t off = sl->ranged ? sl->s.offset : 0;
+    sl->s.data = (float *)ct_tensor_data(p->data) + off;
+    sl->s.grad = p->grad ? (float *)ct_tensor_data(p->grad) + off : NULL;
     return CT_OK;
 }
 
@@ -222,6 +225,43 @@ out_destroy:
     return NULL;
 }
 
+ct_optim *ct_optim_create_ranges(const ct_optim_opts *o, const ct_optim_range *r, int n)
+{
+    if (n < 0 || (n > 0 && !r)) {
+        ct_error(CT_EINVAL, "ct_optim_create_ranges got %d ranges%s", n, r ? "" : " and a NULL table");
+        return NULL;
+    }
+    for (int i = 0; i < n; i++) {
+        const ct_param *p = r[i].param;
+        if (!p || !p->data || r[i].offset < 0 || r[i].count < 0 || r[i].offset > p->data->numel - r[i].count) {
+            ct_error(CT_EINVAL, "range %d (%s [%lld, +%lld)) is not inside its parameter", i,
+                     p && p->name ? p->name : "?", (long long)r[i].offset, (long long)r[i].count);
+            return NULL;
+        }
+        if (p->data->dtype != CT_F32) {
+            ct_error(CT_EUNSUPPORTED, "parameter %s is %s; the optimizer steps f32 (master) weights",
+                     p->name ? p->name : "?", ct_dtype_name(p->data->dtype));
+            return NULL;
+        }
+    }
+    ct_optim *opt = optim_new(o, n);
+    if (!opt) return NULL;
+    for (int i = 0; i < n; i++) {
+        slot_t *sl = &opt->slots[opt->nslots++];
+        sl->param = r[i].param;
+        sl->ranged = 1;
+        sl->s.offset = r[i].offset;
+        sl->s.n = r[i].count;
+        if (refresh(sl) != CT_OK) goto out_destroy;
+    }
+    if (layout_state(opt) != CT_OK) goto out_destroy;
+    return opt;
+
+out_destroy:
+    ct_optim_destroy(opt);
+    return NULL;
+}
+
 ct_optim *ct_optim_create_slots(const ct_optim_opts *o, const ct_optim_slot *slots, int n)
 {
     if (n < 0 || (n > 0 && !slots)) {
@@ -277,6 +317,7 @@ void ct_optim_set_slot(ct_optim *opt, int i, float *data, float *grad)
     slot_t *sl = &opt->slots[i];
     CT_ASSERT(data || sl->s.n == 0);
     if (sl->param) {
+        sl->ranged = 0;
         /* The parameter's name may be freed by a later renaming; keep a copy. */
         (void)refresh(sl);
         size_t len = strlen(sl->s.name) + 1;
