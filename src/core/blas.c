@@ -14,6 +14,7 @@
 #include "ctrain/core.h"
 
 #include <cblas.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -82,7 +83,13 @@ void ct_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha,
                 beta, c, ldc);
 }
 
-void ct_blas_set_threads(int n) { openblas_set_num_threads(n < 1 ? 1 : n); }
+void ct_blas_set_threads(int n)
+{
+    n = n < 1 ? 1 : n;
+    openblas_set_num_threads(n);
+    /* oneDNN's team (src/core/gemm.c applies it again on other calling threads). */
+    omp_set_num_threads(n);
+}
 int ct_blas_get_threads(void) { return openblas_get_num_threads(); }
 const char *ct_blas_corename(void) { return openblas_get_corename(); }
 const char *ct_blas_kernel_source(void) { return kernel_source; }

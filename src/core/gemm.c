@@ -1,0 +1,333 @@
+/*
+ * Matrix products by dtype.  f32 x f32 goes to OpenBLAS (ct_sgemm) or to
+ * oneDNN's f32 matmul, whichever measured faster for the shape class (see
+ * use_onednn_f32); bf16 x bf16 goes to oneDNN's matmul, which accumulates in
+ * f32 and writes f32 (AVX512_BF16 instructions where the CPU has them,
+ * emulation otherwise).  Debian's OpenBLAS 0.3.21 has no sbgemm, so oneDNN is
+ * the only bf16 engine we have.
+ *
+ * oneDNN wants a primitive per problem (shapes, strides, dtypes, alpha/beta
+ * as attributes), and creating one costs far more than a small product, so
+ * primitives live in a cache keyed by everything that shapes them, including
+ * the thread count: with the OpenMP runtime oneDNN sizes its kernels for the
+ * threads present at creation and must run with the same number.  The cache
+ * holds one mutex over lookup and execution (the entry's memory objects are
+ * re-pointed at each call), which is enough for one compute thread per
+ * process and safe, if serial, for more.
+ *
+ * Threads: oneDNN runs on OpenMP; ct_blas_set_threads sets the count for
+ * OpenBLAS and for the OpenMP team oneDNN uses, so a rank's products use the
+ * same cores whichever library runs them.  OpenMP's count is per calling
+ * thread, so it is applied again on whichever thread calls the product.
+ */
+#include <oneapi/dnnl/dnnl.h>
+#include <omp.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "ctrain/core.h"
+
+typedef struct {
+    int bf16, ta, tb, m, n, k, lda, ldb, ldc, nthr;
+    float alpha, beta;
+} gemm_key;
+
+typedef struct {
+    gemm_key key;
+    dnnl_primitive_t prim;
+    dnnl_memory_t a, b, c;
+    dnnl_primitive_desc_t pd;
+    const char *impl; /* oneDNN's implementation name, owned by pd */
+} gemm_entry;
+
+/* More entries than any model has product shapes; past it the cache is
+ * emptied and refilled (a run that keeps changing shapes pays creation). */
+#define CACHE_MAX 512
+
+static pthread_mutex_t cache_lock = PTHREAD_MUTEX_INITIALIZER;
+static gemm_entry *cache;
+static int ncache, cache_cap;
+static dnnl_engine_t engine;
+static dnnl_stream_t stream;
+
+static const char *dnnl_err(dnnl_status_t s)
+{
+    switch (s) {
+    case dnnl_success: return "success";
+    case dnnl_out_of_memory: return "out of memory";
+    case dnnl_invalid_arguments: return "invalid arguments";
+    case dnnl_unimplemented: return "no implementation for this problem";
+    case dnnl_iterator_ends: return "iterator ends";
+    case dnnl_runtime_error: return "runtime error";
+    case dnnl_not_required: return "not required";
+    default: return "unknown oneDNN status";
+    }
+}
+
+static void entry_fini(gemm_entry *e)
+{
+    dnnl_memory_destroy(e->a);
+    dnnl_memory_destroy(e->b);
+    dnnl_memory_destroy(e->c);
+    dnnl_primitive_destroy(e->prim);
+    dnnl_primitive_desc_destroy(e->pd);
+}
+
+static ct_status setup_engine(void)
+{
+    if (engine) return CT_OK;
+    dnnl_status_t s = dnnl_engine_create(&engine, dnnl_cpu, 0);
+    if (s == dnnl_success) s = dnnl_stream_create(&stream, engine, dnnl_stream_default_flags);
+    if (s != dnnl_success) {
+        if (engine) dnnl_engine_destroy(engine);
+        engine = NULL;
+        return ct_error(CT_EUNSUPPORTED, "oneDNN: cannot create the CPU engine (%s); check that "
+                        "libdnnl2 is installed and matches the headers", dnnl_err(s));
+    }
+    return CT_OK;
+}
+
+static void describe(const gemm_key *k, char *buf, size_t n)
+{
+    snprintf(buf, n, "%s %c%c m=%d n=%d k=%d lda=%d ldb=%d ldc=%d alpha=%g beta=%g threads=%d",
+             k->bf16 ? "bf16" : "f32", k->ta ? 'T' : 'N', k->tb ? 'T' : 'N', k->m, k->n,
+             k->k, k->lda, k->ldb, k->ldc, (double)k->alpha, (double)k->beta, k->nthr);
+}
+
+/* Builds the primitive and its memory objects for key (under cache_lock). */
+static ct_status entry_init(gemm_entry *e, const gemm_key *k)
+{
+    memset(e, 0, sizeof *e);
+    e->key = *k;
+    dnnl_data_type_t in = k->bf16 ? dnnl_bf16 : dnnl_f32;
+    /* Row-major op(A) [m, k]: element (i, p) at i*lda + p, or p*lda + i when transposed. */
+    dnnl_dims_t ad = {k->m, k->k}, as = {k->ta ? 1 : k->lda, k->ta ? k->lda : 1};
+    dnnl_dims_t bd = {k->k, k->n}, bs = {k->tb ? 1 : k->ldb, k->tb ? k->ldb : 1};
+    dnnl_dims_t cd = {k->m, k->n}, cs = {k->ldc, 1};
+    dnnl_memory_desc_t amd, bmd, cmd;
+    dnnl_matmul_desc_t md;
+    dnnl_primitive_attr_t attr = NULL;
+    dnnl_post_ops_t po = NULL;
+    const char *step = "memory descriptors";
+    dnnl_status_t s = dnnl_memory_desc_init_by_strides(&amd, 2, ad, in, as);
+    if (s == dnnl_success) s = dnnl_memory_desc_init_by_strides(&bmd, 2, bd, in, bs);
+    if (s == dnnl_success) s = dnnl_memory_desc_init_by_strides(&cmd, 2, cd, dnnl_f32, cs);
+    if (s == dnnl_success) step = "matmul descriptor", s = dnnl_matmul_desc_init(&md, &amd, &bmd, NULL, &cmd);
+    if (s == dnnl_success) step = "attributes", s = dnnl_primitive_attr_create(&attr);
+    if (s == dnnl_success && k->alpha != 1.0f)
+        s = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &k->alpha);
+    if (s == dnnl_success && k->beta != 0.0f) {
+        /* C = alpha*A*B + beta*C: the sum post-op scales the old C by beta. */
+        s = dnnl_post_ops_create(&po);
+        if (s == dnnl_success) s = dnnl_post_ops_append_sum(po, k->beta);
+        if (s == dnnl_success) s = dnnl_primitive_attr_set_post_ops(attr, po);
+    }
+    if (s == dnnl_success) step = "primitive descriptor", s = dnnl_primitive_desc_create(&e->pd, &md, attr, engine, NULL);
+    if (s == dnnl_success) step = "primitive", s = dnnl_primitive_create(&e->prim, e->pd);
+    if (s == dnnl_success) step = "memory objects", s = dnnl_memory_create(&e->a, &amd, engine, DNNL_MEMORY_NONE);
+    if (s == dnnl_success) s = dnnl_memory_create(&e->b, &bmd, engine, DNNL_MEMORY_NONE);
+    if (s == dnnl_success) s = dnnl_memory_create(&e->c, &cmd, engine, DNNL_MEMORY_NONE);
+    if (s == dnnl_success && dnnl_primitive_desc_query(e->pd, dnnl_query_impl_info_str, 0, &e->impl) != dnnl_success)
+        e->impl = "?";
+    dnnl_post_ops_destroy(po);
+    dnnl_primitive_attr_destroy(attr);
+    if (s != dnnl_success) {
+        char d[192];
+        describe(k, d, sizeof d);
+        entry_fini(e);
+        return ct_error(s == dnnl_out_of_memory ? CT_ENOMEM : CT_EUNSUPPORTED,
+                        "oneDNN matmul (%s): creating the %s failed: %s; %s", d, step, dnnl_err(s),
+                        s == dnnl_out_of_memory ? "free memory or use a smaller batch"
+                        : "this oneDNN build cannot run the product (DNNL_VERBOSE=all says why)");
+    }
+    return CT_OK;
+}
+
+/* The cached entry for k, created on first use (under cache_lock). */
+static ct_status lookup(const gemm_key *k, gemm_entry **out)
+{
+    static int last = -1;
+    if (last >= 0 && last < ncache && !memcmp(&cache[last].key, k, sizeof *k)) {
+        *out = &cache[last];
+        return CT_OK;
+    }
+    for (int i = 0; i < ncache; i++)
+        if (!memcmp(&cache[i].key, k, sizeof *k)) {
+            *out = &cache[last = i];
+            return CT_OK;
+        }
+    CT_TRY(setup_engine());
+    if (ncache == CACHE_MAX) {
+        for (int i = 0; i < ncache; i++) entry_fini(&cache[i]);
+        ncache = 0;
+    }
+    if (ncache == cache_cap) {
+        int cap = cache_cap ? 2 * cache_cap : 16;
+        gemm_entry *c = ct_alloc((size_t)cap * sizeof *c, CT_MEM_OTHER);
+        if (!c) return CT_ENOMEM;
+        if (ncache) memcpy(c, cache, (size_t)ncache * sizeof *c);
+        ct_free(cache);
+        cache = c;
+        cache_cap = cap;
+    }
+    CT_TRY(entry_init(&cache[ncache], k));
+    *out = &cache[last = ncache++];
+    return CT_OK;
+}
+
+static gemm_key make_key(int bf16, int ta, int tb, int m, int n, int k, float alpha,
+                         int lda, int ldb, float beta, int ldc)
+{
+    gemm_key key;
+    memset(&key, 0, sizeof key); /* no padding garbage: keys compare with memcmp */
+    key.bf16 = bf16;
+    key.ta = ta != 0;
+    key.tb = tb != 0;
+    key.m = m;
+    key.n = n;
+    key.k = k;
+    key.lda = lda;
+    key.ldb = ldb;
+    key.ldc = ldc;
+    key.nthr = ct_blas_get_threads();
+    key.alpha = alpha;
+    key.beta = beta;
+    return key;
+}
+
+static ct_status check_args(const char *fn, int ta, int tb, int m, int n, int k, int lda, int ldb,
+                            int ldc)
+{
+    if (m < 0 || n < 0 || k < 0)
+        return ct_error(CT_EINVAL, "%s: negative size m=%d n=%d k=%d", fn, m, n, k);
+    int acols = ta ? m : k, bcols = tb ? k : n;
+    if (lda < (acols > 1 ? acols : 1) || ldb < (bcols > 1 ? bcols : 1) || ldc < (n > 1 ? n : 1))
+        return ct_error(CT_EINVAL, "%s: leading dimensions lda=%d ldb=%d ldc=%d are shorter than "
+                        "the rows they stride (%d, %d, %d); pass the row length of each matrix "
+                        "as stored", fn, lda, ldb, ldc, acols, bcols, n);
+    return CT_OK;
+}
+
+/* oneDNN matmul of f32 (bf16 = 0) or bf16 operands into f32 C. */
+static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                             const void *a, int lda, const void *b, int ldb, float beta, float *c,
+                             int ldc)
+{
+    CT_TRY(check_args(bf16 ? "gemm_bf16" : "gemm_f32", trans_a, trans_b, m, n, k, lda, ldb, ldc));
+    if (m == 0 || n == 0) return CT_OK;
+    if (k == 0) { /* oneDNN rejects empty reductions; the answer is beta*C */
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < n; j++)
+                c[(size_t)i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[(size_t)i * ldc + j];
+        return CT_OK;
+    }
+    gemm_key key = make_key(bf16, trans_a, trans_b, m, n, k, alpha, lda, ldb, beta, ldc);
+    if (omp_get_max_threads() != key.nthr) omp_set_num_threads(key.nthr);
+    pthread_mutex_lock(&cache_lock);
+    gemm_entry *e;
+    ct_status st = lookup(&key, &e);
+    if (st == CT_OK) {
+        dnnl_status_t s = dnnl_memory_set_data_handle(e->a, (void *)a);
+        if (s == dnnl_success) s = dnnl_memory_set_data_handle(e->b, (void *)b);
+        if (s == dnnl_success) s = dnnl_memory_set_data_handle(e->c, c);
+        dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, e->a}, {DNNL_ARG_WEIGHTS, e->b}, {DNNL_ARG_DST, e->c}};
+        if (s == dnnl_success) s = dnnl_primitive_execute(e->prim, stream, 3, args);
+        if (s == dnnl_success) s = dnnl_stream_wait(stream);
+        if (s != dnnl_success) {
+            char d[192];
+            describe(&key, d, sizeof d);
+            st = ct_error(CT_EUNSUPPORTED, "oneDNN matmul (%s) failed to run: %s", d, dnnl_err(s));
+        }
+    }
+    pthread_mutex_unlock(&cache_lock);
+    return st;
+}
+
+/* Where f32 products go (CT_GEMM_AUTO).  Measured on one core of an AMD EPYC
+ * with AVX-512 (OpenBLAS 0.3.21 SkylakeX kernel vs oneDNN 2.6 brg:avx512_core,
+ * median GFLOP/s of 15 reps, C += A B, /tmp probe of the shapes our layers
+ * make):
+ *   Linear(1024,1024) batch 64:  NT 64x1024x1024  OpenBLAS 91  oneDNN 160
+ *                                TN 1024x1024x64           91         164
+ *                                NN 64x1024x1024           89         155
+ *   batch 256:                   NT 256x1024x1024          95         184
+ *                                TN 1024x1024x256          94         140
+ *                                NN 256x1024x1024          70         138
+ *   MLP 784-256-10, batch 64:    NT 64x256x784 104/208, TN 256x784x64 117/220,
+ *                                NT 64x10x256 62/108, NN 64x256x10 97/146
+ *   LeNet convs (im2col):        NN 6x6272x25 61/128, NT 6x25x6272 28/70,
+ *                                NN 16x1600x150 93/212, TN 150x1600x16 108/171
+ *   small:                       32^3 62-67 both, 16^3 28/13, 5x4x6 2.2/0.6
+ *   narrow C:                    NN 1024x8x1024 68/48, NN 1024x16x1024 80/90
+ * oneDNN pays ~0.6 us per call (cache lookup, execute), which loses below
+ * ~32^3, and its kernels are weak for C narrower than 16 columns; everywhere
+ * else it is 1.3-2.5x faster.  (Two threads on the shared 2-core machine
+ * gave numbers too noisy to tell apart; the rule is the one-thread one,
+ * which is how ranks train.) */
+static int use_onednn_f32(int ta, int tb, int m, int n, int k)
+{
+    (void)ta;
+    (void)tb;
+    return n >= 16 && (int64_t)m * n * k >= 65536;
+}
+
+/* Set when oneDNN could not run an f32 product: AUTO then stays on OpenBLAS. */
+static int onednn_f32_failed;
+
+ct_gemm_engine ct_gemm_f32_engine(int trans_a, int trans_b, int m, int n, int k)
+{
+    return !onednn_f32_failed && use_onednn_f32(trans_a != 0, trans_b != 0, m, n, k)
+               ? CT_GEMM_ONEDNN : CT_GEMM_OPENBLAS;
+}
+
+ct_status ct_gemm_f32(ct_gemm_engine engine, int trans_a, int trans_b, int m, int n, int k,
+                      float alpha, const float *a, int lda, const float *b, int ldb, float beta,
+                      float *c, int ldc)
+{
+    CT_TRY(check_args("gemm_f32", trans_a, trans_b, m, n, k, lda, ldb, ldc));
+    int auto_ = engine == CT_GEMM_AUTO;
+    if (auto_) engine = ct_gemm_f32_engine(trans_a, trans_b, m, n, k);
+    if (engine == CT_GEMM_ONEDNN) {
+        ct_status s = onednn_gemm(0, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        if (s == CT_OK || !auto_) return s;
+        /* OpenBLAS gives the same f32 answer: carry on there, and say so once. */
+        ct_log(CT_LOG_WARN, "%s; f32 products use OpenBLAS from now on", ct_last_error());
+        onednn_f32_failed = 1;
+    } else if (engine != CT_GEMM_OPENBLAS) {
+        return ct_error(CT_EINVAL, "gemm_f32: engine %d is not CT_GEMM_AUTO, CT_GEMM_OPENBLAS or "
+                        "CT_GEMM_ONEDNN", (int)engine);
+    }
+    ct_sgemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return CT_OK;
+}
+
+ct_status ct_gemm_bf16(int trans_a, int trans_b, int m, int n, int k, float alpha,
+                       const uint16_t *a, int lda, const uint16_t *b, int ldb, float beta,
+                       float *c, int ldc)
+{
+    return onednn_gemm(1, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+ct_status ct_gemm_onednn_impl(int bf16, int trans_a, int trans_b, int m, int n, int k, float beta,
+                              char *buf, size_t len)
+{
+    int lda = trans_a ? m : k, ldb = trans_b ? k : n, ldc = n;
+    if (len) buf[0] = 0;
+    if (m <= 0 || n <= 0 || k <= 0)
+        return ct_error(CT_EINVAL, "gemm_onednn_impl: sizes m=%d n=%d k=%d must be positive", m, n, k);
+    gemm_key key = make_key(bf16 != 0, trans_a, trans_b, m, n, k, 1.0f, lda, ldb, beta, ldc);
+    if (omp_get_max_threads() != key.nthr) omp_set_num_threads(key.nthr);
+    pthread_mutex_lock(&cache_lock);
+    gemm_entry *e;
+    ct_status s = lookup(&key, &e);
+    if (s == CT_OK && len) snprintf(buf, len, "%s", e->impl);
+    pthread_mutex_unlock(&cache_lock);
+    return s;
+}
+
+int ct_cpu_has_avx512_bf16(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+}
