@@ -228,12 +228,23 @@ TEST(core_gemm_bad_arguments)
     ASSERT(buf[0] != 0);
 }
 
-/* AUTO follows the measured rule documented in src/core/gemm.c. */
+/* AUTO follows the measured rule documented in src/core/gemm.c: forward and
+ * input-gradient shapes of a large linear layer go to oneDNN on AVX-512 CPUs,
+ * the weight gradient only when OpenBLAS runs an AVX2 kernel there, tiny or
+ * narrow products never. */
 TEST(core_gemm_auto_engine_rule)
 {
-    ASSERT_EQ(ct_gemm_f32_engine(0, 1, 64, 1024, 1024), CT_GEMM_ONEDNN);
-    ASSERT_EQ(ct_gemm_f32_engine(1, 0, 1024, 1024, 64), CT_GEMM_ONEDNN);
-    ASSERT_EQ(ct_gemm_f32_engine(0, 0, 64, 1024, 1024), CT_GEMM_ONEDNN);
+    __builtin_cpu_init();
+    int cpu512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const char *core = ct_blas_corename();
+    int blas512 = !strcmp(core, "SkylakeX") || !strcmp(core, "Cooperlake") ||
+                  !strcmp(core, "SapphireRapids");
+    ct_gemm_engine big = cpu512 ? CT_GEMM_ONEDNN : CT_GEMM_OPENBLAS;
+    ASSERT_EQ(ct_gemm_f32_engine(0, 1, 64, 1024, 1024), big);
+    ASSERT_EQ(ct_gemm_f32_engine(0, 0, 256, 1024, 1024), big);
+    ASSERT_EQ(ct_gemm_f32_engine(1, 0, 1024, 1024, 64),
+              cpu512 && !blas512 ? CT_GEMM_ONEDNN : CT_GEMM_OPENBLAS);
     ASSERT_EQ(ct_gemm_f32_engine(0, 0, 16, 16, 16), CT_GEMM_OPENBLAS);
     ASSERT_EQ(ct_gemm_f32_engine(0, 0, 1024, 8, 1024), CT_GEMM_OPENBLAS);
 }

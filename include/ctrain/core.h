@@ -158,7 +158,7 @@ const char *ct_blas_kernel_source(void);
  * set-up); calls from several threads are safe but run one at a time. */
 
 typedef enum {
-    CT_GEMM_AUTO = 0,  /* whichever engine measured faster for the shape class */
+    CT_GEMM_AUTO = 0,  /* whichever measured faster for the shape class and OpenBLAS kernel */
     CT_GEMM_OPENBLAS,  /* ct_sgemm */
     CT_GEMM_ONEDNN     /* oneDNN matmul */
 } ct_gemm_engine;

@@ -25,6 +25,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <strings.h>
 
 #include "ctrain/core.h"
 
@@ -244,32 +245,65 @@ static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, i
     return st;
 }
 
-/* Where f32 products go (CT_GEMM_AUTO).  Measured on one core of an AMD EPYC
- * with AVX-512 (OpenBLAS 0.3.21 SkylakeX kernel vs oneDNN 2.6 brg:avx512_core,
- * median GFLOP/s of 15 reps, C += A B, /tmp probe of the shapes our layers
- * make):
- *   Linear(1024,1024) batch 64:  NT 64x1024x1024  OpenBLAS 91  oneDNN 160
- *                                TN 1024x1024x64           91         164
- *                                NN 64x1024x1024           89         155
- *   batch 256:                   NT 256x1024x1024          95         184
- *                                TN 1024x1024x256          94         140
- *                                NN 256x1024x1024          70         138
- *   MLP 784-256-10, batch 64:    NT 64x256x784 104/208, TN 256x784x64 117/220,
- *                                NT 64x10x256 62/108, NN 64x256x10 97/146
- *   LeNet convs (im2col):        NN 6x6272x25 61/128, NT 6x25x6272 28/70,
- *                                NN 16x1600x150 93/212, TN 150x1600x16 108/171
- *   small:                       32^3 62-67 both, 16^3 28/13, 5x4x6 2.2/0.6
- *   narrow C:                    NN 1024x8x1024 68/48, NN 1024x16x1024 80/90
- * oneDNN pays ~0.6 us per call (cache lookup, execute), which loses below
- * ~32^3, and its kernels are weak for C narrower than 16 columns; everywhere
- * else it is 1.3-2.5x faster.  (Two threads on the shared 2-core machine
- * gave numbers too noisy to tell apart; the rule is the one-thread one,
- * which is how ranks train.) */
+/* Where f32 products go (CT_GEMM_AUTO): measured, per shape class, on one
+ * core of an AMD EPYC with AVX-512 (and AVX512_BF16), OpenBLAS 0.3.21 vs
+ * oneDNN 2.6 (brg:avx512_core), C += op(A) op(B), engines interleaved rep by
+ * rep, median GFLOP/s of 31-41 reps on a shared machine.  The answer depends
+ * on which kernel OpenBLAS runs, so the rule asks it.
+ *
+ * OpenBLAS with an AVX-512 kernel (Cooperlake, its default here; SkylakeX):
+ *   NT 64x1024x1024  150 vs 189   NN 64x1024x1024  119 vs 157
+ *   NT 256x1024x1024 193 vs 217   NN 256x1024x1024 199 vs 214
+ *   TN 1024x1024x64  204 vs 162   TN 1024x1024x256 220 vs 185  (dW: OpenBLAS)
+ *   NT 64x256x784    174 vs 211   NN 64x784x256    201 vs 223
+ *   NN 16x1600x150   145 vs 213   NT 16x150x1600    92 vs 143
+ *   NN 6x6272x25     150 vs 125   NN 64x256x10     176 vs 146  (small: OpenBLAS)
+ *   NN 64^3          234 vs 203   NN 32^3          177 vs  95
+ *   NN 1024x16x1024  142 vs 120   NN 1024^3        157 vs 150  (about even)
+ * -> oneDNN for NN/NT with n >= 128 and m*n*k >= 2^20 (1.1-1.5x), else OpenBLAS.
+ *
+ * OpenBLAS with an AVX2 kernel on the same CPU (OPENBLAS_CORETYPE=Haswell,
+ * as this machine's environment sets it):
+ *   NT 64x1024x1024   44 vs  84   TN 1024x1024x64   84 vs 133
+ *   NN 64x1024x1024   47 vs 128   NT 256x1024x1024  62 vs 160
+ *   TN 1024x1024x256  46 vs  68   NN 256x1024x1024  58 vs 107
+ *   NT 64x10x256      62 vs 109   NN 6x6272x25      60 vs 127
+ *   NN 64^3          106 vs 199   NN 32^3           77 vs  91
+ *   NN 1024x16x1024   53 vs  81   NN 1024x8x1024    54 vs  41  (narrow C: OpenBLAS)
+ * -> oneDNN wherever n >= 16 and m*n*k >= 65536 (1.2-2.5x).
+ *
+ * oneDNN pays ~0.6 us per call (cache lookup, execute), which is why tiny
+ * products stay on OpenBLAS.  CPUs without AVX-512 were not measured: they
+ * stay on OpenBLAS.  Two threads on the shared 2-core machine were too noisy
+ * to tell apart; ranks train on one thread each. */
+static int onednn_f32_class(void)
+{
+    /* 0: never oneDNN; 1: OpenBLAS runs an AVX2 kernel; 2: both AVX-512. */
+    static int cls = -1;
+    int c = __atomic_load_n(&cls, __ATOMIC_RELAXED);
+    if (c < 0) {
+        __builtin_cpu_init();
+        int cpu512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+        static const char *k512[] = {"SkylakeX", "Cooperlake", "SapphireRapids", NULL};
+        const char *core = ct_blas_corename();
+        int blas512 = 0;
+        for (int i = 0; core && k512[i]; i++) blas512 |= !strcasecmp(core, k512[i]);
+        c = !cpu512 ? 0 : blas512 ? 2 : 1;
+        __atomic_store_n(&cls, c, __ATOMIC_RELAXED);
+    }
+    return c;
+}
+
 static int use_onednn_f32(int ta, int tb, int m, int n, int k)
 {
-    (void)ta;
     (void)tb;
-    return n >= 16 && (int64_t)m * n * k >= 65536;
+    int64_t mnk = (int64_t)m * n * k;
+    switch (onednn_f32_class()) {
+    case 1: return n >= 16 && mnk >= 65536;
+    case 2: return !ta && n >= 128 && mnk >= ((int64_t)1 << 20);
+    default: return 0;
+    }
 }
 
 /* Set when oneDNN could not run an f32 product: AUTO then stays on OpenBLAS. */
