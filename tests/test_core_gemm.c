@@ -117,6 +117,19 @@ TEST(core_gemm_f32_onednn_vs_naive) { check_engine(ENG_DNNL); }
 TEST(core_gemm_f32_auto_vs_naive) { check_engine(ENG_AUTO); }
 TEST(core_gemm_bf16_vs_rounded_reference) { check_engine(ENG_BF16); }
 
+/* Accumulating into a C of at least 2^19 elements over k <= 256 goes by row
+ * panels of 64 (src/core/gemm.c): a partial last panel, transposed A,
+ * padded C, beta 1 and beta -0.5, alpha 2. */
+TEST(core_gemm_accumulate_by_panels)
+{
+    ct_blas_set_threads(1);
+    for (int eng = ENG_DNNL; eng <= ENG_BF16; eng += ENG_BF16 - ENG_DNNL)
+        for (int ta = 0; ta < 2; ta++) {
+            check(eng, ta, 0, 200, 2700, 33, 3, 1.0f, 1.0f);
+            check(eng, ta, 1, 130, 4100, 20, 0, 2.0f, -0.5f);
+        }
+}
+
 /* Two threads (from ct_blas_set_threads) must still give right answers, and
  * the same as one thread for the same key shape. */
 TEST(core_gemm_threads)
