@@ -314,7 +314,10 @@ static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, i
  *   NN 6x6272x25     150 vs 125   NN 64x256x10     176 vs 146  (small: OpenBLAS)
  *   NN 64^3          234 vs 203   NN 32^3          177 vs  95
  *   NN 1024x16x1024  142 vs 120   NN 1024^3        157 vs 150  (about even)
- * -> oneDNN for NN/NT with n >= 128 and m*n*k >= 2^20 (1.1-1.5x), else OpenBLAS.
+ *   CNN convs (im2col): NN 32x784x144 151 vs 188, NT 32x144x784 108 vs 158,
+ *                       NN 16x14112x9 104 vs 79, NN 16x1568x36 198 vs 165
+ * -> oneDNN for NN/NT with n >= 128, k >= 64 and m*n*k >= 2^20 (1.1-1.5x),
+ *    else OpenBLAS.
  *
  * OpenBLAS with an AVX2 kernel on the same CPU (OPENBLAS_CORETYPE=Haswell,
  * as this machine's environment sets it):
@@ -324,6 +327,7 @@ static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, i
  *   NT 64x10x256      62 vs 109   NN 6x6272x25      60 vs 127
  *   NN 64^3          106 vs 199   NN 32^3           77 vs  91
  *   NN 1024x16x1024   53 vs  81   NN 1024x8x1024    54 vs  41  (narrow C: OpenBLAS)
+ *   CNN convs:        NN 16x14112x9 70 vs 83, NN 32x784x144 98 vs 192
  * -> oneDNN wherever n >= 16 and m*n*k >= 65536 (1.2-2.5x).
  *
  * oneDNN pays ~0.6 us per call (cache lookup, execute), which is why tiny
@@ -355,7 +359,7 @@ static int use_onednn_f32(int ta, int tb, int m, int n, int k)
     int64_t mnk = (int64_t)m * n * k;
     switch (onednn_f32_class()) {
     case 1: return n >= 16 && mnk >= 65536;
-    case 2: return !ta && n >= 128 && mnk >= ((int64_t)1 << 20);
+    case 2: return !ta && n >= 128 && k >= 64 && mnk >= ((int64_t)1 << 20);
     default: return 0;
     }
 }

@@ -6,7 +6,11 @@
  * (beta = 1), so backward allocates nothing but the input gradient.
  *
  * Two precisions, chosen by what the layer is given (internal.h):
- * - f32: products through OpenBLAS (ct_gemm_f32).
+ * - f32: products through ct_gemm_f32's AUTO engine, which sends each shape
+ *   to OpenBLAS or oneDNN f32, whichever measured faster (src/core/gemm.c):
+ *   on this layer's forward and input-gradient shapes oneDNN was 1.1-1.3x
+ *   faster than OpenBLAS's AVX-512 kernel and 1.6-2x faster than its AVX2
+ *   kernel; the weight gradient stays on an AVX-512 OpenBLAS.
  * - bf16, when the weight has a bf16 compute copy or the input is bf16: x is
  *   cast to bf16 once and that copy is what the record keeps (half the
  *   memory of f32 x); dy is cast in backward; the products run on oneDNN
@@ -77,7 +81,7 @@ static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct
         ct_free(wtmp);
     } else {
         x = ct_tensor_retain(in);
-        s = ct_gemm_f32(CT_GEMM_OPENBLAS, 0, 1, (int)rows, (int)L->out, (int)L->in, 1.0f, ct_f32(in),
+        s = ct_gemm_f32(CT_GEMM_AUTO, 0, 1, (int)rows, (int)L->out, (int)L->in, 1.0f, ct_f32(in),
                         (int)L->in, ct_f32(W->data), (int)L->in, beta, yd, (int)L->out);
     }
     if (s != CT_OK) {
@@ -132,11 +136,11 @@ static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
         ct_free(dyh);
     } else {
         if (want_dw)
-            s = ct_gemm_f32(CT_GEMM_OPENBLAS, 1, 0, (int)L->out, (int)L->in, (int)rows, 1.0f, dy,
+            s = ct_gemm_f32(CT_GEMM_AUTO, 1, 0, (int)L->out, (int)L->in, (int)rows, 1.0f, dy,
                             (int)L->out, ct_f32(x), (int)L->in, ct_param_grad_beta(W),
                             ct_f32(W->grad), (int)L->in);
         if (s == CT_OK && dx)
-            s = ct_gemm_f32(CT_GEMM_OPENBLAS, 0, 0, (int)rows, (int)L->in, (int)L->out, 1.0f, dy,
+            s = ct_gemm_f32(CT_GEMM_AUTO, 0, 0, (int)rows, (int)L->in, (int)L->out, 1.0f, dy,
                             (int)L->out, ct_f32(W->data), (int)L->in, 0.0f, ct_f32(dx), (int)L->in);
     }
     if (s != CT_OK) {
