@@ -57,6 +57,7 @@ static int dispatch(int argc, char **argv)
 int main(int argc, char **argv)
 {
     int rc = dispatch(argc, argv);
+    ct_gemm_cache_clear(); /* oneDNN primitives cached by the products */
 #if defined(__SANITIZE_ADDRESS__)
     size_t left = 0;
     for (int c = 0; c < CT_MEM_NCAT; c++) left += ct_mem_current((ct_mem_cat)c);

@@ -261,3 +261,19 @@ TEST(core_gemm_auto_engine_rule)
     ASSERT_EQ(ct_gemm_f32_engine(0, 0, 16, 16, 16), CT_GEMM_OPENBLAS);
     ASSERT_EQ(ct_gemm_f32_engine(0, 0, 1024, 8, 1024), CT_GEMM_OPENBLAS);
 }
+
+/* The cache's memory is counted (CT_MEM_OTHER) and ct_gemm_cache_clear gives
+ * all of it back; products afterwards set up again and still agree. */
+TEST(core_gemm_cache_clear)
+{
+    size_t before = ct_mem_current(CT_MEM_OTHER);
+    check(ENG_BF16, 0, 1, 7, 5, 9, 0, 1.0f, 0.0f);
+    check(ENG_DNNL, 1, 0, 130, 4100, 20, 0, 1.0f, 1.0f); /* by panels: scratch too */
+    ASSERT(ct_mem_current(CT_MEM_OTHER) > before);
+    ct_gemm_cache_clear();
+    ASSERT_EQ(ct_mem_current(CT_MEM_OTHER), before);
+    check(ENG_BF16, 0, 1, 7, 5, 9, 0, 1.0f, 0.0f);
+    check(ENG_DNNL, 1, 0, 130, 4100, 20, 0, 1.0f, 1.0f);
+    ct_gemm_cache_clear();
+    ASSERT_EQ(ct_mem_current(CT_MEM_OTHER), before);
+}

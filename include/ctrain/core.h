@@ -176,6 +176,9 @@ ct_gemm_engine ct_gemm_f32_engine(int trans_a, int trans_b, int m, int n, int k)
 /* oneDNN's kernel name for a dense product ("brg:avx512_core_bf16") into buf, creating it if needed. */
 ct_status ct_gemm_onednn_impl(int bf16, int trans_a, int trans_b, int m, int n, int k, float beta,
                               char *buf, size_t len);
+/* Frees the cached oneDNN primitives and scratch (later products set them up
+ * again); programs that check ct_alloc leaks at exit call it first. */
+void ct_gemm_cache_clear(void);
 /* 1 if the CPU has AVX512_BF16 (oneDNN then runs bf16 natively; otherwise it emulates). */
 int ct_cpu_has_avx512_bf16(void);
 

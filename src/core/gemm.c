@@ -418,6 +418,23 @@ ct_status ct_gemm_onednn_impl(int bf16, int trans_a, int trans_b, int m, int n, 
     return s;
 }
 
+void ct_gemm_cache_clear(void)
+{
+    pthread_mutex_lock(&cache_lock);
+    for (int i = 0; i < ncache; i++) entry_fini(&cache[i]);
+    ct_free(cache);
+    cache = NULL;
+    ncache = cache_cap = 0;
+    ct_free(panel_buf);
+    panel_buf = NULL;
+    panel_n = 0;
+    if (stream) dnnl_stream_destroy(stream);
+    if (engine) dnnl_engine_destroy(engine);
+    stream = NULL;
+    engine = NULL;
+    pthread_mutex_unlock(&cache_lock);
+}
+
 int ct_cpu_has_avx512_bf16(void)
 {
     __builtin_cpu_init();
