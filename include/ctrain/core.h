@@ -1,8 +1,8 @@
 /*
  * ctrain core: status codes and error messages, logging with a rank prefix,
- * the tracked allocator, the counter-based RNG, 16-bit float conversion and
- * the BLAS set-up.  Everything else in ctrain stands on this room; it knows
- * nothing of layers or ranks.
+ * the tracked allocator, the counter-based RNG, 16-bit float conversion, the
+ * BLAS set-up and matrix products by dtype (OpenBLAS, oneDNN).  Everything
+ * else in ctrain stands on this room; it knows nothing of layers or ranks.
  */
 #ifndef CTRAIN_CORE_H
 #define CTRAIN_CORE_H
@@ -167,7 +167,8 @@ typedef enum {
 ct_status ct_gemm_f32(ct_gemm_engine engine, int trans_a, int trans_b, int m, int n, int k,
                       float alpha, const float *a, int lda, const float *b, int ldb, float beta,
                       float *c, int ldc);
-/* bf16 x bf16 (bits as ct_f32_to_bf16 makes them) with f32 accumulation into f32 C, through oneDNN. */
+/* bf16 x bf16 (bits as ct_f32_to_bf16 makes them) with f32 accumulation into f32 C, through
+ * oneDNN; subnormal bf16 operands may count as 0 (AVX512_BF16 flushes them). */
 ct_status ct_gemm_bf16(int trans_a, int trans_b, int m, int n, int k, float alpha,
                        const uint16_t *a, int lda, const uint16_t *b, int ldb, float beta,
                        float *c, int ldc);
