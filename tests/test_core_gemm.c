@@ -277,3 +277,28 @@ TEST(core_gemm_cache_clear)
     ct_gemm_cache_clear();
     ASSERT_EQ(ct_mem_current(CT_MEM_OTHER), before);
 }
+
+/* When oneDNN cannot set a product up (here: the cache cannot grow), C is
+ * left as it was; ct_gemm_bf16 reports it, and an AUTO f32 product carries
+ * on with OpenBLAS, which it keeps using from then on. */
+TEST(core_gemm_setup_failure_leaves_c_alone)
+{
+    ct_blas_set_threads(1);
+    static float c[64 * 128];
+    static uint16_t h[128 * 128];
+    for (int i = 0; i < 64 * 128; i++) c[i] = 5.0f;
+    ct_mem_fail_after(0);
+    ASSERT_ERR(ct_gemm_bf16(0, 0, 64, 128, 128, 1.0f, h, 128, h, 128, 1.0f, c, 128), CT_ENOMEM,
+               "injected");
+    ct_mem_fail_after(0);
+    ASSERT_ERR(ct_gemm_bf16(1, 0, 1024, 1024, 64, 1.0f, h, 1024, h, 1024, 1.0f, NULL, 1024),
+               CT_ENOMEM, "injected"); /* by panels: fails before C is read */
+    ct_mem_fail_after(-1);
+    for (int i = 0; i < 64 * 128; i++) ASSERT(c[i] == 5.0f);
+
+    ct_gemm_engine before = ct_gemm_f32_engine(0, 0, 64, 128, 128);
+    ct_mem_fail_after(0);
+    check(ENG_AUTO, 0, 0, 64, 128, 128, 0, 1.0f, 1.0f);
+    ct_mem_fail_after(-1);
+    if (before == CT_GEMM_ONEDNN) ASSERT_EQ(ct_gemm_f32_engine(0, 0, 64, 128, 128), CT_GEMM_OPENBLAS);
+}

@@ -210,12 +210,9 @@ static ct_status check_args(const char *fn, int ta, int tb, int m, int n, int k,
     return CT_OK;
 }
 
-/* oneDNN matmul of f32 (bf16 = 0) or bf16 operands into f32 C. */
-/* Runs the cached primitive for key on a, b, c (under cache_lock). */
-static ct_status execute(const gemm_key *key, const void *a, const void *b, float *c)
+/* Runs primitive e on a, b, c (under cache_lock). */
+static ct_status execute(gemm_entry *e, const void *a, const void *b, float *c)
 {
-    gemm_entry *e;
-    CT_TRY(lookup(key, &e));
     dnnl_status_t s = dnnl_memory_set_data_handle(e->a, (void *)a);
     if (s == dnnl_success) s = dnnl_memory_set_data_handle(e->b, (void *)b);
     if (s == dnnl_success) s = dnnl_memory_set_data_handle(e->c, c);
@@ -224,7 +221,7 @@ static ct_status execute(const gemm_key *key, const void *a, const void *b, floa
     if (s == dnnl_success) s = dnnl_stream_wait(stream);
     if (s != dnnl_success) {
         char d[192];
-        describe(key, d, sizeof d);
+        describe(&e->key, d, sizeof d);
         return ct_error(CT_EUNSUPPORTED, "oneDNN matmul (%s) failed to run: %s", d, dnnl_err(s));
     }
     return CT_OK;
@@ -246,7 +243,8 @@ static ct_status execute(const gemm_key *key, const void *a, const void *b, floa
 static float *panel_buf; /* PANEL x panel_n floats, under cache_lock */
 static int panel_n;
 
-static ct_status by_panels(const gemm_key *key, const void *a, const void *b, float *c)
+/* C = alpha A B + beta C by panels; *ran is set once C may have changed. */
+static ct_status by_panels(const gemm_key *key, const void *a, const void *b, float *c, int *ran)
 {
     if (panel_n < key->n) {
         float *p = ct_alloc((size_t)PANEL * key->n * sizeof *p, CT_MEM_OTHER);
@@ -255,16 +253,26 @@ static ct_status by_panels(const gemm_key *key, const void *a, const void *b, fl
         panel_buf = p;
         panel_n = key->n;
     }
+    /* Both panel primitives (full and last) exist before C is touched, so a
+     * set-up failure leaves C as it was. */
+    gemm_key pk[2] = {*key, *key};
+    for (int i = 0; i < 2; i++) {
+        pk[i].m = i == 0 || key->m % PANEL == 0 ? PANEL : key->m % PANEL;
+        pk[i].beta = 0.0f;
+        pk[i].ldc = key->n;
+    }
+    gemm_entry *e[2];
+    CT_TRY(lookup(&pk[1], &e[1]));
+    CT_TRY(lookup(&pk[0], &e[0]));
+    CT_TRY(lookup(&pk[1], &e[1])); /* creating e[0] may have moved the cache */
     size_t esz = key->bf16 ? 2 : 4;
+    *ran = 1;
     for (int i0 = 0; i0 < key->m; i0 += PANEL) {
-        gemm_key pk = *key;
-        pk.m = key->m - i0 < PANEL ? key->m - i0 : PANEL;
-        pk.beta = 0.0f;
-        pk.ldc = key->n;
+        int last = key->m - i0 <= PANEL, rows = last ? pk[1].m : PANEL;
         const char *ap = (const char *)a + (key->ta ? (size_t)i0 : (size_t)i0 * key->lda) * esz;
-        CT_TRY(execute(&pk, ap, b, panel_buf));
+        CT_TRY(execute(last ? e[1] : e[0], ap, b, panel_buf));
         float beta = key->beta;
-        for (int r = 0; r < pk.m; r++) {
+        for (int r = 0; r < rows; r++) {
             float *restrict cr = c + (size_t)(i0 + r) * key->ldc;
             const float *restrict pr = panel_buf + (size_t)r * key->n;
             if (beta == 1.0f)
@@ -276,11 +284,13 @@ static ct_status by_panels(const gemm_key *key, const void *a, const void *b, fl
     return CT_OK;
 }
 
-/* oneDNN matmul of f32 (bf16 = 0) or bf16 operands into f32 C. */
+/* oneDNN matmul of f32 (bf16 = 0) or bf16 operands into f32 C.  *ran is
+ * set once C may have changed (a failure before that leaves C as it was). */
 static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, int k, float alpha,
                              const void *a, int lda, const void *b, int ldb, float beta, float *c,
-                             int ldc)
+                             int ldc, int *ran)
 {
+    *ran = 0;
     CT_TRY(check_args(bf16 ? "gemm_bf16" : "gemm_f32", trans_a, trans_b, m, n, k, lda, ldb, ldc));
     if (m == 0 || n == 0) return CT_OK;
     if (k == 0) { /* oneDNN rejects empty reductions; the answer is beta*C */
@@ -292,9 +302,17 @@ static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, i
     gemm_key key = make_key(bf16, trans_a, trans_b, m, n, k, alpha, lda, ldb, beta, ldc);
     if (omp_get_max_threads() != key.nthr) omp_set_num_threads(key.nthr);
     pthread_mutex_lock(&cache_lock);
-    ct_status st = beta != 0.0f && k <= PANEL_MAX_K && m > PANEL && (int64_t)m * n >= PANEL_MIN_C
-                       ? by_panels(&key, a, b, c)
-                       : execute(&key, a, b, c);
+    ct_status st;
+    if (beta != 0.0f && k <= PANEL_MAX_K && m > PANEL && (int64_t)m * n >= PANEL_MIN_C) {
+        st = by_panels(&key, a, b, c, ran);
+    } else {
+        gemm_entry *e;
+        st = lookup(&key, &e);
+        if (st == CT_OK) {
+            *ran = 1;
+            st = execute(e, a, b, c);
+        }
+    }
     pthread_mutex_unlock(&cache_lock);
     return st;
 }
@@ -369,8 +387,9 @@ static int onednn_f32_failed;
 
 ct_gemm_engine ct_gemm_f32_engine(int trans_a, int trans_b, int m, int n, int k)
 {
-    return !onednn_f32_failed && use_onednn_f32(trans_a != 0, trans_b != 0, m, n, k)
-               ? CT_GEMM_ONEDNN : CT_GEMM_OPENBLAS;
+    int failed = __atomic_load_n(&onednn_f32_failed, __ATOMIC_RELAXED);
+    return !failed && use_onednn_f32(trans_a != 0, trans_b != 0, m, n, k) ? CT_GEMM_ONEDNN
+                                                                          : CT_GEMM_OPENBLAS;
 }
 
 ct_status ct_gemm_f32(ct_gemm_engine engine, int trans_a, int trans_b, int m, int n, int k,
@@ -381,11 +400,14 @@ ct_status ct_gemm_f32(ct_gemm_engine engine, int trans_a, int trans_b, int m, in
     int auto_ = engine == CT_GEMM_AUTO;
     if (auto_) engine = ct_gemm_f32_engine(trans_a, trans_b, m, n, k);
     if (engine == CT_GEMM_ONEDNN) {
-        ct_status s = onednn_gemm(0, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-        if (s == CT_OK || !auto_) return s;
-        /* OpenBLAS gives the same f32 answer: carry on there, and say so once. */
+        int ran;
+        ct_status s = onednn_gemm(0, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
+                                  &ran);
+        if (s == CT_OK || !auto_ || ran) return s;
+        /* Set-up failed and C is untouched: OpenBLAS gives the same f32
+         * answer, so carry on there, and say so once. */
         ct_log(CT_LOG_WARN, "%s; f32 products use OpenBLAS from now on", ct_last_error());
-        onednn_f32_failed = 1;
+        __atomic_store_n(&onednn_f32_failed, 1, __ATOMIC_RELAXED);
     } else if (engine != CT_GEMM_OPENBLAS) {
         return ct_error(CT_EINVAL, "gemm_f32: engine %d is not CT_GEMM_AUTO, CT_GEMM_OPENBLAS or "
                         "CT_GEMM_ONEDNN", (int)engine);
@@ -398,7 +420,8 @@ ct_status ct_gemm_bf16(int trans_a, int trans_b, int m, int n, int k, float alph
                        const uint16_t *a, int lda, const uint16_t *b, int ldb, float beta,
                        float *c, int ldc)
 {
-    return onednn_gemm(1, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    int ran;
+    return onednn_gemm(1, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, &ran);
 }
 
 ct_status ct_gemm_onednn_impl(int bf16, int trans_a, int trans_b, int m, int n, int k, float beta,
