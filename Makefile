@@ -11,7 +11,10 @@ PKGS     = openblas ompi-c zlib
 CFLAGS  ?= -O3 -march=native -fno-math-errno -g
 XCFLAGS  = -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fPIC -pthread -Iinclude -Isrc \
            $(shell pkg-config --cflags $(PKGS)) $(SANFLAGS)
-LDLIBS   = $(shell pkg-config --libs $(PKGS)) -lm -pthread
+# oneDNN (bf16 matmul) ships no .pc file; its header is <oneapi/dnnl/dnnl.h>
+# under /usr/include.  It runs on OpenMP (libgomp), whose thread count we set.
+DNNL_LIBS = -ldnnl -lgomp
+LDLIBS   = $(shell pkg-config --libs $(PKGS)) $(DNNL_LIBS) -lm -pthread
 
 LIB_SRC   := $(sort $(wildcard src/*/*.c))
 CLI_SRC   := $(sort $(wildcard cli/*.c))

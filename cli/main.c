@@ -59,6 +59,7 @@ int main(int argc, char **argv)
     /* First thing: may start this program again with OpenBLAS's fast kernel. */
     if (ct_blas_select_kernel(argc, argv) != CT_OK) fprintf(stderr, "ctrain: warning: %s\n", ct_last_error());
     int rc = dispatch(argc, argv);
+    ct_gemm_cache_clear(); /* oneDNN primitives cached by the products */
 #if defined(__SANITIZE_ADDRESS__)
     size_t left = 0;
     for (int c = 0; c < CT_MEM_NCAT; c++) left += ct_mem_current((ct_mem_cat)c);

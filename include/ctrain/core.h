@@ -1,8 +1,8 @@
 /*
  * ctrain core: status codes and error messages, logging with a rank prefix,
- * the tracked allocator, the counter-based RNG, 16-bit float conversion and
- * the BLAS set-up.  Everything else in ctrain stands on this room; it knows
- * nothing of layers or ranks.
+ * the tracked allocator, the counter-based RNG, 16-bit float conversion, the
+ * BLAS set-up and matrix products by dtype (OpenBLAS, oneDNN).  Everything
+ * else in ctrain stands on this room; it knows nothing of layers or ranks.
  */
 #ifndef CTRAIN_CORE_H
 #define CTRAIN_CORE_H
@@ -194,7 +194,7 @@ void ct_f16_to_f32_n(const uint16_t *in, float *out, size_t n);
 void ct_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha,
               const float *a, int lda, const float *b, int ldb, float beta,
               float *c, int ldc);
-/* Threads BLAS may use from now on (>= 1). */
+/* Threads BLAS and oneDNN (OpenMP) may use from now on (>= 1); one count per rank. */
 void ct_blas_set_threads(int n);
 int ct_blas_get_threads(void);
 /* Name of the kernel OpenBLAS runs ("SkylakeX", "Haswell", ...). */
@@ -214,6 +214,38 @@ ct_status ct_blas_select_kernel(int argc, char **argv);
 /* Logs one warning per process, naming the fix, if OpenBLAS runs a slower
  * kernel than the CPU allows and the user did not choose it. */
 void ct_blas_warn_if_slow(void);
+
+/* ---- matrix products by dtype (OpenBLAS and oneDNN) -------------------- */
+/* Same row-major contract as ct_sgemm; C is always f32, beta 0 never reads C,
+ * leading dimensions are in elements.  oneDNN products are cached by shape,
+ * strides, alpha, beta and thread count (the first call of a shape pays the
+ * set-up); calls from several threads are safe but run one at a time. */
+
+typedef enum {
+    CT_GEMM_AUTO = 0,  /* whichever measured faster for the shape class and OpenBLAS kernel */
+    CT_GEMM_OPENBLAS,  /* ct_sgemm */
+    CT_GEMM_ONEDNN     /* oneDNN matmul */
+} ct_gemm_engine;
+
+/* f32 product through engine; AUTO falls back to OpenBLAS (warning once) if oneDNN fails. */
+ct_status ct_gemm_f32(ct_gemm_engine engine, int trans_a, int trans_b, int m, int n, int k,
+                      float alpha, const float *a, int lda, const float *b, int ldb, float beta,
+                      float *c, int ldc);
+/* bf16 x bf16 (bits as ct_f32_to_bf16 makes them) with f32 accumulation into f32 C, through
+ * oneDNN; subnormal bf16 operands may count as 0 (AVX512_BF16 flushes them). */
+ct_status ct_gemm_bf16(int trans_a, int trans_b, int m, int n, int k, float alpha,
+                       const uint16_t *a, int lda, const uint16_t *b, int ldb, float beta,
+                       float *c, int ldc);
+/* The engine CT_GEMM_AUTO picks for an f32 product of this shape. */
+ct_gemm_engine ct_gemm_f32_engine(int trans_a, int trans_b, int m, int n, int k);
+/* oneDNN's kernel name for a dense product ("brg:avx512_core_bf16") into buf, creating it if needed. */
+ct_status ct_gemm_onednn_impl(int bf16, int trans_a, int trans_b, int m, int n, int k, float beta,
+                              char *buf, size_t len);
+/* Frees the cached oneDNN primitives and scratch (later products set them up
+ * again); programs that check ct_alloc leaks at exit call it first. */
+void ct_gemm_cache_clear(void);
+/* 1 if the CPU has AVX512_BF16 (oneDNN then runs bf16 natively; otherwise it emulates). */
+int ct_cpu_has_avx512_bf16(void);
 
 /* ---- time and tracing -------------------------------------------------- */
 

@@ -50,6 +50,10 @@ struct ct_param {
     const char *local;   /* name within its module ("weight") */
     ct_tensor *data;
     ct_tensor *grad;     /* same shape as data; NULL for buffers */
+    ct_tensor *compute;  /* compute copy of data in a lower precision (BF16, same shape)
+                            that layers read for their products when not NULL; owned by
+                            whoever set it (a strategy's mixed-precision policy), who keeps
+                            it in step with data; data stays the f32 master, grad stays f32 */
     int requires_grad;
     int is_buffer;
     ct_module *owner;
@@ -57,10 +61,6 @@ struct ct_param {
     void *user;          /* free for strategies */
     int grad_stale;      /* grad is logically zero but its memory was not cleared
                             (ct_module_zero_grad_lazy); see ct_param_grad_sync */
-    ct_tensor *compute;  /* compute copy of data in a lower precision (bf16) that layers read
-                            for their products when not NULL; owned by whoever set it (a
-                            strategy's mixed-precision policy); data stays the f32 master and
-                            grad stays f32 */
 };
 
 /* What a kind of module does.  forward must save into rec only when rec is
@@ -241,9 +241,14 @@ void ct_hook_remove(ct_hook *h);
 
 /* ---- layers ------------------------------------------------------------ */
 /* Weights are initialised like PyTorch's defaults from (seed, fqn-free
- * stream) via ct_module_init_params; shapes follow PyTorch. */
+ * stream) via ct_module_init_params; shapes follow PyTorch.
+ * Linear, conv2d and embedding compute in bf16 when their weight has a bf16
+ * compute copy (ct_param.compute), and linear and conv2d also when their
+ * input is BF16: products run on oneDNN with f32 accumulation, the record
+ * keeps the input as bf16, and outputs, input gradients and parameter
+ * gradients stay F32 (the bias too).  Other layers take F32 only. */
 
-/* y[N,out] = x[N,in] W^T + b; weight [out,in], bias [out] (bias 0: none). */
+/* y[N,out] = x[N,in] W^T + b; x F32 or BF16; weight [out,in], bias [out] (bias 0: none). */
 ct_module *ct_linear_create(int64_t in, int64_t out, int bias);
 ct_module *ct_relu_create(void);
 /* tanh approximation off: exact erf GELU, as PyTorch's default. */
@@ -255,7 +260,7 @@ ct_module *ct_layernorm_create(int64_t dim, float eps);
 ct_module *ct_embedding_create(int64_t num, int64_t dim);
 /* Zeroes with probability p and scales by 1/(1-p) in training; identity otherwise. */
 ct_module *ct_dropout_create(float p);
-/* x[N,Cin,H,W] -> [N,Cout,Ho,Wo]; weight [Cout,Cin,k,k], bias [Cout]. */
+/* x[N,Cin,H,W] (F32 or BF16) -> [N,Cout,Ho,Wo]; weight [Cout,Cin,k,k], bias [Cout]. */
 ct_module *ct_conv2d_create(int64_t cin, int64_t cout, int k, int stride, int pad, int bias);
 /* Max over k x k windows with stride (0 = k). */
 ct_module *ct_maxpool2d_create(int k, int stride);

@@ -18,6 +18,7 @@
 
 #include <cblas.h>
 #include <errno.h>
+#include <omp.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -118,7 +119,13 @@ void ct_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha,
                 beta, c, ldc);
 }
 
-void ct_blas_set_threads(int n) { openblas_set_num_threads(n < 1 ? 1 : n); }
+void ct_blas_set_threads(int n)
+{
+    n = n < 1 ? 1 : n;
+    openblas_set_num_threads(n);
+    /* oneDNN's team (src/core/gemm.c applies it again on other calling threads). */
+    omp_set_num_threads(n);
+}
 int ct_blas_get_threads(void) { return openblas_get_num_threads(); }
 const char *ct_blas_corename(void) { return openblas_get_corename(); }
 const char *ct_blas_kernel_source(void)

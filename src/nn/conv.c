@@ -9,6 +9,12 @@
  * keeps BLAS efficient when Cout and P are small (LeNet-sized layers); the
  * chunk is bounded so col stays cache-sized whatever the batch.  col is
  * recomputed in backward rather than saved: it is k*k times the input.
+ *
+ * When the weight has a bf16 compute copy or the input is bf16 (see
+ * internal.h), the products run in bf16 with f32 accumulation: x is cast to
+ * bf16 once and that copy is what the record keeps, col is built in bf16,
+ * dy is cast per chunk; y, dW and dx stay f32 (dcol is f32 and col2im sums
+ * in f32), and the bias stays f32.
  */
 #include <limits.h>
 #include <string.h>
@@ -28,7 +34,7 @@ typedef struct {
     int k, stride;
 } pool_impl;
 
-static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
+#define nm ct__nn_name
 
 /* Range [lo, hi) of output positions o with 0 <= o*s - pad + off < n. */
 static void valid_range(int n, int s, int pad, int off, int no, int *lo, int *hi)
@@ -42,33 +48,59 @@ static void valid_range(int n, int s, int pad, int off, int no, int *lo, int *hi
     if (*hi < *lo) *hi = *lo;
 }
 
-/* One image x [C, H, W] into col rows (c, ki, kj), columns [0, Ho*Wo), row stride ld. */
-static void im2col(const float *restrict x, int C, int H, int W, int k, int s, int pad, int Ho,
-                   int Wo, float *restrict col, int64_t ld)
+/* One image x [C, H, W] into col rows (c, ki, kj), columns [0, Ho*Wo), row
+ * stride ld; the same code for f32 and bf16 elements. */
+#define DEFINE_IM2COL(name, T)                                                                  \
+    static void name(const T *restrict x, int C, int H, int W, int k, int s, int pad, int Ho,   \
+                     int Wo, T *restrict col, int64_t ld)                                       \
+    {                                                                                           \
+        for (int c = 0; c < C; c++)                                                             \
+            for (int ki = 0; ki < k; ki++)                                                      \
+                for (int kj = 0; kj < k; kj++) {                                                \
+                    T *dst = col + ((int64_t)(c * k + ki) * k + kj) * ld;                       \
+                    int wlo, whi;                                                               \
+                    valid_range(W, s, pad, kj, Wo, &wlo, &whi);                                 \
+                    for (int oh = 0; oh < Ho; oh++) {                                           \
+                        T *d = dst + (int64_t)oh * Wo;                                          \
+                        int ih = oh * s - pad + ki;                                             \
+                        if (ih < 0 || ih >= H) {                                                \
+                            memset(d, 0, (size_t)Wo * sizeof *d);                               \
+                            continue;                                                           \
+                        }                                                                       \
+                        /* x[base + ow*s] is in the row for ow in [wlo, whi); base may be < 0. */ \
+                        int64_t base = ((int64_t)c * H + ih) * W - pad + kj;                    \
+                        for (int ow = 0; ow < wlo; ow++) d[ow] = 0;                             \
+                        if (s == 1)                                                             \
+                            memcpy(d + wlo, x + base + wlo, (size_t)(whi - wlo) * sizeof *d);   \
+                        else                                                                    \
+                            for (int ow = wlo; ow < whi; ow++) d[ow] = x[base + (int64_t)ow * s]; \
+                        for (int ow = whi; ow < Wo; ow++) d[ow] = 0;                            \
+                    }                                                                           \
+                }                                                                               \
+    }
+DEFINE_IM2COL(im2col_f32, float)
+DEFINE_IM2COL(im2col_bf16, uint16_t)
+
+/* im2col of image n of x (f32 or bf16 elements) into column block col + off. */
+static void im2col(const ct_tensor *x, int64_t n, const conv_impl *c, int H, int W, int Ho,
+                   int Wo, void *col, int64_t off, int64_t ld)
 {
-    for (int c = 0; c < C; c++)
-        for (int ki = 0; ki < k; ki++)
-            for (int kj = 0; kj < k; kj++) {
-                float *dst = col + ((int64_t)(c * k + ki) * k + kj) * ld;
-                int wlo, whi;
-                valid_range(W, s, pad, kj, Wo, &wlo, &whi);
-                for (int oh = 0; oh < Ho; oh++) {
-                    float *d = dst + (int64_t)oh * Wo;
-                    int ih = oh * s - pad + ki;
-                    if (ih < 0 || ih >= H) {
-                        memset(d, 0, (size_t)Wo * sizeof *d);
-                        continue;
-                    }
-                    /* x[base + ow*s] is in the row for ow in [wlo, whi); base may be < 0. */
-                    int64_t base = ((int64_t)c * H + ih) * W - pad + kj;
-                    for (int ow = 0; ow < wlo; ow++) d[ow] = 0.0f;
-                    if (s == 1)
-                        memcpy(d + wlo, x + base + wlo, (size_t)(whi - wlo) * sizeof *d);
-                    else
-                        for (int ow = wlo; ow < whi; ow++) d[ow] = x[base + (int64_t)ow * s];
-                    for (int ow = whi; ow < Wo; ow++) d[ow] = 0.0f;
-                }
-            }
+    int64_t xs = (int64_t)c->cin * H * W;
+    if (x->dtype == CT_BF16)
+        im2col_bf16((const uint16_t *)ct_tensor_data(x) + n * xs, c->cin, H, W, c->k, c->stride,
+                    c->pad, Ho, Wo, (uint16_t *)col + off, ld);
+    else
+        im2col_f32(ct_f32(x) + n * xs, c->cin, H, W, c->k, c->stride, c->pad, Ho, Wo,
+                   (float *)col + off, ld);
+}
+
+/* C = op(A) op(B) + beta C, with A and B bf16 bits when bf16, else f32
+ * (on the engine measured faster for the shape: src/core/gemm.c). */
+static ct_status prod(int bf16, int ta, int tb, int m, int n, int k, const void *a, int lda,
+                      const void *b, int ldb, float beta, float *c, int ldc)
+{
+    if (bf16) return ct_gemm_bf16(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+    return ct_gemm_f32(CT_GEMM_AUTO, ta, tb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
 }
 
 /* The adjoint of im2col: adds col's entries back into dx [C, H, W]. */
@@ -107,8 +139,8 @@ static ct_status conv_check(const ct_module *m, const ct_tensor *in, conv_geom *
 {
     const conv_impl *c = m->impl;
     char sh[64];
-    if (in->dtype != CT_F32 || in->ndim != 4 || in->shape[1] != c->cin)
-        return ct_error(CT_EINVAL, "conv2d '%s': input %s %s must be F32 [N, %d, H, W]; check the "
+    if ((in->dtype != CT_F32 && in->dtype != CT_BF16) || in->ndim != 4 || in->shape[1] != c->cin)
+        return ct_error(CT_EINVAL, "conv2d '%s': input %s %s must be F32 or BF16 [N, %d, H, W]; check the "
                         "channel count of the previous layer", nm(m), ct_dtype_name(in->dtype),
                         ct_shape_str(in, sh, sizeof sh), c->cin);
     if (in->shape[2] + 2 * c->pad < c->k || in->shape[3] + 2 * c->pad < c->k)
@@ -135,7 +167,8 @@ static ct_status conv_check(const ct_module *m, const ct_tensor *in, conv_geom *
     return CT_OK;
 }
 
-/* x [N, Cin, H, W] -> y [N, Cout, Ho, Wo]; saves x by reference. */
+/* x [N, Cin, H, W] (F32 or BF16) -> y [N, Cout, Ho, Wo] F32; saves x (F32
+ * path) or its bf16 cast (bf16 path). */
 static ct_status conv_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
                               const ct_fwd_ctx *ctx)
 {
@@ -143,40 +176,48 @@ static ct_status conv_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     const conv_impl *c = m->impl;
     conv_geom g;
     CT_TRY(conv_check(m, in, &g));
-    if (rec && ct_record_save(rec, in) < 0) return CT_ENOMEM;
+    ct_param *Wp = m->params[0];
+    int bf16;
+    CT_TRY(ct__param_compute(m, Wp, &bf16));
+    bf16 |= in->dtype == CT_BF16;
     ct_tensor *y = ct_tensor_create4(g.N, c->cout, g.Ho, g.Wo, CT_MEM_ACT);
-    if (!y) return CT_ENOMEM;
-    if (g.N == 0) goto done;
-    int64_t ld = (int64_t)g.nb * g.P;
-    float *col = ct_alloc_zeroed((size_t)g.K * ld * sizeof(float), CT_MEM_ACT);
-    float *tmp = g.nb > 1 ? ct_alloc_zeroed((size_t)c->cout * ld * sizeof(float), CT_MEM_ACT) : NULL;
-    if (!col || (g.nb > 1 && !tmp)) {
-        ct_free(col);
-        ct_free(tmp);
+    ct_tensor *x = !y ? NULL : bf16 ? ct__tensor_bf16(in) : ct_tensor_retain(in);
+    if (!x) {
         ct_tensor_release(y);
         return CT_ENOMEM;
     }
-    const float *x = ct_f32(in), *w = ct_f32(m->params[0]->data);
+    ct_status st = CT_OK;
+    void *col = NULL;
+    float *tmp = NULL;
+    uint16_t *wtmp = NULL;
+    if (g.N == 0) goto done;
+    int64_t ld = (int64_t)g.nb * g.P;
+    col = ct_alloc((size_t)g.K * ld * (bf16 ? 2 : 4), CT_MEM_ACT);
+    tmp = g.nb > 1 ? ct_alloc((size_t)c->cout * ld * sizeof(float), CT_MEM_ACT) : NULL;
+    const void *w = ct_tensor_data(Wp->data);
+    const uint16_t *wh = NULL;
+    if (!col || (g.nb > 1 && !tmp)) st = CT_ENOMEM;
+    else if (bf16 && (st = ct__param_bf16(Wp, &wh, &wtmp)) == CT_OK) w = wh;
+    if (st != CT_OK) goto done;
     const float *b = c->bias ? ct_f32(m->params[1]->data) : NULL;
     float *yd = ct_f32(y);
-    int64_t xs = (int64_t)c->cin * g.H * g.W, ys = (int64_t)c->cout * g.P;
-    for (int n0 = 0; n0 < g.N; n0 += g.nb) {
+    int64_t ys = (int64_t)c->cout * g.P;
+    for (int n0 = 0; st == CT_OK && n0 < g.N; n0 += g.nb) {
         int nb = g.N - n0 < g.nb ? g.N - n0 : g.nb;
         for (int i = 0; i < nb; i++)
-            im2col(x + (n0 + i) * xs, c->cin, g.H, g.W, c->k, c->stride, c->pad, g.Ho, g.Wo,
-                   col + (int64_t)i * g.P, ld);
+            im2col(x, n0 + i, c, g.H, g.W, g.Ho, g.Wo, col, (int64_t)i * g.P, ld);
         if (g.nb == 1) {
             /* One image: the product lands in y directly, on top of the bias. */
             float *yn = yd + n0 * ys;
             if (b)
                 for (int o = 0; o < c->cout; o++)
                     for (int p = 0; p < g.P; p++) yn[(int64_t)o * g.P + p] = b[o];
-            ct_sgemm(0, 0, c->cout, g.P, g.K, 1.0f, w, g.K, col, (int)ld, b ? 1.0f : 0.0f, yn, g.P);
+            st = prod(bf16, 0, 0, c->cout, g.P, g.K, w, g.K, col, (int)ld, b ? 1.0f : 0.0f, yn, g.P);
             continue;
         }
-        ct_sgemm(0, 0, c->cout, nb * g.P, g.K, 1.0f, w, g.K, col, (int)ld, 0.0f, tmp, (int)ld);
+        st = prod(bf16, 0, 0, c->cout, nb * g.P, g.K, w, g.K, col, (int)ld, 0.0f, tmp, (int)ld);
         /* tmp is [Cout][image][P]; y wants [image][Cout][P]. */
-        for (int i = 0; i < nb; i++)
+        for (int i = 0; st == CT_OK && i < nb; i++)
             for (int o = 0; o < c->cout; o++) {
                 const float *t = tmp + (int64_t)o * ld + (int64_t)i * g.P;
                 float *yo = yd + (n0 + i) * ys + (int64_t)o * g.P;
@@ -184,13 +225,27 @@ static ct_status conv_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
                 for (int p = 0; p < g.P; p++) yo[p] = t[p] + bo;
             }
     }
+done:
     ct_free(col);
     ct_free(tmp);
-done:
+    ct_free(wtmp);
+    if (st != CT_OK) {
+        ct_tensor_release(x);
+        ct_tensor_release(y);
+        return st;
+    }
+    if (rec && ct_record_save(rec, x) < 0) st = CT_ENOMEM;
+    ct_tensor_release(x); /* the record holds its own reference */
+    if (st != CT_OK) {
+        ct_tensor_release(y);
+        return st;
+    }
     *out = y;
     return CT_OK;
 }
 
+/* dy [N, Cout, Ho, Wo] F32: dW += dy col^T, db += sums of dy, dx = col2im(W^T dy)
+ * (F32, only if din).  The bf16 path is taken when forward saved a bf16 x. */
 static ct_status conv_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     const conv_impl *c = m->impl;
@@ -204,24 +259,33 @@ static ct_status conv_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
                         g.Ho, g.Wo);
     }
     ct_param *Wp = m->params[0], *Bp = c->bias ? m->params[1] : NULL;
+    int bf16 = xt->dtype == CT_BF16;
+    if (bf16) CT_TRY(ct__param_compute(m, Wp, &(int){0}));
     float *gw = Wp->requires_grad && Wp->grad ? ct_f32(Wp->grad) : NULL;
     float *gb = Bp && Bp->requires_grad && Bp->grad ? ct_f32(Bp->grad) : NULL;
     ct_tensor *dx = NULL;
     if (din && !(dx = ct_tensor_create(CT_F32, 4, xt->shape, CT_MEM_ACT))) return CT_ENOMEM;
+    ct_status st = CT_OK;
+    void *col = NULL;
+    float *dyc = NULL, *dcol = NULL;
+    uint16_t *dyh = NULL, *wtmp = NULL;
     if (g.N == 0 || (!gw && !gb && !dx)) goto done;
 
     int64_t ld = (int64_t)g.nb * g.P;
-    float *col = ct_alloc_zeroed((size_t)g.K * ld * sizeof(float), CT_MEM_ACT);
-    float *dyc = g.nb > 1 ? ct_alloc_zeroed((size_t)c->cout * ld * sizeof(float), CT_MEM_ACT) : NULL;
-    if (!col || (g.nb > 1 && !dyc)) {
-        ct_free(col);
-        ct_free(dyc);
-        ct_tensor_release(dx);
-        return CT_ENOMEM;
-    }
-    const float *x = ct_f32(xt), *w = ct_f32(Wp->data), *dy = ct_f32(dout);
+    /* col holds im2col(x) for dW, in x's precision; dcol = W^T dy is f32 (in
+     * the f32 path it reuses col once dW is done). */
+    col = ct_alloc((size_t)g.K * ld * (bf16 ? 2 : 4), CT_MEM_ACT);
+    dyc = g.nb > 1 ? ct_alloc((size_t)c->cout * ld * sizeof(float), CT_MEM_ACT) : NULL;
+    dcol = bf16 && dx ? ct_alloc((size_t)g.K * ld * sizeof(float), CT_MEM_ACT) : col;
+    dyh = bf16 ? ct_alloc((size_t)c->cout * ld * sizeof *dyh, CT_MEM_ACT) : NULL;
+    const void *w = ct_tensor_data(Wp->data);
+    const uint16_t *wh = NULL;
+    if (!col || (g.nb > 1 && !dyc) || !dcol || (bf16 && !dyh)) st = CT_ENOMEM;
+    else if (bf16 && dx && (st = ct__param_bf16(Wp, &wh, &wtmp)) == CT_OK) w = wh;
+    if (st != CT_OK) goto done;
+    const float *dy = ct_f32(dout);
     int64_t xs = (int64_t)c->cin * g.H * g.W, ys = (int64_t)c->cout * g.P;
-    for (int n0 = 0; n0 < g.N; n0 += g.nb) {
+    for (int n0 = 0; st == CT_OK && n0 < g.N; n0 += g.nb) {
         int nb = g.N - n0 < g.nb ? g.N - n0 : g.nb;
         const float *d; /* this chunk's dy as [Cout][image][P], row stride ld */
         if (g.nb == 1) {
@@ -233,6 +297,12 @@ static ct_status conv_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
                            (size_t)g.P * sizeof(float));
             d = dyc;
         }
+        const void *dp = d; /* the products' dy operand */
+        if (bf16) {
+            for (int o = 0; o < c->cout; o++)
+                ct_f32_to_bf16_n(d + (int64_t)o * ld, dyh + (int64_t)o * ld, (size_t)nb * g.P);
+            dp = dyh;
+        }
         if (gb)
             for (int o = 0; o < c->cout; o++) {
                 const float *r = d + (int64_t)o * ld;
@@ -242,21 +312,26 @@ static ct_status conv_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
             }
         if (gw) {
             for (int i = 0; i < nb; i++)
-                im2col(x + (n0 + i) * xs, c->cin, g.H, g.W, c->k, c->stride, c->pad, g.Ho, g.Wo,
-                       col + (int64_t)i * g.P, ld);
-            ct_sgemm(0, 1, c->cout, g.K, nb * g.P, 1.0f, d, (int)ld, col, (int)ld, 1.0f, gw, g.K);
+                im2col(xt, n0 + i, c, g.H, g.W, g.Ho, g.Wo, col, (int64_t)i * g.P, ld);
+            st = prod(bf16, 0, 1, c->cout, g.K, nb * g.P, dp, (int)ld, col, (int)ld, 1.0f, gw, g.K);
         }
-        if (dx) {
-            /* col is free again: it takes dcol = W^T dy. */
-            ct_sgemm(1, 0, g.K, nb * g.P, c->cout, 1.0f, w, g.K, d, (int)ld, 0.0f, col, (int)ld);
-            for (int i = 0; i < nb; i++)
-                col2im(col + (int64_t)i * g.P, ld, c->cin, g.H, g.W, c->k, c->stride, c->pad, g.Ho,
+        if (st == CT_OK && dx) {
+            st = prod(bf16, 1, 0, g.K, nb * g.P, c->cout, w, g.K, dp, (int)ld, 0.0f, dcol, (int)ld);
+            for (int i = 0; st == CT_OK && i < nb; i++)
+                col2im(dcol + (int64_t)i * g.P, ld, c->cin, g.H, g.W, c->k, c->stride, c->pad, g.Ho,
                        g.Wo, ct_f32(dx) + (n0 + i) * xs);
         }
     }
+done:
+    if (dcol != col) ct_free(dcol);
     ct_free(col);
     ct_free(dyc);
-done:
+    ct_free(dyh);
+    ct_free(wtmp);
+    if (st != CT_OK) {
+        ct_tensor_release(dx);
+        return st;
+    }
     if (din) *din = dx;
     return CT_OK;
 }
@@ -291,7 +366,7 @@ ct_module *ct_conv2d_create(int64_t cin, int64_t cout, int k, int stride, int pa
                  (long long)cin, (long long)cout, k, stride, pad);
         return NULL;
     }
-    conv_impl *c = ct_alloc_zeroed(sizeof *c, CT_MEM_OTHER);
+    conv_impl *c = ct_alloc(sizeof *c, CT_MEM_OTHER);
     if (!c) return NULL;
     *c = (conv_impl){(int)cin, (int)cout, k, stride, pad, bias != 0};
     ct_module *m = ct_module_create(&conv_ops, c);
@@ -424,7 +499,7 @@ ct_module *ct_maxpool2d_create(int k, int stride)
                  stride);
         return NULL;
     }
-    pool_impl *p = ct_alloc_zeroed(sizeof *p, CT_MEM_OTHER);
+    pool_impl *p = ct_alloc(sizeof *p, CT_MEM_OTHER);
     if (!p) return NULL;
     *p = (pool_impl){k, stride ? stride : k};
     ct_module *m = ct_module_create(&pool_ops, p);

@@ -3,6 +3,10 @@
  * output [..., dim].  Backward scatter-adds into the weight gradient
  * (repeated indices accumulate); indices have no gradient, so *din is NULL
  * and an embedding can only be the first layer of a chain.
+ *
+ * With a bf16 compute copy of the weight (see internal.h) the rows are
+ * gathered from it and widened to the f32 output; the gradient is f32 and
+ * the same as without the copy.
  */
 #include <string.h>
 
@@ -12,7 +16,7 @@ typedef struct {
     int64_t num, dim;
 } emb_impl;
 
-static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
+#define nm ct__nn_name
 
 static inline int64_t index_at(const ct_tensor *t, int64_t i)
 {
@@ -41,13 +45,25 @@ static ct_status emb_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
     int64_t shape[CT_MAX_DIMS];
     for (int i = 0; i < in->ndim; i++) shape[i] = in->shape[i];
     shape[in->ndim] = E->dim;
-    if (rec && ct_record_save(rec, in) < 0) return CT_ENOMEM;
-    ct_tensor *y = ct_tensor_create(CT_F32, in->ndim + 1, shape, CT_MEM_ACT);
+    ct_param *W = m->params[0];
+    int bf16;
+    CT_TRY(ct__param_compute(m, W, &bf16));
+    ct_tensor *y = ct_tensor_empty(CT_F32, in->ndim + 1, shape, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
-    const float *w = ct_f32(m->params[0]->data);
     float *yd = ct_f32(y);
-    size_t row = (size_t)E->dim * sizeof(float);
-    for (int64_t i = 0; i < in->numel; i++) memcpy(yd + i * E->dim, w + index_at(in, i) * E->dim, row);
+    if (bf16) {
+        const uint16_t *w = ct_tensor_data(W->compute);
+        for (int64_t i = 0; i < in->numel; i++)
+            ct_bf16_to_f32_n(w + index_at(in, i) * E->dim, yd + i * E->dim, (size_t)E->dim);
+    } else {
+        const float *w = ct_f32(W->data);
+        size_t row = (size_t)E->dim * sizeof(float);
+        for (int64_t i = 0; i < in->numel; i++) memcpy(yd + i * E->dim, w + index_at(in, i) * E->dim, row);
+    }
+    if (rec && ct_record_save(rec, in) < 0) {
+        ct_tensor_release(y);
+        return CT_ENOMEM;
+    }
     *out = y;
     return CT_OK;
 }
@@ -101,7 +117,7 @@ ct_module *ct_embedding_create(int64_t num, int64_t dim)
                  (long long)num, (long long)dim);
         return NULL;
     }
-    emb_impl *E = ct_alloc_zeroed(sizeof *E, CT_MEM_OTHER);
+    emb_impl *E = ct_alloc(sizeof *E, CT_MEM_OTHER);
     if (!E) return NULL;
     *E = (emb_impl){num, dim};
     ct_module *m = ct_module_create(&emb_ops, E);

@@ -2,8 +2,20 @@
  * Linear layer: y[..., out] = x[..., in] W^T + b, W [out, in] as PyTorch
  * lays it out.  Any leading dims are flattened into rows, so the same layer
  * serves [N, in] batches and [B, T, in] sequences.  All three products are
- * single BLAS calls; the weight gradient is accumulated by the product
- * itself (beta = 1), so backward allocates nothing but the input gradient.
+ * single calls; the weight gradient is accumulated by the product itself
+ * (beta = 1), so backward allocates nothing but the input gradient.
+ *
+ * Two precisions, chosen by what the layer is given (internal.h):
+ * - f32: products through ct_gemm_f32's AUTO engine, which sends each shape
+ *   to OpenBLAS or oneDNN f32, whichever measured faster (src/core/gemm.c):
+ *   on this layer's forward and input-gradient shapes oneDNN was 1.1-1.3x
+ *   faster than OpenBLAS's AVX-512 kernel and 1.6-2x faster than its AVX2
+ *   kernel; the weight gradient stays on an AVX-512 OpenBLAS.
+ * - bf16, when the weight has a bf16 compute copy or the input is bf16: x is
+ *   cast to bf16 once and that copy is what the record keeps (half the
+ *   memory of f32 x); dy is cast in backward; the products run on oneDNN
+ *   with f32 accumulation.  y, dx and dW stay f32, and dW accumulates into
+ *   the f32 p->grad as in the f32 path.  The bias is f32 throughout.
  */
 #include <limits.h>
 
@@ -14,18 +26,20 @@ typedef struct {
     int bias;
 } linear_impl;
 
-static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
+#define nm ct__nn_name
 
-/* x [rows, in] -> y [rows, out]; saves x by reference. */
+/* x [rows, in] (F32 or BF16) -> y [rows, out] F32; saves x (F32 path) or
+ * its bf16 cast (bf16 path). */
 static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
                                 const ct_fwd_ctx *ctx)
 {
     (void)ctx;
     const linear_impl *L = m->impl;
     char sh[64];
-    if (in->dtype != CT_F32)
-        return ct_error(CT_EINVAL, "linear '%s': input is %s but the layer takes F32; convert it "
-                        "(or put an embedding first for indices)", nm(m), ct_dtype_name(in->dtype));
+    if (in->dtype != CT_F32 && in->dtype != CT_BF16)
+        return ct_error(CT_EINVAL, "linear '%s': input is %s but the layer takes F32 or BF16; "
+                        "convert it (or put an embedding first for indices)", nm(m),
+                        ct_dtype_name(in->dtype));
     if (in->ndim < 1 || in->shape[in->ndim - 1] != L->in)
         return ct_error(CT_EINVAL, "linear '%s': input %s has %lld features but the layer expects "
                         "%lld; check the previous layer's output size", nm(m),
@@ -35,15 +49,17 @@ static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct
     if (rows > INT_MAX)
         return ct_error(CT_EINVAL, "linear '%s': %lld rows exceed what BLAS can index; split the batch",
                         nm(m), (long long)rows);
+    ct_param *W = m->params[0];
+    int bf16;
+    CT_TRY(ct__param_compute(m, W, &bf16));
+    bf16 |= in->dtype == CT_BF16;
     int64_t shape[CT_MAX_DIMS];
     for (int i = 0; i < in->ndim; i++) shape[i] = in->shape[i];
     shape[in->ndim - 1] = L->out;
-    if (rec && ct_record_save(rec, in) < 0) return CT_ENOMEM;
-    ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, shape, CT_MEM_ACT);
+    ct_tensor *y = ct_tensor_empty(CT_F32, in->ndim, shape, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
 
     float *yd = ct_f32(y);
-    const float *w = ct_f32(m->params[0]->data);
     float beta = 0.0f;
     if (L->bias) {
         /* Rows start as the bias and the product adds onto them: one pass less than adding after. */
@@ -52,13 +68,39 @@ static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct
             for (int64_t j = 0; j < L->out; j++) yd[r * L->out + j] = b[j];
         beta = 1.0f;
     }
-    ct_sgemm(0, 1, (int)rows, (int)L->out, (int)L->in, 1.0f, ct_f32(in), (int)L->in, w, (int)L->in,
-             beta, yd, (int)L->out);
+    ct_status s;
+    ct_tensor *x = in;
+    if (bf16) {
+        const uint16_t *w = NULL;
+        uint16_t *wtmp = NULL;
+        x = ct__tensor_bf16(in);
+        s = x ? ct__param_bf16(W, &w, &wtmp) : CT_ENOMEM;
+        if (s == CT_OK)
+            s = ct_gemm_bf16(0, 1, (int)rows, (int)L->out, (int)L->in, 1.0f, ct_tensor_data(x),
+                             (int)L->in, w, (int)L->in, beta, yd, (int)L->out);
+        ct_free(wtmp);
+    } else {
+        x = ct_tensor_retain(in);
+        s = ct_gemm_f32(CT_GEMM_AUTO, 0, 1, (int)rows, (int)L->out, (int)L->in, 1.0f, ct_f32(in),
+                        (int)L->in, ct_f32(W->data), (int)L->in, beta, yd, (int)L->out);
+    }
+    if (s != CT_OK) {
+        ct_tensor_release(x);
+        ct_tensor_release(y);
+        return s;
+    }
+    if (rec && ct_record_save(rec, x) < 0) s = CT_ENOMEM;
+    ct_tensor_release(x); /* the record holds its own reference */
+    if (s != CT_OK) {
+        ct_tensor_release(y);
+        return s;
+    }
     *out = y;
     return CT_OK;
 }
 
-/* dy [rows, out]: dW += dy^T x, db += sum_rows dy, dx = dy W (only if din). */
+/* dy [rows, out] F32: dW += dy^T x, db += sum_rows dy, dx = dy W (F32, only
+ * if din).  The bf16 path is taken when forward saved a bf16 x. */
 static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     const linear_impl *L = m->impl;
@@ -72,11 +114,43 @@ static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
     }
     const float *dy = ct_f32(dout);
     ct_param *W = m->params[0];
-    /* A gradient marked zero is overwritten (beta 0): no clearing pass and
-     * no read of the old values. */
-    if (W->requires_grad && W->grad)
-        ct_sgemm(1, 0, (int)L->out, (int)L->in, (int)rows, 1.0f, dy, (int)L->out, ct_f32(x),
-                 (int)L->in, ct_param_grad_beta(W), ct_f32(W->grad), (int)L->in);
+    int want_dw = W->requires_grad && W->grad != NULL;
+    int bf16 = x->dtype == CT_BF16;
+    if (bf16) CT_TRY(ct__param_compute(m, W, &(int){0}));
+    ct_tensor *dx = NULL;
+    if (din && !(dx = ct_tensor_empty(CT_F32, x->ndim, x->shape, CT_MEM_ACT))) return CT_ENOMEM;
+    ct_status s = CT_OK;
+    if (bf16 && (want_dw || dx)) {
+        uint16_t *dyh = ct_alloc((size_t)dout->numel * sizeof *dyh, CT_MEM_ACT);
+        const uint16_t *w = NULL;
+        uint16_t *wtmp = NULL;
+        if (!dyh) s = CT_ENOMEM;
+        else ct_f32_to_bf16_n(dy, dyh, (size_t)dout->numel);
+        /* A gradient marked zero is overwritten (beta 0): no clearing pass and
+         * no read of the old values. */
+        if (s == CT_OK && want_dw)
+            s = ct_gemm_bf16(1, 0, (int)L->out, (int)L->in, (int)rows, 1.0f, dyh, (int)L->out,
+                             ct_tensor_data(x), (int)L->in, ct_param_grad_beta(W), ct_f32(W->grad),
+                             (int)L->in);
+        if (s == CT_OK && dx) s = ct__param_bf16(W, &w, &wtmp);
+        if (s == CT_OK && dx)
+            s = ct_gemm_bf16(0, 0, (int)rows, (int)L->in, (int)L->out, 1.0f, dyh, (int)L->out, w,
+                             (int)L->in, 0.0f, ct_f32(dx), (int)L->in);
+        ct_free(wtmp);
+        ct_free(dyh);
+    } else {
+        if (want_dw)
+            s = ct_gemm_f32(CT_GEMM_AUTO, 1, 0, (int)L->out, (int)L->in, (int)rows, 1.0f, dy,
+                            (int)L->out, ct_f32(x), (int)L->in, ct_param_grad_beta(W),
+                            ct_f32(W->grad), (int)L->in);
+        if (s == CT_OK && dx)
+            s = ct_gemm_f32(CT_GEMM_AUTO, 0, 0, (int)rows, (int)L->in, (int)L->out, 1.0f, dy,
+                            (int)L->out, ct_f32(W->data), (int)L->in, 0.0f, ct_f32(dx), (int)L->in);
+    }
+    if (s != CT_OK) {
+        ct_tensor_release(dx);
+        return s;
+    }
     if (L->bias) {
         ct_param *B = m->params[1];
         if (B->requires_grad && B->grad) {
@@ -86,13 +160,7 @@ static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
                 for (int64_t j = 0; j < L->out; j++) gb[j] += dy[r * L->out + j];
         }
     }
-    if (din) {
-        ct_tensor *dx = ct_tensor_create(CT_F32, x->ndim, x->shape, CT_MEM_ACT);
-        if (!dx) return CT_ENOMEM;
-        ct_sgemm(0, 0, (int)rows, (int)L->in, (int)L->out, 1.0f, dy, (int)L->out, ct_f32(W->data),
-                 (int)L->in, 0.0f, ct_f32(dx), (int)L->in);
-        *din = dx;
-    }
+    if (din) *din = dx;
     return CT_OK;
 }
 
@@ -129,7 +197,7 @@ ct_module *ct_linear_create(int64_t in, int64_t out, int bias)
                  (long long)in, (long long)out);
         return NULL;
     }
-    linear_impl *L = ct_alloc_zeroed(sizeof *L, CT_MEM_OTHER);
+    linear_impl *L = ct_alloc(sizeof *L, CT_MEM_OTHER);
     if (!L) return NULL;
     *L = (linear_impl){in, out, bias != 0};
     ct_module *m = ct_module_create(&linear_ops, L);
