@@ -426,6 +426,26 @@ TEST(cli_dropout_same_for_any_number_of_ranks)
     ct_safetensors_destroy(a);
 }
 
+/* --mixed bf16 (bf16 products on f32 master weights) over 2 DDP ranks
+ * reaches the f32 accuracy on the whole Fashion-MNIST test set: within 0.5
+ * points after 2 epochs. */
+TEST(cli_mixed_bf16_accuracy_matches_f32)
+{
+    static char out[OUT_MAX];
+    const char *args = "train --model mlp --epochs 2 --seed 3 --log-every 0 --threads 1";
+    int code = RUN(out, "%s", args);
+    if (code == 1 && strstr(out, "fashion-mnist")) SKIP("the Fashion-MNIST files are missing");
+    if (code) ct_test_fail(__FILE__, __LINE__, "f32 run failed:\n%s", out);
+    double f32 = number_after(out, "accuracy ");
+    code = run_np(2, out, "%s --mixed bf16", args);
+    if (code) ct_test_fail(__FILE__, __LINE__, "bf16 run failed:\n%s", out);
+    double bf16 = number_after(out, "accuracy ");
+    ASSERT(f32 > 84);
+    ASSERT_NEAR(bf16, f32, 0.5);
+    ASSERT_EQ(run_np(2, out, "train " SMALL " --steps 3 --mixed fp8"), 2);
+    ASSERT_STR_CONTAINS(out, "unknown --mixed 'fp8'; choose none or bf16");
+}
+
 /* World-size errors: every rank sees them, rank 0 says them once. */
 TEST(cli_ddp_usage_errors)
 {

@@ -170,6 +170,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "mpi_run: %d tests, %d failed, %d skipped, at %d ranks, %.2fs\n", nrun,
                 nfail, nskip, ct_group_size(w), now() - t0);
     ct_comm_finalize();
+    ct_gemm_cache_clear(); /* oneDNN's cached primitives are kept for the process, not leaked */
     size_t left = ctrain_bytes();
     if (nfail == 0 && left != bytes0) {
         fprintf(stderr, "mpi_run: rank %d: %zu bytes from ct_alloc still allocated after the "

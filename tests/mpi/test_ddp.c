@@ -539,3 +539,59 @@ TEST(ddp_dropout_equals_one_process)
     ct_module_destroy(dm);
     ct_module_destroy(rm);
 }
+
+/* Mixed precision: bf16 compute copies of the weights (f32 master, f32
+ * gradients).  DDP equals one process with the same casts; the copies are
+ * refreshed after every step; norm layers and biases stay f32. */
+TEST(ddp_mixed_bf16_equals_one_process_with_the_same_casts)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    int64_t n = 6 * world;
+    ct_module *dm = model(PLAIN, 4), *rm = model(PLAIN, 4), *fm = model(PLAIN, 4);
+    ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
+    ct_strategy *ds, *rs, *fs;
+    ASSERT_OK(ct_strategy_create("ddp", dm, &oo, g, "param_dtype=bf16", &ds));
+    ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, "param_dtype=bf16", &rs));
+    ASSERT_OK(ct_strategy_create("none", fm, &oo, NULL, NULL, &fs));
+    ct_param *w = ct_module_find(dm, "0.weight"), *b = ct_module_find(dm, "0.bias");
+    ASSERT(w->compute && w->compute->dtype == CT_BF16 && !b->compute);
+    ASSERT(!ct_module_find(fm, "0.weight")->compute);
+    { /* a norm layer keeps its parameters f32 */
+        ct_module *bm = model(WITH_BN, 4);
+        ct_strategy *bs;
+        ASSERT_OK(ct_strategy_create("ddp", bm, &oo, g, "param_dtype=bf16", &bs));
+        ASSERT(ct_module_find(bm, "0.weight")->compute && !ct_module_find(bm, "1.weight")->compute);
+        ct_strategy_destroy(bs);
+        ct_module_destroy(bm);
+    }
+    for (int step = 0; step < 3; step++) {
+        ct_step_out o;
+        step_on_slice(ds, step, n, rank, world, &o);
+        step_on_slice(rs, step, n, 0, 1, &o);
+        step_on_slice(fs, step, n, 0, 1, &o);
+        ASSERT_OK(ct_strategy_step(ds));
+        ASSERT_OK(ct_strategy_step(rs));
+        ASSERT_OK(ct_strategy_step(fs));
+        ct_strategy_zero_grad(ds);
+        ct_strategy_zero_grad(rs);
+        ct_strategy_zero_grad(fs);
+        /* the copy is the master weight rounded to bf16, after every step */
+        for (int64_t j = 0; j < w->data->numel; j++)
+            ASSERT_EQ(((uint16_t *)ct_tensor_data(w->compute))[j], ct_f32_to_bf16(ct_f32(w->data)[j]));
+    }
+    /* With the same casts only the reduction order differs; against f32 the
+     * bf16 products move the weights by far more. */
+    assert_params_close(dm, rm, 2e-4);
+    double dmix = 0;
+    ct_param *a = ct_module_find(rm, "2.weight"), *f = ct_module_find(fm, "2.weight");
+    for (int64_t j = 0; j < a->data->numel; j++) dmix += fabs(ct_f32(a->data)[j] - ct_f32(f->data)[j]);
+    ASSERT(dmix > 0);
+    ct_strategy_destroy(ds);
+    ASSERT(!w->compute); /* unwrapping drops the copies */
+    ct_strategy_destroy(rs);
+    ct_strategy_destroy(fs);
+    ct_module_destroy(dm);
+    ct_module_destroy(rm);
+    ct_module_destroy(fm);
+}
