@@ -28,14 +28,15 @@
  * Point-to-point works are never held back and complete as soon as MPI
  * says so.
  *
- * Polled works: a start function may hand back no MPI request and set
- * w->poll instead (the shared-memory allreduce, shm.c, which waits for its
- * peers on atomics in shared memory).  The thread then calls w->poll every
- * round, alongside MPI_Testsome and with the same naps, until it says done
- * or hands over an MPI request.  While such a collective has not yet made
- * its MPI call (or finished), later collectives of its group are held back
- * like those over max_running: every rank then makes the group's MPI calls
- * in the same order, which MPI requires.
+ * Operations: each is a struct of its own that starts with a ct_work and
+ * comes with a vtable (internal.h).  The engine calls start, then, while
+ * the operation waits on an MPI request, MPI_Testsome (and progress when
+ * the request completes); while it waits on no request (shared memory: its
+ * peers' atomics), progress every round, with the same naps.  The engine
+ * knows nothing of what an operation does.  An operation with CT__OP_GATE
+ * holds its group from its start until it clears w->gate or finishes: later
+ * collectives of the group wait behind it, like those over max_running, so
+ * every rank makes the group's MPI calls and barriers in the same order.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -69,7 +70,8 @@ static _Atomic int poll_us = -1, poll_max_us = 500;
 /* Collectives of one group running in MPI at once (0: no limit). */
 static _Atomic int max_running = -1;
 
-/* Works being polled (w->poll), in start order; touched only by the comm thread. */
+/* Works waiting on no MPI request (progress every round), in start order;
+ * touched only by the comm thread. */
 static struct {
     ct_work *head, *tail;
 } P;
@@ -92,38 +94,51 @@ int ct__on_comm_thread(void) { return is_comm_thread; }
 
 /* ---- work handles ------------------------------------------------------ */
 
-ct_work *ct__work_new(ct_group *g, const char *name, ct__start_fn start, ct__finish_fn finish,
-                      int ordered)
+void *ct__work_new(ct_group *g, const ct__op_vt *vt, size_t size)
 {
-    ct_work *w = ct_alloc(sizeof *w, CT_MEM_OTHER);
+    CT_ASSERT(size >= sizeof(ct_work));
+    ct_work *w = ct_alloc(size, CT_MEM_OTHER);
     if (!w) return NULL;
+    memset(w, 0, size);
+    w->vt = vt;
     w->g = g;
-    w->name = name;
-    w->start = start;
-    w->finish = finish;
-    w->ordered = ordered;
-    w->state = CT__QUEUED;
+    w->req = MPI_REQUEST_NULL;
+    w->state = CT__W_QUEUED;
     return w;
 }
 
 void ct__work_destroy(ct_work *w)
 {
-    ct_free(w->counts);
-    ct_free(w->displs);
+    if (!w) return;
+    if (w->vt->destroy) w->vt->destroy(w);
     ct_free(w);
+}
+
+int ct__op_fail(ct_work *w, ct_status s)
+{
+    w->status = s;
+    snprintf(w->msg, sizeof w->msg, "%s", ct_last_error());
+    return CT__DONE;
+}
+
+int ct__op_mpi(ct_work *w, int rc, const char *what)
+{
+    if (rc == MPI_SUCCESS) return CT__WAIT;
+    w->req = MPI_REQUEST_NULL;
+    return ct__op_fail(w, ct__mpi_fail(rc, what));
 }
 
 ct_status ct_work_wait(ct_work *w)
 {
     CT_ASSERT(w);
     lock();
-    if (w->state != CT__DONE && ct__on_comm_thread()) {
+    if (w->state != CT__W_DONE && ct__on_comm_thread()) {
         unlock();
         return ct_error(CT_ESTATE, "ct_work_wait called from a completion callback, which would "
                                    "deadlock; wait from the thread that started the work");
     }
     E.waiters++;
-    while (w->state != CT__DONE) pthread_cond_wait(&E.done, &E.mu);
+    while (w->state != CT__W_DONE) pthread_cond_wait(&E.done, &E.mu);
     E.waiters--;
     ct_status s = w->status;
     unlock();
@@ -151,7 +166,7 @@ int ct_work_test(const ct_work *w)
 {
     CT_ASSERT(w);
     lock();
-    int done = w->state == CT__DONE;
+    int done = w->state == CT__W_DONE;
     unlock();
     return done;
 }
@@ -165,17 +180,17 @@ ct_status ct_work_on_complete(ct_work *w, ct_work_fn fn, void *arg)
         return ct_error(CT_ESTATE, "this work already has a completion callback; chain your "
                                    "calls inside one callback");
     }
-    if (w->state < CT__CALLING) {
+    if (w->state < CT__W_CALLING) {
         w->cb = fn;
         w->cb_arg = arg;
         unlock();
         return CT_OK;
     }
-    if (w->state == CT__CALLING && ct__on_comm_thread()) {
+    if (w->state == CT__W_CALLING && ct__on_comm_thread()) {
         unlock();
         return ct_error(CT_ESTATE, "cannot add a callback to a work from inside its own callback");
     }
-    while (w->state != CT__DONE) pthread_cond_wait(&E.done, &E.mu);
+    while (w->state != CT__W_DONE) pthread_cond_wait(&E.done, &E.mu);
     w->cb = fn;
     unlock();
     fn(w, w->status, arg);
@@ -186,7 +201,7 @@ void ct_work_destroy(ct_work *w)
 {
     if (!w) return;
     lock();
-    if (w->state != CT__DONE) {
+    if (w->state != CT__W_DONE) {
         w->detached = 1; /* the engine frees it when it completes */
         unlock();
         return;
@@ -197,17 +212,12 @@ void ct_work_destroy(ct_work *w)
 
 /* ---- submission -------------------------------------------------------- */
 
-ct_status ct__submit(ct_work *w, ct_work **out)
+/* Hands w to the comm thread; on failure w stays the caller's. */
+static ct_status enqueue(ct_work *w)
 {
-    if (!out && ct__on_comm_thread()) {
-        ct__work_destroy(w);
-        return ct_error(CT_ESTATE, "blocking comm call from a completion callback would deadlock; "
-                                   "pass a ct_work ** and do not wait inside callbacks");
-    }
     lock();
     if (!E.running || E.stop) {
         unlock();
-        ct__work_destroy(w);
         return ct_error(CT_ESTATE, "comm is not initialised; call ct_comm_init first");
     }
     if (E.qtail) E.qtail->next = w;
@@ -217,13 +227,32 @@ ct_status ct__submit(ct_work *w, ct_work **out)
     E.pending++;
     pthread_cond_signal(&E.wake);
     unlock();
-    if (out) {
-        *out = w;
-        return CT_OK;
+    return CT_OK;
+}
+
+ct_status ct__submit(ct_work *w, ct_work **out)
+{
+    if (!out) {
+        ct_status s = ct__submit_wait(w);
+        ct__work_destroy(w);
+        return s;
     }
-    ct_status s = ct_work_wait(w);
-    ct__work_destroy(w);
-    return s;
+    ct_status s = enqueue(w);
+    if (s != CT_OK) {
+        ct__work_destroy(w);
+        return s;
+    }
+    *out = w;
+    return CT_OK;
+}
+
+ct_status ct__submit_wait(ct_work *w)
+{
+    if (ct__on_comm_thread())
+        return ct_error(CT_ESTATE, "blocking comm call from a completion callback would deadlock; "
+                                   "pass a ct_work ** and do not wait inside callbacks");
+    CT_TRY(enqueue(w));
+    return ct_work_wait(w);
 }
 
 void ct__group_quiesce(ct_group *g)
@@ -268,11 +297,11 @@ static void complete(ct_work *w)
 {
     lock();
     ct_work_fn cb = w->cb;
-    w->state = CT__CALLING;
+    w->state = CT__W_CALLING;
     unlock();
     if (cb) cb(w, w->status, w->cb_arg);
     lock();
-    w->state = CT__DONE;
+    w->state = CT__W_DONE;
     w->g->pending--;
     E.pending--;
     int detached = w->detached;
@@ -281,11 +310,7 @@ static void complete(ct_work *w)
     if (detached) ct__work_destroy(w);
 }
 
-static void set_failed(ct_work *w, ct_status s)
-{
-    w->status = s;
-    snprintf(w->msg, sizeof w->msg, "%s", ct_last_error());
-}
+static int ordered(const ct_work *w) { return (w->vt->flags & CT__OP_ORDERED) != 0; }
 
 /* Completes the group's collectives that are finished and have no
  * unfinished collective started before them. */
@@ -301,8 +326,8 @@ static void drain_ordered(ct_group *g)
 
 static void launch(ct_work *w);
 
-/* Starts the group's held-back collectives while it has room and no polled
- * collective is still agreeing with its peers. */
+/* Starts the group's held-back collectives while it has room and no
+ * collective holds it. */
 static void start_deferred(ct_group *g)
 {
     int cap = atomic_load(&max_running);
@@ -314,17 +339,17 @@ static void start_deferred(ct_group *g)
     }
 }
 
-/* MPI is done with w (s: how it went): post-process, let the group's next
+/* w has finished (w->status says how): post-process, let the group's next
  * collective start, then complete in order. */
-static void mpi_finished(ct_work *w, ct_status s)
+static void finished(ct_work *w)
 {
-    if (s == CT_OK && w->finish) {
+    if (w->status == CT_OK && w->vt->finish) {
         ct_clear_error();
-        s = w->finish(w);
+        ct_status s = w->vt->finish(w);
+        if (s != CT_OK) ct__op_fail(w, s);
     }
-    if (s != CT_OK) set_failed(w, s);
     w->mpi_done = 1;
-    if (!w->ordered) {
+    if (!ordered(w)) {
         complete(w);
         return;
     }
@@ -355,53 +380,68 @@ static int reserve_inflight(void)
     return 0;
 }
 
-/* Starts w in MPI now. */
+/* Files w after start or progress reported r: finished, waiting on its
+ * request, or polled.  Releases the group if w let go of it. */
+static void after_step(ct_work *w, int r)
+{
+    ct_group *g = w->g;
+    int release = g->gate == w && (r == CT__DONE || !w->gate);
+    if (release) {
+        g->gate = NULL;
+        w->gate = 0;
+    }
+    if (r == CT__DONE) {
+        CT_ASSERT(w->req == MPI_REQUEST_NULL);
+        finished(w);
+        return;
+    }
+    if (w->req != MPI_REQUEST_NULL) {
+        CT_ASSERT(F.n < F.cap); /* reserved before start / progress */
+        F.work[F.n] = w;
+        F.req[F.n] = w->req;
+        F.n++;
+    } else {
+        w->poll_next = NULL;
+        if (P.tail) P.tail->poll_next = w;
+        else P.head = w;
+        P.tail = w;
+    }
+    if (release) start_deferred(g);
+}
+
+/* Starts w now. */
 static void launch(ct_work *w)
 {
-    if (w->ordered) {
-        ct_group *g = w->g;
+    ct_group *g = w->g;
+    if (ordered(w)) {
         g->running++;
         if (g->ord_tail) g->ord_tail->ord_next = w;
         else g->ord_head = w;
         g->ord_tail = w;
     }
-    ct_clear_error();
-    if (reserve_inflight()) {
-        mpi_finished(w, CT_ENOMEM);
-        return;
-    }
-    MPI_Request req = MPI_REQUEST_NULL;
-    ct_status s = w->start(w, &req);
-    if (s == CT_OK && req == MPI_REQUEST_NULL && w->poll) {
-        lock();
-        w->state = CT__INFLIGHT;
-        unlock();
-        if (w->ordered) w->g->gate = w;
-        w->poll_next = NULL;
-        if (P.tail) P.tail->poll_next = w;
-        else P.head = w;
-        P.tail = w;
-        return;
-    }
-    if (s != CT_OK || req == MPI_REQUEST_NULL) {
-        mpi_finished(w, s);
-        return;
+    if (w->vt->flags & CT__OP_GATE) {
+        w->gate = 1;
+        g->gate = w;
     }
     lock();
-    w->state = CT__INFLIGHT;
+    w->state = CT__W_INFLIGHT;
     unlock();
-    F.work[F.n] = w;
-    F.req[F.n] = req;
-    F.n++;
+    ct_clear_error();
+    if (reserve_inflight()) {
+        after_step(w, ct__op_fail(w, ct_error(CT_ENOMEM, "out of memory for the comm thread's "
+                                                         "request list")));
+        return;
+    }
+    after_step(w, w->vt->start(w));
 }
 
-/* Starts w, or, if its group already has max_running collectives in MPI,
- * queues it behind them: started in order as earlier ones finish. */
+/* Starts w, or, if its group already has max_running collectives running
+ * or is held, queues it behind them: started in order later. */
 static void start_one(ct_work *w)
 {
     ct_group *g = w->g;
     int cap = atomic_load(&max_running);
-    if (w->ordered && (g->gate || g->defer_head || (cap > 0 && g->running >= cap))) {
+    if (ordered(w) && (g->gate || g->defer_head || (cap > 0 && g->running >= cap))) {
         w->next = NULL;
         if (g->defer_tail) g->defer_tail->next = w;
         else g->defer_head = w;
@@ -427,23 +467,19 @@ static int poll_inflight(void)
         F.n = 0;
         for (int i = 0; i < n; i++) {
             ct_error(s, "%s", msg); /* each gets the same message */
-            mpi_finished(all[i], s);
+            all[i]->req = MPI_REQUEST_NULL;
+            after_step(all[i], ct__op_fail(all[i], s));
         }
         return n;
     }
     if (nout == MPI_UNDEFINED || nout == 0) return 0;
     ct_work *fin[nout];
-    ct_status fs[nout];
     for (int i = 0; i < nout; i++) {
         int j = F.idx[i];
         fin[i] = F.work[j];
+        fin[i]->req = MPI_REQUEST_NULL;
         fin[i]->mpi_status = F.st[i];
-        fs[i] = CT_OK;
-        if (rc == MPI_ERR_IN_STATUS && F.st[i].MPI_ERROR != MPI_SUCCESS) {
-            ct_clear_error();
-            fs[i] = ct__mpi_fail(F.st[i].MPI_ERROR, fin[i]->name);
-            set_failed(fin[i], fs[i]);
-        }
+        if (rc != MPI_ERR_IN_STATUS) fin[i]->mpi_status.MPI_ERROR = MPI_SUCCESS;
         F.work[j] = NULL;
     }
     int k = 0; /* compact, keeping start order */
@@ -455,13 +491,24 @@ static int poll_inflight(void)
         }
     F.n = k;
     for (int i = 0; i < nout; i++) {
-        if (fs[i] != CT_OK) ct_error(fs[i], "%s", fin[i]->msg);
-        mpi_finished(fin[i], fs[i]);
+        ct_work *w = fin[i];
+        ct_clear_error();
+        int r;
+        if (w->mpi_status.MPI_ERROR != MPI_SUCCESS)
+            r = ct__op_fail(w, ct__mpi_fail(w->mpi_status.MPI_ERROR, w->vt->name));
+        else if (!w->vt->progress)
+            r = CT__DONE;
+        else if (reserve_inflight())
+            r = ct__op_fail(w, ct_error(CT_ENOMEM, "out of memory for the comm thread's "
+                                                   "request list"));
+        else
+            r = w->vt->progress(w);
+        after_step(w, r);
     }
     return nout;
 }
 
-/* Polls every polled work once; returns how many advanced. */
+/* Advances every polled work once; returns how many moved. */
 static int poll_polled(void)
 {
     ct_work *list = P.head;
@@ -471,31 +518,12 @@ static int poll_polled(void)
         ct_work *w = list;
         list = w->poll_next;
         w->poll_next = NULL;
-        MPI_Request req = MPI_REQUEST_NULL;
-        ct_status s = CT_OK;
-        int r = CT__POLL_WAIT;
+        int r = CT__WAIT;
         ct_clear_error();
         /* Room for the request it may hand over; without it, try next round. */
-        if (reserve_inflight() == 0) r = w->poll(w, &req, &s);
-        if (r != CT__POLL_DONE) {
-            moved += r == CT__POLL_MOVED;
-            if (P.tail) P.tail->poll_next = w;
-            else P.head = w;
-            P.tail = w;
-            continue;
-        }
-        moved++;
-        w->poll = NULL;
-        ct_group *g = w->g;
-        if (g->gate == w) g->gate = NULL;
-        if (s == CT_OK && req != MPI_REQUEST_NULL) {
-            F.work[F.n] = w;
-            F.req[F.n] = req;
-            F.n++;
-            if (w->ordered) start_deferred(g);
-        } else {
-            mpi_finished(w, s);
-        }
+        if (reserve_inflight() == 0) r = w->vt->progress(w);
+        moved += r != CT__WAIT;
+        after_step(w, r);
     }
     return moved;
 }

@@ -9,6 +9,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -192,21 +193,31 @@ int ct_group_local_size(const ct_group *g)
     return g->local_size;
 }
 
-static ct_status split_start(ct_work *w, MPI_Request *req)
+/* Split: MPI has no nonblocking MPI_Comm_split, so start makes the call. */
+typedef struct {
+    ct_work w;
+    int color, key;
+    ct_group *ng; /* filled in; its comm stays MPI_COMM_NULL if this rank joins none */
+} split_op;
+
+static int split_start(ct_work *w)
 {
-    (void)req; /* MPI has no nonblocking split: done here, on the comm thread */
-    ct_group *ng = w->arg;
+    split_op *o = (split_op *)w;
     MPI_Comm nc = MPI_COMM_NULL;
-    int rc = MPI_Comm_split(w->g->comm, w->color < 0 ? MPI_UNDEFINED : w->color, w->key, &nc);
-    if (rc != MPI_SUCCESS) return ct__mpi_fail(rc, "MPI_Comm_split");
-    if (nc == MPI_COMM_NULL) return CT_OK;
-    ct_status s = ct__group_setup(ng, nc);
+    int rc = MPI_Comm_split(w->g->comm, o->color < 0 ? MPI_UNDEFINED : o->color, o->key, &nc);
+    if (rc != MPI_SUCCESS) return ct__op_fail(w, ct__mpi_fail(rc, "MPI_Comm_split"));
+    if (nc == MPI_COMM_NULL) return CT__DONE;
+    ct_status s = ct__group_setup(o->ng, nc);
     if (s != CT_OK) {
         MPI_Comm_free(&nc);
-        ng->comm = MPI_COMM_NULL;
+        o->ng->comm = MPI_COMM_NULL;
+        return ct__op_fail(w, s);
     }
-    return s;
+    return CT__DONE;
 }
+
+static const ct__op_vt split_vt = {.name = "split", .flags = CT__OP_ORDERED | CT__OP_GATE,
+                                   .start = split_start};
 
 ct_status ct_group_split(ct_group *g, int color, int key, ct_group **out)
 {
@@ -215,16 +226,18 @@ ct_status ct_group_split(ct_group *g, int color, int key, ct_group **out)
     *out = NULL;
     ct_group *ng = ct_alloc(sizeof *ng, CT_MEM_OTHER);
     if (!ng) return CT_ENOMEM;
+    memset(ng, 0, sizeof *ng);
     ng->comm = MPI_COMM_NULL;
-    ct_work *w = ct__work_new(g, "MPI_Comm_split", split_start, NULL, 1);
-    if (!w) {
+    split_op *o = ct__work_new(g, &split_vt, sizeof *o);
+    if (!o) {
         ct_free(ng);
         return CT_ENOMEM;
     }
-    w->color = color;
-    w->key = key;
-    w->arg = ng;
-    ct_status s = ct__submit(w, NULL);
+    o->color = color;
+    o->key = key;
+    o->ng = ng;
+    ct_status s = ct__submit_wait(&o->w);
+    ct__work_destroy(&o->w);
     if (s != CT_OK || ng->comm == MPI_COMM_NULL) {
         ct_free(ng);
         return s;
@@ -234,16 +247,18 @@ ct_status ct_group_split(ct_group *g, int color, int key, ct_group **out)
     return CT_OK;
 }
 
-static ct_status barrier_start(ct_work *w, MPI_Request *req)
+static int barrier_start(ct_work *w)
 {
-    int rc = MPI_Ibarrier(w->g->comm, req);
-    return rc == MPI_SUCCESS ? CT_OK : ct__mpi_fail(rc, "MPI_Ibarrier");
+    return ct__op_mpi(w, MPI_Ibarrier(w->g->comm, &w->req), "MPI_Ibarrier");
 }
+
+static const ct__op_vt barrier_vt = {.name = "barrier", .flags = CT__OP_ORDERED,
+                                     .start = barrier_start};
 
 ct_status ct_group_barrier(ct_group *g)
 {
     if (!g) return ct_error(CT_EINVAL, "ct_group_barrier: group is NULL");
-    ct_work *w = ct__work_new(g, "MPI_Ibarrier", barrier_start, NULL, 1);
+    ct_work *w = ct__work_new(g, &barrier_vt, sizeof *w);
     if (!w) return CT_ENOMEM;
     return ct__submit(w, NULL);
 }
@@ -271,18 +286,19 @@ ct_status ct_group_check(ct_group *g, ct_status local)
                     m.world_rank, m.msg);
 }
 
-static ct_status free_start(ct_work *w, MPI_Request *req)
+static int free_start(ct_work *w)
 {
-    (void)req;
     int rc = MPI_Comm_free(&w->g->comm);
-    return rc == MPI_SUCCESS ? CT_OK : ct__mpi_fail(rc, "MPI_Comm_free");
+    return rc == MPI_SUCCESS ? CT__DONE : ct__op_fail(w, ct__mpi_fail(rc, "MPI_Comm_free"));
 }
+
+static const ct__op_vt free_vt = {.name = "MPI_Comm_free", .start = free_start};
 
 static void free_group(ct_group *g)
 {
     ct__group_quiesce(g);
     ct__shm_release(g);
-    ct_work *w = ct__work_new(g, "MPI_Comm_free", free_start, NULL, 0);
+    ct_work *w = ct__work_new(g, &free_vt, sizeof *w);
     if (!w || ct__submit(w, NULL) != CT_OK)
         ct_log(CT_LOG_WARN, "freeing a group: %s", ct_last_error());
     ct_free(g);
