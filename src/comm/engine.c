@@ -2,10 +2,8 @@
  * The engine: one communication thread per process, its FIFO of submitted
  * works, and the work handles callers hold.
  *
- * The comm thread initialises MPI and is the only thread that calls it (so
- * any MPI thread level from MPI_THREAD_FUNNELED up is enough).  It takes
- * works off the queue in submission order and starts them (nonblocking
- * MPI_I* calls, or a short blocking call such as MPI_Comm_split); then,
+ * The comm thread initialises MPI and makes every nonblocking MPI call.  It
+ * takes works off the queue in submission order and starts them; then,
  * while requests are in flight, it calls MPI_Testsome, which is also what
  * drives Open MPI's progress, and naps between calls that made no progress:
  * 20 us at first, doubling while nothing moves up to 500 us.  It never spins
@@ -14,6 +12,25 @@
  * the thread polls with sched_yield for up to 200 us after each progress,
  * which takes a small allreduce on 2 ranks from ~100 us to ~40 us.  Waiters
  * sleep on another condition variable.
+ *
+ * Many groups, no deadlock.  Some group calls can only be blocking MPI
+ * calls (MPI_Comm_split, MPI_Win_allocate_shared, MPI_Win_free: MPI has no
+ * nonblocking form).  Made on the comm thread, such a call would stop it
+ * from driving anything else until the peers make the same call, and a
+ * peer may first be waiting for this rank's share of a shared-memory
+ * collective on another group, which only the comm thread does: rank 0
+ * starts a shared-memory allreduce on the world and splits another group,
+ * rank 1 waits for the allreduce before it splits, and both wait forever.
+ * (MPI's own nonblocking collectives do progress inside a blocking call,
+ * which is why the MPI path alone never hung.)  So operations marked
+ * CT__OP_BLOCKING make their blocking call on a second thread, the
+ * blocking-call thread, and the comm thread goes on driving every other
+ * operation, shared-memory or MPI, of every group, meanwhile.  The blocking
+ * operation holds its own group (later collectives of that group wait, as
+ * MPI's ordering requires) and completes through the comm thread like any
+ * other.  Two threads calling MPI at once needs MPI_THREAD_MULTIPLE; below
+ * it blocking calls run on the comm thread and shared allocations fall back
+ * to ordinary memory (shm.c), so the stall cannot arise.
  *
  * Collectives of one group run in MPI at most max_running at a time (2 by
  * default); the rest wait in the group's queue and start in order as
@@ -70,6 +87,18 @@ static _Atomic int poll_us = -1, poll_max_us = 500;
 /* Collectives of one group running in MPI at once (0: no limit). */
 static _Atomic int max_running = -1;
 
+/* The blocking-call thread: operations with CT__OP_BLOCKING run their start
+ * here, so that the comm thread keeps driving everything else meanwhile.
+ * Guarded by E.mu. */
+static struct {
+    pthread_t th;
+    pthread_cond_t cv;     /* a job was queued, or stop */
+    int on, stop;
+    ct_work *head, *tail;  /* queued (linked by next) */
+    ct_work *done;         /* finished, for the comm thread to file (linked by next) */
+    int busy;              /* handed over, not yet filed by the comm thread */
+} R = {.cv = PTHREAD_COND_INITIALIZER};
+
 /* Works waiting on no MPI request (progress every round), in start order;
  * touched only by the comm thread. */
 static struct {
@@ -91,6 +120,14 @@ static void unlock(void) { pthread_mutex_unlock(&E.mu); }
 static _Thread_local int is_comm_thread;
 
 int ct__on_comm_thread(void) { return is_comm_thread; }
+
+int ct__engine_concurrent(void)
+{
+    lock();
+    int on = R.on;
+    unlock();
+    return on;
+}
 
 /* ---- work handles ------------------------------------------------------ */
 
@@ -419,12 +456,22 @@ static void launch(ct_work *w)
         else g->ord_head = w;
         g->ord_tail = w;
     }
-    if (w->vt->flags & CT__OP_GATE) {
+    if (w->vt->flags & (CT__OP_GATE | CT__OP_BLOCKING)) {
         w->gate = 1;
         g->gate = w;
     }
     lock();
     w->state = CT__W_INFLIGHT;
+    if ((w->vt->flags & CT__OP_BLOCKING) && R.on) {
+        w->next = NULL;
+        if (R.tail) R.tail->next = w;
+        else R.head = w;
+        R.tail = w;
+        R.busy++;
+        pthread_cond_signal(&R.cv);
+        unlock();
+        return;
+    }
     unlock();
     ct_clear_error();
     if (reserve_inflight()) {
@@ -528,6 +575,50 @@ static int poll_polled(void)
     return moved;
 }
 
+/* The blocking-call thread: runs start of each job (which may block in a
+ * collective MPI call until the peers make it too), then hands the job back
+ * to the comm thread. */
+static void *runner_main(void *unused)
+{
+    (void)unused;
+    lock();
+    for (;;) {
+        while (!R.head && !R.stop) pthread_cond_wait(&R.cv, &E.mu);
+        if (!R.head) break;
+        ct_work *w = R.head;
+        R.head = w->next;
+        if (!R.head) R.tail = NULL;
+        unlock();
+        ct_clear_error();
+        int r = w->vt->start(w);
+        CT_ASSERT(r == CT__DONE && "a CT__OP_BLOCKING start must finish the operation");
+        lock();
+        w->next = R.done;
+        R.done = w;
+        pthread_cond_signal(&E.wake);
+    }
+    unlock();
+    return NULL;
+}
+
+/* Files the jobs the blocking-call thread finished (list taken under E.mu). */
+static int file_blocking(ct_work *done)
+{
+    int n = 0;
+    while (done) {
+        ct_work *w = done;
+        done = w->next;
+        n++;
+        after_step(w, CT__DONE);
+    }
+    if (n) {
+        lock();
+        R.busy -= n;
+        unlock();
+    }
+    return n;
+}
+
 /* Sleeps between polls that found nothing to do.  The first naps after any
  * progress are short (poll_us), so the rounds of a collective follow each
  * other quickly; while nothing moves (a peer is still computing) the nap
@@ -565,13 +656,16 @@ static void comm_loop(void)
     double last_move = 0; /* when the last one did */
     lock();
     for (;;) {
-        while (!E.qhead && F.n == 0 && !P.head && !E.stop) pthread_cond_wait(&E.wake, &E.mu);
-        if (!E.qhead && F.n == 0 && !P.head && E.stop) break;
-        ct_work *batch = E.qhead;
+        while (!E.qhead && F.n == 0 && !P.head && !R.done && !E.stop)
+            pthread_cond_wait(&E.wake, &E.mu);
+        if (!E.qhead && F.n == 0 && !P.head && !R.done && !R.busy && E.stop) break;
+        ct_work *batch = E.qhead, *done = R.done;
         E.qhead = E.qtail = NULL;
+        R.done = NULL;
         int waiters = E.waiters;
         unlock();
         int progressed = batch != NULL;
+        progressed += file_blocking(done);
         while (batch) {
             ct_work *next = batch->next;
             start_one(batch);
@@ -606,7 +700,27 @@ static void *comm_main(void *unused)
     pthread_cond_broadcast(&E.done);
     unlock();
     if (s != CT_OK) return NULL;
+    /* Blocking calls on their own thread need MPI_THREAD_MULTIPLE; below it
+     * they run here, on the comm thread. */
+    int level = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&level);
+    if (level == MPI_THREAD_MULTIPLE) {
+        lock();
+        R.stop = 0;
+        R.on = pthread_create(&R.th, NULL, runner_main, NULL) == 0;
+        unlock();
+        if (!R.on) ct_log(CT_LOG_WARN, "comm: cannot start the blocking-call thread; blocking "
+                                       "group calls run on the comm thread");
+    }
     comm_loop();
+    if (R.on) {
+        lock();
+        R.stop = 1;
+        pthread_cond_signal(&R.cv);
+        unlock();
+        pthread_join(R.th, NULL);
+        R.on = 0;
+    }
     E.on_stop();
     ct_free(F.work), ct_free(F.req), ct_free(F.st), ct_free(F.idx);
     memset(&F, 0, sizeof F);

@@ -216,7 +216,7 @@ static int split_start(ct_work *w)
     return CT__DONE;
 }
 
-static const ct__op_vt split_vt = {.name = "split", .flags = CT__OP_ORDERED | CT__OP_GATE,
+static const ct__op_vt split_vt = {.name = "split", .flags = CT__OP_ORDERED | CT__OP_BLOCKING,
                                    .start = split_start};
 
 ct_status ct_group_split(ct_group *g, int color, int key, ct_group **out)

@@ -57,6 +57,13 @@ enum {
      * (shared-memory barriers, MPI calls made after polling) must not
      * interleave with the next collective's on some ranks. */
     CT__OP_GATE = 2,
+    /* start makes a blocking collective MPI call (MPI_Comm_split,
+     * MPI_Win_allocate_shared): it runs on the engine's blocking-call thread
+     * and must return CT__DONE; the comm thread keeps driving every other
+     * operation meanwhile, so a peer waiting on this rank's shared-memory
+     * work elsewhere can get there and make the same call.  Holds its group
+     * until done, like CT__OP_GATE. */
+    CT__OP_BLOCKING = 4,
 };
 
 typedef struct ct__op_vt {
@@ -126,6 +133,9 @@ ct_status ct__submit(ct_work *w, ct_work **out);
 ct_status ct__submit_wait(ct_work *w);
 /* 1 when called on the comm thread (where waiting would deadlock). */
 int ct__on_comm_thread(void);
+/* 1 if CT__OP_BLOCKING operations run on their own thread (MPI granted
+ * MPI_THREAD_MULTIPLE), 0 if they block the comm thread. */
+int ct__engine_concurrent(void);
 /* Blocks until g has no outstanding works. */
 void ct__group_quiesce(ct_group *g);
 /* Registry of live groups (for finalize). */

@@ -234,7 +234,10 @@ static ct_status alloc_run(alloc_op *q)
         s = ct_alloc(sizeof *s, CT_MEM_OTHER);
         if (s) s->slot = ct_alloc((size_t)g->size * sizeof *s->slot, CT_MEM_OTHER);
     }
-    int local[2] = {shm_enabled() && g->size > 1 && g->local_size == g->size,
+    /* Without MPI_THREAD_MULTIPLE, blocking calls of other groups would stall
+     * the comm thread, and with it the shared-memory paths: MPI only then. */
+    int local[2] = {shm_enabled() && ct__engine_concurrent() && g->size > 1 &&
+                        g->local_size == g->size,
                     a && a->base && (g->shm || (s && s->slot))};
     int all[2] = {0, 0};
     rc = MPI_Allreduce(local, all, 2, MPI_INT, MPI_MIN, g->comm);
@@ -341,8 +344,10 @@ static int free_start(ct_work *w)
 }
 
 static const ct__op_vt alloc_vt = {.name = "MPI_Win_allocate_shared",
-                                   .flags = CT__OP_ORDERED | CT__OP_GATE, .start = alloc_start};
-static const ct__op_vt free_vt = {.name = "MPI_Win_free", .flags = CT__OP_ORDERED | CT__OP_GATE,
+                                   .flags = CT__OP_ORDERED | CT__OP_BLOCKING,
+                                   .start = alloc_start};
+static const ct__op_vt free_vt = {.name = "MPI_Win_free",
+                                  .flags = CT__OP_ORDERED | CT__OP_BLOCKING,
                                   .start = free_start};
 
 /* The allocation of g whose segment on this rank holds p, or NULL (reg_mu held). */
