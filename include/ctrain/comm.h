@@ -6,14 +6,22 @@
  * tensors and dtypes, nothing of layers or models.
  *
  * Threading.  ct_comm_init starts one communication thread per process.
- * That thread calls MPI_Init_thread and then makes every MPI call ctrain
- * makes; it starts the collectives of a group in the order the caller issued
- * them, so MPI's rule that all ranks call collectives on a communicator in
- * the same order holds as long as all ranks issue ctrain's collectives on a
- * group in the same order.
+ * That thread calls MPI_Init_thread and then makes ctrain's MPI calls; it
+ * starts the collectives of a group in the order the caller issued them, so
+ * MPI's rule that all ranks call collectives on a communicator in the same
+ * order holds as long as all ranks issue ctrain's collectives on a group in
+ * the same order.  Calls that MPI only has in blocking form (split, shared
+ * window allocation and free) run on a second, blocking-call thread, so that
+ * while one rank waits in such a call on one group, the comm thread still
+ * drives every other group's operations (a peer may need them before it can
+ * make the same call): any number of groups may have work in flight, and
+ * only the orders within each group must match across ranks (blocking calls,
+ * as in MPI, must also come in the same order on every rank).
  * While an operation is in flight the thread polls MPI (Open MPI does not
  * progress nonblocking collectives by itself) with short sleeps in between,
- * so communication runs while the caller computes without taking a core.
+ * so communication runs while the caller computes without taking a core;
+ * while the caller waits in ct_work_wait it polls without sleeping for a
+ * while (ct_comm_set_wait_spin_us), so a waited-for message is seen at once.
  * Starting operations, waiting and testing are thread-safe, but the order in
  * which collectives on a group are started must be the same on every rank,
  * so start them from one thread (normally the training loop's).  Init,
@@ -176,8 +184,8 @@ ct_status ct_group_broadcast_tensor(ct_group *g, ct_tensor *t, int root, ct_work
 /* Called once when the operation completes, with its status. */
 typedef void (*ct_work_fn)(ct_work *w, ct_status status, void *arg);
 
-/* Blocks (sleeping, not spinning) until w completes and its callback has
- * run; returns its status (message set in the calling thread).  May be
+/* Blocks (the calling thread sleeps; the comm thread polls for it, see
+ * ct_comm_set_wait_spin_us) until w completes and its callback has run; returns its status (message set in the calling thread).  May be
  * called again; the result does not change. */
 ct_status ct_work_wait(ct_work *w);
 /* Waits for n handles in order (NULL entries skipped); returns the first failure. */
@@ -209,6 +217,13 @@ void ct_comm_set_poll_us(int us);
 int ct_comm_get_poll_us(void);
 void ct_comm_set_poll_max_us(int us);
 int ct_comm_get_poll_max_us(void);
+/* Microseconds the comm thread polls without napping after a caller starts
+ * to wait in ct_work_wait (default 10000, or CTRAIN_COMM_WAIT_SPIN_US; 0
+ * never): the caller's core is idle then, and a message or peer arriving
+ * during that time is seen at once instead of after a nap of up to the
+ * maximum.  Costs that core's time while the wait lasts, up to this long. */
+void ct_comm_set_wait_spin_us(int us);
+int ct_comm_get_wait_spin_us(void);
 /* Collectives of one group that run in MPI at once (default 2, or
  * CTRAIN_COMM_MAX_RUNNING; 0 = no limit).  Later ones wait in order and
  * start as earlier ones finish: large collectives running together compete

@@ -6,12 +6,17 @@
  * takes works off the queue in submission order and starts them; then,
  * while requests are in flight, it calls MPI_Testsome, which is also what
  * drives Open MPI's progress, and naps between calls that made no progress:
- * 20 us at first, doubling while nothing moves up to 500 us.  It never spins
- * a core: it sleeps on a condition variable when idle.  The one exception is
- * short: while the caller is blocked in ct_work_wait (so its core is free)
- * the thread polls with sched_yield for up to 200 us after each progress,
- * which takes a small allreduce on 2 ranks from ~100 us to ~40 us.  Waiters
- * sleep on another condition variable.
+ * 20 us at first, doubling while nothing moves up to 500 us.  It sleeps on
+ * a condition variable when idle.  While a caller is blocked in
+ * ct_work_wait (its core has nothing else to do) the thread polls without
+ * napping, yielding the CPU between polls, for up to wait_spin_us (10 ms)
+ * after the wait began: a message or a peer's shared-memory arrival is then
+ * seen within microseconds, not after a nap that has grown to 500 us while
+ * the peer computed (bench/p2p: 8 bytes sent 2 ms after the receiver began
+ * to wait arrive in ~25 us instead of ~300 us).  Longer waits go back to
+ * napping, so waiting for a slow peer does not cost a whole core.  A
+ * caller starting to wait ends a nap at once.  Waiters sleep on another
+ * condition variable.
  *
  * Many groups, no deadlock.  Some group calls can only be blocking MPI
  * calls (MPI_Comm_split, MPI_Win_allocate_shared, MPI_Win_free: MPI has no
@@ -75,6 +80,7 @@ static struct {
     ct_work *qhead, *qtail;
     long pending; /* submitted works not yet completed */
     int waiters;  /* threads blocked in ct_work_wait */
+    double wait_start; /* ct_now() when the latest of them started waiting */
     ct_group *groups;
     ct_status (*on_start)(void);
     void (*on_stop)(void);
@@ -83,7 +89,7 @@ static struct {
 } E = {.mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER,
        .done = PTHREAD_COND_INITIALIZER};
 
-static _Atomic int poll_us = -1, poll_max_us = 500;
+static _Atomic int poll_us = -1, poll_max_us = 500, wait_spin_us = -1;
 /* Collectives of one group running in MPI at once (0: no limit). */
 static _Atomic int max_running = -1;
 
@@ -174,9 +180,13 @@ ct_status ct_work_wait(ct_work *w)
         return ct_error(CT_ESTATE, "ct_work_wait called from a completion callback, which would "
                                    "deadlock; wait from the thread that started the work");
     }
-    E.waiters++;
-    while (w->state != CT__W_DONE) pthread_cond_wait(&E.done, &E.mu);
-    E.waiters--;
+    if (w->state != CT__W_DONE) {
+        E.waiters++;
+        E.wait_start = ct_now();
+        pthread_cond_signal(&E.wake); /* end the comm thread's nap: poll without sleeping */
+        while (w->state != CT__W_DONE) pthread_cond_wait(&E.done, &E.mu);
+        E.waiters--;
+    }
     ct_status s = w->status;
     unlock();
     if (s != CT_OK) ct_error(s, "%s", w->msg);
@@ -619,41 +629,36 @@ static int file_blocking(ct_work *done)
     return n;
 }
 
-/* Sleeps between polls that found nothing to do.  The first naps after any
- * progress are short (poll_us), so the rounds of a collective follow each
- * other quickly; while nothing moves (a peer is still computing) the nap
- * doubles every 8 empty polls up to poll_max_us, so waiting costs little
- * CPU.  That bounds the extra latency after a long wait by poll_max_us. */
+/* Sleeps (E.mu held) between rounds that found nothing to do.  The first
+ * naps after any progress are short (poll_us), so the rounds of a
+ * collective follow each other quickly; while nothing moves (a peer is
+ * still computing) the nap doubles every 8 empty rounds up to poll_max_us,
+ * so waiting costs little CPU.  A new submission or a caller starting to
+ * wait (ct_work_wait) ends the nap at once. */
 static void nap(int idle)
 {
     int us = atomic_load(&poll_us), max = atomic_load(&poll_max_us);
     for (int k = idle / 8; k > 0 && us < max; k--) us *= 2;
     if (us > max) us = max;
     if (us <= 0) {
+        unlock();
         sched_yield();
+        lock();
         return;
     }
-    struct timespec ts = {us / 1000000, (long)(us % 1000000) * 1000};
-    nanosleep(&ts, NULL);
-}
-
-static double seconds(void)
-{
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+    ts.tv_nsec += (long)us * 1000;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec += ts.tv_nsec / 1000000000L;
+        ts.tv_nsec %= 1000000000L;
+    }
+    pthread_cond_timedwait(&E.wake, &E.mu, &ts);
 }
-
-/* While a caller is blocked in ct_work_wait its core has nothing else to
- * do, so for this long after the last progress the thread polls without
- * sleeping (yielding the CPU to anything runnable): a small collective then
- * takes tens of microseconds instead of a few naps. */
-#define SPIN_SECONDS 200e-6
 
 static void comm_loop(void)
 {
-    int idle = 0;          /* polls in a row that made no progress */
-    double last_move = 0; /* when the last one did */
+    int idle = 0; /* rounds in a row that made no progress */
     lock();
     for (;;) {
         while (!E.qhead && F.n == 0 && !P.head && !R.done && !E.stop)
@@ -662,7 +667,6 @@ static void comm_loop(void)
         ct_work *batch = E.qhead, *done = R.done;
         E.qhead = E.qtail = NULL;
         R.done = NULL;
-        int waiters = E.waiters;
         unlock();
         int progressed = batch != NULL;
         progressed += file_blocking(done);
@@ -673,14 +677,22 @@ static void comm_loop(void)
         }
         if (F.n) progressed += poll_inflight();
         if (P.head) progressed += poll_polled();
-        if (progressed) {
-            idle = 0;
-            last_move = seconds();
-        } else if (F.n || P.head) {
-            if (waiters && seconds() - last_move < SPIN_SECONDS) sched_yield();
-            else nap(idle++);
-        }
         lock();
+        if (progressed || E.qhead || R.done || (F.n == 0 && !P.head)) {
+            idle = 0;
+            continue;
+        }
+        if (E.waiters && ct_now() - E.wait_start < 1e-6 * atomic_load(&wait_spin_us)) {
+            /* A caller is blocked in ct_work_wait: its core is free, and
+             * whatever it waits for should complete the moment MPI or a
+             * peer delivers it, not a nap later. */
+            idle = 0;
+            unlock();
+            sched_yield();
+            lock();
+            continue;
+        }
+        nap(idle++);
     }
     unlock();
 }
@@ -734,10 +746,21 @@ ct_status ct__engine_start(ct_status (*on_start)(void), void (*on_stop)(void))
         ct_comm_set_poll_us(e ? atoi(e) : 20);
         if (m) ct_comm_set_poll_max_us(atoi(m));
     }
+    if (atomic_load(&wait_spin_us) < 0) {
+        const char *e = getenv("CTRAIN_COMM_WAIT_SPIN_US");
+        ct_comm_set_wait_spin_us(e ? atoi(e) : 10000);
+    }
     if (atomic_load(&max_running) < 0) {
         const char *e = getenv("CTRAIN_COMM_MAX_RUNNING");
         ct_comm_set_max_running(e ? atoi(e) : 2);
     }
+    /* Naps are timed waits on E.wake, measured on the monotonic clock. */
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_destroy(&E.wake);
+    pthread_cond_init(&E.wake, &ca);
+    pthread_condattr_destroy(&ca);
     lock();
     E.on_start = on_start;
     E.on_stop = on_stop;
@@ -789,6 +812,17 @@ void ct_comm_set_poll_max_us(int us)
 }
 
 int ct_comm_get_poll_max_us(void) { return atomic_load(&poll_max_us); }
+
+void ct_comm_set_wait_spin_us(int us)
+{
+    atomic_store(&wait_spin_us, us < 0 ? 0 : us > 10000000 ? 10000000 : us);
+}
+
+int ct_comm_get_wait_spin_us(void)
+{
+    int us = atomic_load(&wait_spin_us);
+    return us < 0 ? 10000 : us;
+}
 
 void ct_comm_set_max_running(int n) { atomic_store(&max_running, n < 0 ? 0 : n); }
 
