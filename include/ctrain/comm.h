@@ -231,6 +231,17 @@ int ct_comm_get_wait_spin_us(void);
  * ~11 ms with 2 at a time, ~18 ms all at once). */
 void ct_comm_set_max_running(int n);
 int ct_comm_get_max_running(void);
+/* Seconds a collective (or a blocking group call) may take from its start
+ * before it ends the job (default 300, or CTRAIN_COMM_TIMEOUT; 0 never).
+ * Then every rank logs "comm timeout: allreduce #12 on group world (...)"
+ * (the operation, its number among the group's collectives counted from 1,
+ * and the group: "world", or "world/split1.color0" for the first split of
+ * the world, color 0) and the job ends (MPI_Abort): a rank that never
+ * starts a collective, or starts a group's collectives in another order,
+ * is an error on every rank, not a silent hang.  Point-to-point transfers
+ * have no timeout (a pipeline stage may wait long for its input). */
+void ct_comm_set_timeout(double seconds);
+double ct_comm_get_timeout(void);
 
 #ifdef __cplusplus
 }

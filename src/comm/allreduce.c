@@ -99,10 +99,18 @@ static int allreduce_progress(ct_work *w)
     return CT__DONE;
 }
 
+static void allreduce_blame(const ct_work *w, char *out, size_t n)
+{
+    const allreduce_op *o = (const allreduce_op *)w;
+    if (o->phase == PH_AGREE) ct__shm_absent(w->g, o->ag.target, out, n);
+    else if (o->phase == PH_DIRECT) ct__shm_absent(w->g, o->target, out, n);
+}
+
 static const ct__op_vt allreduce_vt = {.name = "allreduce",
                                        .flags = CT__OP_ORDERED | CT__OP_GATE,
                                        .start = allreduce_start,
-                                       .progress = allreduce_progress};
+                                       .progress = allreduce_progress,
+                                       .blame = allreduce_blame};
 
 ct_status ct_group_allreduce(ct_group *g, void *buf, int64_t count, ct_dtype dt,
                              ct_reduce_op op, ct_work **work)

@@ -101,6 +101,7 @@ static struct {
     pthread_cond_t cv;     /* a job was queued, or stop */
     int on, stop;
     ct_work *head, *tail;  /* queued (linked by next) */
+    ct_work *cur;          /* running */
     ct_work *done;         /* finished, for the comm thread to file (linked by next) */
     int busy;              /* handed over, not yet filed by the comm thread */
 } R = {.cv = PTHREAD_COND_INITIALIZER};
@@ -270,6 +271,7 @@ static ct_status enqueue(ct_work *w)
     if (E.qtail) E.qtail->next = w;
     else E.qhead = w;
     E.qtail = w;
+    if (w->vt->flags & CT__OP_ORDERED) w->seq = ++w->g->nseq;
     w->g->pending++;
     E.pending++;
     pthread_cond_signal(&E.wake);
@@ -461,6 +463,7 @@ static void launch(ct_work *w)
 {
     ct_group *g = w->g;
     if (ordered(w)) {
+        w->t_start = ct_now();
         g->running++;
         if (g->ord_tail) g->ord_tail->ord_next = w;
         else g->ord_head = w;
@@ -598,11 +601,13 @@ static void *runner_main(void *unused)
         ct_work *w = R.head;
         R.head = w->next;
         if (!R.head) R.tail = NULL;
+        R.cur = w;
         unlock();
         ct_clear_error();
         int r = w->vt->start(w);
         CT_ASSERT(r == CT__DONE && "a CT__OP_BLOCKING start must finish the operation");
         lock();
+        R.cur = NULL;
         w->next = R.done;
         R.done = w;
         pthread_cond_signal(&E.wake);
@@ -656,13 +661,63 @@ static void nap(int idle)
     pthread_cond_timedwait(&E.wake, &E.mu, &ts);
 }
 
+/* Ends the job if w, a collective, has run past the timeout. */
+static void check_expired(const ct_work *w, double now, double timeout)
+{
+    if (!w || !ordered(w) || now - w->t_start <= timeout) return;
+    const ct_group *g = w->g;
+    char msg[900];
+    snprintf(msg, sizeof msg, "comm timeout: %s #%llu on group %s (%d ranks; this rank is %d of "
+                              "it) has not completed %.0f s after it started "
+                              "(CTRAIN_COMM_TIMEOUT=%g)",
+             w->vt->name, (unsigned long long)w->seq, g->name, g->size, g->rank,
+             now - w->t_start, timeout);
+    if (w->vt->blame) w->vt->blame(w, msg, sizeof msg);
+    size_t len = strlen(msg);
+    snprintf(msg + len, sizeof msg - len, "; a rank of the group never started it, or started the "
+                                          "group's collectives in another order: every rank must "
+                                          "start the same collectives on a group in the same "
+                                          "order (if it is merely slow, raise "
+                                          "CTRAIN_COMM_TIMEOUT)");
+    ct__watch_expired(msg);
+}
+
+/* Every 10 ms or so: another rank's report of an expired collective ends
+ * the job here too; so does one of this rank's collectives expiring. */
+static void watch(void)
+{
+    static double last;
+    double now = ct_now();
+    if (now - last < 0.01) return;
+    last = now;
+    ct__watch_poll();
+    double timeout = ct__watch_timeout();
+    if (timeout <= 0) return;
+    for (int i = 0; i < F.n; i++) check_expired(F.work[i], now, timeout);
+    for (ct_work *w = P.head; w; w = w->poll_next) check_expired(w, now, timeout);
+    lock();
+    ct_work *cur = R.cur; /* completes only through this thread: stays valid */
+    unlock();
+    check_expired(cur, now, timeout);
+}
+
 static void comm_loop(void)
 {
     int idle = 0; /* rounds in a row that made no progress */
     lock();
     for (;;) {
-        while (!E.qhead && F.n == 0 && !P.head && !R.done && !E.stop)
-            pthread_cond_wait(&E.wake, &E.mu);
+        while (!E.qhead && F.n == 0 && !P.head && !R.done && !E.stop) {
+            /* Idle, but another rank's report or a blocking call may expire. */
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            ts.tv_nsec += 100000000L;
+            if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+            if (pthread_cond_timedwait(&E.wake, &E.mu, &ts)) {
+                unlock();
+                watch();
+                lock();
+            }
+        }
         if (!E.qhead && F.n == 0 && !P.head && !R.done && !R.busy && E.stop) break;
         ct_work *batch = E.qhead, *done = R.done;
         E.qhead = E.qtail = NULL;
@@ -677,6 +732,7 @@ static void comm_loop(void)
         }
         if (F.n) progressed += poll_inflight();
         if (P.head) progressed += poll_polled();
+        watch();
         lock();
         if (progressed || E.qhead || R.done || (F.n == 0 && !P.head)) {
             idle = 0;

@@ -119,12 +119,14 @@ static ct_status comm_start(void)
         goto out_finalize;
     }
     S.world.is_world = 1;
+    snprintf(S.world.name, sizeof S.world.name, "world");
     if ((s = ct__group_setup(&S.world, dup)) != CT_OK) goto out_free_world;
     void *ub = NULL;
     int flag = 0;
     MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
     S.tag_ub = flag && ub ? *(int *)ub : 32767;
     if ((s = ct__dtypes_create()) != CT_OK) goto out_free_types;
+    if ((s = ct__watch_start(MPI_COMM_WORLD)) != CT_OK) goto out_free_types;
     return CT_OK;
 
 out_free_types:
@@ -142,6 +144,7 @@ out_finalize:
 /* Runs on the comm thread last. */
 static void comm_stop(void)
 {
+    ct__watch_stop();
     ct__dtypes_free();
     MPI_Comm_free(&S.world.comm);
     if (S.owns_mpi) MPI_Finalize();
@@ -236,6 +239,7 @@ ct_status ct_group_split(ct_group *g, int color, int key, ct_group **out)
     o->color = color;
     o->key = key;
     o->ng = ng;
+    snprintf(ng->name, sizeof ng->name, "%.60s/split%d.color%d", g->name, ++g->nsplit, color);
     ct_status s = ct__submit_wait(&o->w);
     ct__work_destroy(&o->w);
     if (s != CT_OK || ng->comm == MPI_COMM_NULL) {

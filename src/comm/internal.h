@@ -28,6 +28,9 @@ struct ct_group {
     MPI_Comm comm;
     int rank, size, local_rank, local_size;
     int is_world;
+    char name[96];  /* "world", "world/split1.color0", ...: the same on every member */
+    int nsplit;     /* splits of this group so far (the caller's thread), for names */
+    uint64_t nseq;  /* collectives submitted so far (engine lock): their numbers */
     int pending;                  /* submitted works not yet completed (engine lock) */
     ct_work *ord_head, *ord_tail; /* started collectives, in start order (comm thread) */
     ct_work *defer_head, *defer_tail; /* collectives waiting to start (comm thread) */
@@ -82,6 +85,9 @@ typedef struct ct__op_vt {
     ct_status (*finish)(ct_work *w);
     /* Frees what the operation owns besides its struct.  NULL: nothing. */
     void (*destroy)(ct_work *w);
+    /* Comm thread, for the timeout message: appends whom it waits for
+     * ("; rank(s) 2 of the group have not arrived").  NULL: not known. */
+    void (*blame)(const ct_work *w, char *out, size_t n);
 } ct__op_vt;
 
 /* ct_work.state */
@@ -94,6 +100,8 @@ struct ct_work {
     MPI_Request req;        /* what the operation waits on, or MPI_REQUEST_NULL */
     MPI_Status mpi_status;  /* of the last request that completed */
     int gate;               /* CT__OP_GATE: still holding the group */
+    uint64_t seq;           /* collectives: number in its group, from 1 */
+    double t_start;         /* collectives: ct_now() when started */
 
     /* engine state */
     ct_work *next;      /* submit queue, then the group's deferred queue */
@@ -143,6 +151,22 @@ void ct__group_register(ct_group *g);
 void ct__group_unregister(ct_group *g);
 /* Removes and returns the most recently registered group, or NULL. */
 ct_group *ct__group_pop(void);
+
+/* ---- watch.c ----------------------------------------------------------- */
+
+/* Comm thread, after MPI_Init: reads CTRAIN_COMM_TIMEOUT and opens the
+ * job's notice channel (a duplicate of world). */
+ct_status ct__watch_start(MPI_Comm world);
+/* Comm thread, before MPI_Finalize. */
+void ct__watch_stop(void);
+/* Seconds after which a collective that has not completed ends the job (0: never). */
+double ct__watch_timeout(void);
+/* Comm thread: if another rank reported an expired collective, logs its
+ * message and ends the job (does not return); else returns at once. */
+void ct__watch_poll(void);
+/* Comm thread: logs msg, sends it to every other rank (which log it), and
+ * ends the job.  Does not return. */
+void ct__watch_expired(const char *msg) __attribute__((noreturn));
 
 /* ---- dtype.c ----------------------------------------------------------- */
 
@@ -221,6 +245,9 @@ uint64_t ct__shm_arrive(ct_group *g, const ct__shm_ref *ref);
 int ct__shm_passed(ct_group *g, uint64_t target, const ct__shm_ref *ref);
 /* Busy-waits up to `budget` seconds for barrier target; 1 if reached. */
 int ct__shm_spin(const ct_group *g, uint64_t target, double budget);
+/* Appends "; rank(s) 1, 3 of the group have not reached it" for barrier
+ * target (nothing if all have). */
+void ct__shm_absent(const ct_group *g, uint64_t target, char *out, size_t n);
 /* Rank r's copy of the buffer ref points at (the same offset in r's segment). */
 void *ct__shm_peer(const ct__shm_ref *ref, int r);
 /* Frees every allocation from ct_group_alloc_shared g still has

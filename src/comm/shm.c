@@ -533,6 +533,18 @@ int ct__shm_spin(const ct_group *g, uint64_t target, double budget)
     }
 }
 
+void ct__shm_absent(const ct_group *g, uint64_t target, char *out, size_t n)
+{
+    size_t len = strlen(out);
+    int any = 0;
+    for (int r = 0; r < g->size && len + 16 < n; r++)
+        if (atomic_load_explicit(&g->shm->slot[r]->arrived, memory_order_acquire) < target) {
+            len += (size_t)snprintf(out + len, n - len, "%s%d", any ? ", " : "; rank(s) ", r);
+            any = 1;
+        }
+    if (any && len < n) snprintf(out + len, n - len, " of the group have not arrived");
+}
+
 void *ct__shm_peer(const ct__shm_ref *ref, int r) { return ref->a->base[r] + ref->off; }
 
 /* ---- agreement ----------------------------------------------------------- */
