@@ -94,7 +94,9 @@ ct_group *ct_group_world(void);
 /* This rank's index in g, 0..size-1. */
 int ct_group_rank(const ct_group *g);
 int ct_group_size(const ct_group *g);
-/* This rank's index among the ranks of g on the same node, and how many those are. */
+/* This rank's index among the ranks of g on the same node, and how many
+ * those are.  Nodes are machines, or with CTRAIN_FAKE_NODES=K (see
+ * ct_comm_set_fake_nodes) K blocks of contiguous world ranks per machine. */
 int ct_group_local_rank(const ct_group *g);
 int ct_group_local_size(const ct_group *g);
 /* Collective over g: ranks with the same color form a sub-group, ordered by
@@ -242,6 +244,17 @@ int ct_comm_get_max_running(void);
  * have no timeout (a pipeline stage may wait long for its input). */
 void ct_comm_set_timeout(double seconds);
 double ct_comm_get_timeout(void);
+/* Fake node boundaries, to test multi-node paths on one machine: with K > 0
+ * every machine's ranks count as K nodes of contiguous world ranks (rank r
+ * of a world of P is on node r*K/P: 4 ranks, K=2: ranks 0,1 on node 0 and
+ * 2,3 on node 1; sizes differ by one when K does not divide P; K >= P: one
+ * rank per node).  Everything that asks "which node" follows: local
+ * rank/size, shared-memory windows (never across nodes), two-level
+ * collectives.  Read from CTRAIN_FAKE_NODES at ct_comm_init (default 0:
+ * real nodes only), which fixes the world group's nodes; the setter changes
+ * it for groups split afterwards.  Must be the same on every rank. */
+void ct_comm_set_fake_nodes(int k);
+int ct_comm_get_fake_nodes(void);
 
 #ifdef __cplusplus
 }

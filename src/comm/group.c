@@ -7,6 +7,7 @@
  * MPI call; the functions here build works and submit them to it.
  */
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,25 +42,121 @@ int ct__tag_ub(void) { return S.tag_ub; }
 
 /* ---- start-up ---------------------------------------------------------- */
 
-ct_status ct__group_setup(ct_group *g, MPI_Comm comm)
+/* ---- nodes ------------------------------------------------------------- */
+
+static _Atomic int fake_nodes = -1;
+static int real_node; /* the lowest world rank on this rank's machine (set at start-up) */
+
+void ct_comm_set_fake_nodes(int k) { atomic_store(&fake_nodes, k < 0 ? 0 : k); }
+
+int ct_comm_get_fake_nodes(void)
 {
-    int rc;
+    int k = atomic_load(&fake_nodes);
+    return k < 0 ? 0 : k;
+}
+
+/* Collective over the world: which machine this rank is on, by the lowest
+ * world rank that shares its memory. */
+static ct_status find_real_node(void)
+{
     MPI_Comm local = MPI_COMM_NULL;
-    g->comm = comm;
-    if ((rc = MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN)) != MPI_SUCCESS ||
-        (rc = MPI_Comm_rank(comm, &g->rank)) != MPI_SUCCESS ||
-        (rc = MPI_Comm_size(comm, &g->size)) != MPI_SUCCESS)
-        return ct__mpi_fail(rc, "setting up a communicator");
-    /* Ranks sharing memory with this one: the node, for thread budgets. */
-    if ((rc = MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, g->rank, MPI_INFO_NULL, &local)) !=
-            MPI_SUCCESS ||
-        (rc = MPI_Comm_rank(local, &g->local_rank)) != MPI_SUCCESS ||
-        (rc = MPI_Comm_size(local, &g->local_size)) != MPI_SUCCESS) {
+    int rc, wr = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &wr);
+    if ((rc = MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, wr, MPI_INFO_NULL,
+                                  &local)) != MPI_SUCCESS ||
+        (rc = MPI_Allreduce(&wr, &real_node, 1, MPI_INT, MPI_MIN, local)) != MPI_SUCCESS) {
         if (local != MPI_COMM_NULL) MPI_Comm_free(&local);
         return ct__mpi_fail(rc, "MPI_Comm_split_type (finding the ranks on this node)");
     }
     MPI_Comm_free(&local);
     return CT_OK;
+}
+
+/* The node this rank is on, as a split color: its machine, cut into K
+ * blocks of contiguous world ranks with CTRAIN_FAKE_NODES=K. */
+static int node_color(void)
+{
+    int k = ct_comm_get_fake_nodes(), wr = 0, ws = 1;
+    if (k <= 0) return real_node;
+    MPI_Comm_rank(MPI_COMM_WORLD, &wr);
+    MPI_Comm_size(MPI_COMM_WORLD, &ws);
+    if (k > ws) k = ws;
+    return real_node * k + (int)((int64_t)wr * k / ws);
+}
+
+/* An internal group over comm (one node's ranks, or the leaders). */
+static ct_status internal_group(MPI_Comm comm, const char *name, const char *suffix,
+                                ct_group **out)
+{
+    ct_group *n = ct_alloc(sizeof *n, CT_MEM_OTHER);
+    if (!n) {
+        MPI_Comm_free(&comm);
+        return CT_ENOMEM;
+    }
+    memset(n, 0, sizeof *n);
+    n->comm = comm;
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm, &n->rank);
+    MPI_Comm_size(comm, &n->size);
+    n->local_rank = n->rank;
+    n->local_size = n->size;
+    n->nnodes = 1;
+    snprintf(n->name, sizeof n->name, "%.80s%s", name, suffix);
+    *out = n;
+    return CT_OK;
+}
+
+static void free_internal(ct_group **n)
+{
+    if (!*n) return;
+    MPI_Comm_free(&(*n)->comm);
+    ct_free(*n);
+    *n = NULL;
+}
+
+ct_status ct__group_setup(ct_group *g, MPI_Comm comm)
+{
+    int rc;
+    MPI_Comm local = MPI_COMM_NULL, lead = MPI_COMM_NULL;
+    g->comm = comm;
+    g->node = g->leaders = NULL;
+    if ((rc = MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN)) != MPI_SUCCESS ||
+        (rc = MPI_Comm_rank(comm, &g->rank)) != MPI_SUCCESS ||
+        (rc = MPI_Comm_size(comm, &g->size)) != MPI_SUCCESS)
+        return ct__mpi_fail(rc, "setting up a communicator");
+    /* The ranks of g on this rank's node, and how many nodes g spans. */
+    int first = 0;
+    if ((rc = MPI_Comm_split(comm, node_color(), g->rank, &local)) != MPI_SUCCESS ||
+        (rc = MPI_Comm_rank(local, &g->local_rank)) != MPI_SUCCESS ||
+        (rc = MPI_Comm_size(local, &g->local_size)) != MPI_SUCCESS ||
+        (first = g->local_rank == 0,
+         rc = MPI_Allreduce(&first, &g->nnodes, 1, MPI_INT, MPI_SUM, comm)) != MPI_SUCCESS) {
+        if (local != MPI_COMM_NULL) MPI_Comm_free(&local);
+        return ct__mpi_fail(rc, "MPI_Comm_split (finding the ranks on this node)");
+    }
+    if (g->nnodes == 1) {
+        MPI_Comm_free(&local);
+        return CT_OK;
+    }
+    /* Spanning nodes: keep this node's ranks, and the nodes' first ranks, as
+     * groups of their own for two-level collectives. */
+    if ((rc = MPI_Comm_split(comm, first ? 0 : MPI_UNDEFINED, g->rank, &lead)) != MPI_SUCCESS) {
+        MPI_Comm_free(&local);
+        return ct__mpi_fail(rc, "MPI_Comm_split (the group of node leaders)");
+    }
+    ct_status s = internal_group(local, g->name, ".node", &g->node);
+    if (s == CT_OK && first) s = internal_group(lead, g->name, ".leaders", &g->leaders);
+    else if (lead != MPI_COMM_NULL) MPI_Comm_free(&lead);
+    if (s != CT_OK) free_internal(&g->node);
+    return s;
+}
+
+ct_status ct__group_free_comms(ct_group *g)
+{
+    free_internal(&g->node);
+    free_internal(&g->leaders);
+    int rc = MPI_Comm_free(&g->comm);
+    return rc == MPI_SUCCESS ? CT_OK : ct__mpi_fail(rc, "MPI_Comm_free");
 }
 
 static const char *level_name(int level)
@@ -114,6 +211,11 @@ static ct_status comm_start(void)
     }
     MPI_Comm dup;
     ct_status s;
+    if (atomic_load(&fake_nodes) < 0) {
+        const char *e = getenv("CTRAIN_FAKE_NODES");
+        ct_comm_set_fake_nodes(e ? atoi(e) : 0);
+    }
+    if ((s = find_real_node()) != CT_OK) goto out_finalize;
     if ((rc = MPI_Comm_dup(MPI_COMM_WORLD, &dup)) != MPI_SUCCESS) {
         s = ct__mpi_fail(rc, "MPI_Comm_dup(MPI_COMM_WORLD)");
         goto out_finalize;
@@ -132,7 +234,7 @@ static ct_status comm_start(void)
 out_free_types:
     ct__dtypes_free();
 out_free_world:
-    MPI_Comm_free(&S.world.comm);
+    ct__group_free_comms(&S.world);
 out_finalize:
     if (S.owns_mpi) {
         MPI_Finalize();
@@ -146,7 +248,7 @@ static void comm_stop(void)
 {
     ct__watch_stop();
     ct__dtypes_free();
-    MPI_Comm_free(&S.world.comm);
+    ct__group_free_comms(&S.world);
     if (S.owns_mpi) MPI_Finalize();
 }
 
@@ -212,7 +314,7 @@ static int split_start(ct_work *w)
     if (nc == MPI_COMM_NULL) return CT__DONE;
     ct_status s = ct__group_setup(o->ng, nc);
     if (s != CT_OK) {
-        MPI_Comm_free(&nc);
+        MPI_Comm_free(&o->ng->comm);
         o->ng->comm = MPI_COMM_NULL;
         return ct__op_fail(w, s);
     }
@@ -292,8 +394,8 @@ ct_status ct_group_check(ct_group *g, ct_status local)
 
 static int free_start(ct_work *w)
 {
-    int rc = MPI_Comm_free(&w->g->comm);
-    return rc == MPI_SUCCESS ? CT__DONE : ct__op_fail(w, ct__mpi_fail(rc, "MPI_Comm_free"));
+    ct_status s = ct__group_free_comms(w->g);
+    return s == CT_OK ? CT__DONE : ct__op_fail(w, s);
 }
 
 static const ct__op_vt free_vt = {.name = "MPI_Comm_free", .start = free_start};

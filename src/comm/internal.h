@@ -31,6 +31,12 @@ struct ct_group {
     char name[96];  /* "world", "world/split1.color0", ...: the same on every member */
     int nsplit;     /* splits of this group so far (the caller's thread), for names */
     uint64_t nseq;  /* collectives submitted so far (engine lock): their numbers */
+    /* Nodes (real, or CTRAIN_FAKE_NODES): how many the group spans, and when
+     * more than one, this rank's node as a group of its own (the ranks of g
+     * on it) and, on each node's first rank, the group of those first ranks.
+     * Internal groups: no works of their own, freed with g. */
+    int nnodes;
+    ct_group *node, *leaders;
     int pending;                  /* submitted works not yet completed (engine lock) */
     ct_work *ord_head, *ord_tail; /* started collectives, in start order (comm thread) */
     ct_work *defer_head, *defer_tail; /* collectives waiting to start (comm thread) */
@@ -196,8 +202,12 @@ int ct__overlaps(const void *a, size_t na, const void *b, size_t nb);
 
 /* CT_ECOMM with "<what> failed on rank R: <MPI error string>; <hint>". */
 ct_status ct__mpi_fail(int rc, const char *what);
-/* MPI_ERRORS_RETURN and rank/size/local info for a new communicator (comm thread). */
+/* Collective over comm: MPI_ERRORS_RETURN, rank/size, and the node
+ * structure (local rank/size, nnodes, node and leaders groups) for a new
+ * group (comm thread or blocking-call thread).  Set g->name first. */
 ct_status ct__group_setup(ct_group *g, MPI_Comm comm);
+/* Frees g's communicator and its node and leaders groups (not g). */
+ct_status ct__group_free_comms(ct_group *g);
 /* MPI_TAG_UB of the job. */
 int ct__tag_ub(void);
 
@@ -250,6 +260,9 @@ int ct__shm_spin(const ct_group *g, uint64_t target, double budget);
 void ct__shm_absent(const ct_group *g, uint64_t target, char *out, size_t n);
 /* Rank r's copy of the buffer ref points at (the same offset in r's segment). */
 void *ct__shm_peer(const ct__shm_ref *ref, int r);
+/* Caller's thread, for tests: how many ranks map the shared allocation of g
+ * holding p (the ranks of its window), 0 if p is not in one. */
+int ct__shm_window_ranks(const ct_group *g, const void *p);
 /* Frees every allocation from ct_group_alloc_shared g still has
  * (collective; g quiesced). */
 void ct__shm_release(ct_group *g);

@@ -470,6 +470,14 @@ int ct_group_is_shared(const ct_group *g, const void *ptr, size_t bytes)
     return ok;
 }
 
+int ct__shm_window_ranks(const ct_group *g, const void *p)
+{
+    pthread_mutex_lock(&reg_mu);
+    int n = containing(g, p) ? g->size : 0;
+    pthread_mutex_unlock(&reg_mu);
+    return n;
+}
+
 void ct__shm_release(ct_group *g)
 {
     for (struct ct__plain *n; (n = take_plain(g, NULL));) {
