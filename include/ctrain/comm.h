@@ -41,16 +41,27 @@
  * with ct_comm_abort.
  *
  * Shared memory.  When every rank of a group is on one node, buffers from
- * ct_group_alloc_shared live in an MPI-3 shared-memory window, and an
- * allreduce over the same range of one such allocation on every rank skips
- * MPI's messages: each rank sums its slice of the range across all ranks'
- * buffers and writes it into all of them (for f32, bf16, f16; integer
- * dtypes go through MPI).  It is queued, ordered and completed like any
- * collective.  On a group with shared allocations every allreduce, shared
- * or not, first agrees through shared memory on every rank's (range, count,
- * dtype, op): ranks that differ all fail with CT_EINVAL.  CTRAIN_COMM_SHM=0
- * turns shared allocations into ordinary memory (every allreduce then takes
- * the MPI path), for comparison or as an escape hatch.
+ * ct_group_alloc_shared live in an MPI-3 shared-memory window, and
+ * collectives over the same range of one such allocation on every rank skip
+ * MPI's messages (for f32, bf16, f16; all-gather for any dtype; integer
+ * reductions go through MPI): an allreduce has each rank sum its slice of
+ * the range across all ranks' buffers and write it into all of them; a
+ * reduce writes the slices into the root's buffer only; a reduce-scatter
+ * has rank r reduce block r of every rank's send buffer into its recv (which
+ * may be private); an all-gather copies each rank's block out of its peers'
+ * receive buffers.  Sums run in rank order, in f32 for 16-bit types,
+ * rounded once.  They are queued, ordered and completed like any
+ * collective.  On a group with shared allocations each of these first
+ * agrees through shared memory on every rank's (collective, range, count,
+ * dtype, op, root): ranks that differ all fail with CT_EINVAL.
+ * When a group spans nodes, its shared allocations are windows per node
+ * (over the group's ranks on that node), and an allreduce over them is
+ * two-level: reduced through shared memory into each node's first rank,
+ * allreduced between those with MPI, copied back through shared memory
+ * (agreement across nodes through a small MPI allreduce first); its other
+ * collectives use MPI.  CTRAIN_COMM_SHM=0 turns shared allocations into
+ * ordinary memory (every collective then takes the MPI path), for
+ * comparison or as an escape hatch.
  */
 #ifndef CTRAIN_COMM_H
 #define CTRAIN_COMM_H
@@ -126,17 +137,21 @@ void ct_group_destroy(ct_group *g);
 
 /* buf[0..count) on every rank becomes the reduction over ranks of buf.
  * Without messages when buf is the same range of one of g's shared
- * allocations on every rank (see Shared memory above). */
+ * allocations on every rank; two-level when g spans nodes (see Shared
+ * memory above). */
 ct_status ct_group_allreduce(ct_group *g, void *buf, int64_t count, ct_dtype dt,
                              ct_reduce_op op, ct_work **work);
-/* buf on rank root becomes the reduction over ranks; other ranks' buf is unchanged. */
+/* buf on rank root becomes the reduction over ranks; other ranks' buf is
+ * unchanged.  Without messages when buf is the same range of one of g's
+ * shared allocations on every rank (one node). */
 ct_status ct_group_reduce(ct_group *g, void *buf, int64_t count, ct_dtype dt,
                           ct_reduce_op op, int root, ct_work **work);
 /* buf on every rank becomes root's buf (any dtype). */
 ct_status ct_group_broadcast(ct_group *g, void *buf, int64_t count, ct_dtype dt, int root,
                              ct_work **work);
 /* recv[r*count .. (r+1)*count) becomes rank r's send[0..count) (any dtype).
- * In place when send == recv + rank*count. */
+ * In place when send == recv + rank*count.  Without messages when recv is
+ * the same range of one of g's shared allocations on every rank (one node). */
 ct_status ct_group_allgather(ct_group *g, const void *send, void *recv, int64_t count,
                              ct_dtype dt, ct_work **work);
 /* Like allgather with count[r] elements from rank r placed at recv + displ[r]
@@ -147,16 +162,20 @@ ct_status ct_group_allgatherv(ct_group *g, const void *send, int64_t send_count,
                               ct_work **work);
 /* send has size*count elements; recv[0..count) becomes the reduction over
  * ranks of block `rank` of send.  In place when recv == send + rank*count
- * (the other blocks of send are then clobbered). */
+ * (the other blocks of send are then clobbered).  Without messages when send
+ * is the same range of one of g's shared allocations on every rank (one
+ * node). */
 ct_status ct_group_reduce_scatter(ct_group *g, const void *send, void *recv, int64_t count,
                                   ct_dtype dt, ct_reduce_op op, ct_work **work);
 
 /* ---- shared memory ----------------------------------------------------- */
 
 /* Collective over g: `bytes` bytes of zeroed, 64-byte aligned memory that
- * collectives on g can reduce in place without copies when all of g's ranks
- * share a node (an MPI shared-memory window); otherwise (ranks on several
- * nodes, a group of one, CTRAIN_COMM_SHM=0) ordinary memory.  Counted under
+ * collectives on g can work on in place without copies: an MPI shared-memory
+ * window over g when all of g's ranks share a node, or over g's ranks on
+ * each node when g spans nodes (if some node has two of them); otherwise (a
+ * group of one, one rank per node, CTRAIN_COMM_SHM=0, MPI without
+ * MPI_THREAD_MULTIPLE) ordinary memory.  Counted under
  * cat in the tracked allocator.  Waits for g's outstanding operations
  * first.  Free with ct_group_free_shared (collective); ct_group_destroy and
  * ct_comm_finalize free what is left. */
@@ -164,7 +183,8 @@ ct_status ct_group_alloc_shared(ct_group *g, size_t bytes, ct_mem_cat cat, void 
 /* Collective over g (waits for g's outstanding operations): frees ptr from
  * ct_group_alloc_shared on g.  NULL is a no-op. */
 void ct_group_free_shared(ct_group *g, void *ptr);
-/* 1 if ptr..ptr+bytes lies in a shared allocation of g with the direct path available. */
+/* 1 if ptr..ptr+bytes lies in a shared allocation of g that is shared
+ * memory (with g's ranks on this node, when g spans nodes). */
 int ct_group_is_shared(const ct_group *g, const void *ptr, size_t bytes);
 
 /* ---- point to point ----------------------------------------------------

@@ -1,13 +1,17 @@
 /*
  * Private to src/comm.  The room's files:
- *   engine.c          the comm thread, its queue, work handles, and the generic
- *                     driving of operations through their vtables
- *   group.c           MPI start-up and shut-down, groups, split, barrier,
- *                     agreement on errors, abort, MPI error conversion
+ *   engine.c          the comm thread, its queue, work handles, the generic
+ *                     driving of operations through their vtables, and the
+ *                     blocking-call thread
+ *   watch.c           bounded waits: timeouts and the job-ending notices
+ *   group.c           MPI start-up and shut-down, groups and their nodes (real
+ *                     or CTRAIN_FAKE_NODES), split, barrier, agreement on
+ *                     errors, abort, MPI error conversion
  *   dtype.c           MPI datatypes and reduction ops for ctrain's dtypes
  *   args.c            argument checks the collectives share; tensor forms
  *   allreduce.c, reduce.c, bcast.c, allgather.c, reduce_scatter.c, p2p.c
- *                     one kind of operation each: its struct, its vtable
+ *                     one kind of operation each: its struct, its vtable,
+ *                     its paths (MPI, shared memory, two-level)
  *   shm.c             shared allocations (MPI-3 windows), the control block,
  *                     its barrier and the agreement on arguments
  *   shm_kernels.c     the reductions the shared-memory paths run
@@ -21,6 +25,7 @@
 #define CTRAIN_COMM_INTERNAL_H
 
 #include <mpi.h>
+#include <stdatomic.h>
 
 #include "ctrain/comm.h"
 
@@ -188,6 +193,11 @@ ct_status ct__check_op(ct_dtype dt, ct_reduce_op op, const char *what);
 void ct__scale(void *buf, int64_t n, ct_dtype dt, int size);
 const char *ct__op_name(ct_reduce_op op);
 
+/* ---- allreduce.c ------------------------------------------------------- */
+
+/* Two-level allreduces that took the shared-memory + leaders path (for tests). */
+extern _Atomic uint64_t ct__allreduce_two_level_runs;
+
 /* ---- args.c ------------------------------------------------------------ */
 
 /* Group non-NULL, dtype known, 0 <= count <= INT_MAX, buf non-NULL if count > 0. */
@@ -235,7 +245,13 @@ typedef struct {
 /* Caller's thread: 1 if g has shared allocations (collectives with a shared
  * path then agree on their arguments first). */
 int ct__shm_active(const ct_group *g);
-/* Caller's thread: where buf..buf+bytes lies among g's shared allocations.
+/* Caller's thread: 1 if g spans nodes and has shared allocations (windows
+ * per node, over g->node: the two-level paths). */
+int ct__shm_node_active(const ct_group *g);
+/* The allocation's number (the same on every rank of its group), 0 if private. */
+uint64_t ct__shm_alloc_id(const ct__shm_ref *ref);
+/* Caller's thread: where buf..buf+bytes lies among g's shared allocations
+ * (on a group spanning nodes: among its node's windows, offsets in g->node).
  * CT_EINVAL naming `what` if it starts in one and runs past its end. */
 ct_status ct__shm_locate(const ct_group *g, const void *buf, size_t bytes, ct__shm_ref *ref,
                          const char *what);

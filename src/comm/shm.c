@@ -102,6 +102,10 @@ struct ct__plain {
 static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
 
 
+/* The group whose windows hold g's shared allocations: g itself on one
+ * node, else this rank's node (the ranks of g on it). */
+static ct_group *owner(const ct_group *g) { return g->node ? g->node : (ct_group *)g; }
+
 static int shm_enabled(void)
 {
     const char *e = getenv("CTRAIN_COMM_SHM");
@@ -223,22 +227,25 @@ static ct_status shm_close(ct_group *g)
 /* Collective and blocking, like MPI_Comm_split. */
 static ct_status alloc_run(alloc_op *q)
 {
-    ct_group *g = q->w.g;
+    ct_group *g = q->w.g, *t = owner(g);
     int rc;
     /* Allocate what can fail locally first, so every rank knows before the
      * window's collective call whether all can go on. */
     struct ct__shm *s = NULL;
     shm_alloc *a = ct_alloc(sizeof *a, CT_MEM_OTHER);
-    if (a) a->base = ct_alloc((size_t)g->size * sizeof *a->base, CT_MEM_OTHER);
-    if (!g->shm) {
+    if (a) a->base = ct_alloc((size_t)t->size * sizeof *a->base, CT_MEM_OTHER);
+    if (!t->shm) {
         s = ct_alloc(sizeof *s, CT_MEM_OTHER);
-        if (s) s->slot = ct_alloc((size_t)g->size * sizeof *s->slot, CT_MEM_OTHER);
+        if (s) s->slot = ct_alloc((size_t)t->size * sizeof *s->slot, CT_MEM_OTHER);
     }
     /* Without MPI_THREAD_MULTIPLE, blocking calls of other groups would stall
      * the comm thread, and with it the shared-memory paths: MPI only then. */
+    /* On one node: one window over the group.  Spanning nodes, when some
+     * node has two of its ranks: a window per node, over the group's ranks
+     * on it (two-level collectives use them). */
     int local[2] = {shm_enabled() && ct__engine_concurrent() && g->size > 1 &&
-                        g->local_size == g->size,
-                    a && a->base && (g->shm || (s && s->slot))};
+                        (g->nnodes == 1 || g->nnodes < g->size),
+                    a && a->base && (t->shm || (s && s->slot))};
     int all[2] = {0, 0};
     rc = MPI_Allreduce(local, all, 2, MPI_INT, MPI_MIN, g->comm);
     ct_status st = CT_OK;
@@ -253,48 +260,48 @@ static ct_status alloc_run(alloc_op *q)
         goto out_free;
     }
     if (s) {
-        if ((st = shm_open(g, s)) != CT_OK) goto out_free;
-        s = NULL; /* now g->shm */
+        if ((st = shm_open(t, s)) != CT_OK) goto out_free;
+        s = NULL; /* now t->shm */
     }
     /* Open MPI's segments start 8 bytes past a line (its window state comes
      * first): ask for a line more and start each rank's buffer on the next
      * line.  Offsets within a page are the same in every process, so every
      * rank finds the same start for every segment. */
     size_t cap = ((q->bytes + 63) & ~(size_t)63) + 64;
-    if ((st = win_create(g, cap, 1, &a->win, a->base)) != CT_OK) goto out_close;
-    for (int r = 0; r < g->size; r++)
+    if ((st = win_create(t, cap, 1, &a->win, a->base)) != CT_OK) goto out_close;
+    for (int r = 0; r < t->size; r++)
         a->base[r] = (char *)(((uintptr_t)a->base[r] + 63) & ~(uintptr_t)63);
     /* Zeroed for the caller, and first touched by its owner (the page's NUMA
      * home).  Peers' pages are mapped into this process now, not in the
      * first allreduce: reading a byte per page is enough. */
-    memset(a->base[g->rank], 0, q->bytes);
-    for (int r = 0; r < g->size; r++) {
+    memset(a->base[t->rank], 0, q->bytes);
+    for (int r = 0; r < t->size; r++) {
         MPI_Aint size = 0;
         int unit = 0;
         void *p = NULL;
-        if (r == g->rank || MPI_Win_shared_query(a->win, r, &size, &unit, &p) != MPI_SUCCESS)
+        if (r == t->rank || MPI_Win_shared_query(a->win, r, &size, &unit, &p) != MPI_SUCCESS)
             continue;
         for (MPI_Aint o = 0; o < size; o += 4096) (void)*(volatile char *)((char *)p + o);
     }
     /* Every rank's barrier slot is zero before anyone uses it. */
-    if ((rc = MPI_Barrier(g->comm)) != MPI_SUCCESS) {
+    if ((rc = MPI_Barrier(t->comm)) != MPI_SUCCESS) {
         st = ct__mpi_fail(rc, "MPI_Barrier (after creating a shared window)");
         win_free(&a->win);
         goto out_close;
     }
-    a->id = g->shm->next_id++;
+    a->id = t->shm->next_id++;
     a->bytes = q->bytes;
     a->cat = q->cat;
     ct__mem_account(q->cat, (int64_t)q->bytes);
     pthread_mutex_lock(&reg_mu);
-    a->next = g->shm->allocs;
-    g->shm->allocs = a;
+    a->next = t->shm->allocs;
+    t->shm->allocs = a;
     pthread_mutex_unlock(&reg_mu);
     q->out = a;
     return CT_OK;
 
 out_close:
-    if (g->shm && !g->shm->allocs) shm_close(g);
+    if (t->shm && !t->shm->allocs) shm_close(t);
 out_free:
     free_alloc_struct(a);
     free_shm_struct(s);
@@ -304,6 +311,7 @@ out_free:
 /* Collective: frees a and, with the group's last allocation, the control block. */
 static ct_status free_one(ct_group *g, shm_alloc *a)
 {
+    g = owner(g);
     struct ct__shm *s = g->shm;
     pthread_mutex_lock(&reg_mu);
     for (shm_alloc **p = &s->allocs; *p; p = &(*p)->next)
@@ -335,8 +343,9 @@ static int free_start(ct_work *w)
     if (o->a) {
         st = free_one(w->g, o->a);
     } else {
-        while (w->g->shm) {
-            ct_status s = w->g->shm->allocs ? free_one(w->g, w->g->shm->allocs) : shm_close(w->g);
+        ct_group *t = owner(w->g);
+        while (t->shm) {
+            ct_status s = t->shm->allocs ? free_one(t, t->shm->allocs) : shm_close(t);
             if (st == CT_OK) st = s;
         }
     }
@@ -353,6 +362,7 @@ static const ct__op_vt free_vt = {.name = "MPI_Win_free",
 /* The allocation of g whose segment on this rank holds p, or NULL (reg_mu held). */
 static shm_alloc *containing(const ct_group *g, const void *p)
 {
+    g = owner(g);
     if (!g->shm) return NULL;
     uintptr_t x = (uintptr_t)p;
     for (shm_alloc *a = g->shm->allocs; a; a = a->next) {
@@ -366,9 +376,10 @@ static shm_alloc *containing(const ct_group *g, const void *p)
  * the one holding p, else NULL (reg_mu held). */
 static shm_alloc *allocation_at(const ct_group *g, const void *p)
 {
-    if (!g->shm) return NULL;
-    for (shm_alloc *a = g->shm->allocs; a; a = a->next)
-        if (a->base[g->rank] == p) return a;
+    const ct_group *t = owner(g);
+    if (!t->shm) return NULL;
+    for (shm_alloc *a = t->shm->allocs; a; a = a->next)
+        if (a->base[t->rank] == p) return a;
     return containing(g, p);
 }
 
@@ -400,7 +411,7 @@ ct_status ct_group_alloc_shared(ct_group *g, size_t bytes, ct_mem_cat cat, void 
     ct__work_destroy(&q->w);
     CT_TRY(st);
     if (a) {
-        *ptr = a->base[g->rank];
+        *ptr = a->base[owner(g)->rank];
         return CT_OK;
     }
     struct ct__plain *node = ct_alloc(sizeof *node, CT_MEM_OTHER);
@@ -447,7 +458,8 @@ void ct_group_free_shared(ct_group *g, void *ptr)
         ct_free(n);
         return;
     }
-    CT_ASSERT(ptr == a->base[g->rank] && "ct_group_free_shared: not the start of an allocation");
+    CT_ASSERT(ptr == a->base[owner(g)->rank] &&
+              "ct_group_free_shared: not the start of an allocation");
     CT_ASSERT(!ct__on_comm_thread()); /* would wait on itself */
     ct__group_quiesce(g); /* its works may still use the memory */
     free_op *o = ct__work_new(g, &free_vt, sizeof *o);
@@ -465,7 +477,7 @@ int ct_group_is_shared(const ct_group *g, const void *ptr, size_t bytes)
     if (!g || !ptr) return 0;
     pthread_mutex_lock(&reg_mu);
     shm_alloc *a = containing(g, ptr);
-    int ok = a && bytes <= a->bytes - (size_t)((uintptr_t)ptr - (uintptr_t)a->base[g->rank]);
+    int ok = a && bytes <= a->bytes - (size_t)((uintptr_t)ptr - (uintptr_t)a->base[owner(g)->rank]);
     pthread_mutex_unlock(&reg_mu);
     return ok;
 }
@@ -473,7 +485,7 @@ int ct_group_is_shared(const ct_group *g, const void *ptr, size_t bytes)
 int ct__shm_window_ranks(const ct_group *g, const void *p)
 {
     pthread_mutex_lock(&reg_mu);
-    int n = containing(g, p) ? g->size : 0;
+    int n = containing(g, p) ? owner(g)->size : 0;
     pthread_mutex_unlock(&reg_mu);
     return n;
 }
@@ -485,7 +497,7 @@ void ct__shm_release(ct_group *g)
         ct_free(n);
     }
     pthread_mutex_lock(&reg_mu);
-    int has = g->shm != NULL;
+    int has = owner(g)->shm != NULL;
     pthread_mutex_unlock(&reg_mu);
     if (!has) return;
     ct_log(CT_LOG_DEBUG, "comm: freeing shared allocations still live on a group");
@@ -649,12 +661,22 @@ int ct__shm_active(const ct_group *g)
     return has;
 }
 
+int ct__shm_node_active(const ct_group *g)
+{
+    pthread_mutex_lock(&reg_mu);
+    int has = g->node && g->node->shm;
+    pthread_mutex_unlock(&reg_mu);
+    return has;
+}
+
+uint64_t ct__shm_alloc_id(const ct__shm_ref *ref) { return ref->a ? ref->a->id : 0; }
+
 ct_status ct__shm_locate(const ct_group *g, const void *buf, size_t bytes, ct__shm_ref *ref,
                          const char *what)
 {
     pthread_mutex_lock(&reg_mu);
     shm_alloc *a = containing(g, buf);
-    size_t off = a ? (size_t)((uintptr_t)buf - (uintptr_t)a->base[g->rank]) : 0;
+    size_t off = a ? (size_t)((uintptr_t)buf - (uintptr_t)a->base[owner(g)->rank]) : 0;
     size_t size = a ? a->bytes : 0;
     pthread_mutex_unlock(&reg_mu);
     ref->a = a;

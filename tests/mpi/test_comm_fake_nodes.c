@@ -106,3 +106,105 @@ TEST(fake_nodes_no_shared_window_across_nodes)
     ct_group_destroy(g);
     ASSERT_NO_SOFT_FAIL();
 }
+
+/* With fake nodes, the two-level allreduce on shared memory gives the flat
+ * MPI allreduce's result on private memory: bit for bit for exact f32
+ * inputs and every op, within tolerance for bf16/f16; and it ran. */
+TEST(fake_nodes_two_level_allreduce_equals_flat)
+{
+    soft_begin();
+    int p = ct_group_size(W()), me = ct_group_rank(W());
+    static const int64_t sizes[] = {1, 7, 4099, 262147};
+    static const ct_dtype dts[] = {CT_F32, CT_BF16, CT_F16};
+    for (int k = 2; k <= 3; k++) {
+        ct_group *g = world_on_fake_nodes(k);
+        int64_t cap = 262147;
+        char *x = NULL;
+        ASSERT_OK(ct_group_alloc_shared(g, (size_t)cap * 4 + 64, CT_MEM_COMM, (void **)&x));
+        char *y = ct_alloc((size_t)cap * 4, CT_MEM_COMM);
+        /* shared within a node when some node has two ranks of g */
+        int maxlocal = ct_group_local_size(g);
+        ASSERT_OK(ct_group_allreduce(g, &maxlocal, 1, CT_I32, CT_OP_MAX, NULL));
+        int expect_two_level = shm_enabled() && maxlocal > 1;
+        ASSERT_EQ(ct__shm_window_ranks(g, x), expect_two_level ? ct_group_local_size(g) : 0);
+        uint64_t runs0 = atomic_load(&ct__allreduce_two_level_runs), nruns = 0;
+        for (int d = 0; d < 3; d++)
+            for (int s = 0; s < 4; s++)
+                for (int op = CT_OP_SUM; op <= CT_OP_MIN; op++) {
+                    ct_dtype dt = dts[d];
+                    int64_t n = sizes[s];
+                    int seed = 5000 + 100 * k + 10 * d + s * 4 + op;
+                    char *b = x + (s % 2) * 4; /* aligned and not */
+                    for (int64_t i = 0; i < n; i++) {
+                        put(b, dt, i, input(me, i, seed, dt));
+                        put(y, dt, i, input(me, i, seed, dt));
+                    }
+                    ct_work *w;
+                    ASSERT_OK(ct_group_allreduce(g, b, n, dt, (ct_reduce_op)op, &w));
+                    ASSERT_OK(ct_group_allreduce(g, y, n, dt, (ct_reduce_op)op, NULL));
+                    ASSERT_OK(ct_work_wait(w));
+                    ct_work_destroy(w);
+                    nruns++;
+                    for (int64_t i = 0; i < n; i++) {
+                        double sa, want = reference(dt, (ct_reduce_op)op, i, p, seed, &sa);
+                        double tol = tolerance(dt, (ct_reduce_op)op, p, want, sa);
+                        double got = get(b, dt, i), flat = get(y, dt, i);
+                        int bad = !(fabs(got - want) <= tol);
+                        if (dt == CT_F32) bad = bad || got != flat;
+                        if (bad) {
+                            soft_fail("K=%d %s %s n=%lld: two-level [%lld] = %.9g, flat %.9g, "
+                                      "want %.9g", k, ct_dtype_name(dt), op_name((ct_reduce_op)op),
+                                      (long long)n, (long long)i, got, flat, want);
+                            break;
+                        }
+                    }
+                }
+        uint64_t ran = atomic_load(&ct__allreduce_two_level_runs) - runs0;
+        if (ran != (expect_two_level ? nruns : 0))
+            soft_fail("K=%d: %llu of %llu allreduces took the two-level path, want %llu", k,
+                      (unsigned long long)ran, (unsigned long long)nruns,
+                      (unsigned long long)(expect_two_level ? nruns : 0));
+        ct_free(y);
+        ct_group_free_shared(g, x);
+        ct_group_destroy(g);
+    }
+    ASSERT_NO_SOFT_FAIL();
+}
+
+/* Across nodes the agreement is an MPI allreduce of a hash: ranks that pass
+ * different ranges, or private memory on one rank, all fail. */
+TEST(fake_nodes_two_level_mismatch_fails_on_every_rank)
+{
+    soft_begin();
+    int p = ct_group_size(W()), me = ct_group_rank(W());
+    ct_group *g = world_on_fake_nodes(2);
+    int64_t n = 4096;
+    float *x = NULL;
+    ASSERT_OK(ct_group_alloc_shared(g, (size_t)n * 4, CT_MEM_COMM, (void **)&x));
+    if (!ct__shm_window_ranks(g, x)) { /* no node with two ranks: flat MPI, nothing to agree */
+        ct_group_free_shared(g, x);
+        ct_group_destroy(g);
+        return;
+    }
+    float *priv = ct_alloc((size_t)n * 4, CT_MEM_COMM);
+    for (int64_t i = 0; i < n; i++) x[i] = priv[i] = (float)(me * 10000 + i);
+    ASSERT_ERR(ct_group_allreduce(g, x + 16 * me, 1000, CT_F32, CT_OP_SUM, NULL), CT_EINVAL,
+               "different arguments");
+    ASSERT_ERR(ct_group_allreduce(g, me == p - 1 ? priv : x, n, CT_F32, CT_OP_SUM, NULL),
+               CT_EINVAL, "different arguments");
+    for (int64_t i = 0; i < n; i++)
+        if (x[i] != (float)(me * 10000 + i)) {
+            soft_fail("a failed allreduce changed x[%lld]", (long long)i);
+            break;
+        }
+    ASSERT_OK(ct_group_allreduce(g, x, n, CT_F32, CT_OP_AVG, NULL));
+    for (int64_t i = 0; i < n; i++)
+        if (x[i] != (float)(10000 * p * (p - 1) / 2 + p * i) * (1.0f / (float)p)) {
+            soft_fail("allreduce after the errors: x[%lld] = %g", (long long)i, x[i]);
+            break;
+        }
+    ct_free(priv);
+    ct_group_free_shared(g, x);
+    ct_group_destroy(g);
+    ASSERT_NO_SOFT_FAIL();
+}

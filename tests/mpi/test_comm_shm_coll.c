@@ -101,7 +101,9 @@ TEST(shm_reduce_scatter_f32_matches_mpi_and_rank_order)
     int p = ct_group_size(g), me = ct_group_rank(g);
     int64_t n = 30011;
     float *sh = alloc_shared(g, (size_t)(n * p) * 4);
-    int direct = ct_group_is_shared(g, sh, (size_t)(n * p) * 4);
+    /* the direct path: shared, on one node (spanning nodes these go through MPI) */
+    int direct = ct_group_is_shared(g, sh, (size_t)(n * p) * 4) &&
+                 ct_group_local_size(g) == ct_group_size(g);
     float *pr = ct_alloc((size_t)(n * p) * 4, CT_MEM_COMM);
     float *out_sh = ct_alloc((size_t)n * 4, CT_MEM_COMM), *out_pr = ct_alloc((size_t)n * 4, CT_MEM_COMM);
     for (int op = CT_OP_SUM; op <= CT_OP_MIN; op++) {
@@ -207,7 +209,8 @@ TEST(shm_reduce_f32_matches_mpi_and_rank_order)
     int p = ct_group_size(g), me = ct_group_rank(g);
     int64_t n = 100003;
     float *sh = alloc_shared(g, (size_t)n * 4);
-    int direct = ct_group_is_shared(g, sh, (size_t)n * 4);
+    int direct = ct_group_is_shared(g, sh, (size_t)n * 4) &&
+                 ct_group_local_size(g) == ct_group_size(g);
     float *pr = ct_alloc((size_t)n * 4, CT_MEM_COMM);
     int root = p - 1;
     for (int op = CT_OP_SUM; op <= CT_OP_MIN; op++) {
@@ -241,7 +244,8 @@ TEST(shm_coll_mismatch_fails_on_every_rank)
     int p = ct_group_size(g), me = ct_group_rank(g);
     int64_t n = 1024;
     float *x = alloc_shared(g, (size_t)(n * p) * 4);
-    if (!ct_group_is_shared(g, x, (size_t)(n * p) * 4)) { /* MPI path: nothing to agree */
+    if (!ct_group_is_shared(g, x, (size_t)(n * p) * 4) ||
+        ct_group_local_size(g) != ct_group_size(g)) { /* MPI path: nothing to agree */
         ct_group_free_shared(g, x);
         return;
     }
