@@ -27,6 +27,15 @@
  * compute running and the CPU the allreduces added to it (CPU of T_both
  * minus CPU of the compute alone).
  *
+ *   bench/comm_overlap --compare-two-level [--reps N] [--nodes K] [--mib M] [--nbuf N]
+ *
+ * --compare-two-level times, on a copy of the world cut into K fake nodes
+ * (ct_comm_set_fake_nodes, default 2; run it on 4 ranks: mpirun -np 4), the
+ * flat allreduce (private buffers: one MPI_Iallreduce over all ranks) and
+ * the two-level one (buffers from ct_group_alloc_shared: shared memory in
+ * each node, MPI between node leaders): T_comm for nbuf x M MiB f32
+ * (default 8 x 4), slowest rank, median, and rank 0's CPU time in it.
+ *
  * Started without mpirun it re-launches itself on 2 ranks.  The last line is
  * machine-readable: "ctrain_comm_overlap t_compute_ms=... overlap=..." (or
  * "ctrain_comm_shm ..." with --compare-shm).
@@ -179,11 +188,61 @@ static void compare_shm(int reps)
     if (rank == 0) printf("%s\n", line);
 }
 
+/* --compare-two-level */
+static void compare_two_level(int reps, int nodes, int64_t n)
+{
+    ct_comm_set_fake_nodes(nodes);
+    ct_group *g = NULL;
+    check(ct_group_split(ct_group_world(), 0, ct_group_rank(ct_group_world()), &g), "split");
+    ct_comm_set_fake_nodes(0);
+    int rank = ct_group_rank(g);
+    double ms[2] = {0, 0}, cpums[2] = {0, 0};
+    for (int path = 0; path < 2; path++) {
+        size_t bytes = (size_t)n * sizeof(float);
+        for (int i = 0; i < nbuf; i++) {
+            if (path) check(ct_group_alloc_shared(g, bytes, CT_MEM_COMM, (void **)&buf[i]), "alloc");
+            else if (!(buf[i] = ct_alloc_zeroed(bytes, CT_MEM_COMM))) ct_comm_abort("out of memory");
+            for (int64_t j = 0; j < n; j++) buf[i][j] = 1e-3f * (float)(j % 7);
+        }
+        double t[1000], c[1000];
+        for (int r = -1; r < reps; r++) {
+            ct_work *w[MAXBUF];
+            check(ct_group_barrier(g), "barrier");
+            double t0 = wall(), c0 = cpu();
+            for (int i = 0; i < nbuf; i++)
+                check(ct_group_allreduce(g, buf[i], n, CT_F32, CT_OP_SUM, &w[i]), "allreduce");
+            check(ct_work_wait_all(w, nbuf), "wait");
+            for (int i = 0; i < nbuf; i++) ct_work_destroy(w[i]);
+            int64_t ns = (int64_t)((wall() - t0) * 1e9);
+            double cc = cpu() - c0;
+            check(ct_group_allreduce(g, &ns, 1, CT_I64, CT_OP_MAX, NULL), "allreduce");
+            if (r >= 0) t[r] = (double)ns * 1e-6, c[r] = cc * 1e3;
+        }
+        ms[path] = median(t, reps);
+        cpums[path] = median(c, reps);
+        for (int i = 0; i < nbuf; i++) {
+            if (path) ct_group_free_shared(g, buf[i]);
+            else ct_free(buf[i]);
+            buf[i] = NULL;
+        }
+    }
+    if (rank == 0) {
+        printf("comm_overlap --compare-two-level: %d ranks on %d fake nodes, %d x %.3g MiB f32 "
+               "allreduce, median of %d\n", ct_group_size(g), nodes, nbuf,
+               (double)n * 4 / 1048576, reps);
+        printf("  flat (MPI)         T_comm %8.2f ms  rank 0 cpu %8.2f ms\n", ms[0], cpums[0]);
+        printf("  two-level (shm+MPI) T_comm %8.2f ms  rank 0 cpu %8.2f ms\n", ms[1], cpums[1]);
+        printf("ctrain_comm_two_level flat_ms=%.3f two_level_ms=%.3f flat_cpu_ms=%.3f "
+               "two_level_cpu_ms=%.3f\n", ms[0], ms[1], cpums[0], cpums[1]);
+    }
+    ct_group_destroy(g);
+}
+
 int main(int argc, char **argv)
 {
     ct_blas_select_kernel(argc, argv); /* measure the fast kernel, as ctrain runs it */
     bench_relaunch_under_mpirun(argc, argv, 2);
-    int reps = 9, shm_mode = 0;
+    int reps = 9, shm_mode = 0, two_level = 0, nodes = 2;
     double mib = 4;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
@@ -192,9 +251,11 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--nbuf") && i + 1 < argc) nbuf = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--ngemm") && i + 1 < argc) ngemm = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--compare-shm")) shm_mode = 1;
+        else if (!strcmp(argv[i], "--compare-two-level")) two_level = 1;
+        else if (!strcmp(argv[i], "--nodes") && i + 1 < argc) nodes = atoi(argv[++i]);
         else {
             fprintf(stderr, "usage: comm_overlap [--reps N] [--poll-us US] [--mib M] [--nbuf N] "
-                            "[--ngemm N] [--compare-shm]\n");
+                            "[--ngemm N] [--compare-shm] [--compare-two-level [--nodes K]]\n");
             return 2;
         }
     }
@@ -213,6 +274,12 @@ int main(int argc, char **argv)
     if (!a || !b || !c) ct_comm_abort("out of memory");
     for (int i = 0; i < M * K; i++) a[i] = (float)(i % 7) * 0.01f;
     for (int i = 0; i < K * N; i++) b[i] = (float)(i % 5) * 0.01f;
+    if (two_level) {
+        compare_two_level(reps, nodes, count);
+        ct_free(a), ct_free(b), ct_free(c);
+        ct_comm_finalize();
+        return 0;
+    }
     if (shm_mode) {
         compare_shm(reps);
         ct_free(a), ct_free(b), ct_free(c);

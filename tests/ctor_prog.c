@@ -9,13 +9,14 @@
  *   ctor_prog --select   calls ct_blas_select_kernel first thing, as the
  *                        ctrain program does
  *   ctor_prog --warn     calls ct_blas_warn_if_slow twice
+ *   ctor_prog --comm     starts and stops communication (ct_comm_init warns)
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-#include "ctrain/core.h"
+#include "ctrain/comm.h"
 
 static int ctor_runs;
 
@@ -37,6 +38,10 @@ int main(int argc, char **argv)
     if (argc > 1 && !strcmp(argv[1], "--warn")) {
         ct_blas_warn_if_slow();
         ct_blas_warn_if_slow(); /* once per process */
+    }
+    if (argc > 1 && !strcmp(argv[1], "--comm")) {
+        if (ct_comm_init(NULL, NULL) != CT_OK) fprintf(stderr, "ctor_prog: %s\n", ct_last_error());
+        ct_comm_finalize();
     }
     const char *core = getenv("OPENBLAS_CORETYPE");
     printf("constructor runs in this image: %d\n", ctor_runs);

@@ -152,3 +152,52 @@ TEST(comm_abort_on_one_rank_ends_the_job)
     /* Open MPI's own "MPI_ABORT was invoked on rank 1" notice is not checked:
      * Open MPI 4.1's show_help sometimes loses it as the job is torn down. */
 }
+
+/* mpirun -np 3 mpi_run --timeout-demo with CTRAIN_COMM_TIMEOUT=2: the last
+ * rank never starts the world's fourth allreduce.  The job must end by
+ * itself, non-zero, with every rank - the two that waited and the one that
+ * never came - logging which collective of which group did not complete. */
+TEST(comm_timeout_ends_the_job_with_a_message_on_every_rank)
+{
+    char exe[4096];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 32);
+    ASSERT(n > 0);
+    exe[n] = 0;
+    char *slash = strrchr(exe, '/');
+    ASSERT(slash);
+    strcpy(slash + 1, "mpi_run");
+    if (access(exe, X_OK)) {
+        fprintf(stderr, "    skipped: %s is not built (make it to run this test)\n", exe);
+        return;
+    }
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+    char cmd[4300];
+    snprintf(cmd, sizeof cmd,
+             "timeout 60 mpirun --oversubscribe --bind-to none -x CTRAIN_COMM_TIMEOUT=2 -np 3 "
+             "'%s' --timeout-demo 2>&1", exe);
+    FILE *p = popen(cmd, "r");
+    ASSERT(p);
+    static char out[65536];
+    size_t len = fread(out, 1, sizeof out - 1, p);
+    out[len] = 0;
+    int st = pclose(p);
+    ASSERT(WIFEXITED(st));
+    ASSERT(WEXITSTATUS(st) != 0);
+    ASSERT(WEXITSTATUS(st) != 124); /* not the timeout's kill: the job ended by itself */
+    ASSERT(!strstr(out, "was not ended"));
+    ASSERT(!strstr(out, "returned, which it must not"));
+    /* Every rank's own log line names the collective, its number and the group. */
+    for (int r = 0; r < 3; r++) {
+        char tag[32];
+        snprintf(tag, sizeof tag, "[rank %d/3] error: ", r);
+        const char *line = strstr(out, tag);
+        ASSERT_STR_CONTAINS(out, tag);
+        const char *end = strchr(line, '\n');
+        ASSERT(end);
+        char one[2048];
+        snprintf(one, sizeof one, "%.*s", (int)(end - line), line);
+        ASSERT_STR_CONTAINS(one, "comm timeout: allreduce #4 on group world (3 ranks");
+        if (r == 2) ASSERT_STR_CONTAINS(one, "ending the job because rank");
+    }
+}

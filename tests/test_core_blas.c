@@ -299,4 +299,8 @@ TEST(core_blas_warn_if_slow)
     out = run_prog("ctor_prog", "--warn", (const char *[]){"CTRAIN_BLAS_DISTRUST", "1", "OPENBLAS_CORETYPE",
                                                            "Haswell", NULL});
     ASSERT(!strstr(out, "OPENBLAS_CORETYPE="));
+    /* A library user hears it from ct_comm_init, and the program still starts once. */
+    out = run_prog("ctor_prog", "--comm", (const char *[]){"CTRAIN_BLAS_DISTRUST", "1", NULL});
+    ASSERT_STR_CONTAINS(out, "constructor runs in this image: 1");
+    if (k) ASSERT_STR_CONTAINS(out, "call ct_blas_select_kernel(argc, argv) first thing in main");
 }

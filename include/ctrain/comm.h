@@ -6,14 +6,22 @@
  * tensors and dtypes, nothing of layers or models.
  *
  * Threading.  ct_comm_init starts one communication thread per process.
- * That thread calls MPI_Init_thread and then makes every MPI call ctrain
- * makes; it starts the collectives of a group in the order the caller issued
- * them, so MPI's rule that all ranks call collectives on a communicator in
- * the same order holds as long as all ranks issue ctrain's collectives on a
- * group in the same order.
+ * That thread calls MPI_Init_thread and then makes ctrain's MPI calls; it
+ * starts the collectives of a group in the order the caller issued them, so
+ * MPI's rule that all ranks call collectives on a communicator in the same
+ * order holds as long as all ranks issue ctrain's collectives on a group in
+ * the same order.  Calls that MPI only has in blocking form (split, shared
+ * window allocation and free) run on a second, blocking-call thread, so that
+ * while one rank waits in such a call on one group, the comm thread still
+ * drives every other group's operations (a peer may need them before it can
+ * make the same call): any number of groups may have work in flight, and
+ * only the orders within each group must match across ranks (blocking calls,
+ * as in MPI, must also come in the same order on every rank).
  * While an operation is in flight the thread polls MPI (Open MPI does not
  * progress nonblocking collectives by itself) with short sleeps in between,
- * so communication runs while the caller computes without taking a core.
+ * so communication runs while the caller computes without taking a core;
+ * while the caller waits in ct_work_wait it polls without sleeping for a
+ * while (ct_comm_set_wait_spin_us), so a waited-for message is seen at once.
  * Starting operations, waiting and testing are thread-safe, but the order in
  * which collectives on a group are started must be the same on every rank,
  * so start them from one thread (normally the training loop's).  Init,
@@ -33,16 +41,27 @@
  * with ct_comm_abort.
  *
  * Shared memory.  When every rank of a group is on one node, buffers from
- * ct_group_alloc_shared live in an MPI-3 shared-memory window, and an
- * allreduce over the same range of one such allocation on every rank skips
- * MPI's messages: each rank sums its slice of the range across all ranks'
- * buffers and writes it into all of them (for f32, bf16, f16; integer
- * dtypes go through MPI).  It is queued, ordered and completed like any
- * collective.  On a group with shared allocations every allreduce, shared
- * or not, first agrees through shared memory on every rank's (range, count,
- * dtype, op): ranks that differ all fail with CT_EINVAL.  CTRAIN_COMM_SHM=0
- * turns shared allocations into ordinary memory (every allreduce then takes
- * the MPI path), for comparison or as an escape hatch.
+ * ct_group_alloc_shared live in an MPI-3 shared-memory window, and
+ * collectives over the same range of one such allocation on every rank skip
+ * MPI's messages (for f32, bf16, f16; all-gather for any dtype; integer
+ * reductions go through MPI): an allreduce has each rank sum its slice of
+ * the range across all ranks' buffers and write it into all of them; a
+ * reduce writes the slices into the root's buffer only; a reduce-scatter
+ * has rank r reduce block r of every rank's send buffer into its recv (which
+ * may be private); an all-gather copies each rank's block out of its peers'
+ * receive buffers.  Sums run in rank order, in f32 for 16-bit types,
+ * rounded once.  They are queued, ordered and completed like any
+ * collective.  On a group with shared allocations each of these first
+ * agrees through shared memory on every rank's (collective, range, count,
+ * dtype, op, root): ranks that differ all fail with CT_EINVAL.
+ * When a group spans nodes, its shared allocations are windows per node
+ * (over the group's ranks on that node), and an allreduce over them is
+ * two-level: reduced through shared memory into each node's first rank,
+ * allreduced between those with MPI, copied back through shared memory
+ * (agreement across nodes through a small MPI allreduce first); its other
+ * collectives use MPI.  CTRAIN_COMM_SHM=0 turns shared allocations into
+ * ordinary memory (every collective then takes the MPI path), for
+ * comparison or as an escape hatch.
  */
 #ifndef CTRAIN_COMM_H
 #define CTRAIN_COMM_H
@@ -86,7 +105,9 @@ ct_group *ct_group_world(void);
 /* This rank's index in g, 0..size-1. */
 int ct_group_rank(const ct_group *g);
 int ct_group_size(const ct_group *g);
-/* This rank's index among the ranks of g on the same node, and how many those are. */
+/* This rank's index among the ranks of g on the same node, and how many
+ * those are.  Nodes are machines, or with CTRAIN_FAKE_NODES=K (see
+ * ct_comm_set_fake_nodes) K blocks of contiguous world ranks per machine. */
 int ct_group_local_rank(const ct_group *g);
 int ct_group_local_size(const ct_group *g);
 /* Collective over g: ranks with the same color form a sub-group, ordered by
@@ -116,17 +137,21 @@ void ct_group_destroy(ct_group *g);
 
 /* buf[0..count) on every rank becomes the reduction over ranks of buf.
  * Without messages when buf is the same range of one of g's shared
- * allocations on every rank (see Shared memory above). */
+ * allocations on every rank; two-level when g spans nodes (see Shared
+ * memory above). */
 ct_status ct_group_allreduce(ct_group *g, void *buf, int64_t count, ct_dtype dt,
                              ct_reduce_op op, ct_work **work);
-/* buf on rank root becomes the reduction over ranks; other ranks' buf is unchanged. */
+/* buf on rank root becomes the reduction over ranks; other ranks' buf is
+ * unchanged.  Without messages when buf is the same range of one of g's
+ * shared allocations on every rank (one node). */
 ct_status ct_group_reduce(ct_group *g, void *buf, int64_t count, ct_dtype dt,
                           ct_reduce_op op, int root, ct_work **work);
 /* buf on every rank becomes root's buf (any dtype). */
 ct_status ct_group_broadcast(ct_group *g, void *buf, int64_t count, ct_dtype dt, int root,
                              ct_work **work);
 /* recv[r*count .. (r+1)*count) becomes rank r's send[0..count) (any dtype).
- * In place when send == recv + rank*count. */
+ * In place when send == recv + rank*count.  Without messages when recv is
+ * the same range of one of g's shared allocations on every rank (one node). */
 ct_status ct_group_allgather(ct_group *g, const void *send, void *recv, int64_t count,
                              ct_dtype dt, ct_work **work);
 /* Like allgather with count[r] elements from rank r placed at recv + displ[r]
@@ -137,16 +162,20 @@ ct_status ct_group_allgatherv(ct_group *g, const void *send, int64_t send_count,
                               ct_work **work);
 /* send has size*count elements; recv[0..count) becomes the reduction over
  * ranks of block `rank` of send.  In place when recv == send + rank*count
- * (the other blocks of send are then clobbered). */
+ * (the other blocks of send are then clobbered).  Without messages when send
+ * is the same range of one of g's shared allocations on every rank (one
+ * node). */
 ct_status ct_group_reduce_scatter(ct_group *g, const void *send, void *recv, int64_t count,
                                   ct_dtype dt, ct_reduce_op op, ct_work **work);
 
 /* ---- shared memory ----------------------------------------------------- */
 
 /* Collective over g: `bytes` bytes of zeroed, 64-byte aligned memory that
- * collectives on g can reduce in place without copies when all of g's ranks
- * share a node (an MPI shared-memory window); otherwise (ranks on several
- * nodes, a group of one, CTRAIN_COMM_SHM=0) ordinary memory.  Counted under
+ * collectives on g can work on in place without copies: an MPI shared-memory
+ * window over g when all of g's ranks share a node, or over g's ranks on
+ * each node when g spans nodes (if some node has two of them); otherwise (a
+ * group of one, one rank per node, CTRAIN_COMM_SHM=0, MPI without
+ * MPI_THREAD_MULTIPLE) ordinary memory.  Counted under
  * cat in the tracked allocator.  Waits for g's outstanding operations
  * first.  Free with ct_group_free_shared (collective); ct_group_destroy and
  * ct_comm_finalize free what is left. */
@@ -154,7 +183,8 @@ ct_status ct_group_alloc_shared(ct_group *g, size_t bytes, ct_mem_cat cat, void 
 /* Collective over g (waits for g's outstanding operations): frees ptr from
  * ct_group_alloc_shared on g.  NULL is a no-op. */
 void ct_group_free_shared(ct_group *g, void *ptr);
-/* 1 if ptr..ptr+bytes lies in a shared allocation of g with the direct path available. */
+/* 1 if ptr..ptr+bytes lies in a shared allocation of g that is shared
+ * memory (with g's ranks on this node, when g spans nodes). */
 int ct_group_is_shared(const ct_group *g, const void *ptr, size_t bytes);
 
 /* ---- point to point ----------------------------------------------------
@@ -176,8 +206,8 @@ ct_status ct_group_broadcast_tensor(ct_group *g, ct_tensor *t, int root, ct_work
 /* Called once when the operation completes, with its status. */
 typedef void (*ct_work_fn)(ct_work *w, ct_status status, void *arg);
 
-/* Blocks (sleeping, not spinning) until w completes and its callback has
- * run; returns its status (message set in the calling thread).  May be
+/* Blocks (the calling thread sleeps; the comm thread polls for it, see
+ * ct_comm_set_wait_spin_us) until w completes and its callback has run; returns its status (message set in the calling thread).  May be
  * called again; the result does not change. */
 ct_status ct_work_wait(ct_work *w);
 /* Waits for n handles in order (NULL entries skipped); returns the first failure. */
@@ -209,6 +239,13 @@ void ct_comm_set_poll_us(int us);
 int ct_comm_get_poll_us(void);
 void ct_comm_set_poll_max_us(int us);
 int ct_comm_get_poll_max_us(void);
+/* Microseconds the comm thread polls without napping after a caller starts
+ * to wait in ct_work_wait (default 10000, or CTRAIN_COMM_WAIT_SPIN_US; 0
+ * never): the caller's core is idle then, and a message or peer arriving
+ * during that time is seen at once instead of after a nap of up to the
+ * maximum.  Costs that core's time while the wait lasts, up to this long. */
+void ct_comm_set_wait_spin_us(int us);
+int ct_comm_get_wait_spin_us(void);
 /* Collectives of one group that run in MPI at once (default 2, or
  * CTRAIN_COMM_MAX_RUNNING; 0 = no limit).  Later ones wait in order and
  * start as earlier ones finish: large collectives running together compete
@@ -216,6 +253,28 @@ int ct_comm_get_poll_max_us(void);
  * ~11 ms with 2 at a time, ~18 ms all at once). */
 void ct_comm_set_max_running(int n);
 int ct_comm_get_max_running(void);
+/* Seconds a collective (or a blocking group call) may take from its start
+ * before it ends the job (default 300, or CTRAIN_COMM_TIMEOUT; 0 never).
+ * Then every rank logs "comm timeout: allreduce #12 on group world (...)"
+ * (the operation, its number among the group's collectives counted from 1,
+ * and the group: "world", or "world/split1.color0" for the first split of
+ * the world, color 0) and the job ends (MPI_Abort): a rank that never
+ * starts a collective, or starts a group's collectives in another order,
+ * is an error on every rank, not a silent hang.  Point-to-point transfers
+ * have no timeout (a pipeline stage may wait long for its input). */
+void ct_comm_set_timeout(double seconds);
+double ct_comm_get_timeout(void);
+/* Fake node boundaries, to test multi-node paths on one machine: with K > 0
+ * every machine's ranks count as K nodes of contiguous world ranks (rank r
+ * of a world of P is on node r*K/P: 4 ranks, K=2: ranks 0,1 on node 0 and
+ * 2,3 on node 1; sizes differ by one when K does not divide P; K >= P: one
+ * rank per node).  Everything that asks "which node" follows: local
+ * rank/size, shared-memory windows (never across nodes), two-level
+ * collectives.  Read from CTRAIN_FAKE_NODES at ct_comm_init (default 0:
+ * real nodes only), which fixes the world group's nodes; the setter changes
+ * it for groups split afterwards.  Must be the same on every rank. */
+void ct_comm_set_fake_nodes(int k);
+int ct_comm_get_fake_nodes(void);
 
 #ifdef __cplusplus
 }

@@ -2,18 +2,40 @@
  * The engine: one communication thread per process, its FIFO of submitted
  * works, and the work handles callers hold.
  *
- * The comm thread initialises MPI and is the only thread that calls it (so
- * any MPI thread level from MPI_THREAD_FUNNELED up is enough).  It takes
- * works off the queue in submission order and starts them (nonblocking
- * MPI_I* calls, or a short blocking call such as MPI_Comm_split); then,
+ * The comm thread initialises MPI and makes every nonblocking MPI call.  It
+ * takes works off the queue in submission order and starts them; then,
  * while requests are in flight, it calls MPI_Testsome, which is also what
  * drives Open MPI's progress, and naps between calls that made no progress:
- * 20 us at first, doubling while nothing moves up to 500 us.  It never spins
- * a core: it sleeps on a condition variable when idle.  The one exception is
- * short: while the caller is blocked in ct_work_wait (so its core is free)
- * the thread polls with sched_yield for up to 200 us after each progress,
- * which takes a small allreduce on 2 ranks from ~100 us to ~40 us.  Waiters
- * sleep on another condition variable.
+ * 20 us at first, doubling while nothing moves up to 500 us.  It sleeps on
+ * a condition variable when idle.  While a caller is blocked in
+ * ct_work_wait (its core has nothing else to do) the thread polls without
+ * napping, yielding the CPU between polls, for up to wait_spin_us (10 ms)
+ * after the wait began: a message or a peer's shared-memory arrival is then
+ * seen within microseconds, not after a nap that has grown to 500 us while
+ * the peer computed (bench/p2p: 8 bytes sent 2 ms after the receiver began
+ * to wait arrive in ~25 us instead of ~300 us).  Longer waits go back to
+ * napping, so waiting for a slow peer does not cost a whole core.  A
+ * caller starting to wait ends a nap at once.  Waiters sleep on another
+ * condition variable.
+ *
+ * Many groups, no deadlock.  Some group calls can only be blocking MPI
+ * calls (MPI_Comm_split, MPI_Win_allocate_shared, MPI_Win_free: MPI has no
+ * nonblocking form).  Made on the comm thread, such a call would stop it
+ * from driving anything else until the peers make the same call, and a
+ * peer may first be waiting for this rank's share of a shared-memory
+ * collective on another group, which only the comm thread does: rank 0
+ * starts a shared-memory allreduce on the world and splits another group,
+ * rank 1 waits for the allreduce before it splits, and both wait forever.
+ * (MPI's own nonblocking collectives do progress inside a blocking call,
+ * which is why the MPI path alone never hung.)  So operations marked
+ * CT__OP_BLOCKING make their blocking call on a second thread, the
+ * blocking-call thread, and the comm thread goes on driving every other
+ * operation, shared-memory or MPI, of every group, meanwhile.  The blocking
+ * operation holds its own group (later collectives of that group wait, as
+ * MPI's ordering requires) and completes through the comm thread like any
+ * other.  Two threads calling MPI at once needs MPI_THREAD_MULTIPLE; below
+ * it blocking calls run on the comm thread and shared allocations fall back
+ * to ordinary memory (shm.c), so the stall cannot arise.
  *
  * Collectives of one group run in MPI at most max_running at a time (2 by
  * default); the rest wait in the group's queue and start in order as
@@ -28,14 +50,15 @@
  * Point-to-point works are never held back and complete as soon as MPI
  * says so.
  *
- * Polled works: a start function may hand back no MPI request and set
- * w->poll instead (the shared-memory allreduce, shm.c, which waits for its
- * peers on atomics in shared memory).  The thread then calls w->poll every
- * round, alongside MPI_Testsome and with the same naps, until it says done
- * or hands over an MPI request.  While such a collective has not yet made
- * its MPI call (or finished), later collectives of its group are held back
- * like those over max_running: every rank then makes the group's MPI calls
- * in the same order, which MPI requires.
+ * Operations: each is a struct of its own that starts with a ct_work and
+ * comes with a vtable (internal.h).  The engine calls start, then, while
+ * the operation waits on an MPI request, MPI_Testsome (and progress when
+ * the request completes); while it waits on no request (shared memory: its
+ * peers' atomics), progress every round, with the same naps.  The engine
+ * knows nothing of what an operation does.  An operation with CT__OP_GATE
+ * holds its group from its start until it clears w->gate or finishes: later
+ * collectives of the group wait behind it, like those over max_running, so
+ * every rank makes the group's MPI calls and barriers in the same order.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -57,6 +80,7 @@ static struct {
     ct_work *qhead, *qtail;
     long pending; /* submitted works not yet completed */
     int waiters;  /* threads blocked in ct_work_wait */
+    double wait_start; /* ct_now() when the latest of them started waiting */
     ct_group *groups;
     ct_status (*on_start)(void);
     void (*on_stop)(void);
@@ -65,11 +89,25 @@ static struct {
 } E = {.mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER,
        .done = PTHREAD_COND_INITIALIZER};
 
-static _Atomic int poll_us = -1, poll_max_us = 500;
+static _Atomic int poll_us = -1, poll_max_us = 500, wait_spin_us = -1;
 /* Collectives of one group running in MPI at once (0: no limit). */
 static _Atomic int max_running = -1;
 
-/* Works being polled (w->poll), in start order; touched only by the comm thread. */
+/* The blocking-call thread: operations with CT__OP_BLOCKING run their start
+ * here, so that the comm thread keeps driving everything else meanwhile.
+ * Guarded by E.mu. */
+static struct {
+    pthread_t th;
+    pthread_cond_t cv;     /* a job was queued, or stop */
+    int on, stop;
+    ct_work *head, *tail;  /* queued (linked by next) */
+    ct_work *cur;          /* running */
+    ct_work *done;         /* finished, for the comm thread to file (linked by next) */
+    int busy;              /* handed over, not yet filed by the comm thread */
+} R = {.cv = PTHREAD_COND_INITIALIZER};
+
+/* Works waiting on no MPI request (progress every round), in start order;
+ * touched only by the comm thread. */
 static struct {
     ct_work *head, *tail;
 } P;
@@ -90,41 +128,66 @@ static _Thread_local int is_comm_thread;
 
 int ct__on_comm_thread(void) { return is_comm_thread; }
 
+int ct__engine_concurrent(void)
+{
+    lock();
+    int on = R.on;
+    unlock();
+    return on;
+}
+
 /* ---- work handles ------------------------------------------------------ */
 
-ct_work *ct__work_new(ct_group *g, const char *name, ct__start_fn start, ct__finish_fn finish,
-                      int ordered)
+void *ct__work_new(ct_group *g, const ct__op_vt *vt, size_t size)
 {
-    ct_work *w = ct_alloc_zeroed(sizeof *w, CT_MEM_OTHER);
+    CT_ASSERT(size >= sizeof(ct_work));
+    ct_work *w = ct_alloc_zeroed(size, CT_MEM_OTHER);
     if (!w) return NULL;
+    memset(w, 0, size);
+    w->vt = vt;
     w->g = g;
-    w->name = name;
-    w->start = start;
-    w->finish = finish;
-    w->ordered = ordered;
-    w->state = CT__QUEUED;
+    w->req = MPI_REQUEST_NULL;
+    w->state = CT__W_QUEUED;
     return w;
 }
 
 void ct__work_destroy(ct_work *w)
 {
-    ct_free(w->counts);
-    ct_free(w->displs);
+    if (!w) return;
+    if (w->vt->destroy) w->vt->destroy(w);
     ct_free(w);
+}
+
+int ct__op_fail(ct_work *w, ct_status s)
+{
+    w->status = s;
+    snprintf(w->msg, sizeof w->msg, "%s", ct_last_error());
+    return CT__DONE;
+}
+
+int ct__op_mpi(ct_work *w, int rc, const char *what)
+{
+    if (rc == MPI_SUCCESS) return CT__WAIT;
+    w->req = MPI_REQUEST_NULL;
+    return ct__op_fail(w, ct__mpi_fail(rc, what));
 }
 
 ct_status ct_work_wait(ct_work *w)
 {
     CT_ASSERT(w);
     lock();
-    if (w->state != CT__DONE && ct__on_comm_thread()) {
+    if (w->state != CT__W_DONE && ct__on_comm_thread()) {
         unlock();
         return ct_error(CT_ESTATE, "ct_work_wait called from a completion callback, which would "
                                    "deadlock; wait from the thread that started the work");
     }
-    E.waiters++;
-    while (w->state != CT__DONE) pthread_cond_wait(&E.done, &E.mu);
-    E.waiters--;
+    if (w->state != CT__W_DONE) {
+        E.waiters++;
+        E.wait_start = ct_now();
+        pthread_cond_signal(&E.wake); /* end the comm thread's nap: poll without sleeping */
+        while (w->state != CT__W_DONE) pthread_cond_wait(&E.done, &E.mu);
+        E.waiters--;
+    }
     ct_status s = w->status;
     unlock();
     if (s != CT_OK) ct_error(s, "%s", w->msg);
@@ -151,7 +214,7 @@ int ct_work_test(const ct_work *w)
 {
     CT_ASSERT(w);
     lock();
-    int done = w->state == CT__DONE;
+    int done = w->state == CT__W_DONE;
     unlock();
     return done;
 }
@@ -165,17 +228,17 @@ ct_status ct_work_on_complete(ct_work *w, ct_work_fn fn, void *arg)
         return ct_error(CT_ESTATE, "this work already has a completion callback; chain your "
                                    "calls inside one callback");
     }
-    if (w->state < CT__CALLING) {
+    if (w->state < CT__W_CALLING) {
         w->cb = fn;
         w->cb_arg = arg;
         unlock();
         return CT_OK;
     }
-    if (w->state == CT__CALLING && ct__on_comm_thread()) {
+    if (w->state == CT__W_CALLING && ct__on_comm_thread()) {
         unlock();
         return ct_error(CT_ESTATE, "cannot add a callback to a work from inside its own callback");
     }
-    while (w->state != CT__DONE) pthread_cond_wait(&E.done, &E.mu);
+    while (w->state != CT__W_DONE) pthread_cond_wait(&E.done, &E.mu);
     w->cb = fn;
     unlock();
     fn(w, w->status, arg);
@@ -186,7 +249,7 @@ void ct_work_destroy(ct_work *w)
 {
     if (!w) return;
     lock();
-    if (w->state != CT__DONE) {
+    if (w->state != CT__W_DONE) {
         w->detached = 1; /* the engine frees it when it completes */
         unlock();
         return;
@@ -197,33 +260,48 @@ void ct_work_destroy(ct_work *w)
 
 /* ---- submission -------------------------------------------------------- */
 
-ct_status ct__submit(ct_work *w, ct_work **out)
+/* Hands w to the comm thread; on failure w stays the caller's. */
+static ct_status enqueue(ct_work *w)
 {
-    if (!out && ct__on_comm_thread()) {
-        ct__work_destroy(w);
-        return ct_error(CT_ESTATE, "blocking comm call from a completion callback would deadlock; "
-                                   "pass a ct_work ** and do not wait inside callbacks");
-    }
     lock();
     if (!E.running || E.stop) {
         unlock();
-        ct__work_destroy(w);
         return ct_error(CT_ESTATE, "comm is not initialised; call ct_comm_init first");
     }
     if (E.qtail) E.qtail->next = w;
     else E.qhead = w;
     E.qtail = w;
+    if (w->vt->flags & CT__OP_ORDERED) w->seq = ++w->g->nseq;
     w->g->pending++;
     E.pending++;
     pthread_cond_signal(&E.wake);
     unlock();
-    if (out) {
-        *out = w;
-        return CT_OK;
+    return CT_OK;
+}
+
+ct_status ct__submit(ct_work *w, ct_work **out)
+{
+    if (!out) {
+        ct_status s = ct__submit_wait(w);
+        ct__work_destroy(w);
+        return s;
     }
-    ct_status s = ct_work_wait(w);
-    ct__work_destroy(w);
-    return s;
+    ct_status s = enqueue(w);
+    if (s != CT_OK) {
+        ct__work_destroy(w);
+        return s;
+    }
+    *out = w;
+    return CT_OK;
+}
+
+ct_status ct__submit_wait(ct_work *w)
+{
+    if (ct__on_comm_thread())
+        return ct_error(CT_ESTATE, "blocking comm call from a completion callback would deadlock; "
+                                   "pass a ct_work ** and do not wait inside callbacks");
+    CT_TRY(enqueue(w));
+    return ct_work_wait(w);
 }
 
 void ct__group_quiesce(ct_group *g)
@@ -268,11 +346,11 @@ static void complete(ct_work *w)
 {
     lock();
     ct_work_fn cb = w->cb;
-    w->state = CT__CALLING;
+    w->state = CT__W_CALLING;
     unlock();
     if (cb) cb(w, w->status, w->cb_arg);
     lock();
-    w->state = CT__DONE;
+    w->state = CT__W_DONE;
     w->g->pending--;
     E.pending--;
     int detached = w->detached;
@@ -281,11 +359,7 @@ static void complete(ct_work *w)
     if (detached) ct__work_destroy(w);
 }
 
-static void set_failed(ct_work *w, ct_status s)
-{
-    w->status = s;
-    snprintf(w->msg, sizeof w->msg, "%s", ct_last_error());
-}
+static int ordered(const ct_work *w) { return (w->vt->flags & CT__OP_ORDERED) != 0; }
 
 /* Completes the group's collectives that are finished and have no
  * unfinished collective started before them. */
@@ -301,8 +375,8 @@ static void drain_ordered(ct_group *g)
 
 static void launch(ct_work *w);
 
-/* Starts the group's held-back collectives while it has room and no polled
- * collective is still agreeing with its peers. */
+/* Starts the group's held-back collectives while it has room and no
+ * collective holds it. */
 static void start_deferred(ct_group *g)
 {
     int cap = atomic_load(&max_running);
@@ -314,17 +388,17 @@ static void start_deferred(ct_group *g)
     }
 }
 
-/* MPI is done with w (s: how it went): post-process, let the group's next
+/* w has finished (w->status says how): post-process, let the group's next
  * collective start, then complete in order. */
-static void mpi_finished(ct_work *w, ct_status s)
+static void finished(ct_work *w)
 {
-    if (s == CT_OK && w->finish) {
+    if (w->status == CT_OK && w->vt->finish) {
         ct_clear_error();
-        s = w->finish(w);
+        ct_status s = w->vt->finish(w);
+        if (s != CT_OK) ct__op_fail(w, s);
     }
-    if (s != CT_OK) set_failed(w, s);
     w->mpi_done = 1;
-    if (!w->ordered) {
+    if (!ordered(w)) {
         complete(w);
         return;
     }
@@ -355,53 +429,79 @@ static int reserve_inflight(void)
     return 0;
 }
 
-/* Starts w in MPI now. */
+/* Files w after start or progress reported r: finished, waiting on its
+ * request, or polled.  Releases the group if w let go of it. */
+static void after_step(ct_work *w, int r)
+{
+    ct_group *g = w->g;
+    int release = g->gate == w && (r == CT__DONE || !w->gate);
+    if (release) {
+        g->gate = NULL;
+        w->gate = 0;
+    }
+    if (r == CT__DONE) {
+        CT_ASSERT(w->req == MPI_REQUEST_NULL);
+        finished(w);
+        return;
+    }
+    if (w->req != MPI_REQUEST_NULL) {
+        CT_ASSERT(F.n < F.cap); /* reserved before start / progress */
+        F.work[F.n] = w;
+        F.req[F.n] = w->req;
+        F.n++;
+    } else {
+        w->poll_next = NULL;
+        if (P.tail) P.tail->poll_next = w;
+        else P.head = w;
+        P.tail = w;
+    }
+    if (release) start_deferred(g);
+}
+
+/* Starts w now. */
 static void launch(ct_work *w)
 {
-    if (w->ordered) {
-        ct_group *g = w->g;
+    ct_group *g = w->g;
+    if (ordered(w)) {
+        w->t_start = ct_now();
         g->running++;
         if (g->ord_tail) g->ord_tail->ord_next = w;
         else g->ord_head = w;
         g->ord_tail = w;
     }
-    ct_clear_error();
-    if (reserve_inflight()) {
-        mpi_finished(w, CT_ENOMEM);
-        return;
-    }
-    MPI_Request req = MPI_REQUEST_NULL;
-    ct_status s = w->start(w, &req);
-    if (s == CT_OK && req == MPI_REQUEST_NULL && w->poll) {
-        lock();
-        w->state = CT__INFLIGHT;
-        unlock();
-        if (w->ordered) w->g->gate = w;
-        w->poll_next = NULL;
-        if (P.tail) P.tail->poll_next = w;
-        else P.head = w;
-        P.tail = w;
-        return;
-    }
-    if (s != CT_OK || req == MPI_REQUEST_NULL) {
-        mpi_finished(w, s);
-        return;
+    if (w->vt->flags & (CT__OP_GATE | CT__OP_BLOCKING)) {
+        w->gate = 1;
+        g->gate = w;
     }
     lock();
-    w->state = CT__INFLIGHT;
+    w->state = CT__W_INFLIGHT;
+    if ((w->vt->flags & CT__OP_BLOCKING) && R.on) {
+        w->next = NULL;
+        if (R.tail) R.tail->next = w;
+        else R.head = w;
+        R.tail = w;
+        R.busy++;
+        pthread_cond_signal(&R.cv);
+        unlock();
+        return;
+    }
     unlock();
-    F.work[F.n] = w;
-    F.req[F.n] = req;
-    F.n++;
+    ct_clear_error();
+    if (reserve_inflight()) {
+        after_step(w, ct__op_fail(w, ct_error(CT_ENOMEM, "out of memory for the comm thread's "
+                                                         "request list")));
+        return;
+    }
+    after_step(w, w->vt->start(w));
 }
 
-/* Starts w, or, if its group already has max_running collectives in MPI,
- * queues it behind them: started in order as earlier ones finish. */
+/* Starts w, or, if its group already has max_running collectives running
+ * or is held, queues it behind them: started in order later. */
 static void start_one(ct_work *w)
 {
     ct_group *g = w->g;
     int cap = atomic_load(&max_running);
-    if (w->ordered && (g->gate || g->defer_head || (cap > 0 && g->running >= cap))) {
+    if (ordered(w) && (g->gate || g->defer_head || (cap > 0 && g->running >= cap))) {
         w->next = NULL;
         if (g->defer_tail) g->defer_tail->next = w;
         else g->defer_head = w;
@@ -427,23 +527,19 @@ static int poll_inflight(void)
         F.n = 0;
         for (int i = 0; i < n; i++) {
             ct_error(s, "%s", msg); /* each gets the same message */
-            mpi_finished(all[i], s);
+            all[i]->req = MPI_REQUEST_NULL;
+            after_step(all[i], ct__op_fail(all[i], s));
         }
         return n;
     }
     if (nout == MPI_UNDEFINED || nout == 0) return 0;
     ct_work *fin[nout];
-    ct_status fs[nout];
     for (int i = 0; i < nout; i++) {
         int j = F.idx[i];
         fin[i] = F.work[j];
+        fin[i]->req = MPI_REQUEST_NULL;
         fin[i]->mpi_status = F.st[i];
-        fs[i] = CT_OK;
-        if (rc == MPI_ERR_IN_STATUS && F.st[i].MPI_ERROR != MPI_SUCCESS) {
-            ct_clear_error();
-            fs[i] = ct__mpi_fail(F.st[i].MPI_ERROR, fin[i]->name);
-            set_failed(fin[i], fs[i]);
-        }
+        if (rc != MPI_ERR_IN_STATUS) fin[i]->mpi_status.MPI_ERROR = MPI_SUCCESS;
         F.work[j] = NULL;
     }
     int k = 0; /* compact, keeping start order */
@@ -455,13 +551,24 @@ static int poll_inflight(void)
         }
     F.n = k;
     for (int i = 0; i < nout; i++) {
-        if (fs[i] != CT_OK) ct_error(fs[i], "%s", fin[i]->msg);
-        mpi_finished(fin[i], fs[i]);
+        ct_work *w = fin[i];
+        ct_clear_error();
+        int r;
+        if (w->mpi_status.MPI_ERROR != MPI_SUCCESS)
+            r = ct__op_fail(w, ct__mpi_fail(w->mpi_status.MPI_ERROR, w->vt->name));
+        else if (!w->vt->progress)
+            r = CT__DONE;
+        else if (reserve_inflight())
+            r = ct__op_fail(w, ct_error(CT_ENOMEM, "out of memory for the comm thread's "
+                                                   "request list"));
+        else
+            r = w->vt->progress(w);
+        after_step(w, r);
     }
     return nout;
 }
 
-/* Polls every polled work once; returns how many advanced. */
+/* Advances every polled work once; returns how many moved. */
 static int poll_polled(void)
 {
     ct_work *list = P.head;
@@ -471,79 +578,153 @@ static int poll_polled(void)
         ct_work *w = list;
         list = w->poll_next;
         w->poll_next = NULL;
-        MPI_Request req = MPI_REQUEST_NULL;
-        ct_status s = CT_OK;
-        int r = CT__POLL_WAIT;
+        int r = CT__WAIT;
         ct_clear_error();
         /* Room for the request it may hand over; without it, try next round. */
-        if (reserve_inflight() == 0) r = w->poll(w, &req, &s);
-        if (r != CT__POLL_DONE) {
-            moved += r == CT__POLL_MOVED;
-            if (P.tail) P.tail->poll_next = w;
-            else P.head = w;
-            P.tail = w;
-            continue;
-        }
-        moved++;
-        w->poll = NULL;
-        ct_group *g = w->g;
-        if (g->gate == w) g->gate = NULL;
-        if (s == CT_OK && req != MPI_REQUEST_NULL) {
-            F.work[F.n] = w;
-            F.req[F.n] = req;
-            F.n++;
-            if (w->ordered) start_deferred(g);
-        } else {
-            mpi_finished(w, s);
-        }
+        if (reserve_inflight() == 0) r = w->vt->progress(w);
+        moved += r != CT__WAIT;
+        after_step(w, r);
     }
     return moved;
 }
 
-/* Sleeps between polls that found nothing to do.  The first naps after any
- * progress are short (poll_us), so the rounds of a collective follow each
- * other quickly; while nothing moves (a peer is still computing) the nap
- * doubles every 8 empty polls up to poll_max_us, so waiting costs little
- * CPU.  That bounds the extra latency after a long wait by poll_max_us. */
+/* The blocking-call thread: runs start of each job (which may block in a
+ * collective MPI call until the peers make it too), then hands the job back
+ * to the comm thread. */
+static void *runner_main(void *unused)
+{
+    (void)unused;
+    lock();
+    for (;;) {
+        while (!R.head && !R.stop) pthread_cond_wait(&R.cv, &E.mu);
+        if (!R.head) break;
+        ct_work *w = R.head;
+        R.head = w->next;
+        if (!R.head) R.tail = NULL;
+        R.cur = w;
+        unlock();
+        ct_clear_error();
+        int r = w->vt->start(w);
+        CT_ASSERT(r == CT__DONE && "a CT__OP_BLOCKING start must finish the operation");
+        lock();
+        R.cur = NULL;
+        w->next = R.done;
+        R.done = w;
+        pthread_cond_signal(&E.wake);
+    }
+    unlock();
+    return NULL;
+}
+
+/* Files the jobs the blocking-call thread finished (list taken under E.mu). */
+static int file_blocking(ct_work *done)
+{
+    int n = 0;
+    while (done) {
+        ct_work *w = done;
+        done = w->next;
+        n++;
+        after_step(w, CT__DONE);
+    }
+    if (n) {
+        lock();
+        R.busy -= n;
+        unlock();
+    }
+    return n;
+}
+
+/* Sleeps (E.mu held) between rounds that found nothing to do.  The first
+ * naps after any progress are short (poll_us), so the rounds of a
+ * collective follow each other quickly; while nothing moves (a peer is
+ * still computing) the nap doubles every 8 empty rounds up to poll_max_us,
+ * so waiting costs little CPU.  A new submission or a caller starting to
+ * wait (ct_work_wait) ends the nap at once. */
 static void nap(int idle)
 {
     int us = atomic_load(&poll_us), max = atomic_load(&poll_max_us);
     for (int k = idle / 8; k > 0 && us < max; k--) us *= 2;
     if (us > max) us = max;
     if (us <= 0) {
+        unlock();
         sched_yield();
+        lock();
         return;
     }
-    struct timespec ts = {us / 1000000, (long)(us % 1000000) * 1000};
-    nanosleep(&ts, NULL);
-}
-
-static double seconds(void)
-{
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+    ts.tv_nsec += (long)us * 1000;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec += ts.tv_nsec / 1000000000L;
+        ts.tv_nsec %= 1000000000L;
+    }
+    pthread_cond_timedwait(&E.wake, &E.mu, &ts);
 }
 
-/* While a caller is blocked in ct_work_wait its core has nothing else to
- * do, so for this long after the last progress the thread polls without
- * sleeping (yielding the CPU to anything runnable): a small collective then
- * takes tens of microseconds instead of a few naps. */
-#define SPIN_SECONDS 200e-6
+/* Ends the job if w, a collective, has run past the timeout. */
+static void check_expired(const ct_work *w, double now, double timeout)
+{
+    if (!w || !ordered(w) || now - w->t_start <= timeout) return;
+    const ct_group *g = w->g;
+    char msg[900];
+    snprintf(msg, sizeof msg, "comm timeout: %s #%llu on group %s (%d ranks; this rank is %d of "
+                              "it) has not completed %.0f s after it started "
+                              "(CTRAIN_COMM_TIMEOUT=%g)",
+             w->vt->name, (unsigned long long)w->seq, g->name, g->size, g->rank,
+             now - w->t_start, timeout);
+    if (w->vt->blame) w->vt->blame(w, msg, sizeof msg);
+    size_t len = strlen(msg);
+    snprintf(msg + len, sizeof msg - len, "; a rank of the group never started it, or started the "
+                                          "group's collectives in another order: every rank must "
+                                          "start the same collectives on a group in the same "
+                                          "order (if it is merely slow, raise "
+                                          "CTRAIN_COMM_TIMEOUT)");
+    ct__watch_expired(msg);
+}
+
+/* Every 10 ms or so: another rank's report of an expired collective ends
+ * the job here too; so does one of this rank's collectives expiring. */
+static void watch(void)
+{
+    static double last;
+    double now = ct_now();
+    if (now - last < 0.01) return;
+    last = now;
+    ct__watch_poll();
+    double timeout = ct__watch_timeout();
+    if (timeout <= 0) return;
+    for (int i = 0; i < F.n; i++) check_expired(F.work[i], now, timeout);
+    for (ct_work *w = P.head; w; w = w->poll_next) check_expired(w, now, timeout);
+    lock();
+    ct_work *cur = R.cur; /* completes only through this thread: stays valid */
+    unlock();
+    check_expired(cur, now, timeout);
+}
 
 static void comm_loop(void)
 {
-    int idle = 0;          /* polls in a row that made no progress */
-    double last_move = 0; /* when the last one did */
+    int idle = 0; /* rounds in a row that made no progress */
     lock();
     for (;;) {
-        while (!E.qhead && F.n == 0 && !P.head && !E.stop) pthread_cond_wait(&E.wake, &E.mu);
-        if (!E.qhead && F.n == 0 && !P.head && E.stop) break;
-        ct_work *batch = E.qhead;
+        while (!E.qhead && F.n == 0 && !P.head && !R.done && !E.stop) {
+            /* Idle, but another rank's report or a blocking call may expire. */
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            ts.tv_nsec += 100000000L;
+            if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+            if (pthread_cond_timedwait(&E.wake, &E.mu, &ts)) {
+                unlock();
+                watch();
+                lock();
+            }
+        }
+        if (!E.qhead && F.n == 0 && !P.head && !R.done && !R.busy && E.stop) break;
+        ct_work *batch = E.qhead, *done = R.done;
         E.qhead = E.qtail = NULL;
-        int waiters = E.waiters;
+        R.done = NULL;
         unlock();
         int progressed = batch != NULL;
+        progressed += file_blocking(done);
         while (batch) {
             ct_work *next = batch->next;
             start_one(batch);
@@ -551,14 +732,23 @@ static void comm_loop(void)
         }
         if (F.n) progressed += poll_inflight();
         if (P.head) progressed += poll_polled();
-        if (progressed) {
-            idle = 0;
-            last_move = seconds();
-        } else if (F.n || P.head) {
-            if (waiters && seconds() - last_move < SPIN_SECONDS) sched_yield();
-            else nap(idle++);
-        }
+        watch();
         lock();
+        if (progressed || E.qhead || R.done || (F.n == 0 && !P.head)) {
+            idle = 0;
+            continue;
+        }
+        if (E.waiters && ct_now() - E.wait_start < 1e-6 * atomic_load(&wait_spin_us)) {
+            /* A caller is blocked in ct_work_wait: its core is free, and
+             * whatever it waits for should complete the moment MPI or a
+             * peer delivers it, not a nap later. */
+            idle = 0;
+            unlock();
+            sched_yield();
+            lock();
+            continue;
+        }
+        nap(idle++);
     }
     unlock();
 }
@@ -578,7 +768,27 @@ static void *comm_main(void *unused)
     pthread_cond_broadcast(&E.done);
     unlock();
     if (s != CT_OK) return NULL;
+    /* Blocking calls on their own thread need MPI_THREAD_MULTIPLE; below it
+     * they run here, on the comm thread. */
+    int level = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&level);
+    if (level == MPI_THREAD_MULTIPLE) {
+        lock();
+        R.stop = 0;
+        R.on = pthread_create(&R.th, NULL, runner_main, NULL) == 0;
+        unlock();
+        if (!R.on) ct_log(CT_LOG_WARN, "comm: cannot start the blocking-call thread; blocking "
+                                       "group calls run on the comm thread");
+    }
     comm_loop();
+    if (R.on) {
+        lock();
+        R.stop = 1;
+        pthread_cond_signal(&R.cv);
+        unlock();
+        pthread_join(R.th, NULL);
+        R.on = 0;
+    }
     E.on_stop();
     ct_free(F.work), ct_free(F.req), ct_free(F.st), ct_free(F.idx);
     memset(&F, 0, sizeof F);
@@ -592,10 +802,21 @@ ct_status ct__engine_start(ct_status (*on_start)(void), void (*on_stop)(void))
         ct_comm_set_poll_us(e ? atoi(e) : 20);
         if (m) ct_comm_set_poll_max_us(atoi(m));
     }
+    if (atomic_load(&wait_spin_us) < 0) {
+        const char *e = getenv("CTRAIN_COMM_WAIT_SPIN_US");
+        ct_comm_set_wait_spin_us(e ? atoi(e) : 10000);
+    }
     if (atomic_load(&max_running) < 0) {
         const char *e = getenv("CTRAIN_COMM_MAX_RUNNING");
         ct_comm_set_max_running(e ? atoi(e) : 2);
     }
+    /* Naps are timed waits on E.wake, measured on the monotonic clock. */
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_destroy(&E.wake);
+    pthread_cond_init(&E.wake, &ca);
+    pthread_condattr_destroy(&ca);
     lock();
     E.on_start = on_start;
     E.on_stop = on_stop;
@@ -647,6 +868,17 @@ void ct_comm_set_poll_max_us(int us)
 }
 
 int ct_comm_get_poll_max_us(void) { return atomic_load(&poll_max_us); }
+
+void ct_comm_set_wait_spin_us(int us)
+{
+    atomic_store(&wait_spin_us, us < 0 ? 0 : us > 10000000 ? 10000000 : us);
+}
+
+int ct_comm_get_wait_spin_us(void)
+{
+    int us = atomic_load(&wait_spin_us);
+    return us < 0 ? 10000 : us;
+}
 
 void ct_comm_set_max_running(int n) { atomic_store(&max_running, n < 0 ? 0 : n); }
 

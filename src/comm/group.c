@@ -7,8 +7,10 @@
  * MPI call; the functions here build works and submit them to it.
  */
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -40,25 +42,121 @@ int ct__tag_ub(void) { return S.tag_ub; }
 
 /* ---- start-up ---------------------------------------------------------- */
 
-ct_status ct__group_setup(ct_group *g, MPI_Comm comm)
+/* ---- nodes ------------------------------------------------------------- */
+
+static _Atomic int fake_nodes = -1;
+static int real_node; /* the lowest world rank on this rank's machine (set at start-up) */
+
+void ct_comm_set_fake_nodes(int k) { atomic_store(&fake_nodes, k < 0 ? 0 : k); }
+
+int ct_comm_get_fake_nodes(void)
 {
-    int rc;
+    int k = atomic_load(&fake_nodes);
+    return k < 0 ? 0 : k;
+}
+
+/* Collective over the world: which machine this rank is on, by the lowest
+ * world rank that shares its memory. */
+static ct_status find_real_node(void)
+{
     MPI_Comm local = MPI_COMM_NULL;
-    g->comm = comm;
-    if ((rc = MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN)) != MPI_SUCCESS ||
-        (rc = MPI_Comm_rank(comm, &g->rank)) != MPI_SUCCESS ||
-        (rc = MPI_Comm_size(comm, &g->size)) != MPI_SUCCESS)
-        return ct__mpi_fail(rc, "setting up a communicator");
-    /* Ranks sharing memory with this one: the node, for thread budgets. */
-    if ((rc = MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, g->rank, MPI_INFO_NULL, &local)) !=
-            MPI_SUCCESS ||
-        (rc = MPI_Comm_rank(local, &g->local_rank)) != MPI_SUCCESS ||
-        (rc = MPI_Comm_size(local, &g->local_size)) != MPI_SUCCESS) {
+    int rc, wr = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &wr);
+    if ((rc = MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, wr, MPI_INFO_NULL,
+                                  &local)) != MPI_SUCCESS ||
+        (rc = MPI_Allreduce(&wr, &real_node, 1, MPI_INT, MPI_MIN, local)) != MPI_SUCCESS) {
         if (local != MPI_COMM_NULL) MPI_Comm_free(&local);
         return ct__mpi_fail(rc, "MPI_Comm_split_type (finding the ranks on this node)");
     }
     MPI_Comm_free(&local);
     return CT_OK;
+}
+
+/* The node this rank is on, as a split color: its machine, cut into K
+ * blocks of contiguous world ranks with CTRAIN_FAKE_NODES=K. */
+static int node_color(void)
+{
+    int k = ct_comm_get_fake_nodes(), wr = 0, ws = 1;
+    if (k <= 0) return real_node;
+    MPI_Comm_rank(MPI_COMM_WORLD, &wr);
+    MPI_Comm_size(MPI_COMM_WORLD, &ws);
+    if (k > ws) k = ws;
+    return real_node * k + (int)((int64_t)wr * k / ws);
+}
+
+/* An internal group over comm (one node's ranks, or the leaders). */
+static ct_status internal_group(MPI_Comm comm, const char *name, const char *suffix,
+                                ct_group **out)
+{
+    ct_group *n = ct_alloc_zeroed(sizeof *n, CT_MEM_OTHER);
+    if (!n) {
+        MPI_Comm_free(&comm);
+        return CT_ENOMEM;
+    }
+    memset(n, 0, sizeof *n);
+    n->comm = comm;
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm, &n->rank);
+    MPI_Comm_size(comm, &n->size);
+    n->local_rank = n->rank;
+    n->local_size = n->size;
+    n->nnodes = 1;
+    snprintf(n->name, sizeof n->name, "%.80s%s", name, suffix);
+    *out = n;
+    return CT_OK;
+}
+
+static void free_internal(ct_group **n)
+{
+    if (!*n) return;
+    MPI_Comm_free(&(*n)->comm);
+    ct_free(*n);
+    *n = NULL;
+}
+
+ct_status ct__group_setup(ct_group *g, MPI_Comm comm)
+{
+    int rc;
+    MPI_Comm local = MPI_COMM_NULL, lead = MPI_COMM_NULL;
+    g->comm = comm;
+    g->node = g->leaders = NULL;
+    if ((rc = MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN)) != MPI_SUCCESS ||
+        (rc = MPI_Comm_rank(comm, &g->rank)) != MPI_SUCCESS ||
+        (rc = MPI_Comm_size(comm, &g->size)) != MPI_SUCCESS)
+        return ct__mpi_fail(rc, "setting up a communicator");
+    /* The ranks of g on this rank's node, and how many nodes g spans. */
+    int first = 0;
+    if ((rc = MPI_Comm_split(comm, node_color(), g->rank, &local)) != MPI_SUCCESS ||
+        (rc = MPI_Comm_rank(local, &g->local_rank)) != MPI_SUCCESS ||
+        (rc = MPI_Comm_size(local, &g->local_size)) != MPI_SUCCESS ||
+        (first = g->local_rank == 0,
+         rc = MPI_Allreduce(&first, &g->nnodes, 1, MPI_INT, MPI_SUM, comm)) != MPI_SUCCESS) {
+        if (local != MPI_COMM_NULL) MPI_Comm_free(&local);
+        return ct__mpi_fail(rc, "MPI_Comm_split (finding the ranks on this node)");
+    }
+    if (g->nnodes == 1) {
+        MPI_Comm_free(&local);
+        return CT_OK;
+    }
+    /* Spanning nodes: keep this node's ranks, and the nodes' first ranks, as
+     * groups of their own for two-level collectives. */
+    if ((rc = MPI_Comm_split(comm, first ? 0 : MPI_UNDEFINED, g->rank, &lead)) != MPI_SUCCESS) {
+        MPI_Comm_free(&local);
+        return ct__mpi_fail(rc, "MPI_Comm_split (the group of node leaders)");
+    }
+    ct_status s = internal_group(local, g->name, ".node", &g->node);
+    if (s == CT_OK && first) s = internal_group(lead, g->name, ".leaders", &g->leaders);
+    else if (lead != MPI_COMM_NULL) MPI_Comm_free(&lead);
+    if (s != CT_OK) free_internal(&g->node);
+    return s;
+}
+
+ct_status ct__group_free_comms(ct_group *g)
+{
+    free_internal(&g->node);
+    free_internal(&g->leaders);
+    int rc = MPI_Comm_free(&g->comm);
+    return rc == MPI_SUCCESS ? CT_OK : ct__mpi_fail(rc, "MPI_Comm_free");
 }
 
 static const char *level_name(int level)
@@ -113,23 +211,30 @@ static ct_status comm_start(void)
     }
     MPI_Comm dup;
     ct_status s;
+    if (atomic_load(&fake_nodes) < 0) {
+        const char *e = getenv("CTRAIN_FAKE_NODES");
+        ct_comm_set_fake_nodes(e ? atoi(e) : 0);
+    }
+    if ((s = find_real_node()) != CT_OK) goto out_finalize;
     if ((rc = MPI_Comm_dup(MPI_COMM_WORLD, &dup)) != MPI_SUCCESS) {
         s = ct__mpi_fail(rc, "MPI_Comm_dup(MPI_COMM_WORLD)");
         goto out_finalize;
     }
     S.world.is_world = 1;
+    snprintf(S.world.name, sizeof S.world.name, "world");
     if ((s = ct__group_setup(&S.world, dup)) != CT_OK) goto out_free_world;
     void *ub = NULL;
     int flag = 0;
     MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
     S.tag_ub = flag && ub ? *(int *)ub : 32767;
     if ((s = ct__dtypes_create()) != CT_OK) goto out_free_types;
+    if ((s = ct__watch_start(MPI_COMM_WORLD)) != CT_OK) goto out_free_types;
     return CT_OK;
 
 out_free_types:
     ct__dtypes_free();
 out_free_world:
-    MPI_Comm_free(&S.world.comm);
+    ct__group_free_comms(&S.world);
 out_finalize:
     if (S.owns_mpi) {
         MPI_Finalize();
@@ -141,8 +246,9 @@ out_finalize:
 /* Runs on the comm thread last. */
 static void comm_stop(void)
 {
+    ct__watch_stop();
     ct__dtypes_free();
-    MPI_Comm_free(&S.world.comm);
+    ct__group_free_comms(&S.world);
     if (S.owns_mpi) MPI_Finalize();
 }
 
@@ -157,6 +263,9 @@ ct_status ct_comm_init(int *argc, char ***argv)
     CT_TRY(ct__engine_start(comm_start, comm_stop));
     S.inited = 1;
     ct_log_set_rank(S.world.rank, S.world.size);
+    /* A library user whose OpenBLAS picked a slow kernel learns how to fix it
+     * (the ctrain program fixes it itself with ct_blas_select_kernel). */
+    ct_blas_warn_if_slow();
     ct_log(CT_LOG_DEBUG, "comm: %d ranks, %d on this node, %s, poll %d us", S.world.size,
            S.world.local_size, level_name(S.provided), ct_comm_get_poll_us());
     return CT_OK;
@@ -192,21 +301,31 @@ int ct_group_local_size(const ct_group *g)
     return g->local_size;
 }
 
-static ct_status split_start(ct_work *w, MPI_Request *req)
+/* Split: MPI has no nonblocking MPI_Comm_split, so start makes the call. */
+typedef struct {
+    ct_work w;
+    int color, key;
+    ct_group *ng; /* filled in; its comm stays MPI_COMM_NULL if this rank joins none */
+} split_op;
+
+static int split_start(ct_work *w)
 {
-    (void)req; /* MPI has no nonblocking split: done here, on the comm thread */
-    ct_group *ng = w->arg;
+    split_op *o = (split_op *)w;
     MPI_Comm nc = MPI_COMM_NULL;
-    int rc = MPI_Comm_split(w->g->comm, w->color < 0 ? MPI_UNDEFINED : w->color, w->key, &nc);
-    if (rc != MPI_SUCCESS) return ct__mpi_fail(rc, "MPI_Comm_split");
-    if (nc == MPI_COMM_NULL) return CT_OK;
-    ct_status s = ct__group_setup(ng, nc);
+    int rc = MPI_Comm_split(w->g->comm, o->color < 0 ? MPI_UNDEFINED : o->color, o->key, &nc);
+    if (rc != MPI_SUCCESS) return ct__op_fail(w, ct__mpi_fail(rc, "MPI_Comm_split"));
+    if (nc == MPI_COMM_NULL) return CT__DONE;
+    ct_status s = ct__group_setup(o->ng, nc);
     if (s != CT_OK) {
-        MPI_Comm_free(&nc);
-        ng->comm = MPI_COMM_NULL;
+        MPI_Comm_free(&o->ng->comm);
+        o->ng->comm = MPI_COMM_NULL;
+        return ct__op_fail(w, s);
     }
-    return s;
+    return CT__DONE;
 }
+
+static const ct__op_vt split_vt = {.name = "split", .flags = CT__OP_ORDERED | CT__OP_BLOCKING,
+                                   .start = split_start};
 
 ct_status ct_group_split(ct_group *g, int color, int key, ct_group **out)
 {
@@ -215,16 +334,19 @@ ct_status ct_group_split(ct_group *g, int color, int key, ct_group **out)
     *out = NULL;
     ct_group *ng = ct_alloc_zeroed(sizeof *ng, CT_MEM_OTHER);
     if (!ng) return CT_ENOMEM;
+    memset(ng, 0, sizeof *ng);
     ng->comm = MPI_COMM_NULL;
-    ct_work *w = ct__work_new(g, "MPI_Comm_split", split_start, NULL, 1);
-    if (!w) {
+    split_op *o = ct__work_new(g, &split_vt, sizeof *o);
+    if (!o) {
         ct_free(ng);
         return CT_ENOMEM;
     }
-    w->color = color;
-    w->key = key;
-    w->arg = ng;
-    ct_status s = ct__submit(w, NULL);
+    o->color = color;
+    o->key = key;
+    o->ng = ng;
+    snprintf(ng->name, sizeof ng->name, "%.60s/split%d.color%d", g->name, ++g->nsplit, color);
+    ct_status s = ct__submit_wait(&o->w);
+    ct__work_destroy(&o->w);
     if (s != CT_OK || ng->comm == MPI_COMM_NULL) {
         ct_free(ng);
         return s;
@@ -234,16 +356,18 @@ ct_status ct_group_split(ct_group *g, int color, int key, ct_group **out)
     return CT_OK;
 }
 
-static ct_status barrier_start(ct_work *w, MPI_Request *req)
+static int barrier_start(ct_work *w)
 {
-    int rc = MPI_Ibarrier(w->g->comm, req);
-    return rc == MPI_SUCCESS ? CT_OK : ct__mpi_fail(rc, "MPI_Ibarrier");
+    return ct__op_mpi(w, MPI_Ibarrier(w->g->comm, &w->req), "MPI_Ibarrier");
 }
+
+static const ct__op_vt barrier_vt = {.name = "barrier", .flags = CT__OP_ORDERED,
+                                     .start = barrier_start};
 
 ct_status ct_group_barrier(ct_group *g)
 {
     if (!g) return ct_error(CT_EINVAL, "ct_group_barrier: group is NULL");
-    ct_work *w = ct__work_new(g, "MPI_Ibarrier", barrier_start, NULL, 1);
+    ct_work *w = ct__work_new(g, &barrier_vt, sizeof *w);
     if (!w) return CT_ENOMEM;
     return ct__submit(w, NULL);
 }
@@ -271,18 +395,19 @@ ct_status ct_group_check(ct_group *g, ct_status local)
                     m.world_rank, m.msg);
 }
 
-static ct_status free_start(ct_work *w, MPI_Request *req)
+static int free_start(ct_work *w)
 {
-    (void)req;
-    int rc = MPI_Comm_free(&w->g->comm);
-    return rc == MPI_SUCCESS ? CT_OK : ct__mpi_fail(rc, "MPI_Comm_free");
+    ct_status s = ct__group_free_comms(w->g);
+    return s == CT_OK ? CT__DONE : ct__op_fail(w, s);
 }
+
+static const ct__op_vt free_vt = {.name = "MPI_Comm_free", .start = free_start};
 
 static void free_group(ct_group *g)
 {
     ct__group_quiesce(g);
     ct__shm_release(g);
-    ct_work *w = ct__work_new(g, "MPI_Comm_free", free_start, NULL, 0);
+    ct_work *w = ct__work_new(g, &free_vt, sizeof *w);
     if (!w || ct__submit(w, NULL) != CT_OK)
         ct_log(CT_LOG_WARN, "freeing a group: %s", ct_last_error());
     ct_free(g);

@@ -1,51 +1,41 @@
 /*
- * Shared allocations and the direct shared-memory allreduce.
+ * Shared allocations, the control block with its barrier, and the agreement
+ * on arguments that every collective with a shared-memory path runs first.
  *
  * ct_group_alloc_shared puts each rank's buffer in one MPI-3 shared-memory
  * window (MPI_Win_allocate_shared over the group's communicator) when every
  * rank of the group is on this node, so every rank can address every rank's
- * buffer.  An allreduce over the same range of such an allocation on every
- * rank then needs no messages and no temporary copies: after a barrier, rank
- * r reduces slice r (W slices split on 64-byte lines) across the W buffers
- * and writes the result into slice r of every buffer; after a second barrier
- * every buffer holds the whole result.  Each rank reads ~N and writes ~N
- * bytes for an N-byte buffer, for any W.  The comm thread does the sums, as
- * it drives MPI.  One rank computes each element, once, so the result is the
- * same bits on every rank; with W = 2 an f32 sum is exactly a + b.
+ * buffer; the collectives (allreduce.c, ...) then read and write their
+ * peers' buffers directly.
  *
  * Synchronisation is a control block, itself a small shared window that a
  * group has while it has shared allocations: per rank a slot with a count of
- * the barriers it reached and the arguments of its last two allreduces.  A
+ * the barriers it reached and the arguments of its last two agreements.  A
  * rank reaches barrier k by storing k in its slot (release) and has passed
  * it when every slot shows k or more (acquire): no read-modify-write, no
  * contended line.  The data follows the MPI-3 shared memory model: each
  * window is locked once (MPI_Win_lock_all) and MPI_Win_sync runs before
  * publishing an arrival and after seeing the others'.
  *
- * Agreement: every allreduce on a group with shared allocations, shared
- * buffer or not, first publishes (allocation id, offset, count, dtype, op)
- * and passes a barrier; every rank then reads the same W records and makes
- * the same choice: the direct path (same range of one allocation on every
- * rank, f32/bf16/f16), MPI (private memory on every rank, or an integer
- * dtype), or CT_EINVAL on every rank when the records differ.  So a caller
+ * Agreement: every collective with a shared path, on a group with shared
+ * allocations, shared buffer or not, first publishes (kind, allocation id,
+ * offset, count, dtype, op, root) and passes a barrier; every rank then
+ * reads the same W records and makes the same choice: the direct path (same
+ * range of one allocation on every rank), MPI (private memory on every
+ * rank), or CT_EINVAL on every rank when the records differ.  So a caller
  * who passes different ranges, or private memory on one rank, gets an error
  * everywhere instead of corrupted data or a hang.  Records are kept by the
  * parity of the agreement's number: a rank overwrites one only after every
  * rank passed the next agreement, so after every rank read it.
  *
- * Waiting never blocks the comm thread: the engine polls (engine.c) with
- * its usual naps, so MPI work of other groups keeps moving.  Only after its
- * own slice does a rank spin briefly for the second barrier (its peers are
- * summing their slices at the same time), yielding after a few hundred
- * spins so that oversubscribed runs do not starve the peers they wait for.
- * A wait that lasts a minute is logged with the ranks that did not come.
+ * Waiting never blocks the comm thread: collectives poll the barrier from
+ * the engine (engine.c), so MPI work of other groups keeps moving.
  *
  * CTRAIN_COMM_SHM=0 makes ct_group_alloc_shared return ordinary memory, so
  * everything takes the MPI path.  Whether a group gets shared memory is
  * agreed by all its ranks (one MPI_Allreduce at allocation), so settings
  * that differ across ranks cannot split the group.
  */
-#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -60,12 +50,12 @@
 #error "the shared-memory barrier needs lock-free 64-bit atomics"
 #endif
 
-/* What a rank passed to one allreduce; alloc_id 0 means private memory. */
+/* What a rank passed to one collective; alloc_id 0 means private memory. */
 typedef struct {
     uint64_t alloc_id;
     uint64_t offset;
     int64_t count;
-    int32_t dtype, op;
+    int32_t dtype, op, kind, root;
 } shm_args;
 
 /* One rank's part of the control block.  Its barrier count has a cache line
@@ -74,18 +64,20 @@ typedef struct {
     _Atomic uint64_t arrived;
     char pad[64 - sizeof(uint64_t)];
     shm_args args[2]; /* by parity of the agreement number */
+    char pad2[128 - 2 * sizeof(shm_args)];
 } shm_slot;
 
 _Static_assert(sizeof(shm_slot) % 64 == 0, "slots keep each other 64-byte aligned");
 
-typedef struct shm_alloc {
-    struct shm_alloc *next;
+struct ct__shm_alloc {
+    struct ct__shm_alloc *next;
     MPI_Win win;
     uint64_t id;   /* the same on every rank: allocations run in group order */
     size_t bytes;  /* asked for by this rank */
     ct_mem_cat cat;
     char **base;   /* [size]: every rank's segment, as mapped in this process */
-} shm_alloc;
+};
+typedef struct ct__shm_alloc shm_alloc;
 
 struct ct__shm {
     MPI_Win win;         /* the control block */
@@ -109,11 +101,10 @@ struct ct__plain {
  * free (windows on the comm thread, ordinary memory on the caller's). */
 static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
 
-enum { PH_AGREE = 0, PH_DONE };
 
-#define SPIN_SECONDS 100e-6 /* the second barrier's busy wait before handing back to the engine */
-#define WARN_SECONDS 60.0   /* a wait this long is logged */
-#define BLOCK 1024          /* elements per block of the general kernels: fits L1 */
+/* The group whose windows hold g's shared allocations: g itself on one
+ * node, else this rank's node (the ranks of g on it). */
+static ct_group *owner(const ct_group *g) { return g->node ? g->node : (ct_group *)g; }
 
 static int shm_enabled(void)
 {
@@ -178,10 +169,17 @@ static ct_status win_free(MPI_Win *win)
 /* ---- allocation and free (comm thread) ---------------------------------- */
 
 typedef struct {
+    ct_work w;
     size_t bytes;
     ct_mem_cat cat;
     shm_alloc *out; /* NULL afterwards: use ordinary memory */
-} alloc_req;
+} alloc_op;
+
+/* Freeing one allocation (a), or all of a group's (a NULL). */
+typedef struct {
+    ct_work w;
+    shm_alloc *a;
+} free_op;
 
 static void free_alloc_struct(shm_alloc *a)
 {
@@ -226,24 +224,30 @@ static ct_status shm_close(ct_group *g)
     return st;
 }
 
-static ct_status alloc_start(ct_work *w, MPI_Request *req)
+/* Collective and blocking, like MPI_Comm_split. */
+static ct_status alloc_run(alloc_op *q)
 {
-    (void)req; /* collective and blocking, like MPI_Comm_split: done here */
-    alloc_req *q = w->arg;
-    ct_group *g = w->g;
+    ct_group *g = q->w.g, *t = owner(g);
+    int rc;
     /* Allocate what can fail locally first, so every rank knows before the
      * window's collective call whether all can go on. */
     struct ct__shm *s = NULL;
     shm_alloc *a = ct_alloc_zeroed(sizeof *a, CT_MEM_OTHER);
-    if (a) a->base = ct_alloc_zeroed((size_t)g->size * sizeof *a->base, CT_MEM_OTHER);
-    if (!g->shm) {
+    if (a) a->base = ct_alloc_zeroed((size_t)t->size * sizeof *a->base, CT_MEM_OTHER);
+    if (!t->shm) {
         s = ct_alloc_zeroed(sizeof *s, CT_MEM_OTHER);
-        if (s) s->slot = ct_alloc_zeroed((size_t)g->size * sizeof *s->slot, CT_MEM_OTHER);
+        if (s) s->slot = ct_alloc_zeroed((size_t)t->size * sizeof *s->slot, CT_MEM_OTHER);
     }
-    int local[2] = {shm_enabled() && g->size > 1 && g->local_size == g->size,
-                    a && a->base && (g->shm || (s && s->slot))};
+    /* Without MPI_THREAD_MULTIPLE, blocking calls of other groups would stall
+     * the comm thread, and with it the shared-memory paths: MPI only then. */
+    /* On one node: one window over the group.  Spanning nodes, when some
+     * node has two of its ranks: a window per node, over the group's ranks
+     * on it (two-level collectives use them). */
+    int local[2] = {shm_enabled() && ct__engine_concurrent() && g->size > 1 &&
+                        (g->nnodes == 1 || g->nnodes < g->size),
+                    a && a->base && (t->shm || (s && s->slot))};
     int all[2] = {0, 0};
-    int rc = MPI_Allreduce(local, all, 2, MPI_INT, MPI_MIN, g->comm);
+    rc = MPI_Allreduce(local, all, 2, MPI_INT, MPI_MIN, g->comm);
     ct_status st = CT_OK;
     if (rc != MPI_SUCCESS) {
         st = ct__mpi_fail(rc, "MPI_Allreduce (agreeing on shared memory)");
@@ -256,48 +260,48 @@ static ct_status alloc_start(ct_work *w, MPI_Request *req)
         goto out_free;
     }
     if (s) {
-        if ((st = shm_open(g, s)) != CT_OK) goto out_free;
-        s = NULL; /* now g->shm */
+        if ((st = shm_open(t, s)) != CT_OK) goto out_free;
+        s = NULL; /* now t->shm */
     }
     /* Open MPI's segments start 8 bytes past a line (its window state comes
      * first): ask for a line more and start each rank's buffer on the next
      * line.  Offsets within a page are the same in every process, so every
      * rank finds the same start for every segment. */
     size_t cap = ((q->bytes + 63) & ~(size_t)63) + 64;
-    if ((st = win_create(g, cap, 1, &a->win, a->base)) != CT_OK) goto out_close;
-    for (int r = 0; r < g->size; r++)
+    if ((st = win_create(t, cap, 1, &a->win, a->base)) != CT_OK) goto out_close;
+    for (int r = 0; r < t->size; r++)
         a->base[r] = (char *)(((uintptr_t)a->base[r] + 63) & ~(uintptr_t)63);
     /* Zeroed for the caller, and first touched by its owner (the page's NUMA
      * home).  Peers' pages are mapped into this process now, not in the
      * first allreduce: reading a byte per page is enough. */
-    memset(a->base[g->rank], 0, q->bytes);
-    for (int r = 0; r < g->size; r++) {
+    memset(a->base[t->rank], 0, q->bytes);
+    for (int r = 0; r < t->size; r++) {
         MPI_Aint size = 0;
         int unit = 0;
         void *p = NULL;
-        if (r == g->rank || MPI_Win_shared_query(a->win, r, &size, &unit, &p) != MPI_SUCCESS)
+        if (r == t->rank || MPI_Win_shared_query(a->win, r, &size, &unit, &p) != MPI_SUCCESS)
             continue;
         for (MPI_Aint o = 0; o < size; o += 4096) (void)*(volatile char *)((char *)p + o);
     }
     /* Every rank's barrier slot is zero before anyone uses it. */
-    if ((rc = MPI_Barrier(g->comm)) != MPI_SUCCESS) {
+    if ((rc = MPI_Barrier(t->comm)) != MPI_SUCCESS) {
         st = ct__mpi_fail(rc, "MPI_Barrier (after creating a shared window)");
         win_free(&a->win);
         goto out_close;
     }
-    a->id = g->shm->next_id++;
+    a->id = t->shm->next_id++;
     a->bytes = q->bytes;
     a->cat = q->cat;
     ct__mem_account(q->cat, (int64_t)q->bytes);
     pthread_mutex_lock(&reg_mu);
-    a->next = g->shm->allocs;
-    g->shm->allocs = a;
+    a->next = t->shm->allocs;
+    t->shm->allocs = a;
     pthread_mutex_unlock(&reg_mu);
     q->out = a;
     return CT_OK;
 
 out_close:
-    if (g->shm && !g->shm->allocs) shm_close(g);
+    if (t->shm && !t->shm->allocs) shm_close(t);
 out_free:
     free_alloc_struct(a);
     free_shm_struct(s);
@@ -307,6 +311,7 @@ out_free:
 /* Collective: frees a and, with the group's last allocation, the control block. */
 static ct_status free_one(ct_group *g, shm_alloc *a)
 {
+    g = owner(g);
     struct ct__shm *s = g->shm;
     pthread_mutex_lock(&reg_mu);
     for (shm_alloc **p = &s->allocs; *p; p = &(*p)->next)
@@ -325,26 +330,39 @@ static ct_status free_one(ct_group *g, shm_alloc *a)
     return st;
 }
 
-static ct_status free_start(ct_work *w, MPI_Request *req)
+static int alloc_start(ct_work *w)
 {
-    (void)req;
-    return free_one(w->g, w->arg);
+    ct_status s = alloc_run((alloc_op *)w);
+    return s == CT_OK ? CT__DONE : ct__op_fail(w, s);
 }
 
-static ct_status release_start(ct_work *w, MPI_Request *req)
+static int free_start(ct_work *w)
 {
-    (void)req;
+    free_op *o = (free_op *)w;
     ct_status st = CT_OK;
-    while (w->g->shm) {
-        ct_status s = w->g->shm->allocs ? free_one(w->g, w->g->shm->allocs) : shm_close(w->g);
-        if (st == CT_OK) st = s;
+    if (o->a) {
+        st = free_one(w->g, o->a);
+    } else {
+        ct_group *t = owner(w->g);
+        while (t->shm) {
+            ct_status s = t->shm->allocs ? free_one(t, t->shm->allocs) : shm_close(t);
+            if (st == CT_OK) st = s;
+        }
     }
-    return st;
+    return st == CT_OK ? CT__DONE : ct__op_fail(w, st);
 }
+
+static const ct__op_vt alloc_vt = {.name = "MPI_Win_allocate_shared",
+                                   .flags = CT__OP_ORDERED | CT__OP_BLOCKING,
+                                   .start = alloc_start};
+static const ct__op_vt free_vt = {.name = "MPI_Win_free",
+                                  .flags = CT__OP_ORDERED | CT__OP_BLOCKING,
+                                  .start = free_start};
 
 /* The allocation of g whose segment on this rank holds p, or NULL (reg_mu held). */
 static shm_alloc *containing(const ct_group *g, const void *p)
 {
+    g = owner(g);
     if (!g->shm) return NULL;
     uintptr_t x = (uintptr_t)p;
     for (shm_alloc *a = g->shm->allocs; a; a = a->next) {
@@ -358,9 +376,10 @@ static shm_alloc *containing(const ct_group *g, const void *p)
  * the one holding p, else NULL (reg_mu held). */
 static shm_alloc *allocation_at(const ct_group *g, const void *p)
 {
-    if (!g->shm) return NULL;
-    for (shm_alloc *a = g->shm->allocs; a; a = a->next)
-        if (a->base[g->rank] == p) return a;
+    const ct_group *t = owner(g);
+    if (!t->shm) return NULL;
+    for (shm_alloc *a = t->shm->allocs; a; a = a->next)
+        if (a->base[t->rank] == p) return a;
     return containing(g, p);
 }
 
@@ -383,13 +402,16 @@ ct_status ct_group_alloc_shared(ct_group *g, size_t bytes, ct_mem_cat cat, void 
     /* Nothing of g may be running while the window is made (MPI calls of
      * the group in the same order on every rank, and a stable g->shm). */
     ct__group_quiesce(g);
-    alloc_req q = {bytes, cat, NULL};
-    ct_work *w = ct__work_new(g, "MPI_Win_allocate_shared", alloc_start, NULL, 1);
-    if (!w) return CT_ENOMEM;
-    w->arg = &q;
-    CT_TRY(ct__submit(w, NULL));
-    if (q.out) {
-        *ptr = q.out->base[g->rank];
+    alloc_op *q = ct__work_new(g, &alloc_vt, sizeof *q);
+    if (!q) return CT_ENOMEM;
+    q->bytes = bytes;
+    q->cat = cat;
+    ct_status st = ct__submit_wait(&q->w);
+    shm_alloc *a = q->out;
+    ct__work_destroy(&q->w);
+    CT_TRY(st);
+    if (a) {
+        *ptr = a->base[owner(g)->rank];
         return CT_OK;
     }
     struct ct__plain *node = ct_alloc_zeroed(sizeof *node, CT_MEM_OTHER);
@@ -436,16 +458,17 @@ void ct_group_free_shared(ct_group *g, void *ptr)
         ct_free(n);
         return;
     }
-    CT_ASSERT(ptr == a->base[g->rank] && "ct_group_free_shared: not the start of an allocation");
+    CT_ASSERT(ptr == a->base[owner(g)->rank] &&
+              "ct_group_free_shared: not the start of an allocation");
     CT_ASSERT(!ct__on_comm_thread()); /* would wait on itself */
     ct__group_quiesce(g); /* its works may still use the memory */
-    ct_work *w = ct__work_new(g, "MPI_Win_free", free_start, NULL, 1);
-    if (!w) {
+    free_op *o = ct__work_new(g, &free_vt, sizeof *o);
+    if (!o) {
         ct_log(CT_LOG_WARN, "ct_group_free_shared: out of memory; the window stays allocated");
         return;
     }
-    w->arg = a;
-    if (ct__submit(w, NULL) != CT_OK)
+    o->a = a;
+    if (ct__submit(&o->w, NULL) != CT_OK)
         ct_log(CT_LOG_WARN, "ct_group_free_shared: %s", ct_last_error());
 }
 
@@ -454,9 +477,17 @@ int ct_group_is_shared(const ct_group *g, const void *ptr, size_t bytes)
     if (!g || !ptr) return 0;
     pthread_mutex_lock(&reg_mu);
     shm_alloc *a = containing(g, ptr);
-    int ok = a && bytes <= a->bytes - (size_t)((uintptr_t)ptr - (uintptr_t)a->base[g->rank]);
+    int ok = a && bytes <= a->bytes - (size_t)((uintptr_t)ptr - (uintptr_t)a->base[owner(g)->rank]);
     pthread_mutex_unlock(&reg_mu);
     return ok;
+}
+
+int ct__shm_window_ranks(const ct_group *g, const void *p)
+{
+    pthread_mutex_lock(&reg_mu);
+    int n = containing(g, p) ? owner(g)->size : 0;
+    pthread_mutex_unlock(&reg_mu);
+    return n;
 }
 
 void ct__shm_release(ct_group *g)
@@ -466,22 +497,24 @@ void ct__shm_release(ct_group *g)
         ct_free(n);
     }
     pthread_mutex_lock(&reg_mu);
-    int has = g->shm != NULL;
+    int has = owner(g)->shm != NULL;
     pthread_mutex_unlock(&reg_mu);
     if (!has) return;
     ct_log(CT_LOG_DEBUG, "comm: freeing shared allocations still live on a group");
-    ct_work *w = ct__work_new(g, "MPI_Win_free", release_start, NULL, 1);
-    if (!w || ct__submit(w, NULL) != CT_OK)
+    free_op *o = ct__work_new(g, &free_vt, sizeof *o);
+    if (!o || ct__submit(&o->w, NULL) != CT_OK)
         ct_log(CT_LOG_WARN, "freeing a group's shared allocations: %s", ct_last_error());
 }
 
 /* ---- barrier -------------------------------------------------------------- */
 
-/* Reaches the next barrier (after making this rank's stores visible). */
-static uint64_t arrive(ct_group *g, shm_alloc *a)
+static MPI_Win ref_win(const ct__shm_ref *ref) { return ref && ref->a ? ref->a->win : MPI_WIN_NULL; }
+
+uint64_t ct__shm_arrive(ct_group *g, const ct__shm_ref *ref)
 {
     struct ct__shm *s = g->shm;
-    if (a) MPI_Win_sync(a->win);
+    MPI_Win win = ref_win(ref);
+    if (win != MPI_WIN_NULL) MPI_Win_sync(win);
     MPI_Win_sync(s->win);
     atomic_store_explicit(&s->slot[g->rank]->arrived, ++s->arrived, memory_order_release);
     return s->arrived;
@@ -495,18 +528,17 @@ static int all_reached(const ct_group *g, uint64_t target)
     return 1;
 }
 
-/* 1 when every rank reached barrier target (then their stores are visible). */
-static int passed(ct_group *g, uint64_t target, shm_alloc *a)
+int ct__shm_passed(ct_group *g, uint64_t target, const ct__shm_ref *ref)
 {
     if (!all_reached(g, target)) return 0;
     MPI_Win_sync(g->shm->win);
-    if (a) MPI_Win_sync(a->win);
+    MPI_Win win = ref_win(ref);
+    if (win != MPI_WIN_NULL) MPI_Win_sync(win);
     return 1;
 }
 
-/* Busy-waits up to `budget` seconds for barrier target: pauses first, then
- * sched_yield so a peer sharing this core can run. */
-static int spin_until(const ct_group *g, uint64_t target, double budget)
+/* Pauses first, then sched_yield so a peer sharing this core can run. */
+int ct__shm_spin(const ct_group *g, uint64_t target, double budget)
 {
     double t0 = 0;
     for (int k = 0;; k++) {
@@ -521,245 +553,138 @@ static int spin_until(const ct_group *g, uint64_t target, double budget)
     }
 }
 
-/* Still waiting; logs once, naming the absent ranks, if it has been long. */
-static int waiting(ct_work *w)
+void ct__shm_absent(const ct_group *g, uint64_t target, char *out, size_t n)
 {
-    if (w->warned || ct_now() - w->t_wait < WARN_SECONDS) return CT__POLL_WAIT;
-    w->warned = 1;
-    char who[256] = "";
-    size_t len = 0;
-    for (int r = 0; r < w->g->size && len < sizeof who - 16; r++)
-        if (atomic_load_explicit(&w->g->shm->slot[r]->arrived, memory_order_acquire) < w->target)
-            len += (size_t)snprintf(who + len, sizeof who - len, "%s%d", len ? ", " : "", r);
-    ct_log(CT_LOG_WARN, "allreduce on a group of %d has waited %.0f s in shared memory for "
-                        "rank(s) %s of the group; every rank must start the same collectives on "
-                        "the group in the same order", w->g->size, ct_now() - w->t_wait, who);
-    return CT__POLL_WAIT;
-}
-
-/* ---- the reduction -------------------------------------------------------- */
-
-static void sum2_f32(float *restrict x, float *restrict y, int64_t n)
-{
-    for (int64_t i = 0; i < n; i++) {
-        float v = x[i] + y[i];
-        x[i] = v;
-        y[i] = v;
-    }
-}
-
-static void avg2_f32(float *restrict x, float *restrict y, int64_t n, float inv)
-{
-    for (int64_t i = 0; i < n; i++) {
-        float v = (x[i] + y[i]) * inv;
-        x[i] = v;
-        y[i] = v;
-    }
-}
-
-/* acc[i] = combine(acc[i], x[i]); MAX/MIN on f32 as MPI_MAX/MPI_MIN do it. */
-static void add_f32(float *restrict acc, const float *restrict x, int n)
-{
-    for (int i = 0; i < n; i++) acc[i] += x[i];
-}
-static void max_f32(float *restrict acc, const float *restrict x, int n)
-{
-    for (int i = 0; i < n; i++) acc[i] = acc[i] > x[i] ? acc[i] : x[i];
-}
-static void min_f32(float *restrict acc, const float *restrict x, int n)
-{
-    for (int i = 0; i < n; i++) acc[i] = acc[i] < x[i] ? acc[i] : x[i];
-}
-/* 16-bit MAX/MIN as dtype.c's MPI ops: a nan loses to a number. */
-static void fmax_f32(float *restrict acc, const float *restrict x, int n)
-{
-    for (int i = 0; i < n; i++) acc[i] = fmaxf(acc[i], x[i]);
-}
-static void fmin_f32(float *restrict acc, const float *restrict x, int n)
-{
-    for (int i = 0; i < n; i++) acc[i] = fminf(acc[i], x[i]);
-}
-static void scale_f32(float *restrict acc, int n, float inv)
-{
-    for (int i = 0; i < n; i++) acc[i] *= inv;
-}
-
-/* Each src[r] (n f32) becomes the reduction over r, summed in rank order. */
-static void reduce_f32(float **src, int W, int64_t n, ct_reduce_op op, float inv)
-{
-    if (W == 2 && (op == CT_OP_SUM || op == CT_OP_AVG)) {
-        if (op == CT_OP_SUM) sum2_f32(src[0], src[1], n);
-        else avg2_f32(src[0], src[1], n, inv);
-        return;
-    }
-    void (*combine)(float *restrict, const float *restrict, int) =
-        op == CT_OP_MAX ? max_f32 : op == CT_OP_MIN ? min_f32 : add_f32;
-    float acc[BLOCK];
-    for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {
-        int m = (int)(n - i0 < BLOCK ? n - i0 : BLOCK);
-        memcpy(acc, src[0] + i0, (size_t)m * sizeof *acc);
-        for (int r = 1; r < W; r++) combine(acc, src[r] + i0, m);
-        if (op == CT_OP_AVG) scale_f32(acc, m, inv);
-        for (int r = 0; r < W; r++) memcpy(src[r] + i0, acc, (size_t)m * sizeof *acc);
-    }
-}
-
-/* The same for bf16/f16: widened to f32, combined over all ranks, rounded once. */
-static void reduce_16(uint16_t **src, int W, int64_t n, ct_dtype dt, ct_reduce_op op, float inv)
-{
-    void (*to32)(const uint16_t *, float *, size_t) =
-        dt == CT_BF16 ? ct_bf16_to_f32_n : ct_f16_to_f32_n;
-    void (*from32)(const float *, uint16_t *, size_t) =
-        dt == CT_BF16 ? ct_f32_to_bf16_n : ct_f32_to_f16_n;
-    void (*combine)(float *restrict, const float *restrict, int) =
-        op == CT_OP_MAX ? fmax_f32 : op == CT_OP_MIN ? fmin_f32 : add_f32;
-    float acc[BLOCK], x[BLOCK];
-    uint16_t out[BLOCK];
-    for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {
-        int m = (int)(n - i0 < BLOCK ? n - i0 : BLOCK);
-        to32(src[0] + i0, acc, (size_t)m);
-        for (int r = 1; r < W; r++) {
-            to32(src[r] + i0, x, (size_t)m);
-            combine(acc, x, m);
+    size_t len = strlen(out);
+    int any = 0;
+    for (int r = 0; r < g->size && len + 16 < n; r++)
+        if (atomic_load_explicit(&g->shm->slot[r]->arrived, memory_order_acquire) < target) {
+            len += (size_t)snprintf(out + len, n - len, "%s%d", any ? ", " : "; rank(s) ", r);
+            any = 1;
         }
-        if (op == CT_OP_AVG) scale_f32(acc, m, inv);
-        from32(acc, out, (size_t)m);
-        for (int r = 0; r < W; r++) memcpy(src[r] + i0, out, (size_t)m * sizeof *out);
+    if (any && len < n) snprintf(out + len, n - len, " of the group have not arrived");
+}
+
+void *ct__shm_peer(const ct__shm_ref *ref, int r) { return ref->a->base[r] + ref->off; }
+
+/* ---- agreement ----------------------------------------------------------- */
+
+static const char *kind_name(int kind)
+{
+    switch (kind) {
+    case CT__KIND_ALLREDUCE: return "allreduce";
+    case CT__KIND_REDUCE: return "reduce";
+    case CT__KIND_REDUCE_SCATTER: return "reduce_scatter";
+    case CT__KIND_ALLGATHER: return "allgather";
     }
+    return "?";
 }
 
-/* Reduces this rank's slice of w's range across all ranks' buffers.  Slice
- * bounds fall on 64-byte lines (found from the offset, the same on every
- * rank: buffers start on a line), so no two ranks write one cache line. */
-static void reduce_slice(ct_work *w, shm_alloc *a)
+/* "100 x F32 SUM at byte 64 of shared allocation #1", with the kind first
+ * ("reduce of ...") if with_kind. */
+static void describe(const shm_args *m, int with_kind, char *out, size_t n)
 {
-    int W = w->g->size, me = w->g->rank;
-    int64_t n = w->count, esz = (int64_t)ct_dtype_size(w->dt), line = 64 / esz;
-    int64_t head = (int64_t)((64 - w->shm_off % 64) % 64) / esz;
-    if (head > n) head = n;
-    int64_t lo = me == 0 ? 0 : head + (n - head) * me / W / line * line;
-    int64_t hi = me == W - 1 ? n : head + (n - head) * (me + 1) / W / line * line;
-    if (hi <= lo) return;
-    void *src[W];
-    for (int r = 0; r < W; r++) src[r] = a->base[r] + w->shm_off + (size_t)(lo * esz);
-    float inv = w->op == CT_OP_AVG ? 1.0f / (float)W : 1.0f;
-    if (w->dt == CT_F32) reduce_f32((float **)src, W, hi - lo, w->op, inv);
-    else reduce_16((uint16_t **)src, W, hi - lo, w->dt, w->op, inv);
-}
-
-/* ---- the allreduce ------------------------------------------------------- */
-
-static void describe(const shm_args *m, char *out, size_t n)
-{
-    int len = snprintf(out, n, "%lld x %s %s ", (long long)m->count,
-                       ct_dtype_name((ct_dtype)m->dtype), ct__op_name((ct_reduce_op)m->op));
+    int len = snprintf(out, n, "%s%s%lld x %s", with_kind ? kind_name(m->kind) : "",
+                       with_kind ? " of " : "", (long long)m->count,
+                       ct_dtype_name((ct_dtype)m->dtype));
     if (len < 0 || (size_t)len >= n) return;
+    if (m->kind != CT__KIND_ALLGATHER)
+        len += snprintf(out + len, n - (size_t)len, " %s", ct__op_name((ct_reduce_op)m->op));
+    if (m->root >= 0 && (size_t)len < n)
+        len += snprintf(out + len, n - (size_t)len, " to root %d", m->root);
+    if ((size_t)len >= n) return;
     if (m->alloc_id)
-        snprintf(out + len, n - (size_t)len, "at byte %llu of shared allocation #%llu",
+        snprintf(out + len, n - (size_t)len, " at byte %llu of shared allocation #%llu",
                  (unsigned long long)m->offset, (unsigned long long)m->alloc_id);
     else
-        snprintf(out + len, n - (size_t)len, "in private memory");
+        snprintf(out + len, n - (size_t)len, " in private memory");
 }
 
 static int same_args(const shm_args *x, const shm_args *y)
 {
-    if (x->count != y->count || x->dtype != y->dtype || x->op != y->op) return 0;
+    if (x->kind != y->kind || x->count != y->count || x->dtype != y->dtype || x->op != y->op ||
+        x->root != y->root)
+        return 0;
     return x->count == 0 || (x->alloc_id == y->alloc_id && x->offset == y->offset);
 }
 
-static int poll_allreduce(ct_work *w, MPI_Request *req, ct_status *st);
-
-static ct_status start_allreduce(ct_work *w, MPI_Request *req)
+void ct__agree_start(ct_group *g, ct__agree *ag, const ct__shm_ref *ref, int64_t count,
+                     ct_dtype dt, ct_reduce_op op, int kind, int root)
 {
-    (void)req;
-    ct_group *g = w->g;
     struct ct__shm *s = g->shm;
     CT_ASSERT(s); /* alloc and free quiesce the group, so it cannot change under a work */
-    shm_alloc *a = w->shm_alloc;
-    w->handshake = s->handshakes++;
-    shm_args *m = &s->slot[g->rank]->args[w->handshake & 1];
-    m->alloc_id = a ? a->id : 0;
-    m->offset = a ? w->shm_off : 0;
-    m->count = w->count;
-    m->dtype = (int32_t)w->dt;
-    m->op = (int32_t)w->op;
-    w->target = arrive(g, a);
-    w->phase = PH_AGREE;
-    w->poll = poll_allreduce;
-    w->t_wait = ct_now();
-    w->warned = 0;
-    return CT_OK;
+    ag->handshake = s->handshakes++;
+    shm_args *m = &s->slot[g->rank]->args[ag->handshake & 1];
+    memset(m, 0, sizeof *m);
+    m->alloc_id = ref->a ? ref->a->id : 0;
+    m->offset = ref->a ? ref->off : 0;
+    m->count = count;
+    m->dtype = (int32_t)dt;
+    m->op = (int32_t)op;
+    m->kind = kind;
+    m->root = root;
+    ag->target = ct__shm_arrive(g, ref);
 }
 
-static int poll_allreduce(ct_work *w, MPI_Request *req, ct_status *st)
+int ct__agree_poll(ct_work *w, ct__agree *ag, const char *what)
 {
     ct_group *g = w->g;
-    shm_alloc *a = w->shm_alloc;
-    if (w->phase == PH_DONE) {
-        if (!passed(g, w->target, a)) return waiting(w);
-        *st = CT_OK;
-        return CT__POLL_DONE;
-    }
-    if (!passed(g, w->target, a)) return waiting(w);
+    if (!ct__shm_passed(g, ag->target, NULL)) return CT__WAIT;
     /* Every rank reads the same records and so decides the same. */
-    int par = (int)(w->handshake & 1);
+    int par = (int)(ag->handshake & 1);
     const shm_args *first = &g->shm->slot[0]->args[par];
     for (int r = 1; r < g->size; r++) {
         const shm_args *m = &g->shm->slot[r]->args[par];
         if (!same_args(first, m)) {
-            char d0[160], dr[160];
-            describe(first, d0, sizeof d0);
-            describe(m, dr, sizeof dr);
-            *st = ct_error(CT_EINVAL, "allreduce: the ranks passed different arguments: rank 0 "
-                                      "%s, rank %d %s; pass the same count, dtype and op on "
-                                      "every rank, and the same range of one "
-                                      "ct_group_alloc_shared allocation on every rank (or "
-                                      "private memory on every rank)", d0, r, dr);
-            return CT__POLL_DONE;
+            char d0[200], dr[200];
+            int kinds = first->kind != m->kind;
+            describe(first, kinds, d0, sizeof d0);
+            describe(m, kinds, dr, sizeof dr);
+            return ct__op_fail(w, ct_error(CT_EINVAL, "%s: the ranks passed different arguments: "
+                                                      "rank 0 %s, rank %d %s; start the same "
+                                                      "collectives in the same order with the "
+                                                      "same count, dtype, op and root on every "
+                                                      "rank, on the same range of one "
+                                                      "ct_group_alloc_shared allocation on every "
+                                                      "rank (or private memory on every rank)",
+                                           what, d0, r, dr));
         }
     }
-    if (w->count == 0) {
-        *st = CT_OK;
-        return CT__POLL_DONE;
-    }
-    if (!a || (w->dt != CT_F32 && w->dt != CT_BF16 && w->dt != CT_F16)) {
-        int rc = MPI_Iallreduce(MPI_IN_PLACE, w->buf, w->count, ct__mpi_dtype(w->dt),
-                                ct__mpi_op(w->dt, w->op), g->comm, req);
-        *st = rc == MPI_SUCCESS ? CT_OK : ct__mpi_fail(rc, "MPI_Iallreduce");
-        return CT__POLL_DONE;
-    }
-    double t0 = ct_now();
-    reduce_slice(w, a);
-    w->finish = NULL; /* AVG was applied with the sum */
-    double t1 = ct_now();
-    ct_trace_event("shm allreduce", "comm", t0, t1, 1);
-    w->target = arrive(g, a);
-    w->phase = PH_DONE;
-    w->t_wait = t1;
-    /* The peers are most likely summing their slices right now. */
-    if (!spin_until(g, w->target, SPIN_SECONDS)) return CT__POLL_MOVED;
-    passed(g, w->target, a);
-    *st = CT_OK;
-    return CT__POLL_DONE;
+    return CT__DONE;
 }
 
-ct_status ct__shm_allreduce_setup(ct_work *w, const void *buf, size_t bytes)
+int ct__shm_active(const ct_group *g)
 {
-    ct_group *g = w->g;
     pthread_mutex_lock(&reg_mu);
     int has = g->shm != NULL;
-    shm_alloc *a = has ? containing(g, buf) : NULL;
-    size_t off = a ? (size_t)((uintptr_t)buf - (uintptr_t)a->base[g->rank]) : 0;
+    pthread_mutex_unlock(&reg_mu);
+    return has;
+}
+
+int ct__shm_node_active(const ct_group *g)
+{
+    pthread_mutex_lock(&reg_mu);
+    int has = g->node && g->node->shm;
+    pthread_mutex_unlock(&reg_mu);
+    return has;
+}
+
+uint64_t ct__shm_alloc_id(const ct__shm_ref *ref) { return ref->a ? ref->a->id : 0; }
+
+ct_status ct__shm_locate(const ct_group *g, const void *buf, size_t bytes, ct__shm_ref *ref,
+                         const char *what)
+{
+    pthread_mutex_lock(&reg_mu);
+    shm_alloc *a = containing(g, buf);
+    size_t off = a ? (size_t)((uintptr_t)buf - (uintptr_t)a->base[owner(g)->rank]) : 0;
     size_t size = a ? a->bytes : 0;
     pthread_mutex_unlock(&reg_mu);
-    if (!has) return CT_OK;
+    ref->a = a;
+    ref->off = off;
     if (a && bytes > size - off)
-        return ct_error(CT_EINVAL, "allreduce: the buffer (%zu bytes at byte %zu of a shared "
+        return ct_error(CT_EINVAL, "%s: the buffer (%zu bytes at byte %zu of a shared "
                                    "allocation of %zu bytes) runs past the allocation's end; "
                                    "pass a range inside one ct_group_alloc_shared allocation",
-                        bytes, off, size);
-    w->start = start_allreduce;
-    w->shm_alloc = a;
-    w->shm_off = off;
+                        what, bytes, off, size);
     return CT_OK;
 }

@@ -130,7 +130,7 @@ static _Atomic int cb_count[CB_MAX];
 static int cb_order[CB_MAX];
 static _Atomic int cb_next;
 
-static void on_done(ct_work *w, ct_status s, void *arg)
+__attribute__((unused)) static void on_done(ct_work *w, ct_status s, void *arg)
 {
     (void)w;
     int i = (int)(intptr_t)arg;

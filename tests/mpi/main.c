@@ -16,10 +16,15 @@
  *   mpi_run --abort-demo   the last rank calls ct_comm_abort while the
  *                          others wait in a barrier (tests/test_comm_single.c
  *                          checks that the job ends with the rank's message).
+ *   mpi_run --timeout-demo run with CTRAIN_COMM_TIMEOUT=2: three allreduces on
+ *                          the world, then the last rank skips the fourth and
+ *                          sleeps; the job must end with "allreduce #4 on group
+ *                          world" logged by every rank (tests/test_comm_single.c).
  */
 #include <pthread.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../harness.h"
 #include "ctrain/comm.h"
@@ -108,6 +113,21 @@ static int abort_demo(ct_group *w)
     return 1;
 }
 
+static int timeout_demo(ct_group *w)
+{
+    float x = 1;
+    for (int i = 0; i < 3; i++)
+        if (ct_group_allreduce(w, &x, 1, CT_F32, CT_OP_SUM, NULL) != CT_OK) return 1;
+    if (ct_group_rank(w) == ct_group_size(w) - 1) {
+        sleep(60); /* never joins the fourth: the others' timeout must end the job */
+        fprintf(stderr, "timeout demo: rank %d was not ended\n", ct_group_rank(w));
+        return 1;
+    }
+    ct_group_allreduce(w, &x, 1, CT_F32, CT_OP_SUM, NULL);
+    fprintf(stderr, "timeout demo: the allreduce returned, which it must not\n");
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
     if (ct_blas_select_kernel(argc, argv) != CT_OK) fprintf(stderr, "mpi_run: warning: %s\n", ct_last_error());
@@ -120,6 +140,7 @@ int main(int argc, char **argv)
     ct_group *w = ct_group_world();
     int rank = ct_group_rank(w);
     if (argc > 1 && !strcmp(argv[1], "--abort-demo")) return abort_demo(w);
+    if (argc > 1 && !strcmp(argv[1], "--timeout-demo")) return timeout_demo(w);
 
     const char *t = getenv("CTRAIN_MPI_TEST_TIMEOUT");
     dog.timeout = t ? atof(t) : 30;

@@ -65,12 +65,22 @@ static void check_same_on_all(ct_group *g, const void *buf, size_t bytes, const 
     if (h[0] != h[1]) soft_fail("%s: result differs across ranks", what);
 }
 
-/* Whether this run can use the direct path at all (every rank agrees). */
+/* Whether shared allocations of g are shared (every rank agrees): on one
+ * node, a window over the group; spanning nodes (CTRAIN_FAKE_NODES), one
+ * per node when some node has two of its ranks (collective over g). */
 static int shm_expected(ct_group *g)
 {
     const char *e = getenv("CTRAIN_COMM_SHM");
-    return ct_group_size(g) > 1 && ct_group_local_size(g) == ct_group_size(g) &&
-           !(e && !strcmp(e, "0"));
+    int maxlocal = ct_group_local_size(g);
+    ASSERT_OK(ct_group_allreduce(g, &maxlocal, 1, CT_I32, CT_OP_MAX, NULL));
+    return ct_group_size(g) > 1 && maxlocal > 1 && !(e && !strcmp(e, "0"));
+}
+
+/* Whether allreduces on shared allocations of g take the direct path (one
+ * node), whose f32 sums run in rank order. */
+static int direct_expected(ct_group *g, const void *p, size_t bytes)
+{
+    return ct_group_is_shared(g, p, bytes) && ct_group_local_size(g) == ct_group_size(g);
 }
 
 static void *alloc_shared(ct_group *g, size_t bytes)
@@ -230,7 +240,7 @@ TEST(shm_allreduce_f32_matches_mpi_path)
     int p = ct_group_size(g), me = ct_group_rank(g);
     int64_t n = 100003;
     float *sh = alloc_shared(g, (size_t)n * sizeof(float));
-    int direct = ct_group_is_shared(g, sh, (size_t)n * sizeof(float));
+    int direct = direct_expected(g, sh, (size_t)n * sizeof(float));
     float *pr = ct_alloc_zeroed((size_t)n * sizeof(float), CT_MEM_COMM);
     ASSERT(pr);
     for (int op = CT_OP_SUM; op <= CT_OP_MIN; op++) {
@@ -435,7 +445,7 @@ TEST(shm_mismatch_fails_on_every_rank)
     int p = ct_group_size(g), me = ct_group_rank(g);
     int64_t n = 4096;
     float *x = alloc_shared(g, (size_t)n * sizeof(float));
-    if (!ct_group_is_shared(g, x, (size_t)n * sizeof(float))) { /* MPI path: nothing to agree */
+    if (!direct_expected(g, x, (size_t)n * sizeof(float))) { /* not on one node: other tests */
         ct_group_free_shared(g, x);
         return;
     }
@@ -496,7 +506,7 @@ TEST(shm_split_subgroups)
     ASSERT_EQ(ct_group_rank(rev), p - 1 - me);
     int64_t n = 50001;
     float *x = alloc_shared(rev, (size_t)n * sizeof(float));
-    ASSERT(!ct_group_is_shared(g, x, 4)); /* shared on rev, not on the world */
+    ASSERT(!ct_group_is_shared(g, x, 4)); /* an allocation of rev, not of the world */
     fill(x, CT_F32, n, ct_group_rank(rev), 1500);
     ASSERT_OK(ct_group_allreduce(rev, x, n, CT_F32, CT_OP_AVG, NULL));
     check_reduced(x, CT_F32, CT_OP_AVG, n, p, 1500, "reversed group");

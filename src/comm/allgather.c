@@ -1,0 +1,189 @@
+/*
+ * All-gather.  MPI: one MPI_Iallgather.  Direct, when every rank's receive
+ * buffer is the same range of one of the group's shared allocations (any
+ * dtype; send may be private): after the agreement's barrier each rank
+ * copies its send into its own block of its receive buffer, passes a
+ * barrier, then copies every other rank's block from that rank's receive
+ * buffer into its own (reading its peers', writing only its own memory); a
+ * last barrier keeps the blocks unchanged until all have copied them.
+ * Agreement first (shm.c): mismatched arguments are an error on every rank.
+ *
+ * All-gather with counts per rank (allgatherv): one MPI_Iallgatherv.
+ */
+#include <limits.h>
+#include <string.h>
+
+#include "internal.h"
+
+enum { PH_AGREE = 0, PH_MPI, PH_OWN, PH_COPIED };
+
+typedef struct {
+    ct_work w;
+    void *recv;
+    const void *send;
+    int count;
+    ct_dtype dt;
+    int inplace;
+    int *counts, *displs; /* allgatherv: ct_alloc'd, freed with the work */
+    int agree;            /* allgather on a group with shared allocations */
+    ct__shm_ref ref;      /* of recv */
+    ct__agree ag;
+    int phase;
+    uint64_t target;
+} allgather_op;
+
+static int start_mpi(allgather_op *o)
+{
+    ct_work *w = &o->w;
+    MPI_Datatype t = ct__mpi_dtype(o->dt);
+    o->phase = PH_MPI;
+    w->gate = 0;
+    return ct__op_mpi(w, MPI_Iallgather(o->inplace ? MPI_IN_PLACE : o->send, o->count, t, o->recv,
+                                        o->count, t, w->g->comm, &w->req),
+                      "MPI_Iallgather");
+}
+
+static int allgather_start(ct_work *w)
+{
+    allgather_op *o = (allgather_op *)w;
+    if (!o->agree) return start_mpi(o);
+    ct__agree_start(w->g, &o->ag, &o->ref, o->count, o->dt, CT_OP_SUM, CT__KIND_ALLGATHER, -1);
+    o->phase = PH_AGREE;
+    return CT__MOVED;
+}
+
+static int allgather_progress(ct_work *w)
+{
+    allgather_op *o = (allgather_op *)w;
+    ct_group *g = w->g;
+    size_t block = (size_t)o->count * ct_dtype_size(o->dt);
+    switch (o->phase) {
+    case PH_MPI:
+        return CT__DONE;
+    case PH_AGREE:
+        if (ct__agree_poll(w, &o->ag, "allgather") == CT__WAIT) return CT__WAIT;
+        if (w->status != CT_OK || o->count == 0) return CT__DONE;
+        if (!o->ref.a) return start_mpi(o);
+        if (!o->inplace) memcpy((char *)o->recv + (size_t)g->rank * block, o->send, block);
+        o->target = ct__shm_arrive(g, &o->ref);
+        o->phase = PH_OWN;
+        return CT__MOVED;
+    case PH_OWN:
+        if (!ct__shm_passed(g, o->target, &o->ref)) return CT__WAIT;
+        for (int r = 0; r < g->size; r++)
+            if (r != g->rank)
+                memcpy((char *)o->recv + (size_t)r * block,
+                       (char *)ct__shm_peer(&o->ref, r) + (size_t)r * block, block);
+        o->target = ct__shm_arrive(g, &o->ref);
+        o->phase = PH_COPIED;
+        return CT__MOVED;
+    case PH_COPIED:
+        return ct__shm_passed(g, o->target, &o->ref) ? CT__DONE : CT__WAIT;
+    }
+    CT_ASSERT(!"allgather: unknown phase");
+    return CT__DONE;
+}
+
+static void allgather_blame(const ct_work *w, char *out, size_t n)
+{
+    const allgather_op *o = (const allgather_op *)w;
+    if (o->phase == PH_AGREE) ct__shm_absent(w->g, o->ag.target, out, n);
+    else if (o->phase == PH_OWN || o->phase == PH_COPIED) ct__shm_absent(w->g, o->target, out, n);
+}
+
+static int allgatherv_start(ct_work *w)
+{
+    allgather_op *o = (allgather_op *)w;
+    MPI_Datatype t = ct__mpi_dtype(o->dt);
+    return ct__op_mpi(w, MPI_Iallgatherv(o->inplace ? MPI_IN_PLACE : o->send, o->count, t,
+                                         o->recv, o->counts, o->displs, t, w->g->comm, &w->req),
+                      "MPI_Iallgatherv");
+}
+
+static void allgather_destroy(ct_work *w)
+{
+    allgather_op *o = (allgather_op *)w;
+    ct_free(o->counts);
+    ct_free(o->displs);
+}
+
+static const ct__op_vt allgather_vt = {.name = "allgather",
+                                       .flags = CT__OP_ORDERED | CT__OP_GATE,
+                                       .start = allgather_start, .progress = allgather_progress,
+                                       .blame = allgather_blame};
+static const ct__op_vt allgatherv_vt = {.name = "allgatherv", .flags = CT__OP_ORDERED,
+                                        .start = allgatherv_start, .destroy = allgather_destroy};
+
+ct_status ct_group_allgather(ct_group *g, const void *send, void *recv, int64_t count,
+                             ct_dtype dt, ct_work **work)
+{
+    CT_TRY(ct__check_args(g, send, count, dt, "allgather"));
+    if (count > 0 && !recv) return ct_error(CT_EINVAL, "allgather: receive buffer is NULL");
+    size_t esz = ct_dtype_size(dt), block = (size_t)count * esz;
+    int inplace = send == (const char *)recv + (size_t)g->rank * block;
+    if (!inplace && ct__overlaps(send, block, recv, block * (size_t)g->size))
+        return ct_error(CT_EINVAL, "allgather: send overlaps the receive buffer; for in place "
+                                   "pass send = recv + rank*count");
+    ct__shm_ref ref = {0};
+    int agree = ct__shm_active(g);
+    if (agree) CT_TRY(ct__shm_locate(g, recv, block * (size_t)g->size, &ref, "allgather"));
+    allgather_op *o = ct__work_new(g, &allgather_vt, sizeof *o);
+    if (!o) return CT_ENOMEM;
+    o->agree = agree;
+    o->ref = ref;
+    o->recv = recv;
+    o->send = send;
+    o->count = (int)count;
+    o->dt = dt;
+    o->inplace = inplace;
+    return ct__submit(&o->w, work);
+}
+
+ct_status ct_group_allgatherv(ct_group *g, const void *send, int64_t send_count, void *recv,
+                              const int64_t *counts, const int64_t *displs, ct_dtype dt,
+                              ct_work **work)
+{
+    CT_TRY(ct__check_args(g, send, send_count, dt, "allgatherv"));
+    if (!counts) return ct_error(CT_EINVAL, "allgatherv: counts is NULL");
+    int64_t end = 0, at = 0;
+    for (int r = 0; r < g->size; r++) {
+        int64_t d = displs ? displs[r] : at;
+        if (counts[r] < 0 || d < 0 || d > INT_MAX || counts[r] > INT_MAX - d)
+            return ct_error(CT_EINVAL, "allgatherv: rank %d has count %lld at offset %lld; counts "
+                                       "and offsets must be >= 0 and end below %d",
+                            r, (long long)counts[r], (long long)d, INT_MAX);
+        at = d + counts[r];
+        if (at > end) end = at;
+    }
+    if (send_count != counts[g->rank])
+        return ct_error(CT_EINVAL, "allgatherv: send_count %lld differs from counts[%d] = %lld",
+                        (long long)send_count, g->rank, (long long)counts[g->rank]);
+    CT_TRY(ct__check_args(g, recv, end, dt, "allgatherv (receive buffer)"));
+    size_t esz = ct_dtype_size(dt);
+    int64_t mine = displs ? displs[g->rank] : 0;
+    if (!displs)
+        for (int r = 0; r < g->rank; r++) mine += counts[r];
+    int inplace = send == (const char *)recv + (size_t)mine * esz;
+    if (!inplace && ct__overlaps(send, (size_t)send_count * esz, recv, (size_t)end * esz))
+        return ct_error(CT_EINVAL, "allgatherv: send overlaps the receive buffer; for in place "
+                                   "pass send = recv + displs[rank]");
+    allgather_op *o = ct__work_new(g, &allgatherv_vt, sizeof *o);
+    if (!o) return CT_ENOMEM;
+    o->recv = recv;
+    o->send = send;
+    o->count = (int)send_count;
+    o->dt = dt;
+    o->inplace = inplace;
+    o->counts = ct_alloc_zeroed((size_t)g->size * sizeof(int), CT_MEM_OTHER);
+    o->displs = ct_alloc_zeroed((size_t)g->size * sizeof(int), CT_MEM_OTHER);
+    if (!o->counts || !o->displs) {
+        ct__work_destroy(&o->w);
+        return CT_ENOMEM;
+    }
+    for (int r = 0, a = 0; r < g->size; r++) {
+        o->counts[r] = (int)counts[r];
+        o->displs[r] = displs ? (int)displs[r] : a;
+        a += o->counts[r];
+    }
+    return ct__submit(&o->w, work);
+}

@@ -1,0 +1,52 @@
+/*
+ * What the collectives share: argument checks, run in the caller's thread
+ * before anything is queued so that a bad call returns at once, and the
+ * tensor forms of the collectives.
+ */
+#include <limits.h>
+
+#include "internal.h"
+
+ct_status ct__check_args(const ct_group *g, const void *buf, int64_t count, ct_dtype dt,
+                         const char *what)
+{
+    if (!g)
+        return ct_error(CT_EINVAL, "%s: group is NULL; pass ct_group_world() (after "
+                                   "ct_comm_init) or a group from ct_group_split", what);
+    if ((int)dt < 0 || dt >= CT_NDTYPE)
+        return ct_error(CT_EINVAL, "%s: unknown dtype %d", what, (int)dt);
+    if (count < 0)
+        return ct_error(CT_EINVAL, "%s: count is %lld; it must be >= 0", what, (long long)count);
+    if (count > INT_MAX)
+        return ct_error(CT_EINVAL, "%s: count %lld exceeds MPI's limit of %d elements; split the "
+                                   "buffer into smaller chunks", what, (long long)count, INT_MAX);
+    if (count > 0 && !buf)
+        return ct_error(CT_EINVAL, "%s: buffer is NULL for %lld elements", what, (long long)count);
+    return CT_OK;
+}
+
+ct_status ct__check_rank(const ct_group *g, int r, const char *role, const char *what)
+{
+    if (r < 0 || r >= g->size)
+        return ct_error(CT_EINVAL, "%s: %s %d is out of range for a group of %d ranks (0..%d)",
+                        what, role, r, g->size, g->size - 1);
+    return CT_OK;
+}
+
+int ct__overlaps(const void *a, size_t na, const void *b, size_t nb)
+{
+    const char *x = a, *y = b;
+    return na && nb && x < y + nb && y < x + na;
+}
+
+ct_status ct_group_allreduce_tensor(ct_group *g, ct_tensor *t, ct_reduce_op op, ct_work **work)
+{
+    if (!t) return ct_error(CT_EINVAL, "allreduce: tensor is NULL");
+    return ct_group_allreduce(g, ct_tensor_data(t), t->numel, t->dtype, op, work);
+}
+
+ct_status ct_group_broadcast_tensor(ct_group *g, ct_tensor *t, int root, ct_work **work)
+{
+    if (!t) return ct_error(CT_EINVAL, "broadcast: tensor is NULL");
+    return ct_group_broadcast(g, ct_tensor_data(t), t->numel, t->dtype, root, work);
+}
