@@ -3,6 +3,8 @@
 #ifndef CTRAIN_IO_INTERNAL_H
 #define CTRAIN_IO_INTERNAL_H
 
+#include <stdio.h>
+
 #include "ctrain/io.h"
 
 /* ---- JSON -------------------------------------------------------------- */
@@ -57,5 +59,23 @@ void ct__buf_printf(ct__buf *b, const char *fmt, ...) __attribute__((format(prin
 /* Appends s[0..n) as a JSON string literal with quotes and escapes. */
 void ct__buf_json_str(ct__buf *b, const char *s, size_t n);
 void ct__buf_free(ct__buf *b);
+
+/* ---- atomic file replacement (atomic.c) -------------------------------- */
+
+/* A file being written to path.tmp.<pid>; commit renames it over path. */
+typedef struct {
+    FILE *f;
+    char *tmp;
+    const char *path;   /* borrowed: must outlive the ct__afile */
+} ct__afile;
+
+/* Creates the temp file (CT_EIO "cannot create" naming it). */
+ct_status ct__afile_open(ct__afile *a, const char *path);
+ct_status ct__afile_write(ct__afile *a, const void *p, size_t n);
+/* Flushes, fsyncs, closes, renames over path and fsyncs the directory.  On
+ * failure the temp file is removed (no abort needed). */
+ct_status ct__afile_commit(ct__afile *a);
+/* Closes and removes the temp file; safe after a failed open. */
+void ct__afile_abort(ct__afile *a);
 
 #endif
