@@ -711,6 +711,9 @@ TEST(cli_sharded_eval_inspect_and_errors)
     ASSERT_STR_CONTAINS(out, "total_size = 101800");
     ASSERT_STR_CONTAINS(out, "ctrain.hidden = 32");
     ASSERT_STR_CONTAINS(out, "ctrain.step = 6");
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    run_ok(0, out, "inspect of the model index", "inspect %s%s", path, "");
+    ASSERT_STR_CONTAINS(out, "total: 25450 parameters, 101800 bytes");
     snprintf(path, sizeof path, "%s/optim.safetensors.index.json", dir);
     run_ok(0, out, "inspect of the optimizer index", "inspect %s%s", path, "");
     ASSERT_STR_CONTAINS(out, "0.weight.exp_avg_sq");

@@ -693,6 +693,7 @@ TEST(st_index_roundtrip)
     ASSERT_ERR(load_and_free(dir), CT_EIO, "is a directory without a sharded checkpoint index");
     ASSERT_STR_CONTAINS(ct_last_error(), dir);
     remove_dir(dir);
+    rmdir(ct_test_tmpdir()); /* empty unless another test left files */
 }
 
 TEST(st_index_writer_rejects_bad_input)
@@ -736,6 +737,7 @@ TEST(st_index_writer_rejects_bad_input)
     closedir(d);
     ASSERT_EQ(files, 0);
     remove_dir(dir);
+    rmdir(ct_test_tmpdir()); /* empty unless another test left files */
 }
 
 /* Each broken index or shard set: the error names the file and the cause. */
@@ -806,6 +808,7 @@ TEST(st_index_rejects_bad_checkpoints)
 #undef WM_OK
     for (int i = 0; i < 5; i++) ct_tensor_release(t[i]);
     remove_dir(dir);
+    rmdir(ct_test_tmpdir()); /* empty unless another test left files */
 }
 
 /* Allocation failures while writing and reading an index: ENOMEM, no leak. */
@@ -842,6 +845,7 @@ TEST(st_index_alloc_failures)
     ASSERT(loaded);
     for (int i = 0; i < 5; i++) ct_tensor_release(t[i]);
     remove_dir(dir);
+    rmdir(ct_test_tmpdir()); /* empty unless another test left files */
 }
 
 /* Corrupted indexes (bytes flipped, replaced, cut, deleted): each loads or is
@@ -895,4 +899,5 @@ TEST(st_index_fuzz_mutations)
     free(buf);
     for (int i = 0; i < 5; i++) ct_tensor_release(t[i]);
     remove_dir(dir);
+    rmdir(ct_test_tmpdir()); /* empty unless another test left files */
 }
