@@ -3,19 +3,28 @@
  * loads into the PyTorch nn.Sequential as its state_dict, and its metadata
  * rebuilds the model), and the optimizer state with the training position
  * in a sidecar "<CKPT without .safetensors>.optim.safetensors".  Both are
- * written atomically by ct_safetensors_save.
+ * written atomically by ct_safetensors_save.  A sharded checkpoint is a
+ * directory (sharded.c); its sidecar is its optimizer index.
  */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli.h"
 
 void cli_sidecar_path(const char *path, char *buf, size_t n)
 {
-    static const char ext[] = ".safetensors";
-    size_t len = strlen(path), el = sizeof ext - 1;
-    if (len > el && !strcmp(path + len - el, ext))
+    static const char ext[] = ".safetensors", model_index[] = "model.safetensors.index.json";
+    size_t len = strlen(path), el = sizeof ext - 1, ml = sizeof model_index - 1;
+    struct stat sb;
+    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode))
+        snprintf(buf, n, "%s%soptim.safetensors.index.json", path, len && path[len - 1] == '/' ? "" : "/");
+    else if (len >= ml && !strcmp(path + len - ml, model_index) && (len == ml || path[len - ml - 1] == '/'))
+        snprintf(buf, n, "%.*soptim.safetensors.index.json", (int)(len - ml), path);
+    else if (len > ml - 5 && !strcmp(path + len - (ml - 5), model_index + 5)) /* P.safetensors.index.json */
+        snprintf(buf, n, "%.*s.optim%s", (int)(len - (ml - 5)), path, model_index + 5);
+    else if (len > el && !strcmp(path + len - el, ext))
         snprintf(buf, n, "%.*s.optim%s", (int)(len - el), path, ext);
     else
         snprintf(buf, n, "%s.optim%s", path, ext);

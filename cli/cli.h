@@ -2,7 +2,7 @@
  * Internals of the ctrain program, shared by its files: exit codes, the
  * option parser (args.c), printing from rank 0 only (output.c), data
  * loading (data.c), evaluation on a test set (evaluate.c), checkpoints and
- * their optimizer sidecars (checkpoint.c), progress display (progress.c),
+ * their optimizer sidecars (checkpoint.c, sharded.c), progress display (progress.c),
  * and the commands (train.c, eval.c, inspect.c).  Like any user of ctrain,
  * the program sees only the public headers.
  */
@@ -96,7 +96,8 @@ const char *cli_eval_str(const cli_eval *e, char *buf, size_t n);
 /* ---- checkpoints (checkpoint.c) ---------------------------------------- */
 
 /* Where the optimizer state of checkpoint path goes:
- * "run.safetensors" -> "run.optim.safetensors"; other names get ".optim.safetensors" appended. */
+ * "run.safetensors" -> "run.optim.safetensors"; other names get ".optim.safetensors" appended;
+ * a sharded checkpoint (a directory, or its model.safetensors.index.json) -> DIR/optim.safetensors.index.json. */
 void cli_sidecar_path(const char *path, char *buf, size_t n);
 /* Loads a safetensors file with a message fit for the command line. */
 ct_status cli_load_file(const char *path, const char *what, ct_safetensors **out);
@@ -107,6 +108,14 @@ ct_status cli_load_state(ct_strategy *s, const ct_safetensors *st, int optim);
 /* Writes the strategy's model state to path and, with sidecar_meta != NULL,
  * its optimizer state to the sidecar; atomically, each. */
 ct_status cli_save(ct_strategy *s, const char *path, const ct_meta *model_meta, const ct_meta *sidecar_meta);
+/* Collective over the strategy's group: writes a sharded checkpoint into
+ * directory dir (made if missing): every rank its share of the model and
+ * of the optimizer state, then rank 0 the optimizer's and the model's
+ * index (with sidecar_meta and model_meta), then it removes the files of
+ * older saves in dir (sharded.c says why a crash cannot lose a checkpoint).
+ * The same status on every rank. */
+ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model_meta, const ct_meta *sidecar_meta,
+                           int64_t step);
 /* Reads key of m as an integer into *v; CT_EFORMAT naming file and key. */
 ct_status cli_meta_int(const ct_meta *m, const char *file, const char *key, int64_t *v);
 

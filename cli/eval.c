@@ -20,7 +20,7 @@ typedef struct {
 static int table(eval_opts *o, cli_opt *t)
 {
     int n = 0;
-    t[n++] = (cli_opt){"--checkpoint", OPT_STR, &o->ckpt, "CKPT", "model checkpoint written by ctrain train", 0};
+    t[n++] = (cli_opt){"--checkpoint", OPT_STR, &o->ckpt, "CKPT", "checkpoint written by ctrain train (a file, or a sharded directory)", 0};
     t[n++] = (cli_opt){"--data", OPT_STR, &o->data, "NAME", "data set (fashion-mnist)", 0};
     t[n++] = (cli_opt){"--data-dir", OPT_STR, &o->data_dir, "DIR", "where the data files are (" CT_FASHION_MNIST_DIR ")", 0};
     t[n++] = (cli_opt){"--batch", OPT_INT, &o->batch, "B", "samples per forward pass (500)", 0};

@@ -1,6 +1,7 @@
 /*
- * `ctrain inspect`: what a safetensors file holds (any, not only ctrain's):
- * every tensor with its dtype, shape and size, the totals, and the metadata.
+ * `ctrain inspect`: what a safetensors file holds (any, not only ctrain's),
+ * or a sharded checkpoint through its index: every tensor with its dtype,
+ * shape and size, the totals, and the metadata.
  */
 #include <string.h>
 
@@ -9,7 +10,8 @@
 static const char usage[] =
     "usage: ctrain inspect CKPT\n\n"
     "Lists every tensor of the safetensors file CKPT (name, dtype, shape, bytes),\n"
-    "the total number of parameters and bytes, and the file's metadata.";
+    "the total number of parameters and bytes, and the file's metadata.  CKPT may be a\n"
+    "sharded checkpoint: its directory, or its index (*.safetensors.index.json).";
 
 int cli_inspect(int argc, char **argv)
 {

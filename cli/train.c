@@ -18,6 +18,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #if defined(__SSE__)
 #include <xmmintrin.h>
@@ -162,8 +163,11 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
     CT_TRY(cli_meta_int(m, side, "ctrain.position", &t->pos));
     ct_meta mm;
     CT_TRY(cli_file_meta(t->ck, &mm));
-    if (cli_meta_int(&mm, o->resume, "ctrain.step", &mstep) != CT_OK || mstep != t->step)
-        return ct_error(CT_EFORMAT, "%s and %s are from different steps (a save was interrupted?); resume from a "
+    /* Sharded: both indexes name the save they belong to. */
+    const char *gm = ct_meta_get(&mm, "ctrain.generation"), *gs = ct_meta_get(m, "ctrain.generation");
+    int same_save = (!gm && !gs) || (gm && gs && !strcmp(gm, gs));
+    if (cli_meta_int(&mm, o->resume, "ctrain.step", &mstep) != CT_OK || mstep != t->step || !same_save)
+        return ct_error(CT_EFORMAT, "%s and %s are from different saves (a save was interrupted?); resume from a "
                         "matching pair, or use --init for the weights alone", o->resume, side);
     return CT_OK;
 }
@@ -275,6 +279,23 @@ static ct_status flush_denormals(void)
 #endif
 }
 
+static int sharded(const trainer *t) { return !strcmp(t->o->save_format, "sharded"); }
+
+/* A --save path of the wrong kind fails now, not after the training it would lose. */
+static ct_status check_save_target(trainer *t)
+{
+    struct stat sb;
+    const char *p = t->o->save;
+    if (!p || t->rank != 0 || stat(p, &sb) != 0) return CT_OK;
+    if (sharded(t) && !S_ISDIR(sb.st_mode))
+        return ct_error(CT_EINVAL, "--save %s: --save-format sharded writes a directory, but %s is a file; give a "
+                        "directory path (or drop --save-format sharded to write one file)", p, p);
+    if (!sharded(t) && S_ISDIR(sb.st_mode))
+        return ct_error(CT_EINVAL, "--save %s is a directory; save a sharded checkpoint into it with --save-format "
+                        "sharded, or give a file path", p);
+    return CT_OK;
+}
+
 /* Everything before the first step, agreed over the world after each part. */
 static ct_status setup(trainer *t)
 {
@@ -285,6 +306,9 @@ static ct_status setup(trainer *t)
     if (o->trace) ct_trace_enable(t->rank);
     if (o->flush_denormal) CT_TRY(ct_group_check(t->g, flush_denormals()));
 
+    ct_status chk = check_save_target(t);
+    if (chk != CT_OK) t->usage = 1;
+    CT_TRY(ct_group_check(t->g, chk));
     CT_TRY(ct_group_check(t->g, read_checkpoints(t)));
     /* After --resume has settled the batch: each rank needs a sample in every micro-batch. */
     if (o->batch < t->world * o->grad_accum) {
@@ -414,10 +438,16 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
     return CT_OK;
 }
 
-/* Rank 0 writes; every rank learns whether it worked. */
+/* Full: rank 0 writes; every rank learns whether it worked.  Sharded:
+ * every rank writes its share, rank 0 the indexes. */
 static ct_status save(trainer *t)
 {
     ct_status st = CT_OK;
+    if (sharded(t)) {
+        ct_meta mm, sm;
+        CT_TRY(ct_group_check(t->g, fill_meta(t, &mm, &sm)));
+        return cli_save_sharded(t->s, t->o->save, &mm, &sm, t->step);
+    }
     if (t->rank == 0) {
         ct_meta mm, sm;
         st = fill_meta(t, &mm, &sm);
@@ -626,7 +656,10 @@ int train_run(train_opts *o)
     if (st == CT_OK) st = report(&t, seconds);
     if (st == CT_OK && o->save) {
         st = save(&t);
-        if (st == CT_OK) {
+        if (st == CT_OK && sharded(&t))
+            cli_out("saved %s (sharded over %d rank%s; indexes %s/model.safetensors.index.json and "
+                    "optim.safetensors.index.json)\n", o->save, t.world, t.world == 1 ? "" : "s", o->save);
+        else if (st == CT_OK) {
             char side[4096];
             cli_sidecar_path(o->save, side, sizeof side);
             cli_out("saved %s (optimizer state: %s)\n", o->save, side);

@@ -7,10 +7,14 @@ so it needs only torch, not the safetensors package:
     st_check.py write OUT.safetensors   writes known tensors of every dtype + metadata
     st_check.py read IN.safetensors     prints "name DTYPE [shape] sum" per tensor and
                                         "meta <hex key> <hex value>" per metadata entry
+    st_check.py read DIR | X.safetensors.index.json
+                                        the same for a sharded checkpoint, read through
+                                        its Hugging Face index
 
 Exits 3 if torch cannot be imported, 1 if the file breaks the format.
 """
 import json
+import os
 import struct
 import sys
 
@@ -71,6 +75,35 @@ def load(path):
     return out, meta
 
 
+def load_checkpoint(path):
+    """load() for a safetensors file, or for a sharded checkpoint: its index
+    (*.safetensors.index.json) or a directory holding model.safetensors.index.json.
+    Checks what Hugging Face's loaders assume: shard names are bare file names,
+    every shard holds exactly the tensors the index gives it, and total_size is
+    the bytes of all tensors.  Metadata comes from the index."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "model.safetensors.index.json")
+    if not path.endswith(".safetensors.index.json"):
+        return load(path)
+    with open(path, "rb") as f:
+        index = json.loads(f.read().decode("utf-8"))
+    meta = {k: str(v) for k, v in (index.get("metadata") or {}).items()}
+    weight_map = index["weight_map"]
+    out = {}
+    for shard in sorted(set(weight_map.values())):
+        if "/" in shard or "\\" in shard or ".." in shard:
+            raise ValueError(f"{shard}: not a bare file name")
+        tensors, _ = load(os.path.join(os.path.dirname(path), shard))
+        listed = {name for name, f in weight_map.items() if f == shard}
+        if set(tensors) != listed:
+            raise ValueError(f"{shard} holds {sorted(tensors)} but the index gives it {sorted(listed)}")
+        out.update(tensors)
+    total = sum(t.numel() * t.element_size() for t in out.values())
+    if "total_size" in meta and int(meta["total_size"]) != total:
+        raise ValueError(f"total_size {meta['total_size']} but the tensors hold {total} bytes")
+    return out, meta
+
+
 def save(path, tensors, meta=None):
     """Writes {name: tensor} (+ string metadata) laid out as the Python library does."""
     items = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
@@ -123,8 +156,8 @@ def main(argv):
         save(argv[2], known_tensors(), KNOWN_META)
         return 0
     try:
-        tensors, meta = load(argv[2])
-    except (ValueError, KeyError, UnicodeDecodeError) as e:
+        tensors, meta = load_checkpoint(argv[2])
+    except (ValueError, KeyError, UnicodeDecodeError, OSError) as e:
         print(f"{argv[2]}: {e}", file=sys.stderr)
         return 1
     for name in sorted(tensors):

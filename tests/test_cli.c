@@ -8,6 +8,7 @@
 #include <libgen.h>
 #include <stdarg.h>
 #include <stdlib.h>
+#include <dirent.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -100,7 +101,8 @@ TEST(cli_help)
     ASSERT_EQ(RUN(out, "train --help"), 0);
     const char *flags[] = {"--model", "--hidden", "--epochs", "--steps", "--batch", "--lr", "--optim",
                            "--weight-decay", "--momentum", "--schedule", "--warmup", "--clip", "--seed",
-                           "--clip-norm", "--mixed", "--strategy-opt", "--dropout", "--no-shuffle", "--init", "--resume", "--save", "--save-every", "--log-every",
+                           "--clip-norm", "--mixed", "--strategy-opt", "--dropout", "--no-shuffle", "--init",
+                           "--resume", "--save", "--save-every", "--save-format", "sharded", "--log-every",
                            "--metrics", "--strategy", "--grad-accum", "--bucket-cap-mb",
                            "--find-unused-parameters", "--grad-compress", "--threads", "--trace", "--data-dir"};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) ASSERT_STR_CONTAINS(out, flags[i]);
@@ -141,6 +143,8 @@ TEST(cli_usage_errors)
         {"train --model mlp --steps 5 --optim lbfgs", 2, "choose sgd or adamw"},
         {"train --model mlp --steps 5 --momentum 0.9", 2, "--optim sgd only"},
         {"train --model mlp --steps 5 --save-every 10", 2, "--save-every needs --save"},
+        {"train --model mlp --steps 5 --save-format sharded", 2, "--save-format needs --save"},
+        {"train --model mlp --steps 5 --save d --save-format zip", 2, "choose full (one file) or sharded (a directory)"},
         {"train --model mlp --steps 5 --init a --resume b", 2, "--init and --resume are both given"},
         {"train --model mlp --steps 5 --grad-compress zip", 2, "choose none, bf16 or f16"},
         {"train --model mlp --steps 5 --data cifar", 2, "unknown data set 'cifar'"},
@@ -470,8 +474,8 @@ static const char torch_check_py[] =
     "import sys\n"
     "sys.path.insert(0, sys.argv[1])\n"
     "import torch\n"
-    "from st_check import load\n"
-    "state, meta = load(sys.argv[2])\n"
+    "from st_check import load, load_checkpoint\n"
+    "state, meta = load_checkpoint(sys.argv[2])\n"
     "io, _ = load(sys.argv[3])\n"
     "assert meta['ctrain.model'] == 'mlp', meta\n"
     "net = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128),\n"
@@ -483,27 +487,30 @@ static const char torch_check_py[] =
     "print('max abs diff', diff)\n"
     "sys.exit(0 if diff < 1e-4 else 1)\n";
 
-TEST(cli_checkpoint_loads_in_pytorch)
+/* 1 when /usr/bin/python3 has torch and scripts/st_check.py is there; else says why the test skips. */
+static int torch_available(char *scripts, size_t n)
 {
-    static char out[OUT_MAX];
     if (system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
         SKIP("/usr/bin/python3 cannot import torch");
     }
-    char scripts[1100], ckpt[1024], io[1024], py[1024], cmd[8192];
-    snprintf(scripts, sizeof scripts, "%s/../scripts", bin_dir());
+    snprintf(scripts, n, "%s/../scripts", bin_dir());
     char probe[1200];
     snprintf(probe, sizeof probe, "%s/st_check.py", scripts);
     if (access(probe, R_OK) != 0) {
         SKIP("%s is missing", probe);
     }
+    return 1;
+}
+
+/* ctrain's logits from checkpoint ckpt (a file or a sharded directory),
+ * through the public API, on inputs made here; then PyTorch loads ckpt
+ * itself (scripts/st_check.py's load_checkpoint) and must agree. */
+static void torch_logits_check(const char *scripts, const char *ckpt, char *out)
+{
+    char io[1024], py[1024], cmd[8192];
     const char *tmp = ct_test_tmpdir();
-    snprintf(ckpt, sizeof ckpt, "%s/torch.safetensors", tmp);
     snprintf(io, sizeof io, "%s/io.safetensors", tmp);
     snprintf(py, sizeof py, "%s/check.py", tmp);
-    int code = RUN(out, "train " SMALL " --steps 20 --log-every 0 --save %s", ckpt);
-    if (code) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
-
-    /* ctrain's logits, through the public API, on inputs made here. */
     ct_safetensors *st;
     ASSERT_OK(ct_safetensors_load(ckpt, &st));
     ct_meta m;
@@ -538,10 +545,244 @@ TEST(cli_checkpoint_loads_in_pytorch)
     out[n] = 0;
     int stc = pclose(p);
     if (!WIFEXITED(stc) || WEXITSTATUS(stc) != 0)
-        ct_test_fail(__FILE__, __LINE__, "PyTorch check failed:\n%s", out);
+        ct_test_fail(__FILE__, __LINE__, "PyTorch check of %s failed:\n%s", ckpt, out);
     ASSERT_STR_CONTAINS(out, "max abs diff");
     ct_tensor_release(x);
     ct_tensor_release(y);
     ct_module_destroy(model);
     ct_safetensors_destroy(st);
+}
+
+TEST(cli_checkpoint_loads_in_pytorch)
+{
+    static char out[OUT_MAX];
+    char scripts[1100], ckpt[1024];
+    if (!torch_available(scripts, sizeof scripts)) return;
+    snprintf(ckpt, sizeof ckpt, "%s/torch.safetensors", ct_test_tmpdir());
+    int code = RUN(out, "train " SMALL " --steps 20 --log-every 0 --save %s", ckpt);
+    if (code) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
+    torch_logits_check(scripts, ckpt, out);
+}
+
+/* A sharded checkpoint of 2 ranks loads in PyTorch through its index (the
+ * script checks the index against the shards) and gives ctrain's logits. */
+TEST(cli_sharded_checkpoint_loads_in_pytorch)
+{
+    static char out[OUT_MAX];
+    char scripts[1100], dir[1024];
+    if (!torch_available(scripts, sizeof scripts)) return;
+    snprintf(dir, sizeof dir, "%s/torch-sharded", ct_test_tmpdir());
+    int code = run_np(2, out, "train " SMALL " --steps 20 --log-every 0 --save %s --save-format sharded", dir);
+    if (code) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
+    torch_logits_check(scripts, dir, out);
+}
+
+/* ---- sharded checkpoints ------------------------------------------------ */
+
+/* Number of entries in dir; each of the n names must be among them. */
+static int dir_has_exactly(const char *dir, const char *const *names, int n)
+{
+    DIR *d = opendir(dir);
+    if (!d) ct_test_fail(__FILE__, __LINE__, "cannot open %s", dir);
+    struct dirent *e;
+    int count = 0, found = 0;
+    char seen[4096] = "";
+    while ((e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        count++;
+        size_t at = strlen(seen);
+        snprintf(seen + at, sizeof seen - at, " %s", e->d_name);
+        for (int i = 0; i < n; i++) found += !strcmp(e->d_name, names[i]);
+    }
+    closedir(d);
+    if (count != n || found != n) ct_test_fail(__FILE__, __LINE__, "%s holds%s; wanted exactly the %d expected", dir, seen, n);
+    return count;
+}
+
+/* Two checkpoints with the same tensors, every f32 value within tol. */
+static void near_files(const char *x, const char *y, double tol)
+{
+    ct_safetensors *a, *b;
+    ASSERT_OK(ct_safetensors_load(x, &a));
+    ASSERT_OK(ct_safetensors_load(y, &b));
+    ASSERT_EQ(ct_safetensors_count(a), ct_safetensors_count(b));
+    for (int i = 0; i < ct_safetensors_count(a); i++) {
+        ct_tensor *ta = ct_safetensors_tensor(a, i), *tb = ct_safetensors_find(b, ct_safetensors_name(a, i));
+        ASSERT(tb && ta->numel == tb->numel && ta->dtype == CT_F32 && tb->dtype == CT_F32);
+        for (int64_t j = 0; j < ta->numel; j++) ASSERT_NEAR(ct_f32(ta)[j], ct_f32(tb)[j], tol);
+    }
+    ct_safetensors_destroy(a);
+    ct_safetensors_destroy(b);
+}
+
+static void run_ok(int np, char *out, const char *what, const char *fmt, const char *a, const char *b)
+{
+    int code = run_np(np, out, fmt, a, b);
+    if (code) ct_test_fail(__FILE__, __LINE__, "%s (exit %d):\n%s", what, code, out);
+}
+
+/* 2 ranks (DDP) save a sharded checkpoint at step 20.  It holds bit for bit
+ * what a full checkpoint of the same run holds; resuming it to step 40 with
+ * 1 process, 2 ranks and 3 ranks gives bit for bit what resuming the full
+ * checkpoint gives (and, with 2 ranks, what a straight 40-step run gives);
+ * the 2-rank resume saves into the same directory, which then holds only
+ * the new generation. */
+#define SH_HYPER "--model mlp --hidden 64,32 --limit-train 1000 --batch 64 --seed 3 --lr 0.002 --warmup 10 " \
+                 "--clip 0.5 --log-every 0 --limit-test 200 --threads 1"
+#define SH_REST "--threads 1 --limit-train 1000 --limit-test 200 --log-every 0"
+
+TEST(cli_sharded_resume_matches_full_checkpoint)
+{
+    static char out[OUT_MAX];
+    const char *tmp = ct_test_tmpdir();
+    char sh[1024], full[1024], d3[1024], p[4][1100], q[4][1100];
+    snprintf(sh, sizeof sh, "%s/sharded", tmp);
+    snprintf(full, sizeof full, "%s/full.safetensors", tmp);
+    run_ok(2, out, "sharded save", "train " SH_HYPER " --steps 20 --save %s --save-format sharded%s", sh, "");
+    ASSERT_STR_CONTAINS(out, "sharded over 2 ranks");
+    run_ok(2, out, "full save", "train " SH_HYPER " --steps 20 --save %s%s", full, "");
+    const char *layout[] = {"model.safetensors.index.json", "optim.safetensors.index.json",
+                            "model-step000020-00000-of-00002.safetensors", "model-step000020-00001-of-00002.safetensors",
+                            "optim-step000020-00000-of-00002.safetensors", "optim-step000020-00001-of-00002.safetensors"};
+    dir_has_exactly(sh, layout, 6);
+    snprintf(p[0], sizeof p[0], "%s/optim.safetensors.index.json", sh);
+    snprintf(q[0], sizeof q[0], "%s/full.optim.safetensors", tmp);
+    same_files(sh, full);
+    same_files(p[0], q[0]);
+    /* The index's metadata is the full checkpoint's, plus total_size and the save's generation. */
+    ct_safetensors *a, *b;
+    ASSERT_OK(ct_safetensors_load(sh, &a));
+    ASSERT_OK(ct_safetensors_load(full, &b));
+    ASSERT_EQ(ct_safetensors_meta_count(a), ct_safetensors_meta_count(b) + 2);
+    ASSERT(!strcmp(ct_safetensors_meta(a, "ctrain.generation"), "step000020"));
+    for (int i = 0; i < ct_safetensors_meta_count(b); i++)
+        ASSERT(!strcmp(ct_safetensors_meta(a, ct_safetensors_meta_key(b, i)), ct_safetensors_meta_value(b, i)));
+    ASSERT_EQ(atoll(ct_safetensors_meta(a, "total_size")), 52650 * 4);
+    ct_safetensors_destroy(a);
+    ct_safetensors_destroy(b);
+
+    /* 1 process and 3 ranks continue from either checkpoint alike. */
+    snprintf(p[1], sizeof p[1], "%s/from-sharded-1.safetensors", tmp);
+    snprintf(q[1], sizeof q[1], "%s/from-full-1.safetensors", tmp);
+    run_ok(0, out, "1-process resume of the sharded checkpoint", "train --resume %s --steps 40 --save %s " SH_REST, sh, p[1]);
+    ASSERT_STR_CONTAINS(out, "trained 20 steps (to step 40");
+    run_ok(0, out, "1-process resume of the full checkpoint", "train --resume %s --steps 40 --save %s " SH_REST, full, q[1]);
+    same_files(p[1], q[1]);
+    snprintf(d3, sizeof d3, "%s/from-sharded-3", tmp);
+    snprintf(q[2], sizeof q[2], "%s/from-full-3.safetensors", tmp);
+    run_ok(3, out, "3-rank resume of the sharded checkpoint",
+           "train --resume %s --steps 40 --save %s --save-format sharded " SH_REST, sh, d3);
+    run_ok(3, out, "3-rank resume of the full checkpoint", "train --resume %s --steps 40 --save %s " SH_REST, full, q[2]);
+    same_files(d3, q[2]);
+    snprintf(p[3], sizeof p[3], "%s/optim.safetensors.index.json", d3);
+    snprintf(q[3], sizeof q[3], "%s/from-full-3.optim.safetensors", tmp);
+    same_files(p[3], q[3]);
+
+    /* 2 ranks resume into the same directory: bit for bit a straight 40-step run. */
+    snprintf(q[1], sizeof q[1], "%s/straight.safetensors", tmp);
+    run_ok(2, out, "2-rank resume into the same directory",
+           "train --resume %s --steps 40 --save %s --save-format sharded " SH_REST, sh, sh);
+    run_ok(2, out, "straight 2-rank run", "train " SH_HYPER " --steps 40 --save %s%s", q[1], "");
+    same_files(sh, q[1]);
+    const char *layout40[] = {"model.safetensors.index.json", "optim.safetensors.index.json",
+                              "model-step000040-00000-of-00002.safetensors", "model-step000040-00001-of-00002.safetensors",
+                              "optim-step000040-00000-of-00002.safetensors", "optim-step000040-00001-of-00002.safetensors"};
+    dir_has_exactly(sh, layout40, 6);
+    /* Rank counts change the order of the gradient sums, no more: 1 process
+     * and 3 ranks end within 1e-6 of 2 ranks (measured: 4e-8). */
+    near_files(p[1], sh, 1e-6);
+    near_files(d3, sh, 1e-6);
+}
+
+/* --save-every into a sharded directory, eval and inspect of it, a re-save
+ * at the same step with another world size, and a missing shard. */
+TEST(cli_sharded_eval_inspect_and_errors)
+{
+    static char out[OUT_MAX], ev[OUT_MAX];
+    const char *tmp = ct_test_tmpdir();
+    char dir[1024], full[1024], acc_sh[256], acc_full[256], path[1200];
+    snprintf(dir, sizeof dir, "%s/ck", tmp);
+    snprintf(full, sizeof full, "%s/full.safetensors", tmp);
+    run_ok(2, out, "sharded run", "train " SMALL " --hidden 32 --steps 6 --save-every 3 --log-every 0 --save %s "
+           "--save-format sharded%s", dir, "");
+    run_ok(2, out, "full run", "train " SMALL " --hidden 32 --steps 6 --log-every 0 --save %s%s", full, "");
+    const char *layout[] = {"model.safetensors.index.json", "optim.safetensors.index.json",
+                            "model-step000006-00000-of-00002.safetensors", "model-step000006-00001-of-00002.safetensors",
+                            "optim-step000006-00000-of-00002.safetensors", "optim-step000006-00001-of-00002.safetensors"};
+    dir_has_exactly(dir, layout, 6); /* step 3's files are gone */
+
+    run_ok(0, ev, "eval of the directory", "eval --checkpoint %s --limit-test 1000%s", dir, "");
+    line_after(ev, "test: ", acc_sh, sizeof acc_sh);
+    ASSERT_STR_CONTAINS(ev, ", step 6");
+    run_ok(0, out, "eval of the full file", "eval --checkpoint %s --limit-test 1000%s", full, "");
+    line_after(out, "test: ", acc_full, sizeof acc_full);
+    if (strcmp(acc_sh, acc_full)) ct_test_fail(__FILE__, __LINE__, "sharded: '%s', full: '%s'", acc_sh, acc_full);
+    /* and under mpirun, the test set split over the ranks */
+    run_ok(2, ev, "eval of the directory on 2 ranks", "eval --checkpoint %s --limit-test 1000%s", dir, "");
+    line_after(ev, "test: ", acc_sh, sizeof acc_sh);
+    ASSERT(!strcmp(acc_sh, acc_full));
+
+    run_ok(0, out, "inspect", "inspect %s%s", dir, "");
+    ASSERT_STR_CONTAINS(out, "4 tensors");
+    ASSERT_STR_CONTAINS(out, "[32, 784]");
+    ASSERT_STR_CONTAINS(out, "total: 25450 parameters, 101800 bytes");
+    ASSERT_STR_CONTAINS(out, "total_size = 101800");
+    ASSERT_STR_CONTAINS(out, "ctrain.hidden = 32");
+    ASSERT_STR_CONTAINS(out, "ctrain.step = 6");
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    run_ok(0, out, "inspect of the model index", "inspect %s%s", path, "");
+    ASSERT_STR_CONTAINS(out, "total: 25450 parameters, 101800 bytes");
+    snprintf(path, sizeof path, "%s/optim.safetensors.index.json", dir);
+    run_ok(0, out, "inspect of the optimizer index", "inspect %s%s", path, "");
+    ASSERT_STR_CONTAINS(out, "0.weight.exp_avg_sq");
+    ASSERT_STR_CONTAINS(out, "ctrain.position = 6");
+    /* The optimizer index is not a model: the message says so. */
+    ASSERT_EQ(RUN(out, "eval --checkpoint %s", path), 1);
+    ASSERT_STR_CONTAINS(out, "optimizer file");
+
+    /* Saved again at the same step by 3 ranks: a new generation, and only it remains. */
+    run_ok(3, out, "re-save at the same step", "train --resume %s --steps 6 --save %s --save-format sharded "
+           "--threads 1 --limit-train 2000 --limit-test 1000 --log-every 0", dir, dir);
+    ASSERT_STR_CONTAINS(out, "nothing to train");
+    const char *layout3[] = {"model.safetensors.index.json", "optim.safetensors.index.json",
+                             "model-step000006.1-00000-of-00003.safetensors", "model-step000006.1-00001-of-00003.safetensors",
+                             "model-step000006.1-00002-of-00003.safetensors", "optim-step000006.1-00000-of-00003.safetensors",
+                             "optim-step000006.1-00001-of-00003.safetensors", "optim-step000006.1-00002-of-00003.safetensors"};
+    dir_has_exactly(dir, layout3, 8);
+    same_files(dir, full);
+
+    /* Indexes of two saves (a crash between rank 0's two index writes) are refused by --resume. */
+    snprintf(path, sizeof path, "%s/optim.safetensors.index.json", dir);
+    FILE *f = fopen(path, "r");
+    ASSERT(f);
+    size_t n = fread(ev, 1, OUT_MAX - 1, f);
+    ev[n] = 0;
+    fclose(f);
+    char *gen = strstr(ev, "\"step000006.1\"");
+    ASSERT(gen);
+    memmove(gen + 11, gen + 13, strlen(gen + 13) + 1); /* "step000006.1" -> "step000006" */
+    f = fopen(path, "w");
+    ASSERT(f);
+    fputs(ev, f);
+    fclose(f);
+    ASSERT_EQ(RUN(out, "train --resume %s --steps 8 --limit-train 2000", dir), 1);
+    ASSERT_STR_CONTAINS(out, "are from different saves (a save was interrupted?)");
+    ASSERT_EQ(RUN(out, "eval --checkpoint %s --limit-test 100", dir), 0); /* the model alone is sound */
+
+    /* A missing shard: every command names it and says what to do. */
+    snprintf(path, sizeof path, "%s/model-step000006.1-00001-of-00003.safetensors", dir);
+    ASSERT_EQ(unlink(path), 0);
+    const char *cmds[] = {"eval --checkpoint %s", "inspect %s", "train --resume %s --steps 8 --limit-train 2000",
+                          "train --init %s --steps 8 --limit-train 2000"};
+    for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++) {
+        ASSERT_EQ(RUN(out, cmds[i], dir), 1);
+        ASSERT_STR_CONTAINS(out, "model-step000006.1-00001-of-00003.safetensors is missing");
+        ASSERT_STR_CONTAINS(out, "the checkpoint is incomplete");
+        ASSERT_EQ(count_lines(out), 1);
+    }
+    /* The wrong kind of --save path is refused before training. */
+    ASSERT_EQ(RUN(out, "train " SMALL " --steps 2 --save %s", dir), 2);
+    ASSERT_STR_CONTAINS(out, "is a directory; save a sharded checkpoint into it with --save-format sharded");
+    ASSERT_EQ(RUN(out, "train " SMALL " --steps 2 --save %s --save-format sharded", full), 2);
+    ASSERT_STR_CONTAINS(out, "--save-format sharded writes a directory, but");
 }

@@ -535,3 +535,369 @@ TEST(st_large_tensor)
     ct_safetensors_destroy(st);
     unlink(path);
 }
+
+/* ---- sharded checkpoints (index + shards) ------------------------------- */
+
+#include <dirent.h>
+
+/* Removes dir and the files in it (one level: the tests below make no deeper trees). */
+static void remove_dir(const char *dir)
+{
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *e;
+    char p[1024];
+    while ((e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+            snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+            unlink(p);
+        }
+    closedir(d);
+    rmdir(dir);
+}
+
+/* A fresh directory under the test's scratch directory. */
+static const char *fresh_dir(const char *name)
+{
+    const char *d = tmp_path(name);
+    remove_dir(d);
+    ASSERT_EQ(mkdir(d, 0700), 0);
+    return d;
+}
+
+static void write_text(const char *path, const char *text) { write_bytes(path, text, strlen(text)); }
+
+/* Three shards a.safetensors {w, b}, b.safetensors {emb, steps}, c.safetensors {z}
+ * in dir, each with metadata of its own that the index's replaces. */
+static void make_shards(const char *dir, ct_tensor **t)
+{
+    t[0] = ct_tensor_create2(3, 4, CT_MEM_OTHER);                          /* w */
+    t[1] = ct_tensor_create1(3, CT_MEM_OTHER);                             /* b */
+    t[2] = ct_tensor_create(CT_BF16, 2, (int64_t[]){2, 2}, CT_MEM_OTHER); /* emb */
+    t[3] = ct_tensor_create(CT_I64, 1, (int64_t[]){1}, CT_MEM_OTHER);     /* steps */
+    t[4] = ct_tensor_create(CT_U8, 1, (int64_t[]){0}, CT_MEM_OTHER);      /* z, empty */
+    for (int i = 0; i < 12; i++) ct_f32(t[0])[i] = (float)i * 0.5f - 2.0f;
+    for (int i = 0; i < 3; i++) ct_f32(t[1])[i] = (float)-i;
+    for (int i = 0; i < 4; i++) ((uint16_t *)ct_tensor_data(t[2]))[i] = ct_f32_to_bf16((float)i + 0.25f);
+    ((int64_t *)ct_tensor_data(t[3]))[0] = 1234567890123;
+    char p[600];
+    snprintf(p, sizeof p, "%s/a.safetensors", dir);
+    ASSERT_OK(ct_safetensors_save(p, (const char *[]){"w", "b"}, t, 2, (const char *[]){"shard"},
+                                  (const char *[]){"a"}, 1));
+    snprintf(p, sizeof p, "%s/b.safetensors", dir);
+    ASSERT_OK(ct_safetensors_save(p, (const char *[]){"emb", "steps"}, t + 2, 2, NULL, NULL, 0));
+    snprintf(p, sizeof p, "%s/c.safetensors", dir);
+    ASSERT_OK(ct_safetensors_save(p, (const char *[]){"z"}, t + 4, 1, (const char *[]){"format"},
+                                  (const char *[]){"pt"}, 1));
+}
+
+static const char *const SH_NAMES[] = {"w", "b", "emb", "steps", "z"};
+static const char *const SH_FILES[] = {"a.safetensors", "a.safetensors", "b.safetensors", "b.safetensors",
+                                       "c.safetensors"};
+
+static void check_merged(const ct_safetensors *st, ct_tensor **t)
+{
+    ASSERT_EQ(ct_safetensors_count(st), 5);
+    const char *sorted[] = {"b", "emb", "steps", "w", "z"};
+    for (int i = 0; i < 5; i++) ASSERT(!strcmp(ct_safetensors_name(st, i), sorted[i]));
+    for (int i = 0; i < 5; i++) {
+        ct_tensor *g = ct_safetensors_find(st, SH_NAMES[i]);
+        ASSERT(g != NULL);
+        ASSERT(ct_tensor_same_shape(g, t[i]));
+        ASSERT_EQ(memcmp(ct_tensor_data(g), ct_tensor_data(t[i]), ct_tensor_bytes(t[i])), 0);
+    }
+    ASSERT_EQ(ct_safetensors_meta_count(st), 2); /* the index's, not the shards' */
+    ASSERT(!strcmp(ct_safetensors_meta(st, "total_size"), "76"));
+    ASSERT(!strcmp(ct_safetensors_meta(st, "ctrain.step"), "7"));
+    ASSERT(ct_safetensors_meta(st, "shard") == NULL);
+}
+
+TEST(st_index_roundtrip)
+{
+    const char *dir = fresh_dir("sharded");
+    ct_tensor *t[5];
+    make_shards(dir, t);
+    char idx[600], exact[4096];
+    snprintf(idx, sizeof idx, "%s/model.safetensors.index.json", dir);
+    ASSERT_OK(ct_safetensors_save_index(idx, SH_NAMES, SH_FILES, 5, (const char *[]){"total_size", "ctrain.step"},
+                                        (const char *[]){"76", "7"}, 2));
+    /* Hugging Face's layout: indented, keys sorted. */
+    size_t n;
+    char *text = (char *)read_bytes(idx, &n);
+    text[n] = 0;
+    snprintf(exact, sizeof exact, "{\n  \"metadata\": {\n    \"ctrain.step\": \"7\",\n    \"total_size\": \"76\"\n  },\n"
+             "  \"weight_map\": {\n    \"b\": \"a.safetensors\",\n    \"emb\": \"b.safetensors\",\n"
+             "    \"steps\": \"b.safetensors\",\n    \"w\": \"a.safetensors\",\n    \"z\": \"c.safetensors\"\n  }\n}\n");
+    ASSERT(!strcmp(text, exact));
+    free(text);
+
+    ct_safetensors *st;
+    ASSERT_OK(ct_safetensors_load(idx, &st)); /* the index */
+    check_merged(st, t);
+    ct_tensor *keep = ct_tensor_retain(ct_safetensors_find(st, "w"));
+    ct_safetensors_destroy(st);
+    ASSERT_EQ(ct_f32(keep)[11], 3.5f); /* a tensor outlives the object when retained */
+    ct_tensor_release(keep);
+    ASSERT_OK(ct_safetensors_load(dir, &st)); /* its directory */
+    check_merged(st, t);
+    ct_safetensors_destroy(st);
+    char slash[600];
+    snprintf(slash, sizeof slash, "%s/", dir);
+    ASSERT_OK(ct_safetensors_load(slash, &st));
+    check_merged(st, t);
+    ct_safetensors_destroy(st);
+
+    /* Beside a second index, the directory means model.safetensors.index.json. */
+    char other[600];
+    snprintf(other, sizeof other, "%s/optim.safetensors.index.json", dir);
+    ASSERT_OK(ct_safetensors_save_index(other, (const char *[]){"steps"}, (const char *[]){"b.safetensors"}, 1,
+                                        NULL, NULL, 0));
+    ASSERT_OK(ct_safetensors_load(dir, &st));
+    check_merged(st, t);
+    ct_safetensors_destroy(st);
+    /* A shard may be listed only in part of the files: the optim index reads b alone... no: b holds
+     * emb too, which this index does not list. */
+    ASSERT_ERR(load_and_free(other), CT_EFORMAT, "holds tensor 'emb', which");
+    /* The only index of a directory is its model index, whatever its name. */
+    ASSERT_EQ(unlink(idx), 0);
+    ASSERT_EQ(rename(other, idx), 0);
+    snprintf(other, sizeof other, "%s/weights.safetensors.index.json", dir);
+    ASSERT_EQ(rename(idx, other), 0);
+    ASSERT_OK(ct_safetensors_save_index(other, SH_NAMES, SH_FILES, 5, NULL, NULL, 0));
+    ASSERT_OK(ct_safetensors_load(dir, &st));
+    ASSERT_EQ(ct_safetensors_count(st), 5);
+    ASSERT_EQ(ct_safetensors_meta_count(st), 0);
+    ct_safetensors_destroy(st);
+
+    /* Hugging Face writes total_size as an integer; other members are ignored. */
+    snprintf(idx, sizeof idx, "%s/hf.safetensors.index.json", dir);
+    write_text(idx, "{\"metadata\": {\"total_size\": 76, \"format\": \"pt\"}, \"extra\": [1, {}],"
+                    " \"weight_map\": {\"z\": \"c.safetensors\", \"w\": \"a.safetensors\", \"b\": \"a.safetensors\"}}");
+    ASSERT_OK(ct_safetensors_load(idx, &st));
+    ASSERT_EQ(ct_safetensors_count(st), 3);
+    ASSERT(!strcmp(ct_safetensors_meta(st, "total_size"), "76"));
+    ASSERT(!strcmp(ct_safetensors_meta_key(st, 0), "format"));
+    ct_safetensors_destroy(st);
+    /* Two indexes, neither the model's: the caller must choose. */
+    ASSERT_ERR(load_and_free(dir), CT_EINVAL, "none is model.safetensors.index.json; pass the index file itself");
+    /* No metadata, no tensors: an empty checkpoint. */
+    write_text(idx, "{\"weight_map\": {}}");
+    ASSERT_OK(ct_safetensors_load(idx, &st));
+    ASSERT_EQ(ct_safetensors_count(st), 0);
+    ASSERT_EQ(ct_safetensors_meta_count(st), 0);
+    ct_safetensors_destroy(st);
+    for (int i = 0; i < 5; i++) ct_tensor_release(t[i]);
+    remove_dir(dir);
+    /* A directory without an index. */
+    dir = fresh_dir("no-index");
+    ASSERT_ERR(load_and_free(dir), CT_EIO, "is a directory without a sharded checkpoint index");
+    ASSERT_STR_CONTAINS(ct_last_error(), dir);
+    remove_dir(dir);
+    rmdir(ct_test_tmpdir()); /* empty unless another test left files */
+}
+
+TEST(st_index_writer_rejects_bad_input)
+{
+    const char *dir = fresh_dir("bad-index-in");
+    char idx[600];
+    snprintf(idx, sizeof idx, "%s/model.safetensors.index.json", dir);
+    const char *f1[] = {"a.safetensors"};
+    static const struct { const char *file, *msg; } bad_files[] = {
+        {"../a.safetensors", "contains a path separator"}, {"..", "contains '..'"},
+        {"/etc/passwd", "contains a path separator"}, {"a\\b", "contains a path separator"},
+        {"", "is empty"}, {".", "names a directory"}, {"x..y", "contains '..'"},
+    };
+    for (size_t i = 0; i < sizeof bad_files / sizeof bad_files[0]; i++) {
+        ASSERT_ERR(ct_safetensors_save_index(idx, (const char *[]){"w"}, &bad_files[i].file, 1, NULL, NULL, 0),
+                   CT_EINVAL, bad_files[i].msg);
+        ASSERT_STR_CONTAINS(ct_last_error(), "tensor 'w' is in file");
+    }
+    ASSERT_ERR(ct_safetensors_save_index(idx, (const char *[]){"w", "w"}, (const char *[]){"a", "b"}, 2, NULL, NULL, 0),
+               CT_EINVAL, "tensor name 'w' is given twice");
+    ASSERT_ERR(ct_safetensors_save_index(idx, (const char *[]){"w"}, f1, 1, (const char *[]){"k", "k"},
+                                         (const char *[]){"1", "2"}, 2),
+               CT_EINVAL, "metadata key 'k' is given twice");
+    ASSERT_ERR(ct_safetensors_save_index(idx, (const char *[]){"w\xff"}, f1, 1, NULL, NULL, 0), CT_EINVAL,
+               "not valid UTF-8");
+    ASSERT_ERR(ct_safetensors_save_index(idx, (const char *[]){"w"}, f1, 1, (const char *[]){"k"},
+                                         (const char *[]){"\xc0\xaf"}, 1),
+               CT_EINVAL, "metadata value");
+    char wrong[600];
+    snprintf(wrong, sizeof wrong, "%s/model.json", dir);
+    ASSERT_ERR(ct_safetensors_save_index(wrong, (const char *[]){"w"}, f1, 1, NULL, NULL, 0), CT_EINVAL,
+               "must end in '.safetensors.index.json'");
+    ASSERT_ERR(ct_safetensors_save_index("/nonexistent-dir/m.safetensors.index.json", (const char *[]){"w"}, f1, 1,
+                                         NULL, NULL, 0),
+               CT_EIO, "cannot create");
+    DIR *d = opendir(dir); /* nothing written, no temp file left */
+    ASSERT(d);
+    struct dirent *e;
+    int files = 0;
+    while ((e = readdir(d))) files += strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    closedir(d);
+    ASSERT_EQ(files, 0);
+    remove_dir(dir);
+    rmdir(ct_test_tmpdir()); /* empty unless another test left files */
+}
+
+/* Each broken index or shard set: the error names the file and the cause. */
+TEST(st_index_rejects_bad_checkpoints)
+{
+    const char *dir = fresh_dir("bad-index");
+    ct_tensor *t[5];
+    make_shards(dir, t);
+    char idx[600];
+    snprintf(idx, sizeof idx, "%s/model.safetensors.index.json", dir);
+#define WM_OK "\"w\":\"a.safetensors\",\"b\":\"a.safetensors\",\"emb\":\"b.safetensors\",\"steps\":\"b.safetensors\""
+    static const struct { const char *text; ct_status code; const char *msg; } cases[] = {
+        /* the shard set disagrees with the index */
+        {"{\"weight_map\":{" WM_OK ",\"z\":\"gone.safetensors\"}}", CT_EIO,
+         "lists shard file 'gone.safetensors' (1 tensor, such as 'z'), but "},
+        {"{\"weight_map\":{" WM_OK ",\"z\":\"c.safetensors\",\"q\":\"c.safetensors\"}}", CT_EFORMAT,
+         "puts tensor 'q' in "},
+        {"{\"weight_map\":{\"w\":\"a.safetensors\",\"emb\":\"b.safetensors\",\"steps\":\"b.safetensors\"}}", CT_EFORMAT,
+         "holds tensor 'b', which "},
+        {"{\"weight_map\":{" WM_OK ",\"z\":\"a.safetensors\"}}", CT_EFORMAT, "puts tensor 'z' in "},
+        {"{\"weight_map\":{\"w\":\"a.safetensors\",\"b\":\"b.safetensors\",\"emb\":\"b.safetensors\","
+         "\"steps\":\"b.safetensors\"}}", CT_EFORMAT, "holds tensor 'b', which "},
+        {"{\"weight_map\":{" WM_OK ",\"z\":\"c.safetensors\",\"w\":\"a.safetensors\"}}", CT_EFORMAT,
+         "weight_map lists tensor 'w' twice"},
+        /* file names that would leave the directory */
+        {"{\"weight_map\":{\"z\":\"../c.safetensors\"}}", CT_EFORMAT, "contains a path separator"},
+        {"{\"weight_map\":{\"z\":\"/etc/passwd\"}}", CT_EFORMAT, "contains a path separator"},
+        {"{\"weight_map\":{\"z\":\"..\"}}", CT_EFORMAT, "contains '..'"},
+        {"{\"weight_map\":{\"z\":\"\"}}", CT_EFORMAT, "is empty"},
+        {"{\"weight_map\":{\"z\":\"c.safetensors\\u0000x\"}}", CT_EFORMAT, "contains a NUL"},
+        /* malformed */
+        {"", CT_EFORMAT, "index JSON: unexpected end of text at byte 0"},
+        {"{\"weight_map\":{\"z\":\"c.safetensors\"", CT_EFORMAT, "index JSON: unterminated object"},
+        {"{\"weight_map\":{\"z\":\"c.safetensors\",}}", CT_EFORMAT, "index JSON: expected a string key"},
+        {"[\"weight_map\"]", CT_EFORMAT, "the index is not a JSON object"},
+        {"{\"metadata\":{}}", CT_EFORMAT, "the index has no \"weight_map\""},
+        {"{\"weight_map\":[\"c.safetensors\"]}", CT_EFORMAT, "\"weight_map\" is not an object"},
+        {"{\"weight_map\":{},\"weight_map\":{}}", CT_EFORMAT, "\"weight_map\" appears twice"},
+        {"{\"metadata\":[],\"weight_map\":{}}", CT_EFORMAT, "\"metadata\" is not an object"},
+        {"{\"metadata\":{\"k\":[1]},\"weight_map\":{}}", CT_EFORMAT,
+         "metadata value of 'k' is neither a string nor an integer"},
+        {"{\"metadata\":{\"total_size\":1.5},\"weight_map\":{}}", CT_EFORMAT, "not an integer"},
+        {"{\"metadata\":{\"k\":\"1\",\"k\":\"2\"},\"weight_map\":{}}", CT_EFORMAT, "key 'k' appears twice"},
+        {"{\"weight_map\":{\"z\":7}}", CT_EFORMAT, "weight_map entry of tensor 'z' is not a file name"},
+        {"{\"weight_map\":{\"z\\u0000\":\"c.safetensors\"}}", CT_EFORMAT, "tensor name contains a NUL"},
+        {"{\"weight_map\":{\"z\":\"c.safetensors\"}}\xff", CT_EFORMAT, "index JSON is not valid UTF-8"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        write_text(idx, cases[i].text);
+        ASSERT_ERR(load_and_free(idx), cases[i].code, cases[i].msg);
+        ASSERT_STR_CONTAINS(ct_last_error(), idx);
+    }
+    /* The missing file is named with its path, and the fix is said. */
+    write_text(idx, cases[0].text);
+    ASSERT_ERR(load_and_free(dir), CT_EIO, "/gone.safetensors is missing; the checkpoint is incomplete");
+    /* A shard that is itself broken: its own message, and which index it belongs to. */
+    char c[600];
+    snprintf(c, sizeof c, "%s/c.safetensors", dir);
+    write_bytes(c, "\x08\x00\x00", 3);
+    write_text(idx, "{\"weight_map\":{" WM_OK ",\"z\":\"c.safetensors\"}}");
+    ASSERT_ERR(load_and_free(idx), CT_EFORMAT, "too short for the 8-byte header length");
+    ASSERT_STR_CONTAINS(ct_last_error(), c);
+    ASSERT_STR_CONTAINS(ct_last_error(), "(a shard of ");
+    /* The same index over sound shards loads, so every case above failed for its stated reason. */
+    ASSERT_OK(ct_safetensors_save(c, (const char *[]){"z"}, t + 4, 1, NULL, NULL, 0));
+    ASSERT_OK(load_and_free(idx));
+    ASSERT_ERR(load_and_free(tmp_path("missing.safetensors.index.json")), CT_EIO, "cannot open");
+#undef WM_OK
+    for (int i = 0; i < 5; i++) ct_tensor_release(t[i]);
+    remove_dir(dir);
+    rmdir(ct_test_tmpdir()); /* empty unless another test left files */
+}
+
+/* Allocation failures while writing and reading an index: ENOMEM, no leak. */
+TEST(st_index_alloc_failures)
+{
+    const char *dir = fresh_dir("oom-index");
+    ct_tensor *t[5];
+    make_shards(dir, t);
+    char idx[600];
+    snprintf(idx, sizeof idx, "%s/model.safetensors.index.json", dir);
+    size_t base = ct_mem_current(CT_MEM_OTHER);
+    int saved = 0, loaded = 0;
+    for (long k = 0; k < 100 && !saved; k++) {
+        ct_mem_fail_after(k);
+        ct_status s = ct_safetensors_save_index(idx, SH_NAMES, SH_FILES, 5, (const char *[]){"total_size", "ctrain.step"},
+                                                (const char *[]){"76", "7"}, 2);
+        ct_mem_fail_after(-1);
+        ASSERT(s == CT_OK || s == CT_ENOMEM);
+        ASSERT_EQ(ct_mem_current(CT_MEM_OTHER), base);
+        saved = s == CT_OK;
+    }
+    ASSERT(saved);
+    for (long k = 0; k < 200 && !loaded; k++) {
+        ct_safetensors *st = NULL;
+        ct_mem_fail_after(k);
+        ct_status s = ct_safetensors_load(dir, &st);
+        ct_mem_fail_after(-1);
+        ASSERT(s == CT_OK || s == CT_ENOMEM);
+        loaded = s == CT_OK;
+        if (loaded) check_merged(st, t);
+        ct_safetensors_destroy(st);
+        ASSERT_EQ(ct_mem_current(CT_MEM_OTHER), base);
+    }
+    ASSERT(loaded);
+    for (int i = 0; i < 5; i++) ct_tensor_release(t[i]);
+    remove_dir(dir);
+    rmdir(ct_test_tmpdir()); /* empty unless another test left files */
+}
+
+/* Corrupted indexes (bytes flipped, replaced, cut, deleted): each loads or is
+ * refused with the index or a shard named, never a crash or a leak. */
+TEST(st_index_fuzz_mutations)
+{
+    const char *dir = fresh_dir("fuzz-index");
+    ct_tensor *t[5];
+    make_shards(dir, t);
+    char idx[600];
+    snprintf(idx, sizeof idx, "%s/model.safetensors.index.json", dir);
+    ASSERT_OK(ct_safetensors_save_index(idx, SH_NAMES, SH_FILES, 5, (const char *[]){"total_size"},
+                                        (const char *[]){"76"}, 1));
+    size_t n;
+    unsigned char *orig = read_bytes(idx, &n), *buf = malloc(n + 16);
+    static const char interesting[] = "{}[]\":,\\/.-0123456789 abc\x00\xff";
+    uint64_t seed = 777;
+    size_t base = ct_mem_current(CT_MEM_OTHER);
+    int ok = 0, bad = 0;
+    for (int it = 0; it < 3000; it++) {
+        memcpy(buf, orig, n);
+        size_t len = n;
+        int mode = (int)(lcg(&seed) % 4), nmut = 1 + (int)(lcg(&seed) % 3);
+        for (int m = 0; m < nmut; m++) {
+            size_t at = lcg(&seed) % len;
+            switch (mode) {
+            case 0: buf[at] ^= (unsigned char)(1u << (lcg(&seed) % 8)); break;
+            case 1: buf[at] = (unsigned char)interesting[lcg(&seed) % (sizeof interesting - 1)]; break;
+            case 2: len = 1 + lcg(&seed) % n; break;
+            default: memmove(buf + at, buf + at + 1, len - at - 1); len--; break;
+            }
+        }
+        write_bytes(idx, buf, len);
+        ct_safetensors *st = NULL;
+        ct_status s = ct_safetensors_load(idx, &st);
+        if (s == CT_OK) {
+            ok++;
+            ASSERT(ct_safetensors_count(st) <= 5);
+            ct_safetensors_destroy(st);
+        } else {
+            bad++;
+            ASSERT(st == NULL);
+            ASSERT(s == CT_EFORMAT || s == CT_EIO);
+            ASSERT_STR_CONTAINS(ct_last_error(), dir);
+        }
+        ASSERT_EQ(ct_mem_current(CT_MEM_OTHER), base);
+    }
+    printf("    fuzz: %d loaded, %d rejected\n", ok, bad);
+    ASSERT(ok > 30 && bad > 1500);
+    free(orig);
+    free(buf);
+    for (int i = 0; i < 5; i++) ct_tensor_release(t[i]);
+    remove_dir(dir);
+    rmdir(ct_test_tmpdir()); /* empty unless another test left files */
+}

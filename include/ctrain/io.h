@@ -1,6 +1,7 @@
 /*
  * ctrain io: what goes in and out of files.  safetensors checkpoints (read
- * and atomic write, PyTorch-compatible names and layouts), IDX image data
+ * and atomic write, PyTorch-compatible names and layouts; whole files, or
+ * sharded over several files with a Hugging Face index), IDX image data
  * sets such as Fashion-MNIST, and the deterministic sampler that gives each
  * rank its slice of every global batch.  This room uses src/core only.
  *
@@ -103,8 +104,35 @@ ct_status ct_safetensors_save(const char *path, const char *const *names,
                               int nmeta);
 /* Reads and validates path (header, dtypes, shapes, offsets, sizes) and
  * every tensor's data into memory of its own (CT_MEM_OTHER).  *out is NULL
- * on failure, and the message names the file and the tensor or field. */
+ * on failure, and the message names the file and the tensor or field.
+ * path may also be a sharded checkpoint: an index "*.safetensors.index.json",
+ * or a directory holding one (model.safetensors.index.json if there are
+ * several).  Every shard the index lists is loaded and checked against it
+ * (each listed tensor is in its file, each tensor of a listed file is
+ * listed there, file names stay in the index's directory), and the result
+ * is one object: tensors sorted by name across files, metadata from the
+ * index's "metadata" (integer values, such as Hugging Face's total_size,
+ * read as their decimal text). */
 ct_status ct_safetensors_load(const char *path, ct_safetensors **out);
+/* ---- sharded checkpoints (Hugging Face's layout) -------------------------
+ * A directory of safetensors files (the shards) and an index
+ * "<prefix>.safetensors.index.json":
+ *   {"metadata": {"total_size": "<bytes of all tensors>", ...},
+ *    "weight_map": {"<tensor name>": "<shard file name>", ...}}
+ * Write the shards with ct_safetensors_save, then the index; the index is
+ * what makes a new set of shards the checkpoint, so write it last.
+ * ct_safetensors_load reads the whole checkpoint from the index or its
+ * directory. */
+
+/* Writes the index at path (its name must end in ".safetensors.index.json")
+ * mapping tensor names[i] to the shard file files[i] (a bare file name in
+ * the index's directory: no '/', no ".."), with nmeta string pairs of
+ * metadata (pass "total_size", the bytes of all tensors, as Hugging Face
+ * does; the writer cannot know it).  Atomic like ct_safetensors_save.
+ * Names must be unique, metadata keys unique, all of it valid UTF-8. */
+ct_status ct_safetensors_save_index(const char *path, const char *const *names, const char *const *files,
+                                    int n, const char *const *meta_keys, const char *const *meta_vals,
+                                    int nmeta);
 /* Same as ct_safetensors_load for a file already in memory (say, read once
  * and broadcast to every rank); name stands for the file in messages. */
 ct_status ct_safetensors_load_mem(const void *data, size_t len, const char *name, ct_safetensors **out);

@@ -3,6 +3,8 @@
 #ifndef CTRAIN_IO_INTERNAL_H
 #define CTRAIN_IO_INTERNAL_H
 
+#include <stdio.h>
+
 #include "ctrain/io.h"
 
 /* ---- JSON -------------------------------------------------------------- */
@@ -37,11 +39,44 @@ typedef struct {
  * int64, true, false, null.  Fractions and exponents are rejected.  Errors
  * read "<what>: header JSON: <problem> at byte <n>". */
 ct_status ct__json_parse(const char *text, size_t len, const char *what, ct__json_doc *doc);
+/* The same for other documents: errors read "<what>: <label>: <problem> at
+ * byte <n>; <hint>" (ct__json_parse: "header JSON", "the file is corrupt or
+ * not safetensors"). */
+ct_status ct__json_parse_as(const char *text, size_t len, const char *what, const char *label,
+                            const char *hint, ct__json_doc *doc);
 void ct__json_free(ct__json_doc *doc);
 
 /* Offset of the first byte that is not valid UTF-8 (overlongs, surrogates
  * and code points past U+10FFFF are invalid), or n if all is valid. */
 size_t ct__utf8_check(const char *s, size_t n);
+
+/* ---- safetensors objects --------------------------------------------- */
+
+/* A loaded file, or a sharded checkpoint presented as one (safetensors_index.c). */
+struct ct_safetensors {
+    int n;
+    const char **names;    /* sorted; strings live in doc.strs or in parts */
+    ct_tensor **tensors;   /* one reference each */
+    int nmeta;
+    const char **mkeys;    /* sorted */
+    const char **mvals;
+    ct__json_doc doc;      /* keeps the decoded strings (of the header, or of the index) */
+    ct_safetensors **parts; /* sharded: the shard files, which own the tensor names */
+    int nparts;
+    char *numbuf;          /* sharded: integer metadata values written out as text */
+};
+
+/* Sorts st's metadata by key (keys and values move together); CT_EFORMAT
+ * naming path when a key appears twice. */
+ct_status ct__st_sort_meta(const char *path, ct_safetensors *st);
+/* Loads one safetensors file (never an index or a directory). */
+ct_status ct__st_load_file(const char *path, ct_safetensors **out);
+/* Loads a sharded checkpoint from its index file, or from a directory
+ * holding its index (safetensors_index.c). */
+ct_status ct__st_load_index(const char *index_path, ct_safetensors **out);
+ct_status ct__st_load_dir(const char *dir, ct_safetensors **out);
+/* 1 when path names a sharded checkpoint index ("*.safetensors.index.json"). */
+int ct__st_is_index(const char *path);
 
 /* ---- growable byte buffer ---------------------------------------------- */
 
@@ -57,5 +92,23 @@ void ct__buf_printf(ct__buf *b, const char *fmt, ...) __attribute__((format(prin
 /* Appends s[0..n) as a JSON string literal with quotes and escapes. */
 void ct__buf_json_str(ct__buf *b, const char *s, size_t n);
 void ct__buf_free(ct__buf *b);
+
+/* ---- atomic file replacement (atomic.c) -------------------------------- */
+
+/* A file being written to path.tmp.<pid>; commit renames it over path. */
+typedef struct {
+    FILE *f;
+    char *tmp;
+    const char *path;   /* borrowed: must outlive the ct__afile */
+} ct__afile;
+
+/* Creates the temp file (CT_EIO "cannot create" naming it). */
+ct_status ct__afile_open(ct__afile *a, const char *path);
+ct_status ct__afile_write(ct__afile *a, const void *p, size_t n);
+/* Flushes, fsyncs, closes, renames over path and fsyncs the directory.  On
+ * failure the temp file is removed (no abort needed). */
+ct_status ct__afile_commit(ct__afile *a);
+/* Closes and removes the temp file; safe after a failed open. */
+void ct__afile_abort(ct__afile *a);
 
 #endif

@@ -49,14 +49,15 @@ typedef struct {
     const char *t;
     size_t len, i;
     const char *what;
+    const char *label;  /* "header JSON", "index JSON" */
+    const char *hint;   /* what a bad document means, for the message */
     ct__json_doc *doc;
     ct_status st; /* why parsing stopped */
 } parser;
 
 static ct_status perr(parser *p, size_t at, const char *problem)
 {
-    return p->st = ct_error(CT_EFORMAT, "%s: header JSON: %s at byte %zu; the file is corrupt or not safetensors",
-                    p->what, problem, at);
+    return p->st = ct_error(CT_EFORMAT, "%s: %s: %s at byte %zu; %s", p->what, p->label, problem, at, p->hint);
 }
 
 static void skip_ws(parser *p)
@@ -73,8 +74,8 @@ static int32_t new_node(parser *p, ct__jkind kind)
     ct__json_doc *d = p->doc;
     if (d->n == d->cap) {
         if (d->cap >= MAX_NODES) {
-            p->st = ct_error(CT_EFORMAT, "%s: header JSON has more than %d values; the file is corrupt",
-                     p->what, MAX_NODES);
+            p->st = ct_error(CT_EFORMAT, "%s: %s has more than %d values; %s", p->what, p->label, MAX_NODES,
+                             p->hint);
             return -1;
         }
         int32_t cap = d->cap ? d->cap * 2 : 64;
@@ -198,7 +199,7 @@ static ct_status parse_int(parser *p, int64_t *out)
         p->i++;
     }
     if (p->i < p->len && (p->t[p->i] == '.' || p->t[p->i] == 'e' || p->t[p->i] == 'E'))
-        return perr(p, start, "number is not an integer (only integers belong in a safetensors header)");
+        return perr(p, start, "number is not an integer (only integers belong in safetensors headers and indexes)");
     *out = neg ? (int64_t)(0 - v) : (int64_t)v;
     return CT_OK;
 }
@@ -298,16 +299,21 @@ static int32_t parse_value(parser *p, int depth)
 
 ct_status ct__json_parse(const char *text, size_t len, const char *what, ct__json_doc *doc)
 {
+    return ct__json_parse_as(text, len, what, "header JSON", "the file is corrupt or not safetensors", doc);
+}
+
+ct_status ct__json_parse_as(const char *text, size_t len, const char *what, const char *label,
+                            const char *hint, ct__json_doc *doc)
+{
     memset(doc, 0, sizeof *doc);
     size_t bad = ct__utf8_check(text, len);
     if (bad < len)
-        return ct_error(CT_EFORMAT, "%s: header is not valid UTF-8 at byte %zu; the file is corrupt",
-                        what, bad);
+        return ct_error(CT_EFORMAT, "%s: %s is not valid UTF-8 at byte %zu; %s", what, label, bad, hint);
     /* Decoded strings plus their NULs never exceed the text: each string
      * spends two quotes on one NUL, and escapes only shrink. */
     doc->strs = ct_alloc_zeroed(len + 1, CT_MEM_OTHER);
     if (!doc->strs) return CT_ENOMEM;
-    parser p = {text, len, 0, what, doc, CT_OK};
+    parser p = {text, len, 0, what, label, hint, doc, CT_OK};
     if (parse_value(&p, 0) < 0) goto fail;
     skip_ws(&p);
     if (p.i != len) {

@@ -24,16 +24,6 @@
 /* The Python library's limit: a bigger header is corrupt or hostile. */
 #define MAX_HEADER (100u << 20)
 
-struct ct_safetensors {
-    int n;
-    const char **names;    /* sorted; strings live in doc.strs */
-    ct_tensor **tensors;
-    int nmeta;
-    const char **mkeys;    /* sorted */
-    const char **mvals;
-    ct__json_doc doc;      /* keeps the decoded strings */
-};
-
 /* What the header says about one tensor. */
 typedef struct {
     const char *name;
@@ -204,7 +194,7 @@ static int cmp_tinfo_offset(const void *a, const void *b)
 }
 
 /* Sorts metadata by key (keys and values move together) and rejects duplicates. */
-static ct_status sort_meta(const char *path, ct_safetensors *st)
+ct_status ct__st_sort_meta(const char *path, ct_safetensors *st)
 {
     for (int i = 1; i < st->nmeta; i++) /* insertion sort: metadata is small */
         for (int j = i; j > 0 && strcmp(st->mkeys[j - 1], st->mkeys[j]) > 0; j--) {
@@ -321,7 +311,7 @@ static ct_status load_from(source *f, const char *path, ct_safetensors *st)
         else s = parse_tensor(path, d, m, data_size, &ti[i++]);
         if (s != CT_OK) goto out_free_info;
     }
-    if ((s = sort_meta(path, st)) != CT_OK) goto out_free_info;
+    if ((s = ct__st_sort_meta(path, st)) != CT_OK) goto out_free_info;
     qsort(ti, (size_t)nt, sizeof *ti, cmp_tinfo_name);
     for (i = 1; i < nt; i++)
         if (!strcmp(ti[i - 1].name, ti[i].name)) {
@@ -370,9 +360,8 @@ static ct_status load_source(source *src, const char *path, ct_safetensors **out
     return CT_OK;
 }
 
-ct_status ct_safetensors_load(const char *path, ct_safetensors **out)
+ct_status ct__st_load_file(const char *path, ct_safetensors **out)
 {
-    CT_ASSERT(path && out);
     *out = NULL;
     FILE *f = fopen(path, "rb");
     if (!f) return ct_error(CT_EIO, "%s: cannot open: %s", path, strerror(errno));
@@ -386,6 +375,18 @@ ct_status ct_safetensors_load(const char *path, ct_safetensors **out)
     ct_status s = load_source(&src, path, out);
     fclose(f);
     return s;
+}
+
+/* A directory or an index is a sharded checkpoint (safetensors_index.c);
+ * anything else is one file. */
+ct_status ct_safetensors_load(const char *path, ct_safetensors **out)
+{
+    CT_ASSERT(path && out);
+    *out = NULL;
+    struct stat sb;
+    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) return ct__st_load_dir(path, out);
+    if (ct__st_is_index(path)) return ct__st_load_index(path, out);
+    return ct__st_load_file(path, out);
 }
 
 ct_status ct_safetensors_load_mem(const void *data, size_t len, const char *name, ct_safetensors **out)
@@ -406,6 +407,9 @@ void ct_safetensors_destroy(ct_safetensors *st)
     ct_free(st->mkeys);
     ct_free(st->mvals);
     ct__json_free(&st->doc);
+    for (int i = 0; i < st->nparts; i++) ct_safetensors_destroy(st->parts[i]);
+    ct_free(st->parts);
+    ct_free(st->numbuf);
     ct_free(st);
 }
 

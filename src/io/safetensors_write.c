@@ -2,18 +2,15 @@
  * safetensors writer.  Tensors are laid out by element size (largest
  * first) then name, as the Python library does, so each tensor starts at a
  * multiple of its element size; the header is padded with spaces to a
- * multiple of 8.  The file is replaced atomically: written to
+ * multiple of 8.  The file is replaced atomically (atomic.c): written to
  * path.tmp.<pid>, flushed and fsync'd, renamed over path, and the directory
  * fsync'd so the rename itself survives a crash.
  */
 #include "internal.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "safetensors data is little-endian; this file assumes a little-endian host"
@@ -116,31 +113,6 @@ static ct_status build_header(const entry *ents, int n, const meta *ms, int nmet
     return b->failed ? CT_ENOMEM : CT_OK;
 }
 
-static ct_status write_all(FILE *f, const void *p, size_t n, const char *tmp)
-{
-    if (n && fwrite(p, 1, n, f) != n)
-        return ct_error(CT_EIO, "%s: write failed: %s; is the disk full?", tmp, strerror(errno));
-    return CT_OK;
-}
-
-/* Makes a completed rename durable. */
-static ct_status sync_dir(const char *path)
-{
-    const char *slash = strrchr(path, '/');
-    char dir[4096];
-    if (!slash) snprintf(dir, sizeof dir, ".");
-    else if (slash == path) snprintf(dir, sizeof dir, "/");
-    else snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
-    int fd = open(dir, O_RDONLY | O_DIRECTORY);
-    if (fd < 0) return ct_error(CT_EIO, "%s: cannot open directory to sync: %s", dir, strerror(errno));
-    int r = fsync(fd), e = errno;
-    close(fd);
-    /* Some file systems cannot fsync a directory; the data is still written. */
-    if (r != 0 && e != EINVAL && e != ENOTSUP)
-        return ct_error(CT_EIO, "%s: fsync of directory failed: %s", dir, strerror(e));
-    return CT_OK;
-}
-
 ct_status ct_safetensors_save(const char *path, const char *const *names,
                               ct_tensor *const *tensors, int n,
                               const char *const *meta_keys, const char *const *meta_vals,
@@ -151,8 +123,6 @@ ct_status ct_safetensors_save(const char *path, const char *const *names,
     CT_ASSERT(nmeta == 0 || (meta_keys && meta_vals));
     ct_status s;
     ct__buf hdr = {0};
-    char *tmp = NULL;
-    FILE *f = NULL;
     entry *ents = ct_alloc_zeroed((size_t)n * sizeof *ents + 1, CT_MEM_OTHER);
     meta *ms = ct_alloc_zeroed((size_t)nmeta * sizeof *ms + 1, CT_MEM_OTHER);
     if (!ents || !ms) { s = CT_ENOMEM; goto out_free; }
@@ -160,42 +130,17 @@ ct_status ct_safetensors_save(const char *path, const char *const *names,
         goto out_free;
     if ((s = build_header(ents, n, ms, nmeta, &hdr)) != CT_OK) goto out_free;
 
-    size_t tlen = strlen(path) + 32;
-    tmp = ct_alloc_zeroed(tlen, CT_MEM_OTHER);
-    if (!tmp) { s = CT_ENOMEM; goto out_free; }
-    snprintf(tmp, tlen, "%s.tmp.%d", path, (int)getpid());
-    f = fopen(tmp, "wb");
-    if (!f) {
-        s = ct_error(CT_EIO, "%s: cannot create: %s", tmp, strerror(errno));
-        goto out_free;
-    }
+    ct__afile af;
+    if ((s = ct__afile_open(&af, path)) != CT_OK) goto out_free;
     unsigned char lenb[8];
     for (int i = 0; i < 8; i++) lenb[i] = (unsigned char)((uint64_t)hdr.len >> (8 * i));
-    if ((s = write_all(f, lenb, 8, tmp)) != CT_OK) goto out_unlink;
-    if ((s = write_all(f, hdr.p, hdr.len, tmp)) != CT_OK) goto out_unlink;
-    for (int i = 0; i < n; i++)
-        if ((s = write_all(f, ct_tensor_data(ents[i].t), ct_tensor_bytes(ents[i].t), tmp)) != CT_OK) goto out_unlink;
-    if (fflush(f) != 0 || fsync(fileno(f)) != 0) {
-        s = ct_error(CT_EIO, "%s: flush failed: %s; is the disk full?", tmp, strerror(errno));
-        goto out_unlink;
-    }
-    int r = fclose(f);
-    f = NULL;
-    if (r != 0) {
-        s = ct_error(CT_EIO, "%s: close failed: %s", tmp, strerror(errno));
-        goto out_unlink;
-    }
-    if (rename(tmp, path) != 0) {
-        s = ct_error(CT_EIO, "%s: cannot rename %s over it: %s", path, tmp, strerror(errno));
-        goto out_unlink;
-    }
-    s = sync_dir(path);
-    goto out_free;
-out_unlink:
-    if (f) fclose(f);
-    unlink(tmp);
+    s = ct__afile_write(&af, lenb, 8);
+    if (s == CT_OK) s = ct__afile_write(&af, hdr.p, hdr.len);
+    for (int i = 0; i < n && s == CT_OK; i++)
+        s = ct__afile_write(&af, ct_tensor_data(ents[i].t), ct_tensor_bytes(ents[i].t));
+    if (s == CT_OK) s = ct__afile_commit(&af);
+    else ct__afile_abort(&af);
 out_free:
-    ct_free(tmp);
     ct__buf_free(&hdr);
     ct_free(ents);
     ct_free(ms);
