@@ -1,5 +1,5 @@
 /*
- * Sharded checkpoints as `ctrain train --save DIR --save-format sharded`
+ * Sharded checkpoints as `ctrain train --save DIR --state-dict sharded`
  * writes them: every rank writes its share of the model and of the
  * optimizer state (ct_strategy_shard_state) at once, and rank 0 then
  * writes two Hugging Face indexes, DIR/optim.safetensors.index.json and
@@ -57,7 +57,7 @@ static ct_status prepare_dir(const char *dir, int64_t step, int64_t *gen)
     if (mkdir(dir, 0777) != 0 && errno != EEXIST)
         return ct_error(CT_EIO, "cannot create the checkpoint directory %s: %s", dir, strerror(errno));
     if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
-        return ct_error(CT_EIO, "%s is not a directory, but --save-format sharded writes one; give another --save path",
+        return ct_error(CT_EIO, "%s is not a directory, but --state-dict sharded writes one; give another --save path",
                         dir);
     for (*gen = 0;; ++*gen) {
         char tag[64], pre[2][80];

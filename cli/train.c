@@ -279,7 +279,7 @@ static ct_status flush_denormals(void)
 #endif
 }
 
-static int sharded(const trainer *t) { return !strcmp(t->o->save_format, "sharded"); }
+static int sharded(const trainer *t) { return !strcmp(t->o->state_dict, "sharded"); }
 
 /* A --save path of the wrong kind fails now, not after the training it would lose. */
 static ct_status check_save_target(trainer *t)
@@ -288,10 +288,10 @@ static ct_status check_save_target(trainer *t)
     const char *p = t->o->save;
     if (!p || t->rank != 0 || stat(p, &sb) != 0) return CT_OK;
     if (sharded(t) && !S_ISDIR(sb.st_mode))
-        return ct_error(CT_EINVAL, "--save %s: --save-format sharded writes a directory, but %s is a file; give a "
-                        "directory path (or drop --save-format sharded to write one file)", p, p);
+        return ct_error(CT_EINVAL, "--save %s: --state-dict sharded writes a directory, but %s is a file; give a "
+                        "directory path (or drop --state-dict sharded to write one file)", p, p);
     if (!sharded(t) && S_ISDIR(sb.st_mode))
-        return ct_error(CT_EINVAL, "--save %s is a directory; save a sharded checkpoint into it with --save-format "
+        return ct_error(CT_EINVAL, "--save %s is a directory; save a sharded checkpoint into it with --state-dict "
                         "sharded, or give a file path", p);
     return CT_OK;
 }

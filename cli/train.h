@@ -11,7 +11,7 @@ typedef struct {
     double lr, weight_decay, momentum, clip, dropout;
     int64_t warmup, seed;
     int no_shuffle;
-    const char *init, *resume, *save, *save_format, *metrics, *trace;
+    const char *init, *resume, *save, *state_dict, *metrics, *trace;
     int64_t save_every, log_every;
     const char *strategy, *grad_compress, *strategy_opt, *mixed, *clip_norm;
     int64_t grad_accum, threads;

@@ -21,7 +21,7 @@ static const char epilog[] =
     "its optimizer state and training position go to CKPT.optim.safetensors, which --resume\n"
     "needs and --init ignores.  On --resume, the model, seed, batch, optimizer and its\n"
     "settings are the checkpoint's unless given again.\n"
-    "--save-format sharded makes CKPT a directory: every rank writes its share of the model\n"
+    "--state-dict sharded makes CKPT a directory: every rank writes its share of the model\n"
     "(CKPT/model-stepN-R-of-W.safetensors) and of the optimizer state at once, then rank 0\n"
     "writes Hugging Face indexes CKPT/model.safetensors.index.json and optim.safetensors.index.json\n"
     "and removes the files of older saves.  --init, --resume, eval and inspect take the directory,\n"
@@ -54,7 +54,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--init", OPT_STR, &o->init, "CKPT", "start from these weights (optimizer starts fresh)");
     OPT("--resume", OPT_STR, &o->resume, "CKPT", "continue exactly: weights, optimizer, step and data position");
     OPT("--save", OPT_STR, &o->save, "CKPT", "write the model to CKPT (and its optimizer state beside it)");
-    OPT("--save-format", OPT_STR, &o->save_format, "FMT", "full (CKPT is a file) or sharded (a directory: a file per rank, an index) (full)");
+    OPT("--state-dict", OPT_STR, &o->state_dict, "FMT", "full (CKPT is a file) or sharded (a directory: a file per rank, an index) (full)");
     OPT("--save-every", OPT_INT, &o->save_every, "N", "also save every N steps (needs --save)");
     OPT("--log-every", OPT_INT, &o->log_every, "N", "progress line every N steps (50; 0: none)");
     OPT("--metrics", OPT_STR, &o->metrics, "FILE", "one JSON object per logged step (appended on --resume)");
@@ -108,7 +108,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->mixed = "none";
     o->clip_norm = "2";
     o->eval_batch = 500;
-    o->save_format = "full";
+    o->state_dict = "full";
     cli_opt t[MAXOPT];
     int n = table(o, t), npos;
     const char *pos[1];
@@ -177,9 +177,9 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (o->save_every < 0) return BAD("--save-every %lld must not be negative", (long long)o->save_every);
     if (o->save_every && !o->save) return BAD("--save-every needs --save CKPT to say where");
     static const char *const formats[] = {"full", "sharded", NULL};
-    if (!in_list(o->save_format, formats))
-        return BAD("unknown --save-format '%s'; choose full (one file) or sharded (a directory)", o->save_format);
-    if (cli_find(t, n, "--save-format")->given && !o->save) return BAD("--save-format needs --save CKPT to say where");
+    if (!in_list(o->state_dict, formats))
+        return BAD("unknown --state-dict '%s'; choose full (one file) or sharded (a directory)", o->state_dict);
+    if (cli_find(t, n, "--state-dict")->given && !o->save) return BAD("--state-dict needs --save CKPT to say where");
     if (o->log_every < 0) return BAD("--log-every %lld must not be negative (0 turns progress off)", (long long)o->log_every);
     if (o->has_strategy) {
         /* ct_strategy_list() is "none, ddp": a name is in it when bounded by ", " or the ends. */

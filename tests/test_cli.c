@@ -102,7 +102,7 @@ TEST(cli_help)
     const char *flags[] = {"--model", "--hidden", "--epochs", "--steps", "--batch", "--lr", "--optim",
                            "--weight-decay", "--momentum", "--schedule", "--warmup", "--clip", "--seed",
                            "--clip-norm", "--mixed", "--strategy-opt", "--dropout", "--no-shuffle", "--init",
-                           "--resume", "--save", "--save-every", "--save-format", "sharded", "--log-every",
+                           "--resume", "--save", "--save-every", "--state-dict", "sharded", "--log-every",
                            "--metrics", "--strategy", "--grad-accum", "--bucket-cap-mb",
                            "--find-unused-parameters", "--grad-compress", "--threads", "--trace", "--data-dir"};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) ASSERT_STR_CONTAINS(out, flags[i]);
@@ -143,8 +143,8 @@ TEST(cli_usage_errors)
         {"train --model mlp --steps 5 --optim lbfgs", 2, "choose sgd or adamw"},
         {"train --model mlp --steps 5 --momentum 0.9", 2, "--optim sgd only"},
         {"train --model mlp --steps 5 --save-every 10", 2, "--save-every needs --save"},
-        {"train --model mlp --steps 5 --save-format sharded", 2, "--save-format needs --save"},
-        {"train --model mlp --steps 5 --save d --save-format zip", 2, "choose full (one file) or sharded (a directory)"},
+        {"train --model mlp --steps 5 --state-dict sharded", 2, "--state-dict needs --save"},
+        {"train --model mlp --steps 5 --save d --state-dict zip", 2, "choose full (one file) or sharded (a directory)"},
         {"train --model mlp --steps 5 --init a --resume b", 2, "--init and --resume are both given"},
         {"train --model mlp --steps 5 --grad-compress zip", 2, "choose none, bf16 or f16"},
         {"train --model mlp --steps 5 --data cifar", 2, "unknown data set 'cifar'"},
@@ -572,7 +572,7 @@ TEST(cli_sharded_checkpoint_loads_in_pytorch)
     char scripts[1100], dir[1024];
     if (!torch_available(scripts, sizeof scripts)) return;
     snprintf(dir, sizeof dir, "%s/torch-sharded", ct_test_tmpdir());
-    int code = run_np(2, out, "train " SMALL " --steps 20 --log-every 0 --save %s --save-format sharded", dir);
+    int code = run_np(2, out, "train " SMALL " --steps 20 --log-every 0 --save %s --state-dict sharded", dir);
     if (code) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
     torch_logits_check(scripts, dir, out);
 }
@@ -638,7 +638,7 @@ TEST(cli_sharded_resume_matches_full_checkpoint)
     char sh[1024], full[1024], d3[1024], p[4][1100], q[4][1100];
     snprintf(sh, sizeof sh, "%s/sharded", tmp);
     snprintf(full, sizeof full, "%s/full.safetensors", tmp);
-    run_ok(2, out, "sharded save", "train " SH_HYPER " --steps 20 --save %s --save-format sharded%s", sh, "");
+    run_ok(2, out, "sharded save", "train " SH_HYPER " --steps 20 --save %s --state-dict sharded%s", sh, "");
     ASSERT_STR_CONTAINS(out, "sharded over 2 ranks");
     run_ok(2, out, "full save", "train " SH_HYPER " --steps 20 --save %s%s", full, "");
     const char *layout[] = {"model.safetensors.index.json", "optim.safetensors.index.json",
@@ -671,7 +671,7 @@ TEST(cli_sharded_resume_matches_full_checkpoint)
     snprintf(d3, sizeof d3, "%s/from-sharded-3", tmp);
     snprintf(q[2], sizeof q[2], "%s/from-full-3.safetensors", tmp);
     run_ok(3, out, "3-rank resume of the sharded checkpoint",
-           "train --resume %s --steps 40 --save %s --save-format sharded " SH_REST, sh, d3);
+           "train --resume %s --steps 40 --save %s --state-dict sharded " SH_REST, sh, d3);
     run_ok(3, out, "3-rank resume of the full checkpoint", "train --resume %s --steps 40 --save %s " SH_REST, full, q[2]);
     same_files(d3, q[2]);
     snprintf(p[3], sizeof p[3], "%s/optim.safetensors.index.json", d3);
@@ -681,7 +681,7 @@ TEST(cli_sharded_resume_matches_full_checkpoint)
     /* 2 ranks resume into the same directory: bit for bit a straight 40-step run. */
     snprintf(q[1], sizeof q[1], "%s/straight.safetensors", tmp);
     run_ok(2, out, "2-rank resume into the same directory",
-           "train --resume %s --steps 40 --save %s --save-format sharded " SH_REST, sh, sh);
+           "train --resume %s --steps 40 --save %s --state-dict sharded " SH_REST, sh, sh);
     run_ok(2, out, "straight 2-rank run", "train " SH_HYPER " --steps 40 --save %s%s", q[1], "");
     same_files(sh, q[1]);
     const char *layout40[] = {"model.safetensors.index.json", "optim.safetensors.index.json",
@@ -704,7 +704,7 @@ TEST(cli_sharded_eval_inspect_and_errors)
     snprintf(dir, sizeof dir, "%s/ck", tmp);
     snprintf(full, sizeof full, "%s/full.safetensors", tmp);
     run_ok(2, out, "sharded run", "train " SMALL " --hidden 32 --steps 6 --save-every 3 --log-every 0 --save %s "
-           "--save-format sharded%s", dir, "");
+           "--state-dict sharded%s", dir, "");
     run_ok(2, out, "full run", "train " SMALL " --hidden 32 --steps 6 --log-every 0 --save %s%s", full, "");
     const char *layout[] = {"model.safetensors.index.json", "optim.safetensors.index.json",
                             "model-step000006-00000-of-00002.safetensors", "model-step000006-00001-of-00002.safetensors",
@@ -741,7 +741,7 @@ TEST(cli_sharded_eval_inspect_and_errors)
     ASSERT_STR_CONTAINS(out, "optimizer file");
 
     /* Saved again at the same step by 3 ranks: a new generation, and only it remains. */
-    run_ok(3, out, "re-save at the same step", "train --resume %s --steps 6 --save %s --save-format sharded "
+    run_ok(3, out, "re-save at the same step", "train --resume %s --steps 6 --save %s --state-dict sharded "
            "--threads 1 --limit-train 2000 --limit-test 1000 --log-every 0", dir, dir);
     ASSERT_STR_CONTAINS(out, "nothing to train");
     const char *layout3[] = {"model.safetensors.index.json", "optim.safetensors.index.json",
@@ -782,7 +782,7 @@ TEST(cli_sharded_eval_inspect_and_errors)
     }
     /* The wrong kind of --save path is refused before training. */
     ASSERT_EQ(RUN(out, "train " SMALL " --steps 2 --save %s", dir), 2);
-    ASSERT_STR_CONTAINS(out, "is a directory; save a sharded checkpoint into it with --save-format sharded");
-    ASSERT_EQ(RUN(out, "train " SMALL " --steps 2 --save %s --save-format sharded", full), 2);
-    ASSERT_STR_CONTAINS(out, "--save-format sharded writes a directory, but");
+    ASSERT_STR_CONTAINS(out, "is a directory; save a sharded checkpoint into it with --state-dict sharded");
+    ASSERT_EQ(RUN(out, "train " SMALL " --steps 2 --save %s --state-dict sharded", full), 2);
+    ASSERT_STR_CONTAINS(out, "--state-dict sharded writes a directory, but");
 }
