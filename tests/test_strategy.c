@@ -145,3 +145,46 @@ TEST(strategy_grad_accum_equals_whole_batch)
     ct_module_destroy(a);
     ct_module_destroy(b);
 }
+
+/* The partition: largest first onto the least loaded rank, every element
+ * exactly once, and with split a huge parameter no longer unbalances it. */
+TEST(strategy_partition_balances_and_covers)
+{
+    ct_partition pt;
+    int64_t a[5] = {100, 50, 50, 30, 20};
+    ASSERT_OK(ct_partition_init(&pt, a, 5, 2, 0));
+    ASSERT_EQ(pt.n, 5);
+    int owners[5] = {0, 1, 1, 0, 1};
+    for (int k = 0; k < 5; k++) {
+        ASSERT_EQ(pt.ranges[k].param, k);
+        ASSERT_EQ(pt.ranges[k].owner, owners[k]);
+    }
+    ASSERT_EQ(pt.load[0], 130);
+    ASSERT_EQ(pt.load[1], 120);
+    char buf[256];
+    const char *names[5] = {"0.weight", "0.bias", "2.weight", "2.bias", "4.weight"};
+    ASSERT_OK(ct_partition_describe(&pt, names, buf, sizeof buf));
+    ASSERT_STR_CONTAINS(buf, "rank 0 owns 130 elements: 0.weight 2.bias\n");
+    ASSERT_STR_CONTAINS(buf, "rank 1 owns 120 elements: 0.bias 2.weight 4.weight\n");
+    ASSERT_ERR(ct_partition_describe(&pt, names, buf, 20), CT_EINVAL, "larger buffer");
+    ct_partition_fini(&pt);
+
+    int64_t b[3] = {1000, 10, 10};
+    for (int split = 0; split < 2; split++) {
+        ASSERT_OK(ct_partition_init(&pt, b, 3, 4, split));
+        int64_t lo = INT64_MAX, hi = 0, covered[3] = {0, 0, 0};
+        for (int r = 0; r < 4; r++) {
+            lo = pt.load[r] < lo ? pt.load[r] : lo;
+            hi = pt.load[r] > hi ? pt.load[r] : hi;
+        }
+        for (int k = 0; k < pt.n; k++) {
+            ASSERT_EQ(pt.ranges[k].offset, covered[pt.ranges[k].param]); /* model order, no gaps */
+            covered[pt.ranges[k].param] += pt.ranges[k].count;
+        }
+        for (int i = 0; i < 3; i++) ASSERT_EQ(covered[i], b[i]);
+        if (split) ASSERT(hi - lo <= 255); /* pieces of at most ceil(1020/4) */
+        else ASSERT_EQ(hi, 1000);
+        ct_partition_fini(&pt);
+    }
+    ASSERT_ERR(ct_partition_init(&pt, b, 3, 0, 0), CT_EINVAL, "ranks >= 1");
+}

@@ -41,6 +41,34 @@ extern "C" {
 ct_status ct_bucket_assign(const size_t *bytes, const int *keys, int n, const size_t *limits,
                            int nlimits, int *bucket_of, int *nbuckets);
 
+/* ---- partition: which rank owns which parameter range ------------------ */
+
+/* Elements [offset, offset + count) of trainable parameter `param` (an index
+ * into the list the partition was made from) belong to rank `owner`. */
+typedef struct {
+    int param;
+    int64_t offset, count;
+    int owner;
+} ct_part_range;
+
+/* Ranges in model order (param, then offset); load[r] is rank r's element count. */
+typedef struct {
+    int nranks, n;
+    ct_part_range *ranges;
+    int64_t *load;
+} ct_partition;
+
+/* Assigns nparams parameters of numels[i] elements to nranks ranks: largest
+ * first onto the least loaded rank, deterministic (the same on every rank).
+ * With split, a parameter larger than ceil(total / nranks) is cut into
+ * ranges of at most that first.  Free with ct_partition_fini. */
+ct_status ct_partition_init(ct_partition *pt, const int64_t *numels, int nparams, int nranks, int split);
+void ct_partition_fini(ct_partition *pt);
+/* "rank 0 owns N elements: 0.weight 2.bias[0:512] ...", a line per rank, into
+ * buf (n bytes); names[i] names parameter i (NULL: "#i").  CT_EINVAL if n is
+ * too small. */
+ct_status ct_partition_describe(const ct_partition *pt, const char *const *names, char *buf, size_t n);
+
 /* ---- the strategy interface ------------------------------------------- */
 
 typedef struct ct_strategy ct_strategy;
