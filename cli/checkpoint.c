@@ -90,17 +90,22 @@ static ct_status save_state(const char *path, ct_state *state, const ct_meta *me
                                meta->n);
 }
 
+/* The state is gathered collectively (a sharded strategy assembles it on
+ * rank 0); rank 0 writes; every rank learns whether it worked. */
 ct_status cli_save(ct_strategy *s, const char *path, const ct_meta *model_meta, const ct_meta *sidecar_meta)
 {
+    ct_group *g = ct_strategy_group(s);
+    int writer = ct_group_rank(g) == 0;
     ct_state state;
-    CT_TRY(ct_strategy_model_state(s, &state));
-    ct_status st = save_state(path, &state, model_meta);
+    ct_status st = ct_strategy_model_state(s, &state);
+    if (st == CT_OK && writer) st = save_state(path, &state, model_meta);
     ct_state_fini(&state);
-    if (st != CT_OK || !sidecar_meta) return st;
+    CT_TRY(ct_group_check(g, st));
+    if (!sidecar_meta) return CT_OK;
     char side[4096];
     cli_sidecar_path(path, side, sizeof side);
-    CT_TRY(ct_strategy_optim_state(s, &state));
-    st = save_state(side, &state, sidecar_meta);
+    st = ct_strategy_optim_state(s, &state);
+    if (st == CT_OK && writer) st = save_state(side, &state, sidecar_meta);
     ct_state_fini(&state);
-    return st;
+    return ct_group_check(g, st);
 }

@@ -442,18 +442,10 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
  * every rank writes its share, rank 0 the indexes. */
 static ct_status save(trainer *t)
 {
-    ct_status st = CT_OK;
-    if (sharded(t)) {
-        ct_meta mm, sm;
-        CT_TRY(ct_group_check(t->g, fill_meta(t, &mm, &sm)));
-        return cli_save_sharded(t->s, t->o->save, &mm, &sm, t->step);
-    }
-    if (t->rank == 0) {
-        ct_meta mm, sm;
-        st = fill_meta(t, &mm, &sm);
-        if (st == CT_OK) st = cli_save(t->s, t->o->save, &mm, &sm);
-    }
-    return ct_group_check(t->g, st);
+    ct_meta mm, sm;
+    CT_TRY(ct_group_check(t->g, fill_meta(t, &mm, &sm)));
+    if (sharded(t)) return cli_save_sharded(t->s, t->o->save, &mm, &sm, t->step);
+    return cli_save(t->s, t->o->save, &mm, &sm);
 }
 
 static ct_status train_loop(trainer *t, cli_progress *prog)

@@ -212,11 +212,14 @@ ct_status ct_state_add(ct_state *st, const char *name, ct_tensor *t);
 /* Releases the tensors and names and zeroes st. */
 void ct_state_fini(ct_state *st);
 
-/* The full model state (parameters then buffers, PyTorch names), valid on
- * every rank. */
+/* The full model state (parameters then buffers, PyTorch names).
+ * Collective over the group: a sharded strategy assembles it on rank 0
+ * (other ranks may get less); a replicated one has it on every rank. */
 ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out);
 /* The optimizer state: "<param>.exp_avg", "<param>.exp_avg_sq" (AdamW) or
- * "<param>.momentum_buffer" (SGD), full tensors, plus an I64 tensor "step". */
+ * "<param>.momentum_buffer" (SGD), full tensors, plus an I64 tensor "step".
+ * Collective like ct_strategy_model_state: complete on rank 0 (fairscale's
+ * consolidate_state_dict), on every rank for a replicated strategy. */
 ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out);
 /* This rank's share of model_state (optim 0) or optim_state (optim 1) for
  * a sharded checkpoint: over the group's ranks every tensor appears exactly
