@@ -111,8 +111,11 @@ ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_
 /* Unwraps (parameters get gradients of their own again) and frees the
  * strategy and its optimizer; NULL is a no-op. */
 void ct_strategy_destroy(ct_strategy *s);
-/* "none", "ddp". */
+/* "none", "ddp", "zero1". */
 const char *ct_strategy_kind(const ct_strategy *s);
+/* Which rank owns which parameter range (sharded strategies), else NULL.
+ * Parameter indices count the trainable parameters in model order. */
+const ct_partition *ct_strategy_partition(const ct_strategy *s);
 /* Names accepted by ct_strategy_create, comma separated. */
 const char *ct_strategy_list(void);
 

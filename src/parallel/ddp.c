@@ -21,29 +21,21 @@
 
 #include "internal.h"
 
-/* DDP's own options (key=value; see parallel.h). */
-typedef struct {
-    double bucket_cap_mb;       /* bucket size after the first */
-    double first_bucket_mb;     /* first bucket, so the first allreduce starts early */
-    int broadcast_buffers;      /* broadcast buffers from rank 0 before every forward */
-    int find_unused_parameters; /* parameters of modules that did not run are marked ready */
-    int rebuild_buckets;        /* after the first step, rebuild buckets in gradient-ready order */
-} ddp_opts;
-
-static const ct__opt_def ddp_opt_defs[] = {
-    {"bucket_cap_mb", CT__OPT_NUM, offsetof(ddp_opts, bucket_cap_mb), "25",
+const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS] = {
+    {"bucket_cap_mb", CT__OPT_NUM, offsetof(ct__ddp_opts, bucket_cap_mb), "25",
      "gradient bucket size in MiB after the first bucket", 0},
-    {"first_bucket_mb", CT__OPT_NUM, offsetof(ddp_opts, first_bucket_mb), "1",
+    {"first_bucket_mb", CT__OPT_NUM, offsetof(ct__ddp_opts, first_bucket_mb), "1",
      "first bucket in MiB (small, so the first allreduce starts early)", 0},
-    {"broadcast_buffers", CT__OPT_BOOL, offsetof(ddp_opts, broadcast_buffers), "1",
+    {"broadcast_buffers", CT__OPT_BOOL, offsetof(ct__ddp_opts, broadcast_buffers), "1",
      "broadcast buffers (batchnorm statistics) from rank 0 before every forward", 0},
-    {"find_unused_parameters", CT__OPT_BOOL, offsetof(ddp_opts, find_unused_parameters), "0",
+    {"find_unused_parameters", CT__OPT_BOOL, offsetof(ct__ddp_opts, find_unused_parameters), "0",
      "mark parameters of modules that did not run as ready", 0},
-    {"rebuild_buckets", CT__OPT_BOOL, offsetof(ddp_opts, rebuild_buckets), "1",
+    {"rebuild_buckets", CT__OPT_BOOL, offsetof(ct__ddp_opts, rebuild_buckets), "1",
      "after the first step, rebuild buckets in the order gradients became ready", 0},
 };
 
-static const ddp_opts *O(const ct_strategy *s) { return s->kopts; }
+/* Strategies built on DDP (ZeRO) put these options first in theirs. */
+static const ct__ddp_opts *O(const ct_strategy *s) { return s->kopts; }
 
 typedef struct {
     ct_tensor *buf;   /* f32 [numel] over mem: the gradients' storage */
@@ -211,7 +203,7 @@ static ct_status launch(ct_strategy *s, bucket_t *b)
     if (dt != CT_F32) buf = b->wire;
     ct_work_destroy(b->work);
     b->work = NULL;
-    /* A sum: gradients were already scaled by 1/world (ddp_grad_scale). */
+    /* A sum: gradients were already scaled by 1/world (ct__ddp_grad_scale). */
     CT_TRY(ct_group_allreduce(s->g, buf, b->numel, dt, CT_OP_SUM, &b->work));
     return ct_work_on_complete(b->work, on_allreduce_done, b);
 }
@@ -297,11 +289,11 @@ static ct_status broadcast_state(ct_strategy *s, int buffers_only)
 
 /* ---- the strategy hooks -------------------------------------------------- */
 
-static void ddp_fini(ct_strategy *s);
+void ct__ddp_fini(ct_strategy *s);
 
-static ct_status ddp_init(ct_strategy *s)
+ct_status ct__ddp_init(ct_strategy *s)
 {
-    const ddp_opts *o = O(s);
+    const ct__ddp_opts *o = O(s);
     ddp_t *d = ct_alloc_zeroed(sizeof *d, CT_MEM_OTHER);
     if (!d) return CT_ENOMEM;
     s->priv = d;
@@ -346,11 +338,11 @@ static ct_status ddp_init(ct_strategy *s)
     }
 fail:
     ct_free(order);
-    if (st != CT_OK) ddp_fini(s);
+    if (st != CT_OK) ct__ddp_fini(s);
     return st;
 }
 
-static void ddp_fini(ct_strategy *s)
+void ct__ddp_fini(ct_strategy *s)
 {
     ddp_t *d = D(s);
     if (!d) return;
@@ -384,7 +376,7 @@ static void ddp_fini(ct_strategy *s)
     s->priv = NULL;
 }
 
-static ct_status ddp_pre_forward(ct_strategy *s)
+ct_status ct__ddp_pre_forward(ct_strategy *s)
 {
     ddp_t *d = D(s);
     if (d->ran) memset(d->ran, 0, (size_t)d->nmods);
@@ -415,7 +407,7 @@ static int rebuild_due(ct_strategy *s)
 }
 
 /* Collective the first time after the first synchronised step (the rebuild). */
-static void ddp_zero_grad(ct_strategy *s)
+void ct__ddp_zero_grad(ct_strategy *s)
 {
     ct_module_zero_grad_lazy(s->model);
     if (!rebuild_due(s)) return;
@@ -426,7 +418,7 @@ static void ddp_zero_grad(ct_strategy *s)
     }
 }
 
-static ct_status ddp_pre_backward(ct_strategy *s)
+ct_status ct__ddp_pre_backward(ct_strategy *s)
 {
     ddp_t *d = D(s);
     if (s->no_sync) return CT_OK;
@@ -453,7 +445,7 @@ static ct_status ddp_pre_backward(ct_strategy *s)
     return CT_OK;
 }
 
-static ct_status ddp_post_backward(ct_strategy *s)
+ct_status ct__ddp_post_backward(ct_strategy *s)
 {
     ddp_t *d = D(s);
     if (s->no_sync) return CT_OK;
@@ -493,18 +485,18 @@ static ct_status ddp_post_backward(ct_strategy *s)
 
 /* The average over ranks is folded into the loss gradient, so the
  * collective is a plain sum with no scaling pass afterwards. */
-static float ddp_grad_scale(ct_strategy *s) { return 1.0f / (float)ct_group_size(s->g); }
+float ct__ddp_grad_scale(ct_strategy *s) { return 1.0f / (float)ct_group_size(s->g); }
 
 const ct__strategy_ops ct__ddp_ops = {
     .kind = "ddp",
-    .opts = ddp_opt_defs,
-    .nopts = (int)(sizeof ddp_opt_defs / sizeof ddp_opt_defs[0]),
-    .opts_size = sizeof(ddp_opts),
-    .init = ddp_init,
-    .fini = ddp_fini,
-    .pre_forward = ddp_pre_forward,
-    .pre_backward = ddp_pre_backward,
-    .post_backward = ddp_post_backward,
-    .grad_scale = ddp_grad_scale,
-    .zero_grad = ddp_zero_grad,
+    .opts = ct__ddp_opt_defs,
+    .nopts = (int)(sizeof ct__ddp_opt_defs / sizeof ct__ddp_opt_defs[0]),
+    .opts_size = sizeof(ct__ddp_opts),
+    .init = ct__ddp_init,
+    .fini = ct__ddp_fini,
+    .pre_forward = ct__ddp_pre_forward,
+    .pre_backward = ct__ddp_pre_backward,
+    .post_backward = ct__ddp_post_backward,
+    .grad_scale = ct__ddp_grad_scale,
+    .zero_grad = ct__ddp_zero_grad,
 };

@@ -31,7 +31,11 @@ typedef struct {
     const char *kind;
     const ct__opt_def *opts; /* the kind's own keys */
     int nopts;
+    const ct__opt_def *base_opts; /* keys of the strategy it builds on, whose options struct
+                                     starts the kind's (offsets from s->kopts too) */
+    int nbase_opts;
     size_t opts_size;        /* bytes of the kind's options struct (s->kopts) */
+    int refreshes_compute;   /* refreshes mixed-precision copies itself (params arrive late) */
     /* Sets up s->priv; collective for distributed strategies. */
     ct_status (*init)(ct_strategy *s);
     void (*fini)(ct_strategy *s);
@@ -46,7 +50,9 @@ typedef struct {
     ct_status (*build_optim)(ct_strategy *s, const ct_optim_opts *o);
     ct_status (*grad_norm)(ct_strategy *s, double norm_type, double *norm);
     void (*scale_grads)(ct_strategy *s, float k);
+    ct_status (*pre_step)(ct_strategy *s);
     ct_status (*post_step)(ct_strategy *s);
+    const ct_partition *(*partition)(const ct_strategy *s); /* sharded strategies */
     void (*zero_grad)(ct_strategy *s);
     ct_status (*model_state)(ct_strategy *s, ct_state *out);
     ct_status (*optim_state)(ct_strategy *s, ct_state *out);
@@ -76,9 +82,30 @@ struct ct_strategy {
     ct_step_stats last;    /* last completed step */
     void *mp;              /* mixed-precision state (mixed.c) */
     void *priv;
+    void *ext;             /* state of a strategy built on another's priv (ZeRO on DDP) */
 };
 
 extern const ct__strategy_ops ct__ddp_ops;
+extern const ct__strategy_ops ct__zero1_ops;
+
+/* DDP's options and entries, for the strategies built on its buckets
+ * (ZeRO-1 keeps DDP's gradient path and shards only the optimizer). */
+typedef struct {
+    double bucket_cap_mb;       /* bucket size after the first */
+    double first_bucket_mb;     /* first bucket, so the first allreduce starts early */
+    int broadcast_buffers;      /* broadcast buffers from rank 0 before every forward */
+    int find_unused_parameters; /* parameters of modules that did not run are marked ready */
+    int rebuild_buckets;        /* after the first step, rebuild buckets in gradient-ready order */
+} ct__ddp_opts;
+#define CT__DDP_NOPTS 5
+extern const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS];
+ct_status ct__ddp_init(ct_strategy *s);
+void ct__ddp_fini(ct_strategy *s);
+ct_status ct__ddp_pre_forward(ct_strategy *s);
+ct_status ct__ddp_pre_backward(ct_strategy *s);
+ct_status ct__ddp_post_backward(ct_strategy *s);
+float ct__ddp_grad_scale(ct_strategy *s);
+void ct__ddp_zero_grad(ct_strategy *s);
 
 /* Parses "k=v,k=v" against the common keys and ops' keys into s->common and
  * s->kopts (defaults first).  CT_EINVAL naming a bad or unknown key. */
@@ -99,6 +126,7 @@ ct_status ct__replicated_shard_state(ct_strategy *s, int optim, ct_state *out);
  * no-ops for f32. */
 ct_status ct__mixed_init(ct_strategy *s);
 ct_status ct__mixed_refresh(ct_strategy *s);
+void ct__mixed_refresh_param(ct_strategy *s, ct_param *p);
 void ct__mixed_fini(ct_strategy *s);
 
 #endif

@@ -44,13 +44,15 @@ ct_status ct__mixed_init(ct_strategy *s)
     return ct__mixed_refresh(s);
 }
 
+void ct__mixed_refresh_param(ct_strategy *s, ct_param *p)
+{
+    if (s->mp && p->compute)
+        ct_f32_to_bf16_n(ct_f32(p->data), ct_tensor_data(p->compute), (size_t)p->data->numel);
+}
+
 ct_status ct__mixed_refresh(ct_strategy *s)
 {
-    if (!s->mp) return CT_OK;
-    for (int i = 0; i < s->nparams; i++) {
-        ct_param *p = s->params[i];
-        if (p->compute) ct_f32_to_bf16_n(ct_f32(p->data), ct_tensor_data(p->compute), (size_t)p->data->numel);
-    }
+    for (int i = 0; i < s->nparams; i++) ct__mixed_refresh_param(s, s->params[i]);
     return CT_OK;
 }
 

@@ -106,6 +106,11 @@ static const ct__opt_def *find(const ct__strategy_ops *ops, const char *key, int
             *common = 1;
             return &common_opts[i];
         }
+    for (int i = 0; i < ops->nbase_opts; i++)
+        if (!strcmp(ops->base_opts[i].key, key)) {
+            *common = 0;
+            return &ops->base_opts[i];
+        }
     for (int i = 0; i < ops->nopts; i++)
         if (!strcmp(ops->opts[i].key, key)) {
             *common = 0;
@@ -114,13 +119,23 @@ static const ct__opt_def *find(const ct__strategy_ops *ops, const char *key, int
     return NULL;
 }
 
+/* Key i of ops in listing order: common, base, own. */
+static const ct__opt_def *nth(const ct__strategy_ops *ops, int i)
+{
+    if (i < NCOMMON) return &common_opts[i];
+    i -= NCOMMON;
+    if (i < ops->nbase_opts) return &ops->base_opts[i];
+    return &ops->opts[i - ops->nbase_opts];
+}
+
+static int nkeys(const ct__strategy_ops *ops) { return NCOMMON + ops->nbase_opts + ops->nopts; }
+
 static void key_list(const ct__strategy_ops *ops, char *buf, size_t n)
 {
     size_t off = 0;
     buf[0] = 0;
-    for (int i = 0; i < NCOMMON + ops->nopts && off < n; i++)
-        off += (size_t)snprintf(buf + off, n - off, "%s%s", i ? ", " : "",
-                                i < NCOMMON ? common_opts[i].key : ops->opts[i - NCOMMON].key);
+    for (int i = 0; i < nkeys(ops) && off < n; i++)
+        off += (size_t)snprintf(buf + off, n - off, "%s%s", i ? ", " : "", nth(ops, i)->key);
 }
 
 static ct_status apply(ct_strategy *s, const char *key, const char *val)
@@ -141,8 +156,7 @@ ct_status ct__opts_parse(ct_strategy *s, const char *text)
     if (s->ops->opts_size && !(s->kopts = ct_alloc(s->ops->opts_size, CT_MEM_OTHER))) return CT_ENOMEM;
     if (s->kopts) memset(s->kopts, 0, s->ops->opts_size);
     memset(&s->common, 0, sizeof s->common);
-    for (int i = 0; i < NCOMMON; i++) CT_TRY(apply(s, common_opts[i].key, common_opts[i].def));
-    for (int i = 0; i < s->ops->nopts; i++) CT_TRY(apply(s, s->ops->opts[i].key, s->ops->opts[i].def));
+    for (int i = 0; i < nkeys(s->ops); i++) CT_TRY(apply(s, nth(s->ops, i)->key, nth(s->ops, i)->def));
     if (!text) return CT_OK;
     char pair[512];
     for (const char *p = text; *p;) {
@@ -181,8 +195,8 @@ void ct__opts_help(const ct__strategy_ops *ops, char *buf, size_t n)
 {
     size_t off = 0;
     buf[0] = 0;
-    for (int i = 0; i < NCOMMON + ops->nopts && off < n; i++) {
-        const ct__opt_def *d = i < NCOMMON ? &common_opts[i] : &ops->opts[i - NCOMMON];
+    for (int i = 0; i < nkeys(ops) && off < n; i++) {
+        const ct__opt_def *d = nth(ops, i);
         char kv[64];
         snprintf(kv, sizeof kv, "%s=%s", d->key, d->def);
         off += (size_t)snprintf(buf + off, n - off, "  %-28s %s\n", kv, d->help);

@@ -12,9 +12,9 @@
 
 static const ct__strategy_ops none_ops = {.kind = "none"};
 
-static const ct__strategy_ops *const kinds[] = {&none_ops, &ct__ddp_ops};
+static const ct__strategy_ops *const kinds[] = {&none_ops, &ct__ddp_ops, &ct__zero1_ops};
 
-const char *ct_strategy_list(void) { return "none, ddp"; }
+const char *ct_strategy_list(void) { return "none, ddp, zero1"; }
 
 static const ct__strategy_ops *find_kind(const char *kind)
 {
@@ -85,6 +85,10 @@ void ct_strategy_destroy(ct_strategy *s)
 }
 
 const char *ct_strategy_kind(const ct_strategy *s) { return s->ops->kind; }
+const ct_partition *ct_strategy_partition(const ct_strategy *s)
+{
+    return s->ops->partition ? s->ops->partition(s) : NULL;
+}
 ct_module *ct_strategy_model(const ct_strategy *s) { return s->model; }
 ct_optim *ct_strategy_optim(const ct_strategy *s) { return s->opt; }
 ct_group *ct_strategy_group(const ct_strategy *s) { return s->g; }
@@ -289,9 +293,10 @@ ct_status ct_strategy_step(ct_strategy *s)
     double t0 = ct_now();
     sync_grads(s);
     if (s->has_sched) ct_optim_set_lr(s->opt, ct_lr_at(&s->sched, ct_optim_get_step(s->opt)));
-    ct_status st = ct_optim_step(s->opt);
+    ct_status st = s->ops->pre_step ? s->ops->pre_step(s) : CT_OK;
+    if (st == CT_OK) st = ct_optim_step(s->opt);
     if (st == CT_OK && s->ops->post_step) st = s->ops->post_step(s);
-    if (st == CT_OK) st = ct__mixed_refresh(s);
+    if (st == CT_OK && !s->ops->refreshes_compute) st = ct__mixed_refresh(s);
     double t1 = ct_now();
     ct_trace_event("optimizer", "step", t0, t1, 0);
     s->stats.optimizer += t1 - t0;

@@ -595,3 +595,88 @@ TEST(ddp_mixed_bf16_equals_one_process_with_the_same_casts)
     ct_module_destroy(rm);
     ct_module_destroy(fm);
 }
+
+/* ---- ZeRO ---------------------------------------------------------------- */
+
+/* Relative L2 distance of two states over the names of a (on rank 0 only
+ * for a sharded strategy); tensors of b missing from a fail. */
+static double state_rel_l2(const ct_state *a, const ct_state *b)
+{
+    double num = 0, den = 0;
+    ASSERT_EQ(a->n, b->n);
+    for (int i = 0; i < a->n; i++) {
+        const ct_tensor *y = NULL;
+        for (int j = 0; j < b->n; j++)
+            if (!strcmp(a->names[i], b->names[j])) y = b->tensors[j];
+        if (!y) ct_test_fail(__FILE__, __LINE__, "'%s' is missing from the other state", a->names[i]);
+        const ct_tensor *x = a->tensors[i];
+        ASSERT_EQ(x->numel, y->numel);
+        if (x->dtype == CT_I64) {
+            ASSERT_EQ(((int64_t *)ct_tensor_data(x))[0], ((int64_t *)ct_tensor_data(y))[0]);
+            continue;
+        }
+        for (int64_t k = 0; k < x->numel; k++) {
+            double d = (double)ct_f32(x)[k] - ct_f32(y)[k];
+            num += d * d;
+            den += (double)ct_f32(y)[k] * ct_f32(y)[k];
+        }
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* kind over N ranks equals one process on the whole batch: weights and
+ * (consolidated on rank 0) optimizer state, relative L2 < 1e-5. */
+static void zero_vs_single(const char *kind, const char *opts, ct_optim_kind ok, float clip, int steps)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    int64_t n = 6 * world + 2;
+    ct_module *dm = model(BIGGER, 21), *rm = model(BIGGER, 21);
+    ct_optim_opts oo = optim_for(ok);
+    char ropts[64];
+    const char *accum = opts ? strstr(opts, "grad_accum=") : NULL;
+    snprintf(ropts, sizeof ropts, "%.13s", accum ? accum : "");
+    ct_strategy *ds, *rs;
+    ASSERT_OK(ct_strategy_create(kind, dm, &oo, g, opts, &ds));
+    ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, ropts, &rs));
+    ASSERT(ct_strategy_partition(ds) != NULL);
+    for (int step = 0; step < steps; step++) {
+        ct_step_out o;
+        step_on_slice(ds, step, n, rank, world, &o);
+        step_on_slice(rs, step, n, 0, 1, &o);
+        if (clip > 0) {
+            float a, b;
+            ASSERT_OK(ct_strategy_clip_grad_norm(ds, clip, 2.0, &a));
+            ASSERT_OK(ct_strategy_clip_grad_norm(rs, clip, 2.0, &b));
+            ASSERT_CLOSE(a, b, 1e-5, 1e-6);
+        }
+        ASSERT_OK(ct_strategy_step(ds));
+        ASSERT_OK(ct_strategy_step(rs));
+        ct_strategy_zero_grad(ds);
+        ct_strategy_zero_grad(rs);
+    }
+    ct_state a, b;
+    ASSERT_OK(ct_strategy_model_state(ds, &a));
+    ASSERT_OK(ct_strategy_model_state(rs, &b));
+    ASSERT(state_rel_l2(&a, &b) < 1e-5);
+    ct_state_fini(&a);
+    ct_state_fini(&b);
+    ASSERT_OK(ct_strategy_optim_state(ds, &a)); /* collective: complete on rank 0 */
+    ASSERT_OK(ct_strategy_optim_state(rs, &b));
+    if (rank == 0) ASSERT(state_rel_l2(&a, &b) < 1e-5);
+    ct_state_fini(&a);
+    ct_state_fini(&b);
+    ct_strategy_destroy(ds);
+    ct_strategy_destroy(rs);
+    ct_module_destroy(dm);
+    ct_module_destroy(rm);
+}
+
+TEST(zero1_equals_one_process)
+{
+    zero_vs_single("zero1", NULL, CT_OPT_ADAMW, 0, 4);
+    zero_vs_single("zero1", NULL, CT_OPT_SGD, 0, 4);
+    zero_vs_single("zero1", "split_params=1", CT_OPT_ADAMW, 0, 3);
+    zero_vs_single("zero1", NULL, CT_OPT_ADAMW, 0.05f, 3);
+    zero_vs_single("zero1", "grad_accum=2", CT_OPT_SGD, 0, 3);
+}

@@ -1,0 +1,356 @@
+/*
+ * ZeRO-1 (fairscale's OSS under DDP): gradients are allreduced exactly as
+ * DDP does (same buckets, same overlap with backward), but the optimizer
+ * state exists only for the parameter ranges this rank owns (the partition,
+ * partition.c), so optimizer memory falls as 1/N.  After the step each
+ * owner broadcasts its updated ranges; the broadcasts run on the comm
+ * thread while the next step begins, and a module's pre-forward hook waits
+ * only for the ranges of its own parameters, so the first layers compute
+ * while the last ones are still arriving (fairscale's OSS broadcasts
+ * everything before returning from step).
+ *
+ * Checkpoints: the consolidated optimizer state is assembled on rank 0 (a
+ * reduce of each full buffer, every non-owner contributing zeros), a
+ * sharded one gives each parameter's whole state to the owner of its first
+ * range; loading takes the owned ranges out of full tensors, so any world
+ * size loads any checkpoint.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+typedef struct {
+    ct__ddp_opts ddp; /* first: DDP's code reads its options from s->kopts */
+    int split_params;
+} zero_opts;
+
+static const ct__opt_def zero_opt_defs[] = {
+    {"split_params", CT__OPT_BOOL, offsetof(zero_opts, split_params), "0",
+     "cut parameters larger than an even share into ranges, so a few huge tensors still balance", 0},
+};
+
+typedef struct {
+    ct_param **tp;      /* trainable parameters, model order (DDP's indices) */
+    int ntp;
+    ct_partition pt;
+    int *first;         /* [ntp] index of the parameter's first range in pt */
+    int *slot;          /* [pt.n] optimizer slot of an owned range, else -1 */
+    ct_work **work;     /* [pt.n] broadcast of the range after the step, or NULL */
+    ct_hook **hooks;    /* pre-forward hooks of the modules with parameters */
+    int nhooks;
+} zero_t;
+
+static zero_t *Z(ct_strategy *s) { return s->ext; }
+/* DDP's index of a trainable parameter (ddp.c keeps it in p->user). */
+static int tindex(const ct_param *p) { return (int)(intptr_t)p->user; }
+
+/* Waits for the broadcasts of trainable parameter i's ranges; then its
+ * mixed-precision copy can be made. */
+static ct_status wait_param(ct_strategy *s, int i)
+{
+    zero_t *z = Z(s);
+    ct_status st = CT_OK;
+    int pending = 0;
+    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++) {
+        if (!z->work[k]) continue;
+        pending = 1;
+        ct_status w = ct_work_wait(z->work[k]);
+        if (st == CT_OK) st = w;
+        ct_work_destroy(z->work[k]);
+        z->work[k] = NULL;
+    }
+    if (pending && st == CT_OK) ct__mixed_refresh_param(s, z->tp[i]);
+    return st;
+}
+
+static ct_status wait_all(ct_strategy *s)
+{
+    zero_t *z = Z(s);
+    ct_status st = CT_OK;
+    for (int i = 0; z && i < z->ntp; i++) {
+        ct_status w = wait_param(s, i);
+        if (st == CT_OK) st = w;
+    }
+    return st;
+}
+
+static ct_status params_arrived(ct_module *m, ct_hook_kind kind, void *ud)
+{
+    (void)kind;
+    ct_strategy *s = ud;
+    for (int j = 0; j < m->nparams; j++)
+        if (m->params[j]->requires_grad) CT_TRY(wait_param(s, tindex(m->params[j])));
+    return CT_OK;
+}
+
+static void zero_fini(ct_strategy *s)
+{
+    zero_t *z = Z(s);
+    if (z) {
+        wait_all(s);
+        for (int i = 0; i < z->nhooks; i++) ct_hook_remove(z->hooks[i]);
+        ct_partition_fini(&z->pt);
+        ct_free(z->tp);
+        ct_free(z->first);
+        ct_free(z->slot);
+        ct_free(z->work);
+        ct_free(z->hooks);
+        ct_free(z);
+        s->ext = NULL;
+    }
+    ct__ddp_fini(s);
+}
+
+static ct_status zero_init(ct_strategy *s)
+{
+    CT_TRY(ct__ddp_init(s));
+    zero_t *z = ct_alloc_zeroed(sizeof *z, CT_MEM_OTHER);
+    if (!z) return CT_ENOMEM;
+    s->ext = z;
+    for (int i = 0; i < s->nparams; i++) z->ntp += s->params[i]->requires_grad != 0;
+    size_t nt = (size_t)z->ntp + 1;
+    z->tp = ct_alloc_zeroed(sizeof *z->tp * nt, CT_MEM_OTHER);
+    int64_t *numel = ct_alloc_zeroed(sizeof *numel * nt, CT_MEM_OTHER);
+    z->first = ct_alloc_zeroed(sizeof *z->first * nt, CT_MEM_OTHER);
+    ct_status st = z->tp && numel && z->first ? CT_OK : CT_ENOMEM;
+    for (int i = 0, n = 0; st == CT_OK && i < s->nparams; i++)
+        if (s->params[i]->requires_grad) {
+            z->tp[n] = s->params[i];
+            CT_ASSERT(tindex(s->params[i]) == n); /* DDP's numbering: the same model order */
+            numel[n++] = s->params[i]->data->numel;
+        }
+    const zero_opts *o = s->kopts;
+    if (st == CT_OK) st = ct_partition_init(&z->pt, numel, z->ntp, ct_group_size(s->g), o->split_params);
+    ct_free(numel);
+    if (st == CT_OK) {
+        size_t nr = (size_t)z->pt.n + 1;
+        z->slot = ct_alloc_zeroed(sizeof *z->slot * nr, CT_MEM_OTHER);
+        z->work = ct_alloc_zeroed(sizeof *z->work * nr, CT_MEM_OTHER);
+        if (!z->slot || !z->work) st = CT_ENOMEM;
+    }
+    for (int k = z->pt.n - 1; st == CT_OK && k >= 0; k--) z->first[z->pt.ranges[k].param] = k;
+    ct_module **mods = NULL;
+    int nmods = 0;
+    if (st == CT_OK) st = ct_module_modules(s->model, &mods, &nmods);
+    if (st == CT_OK && !(z->hooks = ct_alloc_zeroed(sizeof *z->hooks * (size_t)(nmods + 1), CT_MEM_OTHER)))
+        st = CT_ENOMEM;
+    for (int i = 0; st == CT_OK && i < nmods; i++) {
+        if (!mods[i]->nparams) continue;
+        if (!(z->hooks[z->nhooks++] = ct_module_add_hook(mods[i], CT_HOOK_PRE_FORWARD, params_arrived, s)))
+            st = CT_ENOMEM;
+    }
+    ct_free(mods);
+    return st;
+}
+
+/* The optimizer over this rank's ranges only: its state is 1/N of DDP's. */
+static ct_status zero_build_optim(ct_strategy *s, const ct_optim_opts *oo)
+{
+    zero_t *z = Z(s);
+    int rank = ct_group_rank(s->g), n = 0;
+    ct_optim_range *r = ct_alloc_zeroed(sizeof *r * (size_t)(z->pt.n + 1), CT_MEM_OTHER);
+    if (!r) return CT_ENOMEM;
+    for (int k = 0; k < z->pt.n; k++) {
+        const ct_part_range *x = &z->pt.ranges[k];
+        z->slot[k] = x->owner == rank ? n : -1;
+        if (x->owner == rank) r[n++] = (ct_optim_range){z->tp[x->param], x->offset, x->count};
+    }
+    s->opt = ct_optim_create_ranges(oo, r, n);
+    ct_free(r);
+    return s->opt ? CT_OK : (ct_status)CT_EINVAL;
+}
+
+/* Before the optimizer writes the owned ranges: the last broadcasts are
+ * done (forward hooks waited for all but unused modules' parameters). */
+static ct_status zero_pre_step(ct_strategy *s) { return wait_all(s); }
+
+/* Each owner sends its updated ranges; nobody waits here. */
+static ct_status zero_post_step(ct_strategy *s)
+{
+    zero_t *z = Z(s);
+    if (ct_group_size(s->g) == 1) return ct__mixed_refresh(s);
+    for (int k = 0; k < z->pt.n; k++) {
+        const ct_part_range *x = &z->pt.ranges[k];
+        if (!x->count) continue;
+        float *p = (float *)ct_tensor_data(z->tp[x->param]->data) + x->offset;
+        CT_TRY(ct_group_broadcast(s->g, p, x->count, CT_F32, x->owner, &z->work[k]));
+    }
+    return CT_OK;
+}
+
+/* ---- state ------------------------------------------------------------- */
+
+/* State buffer names of the optimizer kind ("exp_avg", ...); returns how many. */
+static int buffer_names(const ct_optim *opt, const char **names)
+{
+    const ct_optim_opts *o = ct_optim_get_opts(opt);
+    if (o->kind == CT_OPT_ADAMW) {
+        names[0] = "exp_avg";
+        names[1] = "exp_avg_sq";
+        return 2;
+    }
+    if (o->momentum != 0) {
+        names[0] = "momentum_buffer";
+        return 1;
+    }
+    return 0;
+}
+
+/* Buffer b of trainable parameter i as a full tensor on root: owners copy
+ * their ranges into zeros and the ranks' buffers are summed there.  *out is
+ * NULL on other ranks. */
+static ct_status gather_buffer(ct_strategy *s, int i, int b, int root, ct_tensor **out)
+{
+    zero_t *z = Z(s);
+    *out = NULL;
+    ct_param *p = z->tp[i];
+    ct_tensor *full = ct_tensor_create(CT_F32, p->data->ndim, p->data->shape, CT_MEM_COMM);
+    if (!full) return CT_ENOMEM;
+    int local_only = 1;
+    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++) {
+        const ct_part_range *x = &z->pt.ranges[k];
+        local_only &= x->owner == root;
+        if (z->slot[k] < 0) continue;
+        float *bufs[CT_OPTIM_MAX_STATE];
+        int nb = ct_optim_state(s->opt, z->slot[k], bufs, NULL);
+        if (nb < 0) {
+            ct_tensor_release(full);
+            return nb;
+        }
+        memcpy(ct_f32(full) + x->offset, bufs[b], (size_t)x->count * sizeof(float));
+    }
+    ct_status st = CT_OK;
+    if (!local_only) st = ct_group_reduce(s->g, ct_tensor_data(full), full->numel, CT_F32, CT_OP_SUM, root, NULL);
+    if (st == CT_OK && ct_group_rank(s->g) == root) *out = full;
+    else ct_tensor_release(full);
+    return st;
+}
+
+static ct_status add_step(ct_strategy *s, ct_state *out)
+{
+    ct_tensor *step = ct_tensor_create(CT_I64, 1, (int64_t[]){1}, CT_MEM_OTHER);
+    if (!step) return CT_ENOMEM;
+    ((int64_t *)ct_tensor_data(step))[0] = ct_optim_get_step(s->opt);
+    ct_status st = ct_state_add(out, "step", step);
+    ct_tensor_release(step);
+    return st;
+}
+
+/* Every parameter's state on root(i) (0: consolidated; the owner of its
+ * first range: sharded), "step" on rank 0. */
+static ct_status collect(ct_strategy *s, int sharded, ct_state *out)
+{
+    zero_t *z = Z(s);
+    const char *bn[CT_OPTIM_MAX_STATE];
+    int nb = buffer_names(s->opt, bn);
+    char name[512];
+    ct_status st = CT_OK;
+    for (int i = 0; i < z->ntp && st == CT_OK; i++) {
+        int root = sharded ? z->pt.ranges[z->first[i]].owner : 0;
+        for (int b = 0; b < nb && st == CT_OK; b++) {
+            ct_tensor *t;
+            st = gather_buffer(s, i, b, root, &t);
+            if (st == CT_OK && t) {
+                snprintf(name, sizeof name, "%s.%s", z->tp[i]->name, bn[b]);
+                st = ct_state_add(out, name, t);
+            }
+            ct_tensor_release(t);
+        }
+    }
+    if (st == CT_OK && ct_group_rank(s->g) == 0) st = add_step(s, out);
+    if (st != CT_OK) ct_state_fini(out);
+    return st;
+}
+
+static ct_status zero_model_state(ct_strategy *s, ct_state *out)
+{
+    CT_TRY(wait_all(s));
+    return ct__replicated_model_state(s, out);
+}
+
+static ct_status zero_optim_state(ct_strategy *s, ct_state *out) { return collect(s, 0, out); }
+
+static ct_status zero_shard_state(ct_strategy *s, int optim, ct_state *out)
+{
+    if (optim) return collect(s, 1, out);
+    CT_TRY(wait_all(s));
+    return ct__replicated_shard_state(s, 0, out);
+}
+
+static const ct_tensor *find(const char *const *names, ct_tensor *const *ts, int n, const char *name)
+{
+    for (int i = 0; i < n; i++)
+        if (!strcmp(names[i], name)) return ts[i];
+    return NULL;
+}
+
+/* Owned ranges out of full tensors: a checkpoint of any world size loads. */
+static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n)
+{
+    zero_t *z = Z(s);
+    const ct_tensor *step = find(names, ts, n, "step");
+    if (!step || step->dtype != CT_I64 || step->numel != 1)
+        return ct_error(CT_EINVAL, "optimizer state has no I64 'step' tensor");
+    const char *bn[CT_OPTIM_MAX_STATE];
+    int nb = buffer_names(s->opt, bn);
+    char name[512];
+    for (int k = 0; k < z->pt.n; k++) {
+        if (z->slot[k] < 0) continue;
+        const ct_part_range *x = &z->pt.ranges[k];
+        ct_param *p = z->tp[x->param];
+        float *bufs[CT_OPTIM_MAX_STATE];
+        int got = ct_optim_state(s->opt, z->slot[k], bufs, NULL);
+        if (got < 0) return got;
+        for (int b = 0; b < nb; b++) {
+            snprintf(name, sizeof name, "%s.%s", p->name, bn[b]);
+            const ct_tensor *src = find(names, ts, n, name);
+            if (!src)
+                return ct_error(CT_EINVAL, "optimizer state has no '%s' (saved with another optimizer? this run "
+                                "uses %s)", name, ct_optim_name(s->opt));
+            if (src->dtype != CT_F32 || src->numel != p->data->numel)
+                return ct_error(CT_EINVAL, "'%s' is %s[%lld] in the checkpoint but F32[%lld] here", name,
+                                ct_dtype_name(src->dtype), (long long)src->numel, (long long)p->data->numel);
+            memcpy(bufs[b], (const float *)ct_tensor_data(src) + x->offset, (size_t)x->count * sizeof(float));
+        }
+    }
+    ct_optim_set_step(s->opt, ((const int64_t *)ct_tensor_data(step))[0]);
+    return CT_OK;
+}
+
+static ct_status zero_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
+                                 int optim)
+{
+    CT_TRY(wait_all(s));
+    return optim ? load_optim(s, names, ts, n) : ct__replicated_load_state(s, names, ts, n, 0);
+}
+
+static const ct_partition *zero_partition(const ct_strategy *s)
+{
+    return s->ext ? &((const zero_t *)s->ext)->pt : NULL;
+}
+
+const ct__strategy_ops ct__zero1_ops = {
+    .kind = "zero1",
+    .opts = zero_opt_defs,
+    .nopts = (int)(sizeof zero_opt_defs / sizeof zero_opt_defs[0]),
+    .base_opts = ct__ddp_opt_defs,
+    .nbase_opts = CT__DDP_NOPTS,
+    .opts_size = sizeof(zero_opts),
+    .refreshes_compute = 1,
+    .init = zero_init,
+    .fini = zero_fini,
+    .pre_forward = ct__ddp_pre_forward,
+    .pre_backward = ct__ddp_pre_backward,
+    .post_backward = ct__ddp_post_backward,
+    .grad_scale = ct__ddp_grad_scale,
+    .zero_grad = ct__ddp_zero_grad,
+    .build_optim = zero_build_optim,
+    .pre_step = zero_pre_step,
+    .post_step = zero_post_step,
+    .partition = zero_partition,
+    .model_state = zero_model_state,
+    .optim_state = zero_optim_state,
+    .shard_state = zero_shard_state,
+    .load_state = zero_load_state,
+};
