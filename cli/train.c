@@ -218,7 +218,7 @@ static ct_status make_strategy(trainer *t)
     int n = snprintf(opts, sizeof opts, "grad_accum=%lld,param_dtype=%s,reduce_dtype=%s", (long long)o->grad_accum,
                      strcmp(o->mixed, "none") ? o->mixed : "f32",
                      strcmp(o->grad_compress, "none") ? o->grad_compress : "f32");
-    if (strcmp(o->strategy, "none")) /* ddp and the strategies built on it */
+    if (!strcmp(o->strategy, "ddp") || !strcmp(o->strategy, "zero1")) /* DDP's buckets */
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",bucket_cap_mb=%.17g,find_unused_parameters=%d",
                       o->bucket_cap_mb, o->find_unused);
     if (o->strategy_opt) snprintf(opts + n, sizeof opts - (size_t)n, ",%s", o->strategy_opt);
@@ -681,7 +681,7 @@ int cli_train(int argc, char **argv)
         return rc;
     }
     if (o.strategy_opt && !strcmp(o.strategy_opt, "help")) {
-        const char *kinds[] = {"none", "ddp", "zero1"};
+        const char *kinds[] = {"none", "ddp", "zero1", "zero2"};
         char buf[4096];
         for (size_t i = 0; i < sizeof kinds / sizeof kinds[0] && cli_rank == 0; i++) {
             if (o.has_strategy && strcmp(o.strategy, kinds[i])) continue;

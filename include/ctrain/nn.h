@@ -207,7 +207,9 @@ void ct_module_zero_grad(ct_module *root);
  * memory is saved.  Until a backward has produced it, a marked gradient's
  * memory is stale: read it only after ct_param_grad_sync (strategies do). */
 void ct_module_zero_grad_lazy(ct_module *root);
-/* Makes p->grad hold its value: clears it if it is marked zero. */
+/* Makes p->grad hold its value: clears it if it is marked zero.  A gradient
+ * whose storage is released (a sharded strategy frees the gradients it does
+ * not own) stays marked zero until its storage comes back. */
 void ct_param_grad_sync(ct_param *p);
 /* For layers writing p's gradient: 0 if it is marked zero (the layer must
  * then overwrite all of it), else 1 (accumulate); clears the mark. */

@@ -557,8 +557,10 @@ static void zero_grads(ct_module *m, int lazy)
     for (int i = 0; i < m->nparams; i++) {
         ct_param *p = m->params[i];
         if (!p->grad) continue;
-        p->grad_stale = lazy;
-        if (!lazy) ct_tensor_fill(p->grad, 0.0f);
+        /* A released gradient (a sharded strategy frees what it does not own) can only be marked. */
+        int mark = lazy || !ct_tensor_data(p->grad);
+        p->grad_stale = mark;
+        if (!mark) ct_tensor_fill(p->grad, 0.0f);
     }
     for (int i = 0; i < m->nkids; i++) zero_grads(m->kids[i], lazy);
 }
@@ -568,7 +570,7 @@ void ct_module_zero_grad_lazy(ct_module *root) { zero_grads(root, 1); }
 
 void ct_param_grad_sync(ct_param *p)
 {
-    if (!p->grad_stale) return;
+    if (!p->grad_stale || (p->grad && !ct_tensor_data(p->grad))) return; /* released: stays marked */
     p->grad_stale = 0;
     if (p->grad) ct_tensor_fill(p->grad, 0.0f);
 }

@@ -250,9 +250,10 @@ static ct_status ran_hook(ct_module *m, ct_hook_kind kind, void *ud)
 /* ---- checks at wrap ----------------------------------------------------- */
 
 /* Every rank must hold the same parameters (names, shapes) in the same order. */
-static ct_status check_same_model(ct_strategy *s)
+ct_status ct__check_same_model(ct_strategy *s)
 {
-    ddp_t *d = D(s);
+    int ntp = 0;
+    for (int i = 0; i < s->nparams; i++) ntp += s->params[i]->requires_grad != 0;
     /* A hash chain over (name, requires_grad, shape) of every parameter. */
     uint64_t h = 0;
     for (int i = 0; i < s->nparams; i++) {
@@ -262,20 +263,21 @@ static ct_status check_same_model(ct_strategy *s)
         h = ct_hash64(part, sizeof part);
     }
     int size = ct_group_size(s->g), rank = ct_group_rank(s->g);
-    int64_t mine[2] = {(int64_t)(h >> 1), (int64_t)d->ntp};
+    int64_t mine[2] = {(int64_t)(h >> 1), (int64_t)ntp};
     int64_t *all = ct_alloc_zeroed(sizeof *all * 2 * (size_t)size, CT_MEM_COMM);
     if (!all) return CT_ENOMEM;
     ct_status st = ct_group_allgather(s->g, mine, all, 2, CT_I64, NULL);
     for (int r = 1; st == CT_OK && r < size; r++)
         if (all[2 * r] != all[0] || all[2 * r + 1] != all[1])
-            st = ct_error(CT_EINVAL, "DDP: rank %d's model differs from rank 0's (%lld vs %lld trainable "
+            st = ct_error(CT_EINVAL, "%s: rank %d's model differs from rank 0's (%lld vs %lld trainable "
                           "parameters, or different names/shapes); every rank must build the same model "
-                          "(this is rank %d)", r, (long long)all[2 * r + 1], (long long)all[1], rank);
+                          "(this is rank %d)", s->ops->kind, r, (long long)all[2 * r + 1], (long long)all[1],
+                          rank);
     ct_free(all);
     return st;
 }
 
-static ct_status broadcast_state(ct_strategy *s, int buffers_only)
+ct_status ct__broadcast_state(ct_strategy *s, int buffers_only)
 {
     if (ct_group_size(s->g) == 1) return CT_OK;
     for (int pass = buffers_only; pass < 2; pass++) {
@@ -319,8 +321,8 @@ ct_status ct__ddp_init(ct_strategy *s)
             s->params[i]->user = (void *)(intptr_t)n;
             d->tp[n++] = s->params[i];
         }
-    st = ct_group_check(s->g, check_same_model(s));
-    if (st == CT_OK) st = broadcast_state(s, 0);
+    st = ct_group_check(s->g, ct__check_same_model(s));
+    if (st == CT_OK) st = ct__broadcast_state(s, 0);
     for (int k = 0; k < n; k++) order[k] = n - 1 - k; /* reverse: last layers first */
     if (st == CT_OK) st = build_buckets(s, order, 1);
     for (int i = 0; st == CT_OK && i < n; i++)
@@ -380,7 +382,7 @@ ct_status ct__ddp_pre_forward(ct_strategy *s)
 {
     ddp_t *d = D(s);
     if (d->ran) memset(d->ran, 0, (size_t)d->nmods);
-    if (O(s)->broadcast_buffers && s->nbuffers) return broadcast_state(s, 1);
+    if (O(s)->broadcast_buffers && s->nbuffers) return ct__broadcast_state(s, 1);
     return CT_OK;
 }
 

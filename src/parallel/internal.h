@@ -87,6 +87,7 @@ struct ct_strategy {
 
 extern const ct__strategy_ops ct__ddp_ops;
 extern const ct__strategy_ops ct__zero1_ops;
+extern const ct__strategy_ops ct__zero2_ops;
 
 /* DDP's options and entries, for the strategies built on its buckets
  * (ZeRO-1 keeps DDP's gradient path and shards only the optimizer). */
@@ -106,6 +107,10 @@ ct_status ct__ddp_pre_backward(ct_strategy *s);
 ct_status ct__ddp_post_backward(ct_strategy *s);
 float ct__ddp_grad_scale(ct_strategy *s);
 void ct__ddp_zero_grad(ct_strategy *s);
+/* Collective: every rank holds the same trainable parameters (names, shapes). */
+ct_status ct__check_same_model(ct_strategy *s);
+/* Broadcasts parameters and buffers (or buffers only) from rank 0. */
+ct_status ct__broadcast_state(ct_strategy *s, int buffers_only);
 
 /* Parses "k=v,k=v" against the common keys and ops' keys into s->common and
  * s->kopts (defaults first).  CT_EINVAL naming a bad or unknown key. */

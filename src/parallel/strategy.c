@@ -12,9 +12,9 @@
 
 static const ct__strategy_ops none_ops = {.kind = "none"};
 
-static const ct__strategy_ops *const kinds[] = {&none_ops, &ct__ddp_ops, &ct__zero1_ops};
+static const ct__strategy_ops *const kinds[] = {&none_ops, &ct__ddp_ops, &ct__zero1_ops, &ct__zero2_ops};
 
-const char *ct_strategy_list(void) { return "none, ddp, zero1"; }
+const char *ct_strategy_list(void) { return "none, ddp, zero1, zero2"; }
 
 static const ct__strategy_ops *find_kind(const char *kind)
 {
@@ -76,7 +76,7 @@ void ct_strategy_destroy(ct_strategy *s)
 {
     if (!s) return;
     ct__mixed_fini(s);
-    if (s->priv && s->ops->fini) s->ops->fini(s);
+    if ((s->priv || s->ext) && s->ops->fini) s->ops->fini(s);
     ct_optim_destroy(s->opt);
     ct__opts_free(s);
     ct_free(s->params);

@@ -9,12 +9,21 @@
  * while the last ones are still arriving (fairscale's OSS broadcasts
  * everything before returning from step).
  *
+ * ZeRO-2 (fairscale's ShardedDataParallel) keeps no gradient buckets: a
+ * parameter's gradient is materialised when its module starts backward,
+ * reduced to the owners of its ranges as soon as it is complete (the
+ * grad-ready hook), and a rank that owns none of it frees it when the
+ * reduce is done, so gradient memory is this rank's share plus what is in
+ * flight (at most reduce_buffer_mb before the oldest reduce is waited for).
+ * Clipping sums each rank's owned squares and allreduces them.
+ *
  * Checkpoints: the consolidated optimizer state is assembled on rank 0 (a
  * reduce of each full buffer, every non-owner contributing zeros), a
  * sharded one gives each parameter's whole state to the owner of its first
  * range; loading takes the owned ranges out of full tensors, so any world
  * size loads any checkpoint.
  */
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -23,11 +32,29 @@
 typedef struct {
     ct__ddp_opts ddp; /* first: DDP's code reads its options from s->kopts */
     int split_params;
-} zero_opts;
+} zero1_opts;
 
-static const ct__opt_def zero_opt_defs[] = {
-    {"split_params", CT__OPT_BOOL, offsetof(zero_opts, split_params), "0",
+static const ct__opt_def zero1_opt_defs[] = {
+    {"split_params", CT__OPT_BOOL, offsetof(zero1_opts, split_params), "0",
      "cut parameters larger than an even share into ranges, so a few huge tensors still balance", 0},
+};
+
+typedef struct {
+    int split_params;
+    int broadcast_buffers;
+    int sync_models_at_startup;
+    double reduce_buffer_mb;
+} zero2_opts;
+
+static const ct__opt_def zero2_opt_defs[] = {
+    {"split_params", CT__OPT_BOOL, offsetof(zero2_opts, split_params), "0",
+     "cut parameters larger than an even share into ranges, so a few huge tensors still balance", 0},
+    {"broadcast_buffers", CT__OPT_BOOL, offsetof(zero2_opts, broadcast_buffers), "1",
+     "broadcast buffers (batchnorm statistics) from rank 0 before every forward", 0},
+    {"sync_models_at_startup", CT__OPT_BOOL, offsetof(zero2_opts, sync_models_at_startup), "1",
+     "broadcast rank 0's parameters and buffers when wrapping", 0},
+    {"reduce_buffer_mb", CT__OPT_NUM, offsetof(zero2_opts, reduce_buffer_mb), "8",
+     "gradient MiB in flight to their owners before backward waits for the oldest", 0},
 };
 
 typedef struct {
@@ -37,8 +64,21 @@ typedef struct {
     int *first;         /* [ntp] index of the parameter's first range in pt */
     int *slot;          /* [pt.n] optimizer slot of an owned range, else -1 */
     ct_work **work;     /* [pt.n] broadcast of the range after the step, or NULL */
-    ct_hook **hooks;    /* pre-forward hooks of the modules with parameters */
+    ct_hook **hooks;    /* pre-forward (and, zero2, pre-backward) hooks of the modules with parameters */
     int nhooks;
+    /* zero2 */
+    ct_hook **grad_hooks; /* [ntp] */
+    char *owns;         /* [ntp] this rank owns some range of the parameter: keeps its gradient */
+    char *ready;        /* [ntp] reduced in this backward */
+    ct_work **red;      /* [pt.n] reduce of the range to its owner */
+    uint16_t **wire;    /* [ntp] 16-bit copy on the wire (reduce_dtype bf16/f16), or NULL */
+    int *fifo;          /* [ntp] parameters in flight, oldest first */
+    int fifo_head, fifo_len;
+    size_t inflight, limit; /* bytes of gradients in flight, and the bound */
+    int nready;
+    double *t_start;    /* [ntp] when the parameter's reduces started */
+    double *t_end;      /* [pt.n] when the range's reduce completed (comm thread) */
+    double t_comm;      /* sum over parameters of (last reduce end - start) in this backward */
 } zero_t;
 
 static zero_t *Z(ct_strategy *s) { return s->ext; }
@@ -84,12 +124,33 @@ static ct_status params_arrived(ct_module *m, ct_hook_kind kind, void *ud)
     return CT_OK;
 }
 
-static void zero_fini(ct_strategy *s)
+static void zero2_drain(ct_strategy *s);
+
+static void zero_core_fini(ct_strategy *s)
 {
     zero_t *z = Z(s);
     if (z) {
         wait_all(s);
+        if (z->red) zero2_drain(s);
         for (int i = 0; i < z->nhooks; i++) ct_hook_remove(z->hooks[i]);
+        for (int i = 0; z->grad_hooks && i < z->ntp; i++) {
+            ct_hook_remove(z->grad_hooks[i]);
+            /* every parameter leaves with a gradient of its own again */
+            ct_param *p = z->tp[i];
+            if (p->grad && !ct_tensor_data(p->grad)) {
+                ct_storage_alloc_data(p->grad->storage, 1);
+                p->grad_stale = 0;
+            }
+            p->user = NULL;
+        }
+        ct_free(z->grad_hooks);
+        ct_free(z->owns);
+        ct_free(z->ready);
+        ct_free(z->red);
+        ct_free(z->wire);
+        ct_free(z->fifo);
+        ct_free(z->t_start);
+        ct_free(z->t_end);
         ct_partition_fini(&z->pt);
         ct_free(z->tp);
         ct_free(z->first);
@@ -99,12 +160,18 @@ static void zero_fini(ct_strategy *s)
         ct_free(z);
         s->ext = NULL;
     }
+}
+
+static void zero1_fini(ct_strategy *s)
+{
+    zero_core_fini(s);
     ct__ddp_fini(s);
 }
 
-static ct_status zero_init(ct_strategy *s)
+/* What ZeRO-1 and ZeRO-2 share: the trainable list, the partition, the
+ * broadcast handles and the pre-forward hooks that wait for them. */
+static ct_status zero_core_init(ct_strategy *s, int split, int number_params)
 {
-    CT_TRY(ct__ddp_init(s));
     zero_t *z = ct_alloc_zeroed(sizeof *z, CT_MEM_OTHER);
     if (!z) return CT_ENOMEM;
     s->ext = z;
@@ -117,11 +184,11 @@ static ct_status zero_init(ct_strategy *s)
     for (int i = 0, n = 0; st == CT_OK && i < s->nparams; i++)
         if (s->params[i]->requires_grad) {
             z->tp[n] = s->params[i];
-            CT_ASSERT(tindex(s->params[i]) == n); /* DDP's numbering: the same model order */
+            if (number_params) s->params[i]->user = (void *)(intptr_t)n;
+            CT_ASSERT(tindex(s->params[i]) == n); /* DDP numbers them the same way */
             numel[n++] = s->params[i]->data->numel;
         }
-    const zero_opts *o = s->kopts;
-    if (st == CT_OK) st = ct_partition_init(&z->pt, numel, z->ntp, ct_group_size(s->g), o->split_params);
+    if (st == CT_OK) st = ct_partition_init(&z->pt, numel, z->ntp, ct_group_size(s->g), split);
     ct_free(numel);
     if (st == CT_OK) {
         size_t nr = (size_t)z->pt.n + 1;
@@ -142,6 +209,12 @@ static ct_status zero_init(ct_strategy *s)
     }
     ct_free(mods);
     return st;
+}
+
+static ct_status zero1_init(ct_strategy *s)
+{
+    CT_TRY(ct__ddp_init(s));
+    return zero_core_init(s, ((const zero1_opts *)s->kopts)->split_params, 0);
 }
 
 /* The optimizer over this rank's ranges only: its state is 1/N of DDP's. */
@@ -332,20 +405,285 @@ static const ct_partition *zero_partition(const ct_strategy *s)
 
 const ct__strategy_ops ct__zero1_ops = {
     .kind = "zero1",
-    .opts = zero_opt_defs,
-    .nopts = (int)(sizeof zero_opt_defs / sizeof zero_opt_defs[0]),
+    .opts = zero1_opt_defs,
+    .nopts = (int)(sizeof zero1_opt_defs / sizeof zero1_opt_defs[0]),
     .base_opts = ct__ddp_opt_defs,
     .nbase_opts = CT__DDP_NOPTS,
-    .opts_size = sizeof(zero_opts),
+    .opts_size = sizeof(zero1_opts),
     .refreshes_compute = 1,
-    .init = zero_init,
-    .fini = zero_fini,
+    .init = zero1_init,
+    .fini = zero1_fini,
     .pre_forward = ct__ddp_pre_forward,
     .pre_backward = ct__ddp_pre_backward,
     .post_backward = ct__ddp_post_backward,
     .grad_scale = ct__ddp_grad_scale,
     .zero_grad = ct__ddp_zero_grad,
     .build_optim = zero_build_optim,
+    .pre_step = zero_pre_step,
+    .post_step = zero_post_step,
+    .partition = zero_partition,
+    .model_state = zero_model_state,
+    .optim_state = zero_optim_state,
+    .shard_state = zero_shard_state,
+    .load_state = zero_load_state,
+};
+
+/* ---- ZeRO-2: gradients reduced to their owners ----------------------------- */
+
+static const zero2_opts *O2(const ct_strategy *s) { return s->kopts; }
+
+/* Waits for the oldest parameter in flight: its owners now hold the sum;
+ * a rank that owns none of it frees the gradient. */
+static ct_status finish_oldest(ct_strategy *s)
+{
+    zero_t *z = Z(s);
+    int i = z->fifo[z->fifo_head];
+    z->fifo_head = (z->fifo_head + 1) % z->ntp;
+    z->fifo_len--;
+    ct_param *p = z->tp[i];
+    ct_status st = CT_OK;
+    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++) {
+        if (!z->red[k]) continue;
+        ct_status w = ct_work_wait(z->red[k]);
+        if (st == CT_OK) st = w;
+        ct_work_destroy(z->red[k]);
+        z->red[k] = NULL;
+        const ct_part_range *x = &z->pt.ranges[k];
+        if (z->wire[i] && x->owner == ct_group_rank(s->g)) {
+            float *g = (float *)ct_tensor_data(p->grad) + x->offset;
+            if (s->common.reduce_dtype == CT_BF16) ct_bf16_to_f32_n(z->wire[i] + x->offset, g, (size_t)x->count);
+            else ct_f16_to_f32_n(z->wire[i] + x->offset, g, (size_t)x->count);
+        }
+    }
+    double end = z->t_start[i];
+    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++)
+        if (z->t_end[k] > end) end = z->t_end[k];
+    z->t_comm += end - z->t_start[i]; /* the callbacks ran before the waits returned */
+    ct_trace_event("reduce to owners", "comm", z->t_start[i], end, 1);
+    ct_free(z->wire[i]);
+    z->wire[i] = NULL;
+    z->inflight -= ct_tensor_bytes(p->grad);
+    if (!z->owns[i]) ct_storage_free_data(p->grad->storage);
+    return st;
+}
+
+static void zero2_drain(ct_strategy *s)
+{
+    while (Z(s)->fifo_len) finish_oldest(s);
+}
+
+static void on_reduced(ct_work *w, ct_status status, void *arg)
+{
+    (void)w;
+    (void)status;
+    *(double *)arg = ct_now();
+}
+
+/* The grad-ready hook: start the reduces of the parameter's ranges. */
+static ct_status grad_to_owners(ct_param *p, void *ud)
+{
+    ct_strategy *s = ud;
+    zero_t *z = Z(s);
+    if (s->no_sync) return CT_OK;
+    int i = tindex(p);
+    if (z->ready[i])
+        return ct_error(CT_ESTATE, "%s: parameter '%s' received its gradient twice in one backward (a module "
+                        "called twice or a shared weight); give each use its own parameter", s->ops->kind,
+                        p->name);
+    z->ready[i] = 1;
+    z->nready++;
+    ct_dtype dt = (ct_dtype)s->common.reduce_dtype;
+    void *buf = ct_tensor_data(p->grad);
+    if (dt != CT_F32) {
+        if (!(z->wire[i] = ct_alloc((size_t)p->grad->numel * 2, CT_MEM_COMM))) return CT_ENOMEM;
+        if (dt == CT_BF16) ct_f32_to_bf16_n(buf, z->wire[i], (size_t)p->grad->numel);
+        else ct_f32_to_f16_n(buf, z->wire[i], (size_t)p->grad->numel);
+        buf = z->wire[i];
+    }
+    size_t es = ct_dtype_size(dt);
+    z->t_start[i] = ct_now();
+    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++) {
+        const ct_part_range *x = &z->pt.ranges[k];
+        if (!x->count) continue;
+        /* A sum: the loss gradient was scaled by 1/world (ct__ddp_grad_scale). */
+        z->t_end[k] = 0;
+        CT_TRY(ct_group_reduce(s->g, (char *)buf + (size_t)x->offset * es, x->count, dt, CT_OP_SUM, x->owner,
+                               &z->red[k]));
+        CT_TRY(ct_work_on_complete(z->red[k], on_reduced, &z->t_end[k]));
+    }
+    z->fifo[(z->fifo_head + z->fifo_len) % z->ntp] = i;
+    z->fifo_len++;
+    z->inflight += ct_tensor_bytes(p->grad);
+    return CT_OK;
+}
+
+/* A module about to run backward: its gradients need memory, after the
+ * oldest reduces have made room within reduce_buffer_mb. */
+static ct_status grads_needed(ct_module *m, ct_hook_kind kind, void *ud)
+{
+    (void)kind;
+    ct_strategy *s = ud;
+    zero_t *z = Z(s);
+    size_t need = 0;
+    for (int j = 0; j < m->nparams; j++)
+        if (m->params[j]->requires_grad && !ct_tensor_data(m->params[j]->grad))
+            need += ct_tensor_bytes(m->params[j]->grad);
+    while (z->fifo_len && z->inflight + need > z->limit) CT_TRY(finish_oldest(s));
+    for (int j = 0; j < m->nparams; j++) {
+        ct_param *p = m->params[j];
+        if (!p->requires_grad || ct_tensor_data(p->grad)) continue;
+        CT_TRY(ct_storage_alloc_data(p->grad->storage, 0));
+        p->grad_stale = 1; /* the memory is new: the layer overwrites it */
+    }
+    return CT_OK;
+}
+
+static ct_status zero2_init(ct_strategy *s)
+{
+    const zero2_opts *o = O2(s);
+    CT_TRY(ct_group_check(s->g, ct__check_same_model(s)));
+    if (o->sync_models_at_startup) CT_TRY(ct__broadcast_state(s, 0));
+    CT_TRY(zero_core_init(s, o->split_params, 1));
+    zero_t *z = Z(s);
+    size_t nt = (size_t)z->ntp + 1, nr = (size_t)z->pt.n + 1;
+    z->grad_hooks = ct_alloc_zeroed(sizeof *z->grad_hooks * nt, CT_MEM_OTHER);
+    z->owns = ct_alloc_zeroed(nt, CT_MEM_OTHER);
+    z->ready = ct_alloc_zeroed(nt, CT_MEM_OTHER);
+    z->red = ct_alloc_zeroed(sizeof *z->red * nr, CT_MEM_OTHER);
+    z->wire = ct_alloc_zeroed(sizeof *z->wire * nt, CT_MEM_OTHER);
+    z->fifo = ct_alloc_zeroed(sizeof *z->fifo * nt, CT_MEM_OTHER);
+    z->t_start = ct_alloc_zeroed(sizeof *z->t_start * nt, CT_MEM_OTHER);
+    z->t_end = ct_alloc_zeroed(sizeof *z->t_end * nr, CT_MEM_OTHER);
+    if (!z->grad_hooks || !z->owns || !z->ready || !z->red || !z->wire || !z->fifo || !z->t_start || !z->t_end)
+        return CT_ENOMEM;
+    z->limit = (size_t)(o->reduce_buffer_mb * 1048576.0);
+    int rank = ct_group_rank(s->g);
+    for (int k = 0; k < z->pt.n; k++)
+        if (z->pt.ranges[k].owner == rank) z->owns[z->pt.ranges[k].param] = 1;
+    for (int i = 0; i < z->ntp; i++) {
+        ct_param *p = z->tp[i];
+        if (!p->grad || p->grad->storage->window || p->grad->offset)
+            return ct_error(CT_ESTATE, "zero2: the gradient of '%s' is a view into other memory (is the model "
+                            "wrapped by another strategy?)", p->name);
+        if (!(z->grad_hooks[i] = ct_param_add_hook(p, grad_to_owners, s))) return CT_ENOMEM;
+        if (!z->owns[i]) { /* materialised by its module's backward, freed once reduced */
+            CT_TRY(ct_storage_free_data(p->grad->storage));
+            p->grad_stale = 1;
+        }
+    }
+    ct_module **mods = NULL;
+    int nmods = 0;
+    CT_TRY(ct_module_modules(s->model, &mods, &nmods));
+    ct_hook **h = ct_alloc_zeroed(sizeof *h * (size_t)(z->nhooks + nmods + 1), CT_MEM_OTHER);
+    ct_status st = h ? CT_OK : CT_ENOMEM;
+    if (h) {
+        memcpy(h, z->hooks, sizeof *h * (size_t)z->nhooks);
+        ct_free(z->hooks);
+        z->hooks = h;
+    }
+    for (int i = 0; st == CT_OK && i < nmods; i++) {
+        if (!mods[i]->nparams) continue;
+        if (!(z->hooks[z->nhooks++] = ct_module_add_hook(mods[i], CT_HOOK_PRE_BACKWARD, grads_needed, s)))
+            st = CT_ENOMEM;
+    }
+    ct_free(mods);
+    return st;
+}
+
+static void zero2_fini(ct_strategy *s) { zero_core_fini(s); }
+
+static ct_status zero2_pre_forward(ct_strategy *s)
+{
+    if (O2(s)->broadcast_buffers && s->nbuffers) return ct__broadcast_state(s, 1);
+    return CT_OK;
+}
+
+static ct_status zero2_pre_backward(ct_strategy *s)
+{
+    zero_t *z = Z(s);
+    if (s->no_sync) return CT_OK;
+    memset(z->ready, 0, (size_t)z->ntp);
+    z->nready = 0;
+    z->t_comm = 0;
+    return CT_OK;
+}
+
+static ct_status zero2_post_backward(ct_strategy *s)
+{
+    zero_t *z = Z(s);
+    if (s->no_sync) return CT_OK;
+    ct_status st = CT_OK;
+    if (z->nready != z->ntp) {
+        int i = 0;
+        while (z->ready[i]) i++;
+        st = ct_error(CT_ESTATE, "zero2: parameter '%s' got no gradient in this backward, so its owner would "
+                      "wait for it forever; every trainable parameter must take part in every step (freeze "
+                      "it with requires_grad = 0 otherwise)", z->tp[i]->name);
+    }
+    double t0 = ct_now();
+    while (z->fifo_len) {
+        ct_status w = finish_oldest(s);
+        if (st == CT_OK) st = w;
+    }
+    double t1 = ct_now();
+    if (z->ntp) ct_trace_event("wait for reduce", "comm", t0, t1, 0);
+    s->stats.comm_wait += t1 - t0;
+    s->stats.comm_total += z->t_comm;
+    s->stats.nbuckets = z->ntp; /* each gradient goes to its owners as a bucket of its own */
+    return st;
+}
+
+/* The global norm: each rank's owned ranges (the reduced gradients live
+ * there only), combined over the group. */
+static ct_status zero2_grad_norm(ct_strategy *s, double norm_type, double *norm)
+{
+    zero_t *z = Z(s);
+    int inf = norm_type != 2.0;
+    double acc = 0;
+    int rank = ct_group_rank(s->g);
+    for (int k = 0; k < z->pt.n; k++) {
+        const ct_part_range *x = &z->pt.ranges[k];
+        if (x->owner != rank) continue;
+        const float *g = (const float *)ct_tensor_data(z->tp[x->param]->grad) + x->offset;
+        for (int64_t j = 0; j < x->count; j++) {
+            double a = fabs((double)g[j]);
+            if (inf) acc = a > acc || isnan(a) ? a : acc;
+            else acc += a * a;
+        }
+    }
+    float v = (float)acc;
+    CT_TRY(ct_group_allreduce(s->g, &v, 1, CT_F32, inf ? CT_OP_MAX : CT_OP_SUM, NULL));
+    *norm = inf ? (double)v : sqrt((double)v);
+    return CT_OK;
+}
+
+static void zero2_scale_grads(ct_strategy *s, float c)
+{
+    zero_t *z = Z(s);
+    int rank = ct_group_rank(s->g);
+    for (int k = 0; k < z->pt.n; k++) {
+        const ct_part_range *x = &z->pt.ranges[k];
+        if (x->owner != rank) continue;
+        float *g = (float *)ct_tensor_data(z->tp[x->param]->grad) + x->offset;
+        for (int64_t j = 0; j < x->count; j++) g[j] *= c;
+    }
+}
+
+const ct__strategy_ops ct__zero2_ops = {
+    .kind = "zero2",
+    .opts = zero2_opt_defs,
+    .nopts = (int)(sizeof zero2_opt_defs / sizeof zero2_opt_defs[0]),
+    .opts_size = sizeof(zero2_opts),
+    .refreshes_compute = 1,
+    .init = zero2_init,
+    .fini = zero2_fini,
+    .pre_forward = zero2_pre_forward,
+    .pre_backward = zero2_pre_backward,
+    .post_backward = zero2_post_backward,
+    .grad_scale = ct__ddp_grad_scale,
+    .build_optim = zero_build_optim,
+    .grad_norm = zero2_grad_norm,
+    .scale_grads = zero2_scale_grads,
     .pre_step = zero_pre_step,
     .post_step = zero_post_step,
     .partition = zero_partition,

@@ -680,3 +680,13 @@ TEST(zero1_equals_one_process)
     zero_vs_single("zero1", NULL, CT_OPT_ADAMW, 0.05f, 3);
     zero_vs_single("zero1", "grad_accum=2", CT_OPT_SGD, 0, 3);
 }
+
+TEST(zero2_equals_one_process)
+{
+    zero_vs_single("zero2", NULL, CT_OPT_ADAMW, 0, 4);
+    zero_vs_single("zero2", NULL, CT_OPT_SGD, 0, 4);
+    zero_vs_single("zero2", "split_params=1", CT_OPT_ADAMW, 0, 3);
+    zero_vs_single("zero2", NULL, CT_OPT_ADAMW, 0.05f, 3);
+    zero_vs_single("zero2", "grad_accum=2", CT_OPT_SGD, 0, 3);
+    zero_vs_single("zero2", "reduce_buffer_mb=0.0001", CT_OPT_ADAMW, 0, 2); /* one gradient in flight */
+}
