@@ -617,6 +617,21 @@ static void describe(trainer *t)
             t->sched.base_lr, (long long)o->batch, o->grad_accum > 1 ? " (accumulated)" : "", t->world,
             t->world == 1 ? "" : "s", ct_strategy_kind(t->s), ct_blas_get_threads(),
             ct_blas_get_threads() == 1 ? "" : "s", ct_blas_corename(), (long long)t->step, (long long)t->total, (long long)t->spe);
+    const ct_partition *pt = ct_strategy_partition(t->s);
+    if (!o->verbose || !pt) return;
+    /* Who owns what: the partition's parameter indices count trainable parameters. */
+    ct_param **ps;
+    int np, nt = 0;
+    if (ct_module_params(t->model, &ps, &np) != CT_OK) return;
+    const char **names = ct_alloc_zeroed(sizeof *names * (size_t)(np + 1), CT_MEM_OTHER);
+    size_t n = 256 + 64 * (size_t)pt->n;
+    char *buf = ct_alloc_zeroed(n, CT_MEM_OTHER);
+    for (int i = 0; names && i < np; i++)
+        if (ps[i]->requires_grad) names[nt++] = ps[i]->name;
+    if (names && buf && ct_partition_describe(pt, names, buf, n) == CT_OK) cli_out("partition (%s):\n%s", ct_strategy_kind(t->s), buf);
+    ct_free(buf);
+    ct_free(names);
+    ct_free(ps);
 }
 
 int train_run(train_opts *o)

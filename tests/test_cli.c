@@ -450,6 +450,133 @@ TEST(cli_mixed_bf16_accuracy_matches_f32)
     ASSERT_STR_CONTAINS(out, "unknown --mixed 'fp8'; choose none or bf16");
 }
 
+/* ---- ZeRO ------------------------------------------------------------------- */
+
+/* Field key of rank r's memory object in a metrics summary line. */
+static double mem_field(const char *summary, int r, const char *key)
+{
+    char tag[32], k[48];
+    snprintf(tag, sizeof tag, "{\"rank\":%d,", r);
+    const char *o = strstr(summary, tag);
+    if (!o) ct_test_fail(__FILE__, __LINE__, "no rank %d in %s", r, summary);
+    snprintf(k, sizeof k, "\"%s\":", key);
+    return number_after(o, k);
+}
+
+/* The summary line of a metrics file (its last line). */
+static void summary_of(const char *path, char *line, size_t n)
+{
+    FILE *f = fopen(path, "r");
+    ASSERT(f);
+    line[0] = 0;
+    while (fgets(line, (int)n, f) && !strstr(line, "\"summary\"")) {}
+    fclose(f);
+    ASSERT_STR_CONTAINS(line, "\"summary\"");
+}
+
+/* What sharding saves, read off the memory report: optimizer state per rank
+ * is 1/N of DDP's (zero1 with the flat partition: exact balance), and
+ * zero2's optimizer state and gradients are what the rank owns (whole
+ * parameters here, so the partition's figures are exact) plus, for
+ * gradients, what is in flight: reduce_buffer_mb and the largest gradient
+ * being materialised. */
+TEST(cli_zero_memory_follows_the_formulas)
+{
+    static char out[OUT_MAX];
+    static char ddp[4096], z1[4096], z2[4096];
+    char m[512];
+    const char *args = "train --model mlp --hidden 512,512,512 --limit-train 2000 --limit-test 200 --threads 1 "
+                       "--steps 6 --log-every 0 --batch 32 --verbose";
+    const char *names[3] = {"ddp", "zero1 --strategy-opt split_params=1",
+                            "zero2 --strategy-opt reduce_buffer_mb=0.5"};
+    char *lines[3] = {ddp, z1, z2};
+    double owned[2] = {0, 0};
+    for (int k = 0; k < 3; k++) {
+        snprintf(m, sizeof m, "%s/m%d.jsonl", ct_test_tmpdir(), k);
+        int code = run_np(2, out, "%s --strategy %s --metrics %s", args, names[k], m);
+        if (code) ct_test_fail(__FILE__, __LINE__, "%s failed:\n%s", names[k], out);
+        summary_of(m, lines[k], 4096);
+        if (k == 2) {
+            owned[0] = number_after(out, "rank 0 owns ");
+            owned[1] = number_after(out, "rank 1 owns ");
+        }
+    }
+    ASSERT_EQ(owned[0] + owned[1], 932362);
+    for (int r = 0; r < 2; r++) {
+        double optim = mem_field(ddp, r, "optim"), grad = mem_field(ddp, r, "grad");
+        double param = mem_field(ddp, r, "param");
+        ASSERT_EQ(mem_field(z1, r, "param"), param);
+        ASSERT_EQ(mem_field(z1, r, "grad"), grad); /* zero1 keeps DDP's buckets */
+        ASSERT_NEAR(mem_field(z1, r, "optim"), optim / 2, 0.1 * optim / 2);
+        ASSERT_NEAR(mem_field(z2, r, "optim"), 8 * owned[r], 0.01 * 8 * owned[r]);
+        double g2 = mem_field(z2, r, "grad");
+        ASSERT(g2 >= 4 * owned[r]);
+        ASSERT(g2 <= 4 * owned[r] + 0.5 * 1048576 + (784.0 * 512 + 512) * 4);
+    }
+}
+
+/* A ZeRO checkpoint saved by 4 ranks resumes on 2 (and the sharded form
+ * too): weights and optimizer state equal an uninterrupted run. */
+static void zero_resume_case(const char *strategy, const char *format)
+{
+    static char out[OUT_MAX];
+    char a[512], b[512];
+    const char *tmp = ct_test_tmpdir();
+    const char *base = "train --model mlp --limit-train 2000 --limit-test 200 --threads 1 --log-every 0 --batch 48 "
+                       "--seed 7";
+    snprintf(a, sizeof a, "%s/%s-a%s", tmp, strategy, strcmp(format, "full") ? "" : ".safetensors");
+    snprintf(b, sizeof b, "%s/%s-b%s", tmp, strategy, strcmp(format, "full") ? "" : ".safetensors");
+    int code = run_np(4, out, "%s --strategy %s --steps 12 --save %s --state-dict %s", base, strategy, a, format);
+    if (code) ct_test_fail(__FILE__, __LINE__, "4 ranks failed:\n%s", out);
+    code = run_np(2, out, "train --strategy %s --steps 24 --resume %s --save %s --state-dict %s --threads 1 "
+                          "--log-every 0 --limit-train 2000 --limit-test 200", strategy, a, a, format);
+    if (code) ct_test_fail(__FILE__, __LINE__, "resume on 2 ranks failed:\n%s", out);
+    code = run_np(4, out, "%s --strategy %s --steps 24 --save %s --state-dict %s", base, strategy, b, format);
+    if (code) ct_test_fail(__FILE__, __LINE__, "straight run failed:\n%s", out);
+    for (int side = 0; side < 2; side++) {
+        char pa[600], pb[600];
+        if (side && !strcmp(format, "full")) { /* X.safetensors -> X.optim.safetensors */
+            snprintf(pa, sizeof pa, "%.*s.optim.safetensors", (int)strlen(a) - 12, a);
+            snprintf(pb, sizeof pb, "%.*s.optim.safetensors", (int)strlen(b) - 12, b);
+        } else if (side) {
+            snprintf(pa, sizeof pa, "%s/optim.safetensors.index.json", a);
+            snprintf(pb, sizeof pb, "%s/optim.safetensors.index.json", b);
+        } else {
+            snprintf(pa, sizeof pa, "%s", a);
+            snprintf(pb, sizeof pb, "%s", b);
+        }
+        ct_safetensors *x, *y;
+        ASSERT_OK(ct_safetensors_load(pa, &x));
+        ASSERT_OK(ct_safetensors_load(pb, &y));
+        ASSERT_EQ(ct_safetensors_count(x), ct_safetensors_count(y));
+        double num = 0, den = 0;
+        for (int i = 0; i < ct_safetensors_count(x); i++) {
+            ct_tensor *tx = ct_safetensors_tensor(x, i), *ty = ct_safetensors_find(y, ct_safetensors_name(x, i));
+            ASSERT(ty && tx->numel == ty->numel && tx->dtype == ty->dtype);
+            if (tx->dtype == CT_I64) {
+                ASSERT_EQ(((int64_t *)ct_tensor_data(tx))[0], ((int64_t *)ct_tensor_data(ty))[0]);
+                continue;
+            }
+            for (int64_t j = 0; j < tx->numel; j++) {
+                double d = (double)ct_f32(tx)[j] - ct_f32(ty)[j];
+                num += d * d;
+                den += (double)ct_f32(ty)[j] * ct_f32(ty)[j];
+            }
+        }
+        if (!(sqrt(num / den) < 1e-5))
+            ct_test_fail(__FILE__, __LINE__, "%s %s %s: relative L2 %g", strategy, format, side ? "optim" : "model",
+                         sqrt(num / den));
+        ct_safetensors_destroy(x);
+        ct_safetensors_destroy(y);
+    }
+}
+
+TEST(cli_zero_checkpoints_move_between_world_sizes)
+{
+    zero_resume_case("zero1", "full");
+    zero_resume_case("zero2", "sharded");
+}
+
 /* World-size errors: every rank sees them, rank 0 says them once. */
 TEST(cli_ddp_usage_errors)
 {

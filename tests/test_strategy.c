@@ -182,7 +182,7 @@ TEST(strategy_partition_balances_and_covers)
             covered[pt.ranges[k].param] += pt.ranges[k].count;
         }
         for (int i = 0; i < 3; i++) ASSERT_EQ(covered[i], b[i]);
-        if (split) ASSERT(hi - lo <= 255); /* pieces of at most ceil(1020/4) */
+        if (split) ASSERT(hi == 255 && lo == 255); /* ceil(1020/4) each */
         else ASSERT_EQ(hi, 1000);
         ct_partition_fini(&pt);
     }

@@ -58,10 +58,12 @@ typedef struct {
     int64_t *load;
 } ct_partition;
 
-/* Assigns nparams parameters of numels[i] elements to nranks ranks: largest
- * first onto the least loaded rank, deterministic (the same on every rank).
- * With split, a parameter larger than ceil(total / nranks) is cut into
- * ranges of at most that first.  Free with ct_partition_fini. */
+/* Assigns nparams parameters of numels[i] elements to nranks ranks: whole
+ * parameters, largest first onto the least loaded rank (fairscale's OSS),
+ * deterministic (the same on every rank); or, with split, equal contiguous
+ * pieces of the parameters laid end to end (DeepSpeed's flat partition:
+ * exact balance, a parameter may straddle ranks).  Free with
+ * ct_partition_fini. */
 ct_status ct_partition_init(ct_partition *pt, const int64_t *numels, int nparams, int nranks, int split);
 void ct_partition_fini(ct_partition *pt);
 /* "rank 0 owns N elements: 0.weight 2.bias[0:512] ...", a line per rank, into

@@ -3,9 +3,11 @@
  * sharded strategy (ZeRO-1, ZeRO-2; FSDP shards its flat parameters its own
  * way).  Greedy by size: the largest piece goes to the least loaded rank
  * (ties: the lower rank; equal pieces: model order), the same on every rank
- * because it is a pure function of the sizes.  With split on, a parameter
- * larger than an even share (ceil(total / ranks)) is first cut into ranges
- * of at most that size, so a few huge tensors still balance.
+ * because it is a pure function of the sizes.  With split on, the
+ * parameters laid end to end are cut into ranks equal contiguous pieces
+ * (DeepSpeed's flat partition): rank r owns elements [r*S, (r+1)*S) of the
+ * concatenation, S = ceil(total / ranks), so a few huge tensors balance
+ * exactly, at the cost of parameters shared between neighbouring ranks.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,9 +44,7 @@ ct_status ct_partition_init(ct_partition *pt, const int64_t *numels, int nparams
         total += numels[i];
     }
     int64_t share = (total + nranks - 1) / nranks;
-    int n = 0;
-    for (int i = 0; i < nparams; i++)
-        n += split && share > 0 && numels[i] > share ? (int)((numels[i] + share - 1) / share) : 1;
+    int n = nparams + (split ? nranks : 0); /* each rank boundary cuts at most one parameter */
     pt->ranges = ct_alloc_zeroed(sizeof *pt->ranges * (size_t)(n + 1), CT_MEM_OTHER);
     pt->load = ct_alloc_zeroed(sizeof *pt->load * (size_t)nranks, CT_MEM_OTHER);
     if (!pt->ranges || !pt->load) {
@@ -52,15 +52,23 @@ ct_status ct_partition_init(ct_partition *pt, const int64_t *numels, int nparams
         return CT_ENOMEM;
     }
     pt->nranks = nranks;
-    for (int i = 0; i < nparams; i++) {
-        int64_t step = split && share > 0 && numels[i] > share ? share : numels[i];
-        int64_t off = 0;
-        do {
-            int64_t c = numels[i] - off < step ? numels[i] - off : step;
-            pt->ranges[pt->n++] = (ct_part_range){i, off, c, 0};
-            off += c;
-        } while (off < numels[i]);
+    if (split) {
+        int64_t pos = 0; /* position in the concatenation */
+        for (int i = 0; i < nparams; i++) {
+            int64_t off = 0;
+            do {
+                int owner = share ? (int)(pos / share) : 0;
+                int64_t room = share ? (owner + 1) * share - pos : numels[i];
+                int64_t c = numels[i] - off < room ? numels[i] - off : room;
+                pt->ranges[pt->n++] = (ct_part_range){i, off, c, owner};
+                pt->load[owner] += c;
+                off += c;
+                pos += c;
+            } while (off < numels[i]);
+        }
+        return CT_OK;
     }
+    for (int i = 0; i < nparams; i++) pt->ranges[pt->n++] = (ct_part_range){i, 0, numels[i], 0};
     qsort(pt->ranges, (size_t)pt->n, sizeof *pt->ranges, cmp_piece);
     for (int k = 0; k < pt->n; k++) {
         int owner = 0;
