@@ -354,7 +354,7 @@ void ct__ddp_fini(ct_strategy *s)
     for (int i = 0; d->tp && i < d->ntp; i++) {
         ct_param *p = d->tp[i];
         if (d->grad_hooks) ct_hook_remove(d->grad_hooks[i]);
-        if (p->grad && p->grad->storage->window) {
+        if (p->grad) { /* every trainable gradient is a view into a bucket */
             ct_tensor *own = ct_tensor_clone(p->grad, CT_MEM_GRAD);
             if (own) {
                 ct_tensor_release(p->grad);

@@ -32,21 +32,33 @@
 typedef struct {
     ct__ddp_opts ddp; /* first: DDP's code reads its options from s->kopts */
     int split_params;
+    int auto_refresh_trainable;
+    int warn_on_trainable_params_changed;
 } zero1_opts;
 
+#define REFRESH_OPTS(type)                                                                              \
+    {"auto_refresh_trainable", CT__OPT_BOOL, offsetof(type, auto_refresh_trainable), "1",              \
+     "follow parameters frozen or unfrozen between steps (else that is an error)", 0},                 \
+    {"warn_on_trainable_params_changed", CT__OPT_BOOL, offsetof(type, warn_on_trainable_params_changed), \
+     "1", "warn when the trainable parameters change", 0}
+
 static const ct__opt_def zero1_opt_defs[] = {
+    REFRESH_OPTS(zero1_opts),
     {"split_params", CT__OPT_BOOL, offsetof(zero1_opts, split_params), "0",
      "partition the parameters laid end to end into equal pieces (exact balance) instead of whole tensors", 0},
 };
 
 typedef struct {
     int split_params;
+    int auto_refresh_trainable;
+    int warn_on_trainable_params_changed;
     int broadcast_buffers;
     int sync_models_at_startup;
     double reduce_buffer_mb;
 } zero2_opts;
 
 static const ct__opt_def zero2_opt_defs[] = {
+    REFRESH_OPTS(zero2_opts),
     {"split_params", CT__OPT_BOOL, offsetof(zero2_opts, split_params), "0",
      "partition the parameters laid end to end into equal pieces (exact balance) instead of whole tensors", 0},
     {"broadcast_buffers", CT__OPT_BOOL, offsetof(zero2_opts, broadcast_buffers), "1",
@@ -68,6 +80,8 @@ typedef struct {
     int nhooks;
     /* zero2 */
     ct_hook **grad_hooks; /* [ntp] */
+    char *trainable;    /* [ntp] requires_grad as last seen (a parameter may be frozen and unfrozen) */
+    int stepped;        /* no gradients pending: the trainable set may be refreshed */
     char *owns;         /* [ntp] this rank owns some range of the parameter: keeps its gradient */
     char *ready;        /* [ntp] reduced in this backward */
     ct_work **red;      /* [pt.n] reduce of the range to its owner */
@@ -82,8 +96,14 @@ typedef struct {
 } zero_t;
 
 static zero_t *Z(ct_strategy *s) { return s->ext; }
-/* DDP's index of a trainable parameter (ddp.c keeps it in p->user). */
-static int tindex(const ct_param *p) { return (int)(intptr_t)p->user; }
+/* Index of p among the parameters trainable at wrap, or -1.  (p->user is
+ * DDP's numbering, which changes when parameters are frozen.) */
+static int tindex(const zero_t *z, const ct_param *p)
+{
+    for (int i = 0; i < z->ntp; i++)
+        if (z->tp[i] == p) return i;
+    return -1;
+}
 
 /* Waits for the broadcasts of trainable parameter i's ranges; then its
  * mixed-precision copy can be made. */
@@ -120,7 +140,10 @@ static ct_status params_arrived(ct_module *m, ct_hook_kind kind, void *ud)
     (void)kind;
     ct_strategy *s = ud;
     for (int j = 0; j < m->nparams; j++)
-        if (m->params[j]->requires_grad) CT_TRY(wait_param(s, tindex(m->params[j])));
+    {
+        int i = tindex(Z(s), m->params[j]);
+        if (i >= 0) CT_TRY(wait_param(s, i));
+    }
     return CT_OK;
 }
 
@@ -141,9 +164,9 @@ static void zero_core_fini(ct_strategy *s)
                 ct_storage_alloc_data(p->grad->storage, 1);
                 p->grad_stale = 0;
             }
-            p->user = NULL;
         }
         ct_free(z->grad_hooks);
+        ct_free(z->trainable);
         ct_free(z->owns);
         ct_free(z->ready);
         ct_free(z->red);
@@ -184,10 +207,12 @@ static ct_status zero_core_init(ct_strategy *s, int split, int number_params)
     for (int i = 0, n = 0; st == CT_OK && i < s->nparams; i++)
         if (s->params[i]->requires_grad) {
             z->tp[n] = s->params[i];
-            if (number_params) s->params[i]->user = (void *)(intptr_t)n;
-            CT_ASSERT(tindex(s->params[i]) == n); /* DDP numbers them the same way */
+            (void)number_params;
             numel[n++] = s->params[i]->data->numel;
         }
+    if (st == CT_OK && !(z->trainable = ct_alloc_zeroed(nt, CT_MEM_OTHER))) st = CT_ENOMEM;
+    for (int i = 0; st == CT_OK && i < z->ntp; i++) z->trainable[i] = 1;
+    z->stepped = 1;
     if (st == CT_OK) st = ct_partition_init(&z->pt, numel, z->ntp, ct_group_size(s->g), split);
     ct_free(numel);
     if (st == CT_OK) {
@@ -211,10 +236,63 @@ static ct_status zero_core_init(ct_strategy *s, int split, int number_params)
     return st;
 }
 
+/* fairscale's auto_refresh_trainable: parameters frozen (requires_grad = 0)
+ * or unfrozen again between steps.  The partition and the optimizer state
+ * stay (a frozen parameter keeps its state and, its gradient being zero,
+ * is stepped as a plain optimizer steps it); what changes is which
+ * gradients are reduced: zero1 rebuilds DDP's buckets over the trainable
+ * ones, zero2 expects fewer.  Returns 1 in *changed if anything did. */
+static ct_status refresh_trainable(ct_strategy *s, int auto_refresh, int warn, int *changed)
+{
+    zero_t *z = Z(s);
+    int frozen = 0, thawed = 0;
+    *changed = 0;
+    for (int i = 0; i < z->ntp; i++) {
+        int now = z->tp[i]->requires_grad != 0;
+        frozen += z->trainable[i] && !now;
+        thawed += !z->trainable[i] && now;
+    }
+    for (int i = 0; i < s->nparams; i++)
+        if (s->params[i]->requires_grad && !s->params[i]->is_buffer && tindex(z, s->params[i]) < 0)
+            return ct_error(CT_EINVAL, "%s: parameter '%s' was frozen when the model was wrapped and is trainable "
+                            "now; the partition only holds what was trainable then: wrap the model after "
+                            "unfreezing it", s->ops->kind, s->params[i]->name);
+    if (!frozen && !thawed) return CT_OK;
+    if (!auto_refresh)
+        return ct_error(CT_ESTATE, "%s: %d parameters were frozen and %d unfrozen since the last step; pass "
+                        "auto_refresh_trainable=1 to follow such changes", s->ops->kind, frozen, thawed);
+    if (warn && ct_group_rank(s->g) == 0)
+        ct_log(CT_LOG_WARN, "%s: %d parameters frozen and %d unfrozen since the last step; following the change "
+               "(warn_on_trainable_params_changed=0 silences this)", s->ops->kind, frozen, thawed);
+    for (int i = 0; i < z->ntp; i++) z->trainable[i] = z->tp[i]->requires_grad != 0;
+    *changed = 1;
+    return CT_OK;
+}
+
 static ct_status zero1_init(ct_strategy *s)
 {
     CT_TRY(ct__ddp_init(s));
     return zero_core_init(s, ((const zero1_opts *)s->kopts)->split_params, 0);
+}
+
+/* Before the first forward of a step: a changed trainable set rebuilds
+ * DDP's buckets over the parameters that now take gradients (collective:
+ * every rank froze the same ones, or DDP's model check says which differs). */
+static ct_status zero1_pre_forward(ct_strategy *s)
+{
+    zero_t *z = Z(s);
+    const zero1_opts *o = s->kopts;
+    if (z->stepped) {
+        int changed;
+        z->stepped = 0;
+        CT_TRY(refresh_trainable(s, o->auto_refresh_trainable, o->warn_on_trainable_params_changed, &changed));
+        if (changed) {
+            CT_TRY(wait_all(s));
+            ct__ddp_fini(s);
+            CT_TRY(ct__ddp_init(s));
+        }
+    }
+    return ct__ddp_pre_forward(s);
 }
 
 /* The optimizer over this rank's ranges only: its state is 1/N of DDP's. */
@@ -242,6 +320,7 @@ static ct_status zero_pre_step(ct_strategy *s) { return wait_all(s); }
 static ct_status zero_post_step(ct_strategy *s)
 {
     zero_t *z = Z(s);
+    z->stepped = 1;
     if (ct_group_size(s->g) == 1) return ct__mixed_refresh(s);
     for (int k = 0; k < z->pt.n; k++) {
         const ct_part_range *x = &z->pt.ranges[k];
@@ -413,7 +492,7 @@ const ct__strategy_ops ct__zero1_ops = {
     .refreshes_compute = 1,
     .init = zero1_init,
     .fini = zero1_fini,
-    .pre_forward = ct__ddp_pre_forward,
+    .pre_forward = zero1_pre_forward,
     .pre_backward = ct__ddp_pre_backward,
     .post_backward = ct__ddp_post_backward,
     .grad_scale = ct__ddp_grad_scale,
@@ -485,7 +564,7 @@ static ct_status grad_to_owners(ct_param *p, void *ud)
     ct_strategy *s = ud;
     zero_t *z = Z(s);
     if (s->no_sync) return CT_OK;
-    int i = tindex(p);
+    int i = tindex(z, p);
     if (z->ready[i])
         return ct_error(CT_ESTATE, "%s: parameter '%s' received its gradient twice in one backward (a module "
                         "called twice or a shared weight); give each use its own parameter", s->ops->kind,
@@ -562,7 +641,8 @@ static ct_status zero2_init(ct_strategy *s)
         if (z->pt.ranges[k].owner == rank) z->owns[z->pt.ranges[k].param] = 1;
     for (int i = 0; i < z->ntp; i++) {
         ct_param *p = z->tp[i];
-        if (!p->grad || p->grad->storage->window || p->grad->offset)
+        const ct_storage *gs = p->grad ? p->grad->storage : NULL;
+        if (!gs || !gs->owns || gs->window || gs->refcount != 1 || p->grad->offset || gs->bytes != ct_tensor_bytes(p->grad))
             return ct_error(CT_ESTATE, "zero2: the gradient of '%s' is a view into other memory (is the model "
                             "wrapped by another strategy?)", p->name);
         if (!(z->grad_hooks[i] = ct_param_add_hook(p, grad_to_owners, s))) return CT_ENOMEM;
@@ -594,6 +674,13 @@ static void zero2_fini(ct_strategy *s) { zero_core_fini(s); }
 
 static ct_status zero2_pre_forward(ct_strategy *s)
 {
+    zero_t *z = Z(s);
+    if (z->stepped) {
+        int changed;
+        z->stepped = 0;
+        CT_TRY(refresh_trainable(s, O2(s)->auto_refresh_trainable, O2(s)->warn_on_trainable_params_changed,
+                                 &changed));
+    }
     if (O2(s)->broadcast_buffers && s->nbuffers) return ct__broadcast_state(s, 1);
     return CT_OK;
 }
@@ -613,9 +700,11 @@ static ct_status zero2_post_backward(ct_strategy *s)
     zero_t *z = Z(s);
     if (s->no_sync) return CT_OK;
     ct_status st = CT_OK;
-    if (z->nready != z->ntp) {
+    int expected = 0;
+    for (int i = 0; i < z->ntp; i++) expected += z->trainable[i];
+    if (z->nready != expected) {
         int i = 0;
-        while (z->ready[i]) i++;
+        while (i + 1 < z->ntp && (z->ready[i] || !z->trainable[i])) i++;
         st = ct_error(CT_ESTATE, "zero2: parameter '%s' got no gradient in this backward, so its owner would "
                       "wait for it forever; every trainable parameter must take part in every step (freeze "
                       "it with requires_grad = 0 otherwise)", z->tp[i]->name);

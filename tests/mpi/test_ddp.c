@@ -626,7 +626,18 @@ static double state_rel_l2(const ct_state *a, const ct_state *b)
 
 /* kind over N ranks equals one process on the whole batch: weights and
  * (consolidated on rank 0) optimizer state, relative L2 < 1e-5. */
+static void zero_vs_single_freeze(const char *kind, const char *opts, ct_optim_kind ok, float clip, int steps,
+                                  int freeze);
+
 static void zero_vs_single(const char *kind, const char *opts, ct_optim_kind ok, float clip, int steps)
+{
+    zero_vs_single_freeze(kind, opts, ok, clip, steps, 0);
+}
+
+/* With freeze, the middle linear layer is frozen before step 1 and
+ * unfrozen before step 3 (in both runs). */
+static void zero_vs_single_freeze(const char *kind, const char *opts, ct_optim_kind ok, float clip, int steps,
+                                  int freeze)
 {
     ct_group *g = ct_group_world();
     int rank = ct_group_rank(g), world = ct_group_size(g);
@@ -641,6 +652,12 @@ static void zero_vs_single(const char *kind, const char *opts, ct_optim_kind ok,
     ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, ropts, &rs));
     ASSERT(ct_strategy_partition(ds) != NULL);
     for (int step = 0; step < steps; step++) {
+        if (freeze && (step == 1 || step == 3))
+            for (int k = 0; k < 2; k++) {
+                ct_module *mm = k ? rm : dm;
+                ct_module_find(mm, "2.weight")->requires_grad = step == 3;
+                ct_module_find(mm, "2.bias")->requires_grad = step == 3;
+            }
         ct_step_out o;
         step_on_slice(ds, step, n, rank, world, &o);
         step_on_slice(rs, step, n, 0, 1, &o);
@@ -679,6 +696,7 @@ TEST(zero1_equals_one_process)
     zero_vs_single("zero1", "split_params=1", CT_OPT_ADAMW, 0, 3);
     zero_vs_single("zero1", NULL, CT_OPT_ADAMW, 0.05f, 3);
     zero_vs_single("zero1", "grad_accum=2", CT_OPT_SGD, 0, 3);
+    zero_vs_single_freeze("zero1", "warn_on_trainable_params_changed=0", CT_OPT_ADAMW, 0, 5, 1);
 }
 
 TEST(zero2_equals_one_process)
@@ -689,4 +707,59 @@ TEST(zero2_equals_one_process)
     zero_vs_single("zero2", NULL, CT_OPT_ADAMW, 0.05f, 3);
     zero_vs_single("zero2", "grad_accum=2", CT_OPT_SGD, 0, 3);
     zero_vs_single("zero2", "reduce_buffer_mb=0.0001", CT_OPT_ADAMW, 0, 2); /* one gradient in flight */
+    zero_vs_single_freeze("zero2", "warn_on_trainable_params_changed=0", CT_OPT_ADAMW, 0, 5, 1);
+}
+
+/* Freezing without auto_refresh_trainable is a clear error on every rank. */
+TEST(zero_freeze_without_refresh_is_an_error)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    const char *kinds[2] = {"zero1", "zero2"};
+    for (int k = 0; k < 2; k++) {
+        ct_module *m = model(BIGGER, 3);
+        ct_optim_opts oo = optim_for(CT_OPT_SGD);
+        ct_strategy *s;
+        ASSERT_OK(ct_strategy_create(kinds[k], m, &oo, g, "auto_refresh_trainable=0", &s));
+        ct_step_out o;
+        step_on_slice(s, 0, 4 * world, rank, world, &o);
+        ASSERT_OK(ct_strategy_step(s));
+        ct_module_find(m, "0.weight")->requires_grad = 0;
+        ct_tensor *x, *y, *out;
+        global_batch(1, 4, &x, &y);
+        ct_fwd_ctx ctx = {.training = 1};
+        ASSERT_ERR(ct_strategy_forward(s, x, &out, NULL, &ctx), CT_ESTATE, "auto_refresh_trainable=1");
+        ct_tensor_release(x);
+        ct_tensor_release(y);
+        ct_strategy_destroy(s);
+        ct_module_destroy(m);
+    }
+}
+
+/* Unwrapping gives every parameter a gradient of its own (not a view into a
+ * freed bucket), with its values. */
+TEST(ddp_unwrap_leaves_gradients_of_their_own)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    const char *kinds[3] = {"ddp", "zero1", "zero2"};
+    for (int k = 0; k < 3; k++) {
+        ct_module *m = model(PLAIN, 3);
+        ct_optim_opts oo = optim_for(CT_OPT_SGD);
+        ct_strategy *s;
+        ASSERT_OK(ct_strategy_create(kinds[k], m, &oo, g, NULL, &s));
+        ct_step_out o;
+        step_on_slice(s, 0, 4 * world, rank, world, &o);
+        ct_strategy_destroy(s);
+        ct_param **ps;
+        int np;
+        ASSERT_OK(ct_module_params(m, &ps, &np));
+        for (int i = 0; i < np; i++) {
+            const ct_storage *gs = ps[i]->grad->storage;
+            ASSERT(gs->owns && gs->refcount == 1 && ct_tensor_data(ps[i]->grad) != NULL);
+            ct_tensor_fill(ps[i]->grad, 1.0f); /* ASan: no write into freed memory */
+        }
+        ct_free(ps);
+        ct_module_destroy(m);
+    }
 }
