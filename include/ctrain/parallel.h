@@ -169,6 +169,10 @@ ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec);
 /* While on, backward only accumulates locally (gradient accumulation); the
  * first backward after turning it off synchronises the accumulated sum. */
 void ct_strategy_set_no_sync(ct_strategy *s, int on);
+/* fairscale's manual reduce(): synchronises the gradients accumulated so
+ * far (backward passes under no_sync) now, as a synchronised backward
+ * would.  Collective over the group; a no-op for "none". */
+ct_status ct_strategy_reduce(ct_strategy *s);
 
 /* Clips the gradients by their global norm over the whole model, however
  * they are sharded (torch.nn.utils.clip_grad_norm_); norm_type 2 or

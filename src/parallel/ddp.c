@@ -447,6 +447,25 @@ ct_status ct__ddp_pre_backward(ct_strategy *s)
     return CT_OK;
 }
 
+/* fairscale's reduce(): the gradients accumulated under no_sync are
+ * synchronised now, as a synchronised backward would have.  Every
+ * gradient is ready at once (values marked zero are cleared first). */
+ct_status ct__ddp_reduce(ct_strategy *s)
+{
+    ddp_t *d = D(s);
+    int saved = s->no_sync;
+    s->no_sync = 0;
+    ct_status st = ct__ddp_pre_backward(s);
+    for (int i = 0; st == CT_OK && i < d->ntp; i++) {
+        if (d->ready[i]) continue;
+        ct_param_grad_sync(d->tp[i]);
+        st = mark_ready(s, i);
+    }
+    if (st == CT_OK) st = ct__ddp_post_backward(s);
+    s->no_sync = saved;
+    return st;
+}
+
 ct_status ct__ddp_post_backward(ct_strategy *s)
 {
     ddp_t *d = D(s);
@@ -501,4 +520,5 @@ const ct__strategy_ops ct__ddp_ops = {
     .post_backward = ct__ddp_post_backward,
     .grad_scale = ct__ddp_grad_scale,
     .zero_grad = ct__ddp_zero_grad,
+    .reduce = ct__ddp_reduce,
 };

@@ -50,6 +50,7 @@ typedef struct {
     ct_status (*build_optim)(ct_strategy *s, const ct_optim_opts *o);
     ct_status (*grad_norm)(ct_strategy *s, double norm_type, double *norm);
     void (*scale_grads)(ct_strategy *s, float k);
+    ct_status (*reduce)(ct_strategy *s); /* synchronise accumulated gradients now */
     ct_status (*pre_step)(ct_strategy *s);
     ct_status (*post_step)(ct_strategy *s);
     const ct_partition *(*partition)(const ct_strategy *s); /* sharded strategies */
@@ -107,6 +108,7 @@ ct_status ct__ddp_pre_backward(ct_strategy *s);
 ct_status ct__ddp_post_backward(ct_strategy *s);
 float ct__ddp_grad_scale(ct_strategy *s);
 void ct__ddp_zero_grad(ct_strategy *s);
+ct_status ct__ddp_reduce(ct_strategy *s);
 /* Collective: every rank holds the same trainable parameters (names, shapes). */
 ct_status ct__check_same_model(ct_strategy *s);
 /* Broadcasts parameters and buffers (or buffers only) from rank 0. */

@@ -95,6 +95,11 @@ ct_group *ct_strategy_group(const ct_strategy *s) { return s->g; }
 ct_step_stats ct_strategy_stats(const ct_strategy *s) { return s->last; }
 void ct_strategy_set_no_sync(ct_strategy *s, int on) { s->no_sync = on; }
 
+ct_status ct_strategy_reduce(ct_strategy *s)
+{
+    return s->ops->reduce ? s->ops->reduce(s) : CT_OK;
+}
+
 /* ---- forward and backward ------------------------------------------------ */
 
 ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct_record **rec,

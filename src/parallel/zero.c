@@ -497,6 +497,7 @@ const ct__strategy_ops ct__zero1_ops = {
     .post_backward = ct__ddp_post_backward,
     .grad_scale = ct__ddp_grad_scale,
     .zero_grad = ct__ddp_zero_grad,
+    .reduce = ct__ddp_reduce,
     .build_optim = zero_build_optim,
     .pre_step = zero_pre_step,
     .post_step = zero_post_step,
@@ -722,6 +723,28 @@ static ct_status zero2_post_backward(ct_strategy *s)
     return st;
 }
 
+/* Gradients accumulated under no_sync go to their owners now. */
+static ct_status zero2_reduce(ct_strategy *s)
+{
+    zero_t *z = Z(s);
+    int saved = s->no_sync;
+    s->no_sync = 0;
+    ct_status st = zero2_pre_backward(s);
+    for (int i = 0; st == CT_OK && i < z->ntp; i++) {
+        ct_param *p = z->tp[i];
+        if (!z->trainable[i]) continue;
+        if (!ct_tensor_data(p->grad)) { /* no backward wrote it: a zero gradient */
+            st = ct_storage_alloc_data(p->grad->storage, 0);
+            p->grad_stale = 1;
+        }
+        ct_param_grad_sync(p);
+        if (st == CT_OK) st = grad_to_owners(p, s);
+    }
+    if (st == CT_OK) st = zero2_post_backward(s);
+    s->no_sync = saved;
+    return st;
+}
+
 /* The global norm: each rank's owned ranges (the reduced gradients live
  * there only), combined over the group. */
 static ct_status zero2_grad_norm(ct_strategy *s, double norm_type, double *norm)
@@ -769,6 +792,7 @@ const ct__strategy_ops ct__zero2_ops = {
     .pre_forward = zero2_pre_forward,
     .pre_backward = zero2_pre_backward,
     .post_backward = zero2_post_backward,
+    .reduce = zero2_reduce,
     .grad_scale = ct__ddp_grad_scale,
     .build_optim = zero_build_optim,
     .grad_norm = zero2_grad_norm,

@@ -763,3 +763,46 @@ TEST(ddp_unwrap_leaves_gradients_of_their_own)
         ct_module_destroy(m);
     }
 }
+
+/* Manual reduce (fairscale's reduce()): both micro-batches under no_sync,
+ * then ct_strategy_reduce, equals one process on the combined batch. */
+TEST(strategy_manual_reduce_after_no_sync)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    int64_t b = 4, n = 2 * b * world;
+    const char *kinds[3] = {"ddp", "zero1", "zero2"};
+    for (int k = 0; k < 3; k++) {
+        ct_module *dm = model(PLAIN, 3), *rm = model(PLAIN, 3);
+        ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
+        ct_strategy *ds, *rs;
+        ASSERT_OK(ct_strategy_create(kinds[k], dm, &oo, g, NULL, &ds));
+        ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, NULL, &rs));
+        for (int step = 0; step < 3; step++) {
+            ct_tensor *x, *y;
+            global_batch(step, n, &x, &y);
+            ct_strategy_set_no_sync(ds, 1);
+            ASSERT_OK(train_micro(ds, x, y, 2 * b * rank, b, 0.5f, step));
+            ASSERT_OK(train_micro(ds, x, y, 2 * b * rank + b, b, 0.5f, step));
+            ct_strategy_set_no_sync(ds, 0);
+            ASSERT_OK(ct_strategy_reduce(ds));
+            ASSERT_OK(train_micro(rs, x, y, 0, n, 1.0f, step));
+            ASSERT_OK(ct_strategy_step(ds));
+            ASSERT_OK(ct_strategy_step(rs));
+            ct_strategy_zero_grad(ds);
+            ct_strategy_zero_grad(rs);
+            ct_tensor_release(x);
+            ct_tensor_release(y);
+        }
+        ct_state a, c;
+        ASSERT_OK(ct_strategy_model_state(ds, &a));
+        ASSERT_OK(ct_strategy_model_state(rs, &c));
+        if (state_rel_l2(&a, &c) >= 1e-5) ct_test_fail(__FILE__, __LINE__, "%s differs", kinds[k]);
+        ct_state_fini(&a);
+        ct_state_fini(&c);
+        ct_strategy_destroy(ds);
+        ct_strategy_destroy(rs);
+        ct_module_destroy(dm);
+        ct_module_destroy(rm);
+    }
+}
