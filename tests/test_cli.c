@@ -486,35 +486,41 @@ static double json_max(const char *line, const char *key)
 }
 
 #define EST_MODEL "--model mlp --hidden 512,512,512"
-#define EST_RUN EST_MODEL " --steps 5 --limit-train 2000 --limit-test 200 --threads 1 --log-every 0"
+#define EST_RUN "--steps 5 --limit-train 2000 --limit-test 200 --threads 1 --log-every 0"
 
 /* `ctrain estimate` against the memory report of a short `ctrain train` of
  * the same model on np ranks (max over ranks): param, grad, optim and
  * resident within 10%, activations within 25%. */
-static void estimate_matches_run(int np, const char *strategy, const char *extra)
+static void estimate_matches_model(const char *model, int np, const char *strategy, const char *extra)
 {
     static char out[OUT_MAX], est[OUT_MAX];
     char metrics[1024], line[8192] = "";
     snprintf(metrics, sizeof metrics, "%s/est-%s-%d.jsonl", ct_test_tmpdir(), strategy, np);
-    int code = run_np(np, out, "train " EST_RUN " --strategy %s %s --metrics %s", strategy, extra, metrics);
-    if (code) ct_test_fail(__FILE__, __LINE__, "train --strategy %s %s failed:\n%s", strategy, extra, out);
+    int code = run_np(np, out, "train %s " EST_RUN " --strategy %s %s --metrics %s", model, strategy, extra, metrics);
+    if (code) ct_test_fail(__FILE__, __LINE__, "train %s --strategy %s %s failed:\n%s", model, strategy, extra, out);
     FILE *f = fopen(metrics, "r");
     ASSERT(f);
     while (fgets(line, sizeof line, f) && !strstr(line, "\"summary\"")) {}
     fclose(f);
     ASSERT_STR_CONTAINS(line, "\"summary\"");
     ASSERT_EQ(unlink(metrics), 0);
-    code = RUN(est, "estimate " EST_MODEL " --ranks %d --strategy %s %s --json", np, strategy, extra);
-    if (code) ct_test_fail(__FILE__, __LINE__, "estimate --strategy %s %s failed:\n%s", strategy, extra, est);
+    code = RUN(est, "estimate %s --ranks %d --strategy %s %s --json", model, np, strategy, extra);
+    if (code) ct_test_fail(__FILE__, __LINE__, "estimate %s --strategy %s %s failed:\n%s", model, strategy, extra, est);
     ASSERT_EQ(count_lines(est), 1);
     const char *keys[] = {"param", "grad", "optim", "resident", "act"};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
         double m = json_max(line, keys[i]), e = json_max(est, keys[i]);
         double tol = strcmp(keys[i], "act") ? 0.10 : 0.25;
         if (!(fabs(e - m) <= tol * m))
-            ct_test_fail(__FILE__, __LINE__, "%s on %d ranks %s: %s predicted %.0f, measured %.0f (more than %.0f%% "
-                         "apart)\nestimate: %smeasured: %s", strategy, np, extra, keys[i], e, m, tol * 100, est, line);
+            ct_test_fail(__FILE__, __LINE__, "%s %s on %d ranks %s: %s predicted %.0f, measured %.0f (more than "
+                         "%.0f%% apart)\nestimate: %smeasured: %s", model, strategy, np, extra, keys[i], e, m,
+                         tol * 100, est, line);
     }
+}
+
+static void estimate_matches_run(int np, const char *strategy, const char *extra)
+{
+    estimate_matches_model(EST_MODEL, np, strategy, extra);
 }
 
 TEST(cli_estimate_matches_ddp_and_zero1_runs)
@@ -522,6 +528,8 @@ TEST(cli_estimate_matches_ddp_and_zero1_runs)
     estimate_matches_run(2, "ddp", "");
     estimate_matches_run(2, "ddp", "--mixed bf16");
     estimate_matches_run(2, "zero1", "");
+    /* conv2d's records and im2col scratch, maxpool's argmax, flatten's view */
+    estimate_matches_model("--model cnn --hidden 8,16,64", 2, "ddp", "--batch 32");
 }
 
 /* ZeRO-2 at 2 ranks (every gradient fits reduce_buffer_mb) and at 3 ranks
