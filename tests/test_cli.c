@@ -98,6 +98,9 @@ TEST(cli_help)
     ASSERT_EQ(RUN(out, "--help"), 0);
     ASSERT_STR_CONTAINS(out, "train");
     ASSERT_STR_CONTAINS(out, "inspect");
+    ASSERT_STR_CONTAINS(out, "estimate");
+    ASSERT_EQ(RUN(out, "estimate --help"), 0);
+    ASSERT_STR_CONTAINS(out, "ctrain estimate --model mlp|cnn --ranks N");
     ASSERT_EQ(RUN(out, "train --help"), 0);
     const char *flags[] = {"--model", "--hidden", "--epochs", "--steps", "--batch", "--lr", "--optim",
                            "--weight-decay", "--momentum", "--schedule", "--warmup", "--clip", "--seed",
@@ -592,6 +595,134 @@ TEST(cli_ddp_usage_errors)
     /* A flag error found before MPI starts is also said once. */
     ASSERT_EQ(run_np(2, out, "train " SMALL " --steps x"), 2);
     ASSERT_EQ(occurrences(out, "ctrain train:"), 1);
+}
+
+/* ---- ctrain estimate ------------------------------------------------------ */
+
+/* The largest value of "key": over the objects of a JSON line (every rank's
+ * memory in a summary, or one estimate row). */
+static double json_max(const char *line, const char *key)
+{
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    double best = -1;
+    for (const char *p = line; (p = strstr(p, pat)); p += strlen(pat))
+        if (atof(p + strlen(pat)) > best) best = atof(p + strlen(pat));
+    if (best < 0) ct_test_fail(__FILE__, __LINE__, "no %s in: %s", pat, line);
+    return best;
+}
+
+#define EST_MODEL "--model mlp --hidden 512,512,512"
+#define EST_RUN "--steps 5 --limit-train 2000 --limit-test 200 --threads 1 --log-every 0"
+
+/* `ctrain estimate` against the memory report of a short `ctrain train` of
+ * the same model on np ranks (max over ranks): param, grad, optim and
+ * resident within 10%, activations within 25%. */
+static void estimate_matches_model(const char *model, int np, const char *strategy, const char *extra)
+{
+    static char out[OUT_MAX], est[OUT_MAX];
+    char metrics[1024], line[8192] = "";
+    snprintf(metrics, sizeof metrics, "%s/est-%s-%d.jsonl", ct_test_tmpdir(), strategy, np);
+    int code = run_np(np, out, "train %s " EST_RUN " --strategy %s %s --metrics %s", model, strategy, extra, metrics);
+    if (code) ct_test_fail(__FILE__, __LINE__, "train %s --strategy %s %s failed:\n%s", model, strategy, extra, out);
+    FILE *f = fopen(metrics, "r");
+    ASSERT(f);
+    while (fgets(line, sizeof line, f) && !strstr(line, "\"summary\"")) {}
+    fclose(f);
+    ASSERT_STR_CONTAINS(line, "\"summary\"");
+    ASSERT_EQ(unlink(metrics), 0);
+    code = RUN(est, "estimate %s --ranks %d --strategy %s %s --json", model, np, strategy, extra);
+    if (code) ct_test_fail(__FILE__, __LINE__, "estimate %s --strategy %s %s failed:\n%s", model, strategy, extra, est);
+    ASSERT_EQ(count_lines(est), 1);
+    const char *keys[] = {"param", "grad", "optim", "resident", "act"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+        double m = json_max(line, keys[i]), e = json_max(est, keys[i]);
+        double tol = strcmp(keys[i], "act") ? 0.10 : 0.25;
+        if (!(fabs(e - m) <= tol * m))
+            ct_test_fail(__FILE__, __LINE__, "%s %s on %d ranks %s: %s predicted %.0f, measured %.0f (more than "
+                         "%.0f%% apart)\nestimate: %smeasured: %s", model, strategy, np, extra, keys[i], e, m,
+                         tol * 100, est, line);
+    }
+}
+
+static void estimate_matches_run(int np, const char *strategy, const char *extra)
+{
+    estimate_matches_model(EST_MODEL, np, strategy, extra);
+}
+
+TEST(cli_estimate_matches_ddp_and_zero1_runs)
+{
+    estimate_matches_run(2, "ddp", "");
+    estimate_matches_run(2, "ddp", "--mixed bf16");
+    estimate_matches_run(2, "zero1", "");
+    /* conv2d's records and im2col scratch, maxpool's argmax, flatten's view */
+    estimate_matches_model("--model cnn --hidden 8,16,64", 2, "ddp", "--batch 32");
+}
+
+/* ZeRO-2 at 2 ranks (every gradient fits reduce_buffer_mb) and at 3 ranks
+ * with 1 MiB in flight, where a rank's gradients are its share plus what
+ * the in-flight bound lets live. */
+TEST(cli_estimate_matches_zero2_runs)
+{
+    estimate_matches_run(2, "zero2", "");
+    estimate_matches_run(3, "zero2", "--strategy-opt reduce_buffer_mb=1");
+}
+
+/* The table: a row per strategy that applies (none only on one rank), the
+ * columns, and figures that follow from the model alone. */
+TEST(cli_estimate_table)
+{
+    static char out[OUT_MAX];
+    ASSERT_EQ(RUN(out, "estimate --model mlp --ranks 1"), 0);
+    ASSERT_STR_CONTAINS(out, "mlp [256,128] (235146 parameters)");
+    const char *cols[] = {"strategy", "param", "grad", "optim", "act", "comm", "resident", "total",
+                          "\n  none ", "\n  ddp ", "\n  zero1 ", "\n  zero2 "};
+    for (size_t i = 0; i < sizeof cols / sizeof cols[0]; i++) ASSERT_STR_CONTAINS(out, cols[i]);
+    ASSERT_EQ(RUN(out, "estimate --model mlp --ranks 4 --json"), 0);
+    ASSERT_EQ(count_lines(out), 3); /* ddp, zero1, zero2: none is one rank's */
+    ASSERT(!strstr(out, "\"none\""));
+    /* 235146 f32 parameters; AdamW's two moments, each slot padded to 16 floats (4.bias: 10 -> 16). */
+    ASSERT_STR_CONTAINS(out, "{\"strategy\":\"ddp\",\"ranks\":4,\"param\":940584,\"grad\":940584,\"optim\":1881216,");
+    ASSERT_EQ(RUN(out, "estimate --model mlp --ranks 2 --strategy ddp --grad-compress bf16 --json"), 0);
+    ASSERT_STR_CONTAINS(out, "\"comm\":470292,"); /* a 2-byte wire copy of every bucket */
+    ASSERT_EQ(RUN(out, "estimate --model mlp --ranks 2 --strategy ddp --optim sgd --json"), 0);
+    ASSERT_STR_CONTAINS(out, "\"optim\":0,");
+    ASSERT_EQ(RUN(out, "estimate --model cnn --ranks 2 --strategy zero2 --strategy-opt split_params=1"), 0);
+    ASSERT_STR_CONTAINS(out, "\n  zero2 ");
+    ASSERT_EQ(RUN(out, "estimate --model mlp --ranks 2 --strategy-opt help"), 0);
+    ASSERT_STR_CONTAINS(out, "reduce_buffer_mb=8");
+}
+
+/* Bad command lines: exit 2 and one line naming the fix. */
+TEST(cli_estimate_usage_errors)
+{
+    static char out[OUT_MAX];
+    struct {
+        const char *args, *text;
+    } cases[] = {
+        {"estimate --ranks 2", "--model is required; choose one of: mlp, cnn"},
+        {"estimate --model resnet --ranks 2", "choose one of: mlp, cnn"},
+        {"estimate --model mlp", "--ranks is required"},
+        {"estimate --model mlp --ranks 0", "--ranks 0 must be at least 1"},
+        {"estimate --model mlp --ranks -3", "--ranks -3 must be at least 1"},
+        {"estimate --model mlp --ranks 2 --strategy ddp --strategy-opt split_params=1",
+         "--strategy-opt split_params: no strategy estimated here takes it (zero1, zero2 do)"},
+        {"estimate --model mlp --ranks 2 --strategy-opt bucket=4", "--strategy-opt bucket: no strategy takes this key"},
+        {"estimate --model mlp --ranks 2 --strategy-opt reduce_buffer_mb=0", "expected a positive number"},
+        {"estimate --model mlp --ranks 2 --strategy none", "applies to --ranks 1 only"},
+        {"estimate --model mlp --ranks 2 --strategy fsdp9", "unknown strategy 'fsdp9'"},
+        {"estimate --model mlp --ranks 128", "--batch 64 is smaller than the 128 ranks"},
+        {"estimate --model mlp --ranks 2 --kernel 3", "--kernel applies to --model cnn only"},
+        {"estimate --model mlp --ranks 2 --optim lbfgs", "choose sgd or adamw"},
+        {"estimate --model mlp --ranks 2 --mixed fp8", "choose none or bf16"},
+        {"estimate --model mlp --ranks 2 x", "unexpected argument 'x'"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int code = RUN(out, "%s", cases[i].args);
+        if (code != 2 || !strstr(out, cases[i].text) || count_lines(out) != 1)
+            ct_test_fail(__FILE__, __LINE__, "ctrain %s: exit %d (wanted 2), output:\n%s(wanted one line with '%s')",
+                         cases[i].args, code, out, cases[i].text);
+    }
 }
 
 /* PyTorch builds nn.Sequential(Linear(784,256), ReLU(), Linear(256,128),

@@ -188,3 +188,24 @@ TEST(strategy_partition_balances_and_covers)
     }
     ASSERT_ERR(ct_partition_init(&pt, b, 3, 0, 0), CT_EINVAL, "ranks >= 1");
 }
+
+/* Options are checked without a model or a group, as ct_strategy_create
+ * parses them, and every key comes back with its value or default. */
+TEST(strategy_check_opts_without_a_model)
+{
+    char buf[2048];
+    ASSERT_OK(ct_strategy_check_opts("zero2", "reduce_buffer_mb=2,split_params=1", buf, sizeof buf));
+    ASSERT_STR_CONTAINS(buf, "reduce_buffer_mb=2\n");
+    ASSERT_STR_CONTAINS(buf, "split_params=1\n");
+    ASSERT_STR_CONTAINS(buf, "grad_accum=1\n");
+    ASSERT_STR_CONTAINS(buf, "param_dtype=f32\n");
+    ASSERT_OK(ct_strategy_check_opts("ddp", NULL, buf, sizeof buf));
+    ASSERT_STR_CONTAINS(buf, "bucket_cap_mb=25\n");
+    ASSERT_OK(ct_strategy_check_opts("ddp", "bucket_cap_mb=4", NULL, 0));
+    ASSERT_ERR(ct_strategy_check_opts("ddp", "split_params=1", buf, sizeof buf), CT_EINVAL,
+               "strategy ddp has no option 'split_params'");
+    ASSERT_ERR(ct_strategy_check_opts("zero2", "reduce_buffer_mb=-1", buf, sizeof buf), CT_EINVAL,
+               "positive number");
+    ASSERT_ERR(ct_strategy_check_opts("fsdp9", NULL, buf, sizeof buf), CT_EINVAL, "unknown strategy 'fsdp9'");
+    ASSERT_ERR(ct_strategy_check_opts("ddp", NULL, buf, 8), CT_EINVAL, "larger buffer");
+}

@@ -93,6 +93,14 @@ typedef struct ct_strategy ct_strategy;
  * buf (n bytes).  CT_EINVAL for an unknown kind. */
 ct_status ct_strategy_help(const char *kind, char *buf, size_t n);
 
+/* Checks opts against the keys kind takes, exactly as ct_strategy_create
+ * parses them, without a model or a group (for tools that plan a run, such
+ * as `ctrain estimate`).  With buf != NULL writes every key's value (the
+ * given one, else the default), one "key=value" per line, into buf (n
+ * bytes).  CT_EINVAL naming the unknown kind, the key the kind does not take
+ * or the bad value, or a buf too small. */
+ct_status ct_strategy_check_opts(const char *kind, const char *opts, char *buf, size_t n);
+
 /* Timings of the last step, in seconds, and how much communication hid
  * behind backward. */
 typedef struct {

@@ -32,6 +32,25 @@ ct_status ct_strategy_help(const char *kind, char *buf, size_t n)
     return CT_OK;
 }
 
+ct_status ct_strategy_check_opts(const char *kind, const char *opts, char *buf, size_t n)
+{
+    const ct__strategy_ops *ops = find_kind(kind);
+    if (!ops) return CT_EINVAL;
+    ct_strategy *s = ct_alloc_zeroed(sizeof *s, CT_MEM_OTHER); /* only its options are used */
+    if (!s) return CT_ENOMEM;
+    s->ops = ops;
+    ct_status st = ct__opts_parse(s, opts);
+    size_t off = 0;
+    if (buf && n) buf[0] = 0;
+    for (int i = 0; st == CT_OK && buf && i < s->nopt_text; i++) {
+        off += (size_t)snprintf(buf + off, off < n ? n - off : 0, "%s=%s\n", s->opt_keys[i], s->opt_text[i]);
+        if (off >= n) st = ct_error(CT_EINVAL, "strategy options of %s need a larger buffer than %zu bytes", kind, n);
+    }
+    ct__opts_free(s);
+    ct_free(s);
+    return st;
+}
+
 /* Whole-parameter optimizer over every trainable parameter: what a rank
  * that holds the whole model owns. */
 static ct_status build_whole_optim(ct_strategy *s, const ct_optim_opts *o)

@@ -1,0 +1,617 @@
+/*
+ * `ctrain estimate`: the per-rank bytes every strategy would take for a
+ * model, from its shapes alone (the model is built, nothing runs), like
+ * DeepSpeed's memory estimators but for every strategy.  Each figure follows
+ * how the strategy's code allocates; the categories are those of the memory
+ * report `ctrain train` prints and writes to --metrics, so the two compare
+ * line by line.
+ *
+ * A row is one function of est_in and the strategy's resolved options
+ * (`kinds` below): a new strategy adds its function and a line there.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "estimate.h"
+
+/* ---- the figures of a row ---------------------------------------------- */
+
+/* Bytes per rank; each column is its own maximum over ranks, and resident
+ * (param + grad + optim) and total (all five) the largest rank's sums. */
+typedef struct {
+    uint64_t param, grad, optim, act, comm, resident, total;
+} est_row;
+
+/* Folds one rank's figures into the row. */
+static void take_rank(est_row *row, uint64_t param, uint64_t grad, uint64_t optim, uint64_t act, uint64_t comm)
+{
+#define MAX(f) row->f = f > row->f ? f : row->f
+    uint64_t resident = param + grad + optim, total = resident + act + comm;
+    MAX(param);
+    MAX(grad);
+    MAX(optim);
+    MAX(act);
+    MAX(comm);
+    MAX(resident);
+    MAX(total);
+#undef MAX
+}
+
+/* The value of key in a strategy's resolved options ("key=value\n" lines). */
+static const char *optv(const char *vals, const char *key, char *buf, size_t n)
+{
+    size_t len = strlen(key);
+    for (const char *p = vals; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL)
+        if (!strncmp(p, key, len) && p[len] == '=') {
+            size_t vl = strcspn(p + len + 1, "\n");
+            snprintf(buf, n, "%.*s", (int)vl, p + len + 1);
+            return buf;
+        }
+    return NULL;
+}
+
+static double optnum(const char *vals, const char *key, double def)
+{
+    char b[64];
+    const char *v = optv(vals, key, b, sizeof b);
+    return v ? atof(v) : def;
+}
+
+static int opt16(const char *vals, const char *key)
+{
+    char b[64];
+    const char *v = optv(vals, key, b, sizeof b);
+    return v && strcmp(v, "f32") && strcmp(v, "fp32") && strcmp(v, "float32");
+}
+
+/* ---- what the strategies share ----------------------------------------- */
+
+static uint64_t bytes_of(const ct_param *p) { return (uint64_t)ct_tensor_bytes(p->data); }
+
+/* Every parameter (f32 master) and buffer on this rank, plus with
+ * param_dtype=bf16 a bf16 compute copy of every trainable parameter of two
+ * or more dims outside norm layers (src/parallel/mixed.c). */
+static uint64_t param_bytes(const est_in *in, int mixed)
+{
+    uint64_t b = in->buffer_bytes;
+    for (int i = 0; i < in->nparams; i++) {
+        const ct_param *p = in->params[i];
+        b += bytes_of(p);
+        const char *kind = p->owner && p->owner->ops ? p->owner->ops->kind : "";
+        if (mixed && p->requires_grad && p->data->ndim >= 2 && p->data->dtype == CT_F32 &&
+            strcmp(kind, "layernorm") && strcmp(kind, "batchnorm"))
+            b += (uint64_t)p->data->numel * 2;
+    }
+    return b;
+}
+
+/* Gradients of frozen parameters: no strategy takes them, they keep their own. */
+static uint64_t frozen_grad_bytes(const est_in *in)
+{
+    uint64_t b = 0;
+    for (int i = 0; i < in->nparams; i++)
+        if (!in->params[i]->requires_grad && in->params[i]->grad) b += (uint64_t)ct_tensor_bytes(in->params[i]->grad);
+    return b;
+}
+
+static uint64_t trainable_bytes(const est_in *in)
+{
+    uint64_t b = 0;
+    for (int i = 0; i < in->ntp; i++) b += (uint64_t)in->tp[i]->data->numel * 4;
+    return b;
+}
+
+/* The optimizer's state slab over slots of counts[0..n) elements
+ * (src/optim/optim.c): AdamW two buffers, SGD with momentum one, without
+ * none; each slot padded to 16 floats; at least 16 floats once there is
+ * state.  The slot table (about 100 bytes a slot) is left out. */
+static uint64_t optim_bytes(const est_in *in, const int64_t *counts, int n)
+{
+    int nbufs = in->optim == CT_OPT_ADAMW ? 2 : in->momentum != 0 ? 1 : 0;
+    uint64_t floats = 0;
+    for (int i = 0; i < n; i++) floats += ((uint64_t)counts[i] + 15) & ~(uint64_t)15;
+    floats *= (uint64_t)nbufs;
+    if (nbufs && floats < 16) floats = 16;
+    return floats * 4;
+}
+
+static uint64_t optim_whole(const est_in *in)
+{
+    int64_t *c = ct_alloc(sizeof *c * (size_t)(in->ntp + 1), CT_MEM_OTHER);
+    if (!c) return 0;
+    for (int i = 0; i < in->ntp; i++) c[i] = in->tp[i]->data->numel;
+    uint64_t b = optim_bytes(in, c, in->ntp);
+    ct_free(c);
+    return b;
+}
+
+/* Activations of this rank's share of the global batch (the largest share:
+ * the sampler gives the first ranks the extra rows). */
+static ct_status activations(const est_in *in, const char *vals, uint64_t *act)
+{
+    int k = (int)optnum(vals, "grad_accum", 1);
+    int64_t rows = in->batch / in->world + (in->batch % in->world != 0);
+    int64_t micro = rows / k + (rows % k != 0); /* the first micro-batch, the largest */
+    /* The loss gradient is scaled by micro / global (a copy) unless the micro-batch is the whole batch. */
+    return est_activations(in, rows, k, micro != in->batch, opt16(vals, "param_dtype"), act);
+}
+
+/* The partition of the trainable parameters over the ranks (as the sharded strategies make it). */
+static ct_status partition(const est_in *in, const char *vals, ct_partition *pt)
+{
+    int64_t *c = ct_alloc(sizeof *c * (size_t)(in->ntp + 1), CT_MEM_OTHER);
+    if (!c) return CT_ENOMEM;
+    for (int i = 0; i < in->ntp; i++) c[i] = in->tp[i]->data->numel;
+    ct_status st = ct_partition_init(pt, c, in->ntp, in->world, optnum(vals, "split_params", 0) != 0);
+    ct_free(c);
+    return st;
+}
+
+/* Optimizer bytes of rank r: its ranges of the partition. */
+static uint64_t optim_share(const est_in *in, const ct_partition *pt, int r, int64_t *counts)
+{
+    int n = 0;
+    for (int k = 0; k < pt->n; k++)
+        if (pt->ranges[k].owner == r) counts[n++] = pt->ranges[k].count;
+    return optim_bytes(in, counts, n);
+}
+
+/* ---- the rows ----------------------------------------------------------- */
+
+/* One replica, nothing shared: every gradient where the model made it. */
+static ct_status row_none(const est_in *in, const char *vals, est_row *row)
+{
+    uint64_t act;
+    CT_TRY(activations(in, vals, &act));
+    take_rank(row, param_bytes(in, opt16(vals, "param_dtype")), trainable_bytes(in) + frozen_grad_bytes(in),
+              optim_whole(in), act, 0);
+    return CT_OK;
+}
+
+/* DDP (src/parallel/ddp.c): gradients live once, in the buckets (rebuilt at
+ * zero_grad with the old ones freed first); a 16-bit reduce_dtype adds a
+ * 2-byte wire copy of every bucket. */
+static ct_status row_ddp(const est_in *in, const char *vals, est_row *row)
+{
+    uint64_t act;
+    CT_TRY(activations(in, vals, &act));
+    uint64_t tb = trainable_bytes(in);
+    take_rank(row, param_bytes(in, opt16(vals, "param_dtype")), tb + frozen_grad_bytes(in), optim_whole(in), act,
+              opt16(vals, "reduce_dtype") ? tb / 2 : 0);
+    return CT_OK;
+}
+
+/* ZeRO-1 (src/parallel/zero.c): DDP's buckets, optimizer state for this rank's ranges only. */
+static ct_status row_zero1(const est_in *in, const char *vals, est_row *row)
+{
+    uint64_t act;
+    ct_partition pt;
+    CT_TRY(activations(in, vals, &act));
+    CT_TRY(partition(in, vals, &pt));
+    int64_t *counts = ct_alloc(sizeof *counts * (size_t)(pt.n + 1), CT_MEM_OTHER);
+    if (!counts) {
+        ct_partition_fini(&pt);
+        return CT_ENOMEM;
+    }
+    uint64_t tb = trainable_bytes(in), param = param_bytes(in, opt16(vals, "param_dtype"));
+    for (int r = 0; r < in->world; r++)
+        take_rank(row, param, tb + frozen_grad_bytes(in), optim_share(in, &pt, r, counts), act,
+                  opt16(vals, "reduce_dtype") ? tb / 2 : 0);
+    ct_free(counts);
+    ct_partition_fini(&pt);
+    return CT_OK;
+}
+
+/* Index of a trainable parameter (build_input numbers them in p->user), or -1. */
+static int tindex(const ct_param *p) { return (int)(intptr_t)p->user - 1; }
+
+/* ZeRO-2's backward on one rank, replayed (src/parallel/zero.c): the
+ * gradients of parameters the rank owns any range of stay; another
+ * parameter's gradient is materialised when its module starts backward,
+ * after the oldest reduces are waited for while the bytes in flight plus
+ * the module's need exceed reduce_buffer_mb, and freed when its reduce is
+ * waited for (all of them at the end of backward).  With a 16-bit
+ * reduce_dtype each gradient's 2-byte wire copy lives from its grad-ready
+ * hook to that wait.  Returns the peaks of gradient and wire bytes. */
+static ct_status zero2_backward(const est_in *in, const char *owns, uint64_t limit, int wire, uint64_t *grad,
+                                uint64_t *comm)
+{
+    int n = in->ntp, *fifo = ct_alloc(sizeof *fifo * (size_t)(n + 1), CT_MEM_OTHER);
+    char *have = ct_alloc_zeroed((size_t)n + 1, CT_MEM_OTHER);
+    if (!fifo || !have) {
+        ct_free(fifo);
+        ct_free(have);
+        return CT_ENOMEM;
+    }
+    uint64_t owned = 0, alloc = 0, inflight = 0, wires = 0;
+    for (int i = 0; i < n; i++) owned += owns[i] ? (uint64_t)in->tp[i]->data->numel * 4 : 0;
+    *grad = owned;
+    *comm = 0;
+    int head = 0, len = 0;
+    for (int m = 0; m < in->nmods; m++) {
+        const ct_module *mod = in->bwd[m];
+        uint64_t need = 0;
+        for (int j = 0; j < mod->nparams; j++) {
+            int t = tindex(mod->params[j]);
+            if (t >= 0 && !owns[t] && !have[t]) need += (uint64_t)mod->params[j]->data->numel * 4;
+        }
+        while (len && inflight + need > limit) { /* finish_oldest */
+            int t = fifo[head];
+            head = (head + 1) % n;
+            len--;
+            uint64_t b = (uint64_t)in->tp[t]->data->numel * 4;
+            inflight -= b;
+            if (wire) wires -= b / 2;
+            if (!owns[t]) {
+                alloc -= b;
+                have[t] = 0;
+            }
+        }
+        for (int j = 0; j < mod->nparams; j++) {
+            int t = tindex(mod->params[j]);
+            if (t >= 0 && !owns[t] && !have[t]) have[t] = 1;
+        }
+        alloc += need;
+        if (owned + alloc > *grad) *grad = owned + alloc;
+        for (int j = 0; j < mod->nparams; j++) { /* grad_to_owners, in parameter order */
+            int t = tindex(mod->params[j]);
+            if (t < 0) continue;
+            uint64_t b = (uint64_t)in->tp[t]->data->numel * 4;
+            fifo[(head + len++) % n] = t;
+            inflight += b;
+            if (wire) wires += b / 2;
+            if (wires > *comm) *comm = wires;
+        }
+    }
+    ct_free(fifo);
+    ct_free(have);
+    return CT_OK;
+}
+
+/* ZeRO-2 (src/parallel/zero.c): no buckets; gradients this rank keeps plus those in flight. */
+static ct_status row_zero2(const est_in *in, const char *vals, est_row *row)
+{
+    uint64_t act;
+    ct_partition pt;
+    CT_TRY(activations(in, vals, &act));
+    CT_TRY(partition(in, vals, &pt));
+    int64_t *counts = ct_alloc(sizeof *counts * (size_t)(pt.n + 1), CT_MEM_OTHER);
+    char *owns = ct_alloc((size_t)in->ntp + 1, CT_MEM_OTHER);
+    ct_status st = counts && owns ? CT_OK : CT_ENOMEM;
+    uint64_t param = param_bytes(in, opt16(vals, "param_dtype"));
+    uint64_t limit = (uint64_t)(optnum(vals, "reduce_buffer_mb", 8) * 1048576.0);
+    for (int r = 0; st == CT_OK && r < in->world; r++) {
+        memset(owns, 0, (size_t)in->ntp + 1);
+        for (int k = 0; k < pt.n; k++)
+            if (pt.ranges[k].owner == r) owns[pt.ranges[k].param] = 1;
+        uint64_t grad, comm;
+        st = zero2_backward(in, owns, limit, opt16(vals, "reduce_dtype"), &grad, &comm);
+        if (st == CT_OK) take_rank(row, param, grad + frozen_grad_bytes(in), optim_share(in, &pt, r, counts), act, comm);
+    }
+    ct_free(counts);
+    ct_free(owns);
+    ct_partition_fini(&pt);
+    return st;
+}
+
+/* Every strategy's row, in the order of ct_strategy_list(); max_ranks 0: any. */
+typedef struct {
+    const char *kind;
+    int max_ranks;
+    ct_status (*row)(const est_in *in, const char *vals, est_row *row);
+} est_kind;
+
+static const est_kind kinds[] = {
+    {"none", 1, row_none},
+    {"ddp", 0, row_ddp},
+    {"zero1", 0, row_zero1},
+    {"zero2", 0, row_zero2},
+};
+#define NKINDS ((int)(sizeof kinds / sizeof kinds[0]))
+
+/* ---- the command -------------------------------------------------------- */
+
+typedef struct {
+    const char *model, *hidden, *optim, *mixed, *grad_compress, *strategy, *strategy_opt;
+    int64_t kernel, ranks, batch, grad_accum;
+    double dropout, momentum;
+    int json, has_kernel;
+} est_opts;
+
+static const char usage[] =
+    "usage: ctrain estimate --model mlp|cnn --ranks N [options]\n\n"
+    "Predicts the peak bytes per rank of every strategy for a model, from its shapes alone\n"
+    "(nothing is trained): one row per strategy, in the categories of the memory report that\n"
+    "'ctrain train' prints and writes as the last line of --metrics.";
+
+static const char epilog[] =
+    "Columns: param (f32 weights, buffers and, with --mixed bf16, bf16 compute copies), grad,\n"
+    "optim (optimizer state), act (activations of one step for this rank's share of --batch,\n"
+    "which is the global batch as in 'ctrain train', and its inputs), comm (communication\n"
+    "buffers), resident = param + grad + optim, total = all five (the data set is not counted).\n"
+    "Every figure is the largest rank's.  --strategy-opt keys apply to the strategies that take\n"
+    "them ('ctrain estimate --strategy-opt help' lists them).  --json prints one object per\n"
+    "strategy, in bytes.\n";
+
+static int table(est_opts *o, cli_opt *t)
+{
+    int n = 0;
+#define OPT(nm, ty, dst, mv, hl) t[n++] = (cli_opt){nm, ty, dst, mv, hl, 0}
+    OPT("--model", OPT_STR, &o->model, "NAME", "model: mlp or cnn");
+    OPT("--hidden", OPT_STR, &o->hidden, "LIST", "layer sizes (mlp 256,128; cnn conv channels then fc: 16,32,128)");
+    OPT("--kernel", OPT_INT, &o->kernel, "K", "cnn: conv kernel size, odd (3)");
+    OPT("--dropout", OPT_NUM, &o->dropout, "P", "mlp: dropout after every hidden layer (0)");
+    OPT("--ranks", OPT_INT, &o->ranks, "N", "number of ranks (required)");
+    OPT("--batch", OPT_INT, &o->batch, "B", "global batch size, split across ranks (64)");
+    OPT("--optim", OPT_STR, &o->optim, "NAME", "sgd or adamw (adamw)");
+    OPT("--momentum", OPT_NUM, &o->momentum, "M", "sgd momentum (0: no optimizer state)");
+    OPT("--mixed", OPT_STR, &o->mixed, "DTYPE", "mixed precision: bf16 compute copies of the weights (none)");
+    OPT("--grad-compress", OPT_STR, &o->grad_compress, "NAME", "gradients reduced as none (f32), bf16 or f16");
+    OPT("--grad-accum", OPT_INT, &o->grad_accum, "N", "micro-batches per step (1)");
+    OPT("--strategy", OPT_STR, &o->strategy, "LIST", "only these strategies, comma separated (all that apply)");
+    OPT("--strategy-opt", OPT_STR, &o->strategy_opt, "K=V,...", "strategy options, as for 'ctrain train'");
+    OPT("--json", OPT_FLAG, &o->json, NULL, "one JSON object per strategy, in bytes");
+#undef OPT
+    return n;
+}
+
+#define MAXOPT 20
+#define BAD(...) (snprintf(err, errn, "ctrain estimate: " __VA_ARGS__), CLI_USAGE)
+
+static int in_list(const char *v, const char *list)
+{
+    size_t len = strlen(v);
+    for (const char *p = list; (p = strstr(p, v)); p += len)
+        if ((p == list || p[-1] == ',' || p[-1] == ' ') && (p[len] == 0 || p[len] == ',')) return 1;
+    return 0;
+}
+
+/* Does kind take key?  Its help lines start "  key=default". */
+static int takes(const char *kind, const char *key)
+{
+    char help[4096], pat[160];
+    if (ct_strategy_help(kind, help, sizeof help) != CT_OK) return 0;
+    snprintf(pat, sizeof pat, "  %s=", key);
+    return strstr(help, pat) != NULL;
+}
+
+/* The rows to print: --strategy's, or every kind that fits the world. */
+static int chosen(const est_opts *o, int k)
+{
+    if (o->strategy) return in_list(kinds[k].kind, o->strategy);
+    return !kinds[k].max_ranks || o->ranks <= kinds[k].max_ranks;
+}
+
+/* The options string of kind (the flags', then --strategy-opt's keys it takes), checked and resolved. */
+static int resolve(const est_opts *o, const char *kind, char *vals, size_t n, char *err, size_t errn)
+{
+    char opts[2048];
+    int len = snprintf(opts, sizeof opts, "grad_accum=%lld,param_dtype=%s,reduce_dtype=%s", (long long)o->grad_accum,
+                       strcmp(o->mixed, "none") ? o->mixed : "f32",
+                       strcmp(o->grad_compress, "none") ? o->grad_compress : "f32");
+    for (const char *p = o->strategy_opt; p && *p;) {
+        size_t pl = strcspn(p, ","), kl = strcspn(p, "=,");
+        char key[128];
+        snprintf(key, sizeof key, "%.*s", (int)(kl < sizeof key ? kl : sizeof key - 1), p);
+        if (pl && (kl == pl || takes(kind, key)))
+            len += snprintf(opts + len, len < (int)sizeof opts ? sizeof opts - (size_t)len : 0, ",%.*s", (int)pl, p);
+        p += pl + (p[pl] == ',');
+    }
+    if (len >= (int)sizeof opts) return BAD("--strategy-opt is too long");
+    if (ct_strategy_check_opts(kind, opts, vals, n) != CT_OK) return BAD("--strategy-opt: %s", ct_last_error());
+    return 0;
+}
+
+static int parse(int argc, char **argv, est_opts *o, int *help, char *err, size_t errn)
+{
+    memset(o, 0, sizeof *o);
+    o->batch = 64;
+    o->optim = "adamw";
+    o->mixed = "none";
+    o->grad_compress = "none";
+    o->grad_accum = 1;
+    cli_opt t[MAXOPT];
+    int n = table(o, t), npos;
+    const char *pos[1];
+    int r = cli_parse("estimate", argc, argv, t, n, pos, 0, &npos, help, err, errn);
+    if (r || *help) return r;
+    for (int i = 0; i < n; i++)
+        if (t[i].given > 1) return BAD("%s is given %d times; give it once", t[i].name, t[i].given);
+#define GIVEN(nm) (cli_find(t, n, nm)->given != 0)
+    if (!o->model) return BAD("--model is required; choose one of: %s", ct_model_list());
+    ct_model_kind kind;
+    if (ct_model_parse_kind(o->model, &kind) != CT_OK) return BAD("--model: %s", ct_last_error());
+    if (!GIVEN("--ranks")) return BAD("--ranks is required: give the number of ranks, e.g. --ranks 2");
+    if (o->ranks < 1) return BAD("--ranks %lld must be at least 1", (long long)o->ranks);
+    if (o->ranks > 65536) return BAD("--ranks %lld is more than this estimate handles (65536)", (long long)o->ranks);
+    o->has_kernel = GIVEN("--kernel");
+    if (GIVEN("--kernel") && kind != CT_MODEL_CNN) return BAD("--kernel applies to --model cnn only");
+    if (o->hidden || o->has_kernel) {
+        ct_model_config c = ct_model_config_default(kind);
+        if (o->hidden && ct_model_config_parse_hidden(&c, o->hidden) != CT_OK) return BAD("--hidden: %s", ct_last_error());
+        if (o->has_kernel) c.kernel = o->kernel < 0 || o->kernel > 99 ? 0 : (int)o->kernel;
+        if (ct_model_config_validate(&c) != CT_OK)
+            return BAD("%s: %s", o->has_kernel ? "--kernel" : "--hidden", ct_last_error());
+    }
+    if (GIVEN("--dropout") && kind != CT_MODEL_MLP) return BAD("--dropout applies to --model mlp only");
+    if (GIVEN("--dropout") && !(o->dropout >= 0 && o->dropout < 1)) return BAD("--dropout %g must be in [0, 1)", o->dropout);
+    ct_optim_kind ok;
+    if (ct_optim_parse(o->optim, &ok)) return BAD("unknown optimizer '%s' for --optim; choose sgd or adamw", o->optim);
+    if (GIVEN("--momentum") && ok != CT_OPT_SGD) return BAD("--momentum applies to --optim sgd only (adamw has betas)");
+    if (o->momentum < 0) return BAD("--momentum %g must not be negative", o->momentum);
+    if (strcmp(o->mixed, "none") && strcmp(o->mixed, "bf16")) return BAD("unknown --mixed '%s'; choose none or bf16", o->mixed);
+    if (strcmp(o->grad_compress, "none") && strcmp(o->grad_compress, "bf16") && strcmp(o->grad_compress, "f16"))
+        return BAD("unknown --grad-compress '%s'; choose none, bf16 or f16", o->grad_compress);
+    if (o->grad_accum < 1) return BAD("--grad-accum %lld must be at least 1", (long long)o->grad_accum);
+    if (o->batch < o->ranks && o->grad_accum == 1)
+        return BAD("--batch %lld is smaller than the %lld ranks; every rank needs at least one sample per step: use "
+                   "--batch %lld or more", (long long)o->batch, (long long)o->ranks, (long long)o->ranks);
+    if (o->batch < o->ranks * o->grad_accum)
+        return BAD("--batch %lld is smaller than %lld ranks x %lld micro-batches; every rank needs a sample per "
+                   "micro-batch: use --batch %lld or more", (long long)o->batch, (long long)o->ranks,
+                   (long long)o->grad_accum, (long long)(o->ranks * o->grad_accum));
+#undef GIVEN
+    if (o->strategy) {
+        char list[256];
+        snprintf(list, sizeof list, "%s", o->strategy);
+        for (char *s = strtok(list, ","); s; s = strtok(NULL, ",")) {
+            int k = 0;
+            while (k < NKINDS && strcmp(kinds[k].kind, s)) k++;
+            if (k == NKINDS) return BAD("unknown strategy '%s' in --strategy; choose from: %s", s, ct_strategy_list());
+            if (kinds[k].max_ranks && o->ranks > kinds[k].max_ranks)
+                return BAD("--strategy %s runs every rank alone; it applies to --ranks 1 only (drop it from --strategy)", s);
+        }
+    }
+    /* A --strategy-opt key applies to the strategies that take it; one that
+     * none of the estimated strategies takes is a mistake. */
+    for (const char *p = o->strategy_opt; p && *p;) {
+        size_t pl = strcspn(p, ","), kl = strcspn(p, "=,");
+        char key[128], who[256] = "";
+        snprintf(key, sizeof key, "%.*s", (int)(kl < sizeof key ? kl : sizeof key - 1), p);
+        int shown = 0;
+        for (int k = 0; pl && kl < pl && k < NKINDS; k++) {
+            int tk = takes(kinds[k].kind, key);
+            if (tk) snprintf(who + strlen(who), sizeof who - strlen(who), "%s%s", *who ? ", " : "", kinds[k].kind);
+            if (chosen(o, k)) shown += tk;
+        }
+        if (pl && kl < pl && !shown && *who)
+            return BAD("--strategy-opt %s: no strategy estimated here takes it (%s do); drop it or add one of "
+                       "those to --strategy", key, who);
+        if (pl && kl < pl && !shown)
+            return BAD("--strategy-opt %s: no strategy takes this key; drop it ('ctrain estimate --strategy-opt "
+                       "help' lists the keys)", key);
+        p += pl + (p[pl] == ',');
+    }
+    return 0;
+}
+
+/* The model, its parameters and the order backward reaches its modules. */
+static ct_status build_input(const est_opts *o, est_in *in)
+{
+    memset(in, 0, sizeof *in);
+    ct_model_kind kind;
+    CT_TRY(ct_model_parse_kind(o->model, &kind));
+    in->cfg = ct_model_config_default(kind);
+    if (o->hidden) CT_TRY(ct_model_config_parse_hidden(&in->cfg, o->hidden));
+    if (o->has_kernel) in->cfg.kernel = o->kernel < 0 || o->kernel > 99 ? 0 : (int)o->kernel;
+    in->cfg.dropout = (float)o->dropout;
+    CT_TRY(ct_model_config_validate(&in->cfg));
+    in->world = (int)o->ranks;
+    in->batch = o->batch;
+    ct_optim_parse(o->optim, &in->optim);
+    in->momentum = o->momentum;
+    CT_TRY(ct_model_build(&in->cfg, 0, &in->model));
+    CT_TRY(ct_module_params(in->model, &in->params, &in->nparams));
+    in->tp = ct_alloc(sizeof *in->tp * (size_t)(in->nparams + 1), CT_MEM_OTHER);
+    if (!in->tp) return CT_ENOMEM;
+    for (int i = 0; i < in->nparams; i++)
+        if (in->params[i]->requires_grad) {
+            in->tp[in->ntp++] = in->params[i];
+            in->params[i]->user = (void *)(intptr_t)in->ntp; /* index + 1: 0 stays "not trainable" */
+        }
+    ct_param **bufs;
+    int nb;
+    CT_TRY(ct_module_buffers(in->model, &bufs, &nb));
+    for (int i = 0; i < nb; i++) in->buffer_bytes += (uint64_t)ct_tensor_bytes(bufs[i]->data);
+    ct_free(bufs);
+    /* Backward runs the modules in the reverse of forward's order (pre-order for these containers). */
+    ct_module **mods;
+    int nm;
+    CT_TRY(ct_module_modules(in->model, &mods, &nm));
+    in->bwd = ct_alloc(sizeof *in->bwd * (size_t)(nm + 1), CT_MEM_OTHER);
+    for (int i = nm - 1; in->bwd && i >= 0; i--) {
+        int trainable = 0;
+        for (int j = 0; j < mods[i]->nparams; j++) trainable |= mods[i]->params[j]->requires_grad;
+        if (trainable) in->bwd[in->nmods++] = mods[i];
+    }
+    ct_free(mods);
+    return in->bwd ? CT_OK : CT_ENOMEM;
+}
+
+static void free_input(est_in *in)
+{
+    ct_module_destroy(in->model);
+    ct_free(in->params);
+    ct_free(in->tp);
+    ct_free(in->bwd);
+}
+
+static void print_row(const est_opts *o, const char *kind, const est_row *r)
+{
+    if (o->json) {
+        printf("{\"strategy\":\"%s\",\"ranks\":%lld,\"param\":%llu,\"grad\":%llu,\"optim\":%llu,\"act\":%llu,"
+               "\"comm\":%llu,\"resident\":%llu,\"total\":%llu}\n", kind, (long long)o->ranks,
+               (unsigned long long)r->param, (unsigned long long)r->grad, (unsigned long long)r->optim,
+               (unsigned long long)r->act, (unsigned long long)r->comm, (unsigned long long)r->resident,
+               (unsigned long long)r->total);
+        return;
+    }
+    const uint64_t v[] = {r->param, r->grad, r->optim, r->act, r->comm, r->resident, r->total};
+    char b[32];
+    printf("  %-9s", kind);
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) printf("%11s", cli_bytes((double)v[i], b, sizeof b));
+    printf("\n");
+}
+
+int cli_estimate(int argc, char **argv)
+{
+    est_opts o;
+    char err[1024];
+    int help;
+    int rc = parse(argc, argv, &o, &help, err, sizeof err);
+    if (help) {
+        est_opts d;
+        cli_opt t[MAXOPT];
+        cli_print_help(stdout, usage, t, table(&d, t), epilog);
+        return CLI_OK;
+    }
+    if (rc) {
+        fprintf(stderr, "%s\n", err);
+        return rc;
+    }
+    if (o.strategy_opt && !strcmp(o.strategy_opt, "help")) {
+        char buf[4096];
+        for (int k = 0; k < NKINDS; k++) {
+            if (!chosen(&o, k) || ct_strategy_help(kinds[k].kind, buf, sizeof buf) != CT_OK) continue;
+            printf("--strategy %s takes --strategy-opt KEY=VALUE,... with these keys (defaults shown):\n%s",
+                   kinds[k].kind, buf);
+        }
+        return CLI_OK;
+    }
+    char vals[NKINDS][2048];
+    for (int k = 0; k < NKINDS; k++)
+        if (chosen(&o, k) && (rc = resolve(&o, kinds[k].kind, vals[k], sizeof vals[k], err, sizeof err))) {
+            fprintf(stderr, "%s\n", err);
+            return rc;
+        }
+    est_in in;
+    ct_status st = build_input(&o, &in);
+    if (st != CT_OK) {
+        cli_err("estimate", "%s", ct_last_error());
+        free_input(&in);
+        return st == CT_EINVAL ? CLI_USAGE : CLI_RUNTIME;
+    }
+    if (!o.json) {
+        char desc[300];
+        int64_t rows = o.batch / o.ranks + (o.batch % o.ranks != 0);
+        printf("ctrain estimate: %s (%lld parameters), %s%s, %lld rank%s, batch %lld (%lld rows per rank%s)%s%s\n",
+               cli_config_str(&in.cfg, desc, sizeof desc), (long long)ct_module_num_params(in.model), o.optim,
+               in.optim == CT_OPT_SGD && o.momentum ? " with momentum" : "", (long long)o.ranks,
+               o.ranks == 1 ? "" : "s", (long long)o.batch, (long long)rows, o.grad_accum > 1 ? ", accumulated" : "",
+               strcmp(o.mixed, "none") ? ", mixed bf16" : "",
+               strcmp(o.grad_compress, "none") ? (strcmp(o.grad_compress, "bf16") ? ", f16 reduce" : ", bf16 reduce") : "");
+        printf("peak bytes per rank (the largest rank's):\n  %-9s%11s%11s%11s%11s%11s%11s%11s\n", "strategy", "param",
+               "grad", "optim", "act", "comm", "resident", "total");
+    }
+    for (int k = 0; st == CT_OK && k < NKINDS; k++) {
+        if (!chosen(&o, k)) continue;
+        est_row row = {0};
+        st = kinds[k].row(&in, vals[k], &row);
+        if (st == CT_OK) print_row(&o, kinds[k].kind, &row);
+    }
+    if (st == CT_OK && !o.json)
+        printf("  (resident = param + grad + optim; total adds act and comm; the data set is not counted)\n");
+    if (st != CT_OK) cli_err("estimate", "%s", ct_last_error());
+    free_input(&in);
+    return st == CT_OK ? CLI_OK : CLI_RUNTIME;
+}

@@ -1,0 +1,40 @@
+/*
+ * `ctrain estimate`: predicted per-rank memory of every strategy from a
+ * model's shapes alone.  estimate.c owns the command and the table of
+ * strategies (a row is one function of est_in); estimate_act.c estimates the
+ * activations of one training step by replaying, on shapes only, what each
+ * layer keeps in its record and allocates while it runs.
+ */
+#ifndef CTRAIN_CLI_ESTIMATE_H
+#define CTRAIN_CLI_ESTIMATE_H
+
+#include "cli.h"
+
+/* What every row reads: the model, the run's settings, the parameters. */
+typedef struct {
+    ct_module *model;
+    ct_model_config cfg;
+    int world;
+    int64_t batch;          /* global batch, as `ctrain train --batch` */
+    ct_optim_kind optim;
+    double momentum;
+    int nparams;
+    ct_param **params;      /* every parameter, model order */
+    int ntp;
+    ct_param **tp;          /* trainable ones, model order (the strategies' indices) */
+    uint64_t buffer_bytes;  /* buffers (batchnorm statistics) count as param */
+    int nmods;
+    ct_module **bwd;        /* modules with trainable parameters, in the order backward reaches them */
+} est_in;
+
+/* Peak bytes of the activation category over one training step of a rank
+ * holding rows samples, cut into k micro-batches (the first, largest, one
+ * sets the peak), with the loss gradient scaled (a copy: scaled != 0 when
+ * the micro-batch is not the whole global batch) and with bf16 compute
+ * copies of the weights (mixed != 0).  Counts this rank's batch (inputs and
+ * targets), the records forward leaves for backward, and what is alive at
+ * once while a layer runs (its output, input gradient and scratch).  Layer
+ * kinds it does not know are assumed to keep their input and output. */
+ct_status est_activations(const est_in *in, int64_t rows, int k, int scaled, int mixed, uint64_t *bytes);
+
+#endif
