@@ -206,8 +206,8 @@ static ct_status row_zero1(const est_in *in, const char *vals, est_row *row)
 static int tindex(const ct_param *p) { return (int)(intptr_t)p->user - 1; }
 
 /* ZeRO-2's backward on one rank, replayed (src/parallel/zero.c): the
- * gradients of parameters the rank owns any range of stay; another
- * parameter's gradient is materialised when its module starts backward,
+ * rank's reduced ranges live in its gradient shard (counted by the caller;
+ * owns is all zero for it now); every parameter's gradient is materialised when its module starts backward,
  * after the oldest reduces are waited for while the bytes in flight plus
  * the module's need exceed reduce_buffer_mb, and freed when its reduce is
  * waited for (all of them at the end of backward).  With a 16-bit
@@ -281,11 +281,14 @@ static ct_status row_zero2(const est_in *in, const char *vals, est_row *row)
     uint64_t param = param_bytes(in, opt16(vals, "param_dtype"));
     uint64_t limit = (uint64_t)(optnum(vals, "reduce_buffer_mb", 8) * 1048576.0);
     for (int r = 0; st == CT_OK && r < in->world; r++) {
+        /* the shard: exactly the owned elements (src/parallel/zero.c allocates 64 bytes more) */
         memset(owns, 0, (size_t)in->ntp + 1);
+        uint64_t shard = 64;
         for (int k = 0; k < pt.n; k++)
-            if (pt.ranges[k].owner == r) owns[pt.ranges[k].param] = 1;
+            if (pt.ranges[k].owner == r) shard += (uint64_t)pt.ranges[k].count * 4;
         uint64_t grad, comm;
         st = zero2_backward(in, owns, limit, opt16(vals, "reduce_dtype"), &grad, &comm);
+        grad += shard;
         if (st == CT_OK) take_rank(row, param, grad + frozen_grad_bytes(in), optim_share(in, &pt, r, counts), act, comm);
     }
     ct_free(counts);

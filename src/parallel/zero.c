@@ -12,9 +12,13 @@
  * ZeRO-2 (fairscale's ShardedDataParallel) keeps no gradient buckets: a
  * parameter's gradient is materialised when its module starts backward,
  * reduced to the owners of its ranges as soon as it is complete (the
- * grad-ready hook), and a rank that owns none of it frees it when the
- * reduce is done, so gradient memory is this rank's share plus what is in
- * flight (at most reduce_buffer_mb before the oldest reduce is waited for).
+ * grad-ready hook); when the reduce is done the owners copy their ranges
+ * into this rank's gradient shard (one flat buffer of exactly the owned
+ * elements, which the optimizer steps from) and every rank frees the
+ * gradient.  Gradient memory is the shard plus what is in flight: before a
+ * module's gradients are materialised, backward waits for the oldest
+ * reduces until reduce_buffer_mb would hold them (or nothing is left in
+ * flight, for a module larger than that).
  * Clipping sums each rank's owned squares and allreduces them.
  *
  * Checkpoints: the consolidated optimizer state is assembled on rank 0 (a
@@ -82,7 +86,9 @@ typedef struct {
     ct_hook **grad_hooks; /* [ntp] */
     char *trainable;    /* [ntp] requires_grad as last seen (a parameter may be frozen and unfrozen) */
     int stepped;        /* no gradients pending: the trainable set may be refreshed */
-    char *owns;         /* [ntp] this rank owns some range of the parameter: keeps its gradient */
+    float *gshard;      /* this rank's reduced gradients, owned ranges end to end (optimizer slots) */
+    int64_t *goff;      /* [pt.n] offset of an owned range in gshard, else -1 */
+    int64_t nshard;
     char *ready;        /* [ntp] reduced in this backward */
     ct_work **red;      /* [pt.n] reduce of the range to its owner */
     uint16_t **wire;    /* [ntp] 16-bit copy on the wire (reduce_dtype bf16/f16), or NULL */
@@ -160,14 +166,18 @@ static void zero_core_fini(ct_strategy *s)
             ct_hook_remove(z->grad_hooks[i]);
             /* every parameter leaves with a gradient of its own again */
             ct_param *p = z->tp[i];
-            if (p->grad && !ct_tensor_data(p->grad)) {
-                ct_storage_alloc_data(p->grad->storage, 1);
+            if (p->grad && !ct_tensor_data(p->grad) && ct_storage_alloc_data(p->grad->storage, 1) == CT_OK) {
                 p->grad_stale = 0;
+                for (int k = z->first[i]; z->gshard && k < z->pt.n && z->pt.ranges[k].param == i; k++)
+                    if (z->goff[k] >= 0) /* the reduced values this rank holds */
+                        memcpy((float *)ct_tensor_data(p->grad) + z->pt.ranges[k].offset, z->gshard + z->goff[k],
+                               (size_t)z->pt.ranges[k].count * sizeof(float));
             }
         }
         ct_free(z->grad_hooks);
         ct_free(z->trainable);
-        ct_free(z->owns);
+        ct_free(z->gshard);
+        ct_free(z->goff);
         ct_free(z->ready);
         ct_free(z->red);
         ct_free(z->wire);
@@ -315,6 +325,27 @@ static ct_status zero_build_optim(ct_strategy *s, const ct_optim_opts *oo)
 /* Before the optimizer writes the owned ranges: the last broadcasts are
  * done (forward hooks waited for all but unused modules' parameters). */
 static ct_status zero_pre_step(ct_strategy *s) { return wait_all(s); }
+
+/* ZeRO-2's optimizer steps the owned ranges from the gradient shard; the
+ * parameters do not move under it, so the slots point straight at them. */
+static ct_status zero2_build_optim(ct_strategy *s, const ct_optim_opts *oo)
+{
+    zero_t *z = Z(s);
+    int n = 0;
+    ct_optim_slot *sl = ct_alloc_zeroed(sizeof *sl * (size_t)(z->pt.n + 1), CT_MEM_OTHER);
+    if (!sl) return CT_ENOMEM;
+    for (int k = 0; k < z->pt.n; k++) {
+        const ct_part_range *x = &z->pt.ranges[k];
+        z->slot[k] = z->goff[k] >= 0 ? n : -1;
+        if (z->goff[k] < 0) continue;
+        ct_param *p = z->tp[x->param];
+        sl[n++] = (ct_optim_slot){(float *)ct_tensor_data(p->data) + x->offset, z->gshard + z->goff[k], x->count,
+                                  p->name, x->offset};
+    }
+    s->opt = ct_optim_create_slots(oo, sl, n);
+    ct_free(sl);
+    return s->opt ? CT_OK : (ct_status)CT_EINVAL;
+}
 
 /* Each owner sends its updated ranges; nobody waits here. */
 static ct_status zero_post_step(ct_strategy *s)
@@ -512,8 +543,8 @@ const ct__strategy_ops ct__zero1_ops = {
 
 static const zero2_opts *O2(const ct_strategy *s) { return s->kopts; }
 
-/* Waits for the oldest parameter in flight: its owners now hold the sum;
- * a rank that owns none of it frees the gradient. */
+/* Waits for the oldest parameter in flight: its owners copy their ranges
+ * of the sum into the shard, and every rank frees the gradient. */
 static ct_status finish_oldest(ct_strategy *s)
 {
     zero_t *z = Z(s);
@@ -529,11 +560,11 @@ static ct_status finish_oldest(ct_strategy *s)
         ct_work_destroy(z->red[k]);
         z->red[k] = NULL;
         const ct_part_range *x = &z->pt.ranges[k];
-        if (z->wire[i] && x->owner == ct_group_rank(s->g)) {
-            float *g = (float *)ct_tensor_data(p->grad) + x->offset;
-            if (s->common.reduce_dtype == CT_BF16) ct_bf16_to_f32_n(z->wire[i] + x->offset, g, (size_t)x->count);
-            else ct_f16_to_f32_n(z->wire[i] + x->offset, g, (size_t)x->count);
-        }
+        if (z->goff[k] < 0) continue;
+        float *g = z->gshard + z->goff[k];
+        if (!z->wire[i]) memcpy(g, (const float *)ct_tensor_data(p->grad) + x->offset, (size_t)x->count * 4);
+        else if (s->common.reduce_dtype == CT_BF16) ct_bf16_to_f32_n(z->wire[i] + x->offset, g, (size_t)x->count);
+        else ct_f16_to_f32_n(z->wire[i] + x->offset, g, (size_t)x->count);
     }
     double end = z->t_start[i];
     for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++)
@@ -543,7 +574,8 @@ static ct_status finish_oldest(ct_strategy *s)
     ct_free(z->wire[i]);
     z->wire[i] = NULL;
     z->inflight -= ct_tensor_bytes(p->grad);
-    if (!z->owns[i]) ct_storage_free_data(p->grad->storage);
+    ct_storage_free_data(p->grad->storage);
+    p->grad_stale = 1;
     return st;
 }
 
@@ -627,19 +659,22 @@ static ct_status zero2_init(ct_strategy *s)
     zero_t *z = Z(s);
     size_t nt = (size_t)z->ntp + 1, nr = (size_t)z->pt.n + 1;
     z->grad_hooks = ct_alloc_zeroed(sizeof *z->grad_hooks * nt, CT_MEM_OTHER);
-    z->owns = ct_alloc_zeroed(nt, CT_MEM_OTHER);
+    z->goff = ct_alloc_zeroed(sizeof *z->goff * nr, CT_MEM_OTHER);
     z->ready = ct_alloc_zeroed(nt, CT_MEM_OTHER);
     z->red = ct_alloc_zeroed(sizeof *z->red * nr, CT_MEM_OTHER);
     z->wire = ct_alloc_zeroed(sizeof *z->wire * nt, CT_MEM_OTHER);
     z->fifo = ct_alloc_zeroed(sizeof *z->fifo * nt, CT_MEM_OTHER);
     z->t_start = ct_alloc_zeroed(sizeof *z->t_start * nt, CT_MEM_OTHER);
     z->t_end = ct_alloc_zeroed(sizeof *z->t_end * nr, CT_MEM_OTHER);
-    if (!z->grad_hooks || !z->owns || !z->ready || !z->red || !z->wire || !z->fifo || !z->t_start || !z->t_end)
+    if (!z->grad_hooks || !z->goff || !z->ready || !z->red || !z->wire || !z->fifo || !z->t_start || !z->t_end)
         return CT_ENOMEM;
     z->limit = (size_t)(o->reduce_buffer_mb * 1048576.0);
     int rank = ct_group_rank(s->g);
-    for (int k = 0; k < z->pt.n; k++)
-        if (z->pt.ranges[k].owner == rank) z->owns[z->pt.ranges[k].param] = 1;
+    for (int k = 0; k < z->pt.n; k++) {
+        z->goff[k] = z->pt.ranges[k].owner == rank ? z->nshard : -1;
+        if (z->goff[k] >= 0) z->nshard += z->pt.ranges[k].count;
+    }
+    if (!(z->gshard = ct_alloc_zeroed((size_t)z->nshard * sizeof(float) + 64, CT_MEM_GRAD))) return CT_ENOMEM;
     for (int i = 0; i < z->ntp; i++) {
         ct_param *p = z->tp[i];
         const ct_storage *gs = p->grad ? p->grad->storage : NULL;
@@ -647,10 +682,9 @@ static ct_status zero2_init(ct_strategy *s)
             return ct_error(CT_ESTATE, "zero2: the gradient of '%s' is a view into other memory (is the model "
                             "wrapped by another strategy?)", p->name);
         if (!(z->grad_hooks[i] = ct_param_add_hook(p, grad_to_owners, s))) return CT_ENOMEM;
-        if (!z->owns[i]) { /* materialised by its module's backward, freed once reduced */
-            CT_TRY(ct_storage_free_data(p->grad->storage));
-            p->grad_stale = 1;
-        }
+        /* materialised by its module's backward, freed once reduced */
+        CT_TRY(ct_storage_free_data(p->grad->storage));
+        p->grad_stale = 1;
     }
     ct_module **mods = NULL;
     int nmods = 0;
@@ -715,6 +749,10 @@ static ct_status zero2_post_backward(ct_strategy *s)
         ct_status w = finish_oldest(s);
         if (st == CT_OK) st = w;
     }
+    /* A frozen parameter's gradient is zero, as a plain optimizer sees it. */
+    for (int k = 0; k < z->pt.n; k++)
+        if (z->goff[k] >= 0 && !z->trainable[z->pt.ranges[k].param])
+            memset(z->gshard + z->goff[k], 0, (size_t)z->pt.ranges[k].count * sizeof(float));
     double t1 = ct_now();
     if (z->ntp) ct_trace_event("wait for reduce", "comm", t0, t1, 0);
     s->stats.comm_wait += t1 - t0;
@@ -752,16 +790,10 @@ static ct_status zero2_grad_norm(ct_strategy *s, double norm_type, double *norm)
     zero_t *z = Z(s);
     int inf = norm_type != 2.0;
     double acc = 0;
-    int rank = ct_group_rank(s->g);
-    for (int k = 0; k < z->pt.n; k++) {
-        const ct_part_range *x = &z->pt.ranges[k];
-        if (x->owner != rank) continue;
-        const float *g = (const float *)ct_tensor_data(z->tp[x->param]->grad) + x->offset;
-        for (int64_t j = 0; j < x->count; j++) {
-            double a = fabs((double)g[j]);
-            if (inf) acc = a > acc || isnan(a) ? a : acc;
-            else acc += a * a;
-        }
+    for (int64_t j = 0; j < z->nshard; j++) {
+        double a = fabs((double)z->gshard[j]);
+        if (inf) acc = a > acc || isnan(a) ? a : acc;
+        else acc += a * a;
     }
     float v = (float)acc;
     CT_TRY(ct_group_allreduce(s->g, &v, 1, CT_F32, inf ? CT_OP_MAX : CT_OP_SUM, NULL));
@@ -772,13 +804,7 @@ static ct_status zero2_grad_norm(ct_strategy *s, double norm_type, double *norm)
 static void zero2_scale_grads(ct_strategy *s, float c)
 {
     zero_t *z = Z(s);
-    int rank = ct_group_rank(s->g);
-    for (int k = 0; k < z->pt.n; k++) {
-        const ct_part_range *x = &z->pt.ranges[k];
-        if (x->owner != rank) continue;
-        float *g = (float *)ct_tensor_data(z->tp[x->param]->grad) + x->offset;
-        for (int64_t j = 0; j < x->count; j++) g[j] *= c;
-    }
+    for (int64_t j = 0; j < z->nshard; j++) z->gshard[j] *= c;
 }
 
 const ct__strategy_ops ct__zero2_ops = {
@@ -794,7 +820,7 @@ const ct__strategy_ops ct__zero2_ops = {
     .post_backward = zero2_post_backward,
     .reduce = zero2_reduce,
     .grad_scale = ct__ddp_grad_scale,
-    .build_optim = zero_build_optim,
+    .build_optim = zero2_build_optim,
     .grad_norm = zero2_grad_norm,
     .scale_grads = zero2_scale_grads,
     .pre_step = zero_pre_step,
