@@ -6,13 +6,15 @@
  * AdamW, 2 ranks, one BLAS thread per rank, cross-entropy over 1024 classes.
  *
  *   bench/ddp [--steps N] [--warmup N] [--trace FILE] [--compress bf16|f16] [--bucket-cap-mb X]
- *             [--strategy ddp|zero1|zero2]
+ *             [--strategy ddp|zero1|zero2] [--opt KEY=VALUE]...
  *
  * --strategy times the same loop under another strategy (bench/compare-pytorch
  * runs zero1 and zero2 against PyTorch's ZeroRedundancyOptimizer this way;
- * --bucket-cap-mb is a DDP and zero1 option only).  Started without mpirun it
- * re-launches itself on 2 ranks.  The last line is machine-readable:
- * "ctrain_<strategy> step_ms=<median> ..." ("ctrain_ddp step_ms=..." by default).
+ * --bucket-cap-mb is a DDP and zero1 option only); --opt passes any option
+ * of the strategy (ct_strategy_help), e.g. --opt reduce_buffer_mb=64 for
+ * zero2.  Started without mpirun it re-launches itself on 2 ranks.  The last
+ * line is machine-readable: "ctrain_<strategy> step_ms=<median> ..."
+ * ("ctrain_ddp step_ms=..." by default).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +43,8 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--warmup") && i + 1 < argc) warmup = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--trace") && i + 1 < argc) trace = argv[++i];
         else if (!strcmp(argv[i], "--strategy") && i + 1 < argc) kind = argv[++i];
+        else if (!strcmp(argv[i], "--opt") && i + 1 < argc)
+            snprintf(so + strlen(so), sizeof so - strlen(so), ",%s", argv[++i]);
         else if (!strcmp(argv[i], "--bucket-cap-mb") && i + 1 < argc) snprintf(so + strlen(so), sizeof so - strlen(so), ",bucket_cap_mb=%s", argv[++i]);
         else if (!strcmp(argv[i], "--compress") && i + 1 < argc)
             snprintf(so + strlen(so), sizeof so - strlen(so), ",reduce_dtype=%s", argv[++i]);
@@ -49,7 +53,7 @@ int main(int argc, char **argv)
         else {
             fprintf(stderr, "usage: bench/ddp [--steps N] [--warmup N] [--trace FILE] "
                             "[--compress bf16|f16] [--mixed bf16] [--bucket-cap-mb X] "
-                            "[--strategy ddp|zero1|zero2]\n");
+                            "[--strategy ddp|zero1|zero2] [--opt KEY=VALUE]\n");
             return 2;
         }
     }

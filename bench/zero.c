@@ -24,13 +24,15 @@
  * alike; step times pool every round's timed steps.
  *
  *   bench/zero [--np 2,4] [--strategy ddp,zero1,zero2] [--steps N] [--warmup N]
- *              [--rounds N] [--trace FILE]
+ *              [--rounds N] [--trace FILE] [--opt KEY=VALUE]...
  *
  * Started without mpirun it runs itself under mpirun once per --np value
  * (world sizes above the machine's core count are oversubscribed; it says so,
  * and their times only compare with each other).  Under mpirun it runs at
  * that world size.  --trace writes Chrome traces of the first round's timed
- * steps, FILE.<strategy>.np<N>.rank<r>.json.  The last line is
+ * steps, FILE.<strategy>.np<N>.rank<r>.json.  --opt passes a strategy option
+ * to every strategy run (each must take it: --strategy zero2 --opt
+ * reduce_buffer_mb=64).  The last line is
  * machine-readable: "ctrain_zero np2_ddp_step_ms=... np2_ddp_resident_bpp=...
  * np2_ddp_mem=OK ..." (under mpirun: "ctrain_zero np=N ddp_step_ms=...").
  */
@@ -146,6 +148,7 @@ typedef struct {
     int n;
     ct_mem_report *mem; /* [world], from the last round */
     int nbuckets;
+    double inflight_mb; /* zero2's reduce_buffer_mb, else < 0 */
 } result;
 
 /* The ZeRO paper's bytes per parameter for f32 AdamW, per category. */
@@ -173,14 +176,17 @@ static ct_module *reference_model(void)
 }
 
 /* A fresh model and strategy: warm-up, reset the peaks, timed steps. */
-static void run_round(result *r, const ct_batch *b, int steps, int warmup, const char *trace, int round)
+static void run_round(result *r, const ct_batch *b, const char *opts, int steps, int warmup, const char *trace,
+                      int round)
 {
     ct_group *g = ct_group_world();
     int rank = ct_group_rank(g), world = ct_group_size(g);
     ct_module *m = reference_model();
     ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
     ct_strategy *s;
-    check(ct_strategy_create(r->kind, m, &oo, g, "", &s), r->kind);
+    check(ct_strategy_create(r->kind, m, &oo, g, opts, &s), r->kind);
+    const char *rb = ct_strategy_opt(s, "reduce_buffer_mb");
+    r->inflight_mb = rb ? atof(rb) : -1;
     for (int it = 0; it < warmup + steps; it++) {
         if (it == warmup) {
             ct_mem_reset_peak();
@@ -273,6 +279,10 @@ static void report(result *res, int nk, int world, int64_t nparams)
         }
         printf("  %-8s %11s %11s %11s %6.2f/%6.2f %7.3f  %s%s\n", kind, cols[0], cols[1], cols[2], mr, fr, ratio,
                bad[0] ? "MISMATCH:" : "OK", bad);
+        if (res[k].inflight_mb >= 0) /* what the formula leaves out: a constant, not bytes per parameter */
+            printf("  %-8s   grad also holds, beyond this rank's share, the gradients in flight to their owners: "
+                   "a constant,\n  %-8s   at most max(reduce_buffer_mb = %g MiB, one module's), that the formula "
+                   "leaves out\n", "", "", res[k].inflight_mb);
         used += snprintf(last + used, sizeof last - (size_t)used, " %s_resident_bpp=%.3f %s_formula_bpp=%.3f "
                          "%s_mem=%s", kind, mr, kind, fr, kind, bad[0] ? "MISMATCH" : "OK");
     }
@@ -299,6 +309,7 @@ int main(int argc, char **argv)
     ct_blas_select_kernel(argc, argv); /* measure the fast kernel, as ctrain runs it */
     int steps = 10, warmup = 3, rounds = 3;
     const char *nps = "2,4", *kinds = "ddp,zero1,zero2", *trace = NULL;
+    char opts[1024] = "";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--warmup") && i + 1 < argc) warmup = atoi(argv[++i]);
@@ -306,9 +317,12 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--np") && i + 1 < argc) nps = argv[++i];
         else if (!strcmp(argv[i], "--strategy") && i + 1 < argc) kinds = argv[++i];
         else if (!strcmp(argv[i], "--trace") && i + 1 < argc) trace = argv[++i];
-        else {
+        else if (!strcmp(argv[i], "--opt") && i + 1 < argc) {
+            size_t l = strlen(opts);
+            snprintf(opts + l, sizeof opts - l, "%s%s", l ? "," : "", argv[++i]);
+        } else {
             fprintf(stderr, "usage: bench/zero [--np 2,4] [--strategy ddp,zero1,zero2] [--steps N] "
-                            "[--warmup N] [--rounds N] [--trace FILE]\n");
+                            "[--warmup N] [--rounds N] [--trace FILE] [--opt KEY=VALUE]\n");
             return 2;
         }
     }
@@ -373,7 +387,7 @@ int main(int argc, char **argv)
     ct_batch b = {.x = x, .y = y};
 
     for (int round = 0; round < rounds; round++)
-        for (int k = 0; k < nk; k++) run_round(&res[k], &b, steps, warmup, trace, round);
+        for (int k = 0; k < nk; k++) run_round(&res[k], &b, opts, steps, warmup, trace, round);
 
     if (rank == 0) report(res, nk, world, (int64_t)DEPTH * (WIDTH * WIDTH + WIDTH));
 
