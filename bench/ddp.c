@@ -6,9 +6,15 @@
  * AdamW, 2 ranks, one BLAS thread per rank, cross-entropy over 1024 classes.
  *
  *   bench/ddp [--steps N] [--warmup N] [--trace FILE] [--compress bf16|f16] [--bucket-cap-mb X]
+ *             [--strategy ddp|zero1|zero2] [--opt KEY=VALUE]...
  *
- * Started without mpirun it re-launches itself on 2 ranks.  The last line
- * is machine-readable: "ctrain_ddp step_ms=<median> ...".
+ * --strategy times the same loop under another strategy (bench/compare-pytorch
+ * runs zero1 and zero2 against PyTorch's ZeroRedundancyOptimizer this way;
+ * --bucket-cap-mb is a DDP and zero1 option only); --opt passes any option
+ * of the strategy (ct_strategy_help), e.g. --opt reduce_buffer_mb=64 for
+ * zero2.  Started without mpirun it re-launches itself on 2 ranks.  The last
+ * line is machine-readable: "ctrain_<strategy> step_ms=<median> ..."
+ * ("ctrain_ddp step_ms=..." by default).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -30,12 +36,15 @@ int main(int argc, char **argv)
     ct_blas_select_kernel(argc, argv); /* measure the fast kernel, as ctrain runs it */
     bench_relaunch_under_mpirun(argc, argv, 2);
     int steps = 20, warmup = 3;
-    const char *trace = NULL;
+    const char *trace = NULL, *kind = "ddp";
     char so[256] = "";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--warmup") && i + 1 < argc) warmup = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--trace") && i + 1 < argc) trace = argv[++i];
+        else if (!strcmp(argv[i], "--strategy") && i + 1 < argc) kind = argv[++i];
+        else if (!strcmp(argv[i], "--opt") && i + 1 < argc)
+            snprintf(so + strlen(so), sizeof so - strlen(so), ",%s", argv[++i]);
         else if (!strcmp(argv[i], "--bucket-cap-mb") && i + 1 < argc) snprintf(so + strlen(so), sizeof so - strlen(so), ",bucket_cap_mb=%s", argv[++i]);
         else if (!strcmp(argv[i], "--compress") && i + 1 < argc)
             snprintf(so + strlen(so), sizeof so - strlen(so), ",reduce_dtype=%s", argv[++i]);
@@ -43,7 +52,8 @@ int main(int argc, char **argv)
             snprintf(so + strlen(so), sizeof so - strlen(so), ",param_dtype=%s", argv[++i]);
         else {
             fprintf(stderr, "usage: bench/ddp [--steps N] [--warmup N] [--trace FILE] "
-                            "[--compress bf16|f16] [--mixed bf16] [--bucket-cap-mb X]\n");
+                            "[--compress bf16|f16] [--mixed bf16] [--bucket-cap-mb X] "
+                            "[--strategy ddp|zero1|zero2] [--opt KEY=VALUE]\n");
             return 2;
         }
     }
@@ -60,7 +70,7 @@ int main(int argc, char **argv)
     ct_module_init_params(m, 1);
     ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
     ct_strategy *s;
-    check(ct_strategy_create("ddp", m, &oo, g, so, &s), "ddp wrap");
+    check(ct_strategy_create(kind, m, &oo, g, so, &s), kind);
 
     ct_tensor *x = ct_tensor_create2(BATCH, WIDTH, CT_MEM_ACT);
     ct_tensor *y = ct_tensor_create(CT_I32, 1, (int64_t[]){BATCH}, CT_MEM_ACT);
@@ -109,8 +119,8 @@ int main(int argc, char **argv)
         check(ct_trace_write(path), "trace");
     }
     if (rank == 0) {
-        printf("ctrain DDP, %d ranks, MLP %d x Linear(%d,%d)+ReLU, batch %d/rank, AdamW, 1 BLAS thread/rank "
-               "(%s), %d buckets, reduce %s, compute %s\n", world, DEPTH, WIDTH, WIDTH, BATCH, ct_blas_corename(),
+        printf("ctrain %s, %d ranks, MLP %d x Linear(%d,%d)+ReLU, batch %d/rank, AdamW, 1 BLAS thread/rank "
+               "(%s), %d buckets, reduce %s, compute %s\n", kind, world, DEPTH, WIDTH, WIDTH, BATCH, ct_blas_corename(),
                last.nbuckets, ct_strategy_opt(s, "reduce_dtype"), ct_strategy_opt(s, "param_dtype"));
         double fw = median(t_f, steps), bw = median(t_b, steps), wt = median(t_w, steps),
                op = median(t_o, steps), ov = median(t_ov, steps), st = median(t_step, steps);
@@ -118,8 +128,8 @@ int main(int argc, char **argv)
                "  comm wait %8.2f ms\n  optimizer %8.2f ms\n  step      %8.2f ms (median of %d)\n"
                "  overlap   %8.0f %% of allreduce time hidden behind backward\n",
                fw * 1e3, bw * 1e3, wt * 1e3, op * 1e3, st * 1e3, steps, ov * 100);
-        printf("ctrain_ddp step_ms=%.3f forward_ms=%.3f backward_ms=%.3f wait_ms=%.3f optim_ms=%.3f overlap=%.3f\n",
-               st * 1e3, fw * 1e3, bw * 1e3, wt * 1e3, op * 1e3, ov);
+        printf("ctrain_%s step_ms=%.3f forward_ms=%.3f backward_ms=%.3f wait_ms=%.3f optim_ms=%.3f overlap=%.3f\n",
+               kind, st * 1e3, fw * 1e3, bw * 1e3, wt * 1e3, op * 1e3, ov);
     }
     ct_tensor_release(x);
     ct_tensor_release(y);
