@@ -188,6 +188,11 @@ static ct_status comm_start(void)
          * each byte once; on 2 ranks it halves the time of an 8 x 4 MiB
          * allreduce (bench/comm_overlap).  The user's own setting wins. */
         setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", 0);
+        /* Its nonblocking reduce picks, on 2 ranks for 64 KiB and more, a
+         * chain of 8 KiB segments that moves only when the comm thread polls:
+         * a 4 MiB gradient to its ZeRO-2 owner took 9-10 ms; binomial takes
+         * 2.4-3 ms (bench/zero). */
+        setenv("OMPI_MCA_coll_libnbc_ireduce_algorithm", "2", 0);
         /* Without /sys (containers, chroots) hwloc prints a topology warning
          * per process on every start; it changes nothing for us, and it
          * would bury ctrain's own one-line errors. */

@@ -99,6 +99,7 @@ typedef struct {
     double *t_start;    /* [ntp] when the parameter's reduces started */
     double *t_end;      /* [pt.n] when the range's reduce completed (comm thread) */
     double t_comm;      /* sum over parameters of (last reduce end - start) in this backward */
+    double t_room;      /* time backward waited for reduces to make room (counted as comm wait) */
 } zero_t;
 
 static zero_t *Z(ct_strategy *s) { return s->ext; }
@@ -640,7 +641,13 @@ static ct_status grads_needed(ct_module *m, ct_hook_kind kind, void *ud)
     for (int j = 0; j < m->nparams; j++)
         if (m->params[j]->requires_grad && !ct_tensor_data(m->params[j]->grad))
             need += ct_tensor_bytes(m->params[j]->grad);
+    double t0 = ct_now();
     while (z->fifo_len && z->inflight + need > z->limit) CT_TRY(finish_oldest(s));
+    double t1 = ct_now();
+    if (t1 - t0 > 1e-6) {
+        z->t_room += t1 - t0;
+        ct_trace_event("wait for room", "comm", t0, t1, 0);
+    }
     for (int j = 0; j < m->nparams; j++) {
         ct_param *p = m->params[j];
         if (!p->requires_grad || ct_tensor_data(p->grad)) continue;
@@ -727,6 +734,7 @@ static ct_status zero2_pre_backward(ct_strategy *s)
     memset(z->ready, 0, (size_t)z->ntp);
     z->nready = 0;
     z->t_comm = 0;
+    z->t_room = 0;
     return CT_OK;
 }
 
@@ -755,7 +763,9 @@ static ct_status zero2_post_backward(ct_strategy *s)
             memset(z->gshard + z->goff[k], 0, (size_t)z->pt.ranges[k].count * sizeof(float));
     double t1 = ct_now();
     if (z->ntp) ct_trace_event("wait for reduce", "comm", t0, t1, 0);
-    s->stats.comm_wait += t1 - t0;
+    /* waits inside backward for room are communication, not compute */
+    s->stats.backward -= z->t_room;
+    s->stats.comm_wait += t1 - t0 + z->t_room;
     s->stats.comm_total += z->t_comm;
     s->stats.nbuckets = z->ntp; /* each gradient goes to its owners as a bucket of its own */
     return st;
