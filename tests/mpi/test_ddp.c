@@ -647,6 +647,7 @@ static void zero_vs_single_freeze(const char *kind, const char *opts, ct_optim_k
     char ropts[64];
     const char *accum = opts ? strstr(opts, "grad_accum=") : NULL;
     snprintf(ropts, sizeof ropts, "%.13s", accum ? accum : "");
+    if (opts && strstr(opts, "param_dtype=bf16")) snprintf(ropts, sizeof ropts, "param_dtype=bf16");
     ct_strategy *ds, *rs;
     ASSERT_OK(ct_strategy_create(kind, dm, &oo, g, opts, &ds));
     ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, ropts, &rs));
@@ -805,4 +806,13 @@ TEST(strategy_manual_reduce_after_no_sync)
         ct_module_destroy(dm);
         ct_module_destroy(rm);
     }
+}
+
+/* Mixed precision under ZeRO: the compute copies follow the broadcast
+ * parameters (refreshed as each arrives), equal to one process with the
+ * same casts. */
+TEST(zero_mixed_bf16_equals_one_process_with_the_same_casts)
+{
+    zero_vs_single("zero1", "param_dtype=bf16", CT_OPT_ADAMW, 0, 3);
+    zero_vs_single("zero2", "param_dtype=bf16", CT_OPT_ADAMW, 0, 3);
 }
