@@ -3,7 +3,7 @@
 # 2 local ranks (AdamW, lr 1e-3 with a cosine decay, global batch 128,
 # 8 epochs, 1 BLAS thread per rank), prints the test accuracy, saves the
 # checkpoint and says how to evaluate it and plot its loss curve.
-# About 20-30 s on 2 cores; test accuracy about 89%.
+# A few seconds on 2 cores; test accuracy about 89%.
 set -e
 B=${B:-build}
 # Open MPI refuses to run as root without these (containers, CI).
