@@ -218,9 +218,13 @@ static ct_status make_strategy(trainer *t)
     int n = snprintf(opts, sizeof opts, "grad_accum=%lld,param_dtype=%s,reduce_dtype=%s", (long long)o->grad_accum,
                      strcmp(o->mixed, "none") ? o->mixed : "f32",
                      strcmp(o->grad_compress, "none") ? o->grad_compress : "f32");
-    if (!strcmp(o->strategy, "ddp") || !strcmp(o->strategy, "zero1")) /* DDP's buckets */
-        n += snprintf(opts + n, sizeof opts - (size_t)n, ",bucket_cap_mb=%.17g,find_unused_parameters=%d",
-                      o->bucket_cap_mb, o->find_unused);
+    /* DDP's bucket flags: passed where they apply, and where the user gave
+     * them, so a strategy without buckets names the flag it does not take */
+    int buckets = !strcmp(o->strategy, "ddp") || !strcmp(o->strategy, "zero1");
+    if (buckets || o->has_bucket_cap)
+        n += snprintf(opts + n, sizeof opts - (size_t)n, ",bucket_cap_mb=%.17g", o->bucket_cap_mb);
+    if (buckets || o->find_unused)
+        n += snprintf(opts + n, sizeof opts - (size_t)n, ",find_unused_parameters=%d", o->find_unused);
     if (o->strategy_opt) snprintf(opts + n, sizeof opts - (size_t)n, ",%s", o->strategy_opt);
     ct_status st = ct_strategy_create(o->strategy, t->model, &oo, t->g, opts, &t->s);
     if (st == CT_OK) t->opt = ct_strategy_optim(t->s);

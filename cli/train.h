@@ -20,7 +20,7 @@ typedef struct {
     int64_t limit_train, limit_test, eval_batch; /* unlisted: small runs for tests */
     /* which flags the user gave (resume takes the others from the checkpoint) */
     int has_model, has_hidden, has_seed, has_batch, has_optim, has_lr, has_wd, has_momentum, has_strategy;
-    int has_schedule, has_warmup, has_clip, has_accum, has_kernel, has_dropout, has_clip_norm;
+    int has_schedule, has_warmup, has_clip, has_accum, has_kernel, has_dropout, has_clip_norm, has_bucket_cap;
 } train_opts;
 
 /* Parses and checks the train command's flags (what needs no MPI).  Returns

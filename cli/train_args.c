@@ -134,6 +134,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->has_kernel = GIVEN("--kernel");
     o->has_dropout = GIVEN("--dropout");
     o->has_clip_norm = GIVEN("--clip-norm");
+    o->has_bucket_cap = GIVEN("--bucket-cap-mb");
     int has_epochs = GIVEN("--epochs"), has_steps = GIVEN("--steps");
 #undef GIVEN
 

@@ -590,6 +590,10 @@ TEST(cli_ddp_usage_errors)
     ASSERT_EQ(run_np(2, out, "train " SMALL " --steps 2 --strategy none"), 2);
     ASSERT_STR_CONTAINS(out, "use --strategy ddp");
     ASSERT_EQ(occurrences(out, "ctrain train:"), 1);
+    /* a DDP flag given to a strategy without buckets is refused, not ignored */
+    ASSERT_EQ(run_np(2, out, "train " SMALL " --steps 2 --strategy zero2 --find-unused-parameters"), 2);
+    ASSERT_STR_CONTAINS(out, "strategy zero2 has no option 'find_unused_parameters'");
+    ASSERT_EQ(occurrences(out, "ctrain train:"), 1);
     ASSERT_EQ(run_np(2, out, "train " SMALL " --steps 2 --batch 3 --grad-accum 2"), 2);
     ASSERT_STR_CONTAINS(out, "2 ranks x 2 micro-batches");
     /* A flag error found before MPI starts is also said once. */
