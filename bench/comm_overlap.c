@@ -29,7 +29,8 @@
  *
  *   bench/comm_overlap --compare-two-level [--reps N] [--nodes K] [--mib M] [--nbuf N]
  *
- * --compare-two-level times, on a copy of the world cut into K fake nodes
+ * --compare-two-level times (allreduce, then reduce-scatter and all-gather of
+ * the same buffers in blocks), on a copy of the world cut into K fake nodes
  * (ct_comm_set_fake_nodes, default 2; run it on 4 ranks: mpirun -np 4), the
  * flat allreduce (private buffers: one MPI_Iallreduce over all ranks) and
  * the two-level one (buffers from ct_group_alloc_shared: shared memory in
@@ -188,53 +189,74 @@ static void compare_shm(int reps)
     if (rank == 0) printf("%s\n", line);
 }
 
-/* --compare-two-level */
+/* --compare-two-level: allreduce, reduce-scatter (the buffer is the send,
+ * a private block the recv) and all-gather (the buffer is the recv, a
+ * private block the send) of nbuf buffers of n f32, flat and two-level. */
 static void compare_two_level(int reps, int nodes, int64_t n)
 {
+    static const char *names[3] = {"allreduce", "reduce_scatter", "allgather"};
     ct_comm_set_fake_nodes(nodes);
     ct_group *g = NULL;
     check(ct_group_split(ct_group_world(), 0, ct_group_rank(ct_group_world()), &g), "split");
     ct_comm_set_fake_nodes(0);
-    int rank = ct_group_rank(g);
-    double ms[2] = {0, 0}, cpums[2] = {0, 0};
-    for (int path = 0; path < 2; path++) {
-        size_t bytes = (size_t)n * sizeof(float);
-        for (int i = 0; i < nbuf; i++) {
-            if (path) check(ct_group_alloc_shared(g, bytes, CT_MEM_COMM, (void **)&buf[i]), "alloc");
-            else if (!(buf[i] = ct_alloc_zeroed(bytes, CT_MEM_COMM))) ct_comm_abort("out of memory");
-            for (int64_t j = 0; j < n; j++) buf[i][j] = 1e-3f * (float)(j % 7);
+    int rank = ct_group_rank(g), size = ct_group_size(g);
+    n -= n % size; /* whole blocks */
+    int64_t blk = n / size;
+    float *priv[MAXBUF];
+    for (int i = 0; i < nbuf; i++)
+        if (!(priv[i] = ct_alloc_zeroed((size_t)blk * sizeof(float), CT_MEM_COMM)))
+            ct_comm_abort("out of memory");
+    for (int coll = 0; coll < 3; coll++) {
+        double ms[2] = {0, 0}, cpums[2] = {0, 0};
+        for (int path = 0; path < 2; path++) {
+            size_t bytes = (size_t)n * sizeof(float);
+            for (int i = 0; i < nbuf; i++) {
+                if (path) check(ct_group_alloc_shared(g, bytes, CT_MEM_COMM, (void **)&buf[i]), "alloc");
+                else if (!(buf[i] = ct_alloc_zeroed(bytes, CT_MEM_COMM))) ct_comm_abort("out of memory");
+                for (int64_t j = 0; j < n; j++) buf[i][j] = 1e-3f * (float)(j % 7);
+            }
+            double t[1000], c[1000];
+            for (int r = -1; r < reps; r++) {
+                ct_work *w[MAXBUF];
+                check(ct_group_barrier(g), "barrier");
+                double t0 = wall(), c0 = cpu();
+                for (int i = 0; i < nbuf; i++) {
+                    if (coll == 0)
+                        check(ct_group_allreduce(g, buf[i], n, CT_F32, CT_OP_SUM, &w[i]), "allreduce");
+                    else if (coll == 1)
+                        check(ct_group_reduce_scatter(g, buf[i], priv[i], blk, CT_F32, CT_OP_SUM,
+                                                      &w[i]), "reduce_scatter");
+                    else
+                        check(ct_group_allgather(g, priv[i], buf[i], blk, CT_F32, &w[i]),
+                              "allgather");
+                }
+                check(ct_work_wait_all(w, nbuf), "wait");
+                for (int i = 0; i < nbuf; i++) ct_work_destroy(w[i]);
+                int64_t ns = (int64_t)((wall() - t0) * 1e9);
+                double cc = cpu() - c0;
+                check(ct_group_allreduce(g, &ns, 1, CT_I64, CT_OP_MAX, NULL), "allreduce");
+                if (r >= 0) t[r] = (double)ns * 1e-6, c[r] = cc * 1e3;
+            }
+            ms[path] = median(t, reps);
+            cpums[path] = median(c, reps);
+            for (int i = 0; i < nbuf; i++) {
+                if (path) ct_group_free_shared(g, buf[i]);
+                else ct_free(buf[i]);
+                buf[i] = NULL;
+            }
         }
-        double t[1000], c[1000];
-        for (int r = -1; r < reps; r++) {
-            ct_work *w[MAXBUF];
-            check(ct_group_barrier(g), "barrier");
-            double t0 = wall(), c0 = cpu();
-            for (int i = 0; i < nbuf; i++)
-                check(ct_group_allreduce(g, buf[i], n, CT_F32, CT_OP_SUM, &w[i]), "allreduce");
-            check(ct_work_wait_all(w, nbuf), "wait");
-            for (int i = 0; i < nbuf; i++) ct_work_destroy(w[i]);
-            int64_t ns = (int64_t)((wall() - t0) * 1e9);
-            double cc = cpu() - c0;
-            check(ct_group_allreduce(g, &ns, 1, CT_I64, CT_OP_MAX, NULL), "allreduce");
-            if (r >= 0) t[r] = (double)ns * 1e-6, c[r] = cc * 1e3;
-        }
-        ms[path] = median(t, reps);
-        cpums[path] = median(c, reps);
-        for (int i = 0; i < nbuf; i++) {
-            if (path) ct_group_free_shared(g, buf[i]);
-            else ct_free(buf[i]);
-            buf[i] = NULL;
+        if (rank == 0) {
+            printf("comm_overlap --compare-two-level: %d ranks on %d fake nodes, %d x %.3g MiB f32 "
+                   "%s, median of %d\n", size, nodes, nbuf, (double)n * 4 / 1048576,
+                   names[coll], reps);
+            printf("  flat (MPI)         T_comm %8.2f ms  rank 0 cpu %8.2f ms\n", ms[0], cpums[0]);
+            printf("  two-level (shm+MPI) T_comm %8.2f ms  rank 0 cpu %8.2f ms\n", ms[1], cpums[1]);
+            printf("ctrain_comm_two_level%s%s flat_ms=%.3f two_level_ms=%.3f flat_cpu_ms=%.3f "
+                   "two_level_cpu_ms=%.3f\n", coll ? "_" : "", coll ? names[coll] : "", ms[0],
+                   ms[1], cpums[0], cpums[1]);
         }
     }
-    if (rank == 0) {
-        printf("comm_overlap --compare-two-level: %d ranks on %d fake nodes, %d x %.3g MiB f32 "
-               "allreduce, median of %d\n", ct_group_size(g), nodes, nbuf,
-               (double)n * 4 / 1048576, reps);
-        printf("  flat (MPI)         T_comm %8.2f ms  rank 0 cpu %8.2f ms\n", ms[0], cpums[0]);
-        printf("  two-level (shm+MPI) T_comm %8.2f ms  rank 0 cpu %8.2f ms\n", ms[1], cpums[1]);
-        printf("ctrain_comm_two_level flat_ms=%.3f two_level_ms=%.3f flat_cpu_ms=%.3f "
-               "two_level_cpu_ms=%.3f\n", ms[0], ms[1], cpums[0], cpums[1]);
-    }
+    for (int i = 0; i < nbuf; i++) ct_free(priv[i]);
     ct_group_destroy(g);
 }
 

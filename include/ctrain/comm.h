@@ -58,8 +58,11 @@
  * (over the group's ranks on that node), and an allreduce over them is
  * two-level: reduced through shared memory into each node's first rank,
  * allreduced between those with MPI, copied back through shared memory
- * (agreement across nodes through a small MPI allreduce first); its other
- * collectives use MPI.  CTRAIN_COMM_SHM=0 turns shared allocations into
+ * (agreement across nodes through a small MPI allreduce first).  A
+ * reduce-scatter whose send, or an all-gather whose recv, is such a range
+ * is two-level too (node leaders exchange node blocks with MPI; nodes may
+ * hold different numbers of ranks; reduce-scatter for f32/bf16/f16); its
+ * other collectives use MPI.  CTRAIN_COMM_SHM=0 turns shared allocations into
  * ordinary memory (every collective then takes the MPI path), for
  * comparison or as an escape hatch.
  */

@@ -6,6 +6,7 @@
  * MPI is initialised on the comm thread (engine.c), which then makes every
  * MPI call; the functions here build works and submit them to it.
  */
+#include <limits.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -120,6 +121,7 @@ ct_status ct__group_setup(ct_group *g, MPI_Comm comm)
     MPI_Comm local = MPI_COMM_NULL, lead = MPI_COMM_NULL;
     g->comm = comm;
     g->node = g->leaders = NULL;
+    g->node_of = NULL;
     if ((rc = MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN)) != MPI_SUCCESS ||
         (rc = MPI_Comm_rank(comm, &g->rank)) != MPI_SUCCESS ||
         (rc = MPI_Comm_size(comm, &g->size)) != MPI_SUCCESS)
@@ -144,17 +146,83 @@ ct_status ct__group_setup(ct_group *g, MPI_Comm comm)
         MPI_Comm_free(&local);
         return ct__mpi_fail(rc, "MPI_Comm_split (the group of node leaders)");
     }
+    /* Each rank's node, numbered in the leaders' order: every rank learns
+     * its node's first rank in g, and the leaders are those first ranks. */
+    int lead_rank = 0, *lead_of = ct_alloc((size_t)g->size * sizeof(int), CT_MEM_OTHER);
+    g->node_of = ct_alloc((size_t)g->size * sizeof(int), CT_MEM_OTHER);
+    MPI_Group gg = MPI_GROUP_NULL, lg = MPI_GROUP_NULL;
+    int zero = 0;
+    if (!lead_of || !g->node_of) rc = MPI_ERR_NO_MEM;
+    else if ((rc = MPI_Comm_group(comm, &gg)) == MPI_SUCCESS &&
+             (rc = MPI_Comm_group(local, &lg)) == MPI_SUCCESS &&
+             (rc = MPI_Group_translate_ranks(lg, 1, &zero, gg, &lead_rank)) == MPI_SUCCESS)
+        rc = MPI_Allgather(&lead_rank, 1, MPI_INT, lead_of, 1, MPI_INT, comm);
+    if (gg != MPI_GROUP_NULL) MPI_Group_free(&gg);
+    if (lg != MPI_GROUP_NULL) MPI_Group_free(&lg);
+    if (rc == MPI_SUCCESS) {
+        /* node number of leader rank l: leaders below it; g->node_of as scratch */
+        for (int r = 0; r < g->size; r++) g->node_of[r] = 0;
+        for (int r = 0; r < g->size; r++) g->node_of[lead_of[r]] = 1;
+        for (int r = 0, n = 0; r < g->size; r++) {
+            int is = g->node_of[r];
+            g->node_of[r] = n;
+            n += is;
+        }
+        for (int r = 0; r < g->size; r++) lead_of[r] = g->node_of[lead_of[r]];
+        for (int r = 0; r < g->size; r++) g->node_of[r] = lead_of[r];
+    }
+    ct_free(lead_of);
+    if (rc != MPI_SUCCESS) {
+        ct_free(g->node_of);
+        g->node_of = NULL;
+        MPI_Comm_free(&local);
+        if (lead != MPI_COMM_NULL) MPI_Comm_free(&lead);
+        return rc == MPI_ERR_NO_MEM ? ct_error(CT_ENOMEM, "group set-up: out of memory for the "
+                                                          "node map")
+                                    : ct__mpi_fail(rc, "MPI_Allgather (the ranks' nodes)");
+    }
     ct_status s = internal_group(local, g->name, ".node", &g->node);
     if (s == CT_OK && first) s = internal_group(lead, g->name, ".leaders", &g->leaders);
     else if (lead != MPI_COMM_NULL) MPI_Comm_free(&lead);
-    if (s != CT_OK) free_internal(&g->node);
+    if (s != CT_OK) {
+        free_internal(&g->node);
+        ct_free(g->node_of);
+        g->node_of = NULL;
+    }
     return s;
+}
+
+int ct__node_layout(const ct_group *g, int64_t count, int *cnt, int *dsp, int64_t *pos)
+{
+    if ((int64_t)g->size * count > INT_MAX) return -1;
+    int rank_order = 1;
+    for (int n = 0; n < g->nnodes; n++) cnt[n] = 0;
+    for (int r = 0; r < g->size; r++) {
+        cnt[g->node_of[r]] += (int)count;
+        /* nodes are numbered by their first rank: non-decreasing = contiguous */
+        if (r > 0 && g->node_of[r] < g->node_of[r - 1]) rank_order = 0;
+    }
+    for (int n = 0, at = 0; n < g->nnodes; n++) {
+        dsp[n] = at;
+        at += cnt[n];
+    }
+    if (pos) {
+        int next[g->nnodes];
+        for (int n = 0; n < g->nnodes; n++) next[n] = dsp[n];
+        for (int r = 0; r < g->size; r++) {
+            pos[r] = next[g->node_of[r]];
+            next[g->node_of[r]] += (int)count;
+        }
+    }
+    return rank_order;
 }
 
 ct_status ct__group_free_comms(ct_group *g)
 {
     free_internal(&g->node);
     free_internal(&g->leaders);
+    ct_free(g->node_of);
+    g->node_of = NULL;
     int rc = MPI_Comm_free(&g->comm);
     return rc == MPI_SUCCESS ? CT_OK : ct__mpi_fail(rc, "MPI_Comm_free");
 }

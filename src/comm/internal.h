@@ -42,6 +42,10 @@ struct ct_group {
      * Internal groups: no works of their own, freed with g. */
     int nnodes;
     ct_group *node, *leaders;
+    /* When spanning nodes: [size], each rank's node, numbered as the leaders
+     * rank (by their first rank in g); the two-level all-gather and
+     * reduce-scatter lay node blocks out by it.  NULL on one node. */
+    int *node_of;
     int pending;                  /* submitted works not yet completed (engine lock) */
     ct_work *ord_head, *ord_tail; /* started collectives, in start order (comm thread) */
     ct_work *defer_head, *defer_tail; /* collectives waiting to start (comm thread) */
@@ -197,6 +201,21 @@ const char *ct__op_name(ct_reduce_op op);
 
 /* Two-level allreduces that took the shared-memory + leaders path (for tests). */
 extern _Atomic uint64_t ct__allreduce_two_level_runs;
+
+/* ---- reduce_scatter.c, allgather.c -------------------------------------- */
+
+/* Two-level reduce-scatters and all-gathers that ran (for tests). */
+extern _Atomic uint64_t ct__reduce_scatter_two_level_runs;
+extern _Atomic uint64_t ct__allgather_two_level_runs;
+
+/* Where node blocks go in a two-level collective over g (spanning nodes):
+ * for each node n, cnt[n] = count * (ranks on n) and dsp[n] its offset in
+ * a node-major layout (node 0's ranks in rank order, then node 1's, ...);
+ * pos[r] (if not NULL) the element offset of rank r's block in it.  Returns
+ * 1 when that layout is rank order (every node's ranks are contiguous in
+ * g: the buffer's own layout), 0 when it is not, -1 when size*count passes
+ * INT_MAX (MPI's counts are ints; the arrays are then unset). */
+int ct__node_layout(const ct_group *g, int64_t count, int *cnt, int *dsp, int64_t *pos);
 
 /* ---- args.c ------------------------------------------------------------ */
 

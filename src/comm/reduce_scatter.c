@@ -8,12 +8,41 @@
  * into its recv; a second barrier keeps every send buffer unchanged until
  * all ranks have read it.  Each rank reads N and writes N/W bytes.
  * Agreement first (shm.c): mismatched arguments are an error on every rank.
+ *
+ * Two-level, when the group spans nodes and every rank's send buffer is the
+ * same range of one of its shared allocations (windows per node; f32, bf16,
+ * f16; integers take the MPI path):
+ *   1. barrier; the node's leader (its first rank) reduces every block
+ *      across its node's send buffers, in rank order, into a private buffer
+ *      laid out node by node (node 0's ranks' blocks, then node 1's, ...);
+ *   2. the leaders reduce-scatter those node sums with one
+ *      MPI_Ireduce_scatter, node n receiving its ranks' blocks (count x
+ *      ranks on n: nodes may hold different numbers of ranks);
+ *   3. the leader hands each rank of its node its block with an
+ *      MPI_Iscatter over the node (which the MPI moves through shared
+ *      memory); AVG is scaled by 1/size after, as on the MPI path.
+ * Cost: only leaders use the network, each sending N/nodes-ish bytes per
+ * node instead of every rank sending; but the leader alone reads its
+ * node's L send buffers (L x N bytes) while the others wait, and the
+ * scatter copies count elements per rank through MPI.  Chosen because the
+ * send buffers must stay unchanged (out of place) and a rank's recv may be
+ * private, so there is no shared memory to spread the node's sum or the
+ * results over; an in-place variant that sums slices into the leader's
+ * (clobberable) send buffer could spread step 1 (not done).
+ * f32: exact inputs give the flat path's bits in any order; with rounding
+ * the flat path's order is MPI's own, so bits can differ (as for the
+ * two-level allreduce).  Arguments, including whether each rank is in
+ * place, are agreed first by a small MPI_Iallreduce of a hash of them.
  */
+#include <limits.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include "internal.h"
 
-enum { PH_AGREE = 0, PH_MPI, PH_DIRECT };
+enum { PH_AGREE = 0, PH_MPI, PH_DIRECT,
+       /* two-level */
+       PH_HAGREE, PH_INPUTS, PH_INTER, PH_SCATTER };
 
 typedef struct {
     ct_work w;
@@ -24,6 +53,11 @@ typedef struct {
     ct_reduce_op op;
     int inplace;
     int agree; /* the group has shared allocations */
+    int two_level; /* ... in windows per node (the group spans nodes) */
+    int *counts, *displs; /* two-level leaders: per node; ct_alloc'd */
+    int64_t *pos;         /* ... each rank's block in sums */
+    char *sums;           /* ... the node's sums, node by node */
+    int64_t h[2];         /* two-level agreement: hash of the arguments, and its negation */
     ct__shm_ref ref; /* of send */
     ct__agree ag;
     int phase;
@@ -42,9 +76,109 @@ static int start_mpi(redscat_op *o)
                       "MPI_Ireduce_scatter_block");
 }
 
+static int is_float(ct_dtype dt) { return dt == CT_F32 || dt == CT_BF16 || dt == CT_F16; }
+
+/* ---- two-level ---------------------------------------------------------- */
+
+_Atomic uint64_t ct__reduce_scatter_two_level_runs;
+
+static int start_two_level(redscat_op *o)
+{
+    ct_work *w = &o->w;
+    int64_t h = 0; /* private memory: "all private" and "all shared" both agree */
+    if (o->ref.a) {
+        struct {
+            uint64_t kind, id, off;
+            int64_t count;
+            int32_t dt, op, inplace, pad;
+        } k;
+        memset(&k, 0, sizeof k);
+        k.kind = CT__KIND_REDUCE_SCATTER;
+        k.id = ct__shm_alloc_id(&o->ref);
+        k.off = o->ref.off;
+        k.count = o->count;
+        k.dt = (int32_t)o->dt;
+        k.op = (int32_t)o->op;
+        k.inplace = o->inplace;
+        h = (int64_t)(ct_hash64(&k, sizeof k) >> 2);
+    }
+    o->h[0] = h;
+    o->h[1] = -h;
+    o->phase = PH_HAGREE;
+    return ct__op_mpi(w, MPI_Iallreduce(MPI_IN_PLACE, o->h, 2, MPI_INT64_T, MPI_MIN, w->g->comm,
+                                        &w->req),
+                      "MPI_Iallreduce (agreeing on a reduce-scatter's arguments)");
+}
+
+static int two_level_progress(redscat_op *o)
+{
+    ct_work *w = &o->w;
+    ct_group *g = w->g, *t = g->node;
+    int leader = t->rank == 0;
+    size_t esz = ct_dtype_size(o->dt), block = (size_t)o->count * esz;
+    MPI_Datatype dt = ct__mpi_dtype(o->dt);
+    switch (o->phase) {
+    case PH_HAGREE:
+        if (o->h[0] != -o->h[1])
+            return ct__op_fail(w, ct_error(CT_EINVAL, "reduce_scatter: the ranks passed "
+                                                      "different arguments (this rank: %d x %s "
+                                                      "%s %s%s); pass the same count, dtype and "
+                                                      "op on every rank, in place on all or "
+                                                      "none, and the same range of one "
+                                                      "ct_group_alloc_shared allocation as send "
+                                                      "on every rank (or private memory on "
+                                                      "every rank)",
+                                           o->count, ct_dtype_name(o->dt), ct__op_name(o->op),
+                                           o->ref.a ? "in shared memory" : "in private memory",
+                                           o->inplace ? ", in place" : ""));
+        if (o->count == 0) return CT__DONE;
+        if (!o->ref.a || !is_float(o->dt) || (int64_t)g->size * o->count > INT_MAX)
+            return start_mpi(o);
+        atomic_fetch_add(&ct__reduce_scatter_two_level_runs, 1);
+        o->target = ct__shm_arrive(t, &o->ref);
+        if (!leader) { /* 3, on the receiving side: the leader sends after step 1 */
+            o->phase = PH_SCATTER;
+            return ct__op_mpi(w, MPI_Iscatter(NULL, o->count, dt, o->recv, o->count, dt, 0,
+                                              t->comm, &w->req),
+                              "MPI_Iscatter (inside a node)");
+        }
+        o->phase = PH_INPUTS;
+        return CT__MOVED;
+    case PH_INPUTS: { /* 1: the node's sums, by the leader */
+        if (!ct__shm_passed(t, o->target, &o->ref)) return CT__WAIT;
+        int L = t->size;
+        void *src[L];
+        for (int r = 0; r < g->size; r++) {
+            void *dst = o->sums + (size_t)o->pos[r] * esz;
+            for (int j = 0; j < L; j++)
+                src[j] = (char *)ct__shm_peer(&o->ref, j) + (size_t)r * block;
+            ct__reduce_into(src, L, &dst, 1, o->count, o->dt,
+                            o->op == CT_OP_AVG ? CT_OP_SUM : o->op, 1.0f);
+        }
+        /* 2: across nodes; node n's blocks land at the start of sums */
+        o->phase = PH_INTER;
+        return ct__op_mpi(w, MPI_Ireduce_scatter(MPI_IN_PLACE, o->sums, o->counts, dt,
+                                                 ct__mpi_op(o->dt, o->op), g->leaders->comm,
+                                                 &w->req),
+                          "MPI_Ireduce_scatter (between nodes)");
+    }
+    case PH_INTER: /* 3: each rank of the node its block */
+        o->phase = PH_SCATTER;
+        return ct__op_mpi(w, MPI_Iscatter(o->sums, o->count, dt, o->recv, o->count, dt, 0,
+                                          t->comm, &w->req),
+                          "MPI_Iscatter (inside a node)");
+    case PH_SCATTER:
+        if (o->op == CT_OP_AVG) ct__scale(o->recv, o->count, o->dt, g->size);
+        return CT__DONE;
+    }
+    CT_ASSERT(!"reduce_scatter: unknown two-level phase");
+    return CT__DONE;
+}
+
 static int redscat_start(ct_work *w)
 {
     redscat_op *o = (redscat_op *)w;
+    if (o->two_level) return start_two_level(o);
     if (!o->agree) return start_mpi(o);
     ct__agree_start(w->g, &o->ag, &o->ref, o->count, o->dt, o->op, CT__KIND_REDUCE_SCATTER, -1);
     o->phase = PH_AGREE;
@@ -55,6 +189,7 @@ static int redscat_progress(ct_work *w)
 {
     redscat_op *o = (redscat_op *)w;
     ct_group *g = w->g;
+    if (o->phase >= PH_HAGREE) return two_level_progress(o);
     switch (o->phase) {
     case PH_MPI:
         if (o->inplace && o->recv != o->send)
@@ -64,8 +199,7 @@ static int redscat_progress(ct_work *w)
     case PH_AGREE: {
         if (ct__agree_poll(w, &o->ag, "reduce_scatter") == CT__WAIT) return CT__WAIT;
         if (w->status != CT_OK || o->count == 0) return CT__DONE;
-        int fl = o->dt == CT_F32 || o->dt == CT_BF16 || o->dt == CT_F16;
-        if (!o->ref.a || !fl) return start_mpi(o);
+        if (!o->ref.a || !is_float(o->dt)) return start_mpi(o);
         int W = g->size;
         size_t block = (size_t)o->count * ct_dtype_size(o->dt);
         void *src[W], *dst = o->recv;
@@ -89,12 +223,22 @@ static void redscat_blame(const ct_work *w, char *out, size_t n)
     const redscat_op *o = (const redscat_op *)w;
     if (o->phase == PH_AGREE) ct__shm_absent(w->g, o->ag.target, out, n);
     else if (o->phase == PH_DIRECT) ct__shm_absent(w->g, o->target, out, n);
+    else if (o->phase == PH_INPUTS) ct__shm_absent(w->g->node, o->target, out, n);
+}
+
+static void redscat_destroy(ct_work *w)
+{
+    redscat_op *o = (redscat_op *)w;
+    ct_free(o->counts);
+    ct_free(o->displs);
+    ct_free(o->pos);
+    ct_free(o->sums);
 }
 
 static const ct__op_vt redscat_vt = {.name = "reduce_scatter",
                                      .flags = CT__OP_ORDERED | CT__OP_GATE,
                                      .start = redscat_start, .progress = redscat_progress,
-                                     .blame = redscat_blame};
+                                     .destroy = redscat_destroy, .blame = redscat_blame};
 
 ct_status ct_group_reduce_scatter(ct_group *g, const void *send, void *recv, int64_t count,
                                   ct_dtype dt, ct_reduce_op op, ct_work **work)
@@ -108,11 +252,27 @@ ct_status ct_group_reduce_scatter(ct_group *g, const void *send, void *recv, int
         return ct_error(CT_EINVAL, "reduce_scatter: recv overlaps send; for in place pass "
                                    "recv = send + rank*count");
     ct__shm_ref ref = {0};
-    int agree = ct__shm_active(g);
-    if (agree) CT_TRY(ct__shm_locate(g, send, block * (size_t)g->size, &ref, "reduce_scatter"));
+    int agree = ct__shm_active(g), two_level = ct__shm_node_active(g);
+    if (agree || two_level)
+        CT_TRY(ct__shm_locate(g, send, block * (size_t)g->size, &ref, "reduce_scatter"));
     redscat_op *o = ct__work_new(g, &redscat_vt, sizeof *o);
     if (!o) return CT_ENOMEM;
+    if (two_level && ref.a && g->leaders && count > 0 && is_float(dt) &&
+        (int64_t)g->size * count <= INT_MAX) {
+        /* the leader's buffers, made here so that running out of memory
+         * fails before anything is sent */
+        o->counts = ct_alloc((size_t)g->nnodes * sizeof(int), CT_MEM_OTHER);
+        o->displs = ct_alloc((size_t)g->nnodes * sizeof(int), CT_MEM_OTHER);
+        o->pos = ct_alloc((size_t)g->size * sizeof(int64_t), CT_MEM_OTHER);
+        o->sums = ct_alloc(block * (size_t)g->size, CT_MEM_COMM);
+        if (!o->counts || !o->displs || !o->pos || !o->sums) {
+            ct__work_destroy(&o->w);
+            return ct_error(CT_ENOMEM, "reduce_scatter: out of memory for the two-level sums");
+        }
+        ct__node_layout(g, count, o->counts, o->displs, o->pos);
+    }
     o->agree = agree;
+    o->two_level = two_level;
     o->ref = ref;
     o->recv = recv;
     o->send = send;

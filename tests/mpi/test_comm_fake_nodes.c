@@ -208,3 +208,187 @@ TEST(fake_nodes_two_level_mismatch_fails_on_every_rank)
     ct_group_destroy(g);
     ASSERT_NO_SOFT_FAIL();
 }
+
+/* ---- two-level reduce-scatter and all-gather ---------------------------- */
+
+/* A copy of the world on k fake nodes; interleaved: even world ranks first,
+ * then odd, so a node's ranks are not contiguous in the group (the leaders'
+ * pack-and-unpack layout). */
+static ct_group *fake_nodes_ordered(int k, int interleaved)
+{
+    int p = ct_group_size(W()), me = ct_group_rank(W());
+    ct_group *g = NULL;
+    int saved = ct_comm_get_fake_nodes();
+    ct_comm_set_fake_nodes(k);
+    ct_status s = ct_group_split(W(), 0, interleaved ? (me % 2) * p + me : me, &g);
+    ct_comm_set_fake_nodes(saved);
+    ASSERT_OK(s);
+    return g;
+}
+
+static const ct_dtype all_dts[] = {CT_F32, CT_BF16, CT_F16, CT_I32, CT_I64, CT_U8};
+
+/* Two-level on shared memory equals the flat MPI collective on private
+ * memory, in place and not.  Equality rule (as for the two-level
+ * allreduce): all-gather is a copy, so bytes equal for every dtype;
+ * reduce-scatter with f32 inputs that sum exactly (coll_ref.h) equals flat
+ * bit for bit for every op, integers (MPI path) exactly, bf16/f16 within
+ * tolerance of the exact sum.  Counters prove the two-level path ran. */
+TEST(fake_nodes_two_level_allgather_reduce_scatter_equal_flat)
+{
+    soft_begin();
+    int p = ct_group_size(W());
+    static const int64_t sizes[] = {1, 7, 1001, 65537};
+    for (int k = 2; k <= 3; k++)
+        for (int il = 0; il < 2; il++) {
+            ct_group *g = fake_nodes_ordered(k, il);
+            int me = ct_group_rank(g), wme = ct_group_rank(W());
+            int64_t cap = 65537 * (int64_t)p;
+            char *x = NULL;
+            ASSERT_OK(ct_group_alloc_shared(g, (size_t)cap * 8, CT_MEM_COMM, (void **)&x));
+            char *y = ct_alloc_zeroed((size_t)cap * 8, CT_MEM_COMM);
+            char *a = ct_alloc_zeroed((size_t)65537 * 8, CT_MEM_COMM);
+            char *b = ct_alloc_zeroed((size_t)65537 * 8, CT_MEM_COMM);
+            int maxlocal = ct_group_local_size(g);
+            ASSERT_OK(ct_group_allreduce(g, &maxlocal, 1, CT_I32, CT_OP_MAX, NULL));
+            int expect = shm_enabled() && maxlocal > 1;
+            uint64_t ag0 = atomic_load(&ct__allgather_two_level_runs);
+            uint64_t rs0 = atomic_load(&ct__reduce_scatter_two_level_runs);
+            uint64_t nag = 0, nrs = 0;
+            for (int d = 0; d < 6; d++)
+                for (int s = 0; s < 4; s++)
+                    for (int inplace = 0; inplace < 2; inplace++) {
+                        ct_dtype dt = all_dts[d];
+                        int64_t n = sizes[s];
+                        size_t esz = ct_dtype_size(dt), blk = (size_t)n * esz;
+                        int seed = 7000 + 100 * k + 50 * il + 10 * d + 2 * s + inplace;
+                        /* all-gather: rank r's block is input(r) */
+                        for (int64_t i = 0; i < n; i++) {
+                            put(a, dt, i, input(me, i, seed, dt));
+                            put(x + (size_t)me * blk, dt, i, input(me, i, seed, dt));
+                            put(y + (size_t)me * blk, dt, i, input(me, i, seed, dt));
+                        }
+                        ct_work *w;
+                        ASSERT_OK(ct_group_allgather(g, inplace ? x + (size_t)me * blk : a, x, n,
+                                                     dt, &w));
+                        ASSERT_OK(ct_group_allgather(g, inplace ? y + (size_t)me * blk : a, y, n,
+                                                     dt, NULL));
+                        ASSERT_OK(ct_work_wait(w));
+                        ct_work_destroy(w);
+                        nag++;
+                        if (memcmp(x, y, blk * (size_t)p))
+                            soft_fail("K=%d%s %s n=%lld%s: two-level all-gather differs from "
+                                      "flat", k, il ? " interleaved" : "", ct_dtype_name(dt),
+                                      (long long)n, inplace ? " in place" : "");
+                        for (int r = 0; r < p; r++)
+                            if (get(x + (size_t)r * blk, dt, n - 1) != input(r, n - 1, seed, dt)) {
+                                soft_fail("K=%d %s n=%lld: all-gather block %d wrong", k,
+                                          ct_dtype_name(dt), (long long)n, r);
+                                break;
+                            }
+                        /* reduce-scatter: block j of rank r is input(r) at j*n + i */
+                        int nops = d < 3 ? 4 : 1;
+                        for (int op = 0; op < nops; op++) {
+                            int sd = seed * 4 + op;
+                            for (int64_t i = 0; i < n * p; i++) {
+                                put(x, dt, i, input(me, i, sd, dt));
+                                put(y, dt, i, input(me, i, sd, dt));
+                            }
+                            char *rx = inplace ? x + (size_t)me * blk : a;
+                            char *ry = inplace ? y + (size_t)me * blk : b;
+                            ASSERT_OK(ct_group_reduce_scatter(g, x, rx, n, dt, (ct_reduce_op)op,
+                                                              &w));
+                            ASSERT_OK(ct_group_reduce_scatter(g, y, ry, n, dt, (ct_reduce_op)op,
+                                                              NULL));
+                            ASSERT_OK(ct_work_wait(w));
+                            ct_work_destroy(w);
+                            nrs += d < 3;
+                            for (int64_t i = 0; i < n; i++) {
+                                int64_t at = (int64_t)me * n + i;
+                                double sa, want = reference(dt, (ct_reduce_op)op, at, p, sd, &sa);
+                                double tol = tolerance(dt, (ct_reduce_op)op, p, want, sa);
+                                double got = get(rx, dt, i), flat = get(ry, dt, i);
+                                int bad = !(fabs(got - want) <= tol);
+                                if (dt == CT_F32 || d >= 3)
+                                    bad = bad || memcmp(rx + (size_t)i * esz, ry + (size_t)i * esz,
+                                                        esz);
+                                if (bad) {
+                                    soft_fail("K=%d%s %s %s n=%lld%s: two-level reduce-scatter "
+                                              "[%lld] = %.9g, flat %.9g, want %.9g", k,
+                                              il ? " interleaved" : "", ct_dtype_name(dt),
+                                              op_name((ct_reduce_op)op), (long long)n,
+                                              inplace ? " in place" : "", (long long)i, got, flat,
+                                              want);
+                                    break;
+                                }
+                            }
+                        }
+                    }
+            uint64_t ag = atomic_load(&ct__allgather_two_level_runs) - ag0;
+            uint64_t rs = atomic_load(&ct__reduce_scatter_two_level_runs) - rs0;
+            if (ag != (expect ? nag : 0) || rs != (expect ? nrs : 0))
+                soft_fail("K=%d%s (world rank %d): %llu of %llu all-gathers and %llu of %llu "
+                          "reduce-scatters took the two-level path, want %s", k,
+                          il ? " interleaved" : "", wme, (unsigned long long)ag,
+                          (unsigned long long)nag, (unsigned long long)rs,
+                          (unsigned long long)nrs, expect ? "all (floats)" : "none");
+            ct_free(a);
+            ct_free(b);
+            ct_free(y);
+            ct_group_free_shared(g, x);
+            ct_group_destroy(g);
+        }
+    ASSERT_NO_SOFT_FAIL();
+}
+
+/* Mismatched arguments across nodes fail on every rank and change nothing. */
+TEST(fake_nodes_two_level_allgather_reduce_scatter_mismatch_fails_on_every_rank)
+{
+    soft_begin();
+    int p = ct_group_size(W()), me = ct_group_rank(W());
+    ct_group *g = world_on_fake_nodes(2);
+    int64_t n = 1024, tot = n * p + 64;
+    float *x = NULL;
+    ASSERT_OK(ct_group_alloc_shared(g, (size_t)tot * 4, CT_MEM_COMM, (void **)&x));
+    if (!ct__shm_window_ranks(g, x)) { /* no node with two ranks: flat MPI, nothing to agree */
+        ct_group_free_shared(g, x);
+        ct_group_destroy(g);
+        return;
+    }
+    float *priv = ct_alloc_zeroed((size_t)tot * 4, CT_MEM_COMM);
+    float *r = ct_alloc_zeroed((size_t)n * 4, CT_MEM_COMM);
+    for (int64_t i = 0; i < tot; i++) x[i] = priv[i] = (float)(me * 10000 + i);
+    /* all-gather: different ranges; private memory on one rank */
+    ASSERT_ERR(ct_group_allgather(g, r, x + 16 * me, 100, CT_F32, NULL), CT_EINVAL,
+               "different arguments");
+    ASSERT_ERR(ct_group_allgather(g, r, me == p - 1 ? priv : x, n, CT_F32, NULL), CT_EINVAL,
+               "different arguments");
+    /* reduce-scatter: different ranges; private on one rank; in place on one rank */
+    ASSERT_ERR(ct_group_reduce_scatter(g, x + 16 * me, r, 100, CT_F32, CT_OP_SUM, NULL),
+               CT_EINVAL, "different arguments");
+    ASSERT_ERR(ct_group_reduce_scatter(g, me == p - 1 ? priv : x, r, n, CT_F32, CT_OP_SUM, NULL),
+               CT_EINVAL, "different arguments");
+    ASSERT_ERR(ct_group_reduce_scatter(g, x, me == 0 ? x + n * me : r, n, CT_F32, CT_OP_SUM,
+                                       NULL),
+               CT_EINVAL, "different arguments");
+    ASSERT_ERR(ct_group_reduce_scatter(g, x, r, n, CT_F32, me == 0 ? CT_OP_MAX : CT_OP_SUM,
+                                       NULL),
+               CT_EINVAL, "different arguments");
+    for (int64_t i = 0; i < tot; i++)
+        if (x[i] != (float)(me * 10000 + i)) {
+            soft_fail("a failed collective changed x[%lld]", (long long)i);
+            break;
+        }
+    /* and the group still works */
+    ASSERT_OK(ct_group_reduce_scatter(g, x, r, n, CT_F32, CT_OP_SUM, NULL));
+    for (int64_t i = 0; i < n; i++)
+        if (r[i] != (float)(10000 * p * (p - 1) / 2 + p * (me * n + i))) {
+            soft_fail("reduce-scatter after the errors: r[%lld] = %g", (long long)i, r[i]);
+            break;
+        }
+    ct_free(r);
+    ct_free(priv);
+    ct_group_free_shared(g, x);
+    ct_group_destroy(g);
+    ASSERT_NO_SOFT_FAIL();
+}
