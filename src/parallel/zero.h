@@ -1,0 +1,65 @@
+/* Private to src/parallel: the ZeRO core that zero1 (zero.c) and zero2
+ * (zero2.c) share. */
+#ifndef CTRAIN_PARALLEL_ZERO_H
+#define CTRAIN_PARALLEL_ZERO_H
+
+#include "internal.h"
+
+typedef struct {
+    ct_param **tp;      /* trainable parameters, model order (DDP's indices) */
+    int ntp;
+    ct_partition pt;
+    int *first;         /* [ntp] index of the parameter's first range in pt */
+    int *slot;          /* [pt.n] optimizer slot of an owned range, else -1 */
+    ct_work **work;     /* [pt.n] broadcast of the range after the step, or NULL */
+    ct_hook **hooks;    /* pre-forward (and, zero2, pre-backward) hooks of the modules with parameters */
+    int nhooks;
+    /* zero2 */
+    ct_hook **grad_hooks; /* [ntp] */
+    char *trainable;    /* [ntp] requires_grad as last seen (a parameter may be frozen and unfrozen) */
+    int stepped;        /* no gradients pending: the trainable set may be refreshed */
+    float *gshard;      /* this rank's reduced gradients, owned ranges end to end (optimizer slots) */
+    int64_t *goff;      /* [pt.n] offset of an owned range in gshard, else -1 */
+    int64_t nshard;
+    char *ready;        /* [ntp] reduced in this backward */
+    ct_work **red;      /* [pt.n] reduce of the range to its owner */
+    uint16_t **wire;    /* [ntp] 16-bit copy on the wire (reduce_dtype bf16/f16), or NULL */
+    int *fifo;          /* [ntp] parameters in flight, oldest first */
+    int fifo_head, fifo_len;
+    size_t inflight, limit; /* bytes of gradients in flight, and the bound */
+    int nready;
+    double *t_start;    /* [ntp] when the parameter's reduces started */
+    double *t_end;      /* [pt.n] when the range's reduce completed (comm thread) */
+    double t_comm;      /* sum over parameters of (last reduce end - start) in this backward */
+    double t_room;      /* time backward waited for reduces to make room (counted as comm wait) */
+} ct__zero;
+
+
+/* The options both take (auto_refresh_trainable and its warning). */
+#define REFRESH_OPTS(type)                                                                              \
+    {"auto_refresh_trainable", CT__OPT_BOOL, offsetof(type, auto_refresh_trainable), "1",              \
+     "follow parameters frozen or unfrozen between steps (else that is an error)", 0},                 \
+    {"warn_on_trainable_params_changed", CT__OPT_BOOL, offsetof(type, warn_on_trainable_params_changed), \
+     "1", "warn when the trainable parameters change", 0}
+
+/* The strategy's ZeRO state (s->ext). */
+ct__zero *ct__zero_of(ct_strategy *s);
+/* Index of p among the parameters trainable at wrap, or -1. */
+int ct__zero_index(const ct__zero *z, const ct_param *p);
+/* Waits for every parameter broadcast in flight (and refreshes bf16 copies). */
+ct_status ct__zero_wait_all(ct_strategy *s);
+/* The trainable list, the partition (split: flat pieces), the broadcast
+ * handles and the pre-forward hooks that wait for them. */
+ct_status ct__zero_core_init(ct_strategy *s, int split);
+void ct__zero_core_fini(ct_strategy *s);
+/* Follows parameters frozen or unfrozen since the last step; *changed says whether any were. */
+ct_status ct__zero_refresh_trainable(ct_strategy *s, int auto_refresh, int warn, int *changed);
+ct_status ct__zero_pre_step(ct_strategy *s);
+ct_status ct__zero_post_step(ct_strategy *s);
+const ct_partition *ct__zero_partition(const ct_strategy *s);
+ct_status ct__zero_model_state(ct_strategy *s, ct_state *out);
+ct_status ct__zero_optim_state(ct_strategy *s, ct_state *out);
+ct_status ct__zero_shard_state(ct_strategy *s, int optim, ct_state *out);
+ct_status ct__zero_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
+
+#endif

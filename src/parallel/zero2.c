@@ -1,0 +1,390 @@
+/*
+ * ZeRO-2 (fairscale's ShardedDataParallel), on the ZeRO core in zero.c (the
+ * partition, the parameter broadcasts after the step, checkpoint state).
+ * It keeps no gradient buckets: a
+ * parameter's gradient is materialised when its module starts backward,
+ * reduced to the owners of its ranges as soon as it is complete (the
+ * grad-ready hook); when the reduce is done the owners copy their ranges
+ * into this rank's gradient shard (one flat buffer of exactly the owned
+ * elements, which the optimizer steps from) and every rank frees the
+ * gradient.  Gradient memory is the shard plus what is in flight: before a
+ * module's gradients are materialised, backward waits for the oldest
+ * reduces until reduce_buffer_mb would hold them (or nothing is left in
+ * flight, for a module larger than that).
+ * Clipping sums each rank's owned squares and allreduces them.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "zero.h"
+
+typedef struct {
+    int split_params;
+    int auto_refresh_trainable;
+    int warn_on_trainable_params_changed;
+    int broadcast_buffers;
+    int sync_models_at_startup;
+    double reduce_buffer_mb;
+} zero2_opts;
+
+static const ct__opt_def zero2_opt_defs[] = {
+    REFRESH_OPTS(zero2_opts),
+    {"split_params", CT__OPT_BOOL, offsetof(zero2_opts, split_params), "0",
+     "partition the parameters laid end to end into equal pieces (exact balance) instead of whole tensors", 0},
+    {"broadcast_buffers", CT__OPT_BOOL, offsetof(zero2_opts, broadcast_buffers), "1",
+     "broadcast buffers (batchnorm statistics) from rank 0 before every forward", 0},
+    {"sync_models_at_startup", CT__OPT_BOOL, offsetof(zero2_opts, sync_models_at_startup), "1",
+     "broadcast rank 0's parameters and buffers when wrapping", 0},
+    {"reduce_buffer_mb", CT__OPT_NUM, offsetof(zero2_opts, reduce_buffer_mb), "8",
+     "gradient MiB in flight to their owners before backward waits for the oldest", 0},
+};
+
+static const zero2_opts *O2(const ct_strategy *s) { return s->kopts; }
+
+/* ZeRO-2's optimizer steps the owned ranges from the gradient shard; the
+ * parameters do not move under it, so the slots point straight at them. */
+static ct_status zero2_build_optim(ct_strategy *s, const ct_optim_opts *oo)
+{
+    ct__zero *z = ct__zero_of(s);
+    int n = 0;
+    ct_optim_slot *sl = ct_alloc_zeroed(sizeof *sl * (size_t)(z->pt.n + 1), CT_MEM_OTHER);
+    if (!sl) return CT_ENOMEM;
+    for (int k = 0; k < z->pt.n; k++) {
+        const ct_part_range *x = &z->pt.ranges[k];
+        z->slot[k] = z->goff[k] >= 0 ? n : -1;
+        if (z->goff[k] < 0) continue;
+        ct_param *p = z->tp[x->param];
+        sl[n++] = (ct_optim_slot){(float *)ct_tensor_data(p->data) + x->offset, z->gshard + z->goff[k], x->count,
+                                  p->name, x->offset};
+    }
+    s->opt = ct_optim_create_slots(oo, sl, n);
+    ct_free(sl);
+    return s->opt ? CT_OK : (ct_status)CT_EINVAL;
+}
+
+/* Waits for the oldest parameter in flight: its owners copy their ranges
+ * of the sum into the shard, and every rank frees the gradient. */
+static ct_status finish_oldest(ct_strategy *s)
+{
+    ct__zero *z = ct__zero_of(s);
+    int i = z->fifo[z->fifo_head];
+    z->fifo_head = (z->fifo_head + 1) % z->ntp;
+    z->fifo_len--;
+    ct_param *p = z->tp[i];
+    ct_status st = CT_OK;
+    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++) {
+        if (!z->red[k]) continue;
+        ct_status w = ct_work_wait(z->red[k]);
+        if (st == CT_OK) st = w;
+        ct_work_destroy(z->red[k]);
+        z->red[k] = NULL;
+        const ct_part_range *x = &z->pt.ranges[k];
+        if (z->goff[k] < 0) continue;
+        float *g = z->gshard + z->goff[k];
+        if (!z->wire[i]) memcpy(g, (const float *)ct_tensor_data(p->grad) + x->offset, (size_t)x->count * 4);
+        else if (s->common.reduce_dtype == CT_BF16) ct_bf16_to_f32_n(z->wire[i] + x->offset, g, (size_t)x->count);
+        else ct_f16_to_f32_n(z->wire[i] + x->offset, g, (size_t)x->count);
+    }
+    double end = z->t_start[i];
+    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++)
+        if (z->t_end[k] > end) end = z->t_end[k];
+    z->t_comm += end - z->t_start[i]; /* the callbacks ran before the waits returned */
+    ct_trace_event("reduce to owners", "comm", z->t_start[i], end, 1);
+    ct_free(z->wire[i]);
+    z->wire[i] = NULL;
+    z->inflight -= ct_tensor_bytes(p->grad);
+    ct_storage_free_data(p->grad->storage);
+    p->grad_stale = 1;
+    return st;
+}
+
+static void zero2_drain(ct_strategy *s)
+{
+    while (ct__zero_of(s)->fifo_len) finish_oldest(s);
+}
+
+static void on_reduced(ct_work *w, ct_status status, void *arg)
+{
+    (void)w;
+    (void)status;
+    *(double *)arg = ct_now();
+}
+
+/* The grad-ready hook: start the reduces of the parameter's ranges. */
+static ct_status grad_to_owners(ct_param *p, void *ud)
+{
+    ct_strategy *s = ud;
+    ct__zero *z = ct__zero_of(s);
+    if (s->no_sync) return CT_OK;
+    int i = ct__zero_index(z, p);
+    if (z->ready[i])
+        return ct_error(CT_ESTATE, "%s: parameter '%s' received its gradient twice in one backward (a module "
+                        "called twice or a shared weight); give each use its own parameter", s->ops->kind,
+                        p->name);
+    z->ready[i] = 1;
+    z->nready++;
+    ct_dtype dt = (ct_dtype)s->common.reduce_dtype;
+    void *buf = ct_tensor_data(p->grad);
+    if (dt != CT_F32) {
+        if (!(z->wire[i] = ct_alloc((size_t)p->grad->numel * 2, CT_MEM_COMM))) return CT_ENOMEM;
+        if (dt == CT_BF16) ct_f32_to_bf16_n(buf, z->wire[i], (size_t)p->grad->numel);
+        else ct_f32_to_f16_n(buf, z->wire[i], (size_t)p->grad->numel);
+        buf = z->wire[i];
+    }
+    size_t es = ct_dtype_size(dt);
+    z->t_start[i] = ct_now();
+    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++) {
+        const ct_part_range *x = &z->pt.ranges[k];
+        if (!x->count) continue;
+        /* A sum: the loss gradient was scaled by 1/world (ct__ddp_grad_scale). */
+        z->t_end[k] = 0;
+        CT_TRY(ct_group_reduce(s->g, (char *)buf + (size_t)x->offset * es, x->count, dt, CT_OP_SUM, x->owner,
+                               &z->red[k]));
+        CT_TRY(ct_work_on_complete(z->red[k], on_reduced, &z->t_end[k]));
+    }
+    z->fifo[(z->fifo_head + z->fifo_len) % z->ntp] = i;
+    z->fifo_len++;
+    z->inflight += ct_tensor_bytes(p->grad);
+    return CT_OK;
+}
+
+/* A module about to run backward: its gradients need memory, after the
+ * oldest reduces have made room within reduce_buffer_mb. */
+static ct_status grads_needed(ct_module *m, ct_hook_kind kind, void *ud)
+{
+    (void)kind;
+    ct_strategy *s = ud;
+    ct__zero *z = ct__zero_of(s);
+    size_t need = 0;
+    for (int j = 0; j < m->nparams; j++)
+        if (m->params[j]->requires_grad && !ct_tensor_data(m->params[j]->grad))
+            need += ct_tensor_bytes(m->params[j]->grad);
+    double t0 = ct_now();
+    while (z->fifo_len && z->inflight + need > z->limit) CT_TRY(finish_oldest(s));
+    double t1 = ct_now();
+    if (t1 - t0 > 1e-6) {
+        z->t_room += t1 - t0;
+        ct_trace_event("wait for room", "comm", t0, t1, 0);
+    }
+    for (int j = 0; j < m->nparams; j++) {
+        ct_param *p = m->params[j];
+        if (!p->requires_grad || ct_tensor_data(p->grad)) continue;
+        CT_TRY(ct_storage_alloc_data(p->grad->storage, 0));
+        p->grad_stale = 1; /* the memory is new: the layer overwrites it */
+    }
+    return CT_OK;
+}
+
+static ct_status zero2_init(ct_strategy *s)
+{
+    const zero2_opts *o = O2(s);
+    CT_TRY(ct_group_check(s->g, ct__check_same_model(s)));
+    if (o->sync_models_at_startup) CT_TRY(ct__broadcast_state(s, 0));
+    CT_TRY(ct__zero_core_init(s, o->split_params));
+    ct__zero *z = ct__zero_of(s);
+    size_t nt = (size_t)z->ntp + 1, nr = (size_t)z->pt.n + 1;
+    z->grad_hooks = ct_alloc_zeroed(sizeof *z->grad_hooks * nt, CT_MEM_OTHER);
+    z->goff = ct_alloc_zeroed(sizeof *z->goff * nr, CT_MEM_OTHER);
+    z->ready = ct_alloc_zeroed(nt, CT_MEM_OTHER);
+    z->red = ct_alloc_zeroed(sizeof *z->red * nr, CT_MEM_OTHER);
+    z->wire = ct_alloc_zeroed(sizeof *z->wire * nt, CT_MEM_OTHER);
+    z->fifo = ct_alloc_zeroed(sizeof *z->fifo * nt, CT_MEM_OTHER);
+    z->t_start = ct_alloc_zeroed(sizeof *z->t_start * nt, CT_MEM_OTHER);
+    z->t_end = ct_alloc_zeroed(sizeof *z->t_end * nr, CT_MEM_OTHER);
+    if (!z->grad_hooks || !z->goff || !z->ready || !z->red || !z->wire || !z->fifo || !z->t_start || !z->t_end)
+        return CT_ENOMEM;
+    z->limit = (size_t)(o->reduce_buffer_mb * 1048576.0);
+    int rank = ct_group_rank(s->g);
+    for (int k = 0; k < z->pt.n; k++) {
+        z->goff[k] = z->pt.ranges[k].owner == rank ? z->nshard : -1;
+        if (z->goff[k] >= 0) z->nshard += z->pt.ranges[k].count;
+    }
+    if (!(z->gshard = ct_alloc_zeroed((size_t)z->nshard * sizeof(float) + 64, CT_MEM_GRAD))) return CT_ENOMEM;
+    for (int i = 0; i < z->ntp; i++) {
+        ct_param *p = z->tp[i];
+        const ct_storage *gs = p->grad ? p->grad->storage : NULL;
+        if (!gs || !gs->owns || gs->window || gs->refcount != 1 || p->grad->offset || gs->bytes != ct_tensor_bytes(p->grad))
+            return ct_error(CT_ESTATE, "zero2: the gradient of '%s' is a view into other memory (is the model "
+                            "wrapped by another strategy?)", p->name);
+        if (!(z->grad_hooks[i] = ct_param_add_hook(p, grad_to_owners, s))) return CT_ENOMEM;
+        /* materialised by its module's backward, freed once reduced */
+        CT_TRY(ct_storage_free_data(p->grad->storage));
+        p->grad_stale = 1;
+    }
+    ct_module **mods = NULL;
+    int nmods = 0;
+    CT_TRY(ct_module_modules(s->model, &mods, &nmods));
+    ct_hook **h = ct_alloc_zeroed(sizeof *h * (size_t)(z->nhooks + nmods + 1), CT_MEM_OTHER);
+    ct_status st = h ? CT_OK : CT_ENOMEM;
+    if (h) {
+        memcpy(h, z->hooks, sizeof *h * (size_t)z->nhooks);
+        ct_free(z->hooks);
+        z->hooks = h;
+    }
+    for (int i = 0; st == CT_OK && i < nmods; i++) {
+        if (!mods[i]->nparams) continue;
+        if (!(z->hooks[z->nhooks++] = ct_module_add_hook(mods[i], CT_HOOK_PRE_BACKWARD, grads_needed, s)))
+            st = CT_ENOMEM;
+    }
+    ct_free(mods);
+    return st;
+}
+
+static void zero2_fini(ct_strategy *s)
+{
+    ct__zero *z = ct__zero_of(s);
+    if (z) {
+        ct__zero_wait_all(s);
+        if (z->red) zero2_drain(s);
+        for (int i = 0; z->grad_hooks && i < z->ntp; i++) {
+            ct_hook_remove(z->grad_hooks[i]);
+            /* every parameter leaves with a gradient of its own again */
+            ct_param *p = z->tp[i];
+            if (p->grad && !ct_tensor_data(p->grad) && ct_storage_alloc_data(p->grad->storage, 1) == CT_OK) {
+                p->grad_stale = 0;
+                for (int k = z->first[i]; z->gshard && k < z->pt.n && z->pt.ranges[k].param == i; k++)
+                    if (z->goff[k] >= 0) /* the reduced values this rank holds */
+                        memcpy((float *)ct_tensor_data(p->grad) + z->pt.ranges[k].offset, z->gshard + z->goff[k],
+                               (size_t)z->pt.ranges[k].count * sizeof(float));
+            }
+        }
+        ct_free(z->grad_hooks);
+        ct_free(z->gshard);
+        ct_free(z->goff);
+        ct_free(z->ready);
+        ct_free(z->red);
+        ct_free(z->wire);
+        ct_free(z->fifo);
+        ct_free(z->t_start);
+        ct_free(z->t_end);
+    }
+    ct__zero_core_fini(s);
+}
+
+static ct_status zero2_pre_forward(ct_strategy *s)
+{
+    ct__zero *z = ct__zero_of(s);
+    if (z->stepped) {
+        int changed;
+        z->stepped = 0;
+        CT_TRY(ct__zero_refresh_trainable(s, O2(s)->auto_refresh_trainable, O2(s)->warn_on_trainable_params_changed,
+                                 &changed));
+    }
+    if (O2(s)->broadcast_buffers && s->nbuffers) return ct__broadcast_state(s, 1);
+    return CT_OK;
+}
+
+static ct_status zero2_pre_backward(ct_strategy *s)
+{
+    ct__zero *z = ct__zero_of(s);
+    if (s->no_sync) return CT_OK;
+    memset(z->ready, 0, (size_t)z->ntp);
+    z->nready = 0;
+    z->t_comm = 0;
+    z->t_room = 0;
+    return CT_OK;
+}
+
+static ct_status zero2_post_backward(ct_strategy *s)
+{
+    ct__zero *z = ct__zero_of(s);
+    if (s->no_sync) return CT_OK;
+    ct_status st = CT_OK;
+    int expected = 0;
+    for (int i = 0; i < z->ntp; i++) expected += z->trainable[i];
+    if (z->nready != expected) {
+        int i = 0;
+        while (i + 1 < z->ntp && (z->ready[i] || !z->trainable[i])) i++;
+        st = ct_error(CT_ESTATE, "zero2: parameter '%s' got no gradient in this backward, so its owner would "
+                      "wait for it forever; every trainable parameter must take part in every step (freeze "
+                      "it with requires_grad = 0 otherwise)", z->tp[i]->name);
+    }
+    double t0 = ct_now();
+    while (z->fifo_len) {
+        ct_status w = finish_oldest(s);
+        if (st == CT_OK) st = w;
+    }
+    /* A frozen parameter's gradient is zero, as a plain optimizer sees it. */
+    for (int k = 0; k < z->pt.n; k++)
+        if (z->goff[k] >= 0 && !z->trainable[z->pt.ranges[k].param])
+            memset(z->gshard + z->goff[k], 0, (size_t)z->pt.ranges[k].count * sizeof(float));
+    double t1 = ct_now();
+    if (z->ntp) ct_trace_event("wait for reduce", "comm", t0, t1, 0);
+    /* waits inside backward for room are communication, not compute */
+    s->stats.backward -= z->t_room;
+    s->stats.comm_wait += t1 - t0 + z->t_room;
+    s->stats.comm_total += z->t_comm;
+    s->stats.nbuckets = z->ntp; /* each gradient goes to its owners as a bucket of its own */
+    return st;
+}
+
+/* Gradients accumulated under no_sync go to their owners now. */
+static ct_status zero2_reduce(ct_strategy *s)
+{
+    ct__zero *z = ct__zero_of(s);
+    int saved = s->no_sync;
+    s->no_sync = 0;
+    ct_status st = zero2_pre_backward(s);
+    for (int i = 0; st == CT_OK && i < z->ntp; i++) {
+        ct_param *p = z->tp[i];
+        if (!z->trainable[i]) continue;
+        if (!ct_tensor_data(p->grad)) { /* no backward wrote it: a zero gradient */
+            st = ct_storage_alloc_data(p->grad->storage, 0);
+            p->grad_stale = 1;
+        }
+        ct_param_grad_sync(p);
+        if (st == CT_OK) st = grad_to_owners(p, s);
+    }
+    if (st == CT_OK) st = zero2_post_backward(s);
+    s->no_sync = saved;
+    return st;
+}
+
+/* The global norm: each rank's owned ranges (the reduced gradients live
+ * there only), combined over the group. */
+static ct_status zero2_grad_norm(ct_strategy *s, double norm_type, double *norm)
+{
+    ct__zero *z = ct__zero_of(s);
+    int inf = norm_type != 2.0;
+    double acc = 0;
+    for (int64_t j = 0; j < z->nshard; j++) {
+        double a = fabs((double)z->gshard[j]);
+        if (inf) acc = a > acc || isnan(a) ? a : acc;
+        else acc += a * a;
+    }
+    float v = (float)acc;
+    CT_TRY(ct_group_allreduce(s->g, &v, 1, CT_F32, inf ? CT_OP_MAX : CT_OP_SUM, NULL));
+    *norm = inf ? (double)v : sqrt((double)v);
+    return CT_OK;
+}
+
+static void zero2_scale_grads(ct_strategy *s, float c)
+{
+    ct__zero *z = ct__zero_of(s);
+    for (int64_t j = 0; j < z->nshard; j++) z->gshard[j] *= c;
+}
+
+const ct__strategy_ops ct__zero2_ops = {
+    .kind = "zero2",
+    .opts = zero2_opt_defs,
+    .nopts = (int)(sizeof zero2_opt_defs / sizeof zero2_opt_defs[0]),
+    .opts_size = sizeof(zero2_opts),
+    .refreshes_compute = 1,
+    .init = zero2_init,
+    .fini = zero2_fini,
+    .pre_forward = zero2_pre_forward,
+    .pre_backward = zero2_pre_backward,
+    .post_backward = zero2_post_backward,
+    .reduce = zero2_reduce,
+    .grad_scale = ct__ddp_grad_scale,
+    .build_optim = zero2_build_optim,
+    .grad_norm = zero2_grad_norm,
+    .scale_grads = zero2_scale_grads,
+    .pre_step = ct__zero_pre_step,
+    .post_step = ct__zero_post_step,
+    .partition = ct__zero_partition,
+    .model_state = ct__zero_model_state,
+    .optim_state = ct__zero_optim_state,
+    .shard_state = ct__zero_shard_state,
+    .load_state = ct__zero_load_state,
+};
