@@ -23,20 +23,20 @@ static inline double median(double *v, int n)
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/* Returns if this process already runs under mpirun; otherwise replaces it
- * with `mpirun -np np <this program> args...` (or exits 1 if that fails). */
-static inline void bench_relaunch_under_mpirun(int argc, char **argv, int np)
+/* The argv of `mpirun -np np <this program> args...` (calloc'd; free it),
+ * using npbuf (16 bytes) and self (4096 bytes) for its strings; NULL
+ * (message printed) if this program's path cannot be read. */
+static inline char **bench_mpirun_argv(int argc, char **argv, int np, char *npbuf, char *self)
 {
-    if (getenv("OMPI_COMM_WORLD_SIZE")) return;
-    char npbuf[16], self[4096];
-    ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+    ssize_t len = readlink("/proc/self/exe", self, 4095);
     if (len <= 0) {
         perror("readlink /proc/self/exe");
-        exit(1);
+        return NULL;
     }
     self[len] = 0;
-    snprintf(npbuf, sizeof npbuf, "%d", np);
+    snprintf(npbuf, 16, "%d", np);
     char **av = calloc((size_t)argc + 8, sizeof *av);
+    if (!av) return NULL;
     int a = 0;
     av[a++] = "mpirun";
     av[a++] = "--oversubscribe";
@@ -47,6 +47,17 @@ static inline void bench_relaunch_under_mpirun(int argc, char **argv, int np)
     av[a++] = self;
     for (int i = 1; i < argc; i++) av[a++] = argv[i];
     av[a] = NULL;
+    return av;
+}
+
+/* Returns if this process already runs under mpirun; otherwise replaces it
+ * with `mpirun -np np <this program> args...` (or exits 1 if that fails). */
+static inline void bench_relaunch_under_mpirun(int argc, char **argv, int np)
+{
+    if (getenv("OMPI_COMM_WORLD_SIZE")) return;
+    char npbuf[16], self[4096];
+    char **av = bench_mpirun_argv(argc, argv, np, npbuf, self);
+    if (!av) exit(1);
     setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
     setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
     execvp("mpirun", av);

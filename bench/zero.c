@@ -62,24 +62,8 @@ static void check(ct_status s, const char *what)
 static int run_world(int argc, char **argv, int np, char *last, size_t n)
 {
     char npbuf[16], self[4096];
-    ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (len <= 0) {
-        perror("readlink /proc/self/exe");
-        return 1;
-    }
-    self[len] = 0;
-    snprintf(npbuf, sizeof npbuf, "%d", np);
-    char **av = calloc((size_t)argc + 8, sizeof *av);
-    int a = 0;
-    av[a++] = "mpirun";
-    av[a++] = "--oversubscribe";
-    av[a++] = "--bind-to";
-    av[a++] = "none";
-    av[a++] = "-np";
-    av[a++] = npbuf;
-    av[a++] = self;
-    for (int i = 1; i < argc; i++) av[a++] = argv[i];
-    av[a] = NULL;
+    char **av = bench_mpirun_argv(argc, argv, np, npbuf, self);
+    if (!av) return 1;
     int fd[2];
     if (pipe(fd)) {
         perror("pipe");

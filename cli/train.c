@@ -700,13 +700,17 @@ int cli_train(int argc, char **argv)
         return rc;
     }
     if (o.strategy_opt && !strcmp(o.strategy_opt, "help")) {
-        const char *kinds[] = {"none", "ddp", "zero1", "zero2"};
-        char buf[4096];
-        for (size_t i = 0; i < sizeof kinds / sizeof kinds[0] && cli_rank == 0; i++) {
-            if (o.has_strategy && strcmp(o.strategy, kinds[i])) continue;
-            ct_strategy_help(kinds[i], buf, sizeof buf);
+        char buf[4096], kind[32];
+        /* every kind the library lists ("none, ddp, ...") */
+        for (const char *p = ct_strategy_list(); *p && cli_rank == 0;) {
+            size_t len = strcspn(p, ",");
+            snprintf(kind, sizeof kind, "%.*s", (int)len, p);
+            p += len;
+            p += strspn(p, ", ");
+            if (o.has_strategy && strcmp(o.strategy, kind)) continue;
+            ct_strategy_help(kind, buf, sizeof buf);
             printf("--strategy %s takes --strategy-opt KEY=VALUE,... with these keys (defaults shown):\n%s",
-                   kinds[i], buf);
+                   kind, buf);
         }
         return CLI_OK;
     }

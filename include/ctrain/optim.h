@@ -126,6 +126,10 @@ const char *ct_optim_name(const ct_optim *opt);
  * this returns them zeroed.  Returns CT_ENOMEM (negative) if they cannot
  * be allocated. */
 int ct_optim_state(ct_optim *opt, int i, float **bufs, const char **names);
+/* The state buffer names every slot has (as ct_optim_state gives them), into
+ * names (room for CT_OPTIM_MAX_STATE; may be NULL); returns how many.  Valid
+ * with no slots, so a rank that owns nothing names what others hold. */
+int ct_optim_state_names(const ct_optim *opt, const char **names);
 
 /* Sum of squares (in double) of the gradients of every slot, skipping
  * NULL grads: a sharded strategy's local part of the global grad norm. */

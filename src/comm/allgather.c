@@ -93,12 +93,8 @@ static int start_two_level(allgather_op *o)
         k.dt = (int32_t)o->dt;
         h = (int64_t)(ct_hash64(&k, sizeof k) >> 2);
     }
-    o->h[0] = h;
-    o->h[1] = -h;
     o->phase = PH_HAGREE;
-    return ct__op_mpi(w, MPI_Iallreduce(MPI_IN_PLACE, o->h, 2, MPI_INT64_T, MPI_MIN, w->g->comm,
-                                        &w->req),
-                      "MPI_Iallreduce (agreeing on an all-gather's arguments)");
+    return ct__hash_agree_start(w, o->h, h, "MPI_Iallreduce (agreeing on an all-gather's arguments)");
 }
 
 static int two_level_progress(allgather_op *o)
@@ -110,7 +106,7 @@ static int two_level_progress(allgather_op *o)
     MPI_Datatype dt = ct__mpi_dtype(o->dt);
     switch (o->phase) {
     case PH_HAGREE:
-        if (o->h[0] != -o->h[1])
+        if (!ct__hash_agreed(o->h))
             return ct__op_fail(w, ct_error(CT_EINVAL, "allgather: the ranks passed different "
                                                       "arguments (this rank: %d x %s %s); pass "
                                                       "the same count and dtype on every rank, "

@@ -96,12 +96,8 @@ static int start_two_level(allreduce_op *o)
     ct_work *w = &o->w;
     /* 0 for private memory, so "all private" and "all shared" both agree. */
     int64_t h = o->ref.a ? args_hash(o) : 0;
-    o->h[0] = h;
-    o->h[1] = -h;
     o->phase = PH_HAGREE;
-    return ct__op_mpi(w, MPI_Iallreduce(MPI_IN_PLACE, o->h, 2, MPI_INT64_T, MPI_MIN, w->g->comm,
-                                        &w->req),
-                      "MPI_Iallreduce (agreeing on an allreduce's arguments)");
+    return ct__hash_agree_start(w, o->h, h, "MPI_Iallreduce (agreeing on an allreduce's arguments)");
 }
 
 static int two_level_progress(allreduce_op *o)
@@ -112,7 +108,7 @@ static int two_level_progress(allreduce_op *o)
     size_t esz = ct_dtype_size(o->dt);
     switch (o->phase) {
     case PH_HAGREE:
-        if (o->h[0] != -o->h[1])
+        if (!ct__hash_agreed(o->h))
             return ct__op_fail(w, ct_error(CT_EINVAL, "allreduce: the ranks passed different "
                                                       "arguments (this rank: %d x %s %s %s); pass "
                                                       "the same count, dtype and op on every "

@@ -7,6 +7,13 @@
 
 #include "internal.h"
 
+int ct__hash_agree_start(ct_work *w, int64_t h[2], int64_t hash, const char *what)
+{
+    h[0] = hash;
+    h[1] = -hash;
+    return ct__op_mpi(w, MPI_Iallreduce(MPI_IN_PLACE, h, 2, MPI_INT64_T, MPI_MIN, w->g->comm, &w->req), what);
+}
+
 ct_status ct__check_args(const ct_group *g, const void *buf, int64_t count, ct_dtype dt,
                          const char *what)
 {

@@ -148,6 +148,12 @@ int ct__op_fail(ct_work *w, ct_status s);
 /* After an MPI_I* call that set w->req: CT__WAIT, or ct__op_fail with
  * "<what> failed ..." if rc is an error. */
 int ct__op_mpi(ct_work *w, int rc, const char *what);
+/* Two-level collectives agree across nodes on a hash of their arguments
+ * before touching memory: h becomes {hash, -hash} MIN-allreduced over the
+ * group, so every rank had the same hash exactly when ct__hash_agreed(h).  what
+ * names the collective for MPI errors. */
+int ct__hash_agree_start(ct_work *w, int64_t h[2], int64_t hash, const char *what);
+static inline int ct__hash_agreed(const int64_t h[2]) { return h[0] == -h[1]; }
 /* Queues w for the comm thread.  With out, hands the handle back; without,
  * waits, frees w and returns its status.  Takes ownership of w either way. */
 ct_status ct__submit(ct_work *w, ct_work **out);

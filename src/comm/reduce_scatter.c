@@ -102,12 +102,8 @@ static int start_two_level(redscat_op *o)
         k.inplace = o->inplace;
         h = (int64_t)(ct_hash64(&k, sizeof k) >> 2);
     }
-    o->h[0] = h;
-    o->h[1] = -h;
     o->phase = PH_HAGREE;
-    return ct__op_mpi(w, MPI_Iallreduce(MPI_IN_PLACE, o->h, 2, MPI_INT64_T, MPI_MIN, w->g->comm,
-                                        &w->req),
-                      "MPI_Iallreduce (agreeing on a reduce-scatter's arguments)");
+    return ct__hash_agree_start(w, o->h, h, "MPI_Iallreduce (agreeing on a reduce-scatter's arguments)");
 }
 
 static int two_level_progress(redscat_op *o)
@@ -119,7 +115,7 @@ static int two_level_progress(redscat_op *o)
     MPI_Datatype dt = ct__mpi_dtype(o->dt);
     switch (o->phase) {
     case PH_HAGREE:
-        if (o->h[0] != -o->h[1])
+        if (!ct__hash_agreed(o->h))
             return ct__op_fail(w, ct_error(CT_EINVAL, "reduce_scatter: the ranks passed "
                                                       "different arguments (this rank: %d x %s "
                                                       "%s %s%s); pass the same count, dtype and "

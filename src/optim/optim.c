@@ -375,18 +375,22 @@ static float *slot_buf(const ct_optim *opt, const slot_t *sl, int b)
     return opt->slab + sl->state_off + (size_t)b * padded;
 }
 
-int ct_optim_state(ct_optim *opt, int i, float **bufs, const char **names)
+int ct_optim_state_names(const ct_optim *opt, const char **names)
 {
     static const char *sgd_names[] = {"momentum_buffer"};
     static const char *adamw_names[] = {"exp_avg", "exp_avg_sq"};
+    const char **nm = opt->o.kind == CT_OPT_ADAMW ? adamw_names : sgd_names;
+    for (int b = 0; names && b < opt->nbufs; b++) names[b] = nm[b];
+    return opt->nbufs;
+}
+
+int ct_optim_state(ct_optim *opt, int i, float **bufs, const char **names)
+{
     CT_ASSERT(opt && i >= 0 && i < opt->nslots);
     if (opt->nbufs == 0) return 0;
     CT_TRY(ensure_state(opt));
-    const char **nm = opt->o.kind == CT_OPT_ADAMW ? adamw_names : sgd_names;
-    for (int b = 0; b < opt->nbufs; b++) {
-        if (bufs) bufs[b] = slot_buf(opt, &opt->slots[i], b);
-        if (names) names[b] = nm[b];
-    }
+    ct_optim_state_names(opt, names);
+    for (int b = 0; bufs && b < opt->nbufs; b++) bufs[b] = slot_buf(opt, &opt->slots[i], b);
     return opt->nbufs;
 }
 

@@ -30,8 +30,7 @@ typedef struct {
 
 static const ct__opt_def zero1_opt_defs[] = {
     REFRESH_OPTS(zero1_opts),
-    {"split_params", CT__OPT_BOOL, offsetof(zero1_opts, split_params), "0",
-     "partition the parameters laid end to end into equal pieces (exact balance) instead of whole tensors", 0},
+    SPLIT_OPT(zero1_opts),
 };
 
 ct__zero *ct__zero_of(ct_strategy *s) { return s->ext; }
@@ -251,22 +250,6 @@ ct_status ct__zero_post_step(ct_strategy *s)
 
 /* ---- state ------------------------------------------------------------- */
 
-/* State buffer names of the optimizer kind ("exp_avg", ...); returns how many. */
-static int buffer_names(const ct_optim *opt, const char **names)
-{
-    const ct_optim_opts *o = ct_optim_get_opts(opt);
-    if (o->kind == CT_OPT_ADAMW) {
-        names[0] = "exp_avg";
-        names[1] = "exp_avg_sq";
-        return 2;
-    }
-    if (o->momentum != 0) {
-        names[0] = "momentum_buffer";
-        return 1;
-    }
-    return 0;
-}
-
 /* Buffer b of trainable parameter i as a full tensor on root: owners copy
  * their ranges into zeros and the ranks' buffers are summed there.  *out is
  * NULL on other ranks. */
@@ -313,7 +296,7 @@ static ct_status collect(ct_strategy *s, int sharded, ct_state *out)
 {
     ct__zero *z = ct__zero_of(s);
     const char *bn[CT_OPTIM_MAX_STATE];
-    int nb = buffer_names(s->opt, bn);
+    int nb = ct_optim_state_names(s->opt, bn);
     char name[512];
     ct_status st = CT_OK;
     for (int i = 0; i < z->ntp && st == CT_OK; i++) {
@@ -363,7 +346,7 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
     if (!step || step->dtype != CT_I64 || step->numel != 1)
         return ct_error(CT_EINVAL, "optimizer state has no I64 'step' tensor");
     const char *bn[CT_OPTIM_MAX_STATE];
-    int nb = buffer_names(s->opt, bn);
+    int nb = ct_optim_state_names(s->opt, bn);
     char name[512];
     for (int k = 0; k < z->pt.n; k++) {
         if (z->slot[k] < 0) continue;

@@ -36,6 +36,9 @@ typedef struct {
 
 
 /* The options both take (auto_refresh_trainable and its warning). */
+#define SPLIT_OPT(type)                                                                                 \
+    {"split_params", CT__OPT_BOOL, offsetof(type, split_params), "0",                                  \
+     "partition the parameters laid end to end into equal pieces (exact balance) instead of whole tensors", 0}
 #define REFRESH_OPTS(type)                                                                              \
     {"auto_refresh_trainable", CT__OPT_BOOL, offsetof(type, auto_refresh_trainable), "1",              \
      "follow parameters frozen or unfrozen between steps (else that is an error)", 0},                 \

@@ -29,8 +29,7 @@ typedef struct {
 
 static const ct__opt_def zero2_opt_defs[] = {
     REFRESH_OPTS(zero2_opts),
-    {"split_params", CT__OPT_BOOL, offsetof(zero2_opts, split_params), "0",
-     "partition the parameters laid end to end into equal pieces (exact balance) instead of whole tensors", 0},
+    SPLIT_OPT(zero2_opts),
     {"broadcast_buffers", CT__OPT_BOOL, offsetof(zero2_opts, broadcast_buffers), "1",
      "broadcast buffers (batchnorm statistics) from rank 0 before every forward", 0},
     {"sync_models_at_startup", CT__OPT_BOOL, offsetof(zero2_opts, sync_models_at_startup), "1",
