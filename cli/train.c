@@ -225,6 +225,10 @@ static ct_status make_strategy(trainer *t)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",bucket_cap_mb=%.17g", o->bucket_cap_mb);
     if (buckets || o->find_unused)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",find_unused_parameters=%d", o->find_unused);
+    if (!strcmp(o->strategy, "fsdp"))
+        n += snprintf(opts + n, sizeof opts - (size_t)n, ",sharding=%s,wrap_min_params=%lld,backward_prefetch=%s,"
+                      "limit_all_gathers=%d", strcmp(o->sharding, "grad-op") ? o->sharding : "grad_op",
+                      (long long)o->wrap_min_params, o->prefetch, o->limit_all_gathers);
     if (o->strategy_opt) snprintf(opts + n, sizeof opts - (size_t)n, ",%s", o->strategy_opt);
     ct_status st = ct_strategy_create(o->strategy, t->model, &oo, t->g, opts, &t->s);
     if (st == CT_OK) t->opt = ct_strategy_optim(t->s);

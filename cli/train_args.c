@@ -64,6 +64,10 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--find-unused-parameters", OPT_FLAG, &o->find_unused, NULL, "ddp: allow parameters without a gradient");
     OPT("--grad-compress", OPT_STR, &o->grad_compress, "NAME", "gradients reduced as none (f32), bf16 or f16");
     OPT("--mixed", OPT_STR, &o->mixed, "DTYPE", "mixed precision: bf16 products on f32 master weights (none)");
+    OPT("--sharding", OPT_STR, &o->sharding, "MODE", "fsdp: full, grad-op, none or hybrid (full)");
+    OPT("--wrap-min-params", OPT_INT, &o->wrap_min_params, "N", "fsdp: a module with N parameters becomes a unit (100000)");
+    OPT("--prefetch", OPT_STR, &o->prefetch, "WHEN", "fsdp: gather the next unit in backward pre, post or none (pre)");
+    OPT("--limit-all-gathers", OPT_FLAG, &o->limit_all_gathers, NULL, "fsdp: at most two units unsharded besides the root");
     OPT("--strategy-opt", OPT_STR, &o->strategy_opt, "K=V,...", "strategy options (--strategy-opt help lists them)");
     OPT("--threads", OPT_INT, &o->threads, "N", "BLAS threads per rank (cores / ranks on the node)");
     OPT("--flush-denormal", OPT_FLAG, &o->flush_denormal, NULL, "treat subnormal floats as 0 (faster; as torch.set_flush_denormal)");
@@ -76,7 +80,7 @@ static int table(train_opts *o, cli_opt *t)
     return n;
 }
 
-#define MAXOPT 48
+#define MAXOPT 56
 
 void train_help(FILE *f)
 {
@@ -110,6 +114,9 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->clip_norm = "2";
     o->eval_batch = 500;
     o->state_dict = "full";
+    o->sharding = "full";
+    o->prefetch = "pre";
+    o->wrap_min_params = 100000;
     cli_opt t[MAXOPT];
     int n = table(o, t), npos;
     const char *pos[1];
@@ -136,6 +143,9 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->has_clip_norm = GIVEN("--clip-norm");
     o->has_bucket_cap = GIVEN("--bucket-cap-mb");
     int has_epochs = GIVEN("--epochs"), has_steps = GIVEN("--steps");
+    const char *fsdp_flag = GIVEN("--sharding") ? "--sharding" : GIVEN("--wrap-min-params") ? "--wrap-min-params"
+                          : GIVEN("--prefetch") ? "--prefetch" : GIVEN("--limit-all-gathers") ? "--limit-all-gathers"
+                          : NULL;
 #undef GIVEN
 
     if (has_epochs && has_steps) return BAD("--epochs and --steps are both given; give one of them");
@@ -194,6 +204,15 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
         }
         if (!found) return BAD("unknown strategy '%s' for --strategy; choose one of: %s", o->strategy, l);
     }
+    if (fsdp_flag && (!o->has_strategy || strcmp(o->strategy, "fsdp")))
+        return BAD("%s applies to --strategy fsdp only", fsdp_flag);
+    static const char *const shardings[] = {"full", "grad-op", "none", "hybrid", NULL};
+    if (!in_list(o->sharding, shardings))
+        return BAD("unknown --sharding '%s'; choose full, grad-op, none or hybrid", o->sharding);
+    static const char *const prefetches[] = {"pre", "post", "none", NULL};
+    if (!in_list(o->prefetch, prefetches)) return BAD("unknown --prefetch '%s'; choose pre, post or none", o->prefetch);
+    if (o->wrap_min_params < 0) return BAD("--wrap-min-params %lld must not be negative (0: the model is one unit)",
+                                           (long long)o->wrap_min_params);
     if (o->grad_accum < 1) return BAD("--grad-accum %lld must be at least 1", (long long)o->grad_accum);
     if (!(o->bucket_cap_mb > 0)) return BAD("--bucket-cap-mb %g must be positive", o->bucket_cap_mb);
     static const char *const comp[] = {"none", "bf16", "f16", NULL};

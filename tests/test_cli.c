@@ -142,7 +142,7 @@ TEST(cli_usage_errors)
         {"train --steps 5", 2, "--model is required"},
         {"train --model mlp --steps 5 --batch 0", 2, "--batch 0 must be at least 1"},
         {"train --model mlp --steps 5 --hidden 256,x", 2, "'x' is not a positive integer"},
-        {"train --model mlp --steps 5 --strategy fsdp", 2, "choose one of: none, ddp"},
+        {"train --model mlp --steps 5 --strategy zero9", 2, "choose one of: none, ddp"},
         {"train --model mlp --steps 5 --optim lbfgs", 2, "choose sgd or adamw"},
         {"train --model mlp --steps 5 --momentum 0.9", 2, "--optim sgd only"},
         {"train --model mlp --steps 5 --save-every 10", 2, "--save-every needs --save"},

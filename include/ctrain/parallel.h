@@ -215,6 +215,17 @@ ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all);
  * for a key it does not take. */
 const char *ct_strategy_opt(const ct_strategy *s, const char *key);
 
+/* Makes every parameter's full value readable in p->data until
+ * ct_strategy_release_full_params (PyTorch's summon_full_params): FSDP
+ * gathers its pieces; strategies that keep whole parameters have nothing
+ * to do.  With writeback, changes made to them meanwhile are kept (copied
+ * back into the pieces on release); without, they are dropped (except
+ * under fsdp sharding=none, whose parameters are the pieces).  rank0_only:
+ * only rank 0 keeps them (not with writeback: CT_EINVAL).  Collective. */
+ct_status ct_strategy_summon_full_params(ct_strategy *s, int writeback, int rank0_only);
+/* Ends ct_strategy_summon_full_params (writes back if asked, frees). */
+ct_status ct_strategy_release_full_params(ct_strategy *s);
+
 /* ---- state for checkpoints -------------------------------------------- */
 
 /* Named tensors (retained references); free with ct_state_fini. */

@@ -116,17 +116,12 @@ ct_status ct__replicated_optim_state(ct_strategy *s, ct_state *out)
     return st;
 }
 
-/* Copies src (f32, bf16 or f16) into the f32 destination of n elements. */
-static ct_status load_into(float *dst, int64_t n, const ct_tensor *src, const char *name)
+ct_status ct__load_range(float *dst, const ct_tensor *src, int64_t off, int64_t count, const char *name)
 {
-    if (src->numel != n)
-        return ct_error(CT_EINVAL, "'%s' has %lld elements in the checkpoint but %lld in the model; "
-                        "the checkpoint is for a different model configuration",
-                        name, (long long)src->numel, (long long)n);
     switch (src->dtype) {
-    case CT_F32: memcpy(dst, ct_tensor_data(src), (size_t)n * 4); break;
-    case CT_BF16: ct_bf16_to_f32_n(ct_tensor_data(src), dst, (size_t)n); break;
-    case CT_F16: ct_f16_to_f32_n(ct_tensor_data(src), dst, (size_t)n); break;
+    case CT_F32: memcpy(dst, (const float *)ct_tensor_data(src) + off, (size_t)count * 4); break;
+    case CT_BF16: ct_bf16_to_f32_n((const uint16_t *)ct_tensor_data(src) + off, dst, (size_t)count); break;
+    case CT_F16: ct_f16_to_f32_n((const uint16_t *)ct_tensor_data(src) + off, dst, (size_t)count); break;
     default:
         return ct_error(CT_EINVAL, "'%s' is %s in the checkpoint; parameters must be F32, BF16 or F16",
                         name, ct_dtype_name(src->dtype));
@@ -134,7 +129,24 @@ static ct_status load_into(float *dst, int64_t n, const ct_tensor *src, const ch
     return CT_OK;
 }
 
-static ct_status load_model(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n)
+/* Copies src (f32, bf16 or f16) into the f32 destination of n elements. */
+static ct_status load_into(float *dst, int64_t n, const ct_tensor *src, const char *name)
+{
+    if (src->numel != n)
+        return ct_error(CT_EINVAL, "'%s' has %lld elements in the checkpoint but %lld in the model; "
+                        "the checkpoint is for a different model configuration",
+                        name, (long long)src->numel, (long long)n);
+    return ct__load_range(dst, src, 0, n, name);
+}
+
+static ct_status put_whole(ct_strategy *s, ct_param *p, const ct_tensor *src)
+{
+    (void)s;
+    return load_into(ct_f32(p->data), p->data->numel, src, p->name);
+}
+
+ct_status ct__load_model_with(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
+                              ct__load_fn put)
 {
     for (int i = 0; i < n; i++) {
         if (ct_module_find(s->model, names[i])) continue;
@@ -162,7 +174,7 @@ static ct_status load_model(ct_strategy *s, const char *const *names, ct_tensor 
                                 ps[j]->name, ct_shape_str(src, a, sizeof a),
                                 ct_shape_str(ps[j]->data, b, sizeof b));
             }
-            CT_TRY(load_into(ct_f32(ps[j]->data), ps[j]->data->numel, src, ps[j]->name));
+            CT_TRY(put(s, ps[j], src)); /* same shape: same numel */
         }
     }
     return CT_OK;
@@ -200,7 +212,7 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
 ct_status ct__replicated_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
                                    int n, int optim)
 {
-    return optim ? load_optim(s, names, tensors, n) : load_model(s, names, tensors, n);
+    return optim ? load_optim(s, names, tensors, n) : ct__load_model_with(s, names, tensors, n, put_whole);
 }
 
 /* Shares balanced by bytes: largest tensor first onto the least loaded

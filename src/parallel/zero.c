@@ -250,14 +250,15 @@ ct_status ct__zero_post_step(ct_strategy *s)
 
 /* ---- state ------------------------------------------------------------- */
 
-/* Buffer b of trainable parameter i as a full tensor on root: owners copy
- * their ranges into zeros and the ranks' buffers are summed there.  *out is
- * NULL on other ranks. */
-static ct_status gather_buffer(ct_strategy *s, int i, int b, int root, ct_tensor **out)
+static ct_group *group_of(ct_strategy *s, const ct__zero *z, int i) { return z->pg ? z->pg[i] : s->g; }
+
+/* Owners copy their ranges into zeros and the group's buffers are summed on root. */
+ct_status ct__zero_gather(ct_strategy *s, int i, int b, int root, ct_tensor **out)
 {
     ct__zero *z = ct__zero_of(s);
     *out = NULL;
     ct_param *p = z->tp[i];
+    ct_group *g = group_of(s, z, i);
     ct_tensor *full = ct_tensor_create(CT_F32, p->data->ndim, p->data->shape, CT_MEM_COMM);
     if (!full) return CT_ENOMEM;
     int local_only = 1;
@@ -266,16 +267,20 @@ static ct_status gather_buffer(ct_strategy *s, int i, int b, int root, ct_tensor
         local_only &= x->owner == root;
         if (z->slot[k] < 0) continue;
         float *bufs[CT_OPTIM_MAX_STATE];
-        int nb = ct_optim_state(s->opt, z->slot[k], bufs, NULL);
-        if (nb < 0) {
-            ct_tensor_release(full);
-            return nb;
+        const float *src = b < 0 ? ct_optim_slot_at(s->opt, z->slot[k])->data : NULL;
+        if (b >= 0) {
+            int nb = ct_optim_state(s->opt, z->slot[k], bufs, NULL);
+            if (nb < 0) {
+                ct_tensor_release(full);
+                return nb;
+            }
+            src = bufs[b];
         }
-        memcpy(ct_f32(full) + x->offset, bufs[b], (size_t)x->count * sizeof(float));
+        memcpy(ct_f32(full) + x->offset, src, (size_t)x->count * sizeof(float));
     }
     ct_status st = CT_OK;
-    if (!local_only) st = ct_group_reduce(s->g, ct_tensor_data(full), full->numel, CT_F32, CT_OP_SUM, root, NULL);
-    if (st == CT_OK && ct_group_rank(s->g) == root) *out = full;
+    if (!local_only) st = ct_group_reduce(g, ct_tensor_data(full), full->numel, CT_F32, CT_OP_SUM, root, NULL);
+    if (st == CT_OK && ct_group_rank(g) == root && !(z->quiet && z->quiet[i])) *out = full;
     else ct_tensor_release(full);
     return st;
 }
@@ -303,7 +308,7 @@ static ct_status collect(ct_strategy *s, int sharded, ct_state *out)
         int root = sharded ? z->pt.ranges[z->first[i]].owner : 0;
         for (int b = 0; b < nb && st == CT_OK; b++) {
             ct_tensor *t;
-            st = gather_buffer(s, i, b, root, &t);
+            st = ct__zero_gather(s, i, b, root, &t);
             if (st == CT_OK && t) {
                 snprintf(name, sizeof name, "%s.%s", z->tp[i]->name, bn[b]);
                 st = ct_state_add(out, name, t);
