@@ -580,9 +580,12 @@ static ct_status report(trainer *t, double seconds)
         if (ov < 0) ov = 0;
         cli_out("step time (%s, mean over %lld steps): forward %.2f ms, backward %.2f ms, optimizer %.2f ms",
                 ct_strategy_kind(t->s), (long long)t->nstats, s.forward * ms, s.backward * ms, s.optimizer * ms);
-        if (t->world > 1)
+        if (t->world > 1 && s.nbuckets)
             cli_out("; allreduce %.2f ms in %d bucket%s, waited %.2f ms (%.0f%% overlapped with backward)",
                     s.comm_total * ms, s.nbuckets, s.nbuckets == 1 ? "" : "s", s.comm_wait * ms, ov * 100);
+        else if (t->world > 1) /* gathers and reduce-scatters */
+            cli_out("; communication %.2f ms, waited %.2f ms (%.0f%% overlapped with compute)", s.comm_total * ms,
+                    s.comm_wait * ms, ov * 100);
         cli_out("\n");
         (void)n;
     }

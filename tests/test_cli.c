@@ -518,9 +518,10 @@ TEST(cli_zero_memory_follows_the_formulas)
     }
 }
 
-/* A ZeRO checkpoint saved by 4 ranks resumes on 2 (and the sharded form
- * too): weights and optimizer state equal an uninterrupted run. */
-static void zero_resume_case(const char *strategy, const char *format)
+/* A checkpoint saved by strategy on na ranks resumes under strategy2 on nb
+ * ranks (in the given format): weights and optimizer state equal an
+ * uninterrupted run of strategy on na ranks. */
+static void resume_case(const char *strategy, int na, const char *strategy2, int nb, const char *format)
 {
     static char out[OUT_MAX];
     char a[512], b[512];
@@ -529,12 +530,12 @@ static void zero_resume_case(const char *strategy, const char *format)
                        "--seed 7";
     snprintf(a, sizeof a, "%s/%s-a%s", tmp, strategy, strcmp(format, "full") ? "" : ".safetensors");
     snprintf(b, sizeof b, "%s/%s-b%s", tmp, strategy, strcmp(format, "full") ? "" : ".safetensors");
-    int code = run_np(4, out, "%s --strategy %s --steps 12 --save %s --state-dict %s", base, strategy, a, format);
-    if (code) ct_test_fail(__FILE__, __LINE__, "4 ranks failed:\n%s", out);
-    code = run_np(2, out, "train --strategy %s --steps 24 --resume %s --save %s --state-dict %s --threads 1 "
-                          "--log-every 0 --limit-train 2000 --limit-test 200", strategy, a, a, format);
-    if (code) ct_test_fail(__FILE__, __LINE__, "resume on 2 ranks failed:\n%s", out);
-    code = run_np(4, out, "%s --strategy %s --steps 24 --save %s --state-dict %s", base, strategy, b, format);
+    int code = run_np(na, out, "%s --strategy %s --steps 12 --save %s --state-dict %s", base, strategy, a, format);
+    if (code) ct_test_fail(__FILE__, __LINE__, "%d ranks failed:\n%s", na, out);
+    code = run_np(nb, out, "train --strategy %s --steps 24 --resume %s --save %s --state-dict %s --threads 1 "
+                           "--log-every 0 --limit-train 2000 --limit-test 200", strategy2, a, a, format);
+    if (code) ct_test_fail(__FILE__, __LINE__, "resume on %d ranks failed:\n%s", nb, out);
+    code = run_np(na, out, "%s --strategy %s --steps 24 --save %s --state-dict %s", base, strategy, b, format);
     if (code) ct_test_fail(__FILE__, __LINE__, "straight run failed:\n%s", out);
     for (int side = 0; side < 2; side++) {
         char pa[600], pb[600];
@@ -576,8 +577,18 @@ static void zero_resume_case(const char *strategy, const char *format)
 
 TEST(cli_zero_checkpoints_move_between_world_sizes)
 {
-    zero_resume_case("zero1", "full");
-    zero_resume_case("zero2", "sharded");
+    resume_case("zero1", 4, "zero1", 2, "full");
+    resume_case("zero2", 4, "zero2", 2, "sharded");
+}
+
+/* FSDP's full and sharded checkpoints move between world sizes (4 -> 2,
+ * 2 -> 3) and strategies (fsdp -> ddp -> fsdp). */
+TEST(cli_fsdp_checkpoints_move_between_world_sizes_and_strategies)
+{
+    resume_case("fsdp", 4, "fsdp", 2, "full");
+    resume_case("fsdp", 2, "fsdp", 3, "sharded");
+    resume_case("fsdp", 2, "ddp", 2, "full");
+    resume_case("ddp", 2, "fsdp", 3, "sharded");
 }
 
 /* World-size errors: every rank sees them, rank 0 says them once. */
@@ -837,6 +848,20 @@ TEST(cli_sharded_checkpoint_loads_in_pytorch)
     int code = run_np(2, out, "train " SMALL " --steps 20 --log-every 0 --save %s --state-dict sharded", dir);
     if (code) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
     torch_logits_check(scripts, dir, out);
+}
+
+/* FSDP's full state dict (gathered a parameter at a time to rank 0) is an
+ * nn.Sequential state_dict that PyTorch loads strictly. */
+TEST(cli_fsdp_checkpoint_loads_in_pytorch)
+{
+    static char out[OUT_MAX];
+    char scripts[1100], ckpt[1024];
+    if (!torch_available(scripts, sizeof scripts)) return;
+    snprintf(ckpt, sizeof ckpt, "%s/fsdp.safetensors", ct_test_tmpdir());
+    int code = run_np(2, out, "train " SMALL " --steps 20 --log-every 0 --strategy fsdp --wrap-min-params 1000 "
+                      "--mixed bf16 --save %s", ckpt);
+    if (code) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
+    torch_logits_check(scripts, ckpt, out);
 }
 
 /* ---- sharded checkpoints ------------------------------------------------ */

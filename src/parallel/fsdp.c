@@ -86,6 +86,7 @@ static ct_status start_gather(ct_strategy *s, fsdp_unit *u)
         }
     }
     u->state = UNIT_GATHERING;
+    u->t_ag = ct_now();
     return CT_OK;
 }
 
@@ -108,7 +109,9 @@ static ct_status finish_gather(ct_strategy *s, fsdp_unit *u)
     }
     double t1 = ct_now();
     s->stats.comm_wait += t1 - t0;
+    s->stats.comm_total += t1 - u->t_ag;
     if (t1 - t0 > 1e-6) ct_trace_event("wait for all-gather", "comm", t0, t1, 0);
+    ct_trace_event("all-gather", "comm", u->t_ag, t1, 1);
     u->state = UNIT_FULL;
     return st;
 }
@@ -197,6 +200,7 @@ static ct_status start_reduce(ct_strategy *s, fsdp_unit *u)
         CT_TRY(ct_group_reduce_scatter(u->sg, src, dst, fl->shard, dt, CT_OP_SUM, &fl->rs));
     }
     u->reducing = 1;
+    u->t_rs = ct_now();
     fsdp_t *f = ct__fsdp_of(s);
     f->fifo[f->nfifo++] = (int)(u - f->u);
     return CT_OK;
@@ -244,7 +248,9 @@ static ct_status finish_reduce(ct_strategy *s, fsdp_unit *u)
     }
     double t1 = ct_now();
     s->stats.comm_wait += t1 - t0;
+    s->stats.comm_total += t1 - u->t_rs;
     if (t1 - t0 > 1e-6) ct_trace_event("wait for reduce-scatter", "comm", t0, t1, 0);
+    ct_trace_event("reduce-scatter", "comm", u->t_rs, t1, 1);
     free_grads(u);
     u->reducing = 0;
     return st;

@@ -60,6 +60,7 @@ typedef struct {
     int summoned;          /* full f32 parameters out for the user */
     int summon_writeback;  /* copy them back into the pieces on release */
     int seen_fwd, seen_bwd;
+    double t_ag, t_rs;     /* when its gather and its reduce started (step statistics, trace) */
     ct_hook *h[4];
 } fsdp_unit;
 
