@@ -204,8 +204,9 @@ static void run_round(result *r, const ct_batch *b, const char *opts, int steps,
     }
     check(ct_strategy_memory(s, r->mem), "memory report");
     if (trace && round == 0) {
-        char path[4096];
-        snprintf(path, sizeof path, "%s.%s.np%d.rank%d.json", trace, r->label, world, rank);
+        char path[4096], key[128];
+        bench_key(r->label, key, sizeof key);
+        snprintf(path, sizeof path, "%s.%s.np%d.rank%d.json", trace, key, world, rank);
         check(ct_trace_write(path), "trace");
     }
     ct_strategy_destroy(s);
