@@ -9,6 +9,10 @@
 #ifndef CTRAIN_CLI_H
 #define CTRAIN_CLI_H
 
+/* fsdp's auto-wrap size on the command line (train and estimate): a module
+ * holding this many parameters outside units below it becomes a unit. */
+#define CLI_FSDP_WRAP_MIN_PARAMS 100000
+
 #include <stdio.h>
 
 #include <ctrain/ctrain.h>

@@ -116,7 +116,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->state_dict = "full";
     o->sharding = "full";
     o->prefetch = "pre";
-    o->wrap_min_params = 100000;
+    o->wrap_min_params = CLI_FSDP_WRAP_MIN_PARAMS;
     cli_opt t[MAXOPT];
     int n = table(o, t), npos;
     const char *pos[1];

@@ -683,6 +683,15 @@ TEST(cli_estimate_matches_zero2_runs)
     estimate_matches_run(3, "zero2", "--strategy-opt reduce_buffer_mb=1");
 }
 
+/* FSDP: pieces plus the units unsharded at once (ct_fsdp_plan's units), in
+ * f32 and bf16 (the weights gathered in bf16), FULL_SHARD and SHARD_GRAD_OP. */
+TEST(cli_estimate_matches_fsdp_runs)
+{
+    estimate_matches_run(2, "fsdp", "");
+    estimate_matches_run(3, "fsdp", "--mixed bf16");
+    estimate_matches_run(2, "fsdp", "--strategy-opt sharding=grad_op,backward_prefetch=none");
+}
+
 /* The table: a row per strategy that applies (none only on one rank), the
  * columns, and figures that follow from the model alone. */
 TEST(cli_estimate_table)

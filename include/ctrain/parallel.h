@@ -71,6 +71,22 @@ void ct_partition_fini(ct_partition *pt);
  * too small. */
 ct_status ct_partition_describe(const ct_partition *pt, const char *const *names, char *buf, size_t n);
 
+/* ---- FSDP's units, for planning ---------------------------------------- */
+
+/* One FSDP unit as ct_strategy_create("fsdp", ...) would cut the model. */
+typedef struct {
+    int64_t numel;   /* elements of its f32 flat parameter */
+    int64_t low;     /* elements of its bf16 one (param_dtype=bf16: the weights with compute copies) */
+    int is_root;     /* the model itself (keeps its parameters from forward to backward) */
+    int replicated;  /* an ignored module's: never sharded */
+} ct_fsdp_unit;
+
+/* The units fsdp makes of model under opts (its key=value options), in
+ * pre-order, without wrapping anything or communicating (for tools that
+ * plan a run, such as `ctrain estimate`): the first min(*n, max) go to
+ * units, *n gets their number.  CT_EINVAL for options fsdp refuses. */
+ct_status ct_fsdp_plan(ct_module *model, const char *opts, ct_fsdp_unit *units, int max, int *n);
+
 /* ---- the strategy interface ------------------------------------------- */
 
 typedef struct ct_strategy ct_strategy;

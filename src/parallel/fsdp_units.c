@@ -194,3 +194,30 @@ out:
     ct_free(cnt);
     return st;
 }
+
+ct_status ct_fsdp_plan(ct_module *model, const char *opts, ct_fsdp_unit *units, int max, int *n)
+{
+    *n = 0;
+    ct_strategy *s = ct_alloc_zeroed(sizeof *s, CT_MEM_OTHER); /* options and parameters only */
+    if (!s) return CT_ENOMEM;
+    s->ops = &ct__fsdp_ops;
+    s->model = model;
+    fsdp_t f;
+    memset(&f, 0, sizeof f);
+    ct_status st = ct__opts_parse(s, opts);
+    if (st == CT_OK) st = ct_module_params(model, &s->params, &s->nparams);
+    if (st == CT_OK) st = ct__fsdp_build_units(s, &f);
+    for (int i = 0; st == CT_OK && i < f.nu && i < max; i++) {
+        ct_fsdp_unit *u = &units[i];
+        memset(u, 0, sizeof *u);
+        u->is_root = f.u[i].is_root;
+        u->replicated = f.u[i].ignored;
+        for (int k = 0; k < f.u[i].nfl; k++) *(f.u[i].fl[k].low ? &u->low : &u->numel) = f.u[i].fl[k].numel;
+    }
+    if (st == CT_OK) *n = f.nu;
+    ct__fsdp_free_units(&f);
+    ct__opts_free(s);
+    ct_free(s->params);
+    ct_free(s);
+    return st;
+}
