@@ -287,7 +287,8 @@ static ct_status flush_denormals(void)
 #endif
 }
 
-static int sharded(const trainer *t) { return !strcmp(t->o->state_dict, "sharded"); }
+/* --state-dict sharded and local write a directory. */
+static int sharded(const trainer *t) { return strcmp(t->o->state_dict, "full") != 0; }
 
 /* A --save path of the wrong kind fails now, not after the training it would lose. */
 static ct_status check_save_target(trainer *t)
@@ -296,8 +297,8 @@ static ct_status check_save_target(trainer *t)
     const char *p = t->o->save;
     if (!p || t->rank != 0 || stat(p, &sb) != 0) return CT_OK;
     if (sharded(t) && !S_ISDIR(sb.st_mode))
-        return ct_error(CT_EINVAL, "--save %s: --state-dict sharded writes a directory, but %s is a file; give a "
-                        "directory path (or drop --state-dict sharded to write one file)", p, p);
+        return ct_error(CT_EINVAL, "--save %s: --state-dict %s writes a directory, but %s is a file; give a "
+                        "directory path (or drop --state-dict to write one file)", p, t->o->state_dict, p);
     if (!sharded(t) && S_ISDIR(sb.st_mode))
         return ct_error(CT_EINVAL, "--save %s is a directory; save a sharded checkpoint into it with --state-dict "
                         "sharded, or give a file path", p);
@@ -452,7 +453,7 @@ static ct_status save(trainer *t)
 {
     ct_meta mm, sm;
     CT_TRY(ct_group_check(t->g, fill_meta(t, &mm, &sm)));
-    if (sharded(t)) return cli_save_sharded(t->s, t->o->save, &mm, &sm, t->step);
+    if (sharded(t)) return cli_save_sharded(t->s, t->o->save, &mm, &sm, t->step, !strcmp(t->o->state_dict, "local"));
     return cli_save(t->s, t->o->save, &mm, &sm);
 }
 

@@ -54,7 +54,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--init", OPT_STR, &o->init, "CKPT", "start from these weights (optimizer starts fresh)");
     OPT("--resume", OPT_STR, &o->resume, "CKPT", "continue exactly: weights, optimizer, step and data position");
     OPT("--save", OPT_STR, &o->save, "CKPT", "write the model to CKPT (and its optimizer state beside it)");
-    OPT("--state-dict", OPT_STR, &o->state_dict, "FMT", "full (CKPT is a file) or sharded (a directory: a file per rank, an index) (full)");
+    OPT("--state-dict", OPT_STR, &o->state_dict, "FMT", "full (CKPT is a file), sharded (a directory: a file per rank, an index) or local (each rank's own pieces, no gathering) (full)");
     OPT("--save-every", OPT_INT, &o->save_every, "N", "also save every N steps (needs --save)");
     OPT("--log-every", OPT_INT, &o->log_every, "N", "progress line every N steps (50; 0: none)");
     OPT("--metrics", OPT_STR, &o->metrics, "FILE", "one JSON object per logged step (appended on --resume)");
@@ -188,9 +188,9 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (o->seed < 0) return BAD("--seed %lld must not be negative", (long long)o->seed);
     if (o->save_every < 0) return BAD("--save-every %lld must not be negative", (long long)o->save_every);
     if (o->save_every && !o->save) return BAD("--save-every needs --save CKPT to say where");
-    static const char *const formats[] = {"full", "sharded", NULL};
+    static const char *const formats[] = {"full", "sharded", "local", NULL};
     if (!in_list(o->state_dict, formats))
-        return BAD("unknown --state-dict '%s'; choose full (one file) or sharded (a directory)", o->state_dict);
+        return BAD("unknown --state-dict '%s'; choose full (one file), sharded or local (a directory)", o->state_dict);
     if (cli_find(t, n, "--state-dict")->given && !o->save) return BAD("--state-dict needs --save CKPT to say where");
     if (o->log_every < 0) return BAD("--log-every %lld must not be negative (0 turns progress off)", (long long)o->log_every);
     if (o->has_strategy) {

@@ -520,26 +520,30 @@ TEST(cli_zero_memory_follows_the_formulas)
 
 /* A checkpoint saved by strategy on na ranks resumes under strategy2 on nb
  * ranks (in the given format): weights and optimizer state equal an
- * uninterrupted run of strategy on na ranks. */
+ * uninterrupted run of strategy on na ranks.  Pieces (local) name
+ * different tensors at different world sizes, so those runs end with full
+ * checkpoints to compare. */
 static void resume_case(const char *strategy, int na, const char *strategy2, int nb, const char *format)
 {
     static char out[OUT_MAX];
-    char a[512], b[512];
-    const char *tmp = ct_test_tmpdir();
+    char a[512], a2[512], b[512];
+    const char *tmp = ct_test_tmpdir(), *fin = strcmp(format, "local") ? format : "full";
     const char *base = "train --model mlp --limit-train 2000 --limit-test 200 --threads 1 --log-every 0 --batch 48 "
                        "--seed 7";
     snprintf(a, sizeof a, "%s/%s-a%s", tmp, strategy, strcmp(format, "full") ? "" : ".safetensors");
-    snprintf(b, sizeof b, "%s/%s-b%s", tmp, strategy, strcmp(format, "full") ? "" : ".safetensors");
+    snprintf(a2, sizeof a2, "%s/%s-a%s", tmp, strategy, strcmp(fin, "full") ? "" : ".safetensors");
+    snprintf(b, sizeof b, "%s/%s-b%s", tmp, strategy, strcmp(fin, "full") ? "" : ".safetensors");
     int code = run_np(na, out, "%s --strategy %s --steps 12 --save %s --state-dict %s", base, strategy, a, format);
     if (code) ct_test_fail(__FILE__, __LINE__, "%d ranks failed:\n%s", na, out);
     code = run_np(nb, out, "train --strategy %s --steps 24 --resume %s --save %s --state-dict %s --threads 1 "
-                           "--log-every 0 --limit-train 2000 --limit-test 200", strategy2, a, a, format);
+                           "--log-every 0 --limit-train 2000 --limit-test 200", strategy2, a, a2, fin);
     if (code) ct_test_fail(__FILE__, __LINE__, "resume on %d ranks failed:\n%s", nb, out);
-    code = run_np(na, out, "%s --strategy %s --steps 24 --save %s --state-dict %s", base, strategy, b, format);
+    code = run_np(na, out, "%s --strategy %s --steps 24 --save %s --state-dict %s", base, strategy, b, fin);
     if (code) ct_test_fail(__FILE__, __LINE__, "straight run failed:\n%s", out);
+    snprintf(a, sizeof a, "%s", a2);
     for (int side = 0; side < 2; side++) {
         char pa[600], pb[600];
-        if (side && !strcmp(format, "full")) { /* X.safetensors -> X.optim.safetensors */
+        if (side && !strcmp(fin, "full")) { /* X.safetensors -> X.optim.safetensors */
             snprintf(pa, sizeof pa, "%.*s.optim.safetensors", (int)strlen(a) - 12, a);
             snprintf(pb, sizeof pb, "%.*s.optim.safetensors", (int)strlen(b) - 12, b);
         } else if (side) {
@@ -589,6 +593,15 @@ TEST(cli_fsdp_checkpoints_move_between_world_sizes_and_strategies)
     resume_case("fsdp", 2, "fsdp", 3, "sharded");
     resume_case("fsdp", 2, "ddp", 2, "full");
     resume_case("ddp", 2, "fsdp", 3, "sharded");
+}
+
+/* Each rank's own pieces (--state-dict local, nothing gathered) load at
+ * another world size and under another strategy. */
+TEST(cli_local_checkpoints_move_between_world_sizes_and_strategies)
+{
+    resume_case("fsdp", 2, "fsdp", 3, "local");
+    resume_case("zero2", 3, "ddp", 2, "local");
+    resume_case("ddp", 2, "fsdp", 4, "local");
 }
 
 /* World-size errors: every rank sees them, rank 0 says them once. */
@@ -700,10 +713,10 @@ TEST(cli_estimate_table)
     ASSERT_EQ(RUN(out, "estimate --model mlp --ranks 1"), 0);
     ASSERT_STR_CONTAINS(out, "mlp [256,128] (235146 parameters)");
     const char *cols[] = {"strategy", "param", "grad", "optim", "act", "comm", "resident", "total",
-                          "\n  none ", "\n  ddp ", "\n  zero1 ", "\n  zero2 "};
+                          "\n  none ", "\n  ddp ", "\n  zero1 ", "\n  zero2 ", "\n  fsdp "};
     for (size_t i = 0; i < sizeof cols / sizeof cols[0]; i++) ASSERT_STR_CONTAINS(out, cols[i]);
     ASSERT_EQ(RUN(out, "estimate --model mlp --ranks 4 --json"), 0);
-    ASSERT_EQ(count_lines(out), 3); /* ddp, zero1, zero2: none is one rank's */
+    ASSERT_EQ(count_lines(out), 4); /* ddp, zero1, zero2, fsdp: none is one rank's */
     ASSERT(!strstr(out, "\"none\""));
     /* 235146 f32 parameters; AdamW's two moments, each slot padded to 16 floats (4.bias: 10 -> 16). */
     ASSERT_STR_CONTAINS(out, "{\"strategy\":\"ddp\",\"ranks\":4,\"param\":940584,\"grad\":940584,\"optim\":1881216,");

@@ -270,11 +270,24 @@ ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out);
  * once (I64 "step" on rank 0), shares balanced by bytes, so every rank
  * writes its own file at once.  Collective over the group. */
 ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out);
+/* This rank's own pieces of the model state (optim 0) or of the optimizer
+ * state (optim 1), as they lie in its memory, with no communication:
+ * "<name>@<offset>" holds elements [offset, offset + numel) of tensor
+ * <name> flattened (1-D), "<name>" a whole one.  Over the ranks every
+ * element appears once (a replicated strategy: rank 0 has everything;
+ * buffers, frozen parameters and "step" are on rank 0).  PyTorch's
+ * LOCAL_STATE_DICT, except that it loads anywhere: ct_strategy_load_state
+ * assembles pieces into whole tensors, so any world size and any strategy
+ * loads them.  Collective only in that every rank calls it. */
+ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out);
 /* Loads tensors by name into the model (every parameter and buffer must be
  * present with its shape; f32, or bf16/f16 converted) or, with optim != 0,
  * into the optimizer state (a sharded strategy takes what this rank owns).
  * Names not in the model are an error.  The same set on every rank (a
- * sharded checkpoint is read whole: any world size can load it). */
+ * sharded checkpoint is read whole: any world size can load it).  Pieces
+ * ("<name>@<offset>", see ct_strategy_local_state) are assembled into their
+ * tensors first; pieces that overlap, leave a gap or run past the tensor
+ * are an error naming it. */
 ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names,
                                  ct_tensor *const *tensors, int n, int optim);
 

@@ -731,5 +731,6 @@ const ct__strategy_ops ct__fsdp_ops = {
     .model_state = ct__fsdp_model_state,
     .optim_state = ct__zero_optim_state,
     .shard_state = ct__fsdp_shard_state,
+    .local_state = ct__zero_local_state,
     .load_state = ct__fsdp_load_state,
 };

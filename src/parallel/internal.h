@@ -66,6 +66,7 @@ typedef struct {
     ct_status (*model_state)(ct_strategy *s, ct_state *out);
     ct_status (*optim_state)(ct_strategy *s, ct_state *out);
     ct_status (*shard_state)(ct_strategy *s, int optim, ct_state *out);
+    ct_status (*local_state)(ct_strategy *s, int optim, ct_state *out);
     ct_status (*load_state)(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                             int optim);
 } ct__strategy_ops;
@@ -136,6 +137,14 @@ ct_status ct__replicated_optim_state(ct_strategy *s, ct_state *out);
 ct_status ct__replicated_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts,
                                     int n, int optim);
 ct_status ct__replicated_shard_state(ct_strategy *s, int optim, ct_state *out);
+/* Rank 0 of s->g: the whole state (ct_strategy_local_state of a replicated strategy). */
+ct_status ct__replicated_local_state(ct_strategy *s, int optim, ct_state *out);
+/* Whole tensors out of names/ts where some are pieces ("<name>@<offset>",
+ * 1-D): *out gets every whole tensor (retained) and every assembled one,
+ * shaped as the model's parameter (or its optimizer state) of that name.
+ * *had_pieces says whether there were any (else out is left empty). */
+ct_status ct__assemble_pieces(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
+                              ct_state *out, int *had_pieces);
 /* Elements [off, off + count) of src (f32, bf16 or f16) into f32 dst. */
 ct_status ct__load_range(float *dst, const ct_tensor *src, int64_t off, int64_t count, const char *name);
 /* Loads a model state: every name must be a parameter or buffer of the

@@ -386,11 +386,27 @@ ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out)
     return s->ops->shard_state ? s->ops->shard_state(s, optim, out) : ct__replicated_shard_state(s, optim, out);
 }
 
+ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out)
+{
+    memset(out, 0, sizeof *out);
+    return s->ops->local_state ? s->ops->local_state(s, optim, out) : ct__replicated_local_state(s, optim, out);
+}
+
 ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
                                  int n, int optim)
 {
-    CT_TRY(s->ops->load_state ? s->ops->load_state(s, names, tensors, n, optim)
-                              : ct__replicated_load_state(s, names, tensors, n, optim));
+    ct_state whole;
+    int pieces;
+    CT_TRY(ct__assemble_pieces(s, names, tensors, n, &whole, &pieces));
+    if (pieces) {
+        names = (const char *const *)whole.names;
+        tensors = whole.tensors;
+        n = whole.n;
+    }
+    ct_status st = s->ops->load_state ? s->ops->load_state(s, names, tensors, n, optim)
+                                      : ct__replicated_load_state(s, names, tensors, n, optim);
+    ct_state_fini(&whole);
+    CT_TRY(st);
     /* New master weights: the compute copies follow. */
     return optim || s->ops->manages_compute ? CT_OK : ct__mixed_refresh(s);
 }

@@ -70,6 +70,8 @@ ct_status ct__zero_gather(ct_strategy *s, int i, int b, int root, ct_tensor **ou
 ct_status ct__zero_model_state(ct_strategy *s, ct_state *out);
 ct_status ct__zero_optim_state(ct_strategy *s, ct_state *out);
 ct_status ct__zero_shard_state(ct_strategy *s, int optim, ct_state *out);
+/* This rank's owned ranges as pieces (ct_strategy_local_state). */
+ct_status ct__zero_local_state(ct_strategy *s, int optim, ct_state *out);
 ct_status ct__zero_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
 
 #endif

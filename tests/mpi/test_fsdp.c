@@ -366,3 +366,64 @@ TEST(fsdp_rejects_bad_options)
     ASSERT_EQ(ct_strategy_create("fsdp", m, &oo, NULL, "wrap_min_params=-3", &s), CT_EINVAL);
     ct_module_destroy(m);
 }
+
+/* After resharding, freed units are neither kept per size nor kept at all
+ * when the cache is off: units of different sizes share the allocator's
+ * cached blocks (a block serves requests down to half its size), so what
+ * stays cached after a step is at most what one step held unsharded at
+ * once; with the cache off, RSS falls back by about a unit's parameters
+ * once the step is done. */
+static size_t rss_mid;
+static ct_status note_rss(ct_module *m, ct_hook_kind kind, void *ud)
+{
+    (void)m, (void)kind, (void)ud;
+    ct_mem_report r;
+    ct_mem_report_get(&r);
+    rss_mid = r.rss;
+    return CT_OK;
+}
+
+TEST(fsdp_freed_units_are_not_hoarded)
+{
+    ct_group *g = ct_group_world();
+    int world = ct_group_size(g), rank = ct_group_rank(g);
+    const int64_t w[] = {IN, 640, 1024, 768, 896, NCLS};
+    for (int cache = 1; cache >= 0; cache--) {
+        ct_mem_set_cache_limit(cache ? (size_t)2048 << 20 : 0);
+        ct_mem_trim();
+        ct_module *m = ct_sequential_create();
+        for (int i = 0; i < 5; i++) {
+            ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(w[i], w[i + 1], 1)));
+            if (i < 4) ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
+        }
+        ct_module_init_params(m, 2);
+        ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
+        ct_strategy *s;
+        ASSERT_OK(ct_strategy_create("fsdp", m, &oo, g, "wrap_kinds=linear", &s));
+        ct_hook *h = ct_module_add_hook(m->kids[6], CT_HOOK_PRE_BACKWARD, note_rss, NULL); /* Linear(1024,768) */
+        ASSERT(h != NULL);
+        ct_step_out o;
+        for (int step = 0; step < 3; step++) {
+            step_on_slice(s, step, 4 * world, rank, world, &o);
+            ASSERT_OK(ct_strategy_step(s));
+            ct_strategy_zero_grad(s);
+        }
+        ct_mem_report r;
+        ct_mem_report_get(&r);
+        /* a unit's parameters, gathered at its pre-backward (its gradients' pages are only mapped then) */
+        double unit = (1024.0 * 768 + 768) * 4;
+        /* what the steps held unsharded at once, above the pieces */
+        double transient = (double)(r.peak[CT_MEM_PARAM] - r.current[CT_MEM_PARAM]) +
+                           (double)(r.peak[CT_MEM_GRAD] - r.current[CT_MEM_GRAD]);
+        if (cache && world > 1 && !((double)r.cached <= 1.25 * transient + (1 << 20)))
+            ct_test_fail(__FILE__, __LINE__, "%zu bytes cached after the steps, but at most %.0f were unsharded at "
+                         "once", r.cached, transient);
+        if (!cache && world > 1 && !((double)rss_mid - (double)r.rss >= 0.75 * unit))
+            ct_test_fail(__FILE__, __LINE__, "RSS %zu in backward, %zu after the step: did not fall by a unit "
+                         "(%.0f bytes)", rss_mid, r.rss, unit);
+        ct_hook_remove(h);
+        ct_strategy_destroy(s);
+        ct_module_destroy(m);
+    }
+    ct_mem_set_cache_limit((size_t)2048 << 20);
+}
