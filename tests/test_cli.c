@@ -147,7 +147,7 @@ TEST(cli_usage_errors)
         {"train --model mlp --steps 5 --momentum 0.9", 2, "--optim sgd only"},
         {"train --model mlp --steps 5 --save-every 10", 2, "--save-every needs --save"},
         {"train --model mlp --steps 5 --state-dict sharded", 2, "--state-dict needs --save"},
-        {"train --model mlp --steps 5 --save d --state-dict zip", 2, "choose full (one file) or sharded (a directory)"},
+        {"train --model mlp --steps 5 --save d --state-dict zip", 2, "choose full (one file), sharded or local (a directory)"},
         {"train --model mlp --steps 5 --init a --resume b", 2, "--init and --resume are both given"},
         {"train --model mlp --steps 5 --grad-compress zip", 2, "choose none, bf16 or f16"},
         {"train --model mlp --steps 5 --data cifar", 2, "unknown data set 'cifar'"},

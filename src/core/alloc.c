@@ -209,6 +209,14 @@ void ct_mem_trim(void)
 #endif
 }
 
+size_t ct_mem_get_cache_limit(void)
+{
+    pthread_mutex_lock(&cache_mu);
+    size_t n = cache_limit_bytes();
+    pthread_mutex_unlock(&cache_mu);
+    return n;
+}
+
 void ct_mem_set_cache_limit(size_t bytes)
 {
     pthread_mutex_lock(&cache_mu);
