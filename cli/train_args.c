@@ -218,6 +218,10 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     static const char *const comp[] = {"none", "bf16", "f16", NULL};
     if (!in_list(o->grad_compress, comp)) return BAD("unknown --grad-compress '%s'; choose none, bf16 or f16", o->grad_compress);
     static const char *const mixed[] = {"none", "bf16", NULL};
+    if (!strcmp(o->mixed, "f16") || !strcmp(o->mixed, "fp16"))
+        return BAD("--mixed %s: products in f16 need oneDNN's f16 matmul, which oneDNN 2.6 only has on CPUs with "
+                   "AVX512-FP16; use --mixed bf16 (the same bytes; gradients can still travel in f16 with "
+                   "--grad-compress f16)", o->mixed);
     if (!in_list(o->mixed, mixed)) return BAD("unknown --mixed '%s'; choose none or bf16", o->mixed);
     if (o->threads < 0) return BAD("--threads %lld must not be negative (0: automatic)", (long long)o->threads);
     if (o->limit_train < 0 || o->limit_test < 0) return BAD("--limit-train and --limit-test must not be negative");
