@@ -256,12 +256,26 @@ static ct_status finish_reduce(ct_strategy *s, fsdp_unit *u)
     return st;
 }
 
-static ct_status finish_oldest(ct_strategy *s)
+/* Finishes the reduce of the unit at place q of the queue. */
+static ct_status finish_queued(ct_strategy *s, int q)
 {
     fsdp_t *f = ct__fsdp_of(s);
-    int i = f->fifo[0];
-    memmove(f->fifo, f->fifo + 1, sizeof *f->fifo * (size_t)--f->nfifo);
+    int i = f->fifo[q];
+    memmove(f->fifo + q, f->fifo + q + 1, sizeof *f->fifo * (size_t)(--f->nfifo - q));
     return finish_reduce(s, &f->u[i]);
+}
+
+static ct_status finish_oldest(ct_strategy *s) { return finish_queued(s, 0); }
+
+/* A unit that runs backward again (a module called twice) while its last
+ * reduce is in flight: that reduce ends first, then its gradients start
+ * from zero again and the next reduce adds to the piece. */
+static ct_status finish_unit(ct_strategy *s, fsdp_unit *u)
+{
+    fsdp_t *f = ct__fsdp_of(s);
+    for (int q = 0; q < f->nfifo; q++)
+        if (&f->u[f->fifo[q]] == u) return finish_queued(s, q);
+    return CT_OK;
 }
 
 static ct_status finish_all(ct_strategy *s)
@@ -302,6 +316,7 @@ static ct_status unit_hook(ct_module *m, ct_hook_kind kind, void *ud)
         return CT_OK;
     case CT_HOOK_PRE_BACKWARD:
         if (!f->recorded) record(f->bwd_order, &f->nbwd, &u->seen_bwd, idx);
+        if (u->reducing) CT_TRY(finish_unit(s, u));
         CT_TRY(start_gather(s, u));
         if (O(s)->backward_prefetch == FSDP_PREFETCH_PRE) CT_TRY(prefetch(s, f->bwd_order, f->nbwd, u));
         CT_TRY(finish_gather(s, u));
@@ -328,6 +343,11 @@ static float fsdp_grad_scale(ct_strategy *s) { return 1.0f / (float)ct_group_siz
 static ct_status fsdp_post_backward(ct_strategy *s)
 {
     fsdp_t *f = ct__fsdp_of(s);
+    for (int i = 0; i < s->nparams; i++)
+        if (s->params[i]->requires_grad && ct__zero_index(ct__zero_of(s), s->params[i]) < 0)
+            return ct_error(CT_ESTATE, "fsdp: parameter '%s' was frozen when the model was wrapped and is trainable "
+                            "now; its unit's flat parameter only holds what was trainable then: wrap the model "
+                            "after unfreezing it", s->params[i]->name);
     ct_status st = s->no_sync ? CT_OK : finish_all(s);
     ct_status w = ct__fsdp_reshard_all(s); /* and a prefetch nobody used */
     f->recorded = 1;

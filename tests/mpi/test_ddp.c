@@ -31,36 +31,6 @@ static ct_status branch_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_r
 
 static const ct_module_ops branch_ops = {"branch", branch_fwd, branch_bwd, NULL, 0, NULL};
 
-/* Calls child 0 twice: y = f(f(x)), so f's gradients arrive twice per backward. */
-static ct_status twice_fwd(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
-                           const ct_fwd_ctx *ctx)
-{
-    ct_tensor *mid;
-    ct_record *r1 = NULL, *r2 = NULL;
-    CT_TRY(ct_module_forward(m->kids[0], in, &mid, rec ? &r1 : NULL, ctx));
-    if (rec) CT_TRY(ct_record_add_kid(rec, r1));
-    ct_status s = ct_module_forward(m->kids[0], mid, out, rec ? &r2 : NULL, ctx);
-    ct_tensor_release(mid);
-    if (s == CT_OK && rec) s = ct_record_add_kid(rec, r2);
-    return s;
-}
-
-static ct_status twice_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
-{
-    ct_tensor *g;
-    ct_record *r1 = rec->kids[0], *r2 = rec->kids[1];
-    rec->kids[0] = rec->kids[1] = NULL;
-    ct_status s = ct_module_backward(m->kids[0], dout, &g, r2);
-    if (s != CT_OK) {
-        ct_record_destroy(r1);
-        return s;
-    }
-    s = ct_module_backward(m->kids[0], g, din, r1);
-    ct_tensor_release(g);
-    return s;
-}
-
-static const ct_module_ops twice_ops = {"twice", twice_fwd, twice_bwd, NULL, 0, NULL};
 
 /* ---- helpers ------------------------------------------------------------ */
 
@@ -80,9 +50,7 @@ static ct_module *model(int kind, uint64_t seed)
         ASSERT_OK(ct_module_add(br, "unused", ct_linear_create(hidden, hidden, 1)));
         ASSERT_OK(ct_module_add(m, NULL, br));
     } else if (kind == WITH_TWICE) {
-        ct_module *tw = ct_module_create(&twice_ops, NULL);
-        ASSERT_OK(ct_module_add(tw, "f", ct_linear_create(hidden, hidden, 1)));
-        ASSERT_OK(ct_module_add(m, NULL, tw));
+        ASSERT_OK(ct_module_add(m, NULL, twice_create(ct_linear_create(hidden, hidden, 1))));
     } else {
         ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(hidden, hidden, 1)));
     }

@@ -352,6 +352,59 @@ TEST(fsdp_memory_is_pieces_plus_two_units)
     ct_module_destroy(m);
 }
 
+/* A module called twice per step: as a unit, or holding one, its
+ * gradients from both calls add up before the piece is stepped; a
+ * parameter unfrozen after wrapping is refused. */
+TEST(fsdp_module_called_twice_and_unfrozen_parameter)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    const char *opts[] = {"wrap_kinds=linear", "wrap_kinds=twice", "wrap_kinds=twice+linear"};
+    for (int k = 0; k < 3; k++) {
+        ct_module *ms[2];
+        ct_strategy *ss[2];
+        ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
+        for (int j = 0; j < 2; j++) {
+            ms[j] = ct_sequential_create();
+            ASSERT_OK(ct_module_add(ms[j], NULL, ct_linear_create(IN, H, 1)));
+            ASSERT_OK(ct_module_add(ms[j], NULL, ct_tanh_create()));
+            ASSERT_OK(ct_module_add(ms[j], NULL, twice_create(ct_linear_create(H, H, 1))));
+            ASSERT_OK(ct_module_add(ms[j], NULL, ct_linear_create(H, NCLS, 1)));
+            ct_module_init_params(ms[j], 6);
+            ASSERT_OK(ct_strategy_create(j ? "none" : "fsdp", ms[j], &oo, j ? NULL : g, j ? NULL : opts[k], &ss[j]));
+        }
+        for (int step = 0; step < 3; step++) {
+            ct_step_out o;
+            step_on_slice(ss[0], step, 3 * world + 1, rank, world, &o);
+            step_on_slice(ss[1], step, 3 * world + 1, 0, 1, &o);
+            for (int j = 0; j < 2; j++) {
+                ASSERT_OK(ct_strategy_step(ss[j]));
+                ct_strategy_zero_grad(ss[j]);
+            }
+        }
+        for (int j = 0; j < 2; j++) ct_strategy_destroy(ss[j]);
+        assert_params_close(ms[0], ms[1], 1e-5);
+        for (int j = 0; j < 2; j++) ct_module_destroy(ms[j]);
+    }
+    ct_module *m = model(5, 0);
+    ct_module_find(m, "2.0.weight")->requires_grad = 0;
+    ct_optim_opts oo = optim_for(CT_OPT_SGD);
+    ct_strategy *s;
+    ASSERT_OK(ct_strategy_create("fsdp", m, &oo, g, "wrap_min_params=200", &s));
+    ct_module_find(m, "2.0.weight")->requires_grad = 1;
+    ct_tensor *x, *y;
+    global_batch(0, 4, &x, &y);
+    ct_batch b = {x, y, 4 * world, 4 * rank};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 1};
+    ASSERT_EQ(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, NULL), CT_ESTATE);
+    ASSERT(strstr(ct_last_error(), "'2.0.weight' was frozen when the model was wrapped") != NULL);
+    ct_tensor_release(x);
+    ct_tensor_release(y);
+    ct_module_find(m, "2.0.weight")->requires_grad = 0;
+    ct_strategy_destroy(s);
+    ct_module_destroy(m);
+}
+
 TEST(fsdp_rejects_bad_options)
 {
     ct_module *m = model(1, 0);

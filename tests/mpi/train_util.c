@@ -87,3 +87,41 @@ double state_rel_l2(const ct_state *a, const ct_state *b)
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
+
+static ct_status twice_fwd(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
+                           const ct_fwd_ctx *ctx)
+{
+    ct_tensor *mid;
+    ct_record *r1 = NULL, *r2 = NULL;
+    CT_TRY(ct_module_forward(m->kids[0], in, &mid, rec ? &r1 : NULL, ctx));
+    if (rec) CT_TRY(ct_record_add_kid(rec, r1));
+    ct_status s = ct_module_forward(m->kids[0], mid, out, rec ? &r2 : NULL, ctx);
+    ct_tensor_release(mid);
+    if (s == CT_OK && rec) s = ct_record_add_kid(rec, r2);
+    return s;
+}
+
+static ct_status twice_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
+{
+    ct_tensor *g;
+    ct_record *r1 = rec->kids[0], *r2 = rec->kids[1];
+    rec->kids[0] = rec->kids[1] = NULL;
+    ct_status s = ct_module_backward(m->kids[0], dout, &g, r2);
+    if (s != CT_OK) {
+        ct_record_destroy(r1);
+        return s;
+    }
+    s = ct_module_backward(m->kids[0], g, din, r1);
+    ct_tensor_release(g);
+    return s;
+}
+
+static const ct_module_ops twice_ops = {"twice", twice_fwd, twice_bwd, NULL, 0, NULL};
+
+ct_module *twice_create(ct_module *f)
+{
+    ct_module *tw = ct_module_create(&twice_ops, NULL);
+    ASSERT(tw != NULL);
+    ASSERT_OK(ct_module_add(tw, "f", f));
+    return tw;
+}

@@ -29,4 +29,8 @@ void step_on_slice(ct_strategy *s, int step, int64_t n, int rank, int world, ct_
  * for a sharded strategy); tensors of b missing from a fail. */
 double state_rel_l2(const ct_state *a, const ct_state *b);
 
+/* A module that calls f twice, y = f(f(x)), so f's gradients arrive twice
+ * per backward; f is its child "f". */
+ct_module *twice_create(ct_module *f);
+
 #endif
