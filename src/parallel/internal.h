@@ -10,7 +10,10 @@
 /* One "key=value" option: where its parsed value goes (an offset into the
  * strategy's own options struct, or into ct__common), its default and a
  * line of help. */
-typedef enum { CT__OPT_INT, CT__OPT_NUM, CT__OPT_BOOL, CT__OPT_DTYPE } ct__opt_type;
+/* CT__OPT_CHOICE: an int index into `choices` ("gpipe|1f1b"); CT__OPT_TEXT: a
+ * char[CT__OPT_TEXT_MAX] copy of the value (lists such as "3:3:2"). */
+typedef enum { CT__OPT_INT, CT__OPT_NUM, CT__OPT_BOOL, CT__OPT_DTYPE, CT__OPT_CHOICE, CT__OPT_TEXT } ct__opt_type;
+#define CT__OPT_TEXT_MAX 256
 typedef struct {
     const char *key;
     ct__opt_type type;
@@ -18,6 +21,7 @@ typedef struct {
     const char *def;
     const char *help;
     unsigned dtypes; /* CT__OPT_DTYPE: bit per ct_dtype allowed */
+    const char *choices; /* CT__OPT_CHOICE: the allowed values, '|' separated */
 } ct__opt_def;
 
 /* Options every strategy takes. */
@@ -60,6 +64,15 @@ typedef struct {
     ct_status (*shard_state)(ct_strategy *s, int optim, ct_state *out);
     ct_status (*load_state)(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                             int optim);
+    /* A strategy that owns the whole step (pipe: chunks flow through stages)
+     * instead of the default grad_accum micro-batches; called after
+     * ct_strategy_train_step's validation, with *out zeroed. */
+    ct_status (*train_step)(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+                            const ct_fwd_ctx *ctx, ct_step_out *out);
+    /* Inference over the whole model (ct_strategy_predict); NULL: the model's forward. */
+    ct_status (*predict)(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out);
+    /* Which slice of the global batch this rank takes (NULL: group rank and size). */
+    void (*data_rank)(const ct_strategy *s, int *rank, int *size);
 } ct__strategy_ops;
 
 struct ct_strategy {
@@ -89,6 +102,17 @@ struct ct_strategy {
 extern const ct__strategy_ops ct__ddp_ops;
 extern const ct__strategy_ops ct__zero1_ops;
 extern const ct__strategy_ops ct__zero2_ops;
+extern const ct__strategy_ops ct__pipe_ops;
+
+/* Backward of s's model from dout times scale with s's hooks (pre_backward,
+ * post_backward: DDP's buckets, ZeRO's reduces), timed into s->stats; *din
+ * (din != NULL) gets the input gradient.  Consumes rec.  The pipeline runs
+ * each stage's backward through its replica strategy with this. */
+ct_status ct__strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale,
+                                   ct_tensor **din);
+/* Squared 2-norm (norm_type 2) or max-abs (infinity) of the gradients of s's
+ * trainable parameters, whatever s shards: the stage term of a pipeline's norm. */
+ct_status ct__strategy_norm_term(ct_strategy *s, double norm_type, double *term);
 
 /* DDP's options and entries, for the strategies built on its buckets
  * (ZeRO-1 keeps DDP's gradient path and shards only the optimizer). */

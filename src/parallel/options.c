@@ -17,12 +17,12 @@
 
 static const ct__opt_def common_opts[] = {
     {"grad_accum", CT__OPT_INT, offsetof(ct__common, grad_accum), "1",
-     "micro-batches per train step (gradient accumulation)", 0},
+     "micro-batches per train step (gradient accumulation)", 0, NULL},
     {"param_dtype", CT__OPT_DTYPE, offsetof(ct__common, param_dtype), "f32",
      "dtype of the parameters' compute copies (bf16: mixed precision, f32 master weights)",
-     DT(CT_F32) | DT(CT_BF16)},
+     DT(CT_F32) | DT(CT_BF16), NULL},
     {"reduce_dtype", CT__OPT_DTYPE, offsetof(ct__common, reduce_dtype), "f32",
-     "dtype gradients are reduced in across ranks", DT(CT_F32) | DT(CT_BF16) | DT(CT_F16)},
+     "dtype gradients are reduced in across ranks", DT(CT_F32) | DT(CT_BF16) | DT(CT_F16), NULL},
 };
 #define NCOMMON ((int)(sizeof common_opts / sizeof common_opts[0]))
 
@@ -77,6 +77,28 @@ static ct_status set_value(const char *kind, const ct__opt_def *d, void *base, c
         *(int *)dst = dt;
         return CT_OK;
     }
+    case CT__OPT_CHOICE: {
+        int i = 0;
+        for (const char *c = d->choices; *c; i++) {
+            size_t len = strcspn(c, "|");
+            if (strlen(v) == len && !strncmp(c, v, len)) {
+                *(int *)dst = i;
+                return CT_OK;
+            }
+            c += len + (c[len] == '|');
+        }
+        char allowed[128];
+        snprintf(allowed, sizeof allowed, "%s", d->choices);
+        for (char *c = allowed; *c; c++)
+            if (*c == '|') *c = '/';
+        return ct_error(CT_EINVAL, "%s option %s=%s: expected one of %s", kind, d->key, v, allowed);
+    }
+    case CT__OPT_TEXT:
+        if (strlen(v) >= CT__OPT_TEXT_MAX)
+            return ct_error(CT_EINVAL, "%s option %s: the value is longer than %d characters", kind, d->key,
+                            CT__OPT_TEXT_MAX - 1);
+        snprintf(dst, CT__OPT_TEXT_MAX, "%s", v);
+        return CT_OK;
     }
     return ct_error(CT_EINVAL, "%s option %s: unknown type", kind, d->key);
 }

@@ -38,12 +38,12 @@ typedef struct {
 /* The options both take (auto_refresh_trainable and its warning). */
 #define SPLIT_OPT(type)                                                                                 \
     {"split_params", CT__OPT_BOOL, offsetof(type, split_params), "0",                                  \
-     "partition the parameters laid end to end into equal pieces (exact balance) instead of whole tensors", 0}
+     "partition the parameters laid end to end into equal pieces (exact balance) instead of whole tensors", 0, NULL}
 #define REFRESH_OPTS(type)                                                                              \
     {"auto_refresh_trainable", CT__OPT_BOOL, offsetof(type, auto_refresh_trainable), "1",              \
-     "follow parameters frozen or unfrozen between steps (else that is an error)", 0},                 \
+     "follow parameters frozen or unfrozen between steps (else that is an error)", 0, NULL},                 \
     {"warn_on_trainable_params_changed", CT__OPT_BOOL, offsetof(type, warn_on_trainable_params_changed), \
-     "1", "warn when the trainable parameters change", 0}
+     "1", "warn when the trainable parameters change", 0, NULL}
 
 /* The strategy's ZeRO state (s->ext). */
 ct__zero *ct__zero_of(ct_strategy *s);
