@@ -142,6 +142,9 @@ ct_status ct__broadcast_state(ct_strategy *s, int buffers_only);
  * s->kopts (defaults first).  CT_EINVAL naming a bad or unknown key. */
 ct_status ct__opts_parse(ct_strategy *s, const char *text);
 void ct__opts_free(ct_strategy *s);
+/* Replaces the text ct_strategy_opt answers for key with what the strategy
+ * settled on (pipe: the balance it computed). */
+ct_status ct__opts_set_text(ct_strategy *s, const char *key, const char *value);
 /* Help lines for ops' keys (and the common ones) into buf. */
 void ct__opts_help(const ct__strategy_ops *ops, char *buf, size_t n);
 

@@ -173,6 +173,14 @@ static ct_status apply(ct_strategy *s, const char *key, const char *val)
     return keep_text(s, d->key, val);
 }
 
+ct_status ct__opts_set_text(ct_strategy *s, const char *key, const char *value)
+{
+    int common;
+    const ct__opt_def *d = find(s->ops, key, &common);
+    if (!d) return ct_error(CT_EINVAL, "strategy %s has no option '%s'", s->ops->kind, key);
+    return keep_text(s, d->key, value);
+}
+
 ct_status ct__opts_parse(ct_strategy *s, const char *text)
 {
     if (s->ops->opts_size && !(s->kopts = ct_alloc(s->ops->opts_size, CT_MEM_OTHER))) return CT_ENOMEM;

@@ -291,6 +291,14 @@ static ct_status plan(ct_strategy *s, pipe_t *p)
     CT_TRY(check_no_duplicates(m));
     p->nstages = stages;
     p->replicas = size / stages;
+    /* ct_strategy_opt tells what was settled: "4:4", not "" */
+    char text[CT__OPT_TEXT_MAX];
+    int off = 0;
+    for (int k = 0; k < stages && off < (int)sizeof text - 12; k++)
+        off += snprintf(text + off, sizeof text - (size_t)off, "%s%d", k ? ":" : "", p->balance[k]);
+    CT_TRY(ct__opts_set_text(s, "balance", text));
+    snprintf(text, sizeof text, "%d", stages);
+    CT_TRY(ct__opts_set_text(s, "stages", text));
     int rank = ct_group_rank(s->g);
     p->stage = rank < p->replicas * stages ? rank % stages : -1;
     p->replica = p->stage >= 0 ? rank / stages : 0;

@@ -499,7 +499,9 @@ static void merge_stats(ct_strategy *s, run_t *r)
     s->stats.comm_wait += r->t_wait + in->stats.comm_wait;
     s->stats.comm_total += in->stats.comm_total;
     s->stats.nbuckets = in->stats.nbuckets;
+    int nb = in->stats.nbuckets; /* DDP counts its buckets once, at build */
     memset(&in->stats, 0, sizeof in->stats);
+    in->stats.nbuckets = nb;
 }
 
 ct_status ct__pipe_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
