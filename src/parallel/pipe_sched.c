@@ -226,6 +226,7 @@ static void forward(run_t *r, int j)
     int k = p->stage, last = k == p->nstages - 1;
     int64_t n = b->n;
     int have = 1;
+    reap_sends(r, 0); /* sends done since the last operation give their copies back */
     if (k > 0) {
         have = wait_recv(r, &b->fin, k - 1, "activations", j);
         if (j + 1 < r->m) post_recv(r, &r->mb[j + 1].fin, k - 1, TAG_FWD(j + 1), r->mb[j + 1].n * p->in.row_numel);
@@ -286,6 +287,7 @@ static void backward(run_t *r, int j, int final, int next)
     mb_t *b = &r->mb[j];
     int k = p->stage, last = k == p->nstages - 1;
     ct_tensor *dout = NULL, *din = NULL;
+    reap_sends(r, 0);
     if (!last) {
         int have = wait_recv(r, &b->bin, k + 1, "gradients", j);
         if (next >= 0) post_recv(r, &r->mb[next].bin, k + 1, TAG_BWD(next), r->mb[next].n * p->out.row_numel);
@@ -449,7 +451,11 @@ static ct_status run(run_t *r, int64_t nrows, int chunks)
             nb++;
             last_b = i;
         }
-    if (k > 0) post_recv(r, &r->mb[0].fin, k - 1, TAG_FWD(0), r->mb[0].n * p->in.row_numel);
+    /* GPipe holds every micro-batch's input until its backward anyway: receive
+     * them all as they come, so the sender's copies go at once instead of
+     * waiting in its memory for a receive posted one ahead. */
+    int ahead = r->train && ((const pipe_opts *)r->s->kopts)->schedule == PIPE_GPIPE ? r->m : 1;
+    for (int j = 0; k > 0 && j < ahead; j++) post_recv(r, &r->mb[j].fin, k - 1, TAG_FWD(j), r->mb[j].n * p->in.row_numel);
     if (k < P - 1 && nb && border) post_recv(r, &r->mb[border[0]].bin, k + 1, TAG_BWD(border[0]), r->mb[border[0]].n * p->out.row_numel);
     /* The replica strategy's before-forward work (ZeRO-1: parameters refreshed; DDP: buffers broadcast). */
     if (r->train && p->inner->ops->pre_forward) {
