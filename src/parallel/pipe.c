@@ -40,6 +40,8 @@ static const ct__opt_def pipe_opt_defs[] = {
     {"dp", CT__OPT_CHOICE, offsetof(pipe_opts, dp), "ddp",
      "data parallel between a stage's replicas: ddp, or zero1 (the stage's optimizer state sharded)", 0,
      "ddp|zero1"},
+    {"deferred_batch_norm", CT__OPT_BOOL, offsetof(pipe_opts, deferred_batch_norm), "0",
+     "batchnorm running statistics updated once per step over all its micro-batches, as if not split", 0, NULL},
 };
 
 static const pipe_opts *O(const ct_strategy *s) { return s->kopts; }
@@ -242,6 +244,7 @@ static void pipe_fini(ct_strategy *s)
     for (int i = 0; i < p->nnames; i++) ct_free(p->names[i]);
     ct_free(p->names);
     ct_free(p->balance);
+    ct_free(p->bns);
     ct_free(p);
     s->priv = NULL;
 }
@@ -329,7 +332,24 @@ static ct_status pipe_init(ct_strategy *s)
     s->params = s->buffers = NULL;
     s->nparams = s->nbuffers = 0;
     CT_TRY(ct_module_params(s->model, &s->params, &s->nparams));
-    return ct_module_buffers(s->model, &s->buffers, &s->nbuffers);
+    CT_TRY(ct_module_buffers(s->model, &s->buffers, &s->nbuffers));
+    /* Batchnorms: held during recomputes (a recompute is not another batch),
+     * deferred to one update per step if asked. */
+    ct_module **mods;
+    int nm;
+    CT_TRY(ct_module_modules(s->model, &mods, &nm));
+    if (!(p->bns = ct_alloc(sizeof *p->bns * (size_t)(nm + 1), CT_MEM_OTHER))) {
+        ct_free(mods);
+        return CT_ENOMEM;
+    }
+    ct_status st = CT_OK;
+    for (int i = 0; i < nm && st == CT_OK; i++)
+        if (!strcmp(mods[i]->ops->kind, "batchnorm")) {
+            p->bns[p->nbns++] = mods[i];
+            if (O(s)->deferred_batch_norm) st = ct_batchnorm_set_mode(mods[i], CT_BN_DEFER);
+        }
+    ct_free(mods);
+    return st;
 }
 
 /* The replica strategy over this stage, with the optimizer over what this

@@ -20,6 +20,7 @@ typedef struct {
     int schedule;   /* PIPE_GPIPE, PIPE_1F1B */
     int checkpoint; /* PIPE_CKPT_* */
     int dp;         /* PIPE_DP_*: what the replicas of a stage run */
+    int deferred_batch_norm; /* running statistics once per step over all micro-batches */
 } pipe_opts;
 
 /* A row's shape at a stage boundary: dims after the batch dim. */
@@ -37,6 +38,8 @@ typedef struct {
     ct_group *pg;          /* this replica's pipeline: rank k is stage k */
     ct_group *rg;          /* this stage's replicas (data parallel) */
     ct_strategy *inner;    /* the stage over rg: "ddp", "zero1", or "none" for one replica */
+    ct_module **bns;       /* this stage's batchnorm modules (held during recomputes) */
+    int nbns;
     char **names;          /* every parameter and buffer name of the whole model */
     int nnames;
     /* boundary shapes, agreed for the input row shape in key (see pipe_sched.c) */

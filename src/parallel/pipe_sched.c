@@ -29,7 +29,9 @@
  * its forward runs again right before its backward with the same context
  * (seed, step, sample0), so dropout draws the same masks.  always: every
  * micro-batch; except_last: all but the last (whose backward comes first
- * in GPipe); never.
+ * in GPipe); never.  A recompute holds batchnorm's running statistics (it is
+ * not another batch); with deferred_batch_norm they are updated once per
+ * step from all micro-batches (ct_batchnorm_commit), as if not split.
  */
 #include <math.h>
 #include <stdio.h>
@@ -281,6 +283,16 @@ static void forward(run_t *r, int j)
     }
 }
 
+/* Every batchnorm of the stage into mode (-1: back to the configured one). */
+static void bn_mode(run_t *r, int mode)
+{
+    int deferred = ((const pipe_opts *)r->s->kopts)->deferred_batch_norm;
+    for (int i = 0; i < r->p->nbns; i++) {
+        ct_status st = ct_batchnorm_set_mode(r->p->bns[i], mode >= 0 ? mode : deferred ? CT_BN_DEFER : CT_BN_NOW);
+        if (st != CT_OK) fail(r, st);
+    }
+}
+
 static void backward(run_t *r, int j, int final, int next)
 {
     pipe_t *p = r->p;
@@ -301,7 +313,9 @@ static void backward(run_t *r, int j, int final, int next)
         if (b->ckpt) {
             ct_tensor *y = NULL;
             ct_fwd_ctx c = mb_ctx(r, b);
+            bn_mode(r, CT_BN_HOLD);
             st = ct_module_forward(r->s->model, b->x, &y, &b->rec, &c);
+            bn_mode(r, -1);
             ct_tensor_release(y);
             double t1 = ct_now();
             r->t_bwd += t1 - t0;
@@ -521,6 +535,11 @@ ct_status ct__pipe_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss
     r.global = b->global_rows ? b->global_rows : nrows * p->replicas;
     ct_status st = run(&r, nrows, ((const pipe_opts *)s->kopts)->chunks);
     merge_stats(s, &r);
+    /* deferred batchnorm: one update from the step's micro-batches */
+    for (int i = 0; ((const pipe_opts *)s->kopts)->deferred_batch_norm && i < p->nbns; i++) {
+        ct_status c = ct_batchnorm_commit(p->bns[i]);
+        if (st == CT_OK) st = c;
+    }
     return st;
 }
 
