@@ -108,6 +108,10 @@ typedef struct ct_strategy ct_strategy;
  *   reduce_dtype=f32|bf16|f16  dtype gradients are reduced in (f32)
  * DDP's keys: bucket_cap_mb (25), first_bucket_mb (1), broadcast_buffers
  * (1), find_unused_parameters (0), rebuild_buckets (1).
+ * pipe's keys: stages (auto), balance (children per stage, "3:3:2"), chunks
+ * (4), schedule (gpipe|1f1b), checkpoint (always|except_last|never), dp
+ * (ddp|zero1: between a stage's replicas), deferred_batch_norm (0), and
+ * DDP's for its replicas.
  * ct_strategy_help lists every key of a kind with its default. */
 
 /* Writes the keys kind accepts, one per line ("key=default  meaning"), to
