@@ -648,8 +648,8 @@ static void describe(trainer *t)
     int stage, nstages;
     ct_strategy_pipe_stage(t->s, &stage, &nstages);
     if (!strcmp(ct_strategy_kind(t->s), "pipe"))
-        cli_out("pipeline: %d stages (children per stage %s) x %d replica%s; %s micro-batches, schedule %s, "
-                "checkpoint %s; rank r is stage r %% %d of replica r / %d\n", nstages, ct_strategy_opt(t->s, "balance"),
+        cli_out("pipeline: %d stage%s (children per stage %s) x %d replica%s; %s micro-batches, schedule %s, "
+                "checkpoint %s; rank r is stage r %% %d of replica r / %d\n", nstages, nstages == 1 ? "" : "s", ct_strategy_opt(t->s, "balance"),
                 t->dsize, t->dsize == 1 ? "" : "s", ct_strategy_opt(t->s, "chunks"), ct_strategy_opt(t->s, "schedule"),
                 ct_strategy_opt(t->s, "checkpoint"), nstages, nstages);
     const ct_partition *pt = ct_strategy_partition(t->s);

@@ -448,10 +448,8 @@ static ct_status run(run_t *r, int64_t nrows, int chunks)
     r->m = (int)((nrows + size - 1) / size);
     r->mb = ct_alloc_zeroed(sizeof *r->mb * (size_t)r->m, CT_MEM_OTHER);
     int *ops = ct_alloc(sizeof *ops * (size_t)(2 * r->m), CT_MEM_OTHER);
-    if (!r->mb || !ops) {
-        ct_free(ops);
-        return CT_ENOMEM; /* before any transfer: nothing waits for this rank yet but the check below */
-    }
+    if (!r->mb || !ops) /* without its plan this rank cannot keep the schedule its peers wait on */
+        ct_comm_abort("pipe: out of memory for the plan of %d micro-batches", r->m);
     for (int j = 0; j < r->m; j++) {
         r->mb[j].r0 = (int64_t)j * size;
         r->mb[j].n = j + 1 < r->m ? size : nrows - (int64_t)j * size;
