@@ -321,7 +321,7 @@ static ct_status row_pipe(const est_in *in, const char *vals, est_row *row)
     ct_module *m = in->model;
     int n = m->nkids, P = 0;
     const char *sv = optv(vals, "stages", b, sizeof b);
-    if (sv && strcmp(sv, "auto")) P = atoi(sv);
+    if (sv && strcmp(sv, "auto")) P = atoi(sv); /* checked by ct_strategy_check_opts */
     int *bal = ct_alloc(sizeof *bal * (size_t)(n + 1), CT_MEM_OTHER);
     int64_t *outn = ct_alloc(sizeof *outn * (size_t)(n + 1), CT_MEM_OTHER);
     int64_t *counts = ct_alloc(sizeof *counts * (size_t)(in->ntp + 1), CT_MEM_OTHER);

@@ -11,8 +11,10 @@
  * strategy's own options struct, or into ct__common), its default and a
  * line of help. */
 /* CT__OPT_CHOICE: an int index into `choices` ("gpipe|1f1b"); CT__OPT_TEXT: a
- * char[CT__OPT_TEXT_MAX] copy of the value (lists such as "3:3:2"). */
-typedef enum { CT__OPT_INT, CT__OPT_NUM, CT__OPT_BOOL, CT__OPT_DTYPE, CT__OPT_CHOICE, CT__OPT_TEXT } ct__opt_type;
+ * char[CT__OPT_TEXT_MAX] copy of the value (lists such as "3:3:2");
+ * CT__OPT_AUTO_INT: "auto" (stored as 0) or a whole number from 1. */
+typedef enum { CT__OPT_INT, CT__OPT_NUM, CT__OPT_BOOL, CT__OPT_DTYPE, CT__OPT_CHOICE, CT__OPT_TEXT,
+               CT__OPT_AUTO_INT } ct__opt_type;
 #define CT__OPT_TEXT_MAX 256
 typedef struct {
     const char *key;

@@ -45,10 +45,17 @@ static ct_status set_value(const char *kind, const ct__opt_def *d, void *base, c
     void *dst = (char *)base + d->off;
     errno = 0;
     switch (d->type) {
+    case CT__OPT_AUTO_INT:
+        if (!strcmp(v, "auto")) {
+            *(int *)dst = 0;
+            return CT_OK;
+        }
+        __attribute__((fallthrough)); /* a number */
     case CT__OPT_INT: {
         long long x = strtoll(v, &end, 10);
         if (end == v || *end || errno || x < 1 || x > 1 << 30)
-            return ct_error(CT_EINVAL, "%s option %s=%s: expected a whole number from 1", kind, d->key, v);
+            return ct_error(CT_EINVAL, "%s option %s=%s: expected %sa whole number from 1", kind, d->key, v,
+                            d->type == CT__OPT_AUTO_INT ? "auto or " : "");
         *(int *)dst = (int)x;
         return CT_OK;
     }

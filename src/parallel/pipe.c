@@ -25,7 +25,7 @@
 #include "pipe.h"
 
 static const ct__opt_def pipe_opt_defs[] = {
-    {"stages", CT__OPT_TEXT, offsetof(pipe_opts, stages), "auto",
+    {"stages", CT__OPT_AUTO_INT, offsetof(pipe_opts, stages), "auto",
      "pipeline stages P (auto: balance's length, else the number of ranks); N ranks make N/P replicas", 0, NULL},
     {"balance", CT__OPT_TEXT, offsetof(pipe_opts, balance), "",
      "children of the sequential per stage, ':' separated (3:3:2); empty: balanced by parameter count", 0, NULL},
@@ -262,15 +262,8 @@ static ct_status plan(ct_strategy *s, pipe_t *p)
     if (o->chunks > 16000)
         return ct_error(CT_EINVAL, "pipe: chunks=%d is more than 16000 micro-batches (message tags run out); "
                         "use fewer", o->chunks);
-    int nbal = 0, stages = 0;
+    int nbal = 0, stages = o->stages;
     CT_TRY(parse_balance(o->balance, &p->balance, &nbal));
-    if (strcmp(o->stages, "auto")) {
-        char *end;
-        long v = strtol(o->stages, &end, 10);
-        if (end == o->stages || *end || v < 1 || v > 1 << 20)
-            return ct_error(CT_EINVAL, "pipe option stages=%s: expected auto or a whole number from 1", o->stages);
-        stages = (int)v;
-    }
     if (nbal && stages && nbal != stages)
         return ct_error(CT_EINVAL, "pipe: stages=%d but balance lists %d stages; give one or make them agree",
                         stages, nbal);

@@ -292,6 +292,11 @@ TEST(pipe_validation_errors)
     ct_step_out out;
     int stage, n;
     ct_strategy_pipe_stage(s, &stage, &n);
+    /* a pipeline's forward spans ranks: the single-rank pieces say so */
+    ct_tensor *z = NULL;
+    ct_record *rec = NULL;
+    ASSERT_ERR(ct_strategy_forward(s, x, &z, &rec, &ctx), CT_EUNSUPPORTED, "infer with ct_strategy_predict");
+    ASSERT(z == NULL);
     ct_status st = ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, &out);
     if (stage >= 0) {
         ASSERT_EQ(st, CT_EINVAL);
