@@ -227,6 +227,10 @@ static ct_status make_strategy(trainer *t)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",bucket_cap_mb=%.17g", o->bucket_cap_mb);
     if (buckets || o->find_unused)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",find_unused_parameters=%d", o->find_unused);
+    if (!strcmp(o->strategy, "fsdp"))
+        n += snprintf(opts + n, sizeof opts - (size_t)n, ",sharding=%s,wrap_min_params=%lld,backward_prefetch=%s,"
+                      "limit_all_gathers=%d", strcmp(o->sharding, "grad-op") ? o->sharding : "grad_op",
+                      (long long)o->wrap_min_params, o->prefetch, o->limit_all_gathers);
     if (!strcmp(o->strategy, "pipe")) {
         if (o->stages) n += snprintf(opts + n, sizeof opts - (size_t)n, ",stages=%lld", (long long)o->stages);
         if (o->chunks) n += snprintf(opts + n, sizeof opts - (size_t)n, ",chunks=%lld", (long long)o->chunks);
@@ -304,7 +308,8 @@ static ct_status flush_denormals(void)
 #endif
 }
 
-static int sharded(const trainer *t) { return !strcmp(t->o->state_dict, "sharded"); }
+/* --state-dict sharded and local write a directory. */
+static int sharded(const trainer *t) { return strcmp(t->o->state_dict, "full") != 0; }
 
 /* A --save path of the wrong kind fails now, not after the training it would lose. */
 static ct_status check_save_target(trainer *t)
@@ -313,8 +318,8 @@ static ct_status check_save_target(trainer *t)
     const char *p = t->o->save;
     if (!p || t->rank != 0 || stat(p, &sb) != 0) return CT_OK;
     if (sharded(t) && !S_ISDIR(sb.st_mode))
-        return ct_error(CT_EINVAL, "--save %s: --state-dict sharded writes a directory, but %s is a file; give a "
-                        "directory path (or drop --state-dict sharded to write one file)", p, p);
+        return ct_error(CT_EINVAL, "--save %s: --state-dict %s writes a directory, but %s is a file; give a "
+                        "directory path (or drop --state-dict to write one file)", p, t->o->state_dict, p);
     if (!sharded(t) && S_ISDIR(sb.st_mode))
         return ct_error(CT_EINVAL, "--save %s is a directory; save a sharded checkpoint into it with --state-dict "
                         "sharded, or give a file path", p);
@@ -469,7 +474,7 @@ static ct_status save(trainer *t)
 {
     ct_meta mm, sm;
     CT_TRY(ct_group_check(t->g, fill_meta(t, &mm, &sm)));
-    if (sharded(t)) return cli_save_sharded(t->s, t->o->save, &mm, &sm, t->step);
+    if (sharded(t)) return cli_save_sharded(t->s, t->o->save, &mm, &sm, t->step, !strcmp(t->o->state_dict, "local"));
     return cli_save(t->s, t->o->save, &mm, &sm);
 }
 
@@ -600,9 +605,12 @@ static ct_status report(trainer *t, double seconds)
         if (!strcmp(ct_strategy_kind(t->s), "pipe"))
             cli_out("; waited %.2f ms for other stages (the pipeline's bubble) and the replicas' allreduce "
                     "(%.2f ms in %d bucket%s)", s.comm_wait * ms, s.comm_total * ms, s.nbuckets, s.nbuckets == 1 ? "" : "s");
-        else if (t->world > 1)
+        else if (t->world > 1 && s.nbuckets)
             cli_out("; allreduce %.2f ms in %d bucket%s, waited %.2f ms (%.0f%% overlapped with backward)",
                     s.comm_total * ms, s.nbuckets, s.nbuckets == 1 ? "" : "s", s.comm_wait * ms, ov * 100);
+        else if (t->world > 1) /* gathers and reduce-scatters */
+            cli_out("; communication %.2f ms, waited %.2f ms (%.0f%% overlapped with compute)", s.comm_total * ms,
+                    s.comm_wait * ms, ov * 100);
         cli_out("\n");
         (void)n;
     }

@@ -45,20 +45,43 @@ static ct_status set_value(const char *kind, const ct__opt_def *d, void *base, c
     void *dst = (char *)base + d->off;
     errno = 0;
     switch (d->type) {
-    case CT__OPT_AUTO_INT:
+    case CT__OPT_AUTO_INT: {
         if (!strcmp(v, "auto")) {
             *(int *)dst = 0;
             return CT_OK;
         }
-        __attribute__((fallthrough)); /* a number */
-    case CT__OPT_INT: {
         long long x = strtoll(v, &end, 10);
         if (end == v || *end || errno || x < 1 || x > 1 << 30)
-            return ct_error(CT_EINVAL, "%s option %s=%s: expected %sa whole number from 1", kind, d->key, v,
-                            d->type == CT__OPT_AUTO_INT ? "auto or " : "");
+            return ct_error(CT_EINVAL, "%s option %s=%s: expected auto or a whole number from 1", kind, d->key, v);
         *(int *)dst = (int)x;
         return CT_OK;
     }
+    case CT__OPT_INT:
+    case CT__OPT_COUNT: {
+        long long x = strtoll(v, &end, 10), lo = d->type == CT__OPT_INT;
+        if (end == v || *end || errno || x < lo || x > (long long)1 << 40)
+            return ct_error(CT_EINVAL, "%s option %s=%s: expected a whole number from %lld", kind, d->key, v, lo);
+        if (d->type == CT__OPT_COUNT) *(int64_t *)dst = x;
+        else if (x > 1 << 30) return ct_error(CT_EINVAL, "%s option %s=%s: at most %d", kind, d->key, v, 1 << 30);
+        else *(int *)dst = (int)x;
+        return CT_OK;
+    }
+    case CT__OPT_CHOICE: {
+        size_t len = strlen(v);
+        int idx = 0;
+        for (const char *c = d->choices; *c; idx++) {
+            const char *bar = strchr(c, '|');
+            size_t w = bar ? (size_t)(bar - c) : strlen(c);
+            if (w == len && !strncmp(c, v, len)) {
+                *(int *)dst = idx;
+                return CT_OK;
+            }
+            c += w + (bar != NULL);
+        }
+        return ct_error(CT_EINVAL, "%s option %s=%s: expected one of %s", kind, d->key, v, d->choices);
+    }
+    case CT__OPT_TEXT:
+        return CT_OK; /* kept as text (ct_strategy_opt) */
     case CT__OPT_NUM: {
         double x = strtod(v, &end);
         if (end == v || *end || !isfinite(x) || x <= 0)
@@ -84,28 +107,6 @@ static ct_status set_value(const char *kind, const ct__opt_def *d, void *base, c
         *(int *)dst = dt;
         return CT_OK;
     }
-    case CT__OPT_CHOICE: {
-        int i = 0;
-        for (const char *c = d->choices; *c; i++) {
-            size_t len = strcspn(c, "|");
-            if (strlen(v) == len && !strncmp(c, v, len)) {
-                *(int *)dst = i;
-                return CT_OK;
-            }
-            c += len + (c[len] == '|');
-        }
-        char allowed[128];
-        snprintf(allowed, sizeof allowed, "%s", d->choices);
-        for (char *c = allowed; *c; c++)
-            if (*c == '|') *c = '/';
-        return ct_error(CT_EINVAL, "%s option %s=%s: expected one of %s", kind, d->key, v, allowed);
-    }
-    case CT__OPT_TEXT:
-        if (strlen(v) >= CT__OPT_TEXT_MAX)
-            return ct_error(CT_EINVAL, "%s option %s: the value is longer than %d characters", kind, d->key,
-                            CT__OPT_TEXT_MAX - 1);
-        snprintf(dst, CT__OPT_TEXT_MAX, "%s", v);
-        return CT_OK;
     }
     return ct_error(CT_EINVAL, "%s option %s: unknown type", kind, d->key);
 }

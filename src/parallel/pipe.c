@@ -27,7 +27,7 @@
 static const ct__opt_def pipe_opt_defs[] = {
     {"stages", CT__OPT_AUTO_INT, offsetof(pipe_opts, stages), "auto",
      "pipeline stages P (auto: balance's length, else the number of ranks); N ranks make N/P replicas", 0, NULL},
-    {"balance", CT__OPT_TEXT, offsetof(pipe_opts, balance), "",
+    {"balance", CT__OPT_TEXT, 0, "",
      "children of the sequential per stage, ':' separated (3:3:2); empty: balanced by parameter count", 0, NULL},
     {"chunks", CT__OPT_INT, offsetof(pipe_opts, chunks), "4",
      "micro-batches per step (the batch is cut as torch.chunk cuts it: the last piece may be smaller)", 0, NULL},
@@ -263,7 +263,7 @@ static ct_status plan(ct_strategy *s, pipe_t *p)
         return ct_error(CT_EINVAL, "pipe: chunks=%d is more than 16000 micro-batches (message tags run out); "
                         "use fewer", o->chunks);
     int nbal = 0, stages = o->stages;
-    CT_TRY(parse_balance(o->balance, &p->balance, &nbal));
+    CT_TRY(parse_balance(ct_strategy_opt(s, "balance"), &p->balance, &nbal));
     if (nbal && stages && nbal != stages)
         return ct_error(CT_EINVAL, "pipe: stages=%d but balance lists %d stages; give one or make them agree",
                         stages, nbal);
@@ -288,7 +288,7 @@ static ct_status plan(ct_strategy *s, pipe_t *p)
     p->nstages = stages;
     p->replicas = size / stages;
     /* ct_strategy_opt tells what was settled: "4:4", not "" */
-    char text[CT__OPT_TEXT_MAX];
+    char text[512];
     int off = 0;
     for (int k = 0; k < stages && off < (int)sizeof text - 12; k++)
         off += snprintf(text + off, sizeof text - (size_t)off, "%s%d", k ? ":" : "", p->balance[k]);

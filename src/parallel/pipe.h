@@ -14,8 +14,7 @@ enum { PIPE_DP_DDP = 0, PIPE_DP_ZERO1 };
  * (passed on to the replicas' DDP or ZeRO-1). */
 typedef struct {
     ct__ddp_opts ddp;
-    int stages;                     /* 0 (auto: balance's length, else the group size) or P */
-    char balance[CT__OPT_TEXT_MAX]; /* "3:3:2" children per stage; "" balances by parameters */
+    int stages;     /* 0 (auto: balance's length, else the group size) or P; balance is text */
     int chunks;
     int schedule;   /* PIPE_GPIPE, PIPE_1F1B */
     int checkpoint; /* PIPE_CKPT_* */

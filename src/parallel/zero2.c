@@ -385,5 +385,6 @@ const ct__strategy_ops ct__zero2_ops = {
     .model_state = ct__zero_model_state,
     .optim_state = ct__zero_optim_state,
     .shard_state = ct__zero_shard_state,
+    .local_state = ct__zero_local_state,
     .load_state = ct__zero_load_state,
 };

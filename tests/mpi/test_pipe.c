@@ -261,8 +261,8 @@ TEST(pipe_validation_errors)
     snprintf(opts, sizeof opts, "stages=%d", world + 1);
     create_fails(m, opts, CT_EINVAL, "too few ranks to hold given partitions");
     create_fails(m, "chunks=0", CT_EINVAL, "chunks=0: expected a whole number from 1");
-    create_fails(m, "checkpoint=sometimes", CT_EINVAL, "expected one of always/except_last/never");
-    create_fails(m, "schedule=zigzag", CT_EINVAL, "expected one of gpipe/1f1b");
+    create_fails(m, "checkpoint=sometimes", CT_EINVAL, "expected one of always|except_last|never");
+    create_fails(m, "schedule=zigzag", CT_EINVAL, "expected one of gpipe|1f1b");
     create_fails(m, "grad_accum=2", CT_EINVAL, "use chunks=2 instead");
     create_fails(m, "stages=2,balance=2:2:4", CT_EINVAL, "stages=2 but balance lists 3 stages");
     /* the same layer object twice (kids[5] made kids[3] by hand; put back before freeing) */
