@@ -18,6 +18,8 @@ typedef struct {
     double bucket_cap_mb;
     int find_unused, flush_denormal, verbose;
     int64_t limit_train, limit_test, eval_batch; /* unlisted: small runs for tests */
+    int64_t layers, heads, dim, context, vocab;  /* gpt */
+    int has_gpt_shape;                           /* any of those given */
     /* which flags the user gave (resume takes the others from the checkpoint) */
     int has_model, has_hidden, has_seed, has_batch, has_optim, has_lr, has_wd, has_momentum, has_strategy;
     int has_schedule, has_warmup, has_clip, has_accum, has_kernel, has_dropout, has_clip_norm, has_bucket_cap;
