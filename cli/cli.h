@@ -3,7 +3,7 @@
  * option parser (args.c), printing from rank 0 only (output.c), data
  * loading (data.c), evaluation on a test set (evaluate.c), checkpoints and
  * their optimizer sidecars (checkpoint.c, sharded.c), progress display (progress.c),
- * and the commands (train.c, eval.c, inspect.c, estimate.c).  Like any user of ctrain,
+ * and the commands (train.c, eval.c, inspect.c, estimate.c, sample.c).  Like any user of ctrain,
  * the program sees only the public headers.
  */
 #ifndef CTRAIN_CLI_H
@@ -171,5 +171,6 @@ int cli_train(int argc, char **argv);
 int cli_eval_cmd(int argc, char **argv);
 int cli_inspect(int argc, char **argv);
 int cli_estimate(int argc, char **argv);
+int cli_sample(int argc, char **argv);
 
 #endif

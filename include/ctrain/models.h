@@ -93,6 +93,29 @@ void ct_model_config_gpt(ct_model_config *cfg, int64_t layers, int64_t heads, in
  * with seed; gpt as nanoGPT does).  *out is the caller's; NULL with the error set on failure. */
 ct_status ct_model_build(const ct_model_config *cfg, uint64_t seed, ct_module **out);
 
+/* ---- generating text from a gpt (KV cache) ------------------------------ */
+
+/* A generator over a built gpt's parameters (read in place, f32; the model
+ * must outlive it) that keeps every position's keys and values, so a token
+ * costs one position's work.  Past the context the window slides to the
+ * last context tokens (positions restart, the cache is rebuilt), as
+ * nanoGPT's generate crops its input. */
+typedef struct ct_gpt_gen ct_gpt_gen;
+/* CT_EINVAL if cfg is not a gpt or the model lacks one of its weights. */
+ct_status ct_gpt_gen_create(ct_module *model, const ct_model_config *cfg, ct_gpt_gen **out);
+/* NULL is a no-op. */
+void ct_gpt_gen_destroy(ct_gpt_gen *g);
+/* Appends token to the sequence and points *logits at the next token's
+ * logits [vocab] (valid until the next call).  A token outside the
+ * vocabulary is CT_EINVAL. */
+ct_status ct_gpt_gen_feed(ct_gpt_gen *g, int64_t token, const float **logits);
+/* Forgets the sequence (the next token is position 0). */
+void ct_gpt_gen_reset(ct_gpt_gen *g);
+/* Draws a token from softmax(logits / temperature) over the top_k largest
+ * logits (top_k <= 0: all), one uniform number from rng; temperature <= 0
+ * gives the argmax. */
+int64_t ct_gpt_sample_logits(const float *logits, int64_t vocab, float temperature, int64_t top_k, ct_rng *rng);
+
 /* ---- string map for checkpoint metadata -------------------------------- */
 
 #define CT_META_MAX 48
