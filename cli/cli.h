@@ -105,9 +105,9 @@ ct_status cli_evaluate(ct_module *model, const ct_model_config *cfg, const ct_da
  * context + 1 bytes (ct_text_val_batch), each rank a contiguous share, in
  * batches of batch windows.  out->loss is the mean cross-entropy per token
  * (nats), out->correct the tokens whose argmax is the next byte, out->n
- * the tokens. */
+ * the tokens.  limit > 0 takes only the first limit windows (quick runs). */
 ct_status cli_evaluate_text(ct_module *model, const ct_model_config *cfg, const ct_text *tx, int64_t batch,
-                            ct_group *g, cli_eval *out);
+                            int64_t limit, ct_group *g, cli_eval *out);
 /* "loss 1.2345 nats/byte (1.7810 bits per byte), next-byte accuracy 62.1%; unigram baseline 3.3200
  * (-62.8%)" into buf. */
 const char *cli_eval_text_str(const cli_eval *e, double unigram, char *buf, size_t n);

@@ -89,7 +89,7 @@ static ct_status run(const eval_opts *o)
         r = CT_ENOMEM;
     r = ct_group_check(g, r);
     cli_eval ev;
-    if (r == CT_OK && is_text) r = cli_evaluate_text(model, &cfg, &text, o->batch ? o->batch : 32, g, &ev);
+    if (r == CT_OK && is_text) r = cli_evaluate_text(model, &cfg, &text, o->batch ? o->batch : 32, o->limit_test, g, &ev);
     else if (r == CT_OK) r = cli_evaluate(model, &cfg, &test, o->batch ? o->batch : 500, g, &ev, conf);
     if (r == CT_OK) {
         char buf[512], desc[300];

@@ -78,11 +78,13 @@ const char *cli_eval_str(const cli_eval *e, char *buf, size_t n)
 }
 
 ct_status cli_evaluate_text(ct_module *model, const ct_model_config *cfg, const ct_text *tx, int64_t batch,
-                            ct_group *g, cli_eval *out)
+                            int64_t limit, ct_group *g, cli_eval *out)
 {
     memset(out, 0, sizeof *out);
     int rank = ct_group_rank(g), size = ct_group_size(g);
-    int64_t nw = ct_text_val_windows(tx, cfg->context), q = nw / size, rem = nw % size;
+    int64_t nw = ct_text_val_windows(tx, cfg->context);
+    if (limit > 0 && limit < nw) nw = limit;
+    int64_t q = nw / size, rem = nw % size;
     int64_t lo = rank * q + (rank < rem ? rank : rem), hi = lo + q + (rank < rem);
     ct_fwd_ctx ctx = {.training = 0, .seed = 0, .step = 0};
     double loss_sum = 0;

@@ -580,7 +580,9 @@ static ct_status report(trainer *t, double seconds)
     cli_eval ev;
     char buf[512];
     /* Text windows are long: a few per forward keeps the logits small. */
-    if (t->is_text) CT_TRY(cli_evaluate_text(t->model, &t->cfg, &t->text, o->eval_batch < 32 ? o->eval_batch : 32, t->g, &ev));
+    if (t->is_text)
+        CT_TRY(cli_evaluate_text(t->model, &t->cfg, &t->text, o->eval_batch < 32 ? o->eval_batch : 32, o->limit_test,
+                                 t->g, &ev));
     else CT_TRY(cli_evaluate(t->model, &t->cfg, &t->test, o->eval_batch, t->g, &ev, NULL));
     int64_t steps = t->step - t->start_step;
     if (steps > 0)

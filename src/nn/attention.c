@@ -72,7 +72,8 @@ static void causal_softmax(float *s, int64_t T)
         float *r = s + i * T, mx = r[0];
         for (int64_t j = 1; j <= i; j++) mx = r[j] > mx ? r[j] : mx;
         float sum = 0;
-        for (int64_t j = 0; j <= i; j++) sum += r[j] = expf(r[j] - mx);
+        for (int64_t j = 0; j <= i; j++) r[j] = ct__expf(r[j] - mx);
+        for (int64_t j = 0; j <= i; j++) sum += r[j];
         float inv = 1.0f / sum;
         for (int64_t j = 0; j <= i; j++) r[j] *= inv;
         for (int64_t j = i + 1; j < T; j++) r[j] = 0.0f;
@@ -95,17 +96,18 @@ static ct_status mm(prec p, int ta, int tb, int64_t M, int64_t N, int64_t K, flo
 }
 
 /* The dropped probabilities of one (sample, head): pd = P * keep / (1 - p),
- * as f32 or bf16 into out. */
-static void dropped(const float *P, const uint8_t *mask, float p, int64_t n, int bf16, void *out)
+ * as f32 or bf16 into out; f32 scratch of n floats for the bf16 case (the
+ * vectorised cast wants an f32 array). */
+static void dropped(const float *P, const uint8_t *mask, float p, int64_t n, int bf16, void *out, float *scratch)
 {
-    float scale = mask ? 1.0f / (1.0f - p) : 1.0f;
-    if (bf16) {
-        uint16_t *o = out;
-        for (int64_t i = 0; i < n; i++) o[i] = ct_f32_to_bf16(mask && !mask[i] ? 0.0f : P[i] * scale);
-    } else {
-        float *o = out;
-        for (int64_t i = 0; i < n; i++) o[i] = mask && !mask[i] ? 0.0f : P[i] * scale;
+    const float *src = P;
+    if (mask) {
+        float scale = 1.0f / (1.0f - p), *o = bf16 ? scratch : out;
+        for (int64_t i = 0; i < n; i++) o[i] = mask[i] ? P[i] * scale : 0.0f;
+        src = o;
     }
+    if (bf16) ct_f32_to_bf16_n(src, out, (size_t)n);
+    else if (src != out) memcpy(out, src, sizeof(float) * (size_t)n);
 }
 
 /* qkv [B, T, 3D] (f32 or bf16) -> y [B, T, D]; P [B, H, T, T] receives the
@@ -118,8 +120,9 @@ static ct_status core_forward(const attn_impl *A, const ct_tensor *qkv, ct_tenso
     size_t es = pr.bf16 ? 2 : 4;
     const char *base = ct_tensor_data(qkv);
     float *Pd = ct_f32(P), *yd = ct_f32(y);
-    void *tmp = ct_alloc((size_t)(T * T) * es, CT_MEM_ACT);
+    void *tmp = ct_alloc((size_t)(T * T) * (es + sizeof(float)), CT_MEM_ACT);
     if (!tmp) return CT_ENOMEM;
+    float *scratch = (float *)((char *)tmp + (size_t)(T * T) * es);
     float scale = 1.0f / sqrtf((float)hd);
     ct_status st = CT_OK;
     for (int64_t b = 0; b < B && st == CT_OK; b++)
@@ -132,7 +135,7 @@ static ct_status core_forward(const attn_impl *A, const ct_tensor *qkv, ct_tenso
             causal_softmax(S, T);
             const void *pv = S;
             if (pr.bf16 || mask) {
-                dropped(S, mask ? mask + (b * H + h) * T * T : NULL, A->attn_p, T * T, pr.bf16, tmp);
+                dropped(S, mask ? mask + (b * H + h) * T * T : NULL, A->attn_p, T * T, pr.bf16, tmp, scratch);
                 pv = tmp;
             }
             st = mm(pr, 0, 0, T, hd, T, 1.0f, pv, T, v, 3 * D, yd + b * T * D + h * hd, D);
@@ -153,7 +156,7 @@ static ct_status core_backward(const attn_impl *A, const ct_tensor *qkv, const c
     float *dq_all = ct_f32(dqkv);
     /* bf16: dy cast once; per head the dropped P and dS in bf16. */
     uint16_t *dyh = pr.bf16 ? ct_alloc((size_t)dy->numel * 2, CT_MEM_ACT) : NULL;
-    void *pdrop = ct_alloc((size_t)(T * T) * es, CT_MEM_ACT);
+    void *pdrop = ct_alloc((size_t)(T * T) * (es + sizeof(float)), CT_MEM_ACT);
     float *dP = ct_alloc((size_t)(T * T) * sizeof(float), CT_MEM_ACT);
     uint16_t *dSh = pr.bf16 ? ct_alloc((size_t)(T * T) * 2, CT_MEM_ACT) : NULL;
     ct_status st = CT_OK;
@@ -171,7 +174,7 @@ static ct_status core_backward(const attn_impl *A, const ct_tensor *qkv, const c
             float *dq = dq_all + b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
             const void *pv = Pb;
             if (pr.bf16 || mk) {
-                dropped(Pb, mk, A->attn_p, T * T, pr.bf16, pdrop);
+                dropped(Pb, mk, A->attn_p, T * T, pr.bf16, pdrop, (float *)((char *)pdrop + (size_t)(T * T) * es));
                 pv = pdrop;
             }
             /* dv = Pdrop^T dy; dPdrop = dy v^T */
