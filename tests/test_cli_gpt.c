@@ -207,3 +207,43 @@ TEST(cli_gpt_usage_errors)
     ASSERT_EQ(rc, 1);
     ASSERT_STR_CONTAINS(out, "holds a mlp");
 }
+
+/* The integer after "\"key\":" in a JSON line. */
+static long long json_int(const char *s, const char *key)
+{
+    char k[64];
+    snprintf(k, sizeof k, "\"%s\":", key);
+    return (long long)number_after(s, k);
+}
+
+/* ctrain estimate's gpt figures against what training measures: param and
+ * grad exact, optim within its slot table, activations 0 to 20% high (a
+ * block is replayed as one layer). */
+TEST(cli_gpt_estimate_matches_training)
+{
+    static char out[OUT_MAX], est[OUT_MAX];
+    const char *dir = text_dir();
+    char metrics[700], cmd[900];
+    for (int mixed = 0; mixed <= 1; mixed++) {
+        snprintf(metrics, sizeof metrics, "%s/m%d.jsonl", ct_test_tmpdir(), mixed);
+        int rc = RUN(out, "train " GPT_FLAGS " --steps 3 --dropout 0.1 --data-dir %s --mixed %s --metrics %s", dir,
+                     mixed ? "bf16" : "none", metrics);
+        if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
+        rc = RUN(est, "estimate --model gpt --layers 1 --heads 2 --dim 32 --context 24 --batch 8 --dropout 0.1 "
+                 "--ranks 1 --strategy none --json --mixed %s", mixed ? "bf16" : "none");
+        if (rc) ct_test_fail(__FILE__, __LINE__, "estimate failed:\n%s", est);
+        snprintf(cmd, sizeof cmd, "tail -1 %s", metrics);
+        FILE *p = popen(cmd, "r");
+        ASSERT(p);
+        size_t n = fread(out, 1, OUT_MAX - 1, p);
+        out[n] = 0;
+        pclose(p);
+        ASSERT_EQ(json_int(est, "param"), json_int(out, "param"));
+        ASSERT_EQ(json_int(est, "grad"), json_int(out, "grad"));
+        ASSERT_CLOSE(json_int(est, "optim"), json_int(out, "optim"), 0.01, 0); /* without the slot table */
+        double a = (double)json_int(est, "act"), m = (double)json_int(out, "act");
+        /* Errs high, never low: a block's records go at once in the replay, one by one in ctrain. */
+        if (!(a >= m && a <= 1.2 * m))
+            ct_test_fail(__FILE__, __LINE__, "mixed %d: estimated act %g vs measured %g", mixed, a, m);
+    }
+}
