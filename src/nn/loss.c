@@ -10,7 +10,7 @@
  */
 #include <math.h>
 
-#include "internal.h"
+#include "ctrain/nn.h"
 
 static inline int64_t target_at(const ct_tensor *t, int64_t i)
 {
@@ -63,16 +63,18 @@ ct_status ct_cross_entropy(const ct_tensor *logits, const ct_tensor *targets, in
         const float *zr = z + r * C;
         float mx = zr[0];
         for (int64_t j = 1; j < C; j++) mx = zr[j] > mx ? zr[j] : mx;
-        /* One float exp per element (ct__expf, vectorised; kept in the gradient row for the
+        /* One float exp per element (kept in the gradient row for the
          * softmax), summed in double: a double exp per element twice made
          * this a visible part of a training step. */
         float *dr = d ? ct_f32(d) + r * C : NULL;
         double se = 0.0;
         if (dr) {
-            for (int64_t j = 0; j < C; j++) dr[j] = ct__expf(zr[j] - mx); /* vectorised */
-            for (int64_t j = 0; j < C; j++) se += dr[j];
+            for (int64_t j = 0; j < C; j++) {
+                dr[j] = expf(zr[j] - mx);
+                se += dr[j];
+            }
         } else {
-            for (int64_t j = 0; j < C; j++) se += ct__expf(zr[j] - mx);
+            for (int64_t j = 0; j < C; j++) se += expf(zr[j] - mx);
         }
         total += log(se) - (double)(zr[t] - mx);
         if (dr) {
