@@ -301,3 +301,34 @@ TEST(gpt_split_between_blocks)
     for (int i = 0; i < 3; i++) ct_module_destroy(parts[i]);
     ct_module_destroy(m);
 }
+
+/* Sharing and naming: the errors, and a shared parameter freed once, with whichever module goes last. */
+TEST(nn_share_param_and_dotted_names)
+{
+    ct_module *a = ct_linear_create(4, 3, 0), *b = ct_linear_create(4, 3, 1), *c = ct_linear_create(3, 4, 0);
+    ct_param *w = a->params[0];
+    ASSERT_ERR(ct_module_share_param(c, "weight", w), CT_EINVAL, "needs the shape");
+    ASSERT_ERR(ct_module_share_param(b, "gain", w), CT_EINVAL, "no parameter 'gain'");
+    ASSERT_OK(ct_module_share_param(b, "weight", w));
+    ASSERT_OK(ct_module_share_param(b, "weight", w)); /* again: nothing changes */
+    ASSERT(b->params[0] == w && w->nmodules == 2 && w->owner == a);
+    ct_module *root = ct_sequential_create();
+    ASSERT_OK(ct_module_add(root, "x.y", a));
+    ASSERT_OK(ct_module_add(root, "z", b));
+    ASSERT(!strcmp(w->name, "x.y.weight")); /* named by its owner */
+    ASSERT(!strcmp(b->params[1]->name, "z.bias"));
+    ASSERT_EQ(ct_module_num_params(root), 12 + 3);
+    ASSERT_ERR(ct_module_add(root, "a..b", ct_relu_create()), CT_EINVAL, "dot-separated");
+    ASSERT_ERR(ct_module_add(root, ".a", ct_relu_create()), CT_EINVAL, "dot-separated");
+    ASSERT_ERR(ct_module_add(root, "a.", ct_relu_create()), CT_EINVAL, "dot-separated");
+    /* Destroy the owner first: the sharer keeps the parameter alive (ASan checks the rest). */
+    ct_module *owner = ct_module_detach(root, 0);
+    ct_module_destroy(owner);
+    ASSERT(w->owner == NULL && w->nmodules == 1);
+    ct_tensor *x = ct_tensor_create2(2, 4, CT_MEM_ACT), *y;
+    ASSERT_OK(ct_module_forward(root, x, &y, NULL, NULL));
+    ct_tensor_release(y);
+    ct_tensor_release(x);
+    ct_module_destroy(root);
+    ct_module_destroy(c);
+}
