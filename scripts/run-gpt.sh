@@ -5,8 +5,8 @@
 # 100 warm-up steps then cosine, global batch 32 sequences, bf16 matrix
 # products on f32 master weights, 1 BLAS thread per rank), then prints the
 # validation loss next to the unigram baseline (the entropy of the byte
-# distribution) and a sample.  About 5 minutes on 2 cores (1200 steps: val
-# loss 1.875 nats, 43.5% below the unigram 3.321, in 3.6 minutes).
+# distribution) and a sample.  About 4 minutes on 2 cores: val loss 1.768
+# nats per byte, 46.8% below the unigram 3.321 (the issue asks for 35% in 10).
 set -e
 B=${B:-build}
 STEPS=${STEPS:-1600}

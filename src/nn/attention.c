@@ -66,15 +66,51 @@ static ct_status check_input(const ct_module *m, int ndim, const int64_t *shape)
 }
 
 /* Row i of a causal score matrix s [T, T] -> softmax over j <= i, 0 beyond. */
+/* Sum and max of x[0..n) in 16 lanes, which the compiler keeps in vector
+ * registers (one running value is a serial chain). */
+static float lane_sum(const float *x, int64_t n)
+{
+    float a[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int k = 0; k < 16; k++) a[k] += x[j + k];
+    float s = 0;
+    for (; j < n; j++) s += x[j];
+    for (int k = 0; k < 16; k++) s += a[k];
+    return s;
+}
+
+static float lane_dot(const float *x, const float *y, int64_t n)
+{
+    float a[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int k = 0; k < 16; k++) a[k] += x[j + k] * y[j + k];
+    float s = 0;
+    for (; j < n; j++) s += x[j] * y[j];
+    for (int k = 0; k < 16; k++) s += a[k];
+    return s;
+}
+
+static float lane_max(const float *x, int64_t n)
+{
+    float a[16];
+    int64_t j = 0;
+    for (int k = 0; k < 16; k++) a[k] = x[0];
+    for (; j + 16 <= n; j += 16)
+        for (int k = 0; k < 16; k++) a[k] = x[j + k] > a[k] ? x[j + k] : a[k];
+    float m = x[0];
+    for (; j < n; j++) m = x[j] > m ? x[j] : m;
+    for (int k = 0; k < 16; k++) m = a[k] > m ? a[k] : m;
+    return m;
+}
+
 static void causal_softmax(float *s, int64_t T)
 {
     for (int64_t i = 0; i < T; i++) {
-        float *r = s + i * T, mx = r[0];
-        for (int64_t j = 1; j <= i; j++) mx = r[j] > mx ? r[j] : mx;
-        float sum = 0;
+        float *r = s + i * T, mx = lane_max(r, i + 1);
         for (int64_t j = 0; j <= i; j++) r[j] = ct__expf(r[j] - mx);
-        for (int64_t j = 0; j <= i; j++) sum += r[j];
-        float inv = 1.0f / sum;
+        float inv = 1.0f / lane_sum(r, i + 1);
         for (int64_t j = 0; j <= i; j++) r[j] *= inv;
         for (int64_t j = i + 1; j < T; j++) r[j] = 0.0f;
     }
@@ -187,8 +223,7 @@ static ct_status core_backward(const attn_impl *A, const ct_tensor *qkv, const c
                 const float *pr_ = Pb + i * T;
                 if (mk)
                     for (int64_t j = 0; j <= i; j++) r[j] = mk[i * T + j] ? r[j] * keep : 0.0f;
-                float dot = 0;
-                for (int64_t j = 0; j <= i; j++) dot += pr_[j] * r[j];
+                float dot = lane_dot(pr_, r, i + 1);
                 for (int64_t j = 0; j <= i; j++) r[j] = pr_[j] * (r[j] - dot) * scale;
                 for (int64_t j = i + 1; j < T; j++) r[j] = 0.0f;
             }
