@@ -1,7 +1,8 @@
 # ctrain build.  `make` builds the library, the ctrain program and ctrain.pc;
 # `make test` runs every test (unit tests, then the multi-rank suite under
 # mpirun at 2, 3 and 4 ranks); `make sanitize` runs them under ASan+UBSan;
-# `make bench` runs the benchmarks; `make run` trains the default model.
+# `make bench` runs the benchmarks; `make run` trains the default model,
+# `make run-gpt` a small GPT on text.
 # Missing Debian packages are installed first by scripts/deps.sh.
 
 B       ?= build
@@ -32,7 +33,7 @@ DEPS_OK   = $(B)/.deps-ok
 NP      ?= 2,3,4
 MPIRUN   = OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe --bind-to none
 
-.PHONY: all test sanitize bench run install clean deps
+.PHONY: all test sanitize bench run run-gpt install clean deps
 all: $(B)/libctrain.a $(B)/libctrain.so $(B)/ctrain $(B)/ctrain.pc
 
 deps: $(DEPS_OK)
@@ -92,9 +93,14 @@ bench: all $(BENCHES)
 	@for b in $(BENCHES); do echo "== $$b"; $$b || exit 1; done
 	@echo "== bench/fsdp"; bench/fsdp
 	@echo "== bench/compare-pytorch"; bench/compare-pytorch
+	@echo "== bench/gpt"; bench/gpt
 
 run: all
 	sh scripts/run.sh
+
+# A small GPT on the fortunes text over 2 ranks: validation loss vs the unigram baseline, and a sample.
+run-gpt: all
+	sh scripts/run-gpt.sh
 
 install: all
 	install -d $(PREFIX)/lib $(PREFIX)/include/ctrain $(PREFIX)/bin $(PREFIX)/lib/pkgconfig

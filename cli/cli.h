@@ -3,7 +3,7 @@
  * option parser (args.c), printing from rank 0 only (output.c), data
  * loading (data.c), evaluation on a test set (evaluate.c), checkpoints and
  * their optimizer sidecars (checkpoint.c, sharded.c), progress display (progress.c),
- * and the commands (train.c, eval.c, inspect.c, estimate.c).  Like any user of ctrain,
+ * and the commands (train.c, eval.c, inspect.c, estimate.c, sample.c).  Like any user of ctrain,
  * the program sees only the public headers.
  */
 #ifndef CTRAIN_CLI_H
@@ -80,6 +80,17 @@ ct_status cli_check_input(const ct_model_config *cfg, const ct_dataset *ds);
 ct_status cli_batch(const ct_dataset *ds, const ct_model_config *cfg, const int64_t *idx, int64_t n,
                     ct_tensor **x, ct_tensor **y);
 
+/* The data set a model trains on when --data is not given: fortunes for
+ * the gpt, fashion-mnist otherwise. */
+const char *cli_data_default(const ct_model_config *cfg);
+/* CT_EINVAL naming the fix when data (a --data name) does not suit cfg:
+ * the gpt reads text (fortunes), the mlp and cnn images (fashion-mnist). */
+ct_status cli_check_data_kind(const ct_model_config *cfg, const char *data);
+/* Loads the text corpus --data fortunes (dir NULL: CT_FORTUNES_DIR, or any
+ * folder of text files) and checks that it fits the gpt's context and
+ * vocabulary. */
+ct_status cli_load_text(const ct_model_config *cfg, const char *dir, ct_text *out);
+
 /* ---- evaluation (evaluate.c) ------------------------------------------- */
 
 typedef struct {
@@ -94,6 +105,17 @@ typedef struct {
  * confusion != NULL it receives the classes x classes counts. */
 ct_status cli_evaluate(ct_strategy *s, ct_module *model, const ct_model_config *cfg, const ct_dataset *ds,
                        int64_t batch, ct_group *g, cli_eval *out, int64_t *confusion);
+/* The gpt on the validation split of tx: its consecutive windows of
+ * context + 1 bytes (ct_text_val_batch), each rank a contiguous share (s
+ * != NULL: its data slice, predicting through it), in batches of batch
+ * windows.  out->loss is the mean cross-entropy per token (nats),
+ * out->correct the tokens whose argmax is the next byte, out->n the
+ * tokens.  limit > 0 takes only the first limit windows (quick runs). */
+ct_status cli_evaluate_text(ct_strategy *s, ct_module *model, const ct_model_config *cfg, const ct_text *tx,
+                            int64_t batch, int64_t limit, ct_group *g, cli_eval *out);
+/* "loss 1.2345 nats/byte (1.7810 bits per byte), next-byte accuracy 62.1%; unigram baseline 3.3200
+ * (-62.8%)" into buf. */
+const char *cli_eval_text_str(const cli_eval *e, double unigram, char *buf, size_t n);
 /* "loss 0.3312  accuracy 88.41% (8841/10000)" into buf. */
 const char *cli_eval_str(const cli_eval *e, char *buf, size_t n);
 
@@ -156,5 +178,6 @@ int cli_train(int argc, char **argv);
 int cli_eval_cmd(int argc, char **argv);
 int cli_inspect(int argc, char **argv);
 int cli_estimate(int argc, char **argv);
+int cli_sample(int argc, char **argv);
 
 #endif

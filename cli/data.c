@@ -1,6 +1,6 @@
 /*
  * Data sets the program trains and evaluates on, by name, and batches
- * shaped for a model.  Only Fashion-MNIST for now.
+ * shaped for a model: Fashion-MNIST images, and byte-level text for the gpt.
  */
 #include <string.h>
 
@@ -30,6 +30,32 @@ ct_status cli_load_data(const char *name, const char *dir, int train, int64_t li
         out->n = limit;
     }
     return CT_OK;
+}
+
+const char *cli_data_default(const ct_model_config *cfg)
+{
+    return cfg->kind == CT_MODEL_GPT ? "fortunes" : "fashion-mnist";
+}
+
+ct_status cli_check_data_kind(const ct_model_config *cfg, const char *data)
+{
+    if (strcmp(data, "fashion-mnist") && strcmp(data, "fortunes"))
+        return ct_error(CT_EINVAL, "unknown data set '%s'; this ctrain knows: fashion-mnist, fortunes", data);
+    if ((cfg->kind == CT_MODEL_GPT) != !strcmp(data, "fortunes"))
+        return ct_error(CT_EINVAL, "--data %s does not suit the %s: the gpt reads text (fortunes), the mlp and cnn "
+                        "images (fashion-mnist)", data, ct_model_kind_name(cfg->kind));
+    return CT_OK;
+}
+
+ct_status cli_load_text(const ct_model_config *cfg, const char *dir, ct_text *out)
+{
+    CT_TRY(ct_text_load(dir, out));
+    ct_status st = ct_text_check(out, cfg->context);
+    if (st == CT_OK && cfg->vocab < 256)
+        st = ct_error(CT_EINVAL, "the gpt has a vocabulary of %lld but text is read as bytes (256 tokens); use "
+                      "--vocab 256", (long long)cfg->vocab);
+    if (st != CT_OK) ct_text_fini(out);
+    return st;
 }
 
 ct_status cli_check_input(const ct_model_config *cfg, const ct_dataset *ds)

@@ -119,6 +119,26 @@ static rule rule_of(const est_in *in, const ct_module *m, int nd, const int64_t 
     } else if (!strcmp(k, "layernorm")) { /* mean and rstd per row */
         r.keep_in = 1;
         r.saved = (nd ? ni / (uint64_t)ish[nd - 1] : 1) * 8;
+    } else if (!strcmp(k, "tokpos_embedding")) { /* transformer.c: positions (i64), the dropout mask */
+        r.saved = (uint64_t)(nd > 1 ? ish[1] : 1) * 8 + (in->cfg.dropout > 0 ? no : 0);
+        r.fwd_tmp = no * 4; /* the position rows, the sum before dropout */
+    } else if (!strcmp(k, "block")) {
+        /* transformer.c + attention.c, per block of rows BT, width D, H heads, T positions:
+         * ln_1 and ln_2 keep their inputs (x here, h below) and 8 bytes a row; c_attn,
+         * c_proj, c_fc and the MLP's c_proj keep their inputs (bf16 under mixed); the
+         * attention keeps qkv (bf16 under mixed) and P [B,H,T,T]; gelu keeps its input;
+         * the dropouts keep byte masks. */
+        const ct_model_config *c = &in->cfg;
+        uint64_t BT = ni / (uint64_t)c->dim, D = (uint64_t)c->dim, B = BT / (uint64_t)(nd > 1 ? ish[1] : 1);
+        uint64_t T = (uint64_t)(nd > 1 ? ish[1] : 1), HTT = B * (uint64_t)c->heads * T * T, lin = mixed ? 2 : 4;
+        int drop = c->dropout > 0;
+        r.keep_in = 1;
+        r.saved = 2 * BT * 8 + BT * D * lin /* ln_1 out, c_attn's input */ + 3 * BT * D * lin /* qkv */ +
+                  HTT * 4 + (drop ? HTT : 0) + BT * D * lin /* c_proj's input */ + (drop ? BT * D : 0) +
+                  BT * D * 4 /* h */ + BT * D * lin /* c_fc's input */ + 4 * BT * D * 4 /* gelu's input */ +
+                  4 * BT * D * lin /* mlp c_proj's input */ + (drop ? BT * D : 0);
+        r.fwd_tmp = 3 * BT * D * 4 + T * T * 8; /* qkv in f32 before its cast, per-head scratch */
+        r.bwd_tmp = 3 * BT * D * 4 + 4 * BT * D * 4 + 2 * BT * D * 4 + T * T * 12; /* dqkv, d(gelu), branch grads */
     } else if (!strcmp(k, "batchnorm")) { /* mean and rstd per channel */
         r.keep_in = 1;
         r.saved = (nd > 1 ? (uint64_t)ish[1] : 1) * 8;
@@ -197,8 +217,10 @@ ct_status est_activations(const est_in *in, int64_t rows, int k, int scaled, int
             sim_unref(&s, g);
             g = dx;
         }
-        /* This rank's whole batch: f32 inputs and i32 targets (src/io/idx.c). */
-        *bytes = s.peak + (uint64_t)rows * ((uint64_t)ct_model_input_numel(&in->cfg) * 4 + 4);
+        /* This rank's whole batch: f32 inputs and i32 targets (src/io/idx.c); the gpt's
+         * i64 tokens and i64 next tokens (src/io/text.c). */
+        if (in->cfg.kind == CT_MODEL_GPT) *bytes = s.peak + (uint64_t)rows * (uint64_t)in->cfg.context * 16;
+        else *bytes = s.peak + (uint64_t)rows * ((uint64_t)ct_model_input_numel(&in->cfg) * 4 + 4);
     }
     ct_free(mods);
     ct_free(lv);

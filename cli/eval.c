@@ -8,9 +8,11 @@
 #include "cli.h"
 
 static const char usage[] =
-    "usage: ctrain eval --checkpoint CKPT [--data fashion-mnist] [--data-dir DIR] [--batch B]\n\n"
+    "usage: ctrain eval --checkpoint CKPT [--data fashion-mnist|fortunes] [--data-dir DIR] [--batch B]\n\n"
     "Rebuilds the model that CKPT describes (its metadata says which), evaluates it on the\n"
-    "test set and prints the loss, the accuracy and the confusion matrix (rows: true class).";
+    "test set and prints the loss, the accuracy and the confusion matrix (rows: true class);\n"
+    "for a gpt, on the text's validation split (its consecutive windows of context + 1 bytes):\n"
+    "the loss per byte in nats and in bits, next to the unigram baseline.";
 
 typedef struct {
     const char *ckpt, *data, *data_dir;
@@ -21,9 +23,9 @@ static int table(eval_opts *o, cli_opt *t)
 {
     int n = 0;
     t[n++] = (cli_opt){"--checkpoint", OPT_STR, &o->ckpt, "CKPT", "checkpoint written by ctrain train (a file, or a sharded directory)", 0};
-    t[n++] = (cli_opt){"--data", OPT_STR, &o->data, "NAME", "data set (fashion-mnist)", 0};
-    t[n++] = (cli_opt){"--data-dir", OPT_STR, &o->data_dir, "DIR", "where the data files are (" CT_FASHION_MNIST_DIR ")", 0};
-    t[n++] = (cli_opt){"--batch", OPT_INT, &o->batch, "B", "samples per forward pass (500)", 0};
+    t[n++] = (cli_opt){"--data", OPT_STR, &o->data, "NAME", "data set: fashion-mnist, or fortunes for a gpt (the model's)", 0};
+    t[n++] = (cli_opt){"--data-dir", OPT_STR, &o->data_dir, "DIR", "where the data files are (" CT_FASHION_MNIST_DIR "; fortunes: " CT_FORTUNES_DIR ")", 0};
+    t[n++] = (cli_opt){"--batch", OPT_INT, &o->batch, "B", "samples per forward pass (500; gpt: 32 windows)", 0};
     t[n++] = (cli_opt){"--threads", OPT_INT, &o->threads, "N", "BLAS threads per rank (cores / ranks on the node)", 0};
     t[n++] = (cli_opt){"--limit-test", OPT_INT, &o->limit_test, "N", NULL, 0};
     return n;
@@ -52,6 +54,7 @@ static ct_status run(const eval_opts *o)
     ct_group *g = ct_group_world();
     ct_safetensors *st = NULL;
     ct_dataset test = {0};
+    ct_text text = {0};
     ct_module *model = NULL;
     ct_strategy *s = NULL;
     int64_t *conf = NULL;
@@ -64,8 +67,12 @@ static ct_status run(const eval_opts *o)
         snprintf(why, sizeof why, "%s", ct_last_error());
         r = ct_error(CT_EFORMAT, "%s: %s", o->ckpt, why);
     }
-    if (r == CT_OK) r = cli_load_data(o->data, o->data_dir, 0, o->limit_test, &test);
-    if (r == CT_OK) r = cli_check_input(&cfg, &test);
+    const char *data = o->data ? o->data : r == CT_OK ? cli_data_default(&cfg) : "";
+    if (r == CT_OK) r = cli_check_data_kind(&cfg, data);
+    int is_text = r == CT_OK && cfg.kind == CT_MODEL_GPT;
+    if (is_text) r = cli_load_text(&cfg, o->data_dir, &text);
+    else if (r == CT_OK) r = cli_load_data(data, o->data_dir, 0, o->limit_test, &test);
+    if (r == CT_OK && !is_text) r = cli_check_input(&cfg, &test);
     if (r == CT_OK) r = ct_model_build(&cfg, 0, &model);
     /* The weights go in through the strategy's loader, the same checks as training. */
     ct_optim_opts oo = ct_optim_defaults(CT_OPT_SGD);
@@ -78,31 +85,41 @@ static ct_status run(const eval_opts *o)
             r = ct_error(r, "%s does not match the model its metadata describes: %s", o->ckpt, why);
         }
     }
-    if (r == CT_OK && !(conf = ct_alloc_zeroed(sizeof *conf * (size_t)(cfg.classes * cfg.classes), CT_MEM_OTHER)))
+    if (r == CT_OK && !is_text && !(conf = ct_alloc_zeroed(sizeof *conf * (size_t)(cfg.classes * cfg.classes), CT_MEM_OTHER)))
         r = CT_ENOMEM;
     r = ct_group_check(g, r);
     cli_eval ev;
-    if (r == CT_OK) r = cli_evaluate(NULL, model, &cfg, &test, o->batch, g, &ev, conf);
+    if (r == CT_OK && is_text)
+        r = cli_evaluate_text(NULL, model, &cfg, &text, o->batch ? o->batch : 32, o->limit_test, g, &ev);
+    else if (r == CT_OK) r = cli_evaluate(NULL, model, &cfg, &test, o->batch ? o->batch : 500, g, &ev, conf);
     if (r == CT_OK) {
-        char buf[256], desc[300];
+        char buf[512], desc[300];
         cli_out("model: %s (%lld parameters) from %s", cli_config_str(&cfg, desc, sizeof desc),
                 (long long)ct_module_num_params(model), o->ckpt);
         const char *step = ct_meta_get(&m, "ctrain.step");
         cli_out(step ? ", step %s\n" : "\n", step);
-        cli_out("test: %s\n", cli_eval_str(&ev, buf, sizeof buf));
-        print_confusion(&ev, cfg.classes);
+        if (is_text) {
+            cli_out("data: %s, %d files, %lld bytes, validation from byte %lld (%lld windows of %lld + 1)\n",
+                    o->data_dir ? o->data_dir : CT_FORTUNES_DIR, text.nfiles, (long long)text.n,
+                    (long long)text.ntrain, (long long)ct_text_val_windows(&text, cfg.context), (long long)cfg.context);
+            cli_out("%s\n", cli_eval_text_str(&ev, ct_text_unigram_entropy(&text), buf, sizeof buf));
+        } else {
+            cli_out("test: %s\n", cli_eval_str(&ev, buf, sizeof buf));
+            print_confusion(&ev, cfg.classes);
+        }
     }
     ct_free(conf);
     ct_strategy_destroy(s);
     ct_module_destroy(model);
     ct_dataset_fini(&test);
+    ct_text_fini(&text);
     ct_safetensors_destroy(st);
     return r;
 }
 
 int cli_eval_cmd(int argc, char **argv)
 {
-    eval_opts o = {NULL, "fashion-mnist", NULL, 500, 0, 0};
+    eval_opts o = {NULL, NULL, NULL, 0, 0, 0}; /* data and batch: the model's defaults */
     cli_opt t[8];
     int n = table(&o, t), help, npos;
     const char *pos[1];
@@ -110,8 +127,8 @@ int cli_eval_cmd(int argc, char **argv)
     int rc = cli_parse("eval", argc, argv, t, n, pos, 0, &npos, &help, err, sizeof err);
     if (rc == 0 && !help) {
         if (!o.ckpt) snprintf(err, sizeof err, "ctrain eval: --checkpoint CKPT is required (a file written by ctrain train --save)"), rc = CLI_USAGE;
-        else if (strcmp(o.data, "fashion-mnist")) snprintf(err, sizeof err, "ctrain eval: unknown data set '%s' for --data; this ctrain knows: fashion-mnist", o.data), rc = CLI_USAGE;
-        else if (o.batch < 1) snprintf(err, sizeof err, "ctrain eval: --batch %lld must be at least 1", (long long)o.batch), rc = CLI_USAGE;
+        else if (o.data && strcmp(o.data, "fashion-mnist") && strcmp(o.data, "fortunes")) snprintf(err, sizeof err, "ctrain eval: unknown data set '%s' for --data; this ctrain knows: fashion-mnist, fortunes", o.data), rc = CLI_USAGE;
+        else if (cli_find(t, n, "--batch")->given && o.batch < 1) snprintf(err, sizeof err, "ctrain eval: --batch %lld must be at least 1", (long long)o.batch), rc = CLI_USAGE;
         else if (o.threads < 0 || o.limit_test < 0) snprintf(err, sizeof err, "ctrain eval: --threads and --limit-test must not be negative"), rc = CLI_USAGE;
     }
     cli_rank = cli_launcher_rank();

@@ -5,6 +5,7 @@
  * (ct_strategy_predict), the shares are its data slices: the ranks of a
  * pipeline share one, and only the rank holding the output counts it.
  */
+#include <math.h>
 #include <string.h>
 
 #include "cli.h"
@@ -76,5 +77,53 @@ const char *cli_eval_str(const cli_eval *e, char *buf, size_t n)
 {
     snprintf(buf, n, "loss %.4f  accuracy %.2f%% (%lld/%lld)", e->loss,
              e->n ? 100.0 * (double)e->correct / (double)e->n : 0.0, (long long)e->correct, (long long)e->n);
+    return buf;
+}
+
+ct_status cli_evaluate_text(ct_strategy *s, ct_module *model, const ct_model_config *cfg, const ct_text *tx,
+                            int64_t batch, int64_t limit, ct_group *g, cli_eval *out)
+{
+    memset(out, 0, sizeof *out);
+    int rank = ct_group_rank(g), size = ct_group_size(g);
+    if (s) ct_strategy_data_rank(s, &rank, &size);
+    int64_t nw = ct_text_val_windows(tx, cfg->context);
+    if (limit > 0 && limit < nw) nw = limit;
+    int64_t q = nw / size, rem = nw % size;
+    int64_t lo = rank * q + (rank < rem ? rank : rem), hi = lo + q + (rank < rem);
+    ct_fwd_ctx ctx = {.training = 0, .seed = 0, .step = 0};
+    double loss_sum = 0;
+    int64_t correct = 0;
+    ct_status st = CT_OK;
+    for (int64_t w = lo; w < hi && st == CT_OK; w += batch) {
+        int64_t n = hi - w < batch ? hi - w : batch;
+        ct_tensor *x = NULL, *y = NULL, *z = NULL;
+        float loss = 0;
+        st = ct_text_val_batch(tx, cfg->context, w, n, &x, &y);
+        if (st == CT_OK) st = s ? ct_strategy_predict(s, x, &ctx, &z) : ct_module_forward(model, x, &z, NULL, &ctx);
+        if (st == CT_OK && z) st = ct_cross_entropy(z, y, -100, &loss, NULL);
+        if (st == CT_OK && z) {
+            loss_sum += (double)loss * (double)y->numel;
+            correct += ct_count_correct(z, y, -100);
+        }
+        ct_tensor_release(x);
+        ct_tensor_release(y);
+        ct_tensor_release(z);
+    }
+    st = ct_group_check(g, st);
+    CT_TRY(st);
+    double sums[2] = {loss_sum, (double)correct};
+    CT_TRY(cli_sum_f64(g, sums, 2));
+    out->n = nw * cfg->context;
+    out->loss = out->n ? sums[0] / (double)out->n : 0;
+    out->correct = (int64_t)sums[1];
+    return CT_OK;
+}
+
+const char *cli_eval_text_str(const cli_eval *e, double unigram, char *buf, size_t n)
+{
+    snprintf(buf, n, "val loss %.4f nats/byte (%.4f bits per byte), next-byte accuracy %.1f%% over %lld bytes; "
+             "unigram baseline %.4f (val loss %+.1f%%)", e->loss, e->loss / log(2.0),
+             e->n ? 100.0 * (double)e->correct / (double)e->n : 0.0, (long long)e->n, unigram,
+             unigram > 0 ? 100.0 * (e->loss - unigram) / unigram : 0.0);
     return buf;
 }

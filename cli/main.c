@@ -16,8 +16,9 @@ static int usage(FILE *f)
 {
     fprintf(f, "usage: ctrain <command> [options]\n\n"
                "commands:\n"
-               "  train      train a model (mlp, cnn) on Fashion-MNIST, alone or under mpirun\n"
-               "  eval       evaluate a checkpoint on the test set (accuracy, confusion matrix)\n"
+               "  train      train a model (mlp, cnn on Fashion-MNIST; gpt on text), alone or under mpirun\n"
+               "  eval       evaluate a checkpoint on the test set (accuracy, confusion matrix; gpt: loss, bits per byte)\n"
+               "  sample     generate text from a gpt checkpoint (KV cache)\n"
                "  estimate   predict the memory per rank of every strategy for a model (nothing is trained)\n"
                "  inspect    list the tensors and metadata of a safetensors file\n"
                "  version    print the version and the BLAS kernel in use\n\n"
@@ -52,6 +53,7 @@ static int dispatch(int argc, char **argv)
     if (!strcmp(cmd, "eval")) return cli_eval_cmd(argc - 2, argv + 2);
     if (!strcmp(cmd, "inspect")) return cli_inspect(argc - 2, argv + 2);
     if (!strcmp(cmd, "estimate")) return cli_estimate(argc - 2, argv + 2);
+    if (!strcmp(cmd, "sample")) return cli_sample(argc - 2, argv + 2);
     fprintf(stderr, "ctrain: unknown command '%s'; run 'ctrain --help' for the list\n", cmd);
     return CLI_USAGE;
 }

@@ -96,7 +96,13 @@ int cli_default_threads(ct_group *g)
 const char *cli_config_str(const ct_model_config *cfg, char *buf, size_t n)
 {
     char hid[256];
-    if (cfg->kind == CT_MODEL_CNN)
+    if (cfg->kind == CT_MODEL_GPT) {
+        char drop[32] = "";
+        if (cfg->dropout > 0) snprintf(drop, sizeof drop, ", dropout %g", (double)cfg->dropout);
+        snprintf(buf, n, "gpt [%lld layers, %lld heads, dim %lld, context %lld, vocab %lld%s]",
+                 (long long)cfg->layers, (long long)cfg->heads, (long long)cfg->dim, (long long)cfg->context,
+                 (long long)cfg->vocab, drop);
+    } else if (cfg->kind == CT_MODEL_CNN)
         snprintf(buf, n, "%s [%s] %dx%d", ct_model_kind_name(cfg->kind),
                  ct_model_config_hidden_str(cfg, hid, sizeof hid), cfg->kernel, cfg->kernel);
     else if (cfg->dropout > 0)

@@ -36,7 +36,9 @@ typedef struct {
     uint64_t seed;
     int shuffle;
     ct_optim_kind okind;
-    ct_dataset train, test;
+    ct_dataset train, test; /* images; for text only .n is set (windows per split) */
+    ct_text text;            /* the gpt's corpus */
+    int is_text;
     ct_safetensors *ck, *side; /* --init / --resume files */
     ct_module *model;
     ct_optim *opt;
@@ -91,6 +93,7 @@ static ct_status choose_config(trainer *t)
     if (o->has_hidden) CT_TRY(ct_model_config_parse_hidden(&t->cfg, o->hidden));
     if (o->has_kernel) t->cfg.kernel = (int)o->kernel;
     if (o->has_dropout) t->cfg.dropout = (float)o->dropout;
+    if (kind == CT_MODEL_GPT) ct_model_config_gpt(&t->cfg, o->layers, o->heads, o->dim, o->context, o->vocab);
     return ct_model_config_validate(&t->cfg);
 }
 
@@ -355,9 +358,21 @@ static ct_status setup(trainer *t)
     t->shuffle = !o->no_shuffle;
     CT_TRY(ct_group_check(t->g, choose_config(t)));
 
-    st = cli_load_data(o->data, o->data_dir, 1, o->limit_train, &t->train);
-    if (st == CT_OK) st = cli_load_data(o->data, o->data_dir, 0, o->limit_test, &t->test);
-    if (st == CT_OK) st = cli_check_input(&t->cfg, &t->train);
+    if (!o->data) o->data = cli_data_default(&t->cfg);
+    st = cli_check_data_kind(&t->cfg, o->data);
+    if (st != CT_OK) t->usage = 1;
+    CT_TRY(ct_group_check(t->g, st));
+    t->is_text = t->cfg.kind == CT_MODEL_GPT;
+    if (t->is_text) {
+        /* An epoch is as many windows as the training split has bytes. */
+        st = cli_load_text(&t->cfg, o->data_dir, &t->text);
+        t->train.n = t->text.ntrain / (t->cfg.context + 1);
+        t->test.n = ct_text_val_windows(&t->text, t->cfg.context);
+    } else {
+        st = cli_load_data(o->data, o->data_dir, 1, o->limit_train, &t->train);
+        if (st == CT_OK) st = cli_load_data(o->data, o->data_dir, 0, o->limit_test, &t->test);
+        if (st == CT_OK) st = cli_check_input(&t->cfg, &t->train);
+    }
     CT_TRY(ct_group_check(t->g, st));
 
     st = ct_model_build(&t->cfg, t->seed, &t->model);
@@ -419,7 +434,10 @@ static ct_status train_step(trainer *t, int64_t *idx, double *sums)
     ct_batch b = {.global_rows = global, .sample0 = ct_sampler_first(&t->sampler, t->pos, t->drank, t->dsize)};
     ct_fwd_ctx ctx = {.training = 1, .seed = t->seed, .step = (uint64_t)t->step};
     ct_step_out out = {0, 0};
-    ct_status st = cli_batch(&t->train, &t->cfg, idx, count, &b.x, &b.y);
+    /* Text: random windows keyed by (seed, step, place in the global batch). */
+    ct_status st = t->is_text ? ct_text_train_batch(&t->text, t->cfg.context, t->seed, (uint64_t)t->step, b.sample0,
+                                                    count, &b.x, &b.y)
+                              : cli_batch(&t->train, &t->cfg, idx, count, &b.x, &b.y);
     if (st == CT_OK) st = ct_strategy_train_step(t->s, &b, ct_loss_cross_entropy, NULL, &ctx, &out);
     sums[0] += out.loss_sum;
     sums[1] += (double)out.rows;
@@ -586,14 +604,19 @@ static ct_status report(trainer *t, double seconds)
 {
     train_opts *o = t->o;
     cli_eval ev;
-    char buf[256];
-    CT_TRY(cli_evaluate(t->s, t->model, &t->cfg, &t->test, o->eval_batch, t->g, &ev, NULL));
+    char buf[512];
+    /* Text windows are long: a few per forward keeps the logits small. */
+    if (t->is_text)
+        CT_TRY(cli_evaluate_text(t->s, t->model, &t->cfg, &t->text, o->eval_batch < 32 ? o->eval_batch : 32,
+                                 o->limit_test, t->g, &ev));
+    else CT_TRY(cli_evaluate(t->s, t->model, &t->cfg, &t->test, o->eval_batch, t->g, &ev, NULL));
     int64_t steps = t->step - t->start_step;
     if (steps > 0)
         cli_out("trained %lld steps (to step %lld, epoch %.2f) in %.1f s, %.0f samples/s; final train loss %.6f\n",
                 (long long)steps, (long long)t->step, (double)t->step / (double)t->spe, seconds,
                 (double)steps * (double)o->batch / seconds, t->last_loss);
-    cli_out("test: %s\n", cli_eval_str(&ev, buf, sizeof buf));
+    if (t->is_text) cli_out("%s\n", cli_eval_text_str(&ev, ct_text_unigram_entropy(&t->text), buf, sizeof buf));
+    else cli_out("test: %s\n", cli_eval_str(&ev, buf, sizeof buf));
     print_memory(t);
     if (t->nstats) {
         double n = (double)t->nstats, ms = 1000.0 / n;
@@ -637,6 +660,7 @@ static void teardown(trainer *t)
     ct_sampler_fini(&t->sampler);
     ct_dataset_fini(&t->train);
     ct_dataset_fini(&t->test);
+    ct_text_fini(&t->text);
     ct_safetensors_destroy(t->ck);
     ct_safetensors_destroy(t->side);
     ct_free(t->step_s);

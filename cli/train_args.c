@@ -8,9 +8,10 @@
 #include "train.h"
 
 static const char usage[] =
-    "usage: ctrain train --model mlp|cnn (--epochs N | --steps K) [options]\n"
+    "usage: ctrain train --model mlp|cnn|gpt (--epochs N | --steps K) [options]\n"
     "       mpirun -np R ctrain train ...   (data parallel over R ranks)\n\n"
-    "Trains a model on Fashion-MNIST, prints progress, then the test loss and accuracy,\n"
+    "Trains a model on Fashion-MNIST (mlp, cnn) or byte-level text (gpt: --data fortunes),\n"
+    "prints progress, then the test loss and accuracy (gpt: validation loss, bits per byte),\n"
     "the peak memory per category and the strategy's step times.";
 
 static const char epilog[] =
@@ -36,8 +37,14 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--hidden", OPT_STR, &o->hidden, "LIST", "layer sizes (mlp 256,128; cnn conv channels then fc: 16,32,128)");
     OPT("--kernel", OPT_INT, &o->kernel, "K", "cnn: conv kernel size, odd (3)");
     OPT("--dropout", OPT_NUM, &o->dropout, "P", "mlp: dropout after every hidden layer (0)");
-    OPT("--data", OPT_STR, &o->data, "NAME", "data set (fashion-mnist)");
-    OPT("--data-dir", OPT_STR, &o->data_dir, "DIR", "where the data files are (" CT_FASHION_MNIST_DIR ")");
+    OPT("--layers", OPT_INT, &o->layers, "L", "gpt: transformer blocks (4)");
+    OPT("--heads", OPT_INT, &o->heads, "H", "gpt: attention heads per block (4)");
+    OPT("--dim", OPT_INT, &o->dim, "D", "gpt: model width, a multiple of --heads (256)");
+    OPT("--context", OPT_INT, &o->context, "T", "gpt: tokens per sequence (128)");
+    OPT("--vocab", OPT_INT, &o->vocab, "V", "gpt: vocabulary size (256: bytes)");
+    OPT("--data", OPT_STR, &o->data, "NAME", "data set: fashion-mnist (mlp, cnn) or fortunes (gpt: byte-level text)");
+    OPT("--data-dir", OPT_STR, &o->data_dir, "DIR", "where the data files are (" CT_FASHION_MNIST_DIR "; "
+        "fortunes: " CT_FORTUNES_DIR ", or any folder of text files)");
     OPT("--epochs", OPT_INT, &o->epochs, "N", "train until N epochs are done");
     OPT("--steps", OPT_INT, &o->steps, "K", "train until K optimizer steps are done");
     OPT("--batch", OPT_INT, &o->batch, "B", "global batch size, split across ranks (64)");
@@ -108,7 +115,13 @@ static int in_list(const char *v, const char *const *list)
 int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size_t errn)
 {
     memset(o, 0, sizeof *o);
-    o->data = "fashion-mnist";
+    o->data = NULL; /* fashion-mnist, or fortunes for the gpt (train_data_default) */
+    ct_model_config gd = ct_model_config_default(CT_MODEL_GPT);
+    o->layers = gd.layers;
+    o->heads = gd.heads;
+    o->dim = gd.dim;
+    o->context = gd.context;
+    o->vocab = gd.vocab;
     o->batch = 64;
     o->optim = "adamw";
     o->schedule = "constant";
@@ -152,6 +165,8 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     const char *fsdp_flag = GIVEN("--sharding") ? "--sharding" : GIVEN("--wrap-min-params") ? "--wrap-min-params"
                           : GIVEN("--prefetch") ? "--prefetch" : GIVEN("--limit-all-gathers") ? "--limit-all-gathers"
                           : NULL;
+    o->has_gpt_shape = GIVEN("--layers") || GIVEN("--heads") || GIVEN("--dim") || GIVEN("--context") ||
+                       GIVEN("--vocab");
 #undef GIVEN
 
     if (has_epochs && has_steps) return BAD("--epochs and --steps are both given; give one of them");
@@ -176,8 +191,20 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     }
     if (o->has_dropout && !(o->dropout >= 0 && o->dropout < 1))
         return BAD("--dropout %g must be in [0, 1)", o->dropout);
-    if (o->has_dropout && o->has_model && kind != CT_MODEL_MLP) return BAD("--dropout applies to --model mlp only");
-    if (strcmp(o->data, "fashion-mnist")) return BAD("unknown data set '%s' for --data; this ctrain knows: fashion-mnist", o->data);
+    if (o->has_dropout && o->has_model && kind == CT_MODEL_CNN) return BAD("--dropout applies to --model mlp and gpt only");
+    if (o->has_gpt_shape && (!o->has_model || kind != CT_MODEL_GPT))
+        return BAD("--layers, --heads, --dim, --context and --vocab apply to --model gpt only%s",
+                   o->has_model ? "" : " (on --init/--resume the checkpoint's shape is used: drop them)");
+    if (o->has_model && kind == CT_MODEL_GPT) {
+        ct_model_config c = ct_model_config_default(kind);
+        ct_model_config_gpt(&c, o->layers, o->heads, o->dim, o->context, o->vocab);
+        if (ct_model_config_validate(&c) != CT_OK) return BAD("%s", ct_last_error());
+    }
+    if (o->data && strcmp(o->data, "fashion-mnist") && strcmp(o->data, "fortunes"))
+        return BAD("unknown data set '%s' for --data; this ctrain knows: fashion-mnist, fortunes", o->data);
+    if (o->data && o->has_model && (kind == CT_MODEL_GPT) != !strcmp(o->data, "fortunes"))
+        return BAD("--data %s does not suit --model %s: the gpt trains on text (fortunes), the mlp and cnn on "
+                   "images (fashion-mnist)", o->data, o->model);
     if (o->batch < 1) return BAD("--batch %lld must be at least 1", (long long)o->batch);
     ct_optim_kind ok;
     if (ct_optim_parse(o->optim, &ok)) return BAD("unknown optimizer '%s' for --optim; choose sgd or adamw", o->optim);

@@ -16,6 +16,8 @@ need libopenblas-dev  pkg-config --exists openblas
 need zlib1g-dev       pkg-config --exists zlib
 need libdnnl-dev      test -f /usr/include/oneapi/dnnl/dnnl.h
 need dataset-fashion-mnist test -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+# byte-level text for the GPT (--data fortunes): fortune's cookie files
+need fortunes         test -f /usr/share/games/fortunes/fortunes
 [ -z "$missing" ] && exit 0
 echo "ctrain: installing missing Debian packages:$missing"
 SUDO=""

@@ -100,7 +100,7 @@ TEST(cli_help)
     ASSERT_STR_CONTAINS(out, "inspect");
     ASSERT_STR_CONTAINS(out, "estimate");
     ASSERT_EQ(RUN(out, "estimate --help"), 0);
-    ASSERT_STR_CONTAINS(out, "ctrain estimate --model mlp|cnn --ranks N");
+    ASSERT_STR_CONTAINS(out, "ctrain estimate --model mlp|cnn|gpt --ranks N");
     ASSERT_EQ(RUN(out, "train --help"), 0);
     const char *flags[] = {"--model", "--hidden", "--epochs", "--steps", "--batch", "--lr", "--optim",
                            "--weight-decay", "--momentum", "--schedule", "--warmup", "--clip", "--seed",

@@ -50,6 +50,46 @@ void ct_dataset_fini(ct_dataset *d);
 ct_status ct_dataset_gather(const ct_dataset *ds, const int64_t *idx, int64_t count,
                             ct_tensor **x, ct_tensor **y);
 
+/* ---- byte-level text (src/io/text.c says how windows are drawn) -------- */
+
+#define CT_FORTUNES_DIR "/usr/share/games/fortunes"
+
+/* A folder of text files as one byte string (a byte is a token); the
+ * struct is the caller's (ct_text_fini). */
+typedef struct {
+    uint8_t *bytes;  /* [n]: the regular files (not hidden, not .dat/.u8, no links) in sorted name order */
+    int64_t n;
+    int64_t ntrain;  /* floor(0.9 n): bytes [0, ntrain) train, [ntrain, n) validate */
+    int nfiles;
+} ct_text;
+
+/* Loads dir (NULL: CT_FORTUNES_DIR, the Debian package fortunes) into
+ * *out; CT_EIO naming the folder and the fix (the package to install, or
+ * --data-dir) when it is missing or holds no text files. */
+ct_status ct_text_load(const char *dir, ct_text *out);
+/* Frees the bytes and zeroes *t; safe on a zeroed struct. */
+void ct_text_fini(ct_text *t);
+/* CT_EINVAL unless both splits hold a window of context + 1 bytes. */
+ct_status ct_text_check(const ct_text *t, int64_t context);
+/* First byte of training sample gidx (its index in the step's global batch)
+ * of step: uniform in [0, ntrain - context - 1], from (seed, step, gidx)
+ * only.  Needs ct_text_check to pass. */
+int64_t ct_text_train_start(const ct_text *t, int64_t context, uint64_t seed, uint64_t step, int64_t gidx);
+/* Training samples gidx0 .. gidx0+count-1 of step: *x the windows' first
+ * context bytes, *y the next byte of each position, both I64 [count,
+ * context] (CT_MEM_ACT; the caller releases them). */
+ct_status ct_text_train_batch(const ct_text *t, int64_t context, uint64_t seed, uint64_t step, int64_t gidx0,
+                              int64_t count, ct_tensor **x, ct_tensor **y);
+/* Validation windows: floor((n - ntrain) / (context + 1)) of them, window w
+ * the bytes [ntrain + w (context+1), ntrain + (w+1)(context+1)). */
+int64_t ct_text_val_windows(const ct_text *t, int64_t context);
+/* Windows w0 .. w0+count-1 as ct_text_train_batch shapes them. */
+ct_status ct_text_val_batch(const ct_text *t, int64_t context, int64_t w0, int64_t count, ct_tensor **x,
+                            ct_tensor **y);
+/* Entropy in nats of the byte distribution of the whole text: the loss of
+ * the best model that ignores context (the unigram baseline). */
+double ct_text_unigram_entropy(const ct_text *t);
+
 /* ---- deterministic data-parallel sampler ------------------------------- */
 
 /* The order of an epoch is a permutation of [0, n) that depends only on

@@ -13,6 +13,21 @@
  *                   Linear(ck*H'*W', f), ReLU, Linear(f, classes))
  *        input [N, C, H, W]; hidden lists the conv channels then the width f
  *        of the fully connected layer ("16,32,128"); each pool halves H and W.
+ *   gpt  nanoGPT's GPT (decoder-only transformer, bias=True), as a flat
+ *        sequential whose children carry nanoGPT's state_dict names:
+ *          "transformer"        token+position embeddings (wte, wpe, drop)
+ *          "transformer.h.{i}"  pre-LN block i (ln_1, attn.c_attn, attn.c_proj,
+ *                               ln_2, mlp.c_fc, mlp.c_proj), i < layers
+ *          "transformer.ln_f"   final LayerNorm
+ *          "lm_head"            Linear(dim, vocab, bias=False) whose weight IS
+ *                               transformer.wte.weight (tied: one parameter,
+ *                               saved once under that name)
+ *        input token indices [N, T] (I32/I64, T <= context); output logits
+ *        [N, T, vocab].  Blocks are the natural FSDP units and pipeline
+ *        stages (children 1..layers); the tied weight lives in children 0
+ *        and layers+2.  Weights as nanoGPT initialises them: normal(0, 0.02),
+ *        the residual projections (c_proj) normal(0, 0.02/sqrt(2 layers)),
+ *        biases 0, LayerNorm 1/0.
  *
  * Ownership: ct_model_config and ct_meta are plain values (no heap); the
  * module from ct_model_build is the caller's (ct_module_destroy).
@@ -26,7 +41,7 @@
 extern "C" {
 #endif
 
-typedef enum { CT_MODEL_MLP = 0, CT_MODEL_CNN, CT_NMODELS } ct_model_kind;
+typedef enum { CT_MODEL_MLP = 0, CT_MODEL_CNN, CT_MODEL_GPT, CT_NMODELS } ct_model_kind;
 
 #define CT_MODEL_MAX_HIDDEN 16
 
@@ -38,7 +53,11 @@ typedef struct {
     int64_t hidden[CT_MODEL_MAX_HIDDEN]; /* mlp: layer widths; cnn: conv channels, then fc width */
     int64_t classes;
     int kernel;         /* cnn: square kernel size (odd; padding kernel/2 keeps H, W) */
-    float dropout;      /* mlp: Dropout(p) after every hidden ReLU when > 0 (0) */
+    float dropout;      /* mlp: Dropout(p) after every hidden ReLU when > 0 (0);
+                           gpt: nanoGPT's dropout (embeddings, attention, residuals) */
+    /* gpt (in[0] is the context and classes the vocabulary, so a sample is
+     * [context] tokens with a target per position) */
+    int64_t layers, heads, dim, context, vocab;
 } ct_model_config;
 
 /* "mlp, cnn": the names ct_model_parse_kind accepts. */
@@ -49,7 +68,8 @@ const char *ct_model_kind_name(ct_model_kind kind);
 ct_status ct_model_parse_kind(const char *name, ct_model_kind *kind);
 /* Defaults for Fashion-MNIST: mlp in [784], hidden 256,128; cnn in [1,28,28],
  * hidden 16,32,128, kernel 3 (2.5x faster than 5 on CPUs, as accurate
- * here); classes 10. */
+ * here); classes 10.  gpt: 4 layers, 4 heads, dim 256, context 128, vocab
+ * 256 (bytes). */
 ct_model_config ct_model_config_default(ct_model_kind kind);
 /* Sets cfg's hidden list from "256,128" (positive integers, comma separated,
  * at most CT_MODEL_MAX_HIDDEN); cfg is unchanged and CT_EINVAL names the bad
@@ -65,9 +85,36 @@ int64_t ct_model_input_numel(const ct_model_config *cfg);
 /* Shape of a batch of n inputs ([n, 784] or [n, 1, 28, 28]) into shape
  * (room for 4); returns its ndim. */
 int ct_model_input_shape(const ct_model_config *cfg, int64_t n, int64_t *shape);
+/* Sets cfg (a gpt) to layers, heads, dim, context, vocab (and keeps in[0]
+ * and classes in step); checks nothing (ct_model_config_validate does). */
+void ct_model_config_gpt(ct_model_config *cfg, int64_t layers, int64_t heads, int64_t dim, int64_t context,
+                         int64_t vocab);
 /* Builds the model and initialises it as PyTorch does (ct_module_init_params
- * with seed).  *out is the caller's; NULL with the error set on failure. */
+ * with seed; gpt as nanoGPT does).  *out is the caller's; NULL with the error set on failure. */
 ct_status ct_model_build(const ct_model_config *cfg, uint64_t seed, ct_module **out);
+
+/* ---- generating text from a gpt (KV cache) ------------------------------ */
+
+/* A generator over a built gpt's parameters (read in place, f32; the model
+ * must outlive it) that keeps every position's keys and values, so a token
+ * costs one position's work.  Past the context the window slides to the
+ * last context tokens (positions restart, the cache is rebuilt), as
+ * nanoGPT's generate crops its input. */
+typedef struct ct_gpt_gen ct_gpt_gen;
+/* CT_EINVAL if cfg is not a gpt or the model lacks one of its weights. */
+ct_status ct_gpt_gen_create(ct_module *model, const ct_model_config *cfg, ct_gpt_gen **out);
+/* NULL is a no-op. */
+void ct_gpt_gen_destroy(ct_gpt_gen *g);
+/* Appends token to the sequence and points *logits at the next token's
+ * logits [vocab] (valid until the next call).  A token outside the
+ * vocabulary is CT_EINVAL. */
+ct_status ct_gpt_gen_feed(ct_gpt_gen *g, int64_t token, const float **logits);
+/* Forgets the sequence (the next token is position 0). */
+void ct_gpt_gen_reset(ct_gpt_gen *g);
+/* Draws a token from softmax(logits / temperature) over the top_k largest
+ * logits (top_k <= 0: all), one uniform number from rng; temperature <= 0
+ * gives the argmax. */
+int64_t ct_gpt_sample_logits(const float *logits, int64_t vocab, float temperature, int64_t top_k, ct_rng *rng);
 
 /* ---- string map for checkpoint metadata -------------------------------- */
 
@@ -93,7 +140,9 @@ const char *ct_meta_get(const ct_meta *m, const char *key);
 void ct_meta_arrays(const ct_meta *m, const char **keys, const char **vals);
 
 /* Adds the config under "ctrain.model", "ctrain.in" ("784" or "1,28,28"),
- * "ctrain.hidden", "ctrain.classes" and, for cnn, "ctrain.kernel". */
+ * "ctrain.hidden", "ctrain.classes" and, for cnn, "ctrain.kernel"; for gpt
+ * "ctrain.layers", "ctrain.heads", "ctrain.dim", "ctrain.context",
+ * "ctrain.vocab" instead of in, hidden and classes. */
 ct_status ct_model_config_to_meta(const ct_model_config *cfg, ct_meta *m);
 /* Rebuilds a config from those keys; CT_EFORMAT naming the missing or bad
  * key (a file not written by ctrain has no "ctrain.model"). */

@@ -61,6 +61,10 @@ struct ct_param {
     void *user;          /* free for strategies */
     int grad_stale;      /* grad is logically zero but its memory was not cleared
                             (ct_module_zero_grad_lazy); see ct_param_grad_sync */
+    int nmodules;        /* modules listing it: 1, or more for a shared (tied) parameter
+                            (ct_module_share_param); the last of them frees it */
+    int uses_pending;    /* shared only: forward uses with a record whose backward has not
+                            ended; grad-ready fires when the last one's backward ends */
 };
 
 /* What a kind of module does.  forward must save into rec only when rec is
@@ -118,6 +122,8 @@ struct ct_record {
     ct_record **kids;      /* [nkids], in call order */
     int nkids, kcap;
     ct_fwd_ctx ctx;        /* the context of the call, for a recompute */
+    int shared_uses;       /* this call counted a use of m's shared parameters (dropping the
+                              record unused takes the use back; needs m alive) */
 };
 
 /* ---- running modules --------------------------------------------------- */
@@ -128,7 +134,11 @@ struct ct_record {
 ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out,
                             ct_record **rec, const ct_fwd_ctx *ctx);
 /* Runs pre-backward hooks, backward, grad-ready hooks of the module's own
- * parameters, then post-backward hooks.  Consumes rec even on failure. */
+ * parameters, then post-backward hooks.  Consumes rec even on failure.
+ * A shared parameter (ct_module_share_param) gets its grad-ready hooks once:
+ * each forward with a record counts a use, and the hooks fire after the
+ * backward that ends the last pending use, when p->grad holds the sum of
+ * every use's gradient. */
 ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
                              ct_record *rec);
 /* Output shape of m for an input of shape in_shape (ndim dims), without
@@ -166,13 +176,26 @@ ct_tensor *ct_record_saved(const ct_record *rec, int i);
 ct_module *ct_module_create(const ct_module_ops *ops, void *impl);
 /* Frees the module tree; NULL is a no-op. */
 void ct_module_destroy(ct_module *m);
-/* Adds kid under name (NULL: its index); m owns kid from now on, and on
+/* Adds kid under name (NULL: its index); a name may be a dotted path
+ * ("transformer.h.0": a flat container carrying a nested model's state_dict
+ * names) whose parts are not empty.  m owns kid from now on, and on
  * failure kid is freed (so ct_module_add(m, NULL, ct_relu_create()) never
  * leaks) unless it already belongs to another tree. */
 ct_status ct_module_add(ct_module *m, const char *name, ct_module *kid);
 /* Adds a zero-initialised parameter (with a gradient) of the given shape. */
 ct_param *ct_module_add_param(ct_module *m, const char *local, int ndim,
                               const int64_t *shape);
+/* Makes m's parameter local be p, a parameter of another module (a tied
+ * weight: nanoGPT's lm_head.weight is transformer.wte.weight).  m's own
+ * parameter of that name is freed and p takes its place in m->params, so
+ * both modules read p->data and accumulate into p->grad.  p keeps its
+ * owner's name, so a state dict holds it once, under the name
+ * ct_module_params finds first (PyTorch's named_parameters rule); the
+ * gradient is the sum of both uses and grad-ready fires once per backward
+ * (ct_module_backward).  Shapes must match (CT_EINVAL otherwise); p is
+ * freed with the last module that lists it.  Strategies that walk
+ * m->params see p in both modules. */
+ct_status ct_module_share_param(ct_module *m, const char *local, ct_param *p);
 /* Adds a buffer (no gradient), filled with value. */
 ct_param *ct_module_add_buffer(ct_module *m, const char *local, int ndim,
                                const int64_t *shape, float value);
@@ -305,6 +328,27 @@ ct_module *ct_residual_create(ct_module *body);
  * runs its backward.  Transparent in names: inner's parameters keep their
  * names. */
 ct_module *ct_checkpoint_create(ct_module *inner);
+
+/* ---- transformer pieces (nanoGPT's names) ------------------------------- */
+
+/* Causal self-attention, x [B,T,dim] F32 -> [B,T,dim]: children c_attn
+ * (Linear(dim, 3*dim): q, k, v), c_proj (Linear(dim, dim)) and resid_dropout
+ * (Dropout(resid_p)); softmax(q k^T / sqrt(dim/heads)) over positions <= t
+ * (the causal mask) with dropout attn_p on the probabilities.  The products
+ * run in bf16 when c_attn's weight has a bf16 compute copy.  heads must
+ * divide dim. */
+ct_module *ct_attention_create(int64_t dim, int heads, float attn_p, float resid_p);
+/* Pre-LN transformer block, [B,T,dim] -> [B,T,dim]: h = x + attn(ln_1(x)),
+ * out = h + mlp(ln_2(h)); children ln_1, attn (ct_attention_create with
+ * dropout for both), ln_2 (LayerNorm eps 1e-5) and mlp, a sequential of
+ * c_fc (Linear(dim, 4*dim)), gelu (erf), c_proj (Linear(4*dim, dim)) and
+ * dropout. */
+ct_module *ct_transformer_block_create(int64_t dim, int heads, float dropout);
+/* Token plus position embeddings, indices [B,T] (I32/I64, T <= context) ->
+ * [B,T,dim] = wte(idx) + wpe(0..T-1), then dropout; children wte
+ * (Embedding(vocab, dim)), wpe (Embedding(context, dim)) and drop.  No input
+ * gradient (indices). */
+ct_module *ct_tokpos_embedding_create(int64_t vocab, int64_t context, int64_t dim, float dropout);
 
 /* Initialises every parameter under root the way PyTorch does by default
  * (kaiming-uniform weights, uniform(+-1/sqrt(fan_in)) biases, ones/zeros for

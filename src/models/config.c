@@ -10,9 +10,9 @@
 
 #include "internal.h"
 
-static const char *const kind_names[CT_NMODELS] = {"mlp", "cnn"};
+static const char *const kind_names[CT_NMODELS] = {"mlp", "cnn", "gpt"};
 
-const char *ct_model_list(void) { return "mlp, cnn"; }
+const char *ct_model_list(void) { return "mlp, cnn, gpt"; }
 
 const char *ct_model_kind_name(ct_model_kind kind)
 {
@@ -36,7 +36,10 @@ ct_model_config ct_model_config_default(ct_model_kind kind)
     memset(&c, 0, sizeof c);
     c.kind = kind;
     c.classes = 10;
-    if (kind == CT_MODEL_CNN) {
+    if (kind == CT_MODEL_GPT) {
+        c.in_ndim = 1;
+        ct_model_config_gpt(&c, 4, 4, 256, 128, 256);
+    } else if (kind == CT_MODEL_CNN) {
         c.in_ndim = 3;
         c.in[0] = 1;
         c.in[1] = 28;
@@ -54,6 +57,18 @@ ct_model_config ct_model_config_default(ct_model_kind kind)
         c.hidden[1] = 128;
     }
     return c;
+}
+
+void ct_model_config_gpt(ct_model_config *cfg, int64_t layers, int64_t heads, int64_t dim, int64_t context,
+                         int64_t vocab)
+{
+    cfg->layers = layers;
+    cfg->heads = heads;
+    cfg->dim = dim;
+    cfg->context = context;
+    cfg->vocab = vocab;
+    cfg->in[0] = context;
+    cfg->classes = vocab;
 }
 
 ct_status ct__parse_int_list(const char *list, int64_t *out, int max, int *n, const char *what)
@@ -114,8 +129,9 @@ ct_status ct_model_config_validate(const ct_model_config *cfg)
                             (long long)cfg->hidden[i]);
     if (!(cfg->dropout >= 0 && cfg->dropout < 1))
         return ct_error(CT_EINVAL, "dropout %g must be in [0, 1)", (double)cfg->dropout);
-    if (cfg->dropout > 0 && cfg->kind != CT_MODEL_MLP)
-        return ct_error(CT_EINVAL, "dropout applies to the mlp only (the cnn has none)");
+    if (cfg->dropout > 0 && cfg->kind == CT_MODEL_CNN)
+        return ct_error(CT_EINVAL, "dropout applies to the mlp and the gpt only (the cnn has none)");
+    if (cfg->kind == CT_MODEL_GPT) return ct__gpt_validate(cfg);
     if (cfg->kind == CT_MODEL_MLP) {
         if (cfg->in_ndim != 1 || cfg->in[0] < 1)
             return ct_error(CT_EINVAL, "mlp input must be one positive size (features per sample)");
@@ -166,6 +182,12 @@ ct_status ct_model_build(const ct_model_config *cfg, uint64_t seed, ct_module **
     *out = NULL;
     CT_TRY(ct_model_config_validate(cfg));
     ct_module *m = NULL;
+    if (cfg->kind == CT_MODEL_GPT) {
+        CT_TRY(ct__gpt_build(cfg, &m));
+        ct__gpt_init(m, cfg, seed);
+        *out = m;
+        return CT_OK;
+    }
     CT_TRY(cfg->kind == CT_MODEL_MLP ? ct__mlp_build(cfg, &m) : ct__cnn_build(cfg, &m));
     ct_module_init_params(m, seed);
     *out = m;

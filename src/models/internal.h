@@ -7,6 +7,11 @@
 /* Build the module tree of a validated config (parameters left zero). */
 ct_status ct__mlp_build(const ct_model_config *cfg, ct_module **out);
 ct_status ct__cnn_build(const ct_model_config *cfg, ct_module **out);
+ct_status ct__gpt_build(const ct_model_config *cfg, ct_module **out);
+/* nanoGPT's initialisation of a built gpt. */
+void ct__gpt_init(ct_module *m, const ct_model_config *cfg, uint64_t seed);
+/* The gpt part of ct_model_config_validate. */
+ct_status ct__gpt_validate(const ct_model_config *cfg);
 
 /* Appends kid to the sequential seq under the next index; frees kid if
  * that fails (ct_module_add leaves it with the caller then). */

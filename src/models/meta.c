@@ -54,6 +54,15 @@ ct_status ct_model_config_to_meta(const ct_model_config *cfg, ct_meta *m)
     for (int i = 0; i < cfg->in_ndim && i < 3; i++)
         off += (size_t)snprintf(in + off, sizeof in - off, "%s%lld", i ? "," : "", (long long)cfg->in[i]);
     CT_TRY(ct_meta_set(m, "ctrain.model", "%s", ct_model_kind_name(cfg->kind)));
+    if (cfg->kind == CT_MODEL_GPT) {
+        CT_TRY(ct_meta_set(m, "ctrain.layers", "%lld", (long long)cfg->layers));
+        CT_TRY(ct_meta_set(m, "ctrain.heads", "%lld", (long long)cfg->heads));
+        CT_TRY(ct_meta_set(m, "ctrain.dim", "%lld", (long long)cfg->dim));
+        CT_TRY(ct_meta_set(m, "ctrain.context", "%lld", (long long)cfg->context));
+        CT_TRY(ct_meta_set(m, "ctrain.vocab", "%lld", (long long)cfg->vocab));
+        if (cfg->dropout > 0) CT_TRY(ct_meta_set(m, "ctrain.dropout", "%.9g", (double)cfg->dropout));
+        return CT_OK;
+    }
     CT_TRY(ct_meta_set(m, "ctrain.in", "%s", in));
     CT_TRY(ct_meta_set(m, "ctrain.hidden", "%s", ct_model_config_hidden_str(cfg, hid, sizeof hid)));
     CT_TRY(ct_meta_set(m, "ctrain.classes", "%lld", (long long)cfg->classes));
@@ -97,6 +106,17 @@ ct_status ct_model_config_from_meta(const ct_meta *m, ct_model_config *out)
     ct_model_config c = ct_model_config_default(kind);
     int n, one;
     int64_t v[CT_MODEL_MAX_HIDDEN];
+    if (kind == CT_MODEL_GPT) {
+        static const char *const keys[5] = {"ctrain.layers", "ctrain.heads", "ctrain.dim", "ctrain.context",
+                                            "ctrain.vocab"};
+        int64_t g[5];
+        for (int i = 0; i < 5; i++) {
+            CT_TRY(int_list(m, keys[i], v, 1, &one));
+            g[i] = v[0];
+        }
+        ct_model_config_gpt(&c, g[0], g[1], g[2], g[3], g[4]);
+        goto dropout;
+    }
     CT_TRY(int_list(m, "ctrain.in", v, 3, &n));
     if (n != c.in_ndim)
         return ct_error(CT_EFORMAT, "checkpoint metadata 'ctrain.in' is '%s'; a %s takes %s", ct_meta_get(m, "ctrain.in"),
@@ -109,6 +129,7 @@ ct_status ct_model_config_from_meta(const ct_meta *m, ct_model_config *out)
         CT_TRY(int_list(m, "ctrain.kernel", v, 1, &one));
         c.kernel = (int)v[0];
     }
+dropout:;
     const char *dv = ct_meta_get(m, "ctrain.dropout");
     if (dv) { /* absent: no dropout (checkpoints from before it existed) */
         char *end;

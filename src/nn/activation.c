@@ -1,6 +1,6 @@
 /*
  * Elementwise activations: ReLU, GELU (exact, with erf, as PyTorch's
- * default) and tanh.  ReLU and tanh save their output, whose derivative they
+ * default; erf and exp by the vectorisable ct__erff/ct__expf) and tanh.  ReLU and tanh save their output, whose derivative they
  * can be written in; the next layer usually holds that tensor anyway, so the
  * record costs no extra memory.  GELU needs its input.  Outputs are new
  * tensors; the saved ones are shared by reference, so nobody may write into
@@ -8,7 +8,7 @@
  */
 #include <math.h>
 
-#include "ctrain/nn.h"
+#include "internal.h"
 
 typedef enum { ACT_RELU, ACT_GELU, ACT_TANH } act_kind;
 
@@ -28,7 +28,7 @@ static ct_status act_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
     if (in->dtype != CT_F32)
         return ct_error(CT_EINVAL, "%s '%s': input is %s but the layer takes F32", m->ops->kind,
                         nm(m), ct_dtype_name(in->dtype));
-    ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
+    ct_tensor *y = ct_tensor_empty(CT_F32, in->ndim, in->shape, CT_MEM_ACT); /* written in full */
     if (!y) return CT_ENOMEM;
     if (rec && ct_record_save(rec, kind_of(m) == ACT_GELU ? in : y) < 0) {
         ct_tensor_release(y);
@@ -42,7 +42,7 @@ static ct_status act_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
         for (int64_t i = 0; i < n; i++) yd[i] = x[i] > 0.0f ? x[i] : 0.0f;
         break;
     case ACT_GELU:
-        for (int64_t i = 0; i < n; i++) yd[i] = 0.5f * x[i] * (1.0f + erff(x[i] * (float)M_SQRT1_2));
+        for (int64_t i = 0; i < n; i++) yd[i] = 0.5f * x[i] * (1.0f + ct__erff(x[i] * (float)M_SQRT1_2));
         break;
     case ACT_TANH:
         for (int64_t i = 0; i < n; i++) yd[i] = tanhf(x[i]);
@@ -62,7 +62,7 @@ static ct_status act_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
                         ct_shape_str(s, b, sizeof b));
     }
     if (!din) return CT_OK; /* no parameters: nothing else to do */
-    ct_tensor *dx = ct_tensor_create(CT_F32, s->ndim, s->shape, CT_MEM_ACT);
+    ct_tensor *dx = ct_tensor_empty(CT_F32, s->ndim, s->shape, CT_MEM_ACT); /* written in full */
     if (!dx) return CT_ENOMEM;
     const float *v = ct_f32(s), *dy = ct_f32(dout);
     float *g = ct_f32(dx);
@@ -76,8 +76,8 @@ static ct_status act_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
         const float inv_sqrt_2pi = 0.3989422804014327f;
         for (int64_t i = 0; i < n; i++) {
             float x = v[i];
-            float cdf = 0.5f * (1.0f + erff(x * (float)M_SQRT1_2));
-            float pdf = inv_sqrt_2pi * expf(-0.5f * x * x);
+            float cdf = 0.5f * (1.0f + ct__erff(x * (float)M_SQRT1_2));
+            float pdf = inv_sqrt_2pi * ct__expf(-0.5f * x * x);
             g[i] = dy[i] * (cdf + x * pdf);
         }
         break;

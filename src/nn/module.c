@@ -81,9 +81,25 @@ ct_tensor *ct_record_saved(const ct_record *rec, int i)
     return rec->saved[i];
 }
 
+/* Uses of shared parameters: counted by a forward that keeps a record,
+ * given back by its backward or by dropping the record unused. */
+static void count_uses(ct_module *m, int delta)
+{
+    for (int i = 0; i < m->nparams; i++)
+        if (m->params[i]->nmodules > 1) m->params[i]->uses_pending += delta;
+}
+
+static int has_shared(const ct_module *m)
+{
+    for (int i = 0; i < m->nparams; i++)
+        if (m->params[i]->nmodules > 1) return 1;
+    return 0;
+}
+
 void ct_record_destroy(ct_record *rec)
 {
     if (!rec) return;
+    if (rec->shared_uses) count_uses(rec->m, -1);
     for (int i = 0; i < rec->nsaved; i++) ct_tensor_release(rec->saved[i]);
     for (int i = 0; i < rec->nkids; i++) ct_record_destroy(rec->kids[i]);
     ct_free(rec->saved);
@@ -192,6 +208,10 @@ ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
         ct_record_destroy(r);
         return s;
     }
+    if (r && has_shared(m)) {
+        count_uses(m, +1);
+        r->shared_uses = 1;
+    }
     if (rec) *rec = r;
     return CT_OK;
 }
@@ -210,11 +230,17 @@ ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
     if (!m->ops->lazy_grad)
         for (int i = 0; i < m->nparams; i++) ct_param_grad_sync(m->params[i]);
     if (s == CT_OK) s = m->ops->backward(m, dout, din, rec);
+    int counted = rec->shared_uses;
+    rec->shared_uses = 0;
     ct_record_destroy(rec);
+    if (counted) count_uses(m, -1);
     /* A gradient the backward did not write (frozen, skipped) is still zero. */
     for (int i = 0; i < m->nparams; i++) ct_param_grad_sync(m->params[i]);
-    for (int i = 0; s == CT_OK && i < m->nparams; i++)
-        if (m->params[i]->requires_grad) s = fire_grad_ready(m->params[i]);
+    for (int i = 0; s == CT_OK && i < m->nparams; i++) {
+        ct_param *p = m->params[i];
+        /* A shared parameter is complete only after its last use's backward. */
+        if (p->requires_grad && !(p->nmodules > 1 && p->uses_pending > 0)) s = fire_grad_ready(p);
+    }
     if (s == CT_OK) s = fire_module(m, CT_HOOK_POST_BACKWARD);
     if (s != CT_OK && din) {
         ct_tensor_release(*din);
@@ -280,6 +306,7 @@ ct_module *ct_module_create(const ct_module_ops *ops, void *impl)
 static void param_free(ct_param *p)
 {
     if (!p) return;
+    if (--p->nmodules > 0) return; /* still listed by another module (shared) */
     ct_tensor_release(p->data);
     ct_tensor_release(p->grad);
     hooks_free(p->grad_hooks);
@@ -292,7 +319,10 @@ void ct_module_destroy(ct_module *m)
 {
     if (!m) return;
     for (int i = 0; i < m->nkids; i++) ct_module_destroy(m->kids[i]);
-    for (int i = 0; i < m->nparams; i++) param_free(m->params[i]);
+    for (int i = 0; i < m->nparams; i++) {
+        if (m->params[i]->owner == m) m->params[i]->owner = NULL; /* a sharer may outlive m */
+        param_free(m->params[i]);
+    }
     for (int i = 0; i < m->nbuffers; i++) param_free(m->buffers[i]);
     if (m->ops->destroy) m->ops->destroy(m);
     hooks_free(m->hooks);
@@ -314,9 +344,11 @@ static char *join(const char *prefix, const char *name)
     return s;
 }
 
-static ct_status name_params(ct_param **ps, int n, const char *prefix)
+/* A shared parameter is named by its owner only. */
+static ct_status name_params(ct_module *m, ct_param **ps, int n, const char *prefix)
 {
     for (int i = 0; i < n; i++) {
+        if (ps[i]->owner != m) continue;
         char *fq = join(prefix, ps[i]->local);
         if (!fq) return CT_ENOMEM;
         ct_free(ps[i]->name);
@@ -333,8 +365,8 @@ static ct_status name_subtree(ct_module *m, const char *fqn)
     m->fqn = copy;
     fqn = copy;
     m->rng_stream = ct_hash64(fqn, strlen(fqn));
-    CT_TRY(name_params(m->params, m->nparams, fqn));
-    CT_TRY(name_params(m->buffers, m->nbuffers, fqn));
+    CT_TRY(name_params(m, m->params, m->nparams, fqn));
+    CT_TRY(name_params(m, m->buffers, m->nbuffers, fqn));
     for (int i = 0; i < m->nkids; i++) {
         ct_module *k = m->kids[i];
         if (m->transparent) {
@@ -369,8 +401,12 @@ ct_status ct_module_add(ct_module *m, const char *name, ct_module *kid)
         snprintf(idx, sizeof idx, "%d", m->nkids);
         name = idx;
     }
-    if (!*name || strchr(name, '.')) {
-        st = ct_error(CT_EINVAL, "child name '%s' must be non-empty and contain no '.'", name);
+    /* A dotted name ("transformer.h.0") lets a flat sequential carry a nested
+     * model's state_dict names; its parts must not be empty. */
+    size_t len = strlen(name);
+    if (!len || name[0] == '.' || name[len - 1] == '.' || strstr(name, "..")) {
+        st = ct_error(CT_EINVAL, "child name '%s' must be non-empty, and each of its dot-separated "
+                      "parts too", name);
         goto out_free_kid;
     }
     for (int i = 0; i < m->nkids; i++)
@@ -424,6 +460,7 @@ static ct_param *new_param(ct_module *m, const char *local, int ndim, const int6
     if (!p) return NULL;
     p->local = dupstr(local);
     p->owner = m;
+    p->nmodules = 1;
     p->is_buffer = buffer;
     p->requires_grad = !buffer;
     p->data = ct_tensor_create(CT_F32, ndim, shape, CT_MEM_PARAM);
@@ -450,6 +487,31 @@ out_free:
 ct_param *ct_module_add_param(ct_module *m, const char *local, int ndim, const int64_t *shape)
 {
     return new_param(m, local, ndim, shape, 0);
+}
+
+ct_status ct_module_share_param(ct_module *m, const char *local, ct_param *p)
+{
+    int k = -1;
+    for (int i = 0; i < m->nparams; i++)
+        if (!strcmp(m->params[i]->local, local)) k = i;
+    if (k < 0)
+        return ct_error(CT_EINVAL, "sharing '%s' into '%s': that module has no parameter '%s' to replace",
+                        p->name ? p->name : "?", nm(m), local);
+    ct_param *old = m->params[k];
+    if (old == p) return CT_OK;
+    if (p->is_buffer || !ct_tensor_same_shape(old->data, p->data)) {
+        char a[64], b[64];
+        return ct_error(CT_EINVAL, "sharing '%s' %s as '%s' of '%s' %s: a shared parameter needs the "
+                        "shape of the one it replaces", p->name ? p->name : "?",
+                        ct_shape_str(p->data, a, sizeof a), local, nm(m), ct_shape_str(old->data, b, sizeof b));
+    }
+    if (old->grad_hooks || old->uses_pending)
+        return ct_error(CT_ESTATE, "sharing into '%s.%s': it already has hooks or a forward in flight; "
+                        "tie weights before wrapping the model in a strategy", nm(m), local);
+    m->params[k] = p;
+    p->nmodules++;
+    param_free(old);
+    return CT_OK;
 }
 
 ct_param *ct_module_add_buffer(ct_module *m, const char *local, int ndim, const int64_t *shape,

@@ -222,8 +222,9 @@ static ct_status mark_ready(ct_strategy *s, int i)
     ddp_t *d = D(s);
     if (d->ready[i])
         return ct_error(CT_ESTATE, "DDP: parameter '%s' received its gradient twice in one backward "
-                        "(a module called twice or a weight shared between modules); DDP reduces each "
-                        "gradient once per backward, so give each use its own parameter",
+                        "(a module called twice?); DDP reduces each gradient once per backward: give each "
+                        "call its own parameter, or tie a weight used by two modules with "
+                        "ct_module_share_param, which completes it once",
                         d->tp[i]->name);
     d->ready[i] = 1;
     if (d->synced_steps == 0) d->ready_order[d->nready++] = i;

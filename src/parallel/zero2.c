@@ -118,7 +118,8 @@ static ct_status grad_to_owners(ct_param *p, void *ud)
     int i = ct__zero_index(z, p);
     if (z->ready[i])
         return ct_error(CT_ESTATE, "%s: parameter '%s' received its gradient twice in one backward (a module "
-                        "called twice or a shared weight); give each use its own parameter", s->ops->kind,
+                        "called twice?); give each call its own parameter, or tie a weight used by two modules "
+                        "with ct_module_share_param, which completes it once", s->ops->kind,
                         p->name);
     z->ready[i] = 1;
     z->nready++;

@@ -1,0 +1,334 @@
+/* The GPT's layers: finite-difference checks of attention, the block, the
+ * embeddings and a whole tiny GPT; the causal mask; the tied head's gradient
+ * as the sum of its two uses, with one grad-ready per backward. */
+#include "test_layers.h"
+
+/* Random values for every parameter under m (zero biases would hide bugs). */
+static void rand_all(ct_module *m, uint64_t seed, float scale)
+{
+    ct_param **ps;
+    int n;
+    ASSERT_OK(ct_module_params(m, &ps, &n));
+    for (int i = 0; i < n; i++) rand_fill(ps[i]->data, seed + 31 * (uint64_t)i, -scale, scale);
+    ct_free(ps);
+}
+
+static ct_tensor *tokens(int64_t B, int64_t T, int64_t V, uint64_t seed)
+{
+    ct_tensor *t = ct_tensor_create(CT_I64, 2, (int64_t[]){B, T}, CT_MEM_ACT);
+    ct_rng r;
+    ct_rng_init(&r, seed, 5);
+    float u[64];
+    ASSERT(B * T <= 64);
+    ct_rng_uniform(&r, u, (size_t)(B * T));
+    for (int64_t i = 0; i < B * T; i++) ((int64_t *)ct_tensor_data(t))[i] = (int64_t)(u[i] * (float)V) % V;
+    return t;
+}
+
+TEST(fd_attention)
+{
+    for (int drop = 0; drop <= 1; drop++) {
+        ct_fwd_ctx ctx = train_ctx();
+        ct_module *m = ct_attention_create(8, 2, drop ? 0.2f : 0.0f, drop ? 0.1f : 0.0f);
+        ASSERT(m);
+        rand_all(m, 3, 0.5f);
+        ct_tensor *x = rand_tensor(3, (int64_t[]){2, 5, 8}, 4, -1.0f, 1.0f);
+        ASSERT_FD(fd_check(m, x, &ctx, FD_H, FD_RTOL, FD_ATOL, 5));
+        ct_tensor_release(x);
+        ct_module_destroy(m);
+    }
+}
+
+TEST(fd_transformer_block)
+{
+    ct_fwd_ctx ctx = train_ctx();
+    ct_module *m = ct_transformer_block_create(8, 2, 0.1f);
+    ASSERT(m);
+    rand_all(m, 6, 0.5f);
+    ct_tensor *x = rand_tensor(3, (int64_t[]){2, 4, 8}, 7, -1.0f, 1.0f);
+    ASSERT_FD(fd_check(m, x, &ctx, FD_H, FD_RTOL, FD_ATOL, 8));
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
+TEST(fd_tokpos_embedding)
+{
+    ct_fwd_ctx ctx = train_ctx();
+    ct_module *m = ct_tokpos_embedding_create(7, 6, 4, 0.1f);
+    ASSERT(m);
+    rand_all(m, 9, 1.0f);
+    ct_tensor *x = tokens(3, 5, 7, 10);
+    ASSERT_FD(fd_check(m, x, &ctx, FD_H, FD_RTOL, FD_ATOL, 11));
+    /* More positions than the context is an error naming it. */
+    ct_tensor *y, *big = tokens(1, 7, 7, 12);
+    ASSERT_ERR(ct_module_forward(m, big, &y, NULL, &ctx), CT_EINVAL, "context is 6");
+    ct_tensor_release(big);
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
+static ct_model_config tiny(int64_t layers, float dropout)
+{
+    ct_model_config c = ct_model_config_default(CT_MODEL_GPT);
+    ct_model_config_gpt(&c, layers, 2, 8, 6, 11);
+    c.dropout = dropout;
+    return c;
+}
+
+TEST(fd_gpt_whole_model_with_tied_head)
+{
+    ct_model_config c = tiny(2, 0.1f);
+    ct_module *m;
+    ASSERT_OK(ct_model_build(&c, 1, &m));
+    rand_all(m, 13, 0.3f);
+    ct_fwd_ctx ctx = train_ctx();
+    ct_tensor *x = tokens(2, 4, 11, 14);
+    ASSERT_FD(fd_check(m, x, &ctx, FD_H, FD_RTOL, FD_ATOL, 15));
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
+/* Position t's output must not change when any later token changes. */
+TEST(gpt_causal_mask)
+{
+    ct_model_config c = tiny(2, 0.0f);
+    ct_module *m;
+    ASSERT_OK(ct_model_build(&c, 2, &m));
+    rand_all(m, 16, 0.5f);
+    int64_t T = 6, V = 11;
+    ct_tensor *x = tokens(1, T, V, 17), *y0, *y1;
+    ASSERT_OK(ct_module_forward(m, x, &y0, NULL, NULL));
+    for (int64_t t = 0; t + 1 < T; t++) {
+        ct_tensor *x2 = ct_tensor_clone(x, CT_MEM_ACT);
+        for (int64_t u = t + 1; u < T; u++) ((int64_t *)ct_tensor_data(x2))[u] = (((int64_t *)ct_tensor_data(x))[u] + 3) % V;
+        ASSERT_OK(ct_module_forward(m, x2, &y1, NULL, NULL));
+        double changed_later = 0;
+        for (int64_t p = 0; p < T; p++)
+            for (int64_t v = 0; v < V; v++) {
+                float a = ct_f32(y0)[p * V + v], b = ct_f32(y1)[p * V + v];
+                if (p <= t) ASSERT(a == b); /* bit for bit: no leak from the future */
+                else changed_later += fabs((double)a - b);
+            }
+        ASSERT(changed_later > 1e-4); /* the later positions did see the change */
+        ct_tensor_release(y1);
+        ct_tensor_release(x2);
+    }
+    ct_tensor_release(y0);
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
+static int fired;
+static ct_status count_hook(ct_param *p, void *ud)
+{
+    (void)p;
+    (void)ud;
+    fired++;
+    return CT_OK;
+}
+
+/* The same network with lm_head's own weight, built from the public pieces. */
+static ct_module *untied_copy(ct_module *tied, const ct_model_config *c)
+{
+    ct_module *s = ct_sequential_create();
+    ASSERT_OK(ct_module_add(s, "transformer", ct_tokpos_embedding_create(c->vocab, c->context, c->dim, c->dropout)));
+    for (int64_t i = 0; i < c->layers; i++) {
+        char nm[48];
+        snprintf(nm, sizeof nm, "transformer.h.%lld", (long long)i);
+        ASSERT_OK(ct_module_add(s, nm, ct_transformer_block_create(c->dim, (int)c->heads, c->dropout)));
+    }
+    ASSERT_OK(ct_module_add(s, "transformer.ln_f", ct_layernorm_create(c->dim, 1e-5f)));
+    ASSERT_OK(ct_module_add(s, "lm_head", ct_linear_create(c->dim, c->vocab, 0)));
+    ct_param **ps;
+    int n;
+    ASSERT_OK(ct_module_params(s, &ps, &n));
+    for (int i = 0; i < n; i++) {
+        const char *src = strcmp(ps[i]->name, "lm_head.weight") ? ps[i]->name : "transformer.wte.weight";
+        ASSERT_OK(ct_tensor_copy(ps[i]->data, ct_module_find(tied, src)->data));
+    }
+    ct_free(ps);
+    return s;
+}
+
+static void grads(ct_module *m, ct_tensor *x, const ct_fwd_ctx *ctx, uint64_t seed)
+{
+    ct_tensor *y;
+    ct_record *rec;
+    ASSERT_OK(ct_module_forward(m, x, &y, &rec, ctx));
+    ct_tensor *R = rand_tensor(y->ndim, y->shape, seed, -1.0f, 1.0f);
+    ASSERT_OK(ct_module_backward(m, R, NULL, rec));
+    ct_tensor_release(R);
+    ct_tensor_release(y);
+}
+
+TEST(gpt_tied_head_gradient_is_sum_of_both_uses)
+{
+    ct_model_config c = tiny(1, 0.1f);
+    ct_module *m;
+    ASSERT_OK(ct_model_build(&c, 3, &m));
+    ct_module *u = untied_copy(m, &c);
+    /* One parameter, listed once, under the embedding's name. */
+    ct_param *wte = ct_module_find(m, "transformer.wte.weight");
+    ASSERT(m->kids[m->nkids - 1]->params[0] == wte);
+    ASSERT(ct_module_find(m, "lm_head.weight") == NULL);
+    ASSERT_EQ(ct_module_num_params(m) + c.vocab * c.dim, ct_module_num_params(u));
+    ct_hook *h = ct_param_add_hook(wte, count_hook, NULL);
+    ct_fwd_ctx ctx = train_ctx();
+    ct_tensor *x = tokens(2, 5, c.vocab, 18);
+    for (int round = 0; round < 2; round++) { /* the second after a lazy zero_grad */
+        ct_module_zero_grad_lazy(m);
+        ct_module_zero_grad(u);
+        fired = 0;
+        grads(m, x, &ctx, 19);
+        grads(u, x, &ctx, 19);
+        ASSERT_EQ(fired, 1); /* once, after the embedding's (last) backward */
+        const float *g = ct_f32(wte->grad), *a = ct_f32(ct_module_find(u, "transformer.wte.weight")->grad),
+                    *b = ct_f32(ct_module_find(u, "lm_head.weight")->grad);
+        double na = 0, nb = 0;
+        for (int64_t i = 0; i < wte->grad->numel; i++) {
+            ASSERT_CLOSE(g[i], (double)a[i] + b[i], 1e-5, 1e-6);
+            na += fabs(a[i]);
+            nb += fabs(b[i]);
+        }
+        ASSERT(na > 0 && nb > 0); /* both uses contribute */
+    }
+    /* A forward whose record is dropped gives its use back: the next backward still fires. */
+    ct_tensor *y;
+    ct_record *rec;
+    ASSERT_OK(ct_module_forward(m, x, &y, &rec, &ctx));
+    ct_record_destroy(rec);
+    ct_tensor_release(y);
+    ASSERT_EQ(wte->uses_pending, 0);
+    fired = 0;
+    grads(m, x, &ctx, 20);
+    ASSERT_EQ(fired, 1);
+    ct_hook_remove(h);
+    ct_tensor_release(x);
+    ct_module_destroy(u);
+    ct_module_destroy(m);
+}
+
+TEST(gpt_state_dict_names_are_nanogpt)
+{
+    ct_model_config c = tiny(2, 0.0f);
+    ct_module *m;
+    ASSERT_OK(ct_model_build(&c, 4, &m));
+    static const char *const blk[] = {"ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+                                      "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+                                      "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"};
+    ct_param **ps;
+    int n, k = 0;
+    ASSERT_OK(ct_module_params(m, &ps, &n));
+    ASSERT_EQ(n, 2 + 12 * 2 + 2);
+    ASSERT(!strcmp(ps[k++]->name, "transformer.wte.weight"));
+    ASSERT(!strcmp(ps[k++]->name, "transformer.wpe.weight"));
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 12; j++) {
+            char want[96];
+            snprintf(want, sizeof want, "transformer.h.%d.%s", i, blk[j]);
+            if (strcmp(ps[k]->name, want)) ct_test_fail(__FILE__, __LINE__, "param %d is %s, want %s", k, ps[k]->name, want);
+            k++;
+        }
+    ASSERT(!strcmp(ps[k++]->name, "transformer.ln_f.weight"));
+    ASSERT(!strcmp(ps[k++]->name, "transformer.ln_f.bias"));
+    /* nn.Linear layouts: c_attn [3D, D], c_fc [4D, D]. */
+    ct_param *ca = ct_module_find(m, "transformer.h.1.attn.c_attn.weight");
+    ASSERT(ca->data->shape[0] == 24 && ca->data->shape[1] == 8);
+    ASSERT(ct_module_find(m, "transformer.h.0.mlp.c_fc.weight")->data->shape[0] == 32);
+    ct_free(ps);
+    /* Shapes without running: [N, T] -> [N, T, vocab]; a T beyond the context is refused. */
+    int nd;
+    int64_t out[CT_MAX_DIMS];
+    ASSERT_OK(ct_module_out_shape(m, 2, (int64_t[]){3, 6}, &nd, out));
+    ASSERT(nd == 3 && out[0] == 3 && out[1] == 6 && out[2] == 11);
+    ASSERT_ERR(ct_module_out_shape(m, 2, (int64_t[]){3, 7}, &nd, out), CT_EINVAL, "context");
+    ct_module_destroy(m);
+}
+
+/* nanoGPT's init: normal(0, 0.02), c_proj normal(0, 0.02/sqrt(2L)), biases 0, LayerNorm 1. */
+TEST(gpt_init_is_nanogpt)
+{
+    ct_model_config c = ct_model_config_default(CT_MODEL_GPT);
+    ct_model_config_gpt(&c, 2, 4, 64, 32, 256);
+    ct_module *m;
+    ASSERT_OK(ct_model_build(&c, 5, &m));
+    struct {
+        const char *name;
+        double std;
+    } want[] = {{"transformer.wte.weight", 0.02}, {"transformer.wpe.weight", 0.02},
+                {"transformer.h.0.attn.c_attn.weight", 0.02}, {"transformer.h.1.mlp.c_fc.weight", 0.02},
+                {"transformer.h.0.attn.c_proj.weight", 0.01}, {"transformer.h.1.mlp.c_proj.weight", 0.01}};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        ct_param *p = ct_module_find(m, want[i].name);
+        double s = 0, s2 = 0;
+        for (int64_t j = 0; j < p->data->numel; j++) {
+            s += ct_f32(p->data)[j];
+            s2 += (double)ct_f32(p->data)[j] * ct_f32(p->data)[j];
+        }
+        double mean = s / (double)p->data->numel, sd = sqrt(s2 / (double)p->data->numel - mean * mean);
+        ASSERT_CLOSE(sd, want[i].std, 0.05, 0);
+        ASSERT_NEAR(mean, 0, 0.1 * want[i].std);
+    }
+    ASSERT(ct_f32(ct_module_find(m, "transformer.h.0.ln_1.weight")->data)[3] == 1.0f);
+    ASSERT(ct_f32(ct_module_find(m, "transformer.h.0.attn.c_attn.bias")->data)[3] == 0.0f);
+    ct_module_destroy(m);
+}
+
+/* Cut into stages between blocks (a pipeline's cut), the parts run in turn
+ * compute what the whole model does, and keep their names. */
+TEST(gpt_split_between_blocks)
+{
+    ct_model_config c = tiny(2, 0.0f);
+    ct_module *m, *parts[3];
+    ASSERT_OK(ct_model_build(&c, 6, &m));
+    rand_all(m, 21, 0.5f);
+    ct_tensor *x = tokens(2, 6, 11, 22), *y, *h;
+    ASSERT_OK(ct_module_forward(m, x, &y, NULL, NULL));
+    ASSERT_OK(ct_sequential_split(m, (int[]){2, 1, 2}, 3, parts));
+    ASSERT(ct_module_find(parts[1], "transformer.h.1.attn.c_attn.weight"));
+    ASSERT(!strcmp(parts[2]->kids[1]->fqn, "lm_head"));
+    ct_tensor *cur = ct_tensor_retain(x);
+    for (int i = 0; i < 3; i++) {
+        ASSERT_OK(ct_module_forward(parts[i], cur, &h, NULL, NULL));
+        ct_tensor_release(cur);
+        cur = h;
+    }
+    for (int64_t i = 0; i < y->numel; i++) ASSERT(ct_f32(y)[i] == ct_f32(cur)[i]);
+    ct_tensor_release(cur);
+    ct_tensor_release(y);
+    ct_tensor_release(x);
+    /* The tied weight is freed by whichever part goes last. */
+    for (int i = 0; i < 3; i++) ct_module_destroy(parts[i]);
+    ct_module_destroy(m);
+}
+
+/* Sharing and naming: the errors, and a shared parameter freed once, with whichever module goes last. */
+TEST(nn_share_param_and_dotted_names)
+{
+    ct_module *a = ct_linear_create(4, 3, 0), *b = ct_linear_create(4, 3, 1), *c = ct_linear_create(3, 4, 0);
+    ct_param *w = a->params[0];
+    ASSERT_ERR(ct_module_share_param(c, "weight", w), CT_EINVAL, "needs the shape");
+    ASSERT_ERR(ct_module_share_param(b, "gain", w), CT_EINVAL, "no parameter 'gain'");
+    ASSERT_OK(ct_module_share_param(b, "weight", w));
+    ASSERT_OK(ct_module_share_param(b, "weight", w)); /* again: nothing changes */
+    ASSERT(b->params[0] == w && w->nmodules == 2 && w->owner == a);
+    ct_module *root = ct_sequential_create();
+    ASSERT_OK(ct_module_add(root, "x.y", a));
+    ASSERT_OK(ct_module_add(root, "z", b));
+    ASSERT(!strcmp(w->name, "x.y.weight")); /* named by its owner */
+    ASSERT(!strcmp(b->params[1]->name, "z.bias"));
+    ASSERT_EQ(ct_module_num_params(root), 12 + 3);
+    ASSERT_ERR(ct_module_add(root, "a..b", ct_relu_create()), CT_EINVAL, "dot-separated");
+    ASSERT_ERR(ct_module_add(root, ".a", ct_relu_create()), CT_EINVAL, "dot-separated");
+    ASSERT_ERR(ct_module_add(root, "a.", ct_relu_create()), CT_EINVAL, "dot-separated");
+    /* Destroy the owner first: the sharer keeps the parameter alive (ASan checks the rest). */
+    ct_module *owner = ct_module_detach(root, 0);
+    ct_module_destroy(owner);
+    ASSERT(w->owner == NULL && w->nmodules == 1);
+    ct_tensor *x = ct_tensor_create2(2, 4, CT_MEM_ACT), *y;
+    ASSERT_OK(ct_module_forward(root, x, &y, NULL, NULL));
+    ct_tensor_release(y);
+    ct_tensor_release(x);
+    ct_module_destroy(root);
+    ct_module_destroy(c);
+}
