@@ -13,6 +13,14 @@
  * holding this many parameters outside units below it becomes a unit. */
 #define CLI_FSDP_WRAP_MIN_PARAMS 100000
 
+/* fsdp's units on the command line, as a strategy option into buf: the
+ * gpt's blocks (its natural units: each transformer block, the embeddings
+ * and head in the root), or the size policy (other models, or when
+ * --wrap-min-params is given). */
+#define CLI_FSDP_WRAP(buf, n, is_gpt, min_params, given)                                               \
+    ((is_gpt) && !(given) ? snprintf(buf, n, "wrap_kinds=block")                                       \
+                          : snprintf(buf, n, "wrap_min_params=%lld", (long long)(min_params)))
+
 #include <stdio.h>
 
 #include <ctrain/ctrain.h>

@@ -611,8 +611,12 @@ static int resolve(const est_opts *o, const char *kind, char *vals, size_t n, ch
     int len = snprintf(opts, sizeof opts, "grad_accum=%lld,param_dtype=%s,reduce_dtype=%s", (long long)o->grad_accum,
                        strcmp(o->mixed, "none") ? o->mixed : "f32",
                        strcmp(o->grad_compress, "none") ? o->grad_compress : "f32");
-    if (!strcmp(kind, "fsdp")) /* as `ctrain train` passes it */
-        len += snprintf(opts + len, sizeof opts - (size_t)len, ",wrap_min_params=%d", CLI_FSDP_WRAP_MIN_PARAMS);
+    ct_model_kind mk = CT_MODEL_MLP;
+    if (!strcmp(kind, "fsdp") && ct_model_parse_kind(o->model, &mk) == CT_OK) { /* as `ctrain train` passes it */
+        char wrap[64];
+        CLI_FSDP_WRAP(wrap, sizeof wrap, mk == CT_MODEL_GPT, CLI_FSDP_WRAP_MIN_PARAMS, 0);
+        len += snprintf(opts + len, sizeof opts - (size_t)len, ",%s", wrap);
+    }
     for (const char *p = o->strategy_opt; p && *p;) {
         size_t pl = strcspn(p, ","), kl = strcspn(p, "=,");
         char key[128];

@@ -230,10 +230,13 @@ static ct_status make_strategy(trainer *t)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",bucket_cap_mb=%.17g", o->bucket_cap_mb);
     if (buckets || o->find_unused)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",find_unused_parameters=%d", o->find_unused);
-    if (!strcmp(o->strategy, "fsdp"))
-        n += snprintf(opts + n, sizeof opts - (size_t)n, ",sharding=%s,wrap_min_params=%lld,backward_prefetch=%s,"
-                      "limit_all_gathers=%d", strcmp(o->sharding, "grad-op") ? o->sharding : "grad_op",
-                      (long long)o->wrap_min_params, o->prefetch, o->limit_all_gathers);
+    if (!strcmp(o->strategy, "fsdp")) {
+        char wrap[64];
+        CLI_FSDP_WRAP(wrap, sizeof wrap, t->cfg.kind == CT_MODEL_GPT, o->wrap_min_params, o->has_wrap_min);
+        n += snprintf(opts + n, sizeof opts - (size_t)n, ",sharding=%s,%s,backward_prefetch=%s,limit_all_gathers=%d",
+                      strcmp(o->sharding, "grad-op") ? o->sharding : "grad_op", wrap, o->prefetch,
+                      o->limit_all_gathers);
+    }
     if (!strcmp(o->strategy, "pipe")) {
         if (o->stages) n += snprintf(opts + n, sizeof opts - (size_t)n, ",stages=%lld", (long long)o->stages);
         if (o->chunks) n += snprintf(opts + n, sizeof opts - (size_t)n, ",chunks=%lld", (long long)o->chunks);

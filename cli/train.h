@@ -19,7 +19,7 @@ typedef struct {
     int find_unused, flush_denormal, verbose;
     const char *sharding, *prefetch; /* fsdp */
     int64_t wrap_min_params;
-    int limit_all_gathers, has_fsdp_flag;
+    int limit_all_gathers, has_wrap_min;
     int64_t limit_train, limit_test, eval_batch; /* unlisted: small runs for tests */
     /* pipe: stages, children per stage, micro-batches, schedule, checkpoint mode */
     int64_t stages, chunks;

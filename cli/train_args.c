@@ -78,7 +78,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--grad-compress", OPT_STR, &o->grad_compress, "NAME", "gradients reduced as none (f32), bf16 or f16");
     OPT("--mixed", OPT_STR, &o->mixed, "DTYPE", "mixed precision: bf16 products on f32 master weights (none)");
     OPT("--sharding", OPT_STR, &o->sharding, "MODE", "fsdp: full, grad-op, none or hybrid (full)");
-    OPT("--wrap-min-params", OPT_INT, &o->wrap_min_params, "N", "fsdp: a module with N parameters becomes a unit (100000)");
+    OPT("--wrap-min-params", OPT_INT, &o->wrap_min_params, "N", "fsdp: a module with N parameters becomes a unit (100000; gpt: each block)");
     OPT("--prefetch", OPT_STR, &o->prefetch, "WHEN", "fsdp: gather the next unit in backward pre, post or none (pre)");
     OPT("--limit-all-gathers", OPT_FLAG, &o->limit_all_gathers, NULL, "fsdp: at most two units unsharded besides the root");
     OPT("--strategy-opt", OPT_STR, &o->strategy_opt, "K=V,...", "strategy options (--strategy-opt help lists them)");
@@ -162,6 +162,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->has_clip_norm = GIVEN("--clip-norm");
     o->has_bucket_cap = GIVEN("--bucket-cap-mb");
     int has_epochs = GIVEN("--epochs"), has_steps = GIVEN("--steps");
+    o->has_wrap_min = GIVEN("--wrap-min-params");
     const char *fsdp_flag = GIVEN("--sharding") ? "--sharding" : GIVEN("--wrap-min-params") ? "--wrap-min-params"
                           : GIVEN("--prefetch") ? "--prefetch" : GIVEN("--limit-all-gathers") ? "--limit-all-gathers"
                           : NULL;

@@ -140,8 +140,8 @@ TEST(cli_gpt_strategies_match_one_process)
     int rc = RUN(one, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1", dir);
     if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", one);
     double l1 = number_after(one, "final train loss "), v1 = number_after(one, "val loss ");
-    const char *kinds[] = {"ddp", "zero1", "zero2"};
-    for (int k = 0; k < 3; k++) {
+    const char *kinds[] = {"ddp", "zero1", "zero2", "fsdp"}; /* fsdp: a unit per block */
+    for (int k = 0; k < 4; k++) {
         rc = run_np(2, two, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --strategy %s", dir, kinds[k]);
         if (rc) ct_test_fail(__FILE__, __LINE__, "%s failed:\n%s", kinds[k], two);
         ASSERT_NEAR(number_after(two, "final train loss "), l1, 2e-5);
