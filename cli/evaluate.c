@@ -4,6 +4,10 @@
  * that every rank ends with the whole set's numbers.  Through a strategy
  * (ct_strategy_predict), the shares are its data slices: the ranks of a
  * pipeline share one, and only the rank holding the output counts it.
+ * Every rank runs as many forwards as the rank with the largest share: a
+ * sharded strategy's forward is collective (FSDP gathers each unit from all
+ * ranks), so a rank whose share is done runs a filler batch of one row and
+ * drops its output rather than leave its peers waiting in a gather.
  */
 #include <math.h>
 #include <string.h>
@@ -43,15 +47,17 @@ ct_status cli_evaluate(ct_strategy *s, ct_module *model, const ct_model_config *
     double loss_sum = 0;
     int64_t correct = 0;
     ct_status st = CT_OK;
-    for (int64_t b = lo; b < hi && st == CT_OK; b += batch) {
-        int64_t n = hi - b < batch ? hi - b : batch;
-        for (int64_t i = 0; i < n; i++) idx[i] = b + i;
+    int64_t nb = batch > 0 ? (q + (rem > 0) + batch - 1) / batch : 0; /* the largest share's batches */
+    for (int64_t k = 0, b = lo; k < nb && st == CT_OK && ds->n; k++, b += batch) {
+        int filler = b >= hi;
+        int64_t n = filler ? 1 : hi - b < batch ? hi - b : batch;
+        for (int64_t i = 0; i < n; i++) idx[i] = filler ? 0 : b + i;
         ct_tensor *x = NULL, *y = NULL, *z = NULL;
         float loss = 0;
         st = cli_batch(ds, cfg, idx, n, &x, &y);
         if (st == CT_OK) st = s ? ct_strategy_predict(s, x, &ctx, &z) : ct_module_forward(model, x, &z, NULL, &ctx);
-        if (st == CT_OK && z) st = ct_cross_entropy(z, y, -100, &loss, NULL);
-        if (st == CT_OK && z) {
+        if (st == CT_OK && z && !filler) st = ct_cross_entropy(z, y, -100, &loss, NULL);
+        if (st == CT_OK && z && !filler) {
             loss_sum += (double)loss * (double)n;
             tally(z, y, C, &correct, confusion);
         }
@@ -94,14 +100,16 @@ ct_status cli_evaluate_text(ct_strategy *s, ct_module *model, const ct_model_con
     double loss_sum = 0;
     int64_t correct = 0;
     ct_status st = CT_OK;
-    for (int64_t w = lo; w < hi && st == CT_OK; w += batch) {
-        int64_t n = hi - w < batch ? hi - w : batch;
+    int64_t nb = batch > 0 ? (q + (rem > 0) + batch - 1) / batch : 0; /* the largest share's batches */
+    for (int64_t k = 0, w = lo; k < nb && st == CT_OK && nw; k++, w += batch) {
+        int filler = w >= hi;
+        int64_t n = filler ? 1 : hi - w < batch ? hi - w : batch;
         ct_tensor *x = NULL, *y = NULL, *z = NULL;
         float loss = 0;
-        st = ct_text_val_batch(tx, cfg->context, w, n, &x, &y);
+        st = ct_text_val_batch(tx, cfg->context, filler ? 0 : w, n, &x, &y);
         if (st == CT_OK) st = s ? ct_strategy_predict(s, x, &ctx, &z) : ct_module_forward(model, x, &z, NULL, &ctx);
-        if (st == CT_OK && z) st = ct_cross_entropy(z, y, -100, &loss, NULL);
-        if (st == CT_OK && z) {
+        if (st == CT_OK && z && !filler) st = ct_cross_entropy(z, y, -100, &loss, NULL);
+        if (st == CT_OK && z && !filler) {
             loss_sum += (double)loss * (double)y->numel;
             correct += ct_count_correct(z, y, -100);
         }

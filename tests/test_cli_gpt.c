@@ -149,6 +149,26 @@ TEST(cli_gpt_strategies_match_one_process)
     }
 }
 
+/* Evaluation through a sharded strategy: every forward is collective
+ * (FSDP gathers each unit from all ranks), so ranks with fewer validation
+ * windows than others (here one window over 2 and 3 ranks) still join
+ * every forward; they used to leave their peers in a gather and crash. */
+TEST(cli_gpt_fsdp_eval_with_uneven_shares)
+{
+    static char out[OUT_MAX];
+    const char *dir = text_dir();
+    for (int np = 2; np <= 3; np++) {
+        int rc = run_np(np, out, "train " GPT_FLAGS " --steps 2 --data-dir %s --strategy fsdp --mixed bf16 "
+                        "--limit-test 1", dir);
+        if (rc) ct_test_fail(__FILE__, __LINE__, "fsdp on %d ranks, one validation window, failed:\n%s", np, out);
+        ASSERT_STR_CONTAINS(out, "over 24 bytes");
+    }
+    int rc = run_np(3, out, "train --model mlp --limit-train 200 --limit-test 1 --threads 1 --steps 2 "
+                    "--strategy fsdp --wrap-min-params 1000 --log-every 0");
+    if (rc) ct_test_fail(__FILE__, __LINE__, "fsdp mlp on 3 ranks, one test sample, failed:\n%s", out);
+    ASSERT_STR_CONTAINS(out, "/1)"); /* the one sample counted once */
+}
+
 TEST(cli_gpt_trains_on_fortunes)
 {
     static char out[OUT_MAX];
