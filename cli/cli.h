@@ -53,6 +53,9 @@ void cli_out(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void cli_err(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Human-readable bytes ("12.3 MiB") into buf. */
 const char *cli_bytes(double bytes, char *buf, size_t n);
+/* s with control characters and DEL written as \xHH (and backslashes
+ * doubled) into buf, so text from a file cannot drive the terminal. */
+const char *cli_printable(const char *s, char *buf, size_t n);
 /* "1:02:03" or "2:03" into buf. */
 const char *cli_hms(double seconds, char *buf, size_t n);
 /* "mlp [256,128]" into buf. */
@@ -105,9 +108,18 @@ ct_status cli_load_file(const char *path, const char *what, ct_safetensors **out
 ct_status cli_file_meta(const ct_safetensors *st, ct_meta *m);
 /* Loads every tensor of st into the strategy's model (optim 0) or optimizer (optim 1). */
 ct_status cli_load_state(ct_strategy *s, const ct_safetensors *st, int optim);
-/* Writes the strategy's model state to path and, with sidecar_meta != NULL,
- * its optimizer state to the sidecar; atomically, each. */
+/* Collective: writes the strategy's model state to path and, with
+ * sidecar_meta != NULL, its optimizer state to the sidecar; both commit as
+ * one unit (a failure leaves the previous pair). */
 ct_status cli_save(ct_strategy *s, const char *path, const ct_meta *model_meta, const ct_meta *sidecar_meta);
+/* Collective: rank 0 finishes a commit of the checkpoint at path (a file,
+ * or a sharded directory) that a crash interrupted; call before reading it.
+ * g NULL: this process alone (no MPI). */
+ct_status cli_ckpt_recover(ct_group *g, const char *path);
+/* CT_OK when path is a regular file or a directory (never a FIFO a read would block on). */
+ct_status cli_check_regular(const char *path);
+/* CT_EINVAL naming path and the tensor when an f32 tensor of state holds NaN or inf. */
+ct_status cli_check_state_finite(const char *path, const ct_state *state);
 /* Collective over the strategy's group: writes a sharded checkpoint into
  * directory dir (made if missing): every rank its share of the model and
  * of the optimizer state, then rank 0 the optimizer's and the model's

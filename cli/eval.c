@@ -57,7 +57,8 @@ static ct_status run(const eval_opts *o)
     int64_t *conf = NULL;
     ct_model_config cfg;
     ct_meta m;
-    ct_status r = cli_load_file(o->ckpt, "the checkpoint", &st);
+    ct_status r = cli_ckpt_recover(g, o->ckpt); /* a save a crash interrupted is finished first */
+    if (r == CT_OK) r = cli_load_file(o->ckpt, "the checkpoint", &st);
     if (r == CT_OK) r = cli_file_meta(st, &m);
     if (r == CT_OK && ct_model_config_from_meta(&m, &cfg) != CT_OK) {
         char why[512];

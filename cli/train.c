@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #if defined(__SSE__)
 #include <xmmintrin.h>
@@ -165,9 +166,10 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
     CT_TRY(cli_file_meta(t->ck, &mm));
     /* Sharded: both indexes name the save they belong to. */
     const char *gm = ct_meta_get(&mm, "ctrain.generation"), *gs = ct_meta_get(m, "ctrain.generation");
-    int same_save = (!gm && !gs) || (gm && gs && !strcmp(gm, gs));
+    const char *cm = ct_meta_get(&mm, "ctrain.commit"), *cs = ct_meta_get(m, "ctrain.commit");
+    int same_save = ((!gm && !gs) || (gm && gs && !strcmp(gm, gs))) && ((!cm && !cs) || (cm && cs && !strcmp(cm, cs)));
     if (cli_meta_int(&mm, o->resume, "ctrain.step", &mstep) != CT_OK || mstep != t->step || !same_save)
-        return ct_error(CT_EFORMAT, "%s and %s are from different saves (a save was interrupted?); resume from a "
+        return ct_error(CT_EFORMAT, "%s and %s are from different saves (put together by hand?); resume from a "
                         "matching pair, or use --init for the weights alone", o->resume, side);
     return CT_OK;
 }
@@ -176,6 +178,8 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
 static ct_status read_checkpoints(trainer *t)
 {
     train_opts *o = t->o;
+    const char *ck = o->init ? o->init : o->resume;
+    if (ck) CT_TRY(cli_ckpt_recover(t->g, ck)); /* a save a crash interrupted is finished first */
     if (o->init) return cli_load_file(o->init, "the --init checkpoint", &t->ck);
     if (!o->resume) return CT_OK;
     CT_TRY(cli_load_file(o->resume, "the --resume checkpoint", &t->ck));
@@ -424,6 +428,12 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
     CT_TRY(ct_meta_set(model, "ctrain.seed", "%llu", (unsigned long long)t->seed));
     CT_TRY(ct_meta_set(model, "ctrain.optim", "%s", ct_optim_name(t->opt)));
     CT_TRY(ct_meta_set(model, "ctrain.data", "%s", o->data));
+    /* Both files of one save carry the same id, so a pair put together from
+     * two saves is recognised (rank 0 writes the files; its id counts). */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    CT_TRY(ct_meta_set(model, "ctrain.commit", "%llx-%x-%llx", (unsigned long long)ts.tv_sec, (unsigned)getpid(),
+                       (unsigned long long)ts.tv_nsec));
     *side = *model;
     CT_TRY(ct_meta_set(side, "ctrain.position", "%lld", (long long)t->pos));
     CT_TRY(ct_meta_set(side, "ctrain.batch", "%lld", (long long)o->batch));
