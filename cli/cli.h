@@ -131,6 +131,17 @@ ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model
 /* Reads key of m as an integer into *v; CT_EFORMAT naming file and key. */
 ct_status cli_meta_int(const ct_meta *m, const char *file, const char *key, int64_t *v);
 
+/* ---- a series of checkpoints (series.c): --keep-last, --resume latest -- */
+
+/* The name of the series member of path at step: run.safetensors ->
+ * run-step00000100.safetensors; a directory ckpt -> ckpt-step00000100. */
+void cli_series_path(const char *path, int64_t step, char *buf, size_t n);
+/* Collective: the newest complete checkpoint of the series of save (or
+ * save itself) into buf on every rank, "" when there is none. */
+ct_status cli_resolve_latest(ct_group *g, const char *save, char *buf, size_t n);
+/* Collective: rank 0 removes all but the keep newest members of the series. */
+ct_status cli_series_prune(ct_group *g, const char *save, int64_t keep);
+
 /* ---- progress (progress.c) --------------------------------------------- */
 
 typedef struct {

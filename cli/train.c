@@ -50,6 +50,8 @@ typedef struct {
     int64_t nstep_s;
     ct_mem_report *mem;    /* every rank's, gathered after the loop */
     int usage;             /* the failure is the command line's (exit 2) */
+    char latest[4096];     /* --resume latest: the checkpoint it found */
+    char saved[4096];      /* where the last save went */
 } trainer;
 
 /* ---- set-up -------------------------------------------------------------- */
@@ -289,6 +291,26 @@ static ct_status flush_denormals(void)
 
 static int sharded(const trainer *t) { return !strcmp(t->o->state_dict, "sharded"); }
 
+/* --resume latest: the newest complete checkpoint of --save's series, or a new run. */
+static ct_status resolve_latest(trainer *t)
+{
+    train_opts *o = t->o;
+    CT_TRY(cli_resolve_latest(t->g, o->save, t->latest, sizeof t->latest));
+    if (t->latest[0]) {
+        cli_out("--resume latest: continuing from %s\n", t->latest);
+        o->resume = t->latest;
+        return CT_OK;
+    }
+    if (!o->has_model) {
+        t->usage = 1;
+        return ct_error(CT_EINVAL, "--resume latest: %s has no checkpoint yet; give --model (and its flags) to "
+                        "start the run", o->save);
+    }
+    cli_out("--resume latest: no checkpoint of %s yet; starting a new run\n", o->save);
+    o->resume = NULL;
+    return CT_OK;
+}
+
 /* A --save path of the wrong kind fails now, not after the training it would lose. */
 static ct_status check_save_target(trainer *t)
 {
@@ -314,6 +336,7 @@ static ct_status setup(trainer *t)
     if (o->trace) ct_trace_enable(t->rank);
     if (o->flush_denormal) CT_TRY(ct_group_check(t->g, flush_denormals()));
 
+    if (o->resume && !strcmp(o->resume, "latest")) CT_TRY(resolve_latest(t));
     ct_status chk = check_save_target(t);
     if (chk != CT_OK) t->usage = 1;
     CT_TRY(ct_group_check(t->g, chk));
@@ -457,10 +480,15 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
 static ct_status save(trainer *t)
 {
     ct_meta mm, sm;
+    train_opts *o = t->o;
     CT_TRY(ct_group_check(t->g, fill_meta(t, &mm, &sm)));
-    if (sharded(t)) return cli_save_sharded(t->s, t->o->save, &mm, &sm, t->step);
-    return cli_save(t->s, t->o->save, &mm, &sm);
+    snprintf(t->saved, sizeof t->saved, "%s", o->save);
+    if (o->keep_last) cli_series_path(o->save, t->step, t->saved, sizeof t->saved);
+    if (sharded(t)) CT_TRY(cli_save_sharded(t->s, t->saved, &mm, &sm, t->step));
+    else CT_TRY(cli_save(t->s, t->saved, &mm, &sm));
+    return o->keep_last ? cli_series_prune(t->g, o->save, o->keep_last) : CT_OK;
 }
+
 
 static ct_status train_loop(trainer *t, cli_progress *prog)
 {
@@ -679,11 +707,11 @@ int train_run(train_opts *o)
         st = save(&t);
         if (st == CT_OK && sharded(&t))
             cli_out("saved %s (sharded over %d rank%s; indexes %s/model.safetensors.index.json and "
-                    "optim.safetensors.index.json)\n", o->save, t.world, t.world == 1 ? "" : "s", o->save);
+                    "optim.safetensors.index.json)\n", t.saved, t.world, t.world == 1 ? "" : "s", t.saved);
         else if (st == CT_OK) {
             char side[4096];
-            cli_sidecar_path(o->save, side, sizeof side);
-            cli_out("saved %s (optimizer state: %s)\n", o->save, side);
+            cli_sidecar_path(t.saved, side, sizeof side);
+            cli_out("saved %s (optimizer state: %s)\n", t.saved, side);
         }
     }
     if (st == CT_OK && o->trace) st = ct_group_check(t.g, write_trace(&t));

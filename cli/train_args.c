@@ -52,10 +52,12 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--seed", OPT_INT, &o->seed, "S", "seed of weights, shuffling and dropout (0)");
     OPT("--no-shuffle", OPT_FLAG, &o->no_shuffle, NULL, "visit the training set in file order");
     OPT("--init", OPT_STR, &o->init, "CKPT", "start from these weights (optimizer starts fresh)");
-    OPT("--resume", OPT_STR, &o->resume, "CKPT", "continue exactly: weights, optimizer, step and data position");
+    OPT("--resume", OPT_STR, &o->resume, "CKPT", "continue exactly: weights, optimizer, step and data position "
+        "(latest: the newest complete checkpoint --save wrote; a new run if none)");
     OPT("--save", OPT_STR, &o->save, "CKPT", "write the model to CKPT (and its optimizer state beside it)");
     OPT("--state-dict", OPT_STR, &o->state_dict, "FMT", "full (CKPT is a file) or sharded (a directory: a file per rank, an index) (full)");
     OPT("--save-every", OPT_INT, &o->save_every, "N", "also save every N steps (needs --save)");
+    OPT("--keep-last", OPT_INT, &o->keep_last, "K", "save each checkpoint under its step (CKPT-stepN) and keep the K newest");
     OPT("--log-every", OPT_INT, &o->log_every, "N", "progress line every N steps (50; 0: none)");
     OPT("--metrics", OPT_STR, &o->metrics, "FILE", "one JSON object per logged step (appended on --resume)");
     OPT("--strategy", OPT_STR, &o->strategy, "NAME", "none or ddp (ddp when run on several ranks)");
@@ -178,6 +180,10 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (o->seed < 0) return BAD("--seed %lld must not be negative", (long long)o->seed);
     if (o->save_every < 0) return BAD("--save-every %lld must not be negative", (long long)o->save_every);
     if (o->save_every && !o->save) return BAD("--save-every needs --save CKPT to say where");
+    if (o->keep_last < 0) return BAD("--keep-last %lld must not be negative", (long long)o->keep_last);
+    if (o->keep_last && !o->save) return BAD("--keep-last needs --save CKPT to say where");
+    if (o->resume && !strcmp(o->resume, "latest") && !o->save)
+        return BAD("--resume latest continues the checkpoints --save CKPT writes; give --save too");
     static const char *const formats[] = {"full", "sharded", NULL};
     if (!in_list(o->state_dict, formats))
         return BAD("unknown --state-dict '%s'; choose full (one file) or sharded (a directory)", o->state_dict);

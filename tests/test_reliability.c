@@ -209,3 +209,55 @@ TEST(rel_kill_during_save_sharded)
 {
     kill_loop(path_in("ckdir"), " --state-dict sharded");
 }
+
+static int exists(const char *dir, const char *name)
+{
+    char p[1400];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    return access(p, F_OK) == 0;
+}
+
+/* --keep-last K keeps the K newest step-named checkpoints; --resume latest
+ * takes the newest complete one (an incomplete newer one is passed over),
+ * and starts a new run when there is none, so one command line restarts a
+ * preempted job. */
+static void keep_last_case(const char *fmt, const char *m4, const char *m6, const char *m8, const char *incomplete)
+{
+    static char out[OUT_MAX];
+    const char *tmp = ct_test_tmpdir(), *ck = path_in("run");
+    char series[1024];
+    snprintf(series, sizeof series, "train " TINY " --save %s --save-every 2 --keep-last 2 --resume latest%s",
+             tiny_data(), ck, fmt);
+    ASSERT_EQ(RUN(out, "%s --steps 6", series), 0);
+    ASSERT_STR_CONTAINS(out, "no checkpoint of");
+    ASSERT(exists(tmp, m4) && exists(tmp, m6));
+    char m2[64];
+    snprintf(m2, sizeof m2, "%.*s2%s", (int)(strchr(m4, '4') - m4), m4, strchr(m4, '4') + 1);
+    ASSERT(!exists(tmp, m2)); /* pruned */
+    /* A save killed half-way leaves the older ones; latest takes the newest complete one. */
+    run_env env = {.kill_at = 3};
+    ASSERT_EQ(run_cmd(&env, out, "%s --steps 8", series), -SIGKILL);
+    ASSERT_EQ(RUN(out, "%s --steps 8", series), 0);
+    ASSERT_STR_CONTAINS(out, m6);
+    ASSERT_STR_CONTAINS(out, "steps 6..8");
+    ASSERT(exists(tmp, m8) && exists(tmp, m6) && !exists(tmp, m4));
+    /* The newest made incomplete by hand (its optimizer state gone): passed over. */
+    char p[1400];
+    snprintf(p, sizeof p, "%s/%s", tmp, incomplete);
+    ASSERT_EQ(ct_test_rmtree(p), 0);
+    ASSERT_EQ(RUN(out, "%s --steps 9", series), 0);
+    ASSERT_STR_CONTAINS(out, "steps 6..9");
+}
+
+TEST(rel_keep_last_and_resume_latest_full)
+{
+    /* --save run (no .safetensors): members run-step00000004 and run-step00000004.optim.safetensors */
+    keep_last_case("", "run-step00000004", "run-step00000006", "run-step00000008",
+                   "run-step00000008.optim.safetensors");
+}
+
+TEST(rel_keep_last_and_resume_latest_sharded)
+{
+    keep_last_case(" --state-dict sharded", "run-step00000004", "run-step00000006", "run-step00000008",
+                   "run-step00000008/model.safetensors.index.json");
+}
