@@ -37,6 +37,10 @@ typedef struct {
  * returns CLI_USAGE with one line in err naming the cause and the fix. */
 int cli_parse(const char *cmd, int argc, char **argv, cli_opt *opts, int nopts, const char **pos,
               int maxpos, int *npos, int *help, char *err, size_t errn);
+/* Collective over g: every option of opts (by its parsed value) must be the
+ * same on every rank, except those named in per_rank (NULL-terminated);
+ * CT_EINVAL on every rank naming the options and ranks that differ. */
+ct_status cli_agree_options(ct_group *g, const char *what, const cli_opt *opts, int n, const char *const *per_rank);
 /* Prints usage then every listed option with its help. */
 void cli_print_help(FILE *f, const char *usage, const cli_opt *opts, int nopts, const char *epilog);
 /* The option called name (for checking .given), or NULL. */

@@ -326,6 +326,33 @@ static ct_status check_save_target(trainer *t)
     return CT_OK;
 }
 
+/* The run as set up (flags settled by --resume, the data as loaded) is
+ * the same on every rank: the command lines were compared at start, but
+ * checkpoints and data are read by each rank from its own file system. */
+static ct_status agree_effective(trainer *t)
+{
+    enum { N = 12 };
+    char v[N][320];
+    const char *k[N] = {"the model", "the training samples", "the test samples", "the start step", "the epoch",
+                        "the position in the epoch", "the last step", "the seed", "--batch", "--lr",
+                        "the optimizer", "--grad-accum"};
+    cli_config_str(&t->cfg, v[0], sizeof v[0]);
+    snprintf(v[1], sizeof v[1], "%lld", (long long)t->train.n);
+    snprintf(v[2], sizeof v[2], "%lld", (long long)t->test.n);
+    snprintf(v[3], sizeof v[3], "%lld", (long long)t->step);
+    snprintf(v[4], sizeof v[4], "%lld", (long long)t->epoch);
+    snprintf(v[5], sizeof v[5], "%lld", (long long)t->pos);
+    snprintf(v[6], sizeof v[6], "%lld", (long long)t->total);
+    snprintf(v[7], sizeof v[7], "%llu", (unsigned long long)t->seed);
+    snprintf(v[8], sizeof v[8], "%lld", (long long)t->o->batch);
+    snprintf(v[9], sizeof v[9], "%.17g", t->sched.base_lr);
+    snprintf(v[10], sizeof v[10], "%s", ct_optim_name(t->opt));
+    snprintf(v[11], sizeof v[11], "%lld", (long long)t->o->grad_accum);
+    const char *vals[N];
+    for (int i = 0; i < N; i++) vals[i] = v[i];
+    return ct_group_agree_settings(t->g, "the run as loaded (checkpoint and data files)", k, vals, N);
+}
+
 /* Everything before the first step, agreed over the world after each part. */
 static ct_status setup(trainer *t)
 {
@@ -386,6 +413,7 @@ static ct_status setup(trainer *t)
     if (st == CT_OK) st = make_sampler(t);
     if (st == CT_OK) st = make_schedule(t);
     CT_TRY(ct_group_check(t->g, st));
+    CT_TRY(agree_effective(t));
     t->start_step = t->step;
     int64_t n = t->total > t->step ? t->total - t->step : 1;
     t->step_s = ct_alloc(sizeof *t->step_s * (size_t)n, CT_MEM_OTHER);
@@ -758,8 +786,11 @@ int cli_train(int argc, char **argv)
     }
     cli_rank = ct_group_rank(ct_group_world());
     cli_world = ct_group_size(ct_group_world());
-    rc = train_check_world(&o, cli_world, err, sizeof err);
-    if (rc) {
+    /* First of all, before any collective that depends on a setting. */
+    if (train_agree(&o, ct_group_world()) != CT_OK) {
+        cli_err("train", "%s", ct_last_error());
+        rc = CLI_USAGE;
+    } else if ((rc = train_check_world(&o, cli_world, err, sizeof err))) {
         if (cli_rank == 0) fprintf(stderr, "%s\n", err);
     } else {
         rc = train_run(&o);

@@ -20,6 +20,7 @@ typedef struct {
     int64_t limit_train, limit_test, eval_batch; /* unlisted: small runs for tests */
     /* which flags the user gave (resume takes the others from the checkpoint) */
     int has_model, has_hidden, has_seed, has_batch, has_optim, has_lr, has_wd, has_momentum, has_strategy;
+    unsigned char given[64]; /* how often each option of the table was given (compared across ranks) */
     int has_schedule, has_warmup, has_clip, has_accum, has_kernel, has_dropout, has_clip_norm, has_bucket_cap;
 } train_opts;
 
@@ -31,6 +32,11 @@ void train_help(FILE *f);
 /* Checks that need the world size (the strategy; the batch is checked once
  * --resume has settled it); CLI_USAGE with err on failure. */
 int train_check_world(train_opts *o, int world, char *err, size_t errn);
+
+/* Collective: every setting of o that changes the numbers or the
+ * collectives is the same on every rank of g (train_args.c lists those
+ * that may differ); CT_EINVAL naming the flags and ranks otherwise. */
+ct_status train_agree(train_opts *o, ct_group *g);
 
 /* Runs training after start-up; returns an exit code. */
 int train_run(train_opts *o);

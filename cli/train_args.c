@@ -78,7 +78,7 @@ static int table(train_opts *o, cli_opt *t)
     return n;
 }
 
-#define MAXOPT 48
+#define MAXOPT 48 /* at most sizeof train_opts.given */
 
 void train_help(FILE *f)
 {
@@ -119,6 +119,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (r || *help) return r;
     for (int i = 0; i < n; i++)
         if (t[i].given > 1) return BAD("%s is given %d times; give it once", t[i].name, t[i].given);
+    for (int i = 0; i < n && i < (int)sizeof o->given; i++) o->given[i] = (unsigned char)t[i].given;
 #define GIVEN(nm) (cli_find(t, n, nm)->given != 0)
     o->has_model = GIVEN("--model");
     o->has_hidden = GIVEN("--hidden");
@@ -219,4 +220,18 @@ int train_check_world(train_opts *o, int world, char *err, size_t errn)
         return BAD("--strategy none runs every rank alone, but this job has %d ranks; use --strategy ddp, or "
                    "run without mpirun", world);
     return 0;
+}
+
+/* Options that may differ per rank: they change neither the numbers nor
+ * the collectives (threads, per-rank output, where a node keeps its data:
+ * the data itself is compared once loaded).  Every other option of the
+ * table is compared across ranks before training. */
+static const char *const per_rank[] = {"--threads", "--trace", "--metrics", "--verbose", "--data-dir", NULL};
+
+ct_status train_agree(train_opts *o, ct_group *g)
+{
+    cli_opt t[MAXOPT];
+    int n = table(o, t);
+    for (int i = 0; i < n && i < (int)sizeof o->given; i++) t[i].given = o->given[i];
+    return cli_agree_options(g, "the command line", t, n, per_rank);
 }

@@ -49,7 +49,11 @@ static int run_cmd(const run_env *env, char *out, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(args, sizeof args, fmt, ap);
     va_end(ap);
-    snprintf(cmd, sizeof cmd, "exec %s/ctrain %s 2>&1", bin_dir(), args);
+    if (!strncmp(args, "mpirun ", 7)) /* "mpirun ... -np 1 CTRAIN args : ...": CTRAIN is build/ctrain */
+        snprintf(cmd, sizeof cmd, "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 CTRAIN=%s/ctrain; "
+                 "exec mpirun --oversubscribe --bind-to none %s 2>&1", bin_dir(), args + 7);
+    else
+        snprintf(cmd, sizeof cmd, "exec %s/ctrain %s 2>&1", bin_dir(), args);
     int fd[2];
     ASSERT_EQ(pipe(fd), 0);
     pid_t pid = fork();
@@ -260,4 +264,61 @@ TEST(rel_keep_last_and_resume_latest_sharded)
 {
     keep_last_case(" --state-dict sharded", "run-step00000004", "run-step00000006", "run-step00000008",
                    "run-step00000008/model.safetensors.index.json");
+}
+
+/* Issue 13, failure 2: ranks with different settings hung (--steps, a
+ * --grad-compress or --strategy on one rank only) or trained a wrong model
+ * with exit 0 (--lr, --optim, --seed, --batch, --grad-accum, --clip).  Now
+ * every setting class is an error on every rank before training, naming
+ * the flag and the ranks. */
+TEST(rel_ranks_with_different_settings_stop_before_training)
+{
+    static char out[OUT_MAX];
+    static const char *const cases[][3] = {
+        /* what differs,        rank 0's flags,          rank 1's flags */
+        {"--steps", "--steps 4", "--steps 8"},                              /* run length */
+        {"--lr", "--steps 4 --lr 0.01", "--steps 4"},                       /* hyper-parameters */
+        {"--optim", "--steps 4 --optim sgd", "--steps 4 --optim adamw"},
+        {"--clip", "--steps 4 --clip 1", "--steps 4"},
+        {"--seed", "--steps 4 --seed 1", "--steps 4 --seed 2"},             /* data order */
+        {"--batch", "--steps 4 --batch 32", "--steps 4 --batch 64"},
+        {"--grad-accum", "--steps 4 --grad-accum 2", "--steps 4"},          /* micro-batching */
+        {"--grad-compress", "--steps 4 --grad-compress bf16", "--steps 4"}, /* communication */
+        {"--strategy", "--steps 4 --strategy none", "--steps 4"},           /* strategy */
+        {"--log-every", "--steps 4 --log-every 1", "--steps 4"},            /* number of collectives */
+        {"--save", "--steps 4 --save x.safetensors", "--steps 4"},          /* checkpoints */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int rc = RUN(out, "mpirun -np 1 $CTRAIN train --model mlp --hidden 16 --data-dir %s --threads 1 %s : "
+                     "-np 1 $CTRAIN train --model mlp --hidden 16 --data-dir %s --threads 1 %s",
+                     tiny_data(), cases[i][1], tiny_data(), cases[i][2]);
+        if (rc != 2 || !strstr(out, "ranks disagree on the command line") || !strstr(out, cases[i][0]) ||
+            !strstr(out, "rank 0 has") || !strstr(out, "rank 1 has") || strstr(out, "trained"))
+            ct_test_fail(__FILE__, __LINE__, "%s differing across ranks: exit %d:\n%s", cases[i][0], rc, out);
+    }
+    /* Per-rank options may differ; the same value written two ways agrees. */
+    ASSERT_EQ(RUN(out, "mpirun -np 1 $CTRAIN train --model mlp --hidden 16 --data-dir %s --threads 1 --steps 2 "
+                  "--lr 0.1 : -np 1 $CTRAIN train --model mlp --hidden 16 --data-dir %s --threads 2 --steps 2 "
+                  "--lr=1e-1", tiny_data(), tiny_data()), 0);
+    ASSERT_STR_CONTAINS(out, "trained 2 steps");
+}
+
+/* Data read per rank (here, from different directories) must hold the same
+ * samples; so must a checkpoint each rank reads for itself. */
+TEST(rel_ranks_with_different_data_stop_before_training)
+{
+    static char out[OUT_MAX];
+    char other[1400];
+    snprintf(other, sizeof other, "%s/other", ct_test_tmpdir());
+    ASSERT_EQ(mkdir(other, 0777), 0);
+    write_idx(other, "train-images-idx3-ubyte", 1, 128);
+    write_idx(other, "train-labels-idx1-ubyte", 0, 128);
+    write_idx(other, "t10k-images-idx3-ubyte", 1, 64);
+    write_idx(other, "t10k-labels-idx1-ubyte", 0, 64);
+    int rc = RUN(out, "mpirun -np 1 $CTRAIN train --model mlp --hidden 16 --data-dir %s --threads 1 --steps 2 : "
+                 "-np 1 $CTRAIN train --model mlp --hidden 16 --data-dir %s --threads 1 --steps 2",
+                 tiny_data(), other);
+    ASSERT_EQ(rc, 1);
+    ASSERT_STR_CONTAINS(out, "ranks disagree on the run as loaded");
+    ASSERT_STR_CONTAINS(out, "the training samples differs: rank 0 has '256', rank 1 has '128'");
 }
