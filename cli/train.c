@@ -52,6 +52,7 @@ typedef struct {
     int usage;             /* the failure is the command line's (exit 2) */
     char latest[4096];     /* --resume latest: the checkpoint it found */
     char saved[4096];      /* where the last save went */
+    int64_t skipped;       /* steps dropped by --on-nonfinite skip */
 } trainer;
 
 /* ---- set-up -------------------------------------------------------------- */
@@ -518,6 +519,32 @@ static ct_status save(trainer *t)
 }
 
 
+/* Divergence: a non-finite loss (on any rank) or gradient norm stops the
+ * run naming the step, before the optimizer applies it and before any
+ * checkpoint could hold it; with --on-nonfinite skip the step is dropped
+ * (*skip set) and counted.  Every rank learns the same verdict. */
+static ct_status nonfinite_check(trainer *t, double loss_sum, float norm, int *skip)
+{
+    int64_t flag[2] = {!isfinite(loss_sum), !isfinite(norm)};
+    *skip = 0;
+    if (t->world > 1) {
+        ct_status st = ct_group_allreduce(t->g, flag, 2, CT_I64, CT_OP_MAX, NULL);
+        if (st != CT_OK) return loop_fail(t, st, "the non-finite check");
+    }
+    if (!flag[0] && !flag[1]) return CT_OK;
+    const char *what = flag[0] ? "the loss" : "the gradient norm";
+    if (!strcmp(t->o->on_nonfinite, "skip")) {
+        if (t->skipped++ == 0)
+            cli_out("step %lld: %s is not finite; skipping the step (--on-nonfinite skip)\n",
+                    (long long)t->step + 1, what);
+        *skip = 1;
+        return CT_OK;
+    }
+    return ct_error(CT_EINVAL, "step %lld: %s is not finite: the run diverged, and stops before the step is "
+                    "applied or saved; lower --lr, use --clip or --warmup, and resume from the last checkpoint "
+                    "(or skip such steps with --on-nonfinite skip)", (long long)t->step + 1, what);
+}
+
 static ct_status train_loop(trainer *t, cli_progress *prog)
 {
     train_opts *o = t->o;
@@ -532,14 +559,30 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
             t->pos = 0;
             if ((st = ct_sampler_set_epoch(&t->sampler, t->epoch))) break;
         }
-        double lr = ct_strategy_lr(t->s), t_step = ct_now();
+        if (!o->log_every) { /* no progress lines: the final loss is the last step's */
+            win[0] = win[1] = 0;
+            win_steps = 0;
+            t_win = ct_now();
+        }
+        double lr = ct_strategy_lr(t->s), t_step = ct_now(), before[2] = {win[0], win[1]};
+        float norm = 0;
         if ((st = train_step(t, idx, win)) != CT_OK) {
             st = loop_fail(t, st, "forward/backward");
             break;
         }
-        if (o->clip > 0 && (st = ct_strategy_clip_grad_norm(t->s, (float)o->clip, !strcmp(o->clip_norm, "inf") ? INFINITY : 2.0, NULL))) {
+        if (o->clip > 0 && (st = ct_strategy_clip_grad_norm(t->s, (float)o->clip, !strcmp(o->clip_norm, "inf") ? INFINITY : 2.0, &norm))) {
             st = loop_fail(t, st, "gradient clipping");
             break;
+        }
+        int bad = 0;
+        if ((st = nonfinite_check(t, win[0] - before[0], norm, &bad)) != CT_OK) break;
+        if (bad) { /* skipped: the step's batch is used up, the model and optimizer are as before */
+            win[0] = before[0];
+            win[1] = before[1];
+            ct_strategy_zero_grad(t->s);
+            t->step++;
+            t->pos++;
+            continue;
         }
         if ((st = ct_strategy_step(t->s))) {
             st = loop_fail(t, st, "optimizer step");
@@ -633,6 +676,9 @@ static ct_status report(trainer *t, double seconds)
         cli_out("trained %lld steps (to step %lld, epoch %.2f) in %.1f s, %.0f samples/s; final train loss %.6f\n",
                 (long long)steps, (long long)t->step, (double)t->step / (double)t->spe, seconds,
                 (double)steps * (double)o->batch / seconds, t->last_loss);
+    if (t->skipped)
+        cli_out("skipped %lld step%s with a non-finite loss or gradient norm (--on-nonfinite skip)\n",
+                (long long)t->skipped, t->skipped == 1 ? "" : "s");
     cli_out("test: %s\n", cli_eval_str(&ev, buf, sizeof buf));
     print_memory(t);
     if (t->nstats) {

@@ -13,7 +13,7 @@ typedef struct {
     int no_shuffle;
     const char *init, *resume, *save, *state_dict, *metrics, *trace;
     int64_t save_every, log_every, keep_last;
-    const char *strategy, *grad_compress, *strategy_opt, *mixed, *clip_norm;
+    const char *strategy, *grad_compress, *strategy_opt, *mixed, *clip_norm, *on_nonfinite;
     int64_t grad_accum, threads;
     double bucket_cap_mb;
     int find_unused, flush_denormal, verbose;

@@ -49,6 +49,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--warmup", OPT_INT, &o->warmup, "N", "linear warm-up over the first N steps (0)");
     OPT("--clip", OPT_NUM, &o->clip, "MAXNORM", "clip the gradient's global norm to MAXNORM (off)");
     OPT("--clip-norm", OPT_STR, &o->clip_norm, "TYPE", "norm --clip measures: 2 or inf (2)");
+    OPT("--on-nonfinite", OPT_STR, &o->on_nonfinite, "WHAT", "a NaN/inf loss or gradient norm: stop, or skip the step (stop)");
     OPT("--seed", OPT_INT, &o->seed, "S", "seed of weights, shuffling and dropout (0)");
     OPT("--no-shuffle", OPT_FLAG, &o->no_shuffle, NULL, "visit the training set in file order");
     OPT("--init", OPT_STR, &o->init, "CKPT", "start from these weights (optimizer starts fresh)");
@@ -110,6 +111,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->grad_compress = "none";
     o->mixed = "none";
     o->clip_norm = "2";
+    o->on_nonfinite = "stop";
     o->eval_batch = 500;
     o->state_dict = "full";
     cli_opt t[MAXOPT];
@@ -177,6 +179,9 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (o->warmup < 0) return BAD("--warmup %lld must not be negative", (long long)o->warmup);
     if (strcmp(o->clip_norm, "2") && strcmp(o->clip_norm, "inf"))
         return BAD("unknown --clip-norm '%s'; choose 2 or inf", o->clip_norm);
+    static const char *const nonfinite[] = {"stop", "skip", NULL};
+    if (!in_list(o->on_nonfinite, nonfinite))
+        return BAD("unknown --on-nonfinite '%s'; choose stop or skip", o->on_nonfinite);
     if (o->clip < 0) return BAD("--clip %g must not be negative (leave it out for no clipping)", o->clip);
     if (o->seed < 0) return BAD("--seed %lld must not be negative", (long long)o->seed);
     if (o->save_every < 0) return BAD("--save-every %lld must not be negative", (long long)o->save_every);

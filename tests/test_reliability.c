@@ -322,3 +322,73 @@ TEST(rel_ranks_with_different_data_stop_before_training)
     ASSERT_STR_CONTAINS(out, "ranks disagree on the run as loaded");
     ASSERT_STR_CONTAINS(out, "the training samples differs: rank 0 has '256', rank 1 has '128'");
 }
+
+/* A copy of checkpoint src at dst with one NaN in tensor name (no sidecar). */
+static void poison(const char *src, const char *dst, const char *name)
+{
+    ct_safetensors *st;
+    ASSERT_OK(ct_safetensors_load(src, &st));
+    int n = ct_safetensors_count(st), nm = ct_safetensors_meta_count(st);
+    const char *names[64], *mk[64], *mv[64];
+    ct_tensor *ts[64];
+    ASSERT(n <= 64 && nm <= 64);
+    for (int i = 0; i < n; i++) {
+        names[i] = ct_safetensors_name(st, i);
+        ts[i] = ct_safetensors_tensor(st, i);
+    }
+    for (int i = 0; i < nm; i++) {
+        mk[i] = ct_safetensors_meta_key(st, i);
+        mv[i] = ct_safetensors_meta_value(st, i);
+    }
+    ct_tensor *w = ct_safetensors_find(st, name);
+    ASSERT(w && w->dtype == CT_F32);
+    ct_f32(w)[3] = NAN;
+    ASSERT_OK(ct_safetensors_save(dst, names, ts, n, mk, mv, nm));
+    ct_safetensors_destroy(st);
+}
+
+/* Issue 13, failure 4: --lr 1e30 exited 0 and saved NaN weights.  A
+ * non-finite loss now stops the run naming the step, on every rank, and
+ * nothing is saved; --on-nonfinite skip drops such steps and counts them,
+ * and a model holding NaN is never written. */
+TEST(rel_divergence_stops_and_never_saves_nan)
+{
+    static char out[OUT_MAX];
+    const char *good = path_in("good.safetensors"), *bad = path_in("nan.safetensors"), *o = path_in("o.safetensors");
+    ASSERT_EQ(RUN(out, "train " TINY " --steps 1 --save %s", tiny_data(), good), 0);
+    poison(good, bad, "2.bias"); /* the logits' bias: every loss is NaN */
+    ASSERT_EQ(RUN(out, "train --init %s --data-dir %s --threads 1 --batch 32 --steps 3 --save %s", bad, tiny_data(), o), 1);
+    ASSERT_STR_CONTAINS(out, "step 1: the loss is not finite");
+    ASSERT(access(o, F_OK) != 0);
+    ASSERT_EQ(RUN(out, "train --init %s --data-dir %s --threads 1 --batch 32 --steps 3 --save %s --on-nonfinite skip",
+                  bad, tiny_data(), o), 1);
+    ASSERT_STR_CONTAINS(out, "skipped 3 steps with a non-finite loss");
+    ASSERT_STR_CONTAINS(out, "not saving");
+    ASSERT_STR_CONTAINS(out, "'2.bias' holds a non-finite value");
+    ASSERT(access(o, F_OK) != 0);
+    /* The issue's case, data parallel: every rank stops at the same step, exit 1, nothing saved. */
+    int rc = RUN(out, "mpirun -np 2 $CTRAIN train " TINY " --lr 1e30 --steps 20 --save %s", tiny_data(), o);
+    ASSERT_EQ(rc, 1);
+    ASSERT_STR_CONTAINS(out, "the loss is not finite: the run diverged");
+    ASSERT(!strstr(out, "(optimizer state:"));
+    ASSERT(access(o, F_OK) != 0);
+}
+
+/* Issue 13, failure 8 (part): with --log-every 0 the "final train loss"
+ * was the mean over the whole run; it is the last step's. */
+TEST(rel_final_loss_is_the_last_steps)
+{
+    static char out[OUT_MAX];
+    const char *run = "train --model mlp --hidden 16 --data-dir %s --threads 1 --batch 32 --steps 6 --log-every %d";
+    ASSERT_EQ(RUN(out, run, tiny_data(), 0), 0);
+    const char *p = strstr(out, "final train loss ");
+    ASSERT(p);
+    double quiet = atof(p + 17);
+    ASSERT_EQ(RUN(out, run, tiny_data(), 1), 0); /* a window of one step: the last step's loss */
+    p = strstr(out, "final train loss ");
+    ASSERT(p);
+    ASSERT_NEAR(quiet, atof(p + 17), 1e-6);
+    ASSERT_EQ(RUN(out, run, tiny_data(), 3), 0); /* the mean of steps 4..6: not the same */
+    p = strstr(out, "final train loss ");
+    ASSERT(p && fabs(quiet - atof(p + 17)) > 1e-4);
+}
