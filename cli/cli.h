@@ -135,6 +135,11 @@ ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model
 /* Reads key of m as an integer into *v; CT_EFORMAT naming file and key. */
 ct_status cli_meta_int(const ct_meta *m, const char *file, const char *key, int64_t *v);
 
+/* CT_OK when the file path (is_dir: the directory path, made later if
+ * missing) can be written: its directory exists and takes a new file.
+ * The message names flag and the fix. */
+ct_status cli_check_output(const char *flag, const char *path, int is_dir);
+
 /* ---- a series of checkpoints (series.c): --keep-last, --resume latest -- */
 
 /* The name of the series member of path at step: run.safetensors ->

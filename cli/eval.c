@@ -89,7 +89,8 @@ static ct_status run(const eval_opts *o)
         cli_out("model: %s (%lld parameters) from %s", cli_config_str(&cfg, desc, sizeof desc),
                 (long long)ct_module_num_params(model), o->ckpt);
         const char *step = ct_meta_get(&m, "ctrain.step");
-        cli_out(step ? ", step %s\n" : "\n", step);
+        char shown[1100];
+        cli_out(step ? ", step %s\n" : "\n", step ? cli_printable(step, shown, sizeof shown) : "");
         cli_out("test: %s\n", cli_eval_str(&ev, buf, sizeof buf));
         print_confusion(&ev, cfg.classes);
     }
@@ -113,7 +114,9 @@ int cli_eval_cmd(int argc, char **argv)
         if (!o.ckpt) snprintf(err, sizeof err, "ctrain eval: --checkpoint CKPT is required (a file written by ctrain train --save)"), rc = CLI_USAGE;
         else if (strcmp(o.data, "fashion-mnist")) snprintf(err, sizeof err, "ctrain eval: unknown data set '%s' for --data; this ctrain knows: fashion-mnist", o.data), rc = CLI_USAGE;
         else if (o.batch < 1) snprintf(err, sizeof err, "ctrain eval: --batch %lld must be at least 1", (long long)o.batch), rc = CLI_USAGE;
-        else if (o.threads < 0 || o.limit_test < 0) snprintf(err, sizeof err, "ctrain eval: --threads and --limit-test must not be negative"), rc = CLI_USAGE;
+        else if (o.threads < 0 || o.threads > 4096)
+            snprintf(err, sizeof err, "ctrain eval: --threads %lld must be in 0..4096 (0: automatic)", (long long)o.threads), rc = CLI_USAGE;
+        else if (o.limit_test < 0) snprintf(err, sizeof err, "ctrain eval: --limit-test must not be negative"), rc = CLI_USAGE;
     }
     cli_rank = cli_launcher_rank();
     if (help) {

@@ -36,13 +36,14 @@ void cli_out(const char *fmt, ...)
 void cli_err(const char *cmd, const char *fmt, ...)
 {
     if (cli_rank != 0) return;
-    char msg[1024];
+    char msg[8192], shown[16384];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     fflush(stdout);
-    fprintf(stderr, "ctrain %s: %s\n", cmd, msg);
+    /* Messages quote names and values from files: control characters are shown escaped. */
+    fprintf(stderr, "ctrain %s: %s\n", cmd, cli_printable(msg, shown, sizeof shown));
     fflush(stderr);
 }
 

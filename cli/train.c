@@ -27,6 +27,8 @@
 
 #include "train.h"
 
+#define STEP_TIMES_MAX (1 << 20)
+
 typedef struct {
     train_opts *o;
     ct_group *g;
@@ -46,8 +48,8 @@ typedef struct {
     double last_loss;      /* mean loss over the last logged window */
     ct_step_stats sum;     /* strategy timings summed over steps */
     int64_t nstats;
-    double *step_s;        /* wall time of each step of this run */
-    int64_t nstep_s;
+    double *step_s;        /* wall time of each step of this run (the first STEP_TIMES_MAX) */
+    int64_t nstep_s, cap_step_s;
     ct_mem_report *mem;    /* every rank's, gathered after the loop */
     int usage;             /* the failure is the command line's (exit 2) */
     char latest[4096];     /* --resume latest: the checkpoint it found */
@@ -97,11 +99,11 @@ static ct_status choose_config(trainer *t)
 }
 
 /* A flag the user gave must agree with the value the run was saved with. */
-static ct_status agree(trainer *t, const ct_meta *m, const char *key, const char *flag, int given,
+static ct_status agree(trainer *t, const ct_meta *m, const char *file, const char *key, const char *flag, int given,
                        int64_t *val)
 {
     int64_t saved;
-    CT_TRY(cli_meta_int(m, t->o->resume, key, &saved));
+    CT_TRY(cli_meta_int(m, file, key, &saved));
     if (given && *val != saved) {
         t->usage = 1;
         if (!strcmp(flag, "--no-shuffle"))
@@ -127,6 +129,33 @@ static ct_status saved_num(const ct_meta *m, const char *file, const char *key, 
     return CT_OK;
 }
 
+/* The optimizer file's settings are input like any other: each must be in
+ * the range its flag allows, or the file is damaged (issue 13: a
+ * grad_accum of 0 trained on, a negative step was accepted). */
+static ct_status check_saved_settings(trainer *t, const char *side)
+{
+    train_opts *o = t->o;
+    const char *bad = NULL;
+    char val[64] = "";
+#define RANGE(cond, key, fmt, v) if (!bad && !(cond)) { bad = key; snprintf(val, sizeof val, fmt, v); }
+    RANGE(t->step >= 0, "ctrain.step", "%lld", (long long)t->step);
+    RANGE(t->epoch >= 0, "ctrain.epoch", "%lld", (long long)t->epoch);
+    RANGE(t->pos >= 0, "ctrain.position", "%lld", (long long)t->pos);
+    RANGE(o->seed >= 0, "ctrain.seed", "%lld", (long long)o->seed);
+    RANGE(o->batch >= 1, "ctrain.batch", "%lld", (long long)o->batch);
+    RANGE(o->grad_accum >= 1 && o->grad_accum <= (1 << 30), "ctrain.grad_accum", "%lld", (long long)o->grad_accum);
+    RANGE(o->warmup >= 0, "ctrain.warmup", "%lld", (long long)o->warmup);
+    RANGE(isfinite(o->lr) && o->lr >= 0, "ctrain.lr", "%g", o->lr);
+    RANGE(isfinite(o->weight_decay) && o->weight_decay >= 0, "ctrain.weight_decay", "%g", o->weight_decay);
+    RANGE(isfinite(o->momentum) && o->momentum >= 0, "ctrain.momentum", "%g", o->momentum);
+    RANGE(isfinite(o->clip) && o->clip >= 0, "ctrain.clip", "%g", o->clip);
+#undef RANGE
+    if (bad)
+        return ct_error(CT_EFORMAT, "%s: metadata '%s' is %s, which no run can have; the file is damaged or was "
+                        "edited: resume from another checkpoint, or use --init for the weights alone", side, bad, val);
+    return CT_OK;
+}
+
 /* --resume: the run's settings (flags given must agree where they decide
  * the data order; hyper-parameters not given are the saved run's) and its
  * position. */
@@ -134,9 +163,9 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
 {
     train_opts *o = t->o;
     int64_t shuffle = !o->no_shuffle, mstep;
-    CT_TRY(agree(t, m, "ctrain.seed", "--seed", o->has_seed, &o->seed));
-    CT_TRY(agree(t, m, "ctrain.batch", "--batch", o->has_batch, &o->batch));
-    CT_TRY(agree(t, m, "ctrain.shuffle", "--no-shuffle", o->no_shuffle, &shuffle));
+    CT_TRY(agree(t, m, side, "ctrain.seed", "--seed", o->has_seed, &o->seed));
+    CT_TRY(agree(t, m, side, "ctrain.batch", "--batch", o->has_batch, &o->batch));
+    CT_TRY(agree(t, m, side, "ctrain.shuffle", "--no-shuffle", o->no_shuffle, &shuffle));
     o->no_shuffle = !shuffle;
     const char *oname = ct_meta_get(m, "ctrain.optim");
     if (!oname || ct_optim_parse(oname, &t->okind))
@@ -171,10 +200,12 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
     const char *gm = ct_meta_get(&mm, "ctrain.generation"), *gs = ct_meta_get(m, "ctrain.generation");
     const char *cm = ct_meta_get(&mm, "ctrain.commit"), *cs = ct_meta_get(m, "ctrain.commit");
     int same_save = ((!gm && !gs) || (gm && gs && !strcmp(gm, gs))) && ((!cm && !cs) || (cm && cs && !strcmp(cm, cs)));
-    if (cli_meta_int(&mm, o->resume, "ctrain.step", &mstep) != CT_OK || mstep != t->step || !same_save)
+    int64_t mseed = -1;
+    if (cli_meta_int(&mm, o->resume, "ctrain.step", &mstep) != CT_OK || mstep != t->step || !same_save ||
+        cli_meta_int(&mm, o->resume, "ctrain.seed", &mseed) != CT_OK || mseed != o->seed)
         return ct_error(CT_EFORMAT, "%s and %s are from different saves (put together by hand?); resume from a "
                         "matching pair, or use --init for the weights alone", o->resume, side);
-    return CT_OK;
+    return check_saved_settings(t, side);
 }
 
 /* Reads --init / --resume files; for --resume, the run's settings and position. */
@@ -185,8 +216,19 @@ static ct_status read_checkpoints(trainer *t)
     if (ck) CT_TRY(cli_ckpt_recover(t->g, ck)); /* a save a crash interrupted is finished first */
     if (o->init) return cli_load_file(o->init, "the --init checkpoint", &t->ck);
     if (!o->resume) return CT_OK;
-    CT_TRY(cli_load_file(o->resume, "the --resume checkpoint", &t->ck));
     char side[4096];
+    size_t rl = strlen(o->resume);
+    static const char osuf[] = ".optim.safetensors", oidx[] = "optim.safetensors.index.json";
+    if ((rl >= sizeof osuf - 1 && !strcmp(o->resume + rl - (sizeof osuf - 1), osuf)) ||
+        (rl >= sizeof oidx - 1 && !strcmp(o->resume + rl - (sizeof oidx - 1), oidx))) {
+        t->usage = 1;
+        return ct_error(CT_EINVAL, "--resume %s names the optimizer state; give the model checkpoint it belongs to "
+                        "(%.*s%s), and the optimizer state is found beside it", o->resume,
+                        (int)(rl - (rl >= sizeof oidx - 1 && !strcmp(o->resume + rl - (sizeof oidx - 1), oidx)
+                                        ? sizeof oidx - 1 : sizeof osuf - 1)), o->resume,
+                        o->resume[rl - 1] == 'n' ? "model.safetensors.index.json" : ".safetensors");
+    }
+    CT_TRY(cli_load_file(o->resume, "the --resume checkpoint", &t->ck));
     cli_sidecar_path(o->resume, side, sizeof side);
     if (access(side, F_OK) != 0)
         return ct_error(CT_EIO, "cannot resume from %s: its optimizer state %s is missing (it is written beside "
@@ -265,10 +307,16 @@ static ct_status make_sampler(trainer *t)
         return ct_error(CT_EINVAL, "the training set has %lld samples, fewer than one batch of %lld; lower --batch",
                         (long long)t->train.n, (long long)o->batch);
     }
+    if (!o->steps && o->epochs > INT64_MAX / t->spe) {
+        t->usage = 1;
+        return ct_error(CT_EINVAL, "--epochs %lld of %lld steps each is more steps than can be counted; give at "
+                        "most %lld epochs, or --steps", (long long)o->epochs, (long long)t->spe,
+                        (long long)(INT64_MAX / t->spe));
+    }
     t->total = o->steps ? o->steps : o->epochs * t->spe;
     if (t->pos > t->spe || t->pos < 0 || t->epoch < 0)
         return ct_error(CT_EFORMAT, "%s is at batch %lld of epoch %lld, but an epoch here has %lld batches; resume "
-                        "with the same data (and --limit-train)", o->resume, (long long)t->pos,
+                        "with the same training set", o->resume, (long long)t->pos,
                         (long long)t->epoch, (long long)t->spe);
     if (t->pos == t->spe) {
         t->epoch++;
@@ -354,6 +402,29 @@ static ct_status agree_effective(trainer *t)
     return ct_group_agree_settings(t->g, "the run as loaded (checkpoint and data files)", k, vals, N);
 }
 
+static ct_status write_trace(trainer *t);
+static void trace_path(trainer *t, char *buf, size_t n);
+
+/* Every output is writable before the work that fills it: --save (rank 0,
+ * or every rank for a sharded one), --metrics (rank 0), --trace (each
+ * rank's own file). */
+static ct_status check_outputs(trainer *t)
+{
+    train_opts *o = t->o;
+    char p[4096];
+    if (o->save && (t->rank == 0 || sharded(t))) {
+        if (o->keep_last) cli_series_path(o->save, 0, p, sizeof p);
+        else snprintf(p, sizeof p, "%s", o->save);
+        CT_TRY(cli_check_output("--save", p, sharded(t)));
+    }
+    if (o->metrics && t->rank == 0) CT_TRY(cli_check_output("--metrics", o->metrics, 0));
+    if (o->trace) {
+        trace_path(t, p, sizeof p);
+        CT_TRY(cli_check_output("--trace", p, 0));
+    }
+    return CT_OK;
+}
+
 /* Everything before the first step, agreed over the world after each part. */
 static ct_status setup(trainer *t)
 {
@@ -366,6 +437,7 @@ static ct_status setup(trainer *t)
 
     if (o->resume && !strcmp(o->resume, "latest")) CT_TRY(resolve_latest(t));
     ct_status chk = check_save_target(t);
+    if (chk == CT_OK) chk = check_outputs(t);
     if (chk != CT_OK) t->usage = 1;
     CT_TRY(ct_group_check(t->g, chk));
     CT_TRY(ct_group_check(t->g, read_checkpoints(t)));
@@ -417,7 +489,8 @@ static ct_status setup(trainer *t)
     CT_TRY(agree_effective(t));
     t->start_step = t->step;
     int64_t n = t->total > t->step ? t->total - t->step : 1;
-    t->step_s = ct_alloc(sizeof *t->step_s * (size_t)n, CT_MEM_OTHER);
+    t->cap_step_s = n < STEP_TIMES_MAX ? n : STEP_TIMES_MAX; /* the median of a long run: its first steps' */
+    t->step_s = ct_alloc(sizeof *t->step_s * (size_t)t->cap_step_s, CT_MEM_OTHER);
     t->mem = ct_alloc(sizeof *t->mem * (size_t)t->world, CT_MEM_OTHER);
     CT_TRY(ct_group_check(t->g, t->step_s && t->mem ? CT_OK : CT_ENOMEM));
     /* Wrapping's one-off transients (the gradients before DDP moves them
@@ -589,7 +662,7 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
             break;
         }
         ct_strategy_zero_grad(t->s);
-        t->step_s[t->nstep_s++] = ct_now() - t_step;
+        if (t->nstep_s < t->cap_step_s) t->step_s[t->nstep_s++] = ct_now() - t_step;
         add_stats(t);
         t->step++;
         t->pos++;
@@ -697,16 +770,22 @@ static ct_status report(trainer *t, double seconds)
     return CT_OK;
 }
 
-static ct_status write_trace(trainer *t)
+/* This rank's --trace file: FILE, or FILE.rank<r>.json with several ranks. */
+static void trace_path(trainer *t, char *buf, size_t n)
 {
     const char *path = t->o->trace;
-    if (t->world == 1) return ct_trace_write(path);
-    char buf[4096];
     const char *slash = strrchr(path, '/'), *dot = strrchr(path, '.');
-    if (dot && (!slash || dot > slash + 1))
-        snprintf(buf, sizeof buf, "%.*s.rank%d%s", (int)(dot - path), path, t->rank, dot);
+    if (t->world == 1) snprintf(buf, n, "%s", path);
+    else if (dot && (!slash || dot > slash + 1))
+        snprintf(buf, n, "%.*s.rank%d%s", (int)(dot - path), path, t->rank, dot);
     else
-        snprintf(buf, sizeof buf, "%s.rank%d", path, t->rank);
+        snprintf(buf, n, "%s.rank%d", path, t->rank);
+}
+
+static ct_status write_trace(trainer *t)
+{
+    char buf[4096];
+    trace_path(t, buf, sizeof buf);
     return ct_trace_write(buf);
 }
 

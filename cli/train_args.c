@@ -207,6 +207,11 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
         if (!found) return BAD("unknown strategy '%s' for --strategy; choose one of: %s", o->strategy, l);
     }
     if (o->grad_accum < 1) return BAD("--grad-accum %lld must be at least 1", (long long)o->grad_accum);
+    /* Upper bounds, so no count overflows what it is multiplied into or cast to. */
+    if (o->grad_accum > (1 << 30)) return BAD("--grad-accum %lld is too large (at most %d)", (long long)o->grad_accum, 1 << 30);
+    if (o->threads > 4096) return BAD("--threads %lld is too large (at most 4096)", (long long)o->threads);
+    if (o->bucket_cap_mb > (1 << 20)) return BAD("--bucket-cap-mb %g is too large (at most %d)", o->bucket_cap_mb, 1 << 20);
+    if (o->eval_batch > (1 << 30)) return BAD("the evaluation batch %lld is too large", (long long)o->eval_batch);
     if (!(o->bucket_cap_mb > 0)) return BAD("--bucket-cap-mb %g must be positive", o->bucket_cap_mb);
     static const char *const comp[] = {"none", "bf16", "f16", NULL};
     if (!in_list(o->grad_compress, comp)) return BAD("unknown --grad-compress '%s'; choose none, bf16 or f16", o->grad_compress);

@@ -392,3 +392,89 @@ TEST(rel_final_loss_is_the_last_steps)
     p = strstr(out, "final train loss ");
     ASSERT(p && fabs(quiet - atof(p + 17)) > 1e-4);
 }
+
+/* Rewrites the safetensors file at path with metadata key set to value. */
+static void edit_meta(const char *path, const char *key, const char *value)
+{
+    ct_safetensors *st;
+    ASSERT_OK(ct_safetensors_load(path, &st));
+    int n = ct_safetensors_count(st), nm = ct_safetensors_meta_count(st);
+    const char *names[64], *mk[64], *mv[64];
+    ct_tensor *ts[64];
+    ASSERT(n <= 64 && nm <= 64);
+    for (int i = 0; i < n; i++) {
+        names[i] = ct_safetensors_name(st, i);
+        ts[i] = ct_safetensors_tensor(st, i);
+    }
+    int found = 0;
+    for (int i = 0; i < nm; i++) {
+        mk[i] = ct_safetensors_meta_key(st, i);
+        mv[i] = strcmp(mk[i], key) ? ct_safetensors_meta_value(st, i) : (found = 1, value);
+    }
+    ASSERT(found);
+    ASSERT_OK(ct_safetensors_save(path, names, ts, n, mk, mv, nm));
+    ct_safetensors_destroy(st);
+}
+
+/* Issue 13, failure 7: the optimizer file's metadata was trusted (a
+ * grad_accum of 0 trained on, a negative step was accepted, the model
+ * file's seed was not compared with the optimizer file's) and errors about
+ * the optimizer file blamed the model file.  Also failure 8's "--resume
+ * X.optim.safetensors" suggested a wrong fix. */
+TEST(rel_optimizer_metadata_is_checked)
+{
+    static char out[OUT_MAX];
+    const char *ck = path_in("run.safetensors"), *side = path_in("run.optim.safetensors");
+    const char *resume = "train --data-dir %s --threads 1 --log-every 0 --steps 6 --resume %s";
+    struct { const char *file, *key, *value, *want; } cases[] = {
+        {"side", "ctrain.grad_accum", "0", "run.optim.safetensors: metadata 'ctrain.grad_accum' is 0"},
+        {"both", "ctrain.step", "-1", "run.optim.safetensors: metadata 'ctrain.step' is -1"},
+        {"model", "ctrain.seed", "5", "are from different saves"},
+        {"side", "ctrain.batch", "x", "run.optim.safetensors: metadata 'ctrain.batch' is 'x', not an integer"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        ASSERT_EQ(RUN(out, "train " TINY " --steps 2 --save %s", tiny_data(), ck), 0);
+        if (strcmp(cases[i].file, "model")) edit_meta(side, cases[i].key, cases[i].value);
+        if (strcmp(cases[i].file, "side")) edit_meta(ck, cases[i].key, cases[i].value);
+        int rc = RUN(out, resume, tiny_data(), ck);
+        if (rc != 1 || !strstr(out, cases[i].want) || strstr(out, "trained"))
+            ct_test_fail(__FILE__, __LINE__, "%s = %s: exit %d, want \"%s\":\n%s", cases[i].key, cases[i].value, rc,
+                         cases[i].want, out);
+    }
+    ASSERT_EQ(RUN(out, resume, tiny_data(), side), 2);
+    ASSERT_STR_CONTAINS(out, "names the optimizer state; give the model checkpoint it belongs to");
+    ASSERT_STR_CONTAINS(out, "run.safetensors)");
+}
+
+/* Issue 13, failures 3 and 6 (and 8's --hidden): an output that cannot be
+ * written fails before training, and numbers too large for their use are
+ * refused up front instead of overflowing. */
+TEST(rel_paths_and_numbers_are_checked_up_front)
+{
+    static char out[OUT_MAX];
+    const char *tmp = ct_test_tmpdir();
+    struct { const char *flags, *want; } cases[] = {
+        {"--save %s/missing/x.safetensors", "--save"},
+        {"--save %s/missing/d --state-dict sharded", "--save"},
+        {"--metrics %s/missing/m.jsonl", "--metrics"},
+        {"--trace %s/missing/t.json", "--trace"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char flags[1400];
+        snprintf(flags, sizeof flags, cases[i].flags, tmp);
+        int rc = RUN(out, "train " TINY " --steps 2 %s", tiny_data(), flags);
+        if (rc != 2 || !strstr(out, cases[i].want) || !strstr(out, "does not exist") || strstr(out, "trained"))
+            ct_test_fail(__FILE__, __LINE__, "%s: exit %d:\n%s", flags, rc, out);
+    }
+    /* A file where a directory should be: not writable either. */
+    ASSERT_EQ(RUN(out, "train " TINY " --steps 2 --save %s/data/train-images-idx3-ubyte/x", tiny_data(), tmp), 2);
+    ASSERT_STR_CONTAINS(out, "is not a directory");
+    /* 2^63-1 epochs of 8 steps: refused, not an overflowed step count that trains nothing and exits 0. */
+    ASSERT_EQ(RUN(out, "train " TINY " --epochs 9223372036854775807 --save %s/e.safetensors", tiny_data(), tmp), 2);
+    ASSERT_STR_CONTAINS(out, "more steps than can be counted");
+    ASSERT(!exists(tmp, "e.safetensors"));
+    ASSERT_EQ(RUN(out, "train --model mlp --hidden 99999999999 --steps 1"), 2);
+    ASSERT_STR_CONTAINS(out, "is too large");
+    ASSERT_EQ(RUN(out, "train " TINY " --steps 2 --grad-accum 9223372036854775807", tiny_data()), 2);
+    ASSERT_STR_CONTAINS(out, "too large");
+}
