@@ -165,6 +165,9 @@ typedef struct {
  * append != 0 to continue an existing file. */
 ct_status cli_progress_init(cli_progress *p, int64_t total_steps, int64_t steps_per_epoch,
                             const char *metrics_path, int append);
+/* Rank 0, on --resume: drops the records of path with a step beyond step,
+ * so the appended run does not repeat them (no file: nothing to do). */
+ct_status cli_metrics_rewind(const char *path, int64_t step);
 /* Redraws the live bar (terminal only, at most 10 times a second). */
 void cli_progress_tick(cli_progress *p, int64_t step, int64_t epoch, double last_loss);
 /* One permanent line (and a metrics record) for step. */

@@ -848,7 +848,9 @@ int train_run(train_opts *o)
             cli_out("nothing to train: %s is at step %lld and this run stops at step %lld; raise --steps or "
                     "--epochs to continue it\n", o->resume ? o->resume : "the checkpoint", (long long)t.step,
                     (long long)t.total);
-        st = ct_group_check(t.g, cli_progress_init(&prog, t.total, t.spe, o->metrics, o->resume != NULL));
+        st = o->resume && o->metrics && t.rank == 0 ? cli_metrics_rewind(o->metrics, t.step) : CT_OK;
+        if (st == CT_OK) st = cli_progress_init(&prog, t.total, t.spe, o->metrics, o->resume != NULL);
+        st = ct_group_check(t.g, st);
     }
     if (st == CT_OK) st = train_loop(&t, &prog);
     if (st == CT_OK) st = ct_strategy_memory(t.s, t.mem);

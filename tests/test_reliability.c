@@ -478,3 +478,36 @@ TEST(rel_paths_and_numbers_are_checked_up_front)
     ASSERT_EQ(RUN(out, "train " TINY " --steps 2 --grad-accum 9223372036854775807", tiny_data()), 2);
     ASSERT_STR_CONTAINS(out, "too large");
 }
+
+static int count_in_file(const char *path, const char *needle)
+{
+    static char buf[OUT_MAX];
+    FILE *f = fopen(path, "rb");
+    ASSERT(f);
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    buf[n] = 0;
+    fclose(f);
+    int c = 0;
+    for (const char *p = buf; (p = strstr(p, needle)); p += strlen(needle)) c++;
+    return c;
+}
+
+/* Issue 13, failure 8 (part): --metrics on a resume from an older
+ * checkpoint appended duplicate steps. */
+TEST(rel_metrics_on_resume_has_each_step_once)
+{
+    static char out[OUT_MAX];
+    const char *ck = path_in("run.safetensors"), *m = path_in("m.jsonl");
+    const char *run = "train --model mlp --hidden 16 --data-dir %s --threads 1 --batch 32 --log-every 1 --metrics %s "
+                      "--save %s --save-every 2 --keep-last 2 --steps 4";
+    ASSERT_EQ(RUN(out, run, tiny_data(), m, ck), 0);
+    ASSERT_EQ(count_in_file(m, "{\"step\":3,"), 1);
+    const char *older = path_in("run-step00000002.safetensors");
+    ASSERT_EQ(RUN(out, "train --data-dir %s --threads 1 --log-every 1 --metrics %s --steps 4 --resume %s",
+                  tiny_data(), m, older), 0);
+    for (int s = 1; s <= 4; s++) {
+        char key[32];
+        snprintf(key, sizeof key, "{\"step\":%d,", s);
+        ASSERT_EQ(count_in_file(m, key), 1);
+    }
+}
