@@ -75,10 +75,14 @@ $(B)/tests/ctor_prog: $(B)/tests/ctor_prog.o $(B)/libctrain.a
 $(B)/tests/ctor_prog_so: $(B)/tests/ctor_prog.o $(B)/libctrain.so
 	$(CC) -o $@ $< -L$(B) -lctrain -Wl,-rpath,'$$ORIGIN/..' $(SANFLAGS) $(LDLIBS)
 
+# Ranks that call different collectives (the collective fingerprint test).
+$(B)/tests/fp_prog: $(B)/tests/fp_prog.o $(B)/libctrain.a
+	$(CC) -o $@ $< $(B)/libctrain.a $(SANFLAGS) $(LDLIBS)
+
 $(B)/bench/%: $(B)/bench/%.o $(B)/libctrain.a
 	$(CC) -o $@ $< $(B)/libctrain.a $(SANFLAGS) $(LDLIBS)
 
-test: all $(B)/tests/run $(B)/tests/mpi_run $(B)/tests/ctor_prog $(B)/tests/ctor_prog_so
+test: all $(B)/tests/run $(B)/tests/mpi_run $(B)/tests/ctor_prog $(B)/tests/ctor_prog_so $(B)/tests/fp_prog
 	$(B)/tests/run --mpi $(B)/tests/mpi_run --np $(NP) $(T)
 
 # Same tests under AddressSanitizer + UndefinedBehaviorSanitizer in build-san/.

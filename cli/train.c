@@ -907,6 +907,7 @@ int cli_train(int argc, char **argv)
         }
         return CLI_OK;
     }
+    if (o.debug_collectives) setenv("CTRAIN_DEBUG", "collectives", 1); /* read (and agreed) by ct_comm_init */
     if (ct_comm_init(NULL, NULL) != CT_OK) {
         cli_err("train", "cannot start communication: %s", ct_last_error());
         return CLI_RUNTIME;

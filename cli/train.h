@@ -16,7 +16,7 @@ typedef struct {
     const char *strategy, *grad_compress, *strategy_opt, *mixed, *clip_norm, *on_nonfinite;
     int64_t grad_accum, threads;
     double bucket_cap_mb;
-    int find_unused, flush_denormal, verbose;
+    int find_unused, flush_denormal, verbose, debug_collectives;
     int64_t limit_train, limit_test, eval_batch; /* unlisted: small runs for tests */
     /* which flags the user gave (resume takes the others from the checkpoint) */
     int has_model, has_hidden, has_seed, has_batch, has_optim, has_lr, has_wd, has_momentum, has_strategy;

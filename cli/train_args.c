@@ -71,6 +71,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--threads", OPT_INT, &o->threads, "N", "BLAS threads per rank (cores / ranks on the node)");
     OPT("--flush-denormal", OPT_FLAG, &o->flush_denormal, NULL, "treat subnormal floats as 0 (faster; as torch.set_flush_denormal)");
     OPT("--trace", OPT_STR, &o->trace, "FILE", "write a Chrome trace (FILE.rank<r>.json with several ranks)");
+    OPT("--debug-collectives", OPT_FLAG, &o->debug_collectives, NULL, "check every collective's fingerprint across ranks (CTRAIN_DEBUG=collectives)");
     OPT("--verbose", OPT_FLAG, &o->verbose, NULL, "also print which rank owns which parameters (zero1, zero2)");
     OPT("--limit-train", OPT_INT, &o->limit_train, "N", NULL);
     OPT("--limit-test", OPT_INT, &o->limit_test, "N", NULL);

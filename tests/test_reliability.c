@@ -120,6 +120,13 @@ static const char *tiny_data(void)
 /* A tiny, fast run (the format string takes tiny_data() first). */
 #define TINY "--model mlp --hidden 16 --data-dir %s --threads 1 --batch 32 --log-every 0"
 
+static int occurrences_of(const char *s, const char *needle)
+{
+    int n = 0;
+    for (const char *p = s; (p = strstr(p, needle)); p += strlen(needle)) n++;
+    return n;
+}
+
 static char *path_in(const char *name)
 {
     static char buf[8][600];
@@ -510,4 +517,28 @@ TEST(rel_metrics_on_resume_has_each_step_once)
         snprintf(key, sizeof key, "{\"step\":%d,", s);
         ASSERT_EQ(count_in_file(m, key), 1);
     }
+}
+
+/* Collective fingerprints: ranks that call different collectives (another
+ * operation, another count) end the job naming both ranks and both calls,
+ * instead of hanging or summing mismatched buffers; turned on for every
+ * rank when any asks; matching calls run as before, and so does a DDP run. */
+TEST(rel_collective_fingerprints_name_the_mismatch)
+{
+    static char out[OUT_MAX];
+    int rc = RUN(out, "mpirun -x CTRAIN_DEBUG=collectives -np 2 %s/tests/fp_prog kinds", bin_dir());
+    ASSERT(rc != 0);
+    ASSERT_STR_CONTAINS(out, "collective mismatch on group world: rank 0 called allreduce(F32, 16 elements, SUM) #2 "
+                             "but rank 1 called broadcast(F32, 16 elements, root 0) #2");
+    /* Asked for on rank 0 only: still on for all (agreed at start-up), so the count mismatch is found. */
+    rc = RUN(out, "mpirun -np 1 -x CTRAIN_DEBUG=collectives %s/tests/fp_prog count : -np 2 %s/tests/fp_prog count",
+             bin_dir(), bin_dir());
+    ASSERT(rc != 0);
+    ASSERT_STR_CONTAINS(out, "rank 0 called allreduce(F32, 16 elements, SUM) #2 but rank 1 called allreduce(F32, "
+                             "32 elements, SUM) #2");
+    ASSERT_EQ(RUN(out, "mpirun -x CTRAIN_DEBUG=collectives -np 3 %s/tests/fp_prog same", bin_dir()), 0);
+    ASSERT_EQ(occurrences_of(out, "done, fingerprints on"), 3);
+    ASSERT_EQ(RUN(out, "mpirun -np 2 $CTRAIN train " TINY " --steps 4 --strategy zero2 --debug-collectives",
+                  tiny_data()), 0);
+    ASSERT_STR_CONTAINS(out, "trained 4 steps");
 }

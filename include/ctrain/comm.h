@@ -124,6 +124,12 @@ ct_status ct_group_barrier(ct_group *g);
  * rank if all passed local == CT_OK; otherwise every rank returns the error
  * of the lowest failing rank, with that rank's number and message. */
 ct_status ct_group_check(ct_group *g, ct_status local);
+/* 1 when collectives carry fingerprints: CTRAIN_DEBUG=collectives on any
+ * rank at ct_comm_init turns them on for all.  Each collective then first
+ * compares (group, operation, dtype, count, root, reduction, sequence
+ * number) across its ranks, and the first mismatch ends the job naming
+ * both ranks and both operations; collectives of a group run one at a time. */
+int ct_comm_debug_collectives(void);
 /* Collective: checks that every rank of g holds the same n settings
  * (keys[i] = vals[i], text) before work that depends on them.  The calls
  * it makes do not depend on the values, so ranks that disagree never hang.
