@@ -32,7 +32,7 @@ DEPS_OK   = $(B)/.deps-ok
 NP      ?= 2,3,4
 MPIRUN   = OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe --bind-to none
 
-.PHONY: all test sanitize bench run install clean deps
+.PHONY: all test sanitize fuzz bench run install clean deps
 all: $(B)/libctrain.a $(B)/libctrain.so $(B)/ctrain $(B)/ctrain.pc
 
 deps: $(DEPS_OK)
@@ -92,6 +92,11 @@ sanitize:
 	$(MAKE) B=build-san CFLAGS="-O1 -g" \
 	    SANFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" test
 
+# libFuzzer targets for every parser (tests/fuzz), with clang from Debian
+# (scripts/fuzz.sh installs it when missing; `make test` never needs it).
+fuzz:
+	sh scripts/fuzz.sh
+
 bench: all $(BENCHES)
 	@for b in $(BENCHES); do echo "== $$b"; $$b || exit 1; done
 	@echo "== bench/compare-pytorch"; bench/compare-pytorch
@@ -107,6 +112,6 @@ install: all
 	install -m 644 $(B)/ctrain.pc $(PREFIX)/lib/pkgconfig
 
 clean:
-	rm -rf build build-san
+	rm -rf build build-san build-fuzz
 
 -include $(shell find $(B) -name '*.d' 2>/dev/null)
