@@ -25,9 +25,17 @@ const char *ct_strerror(ct_status s)
     return "unknown error";
 }
 
+static _Thread_local ct_status errcode;
+
 const char *ct_last_error(void) { return errbuf; }
 
-void ct_clear_error(void) { errbuf[0] = 0; }
+ct_status ct_last_status(void) { return errcode; }
+
+void ct_clear_error(void)
+{
+    errbuf[0] = 0;
+    errcode = CT_OK;
+}
 
 ct_status ct_error(ct_status code, const char *fmt, ...)
 {
@@ -41,6 +49,7 @@ ct_status ct_error(ct_status code, const char *fmt, ...)
     va_end(ap);
     if (n >= (int)sizeof tmp) memcpy(tmp + sizeof tmp - 4, "...", 4);
     memcpy(errbuf, tmp, sizeof errbuf);
+    errcode = code;
     return code;
 }
 

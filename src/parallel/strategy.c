@@ -56,7 +56,7 @@ ct_status ct_strategy_check_opts(const char *kind, const char *opts, char *buf, 
 static ct_status build_whole_optim(ct_strategy *s, const ct_optim_opts *o)
 {
     s->opt = ct_optim_create(o, s->params, s->nparams);
-    return s->opt ? CT_OK : (ct_status)CT_EINVAL;
+    return s->opt ? CT_OK : ct_last_status(); /* CT_ENOMEM stays CT_ENOMEM (found by the allocation walk) */
 }
 
 ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_opts *optim,
