@@ -99,6 +99,7 @@ fuzz:
 
 bench: all $(BENCHES)
 	@for b in $(BENCHES); do echo "== $$b"; $$b || exit 1; done
+	@echo "== bench/fsdp"; bench/fsdp
 	@echo "== bench/compare-pytorch"; bench/compare-pytorch
 
 run: all

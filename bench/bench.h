@@ -65,4 +65,16 @@ static inline void bench_relaunch_under_mpirun(int argc, char **argv, int np)
     exit(1);
 }
 
+/* A label ("fsdp:sharding=grad_op") as a key of the machine-readable last
+ * line: characters other than letters, digits and '_' become '_'. */
+static inline void bench_key(const char *label, char *key, size_t n)
+{
+    size_t i = 0;
+    for (; label[i] && i + 1 < n; i++) {
+        char c = label[i];
+        key[i] = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ? c : '_';
+    }
+    key[i] = 0;
+}
+
 #endif

@@ -43,11 +43,11 @@
 #include "ctrain/ctrain.h"
 #include "bench.h"
 
-#define WIDTH 1024
-#define DEPTH 8
 #define BATCH 64
-#define MAX_KINDS 4
+#define MAX_KINDS 8
 #define TOLERANCE 0.10
+
+static int WIDTH = 1024, DEPTH = 8; /* the model: --width, --depth */
 
 static void check(ct_status s, const char *what)
 {
@@ -127,7 +127,9 @@ static void append_prefixed(char *out, size_t n, const char *line)
 /* ---- one world size ------------------------------------------------------ */
 
 typedef struct {
-    const char *kind;
+    const char *kind;   /* the strategy */
+    char label[128];    /* as given: KIND[:K=V;K=V...] */
+    char opts[256];     /* the kind's own options (K=V,...) */
     double *t_step, *t_f, *t_b, *t_w, *t_o;
     int n;
     ct_mem_report *mem; /* [world], from the last round */
@@ -135,13 +137,18 @@ typedef struct {
     double inflight_mb; /* zero2's reduce_buffer_mb, else < 0 */
 } result;
 
-/* The ZeRO paper's bytes per parameter for f32 AdamW, per category. */
-static double formula(const char *kind, ct_mem_cat cat, int world)
+/* The ZeRO paper's bytes per parameter for f32 AdamW, per category (FSDP
+ * is its stage 3: parameters sharded too; SHARD_GRAD_OP holds every unit's
+ * parameters from forward to backward on top of the pieces). */
+static double formula(const result *r, ct_mem_cat cat, int world)
 {
-    int shard_optim = !strcmp(kind, "zero1") || !strcmp(kind, "zero2");
-    int shard_grad = !strcmp(kind, "zero2");
+    const char *kind = r->kind;
+    int fsdp = !strcmp(kind, "fsdp");
+    if (fsdp && cat == CT_MEM_PARAM && strstr(r->opts, "sharding=grad_op")) return 4 + 4.0 / world;
+    int shard_optim = !strcmp(kind, "zero1") || !strcmp(kind, "zero2") || fsdp;
+    int shard_grad = !strcmp(kind, "zero2") || fsdp;
     switch (cat) {
-    case CT_MEM_PARAM: return 4;
+    case CT_MEM_PARAM: return fsdp ? 4.0 / world : 4;
     case CT_MEM_GRAD: return shard_grad ? 4.0 / world : 4;
     case CT_MEM_OPTIM: return shard_optim ? 8.0 / world : 8;
     default: return 0;
@@ -168,7 +175,9 @@ static void run_round(result *r, const ct_batch *b, const char *opts, int steps,
     ct_module *m = reference_model();
     ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
     ct_strategy *s;
-    check(ct_strategy_create(r->kind, m, &oo, g, opts, &s), r->kind);
+    char all[1536];
+    snprintf(all, sizeof all, "%s%s%s", opts, opts[0] && r->opts[0] ? "," : "", r->opts);
+    check(ct_strategy_create(r->kind, m, &oo, g, all, &s), r->label);
     const char *rb = ct_strategy_opt(s, "reduce_buffer_mb");
     r->inflight_mb = rb ? atof(rb) : -1;
     for (int it = 0; it < warmup + steps; it++) {
@@ -195,8 +204,9 @@ static void run_round(result *r, const ct_batch *b, const char *opts, int steps,
     }
     check(ct_strategy_memory(s, r->mem), "memory report");
     if (trace && round == 0) {
-        char path[4096];
-        snprintf(path, sizeof path, "%s.%s.np%d.rank%d.json", trace, r->kind, world, rank);
+        char path[4096], key[128];
+        bench_key(r->label, key, sizeof key);
+        snprintf(path, sizeof path, "%s.%s.np%d.rank%d.json", trace, key, world, rank);
         check(ct_trace_write(path), "trace");
     }
     ct_strategy_destroy(s);
@@ -220,7 +230,7 @@ static void report(result *res, int nk, int world, int64_t nparams)
 {
     static const ct_mem_cat cats[] = {CT_MEM_PARAM, CT_MEM_GRAD, CT_MEM_OPTIM};
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    printf("ctrain ZeRO, %d ranks%s, MLP %d x Linear(%d,%d)+ReLU (%lld parameters), batch %d/rank, AdamW, "
+    printf("ctrain sharding, %d ranks%s, MLP %d x Linear(%d,%d)+ReLU (%lld parameters), batch %d/rank, AdamW, "
            "1 BLAS thread/rank (%s)\n", world,
            cores > 0 && world > cores ? " OVERSUBSCRIBED on fewer cores (times compare only at this size)" : "",
            DEPTH, WIDTH, WIDTH, (long long)nparams, BATCH, ct_blas_corename());
@@ -230,7 +240,7 @@ static void report(result *res, int nk, int world, int64_t nparams)
     for (int k = 0; k < nk; k++)
         for (int r = 0; r < world; r++) {
             const ct_mem_report *m = &res[k].mem[r];
-            printf("  %-8s %4d %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", res[k].kind, r,
+            printf("  %-8s %4d %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", res[k].label, r,
                    mib(m->peak[CT_MEM_PARAM]), mib(m->peak[CT_MEM_GRAD]), mib(m->peak[CT_MEM_OPTIM]),
                    mib(m->peak[CT_MEM_ACT]), mib(m->peak[CT_MEM_COMM]), mib(m->peak_resident), mib(m->peak_rss));
         }
@@ -241,8 +251,12 @@ static void report(result *res, int nk, int world, int64_t nparams)
     char last[4096];
     int used = snprintf(last, sizeof last, "ctrain_zero np=%d", world);
     for (int k = 0; k < nk; k++) {
-        const char *kind = res[k].kind;
+        const char *kind = res[k].kind, *label = res[k].label;
         double fr = 0, mr = (double)max_over_ranks(res[k].mem, world, -1) / (double)nparams;
+        /* FSDP's unsharded units (the one computing and the one prefetched:
+         * parameters, and gradients until reduced): a constant too */
+        double unit = (double)(WIDTH * WIDTH + WIDTH) * 4.0 / nparams;
+        int fsdp = !strcmp(kind, "fsdp");
         /* zero2's gradients in flight to their owners (the issue's "plus the
          * bucket buffers"): a constant of at most max(reduce_buffer_mb, one
          * module's gradients), allowed on top of the formula */
@@ -251,7 +265,8 @@ static void report(result *res, int nk, int world, int64_t nparams)
                          : 0;
         char cols[3][32], bad[256] = "";
         for (int c = 0; c < 3; c++) {
-            double f = formula(kind, cats[c], world), fb = cats[c] == CT_MEM_GRAD ? buf : 0;
+            double f = formula(&res[k], cats[c], world), fb = cats[c] == CT_MEM_GRAD ? buf : 0;
+            if (fsdp && cats[c] != CT_MEM_OPTIM) fb = 2 * unit;
             size_t peak = max_over_ranks(res[k].mem, world, cats[c]);
             double v = (double)peak / (double)nparams;
             fr += f;
@@ -263,18 +278,24 @@ static void report(result *res, int nk, int world, int64_t nparams)
             }
         }
         double ratio = mr / fr;
+        if (fsdp) buf = 4 * unit;
         if (buf > 0 ? ratio < 1 - TOLERANCE || mr > (fr + buf) * (1 + TOLERANCE) : fabs(ratio - 1) > TOLERANCE) {
             size_t l = strlen(bad);
             snprintf(bad + l, sizeof bad - l, " resident %+.0f%%", (ratio - 1) * 100);
         }
-        printf("  %-8s %11s %11s %11s %6.2f/%6.2f %7.3f  %s%s\n", kind, cols[0], cols[1], cols[2], mr, fr, ratio,
+        printf("  %-8s %11s %11s %11s %6.2f/%6.2f %7.3f  %s%s\n", label, cols[0], cols[1], cols[2], mr, fr, ratio,
                bad[0] ? "MISMATCH:" : "OK", bad);
         if (res[k].inflight_mb >= 0) /* what the formula leaves out: a constant, not bytes per parameter */
             printf("  %-8s   grad also holds, beyond this rank's share, the gradients in flight to their owners: "
                    "a constant,\n  %-8s   at most max(reduce_buffer_mb = %g MiB, one module's) = %.2f B/param, "
                    "allowed on top (the issue's \"plus the bucket buffers\")\n", "", "", res[k].inflight_mb, buf);
+        if (fsdp)
+            printf("  %-8s   param and grad also hold the units being gathered or computed: at most two units' "
+                   "parameters\n  %-8s   and gradients, %.3f B/param each, allowed on top\n", "", "", 2 * unit);
+        char key[128];
+        bench_key(label, key, sizeof key);
         used += snprintf(last + used, sizeof last - (size_t)used, " %s_resident_bpp=%.3f %s_formula_bpp=%.3f "
-                         "%s_mem=%s", kind, mr, kind, fr, kind, bad[0] ? "MISMATCH" : "OK");
+                         "%s_mem=%s", key, mr, key, fr, key, bad[0] ? "MISMATCH" : "OK");
     }
     printf("step time, median of %d timed steps (train_step + step + zero_grad), and the strategy's split:\n",
            res[0].n);
@@ -285,10 +306,12 @@ static void report(result *res, int nk, int world, int64_t nparams)
         result *r = &res[k];
         double st = median(r->t_step, r->n) * 1e3;
         if (k == 0) base = st;
-        printf("  %-8s %9.2f %9.2f %9.2f %9.2f %9.2f %8d   x%.2f of %s\n", r->kind, st, median(r->t_f, r->n) * 1e3,
+        printf("  %-8s %9.2f %9.2f %9.2f %9.2f %9.2f %8d   x%.2f of %s\n", r->label, st, median(r->t_f, r->n) * 1e3,
                median(r->t_b, r->n) * 1e3, median(r->t_w, r->n) * 1e3, median(r->t_o, r->n) * 1e3, r->nbuckets,
-               st / base, res[0].kind);
-        used += snprintf(last + used, sizeof last - (size_t)used, " %s_step_ms=%.3f", r->kind, st);
+               st / base, res[0].label);
+        char key[128];
+        bench_key(r->label, key, sizeof key);
+        used += snprintf(last + used, sizeof last - (size_t)used, " %s_step_ms=%.3f", key, st);
     }
     printf("%s\n", last);
     fflush(stdout);
@@ -307,17 +330,19 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--np") && i + 1 < argc) nps = argv[++i];
         else if (!strcmp(argv[i], "--strategy") && i + 1 < argc) kinds = argv[++i];
         else if (!strcmp(argv[i], "--trace") && i + 1 < argc) trace = argv[++i];
+        else if (!strcmp(argv[i], "--width") && i + 1 < argc) WIDTH = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--depth") && i + 1 < argc) DEPTH = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--opt") && i + 1 < argc) {
             size_t l = strlen(opts);
             snprintf(opts + l, sizeof opts - l, "%s%s", l ? "," : "", argv[++i]);
         } else {
-            fprintf(stderr, "usage: bench/zero [--np 2,4] [--strategy ddp,zero1,zero2] [--steps N] "
-                            "[--warmup N] [--rounds N] [--trace FILE] [--opt KEY=VALUE]\n");
+            fprintf(stderr, "usage: bench/zero [--np 2,4] [--strategy ddp,zero1,zero2,fsdp:K=V;K=V] [--steps N] "
+                            "[--warmup N] [--rounds N] [--width W] [--depth D] [--trace FILE] [--opt KEY=VALUE]\n");
             return 2;
         }
     }
-    if (steps < 1 || warmup < 0 || rounds < 1) {
-        fprintf(stderr, "bench/zero: --steps and --rounds must be >= 1 and --warmup >= 0\n");
+    if (steps < 1 || warmup < 0 || rounds < 1 || WIDTH < 1 || DEPTH < 1) {
+        fprintf(stderr, "bench/zero: --steps, --rounds, --width and --depth must be >= 1 and --warmup >= 0\n");
         return 2;
     }
 
@@ -354,6 +379,14 @@ int main(int argc, char **argv)
         if (nk == MAX_KINDS) ct_comm_abort("bench/zero: at most %d strategies", MAX_KINDS);
         result *r = &res[nk++];
         memset(r, 0, sizeof *r);
+        snprintf(r->label, sizeof r->label, "%s", t);
+        char *colon = strchr(t, ':');
+        if (colon) { /* KIND:K=V;K=V -> the kind's options K=V,K=V */
+            *colon = 0;
+            snprintf(r->opts, sizeof r->opts, "%s", colon + 1);
+            for (char *c = r->opts; *c; c++)
+                if (*c == ';') *c = ',';
+        }
         r->kind = t;
         size_t n = (size_t)steps * (size_t)rounds;
         r->t_step = calloc(n, sizeof(double));

@@ -9,6 +9,10 @@
 #ifndef CTRAIN_CLI_H
 #define CTRAIN_CLI_H
 
+/* fsdp's auto-wrap size on the command line (train and estimate): a module
+ * holding this many parameters outside units below it becomes a unit. */
+#define CLI_FSDP_WRAP_MIN_PARAMS 100000
+
 #include <stdio.h>
 
 #include <ctrain/ctrain.h>
@@ -129,9 +133,11 @@ ct_status cli_check_state_finite(const char *path, const ct_state *state);
  * of the optimizer state, then rank 0 the optimizer's and the model's
  * index (with sidecar_meta and model_meta), then it removes the files of
  * older saves in dir (sharded.c says why a crash cannot lose a checkpoint).
- * The same status on every rank. */
+ * local: the shares are the ranks' own pieces (ct_strategy_local_state:
+ * nothing is gathered) instead of whole tensors.  The same status on every
+ * rank. */
 ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model_meta, const ct_meta *sidecar_meta,
-                           int64_t step);
+                           int64_t step, int local);
 /* Reads key of m as an integer into *v; CT_EFORMAT naming file and key. */
 ct_status cli_meta_int(const ct_meta *m, const char *file, const char *key, int64_t *v);
 

@@ -22,11 +22,14 @@ typedef struct {
     uint64_t param, grad, optim, act, comm, resident, total;
 } est_row;
 
-/* Folds one rank's figures into the row. */
-static void take_rank(est_row *row, uint64_t param, uint64_t grad, uint64_t optim, uint64_t act, uint64_t comm)
+/* Folds one rank's figures into the row; resident is the peak of param +
+ * grad + optim together (less than the sum of their peaks when those fall
+ * at different times). */
+static void take_peaks(est_row *row, uint64_t param, uint64_t grad, uint64_t optim, uint64_t act, uint64_t comm,
+                       uint64_t resident)
 {
 #define MAX(f) row->f = f > row->f ? f : row->f
-    uint64_t resident = param + grad + optim, total = resident + act + comm;
+    uint64_t total = resident + act + comm;
     MAX(param);
     MAX(grad);
     MAX(optim);
@@ -35,6 +38,12 @@ static void take_rank(est_row *row, uint64_t param, uint64_t grad, uint64_t opti
     MAX(resident);
     MAX(total);
 #undef MAX
+}
+
+/* Folds one rank's figures into the row, their peaks at the same time. */
+static void take_rank(est_row *row, uint64_t param, uint64_t grad, uint64_t optim, uint64_t act, uint64_t comm)
+{
+    take_peaks(row, param, grad, optim, act, comm, param + grad + optim);
 }
 
 /* The value of key in a strategy's resolved options ("key=value\n" lines). */
@@ -297,6 +306,102 @@ static ct_status row_zero2(const est_in *in, const char *vals, est_row *row)
     return st;
 }
 
+/* FSDP's backward on one rank, replayed (src/parallel/fsdp.c) over the
+ * units other than the root in the order backward reaches them (the
+ * reverse of pre-order: a sequential's last unit first), on top of the
+ * root's parameters and gradients, which live through the whole backward:
+ * a unit's parameters are gathered at its pre-backward (and, with prefetch
+ * pre, the next unit's with them; post, after its reduce started), its
+ * gradients get memory, and at its post-backward its reduce starts, the
+ * previous unit's reduce is waited for (its gradients freed) and its
+ * parameters are freed.  grad_op starts with every unit's parameters still
+ * there from forward.  fp/fg: each unit's unsharded parameter and gradient
+ * bytes; peaks in p, g and p + g. */
+static void fsdp_backward(const uint64_t *fp, const uint64_t *fg, int m, uint64_t root_p, uint64_t root_g,
+                          int grad_op, int prefetch, uint64_t peak[3])
+{
+    uint64_t sp = root_p, sg = root_g;
+    for (int k = 0; grad_op && k < m; k++) sp += fp[k];
+    int gathered = -1, prev = -1; /* the unit prefetched; the one whose reduce is in flight */
+#define PEAK()                                             \
+    do {                                                   \
+        peak[0] = sp > peak[0] ? sp : peak[0];             \
+        peak[1] = sg > peak[1] ? sg : peak[1];             \
+        peak[2] = sp + sg > peak[2] ? sp + sg : peak[2];   \
+    } while (0)
+    PEAK();
+    for (int k = m - 1; k >= 0; k--) {
+        if (!grad_op && gathered != k) sp += fp[k];
+        if (!grad_op && prefetch == 1 && k > 0) sp += fp[gathered = k - 1];
+        sg += fg[k];
+        PEAK();
+        if (prev >= 0) sg -= fg[prev];
+        prev = k;
+        sp -= fp[k];
+        if (!grad_op && prefetch == 2 && k > 0) sp += fp[gathered = k - 1];
+        PEAK();
+    }
+#undef PEAK
+}
+
+/* FSDP (src/parallel/fsdp.c), with the units ct_fsdp_plan says it makes:
+ * every rank keeps 1/ns of each unit's flat parameter, gradient and
+ * optimizer state (ns the world, or 1 for sharding=none and ignored
+ * modules; the estimate knows no nodes, so hybrid counts as full), and on
+ * top what backward has unsharded at once (fsdp_backward). */
+static ct_status row_fsdp(const est_in *in, const char *vals, est_row *row)
+{
+    uint64_t act;
+    CT_TRY(activations(in, vals, &act));
+    char opts[2048], b[64], c[64];
+    snprintf(opts, sizeof opts, "%s", vals);
+    for (char *p = opts; *p; p++)
+        if (*p == '\n') *p = ',';
+    int n = 0;
+    CT_TRY(ct_fsdp_plan(in->model, opts, NULL, 0, &n));
+    ct_fsdp_unit *u = ct_alloc(sizeof *u * (size_t)(n + 1), CT_MEM_OTHER);
+    int64_t *counts = ct_alloc(sizeof *counts * (size_t)(2 * n + 1), CT_MEM_OTHER);
+    uint64_t *fp = ct_alloc(sizeof *fp * (size_t)(2 * n + 2), CT_MEM_OTHER), *fg = fp ? fp + n + 1 : NULL;
+    ct_status st = u && counts && fp ? ct_fsdp_plan(in->model, opts, u, n, &n) : CT_ENOMEM;
+    const char *sh = optv(vals, "sharding", b, sizeof b), *pf = optv(vals, "backward_prefetch", c, sizeof c);
+    int none = sh && !strcmp(sh, "none"), grad_op = sh && !strcmp(sh, "grad_op");
+    int prefetch = !pf || !strcmp(pf, "pre") ? 1 : !strcmp(pf, "post") ? 2 : 0;
+    uint64_t whole = in->buffer_bytes; /* what fsdp leaves whole: frozen parameters, buffers */
+    for (int i = 0; i < in->nparams; i++)
+        if (!in->params[i]->requires_grad) whole += bytes_of(in->params[i]);
+    for (int r = 0; st == CT_OK && r < in->world; r++) {
+        uint64_t pp = 0, root_p = 0, root_g = 0, peak[3] = {0, 0, 0};
+        int nc = 0, m = 0;
+        for (int i = 0; i < n; i++) {
+            int64_t ns = none || u[i].replicated ? 1 : in->world;
+            uint64_t p1 = 0, g1 = 0;
+            for (int low = 0; low < 2; low++) {
+                int64_t e = low ? u[i].low : u[i].numel, shard = (e + ns - 1) / ns;
+                if (!e) continue;
+                int64_t owned = e - r * shard;
+                counts[nc++] = ns == 1 ? e : owned < 0 ? 0 : owned > shard ? shard : owned;
+                pp += (uint64_t)shard * 4;
+                p1 += low ? (uint64_t)(shard * ns) * 2 : ns > 1 ? (uint64_t)(shard * ns) * 4 : 0;
+                g1 += (uint64_t)(shard * ns) * 4;
+            }
+            if (u[i].is_root) {
+                root_p += p1;
+                root_g += g1;
+            } else {
+                fp[m] = p1;
+                fg[m++] = g1;
+            }
+        }
+        fsdp_backward(fp, fg, m, root_p, root_g, grad_op, prefetch, peak);
+        uint64_t optim = optim_bytes(in, counts, nc), fixed_g = frozen_grad_bytes(in) + pp;
+        take_peaks(row, whole + pp + peak[0], fixed_g + peak[1], optim, act, 0, whole + pp + fixed_g + peak[2] + optim);
+    }
+    ct_free(u);
+    ct_free(counts);
+    ct_free(fp);
+    return st;
+}
+
 /* Every strategy's row, in the order of ct_strategy_list(); max_ranks 0: any. */
 typedef struct {
     const char *kind;
@@ -309,6 +414,7 @@ static const est_kind kinds[] = {
     {"ddp", 0, row_ddp},
     {"zero1", 0, row_zero1},
     {"zero2", 0, row_zero2},
+    {"fsdp", 0, row_fsdp},
 };
 #define NKINDS ((int)(sizeof kinds / sizeof kinds[0]))
 
@@ -392,6 +498,8 @@ static int resolve(const est_opts *o, const char *kind, char *vals, size_t n, ch
     int len = snprintf(opts, sizeof opts, "grad_accum=%lld,param_dtype=%s,reduce_dtype=%s", (long long)o->grad_accum,
                        strcmp(o->mixed, "none") ? o->mixed : "f32",
                        strcmp(o->grad_compress, "none") ? o->grad_compress : "f32");
+    if (!strcmp(kind, "fsdp")) /* as `ctrain train` passes it */
+        len += snprintf(opts + len, sizeof opts - (size_t)len, ",wrap_min_params=%d", CLI_FSDP_WRAP_MIN_PARAMS);
     for (const char *p = o->strategy_opt; p && *p;) {
         size_t pl = strcspn(p, ","), kl = strcspn(p, "=,");
         char key[128];

@@ -205,7 +205,7 @@ static ct_status remove_old(const char *dir, const char *tag)
 }
 
 ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model_meta, const ct_meta *sidecar_meta,
-                           int64_t step)
+                           int64_t step, int local)
 {
     ct_group *g = ct_strategy_group(s);
     int rank = ct_group_rank(g), size = ct_group_size(g);
@@ -222,7 +222,7 @@ ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model
     char *packed = NULL;
     ct_status rc = CT_OK;
     for (int k = 0; k < 2; k++) { /* collective: every rank calls both, whatever happened */
-        ct_status r = ct_strategy_shard_state(s, k, &st[k]);
+        ct_status r = local ? ct_strategy_local_state(s, k, &st[k]) : ct_strategy_shard_state(s, k, &st[k]);
         if (rc == CT_OK) rc = r;
     }
     for (int k = 0; k < 2 && rc == CT_OK; k++) {

@@ -274,6 +274,10 @@ static ct_status make_strategy(trainer *t)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",bucket_cap_mb=%.17g", o->bucket_cap_mb);
     if (buckets || o->find_unused)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",find_unused_parameters=%d", o->find_unused);
+    if (!strcmp(o->strategy, "fsdp"))
+        n += snprintf(opts + n, sizeof opts - (size_t)n, ",sharding=%s,wrap_min_params=%lld,backward_prefetch=%s,"
+                      "limit_all_gathers=%d", strcmp(o->sharding, "grad-op") ? o->sharding : "grad_op",
+                      (long long)o->wrap_min_params, o->prefetch, o->limit_all_gathers);
     if (o->strategy_opt) snprintf(opts + n, sizeof opts - (size_t)n, ",%s", o->strategy_opt);
     ct_status st = ct_strategy_create(o->strategy, t->model, &oo, t->g, opts, &t->s);
     if (st == CT_OK) t->opt = ct_strategy_optim(t->s);
@@ -338,7 +342,8 @@ static ct_status flush_denormals(void)
 #endif
 }
 
-static int sharded(const trainer *t) { return !strcmp(t->o->state_dict, "sharded"); }
+/* --state-dict sharded and local write a directory. */
+static int sharded(const trainer *t) { return strcmp(t->o->state_dict, "full") != 0; }
 
 /* --resume latest: the newest complete checkpoint of --save's series, or a new run. */
 static ct_status resolve_latest(trainer *t)
@@ -367,8 +372,8 @@ static ct_status check_save_target(trainer *t)
     const char *p = t->o->save;
     if (!p || t->rank != 0 || stat(p, &sb) != 0) return CT_OK;
     if (sharded(t) && !S_ISDIR(sb.st_mode))
-        return ct_error(CT_EINVAL, "--save %s: --state-dict sharded writes a directory, but %s is a file; give a "
-                        "directory path (or drop --state-dict sharded to write one file)", p, p);
+        return ct_error(CT_EINVAL, "--save %s: --state-dict %s writes a directory, but %s is a file; give a "
+                        "directory path (or drop --state-dict to write one file)", p, t->o->state_dict, p);
     if (!sharded(t) && S_ISDIR(sb.st_mode))
         return ct_error(CT_EINVAL, "--save %s is a directory; save a sharded checkpoint into it with --state-dict "
                         "sharded, or give a file path", p);
@@ -586,7 +591,7 @@ static ct_status save(trainer *t)
     CT_TRY(ct_group_check(t->g, fill_meta(t, &mm, &sm)));
     snprintf(t->saved, sizeof t->saved, "%s", o->save);
     if (o->keep_last) cli_series_path(o->save, t->step, t->saved, sizeof t->saved);
-    if (sharded(t)) CT_TRY(cli_save_sharded(t->s, t->saved, &mm, &sm, t->step));
+    if (sharded(t)) CT_TRY(cli_save_sharded(t->s, t->saved, &mm, &sm, t->step, !strcmp(o->state_dict, "local")));
     else CT_TRY(cli_save(t->s, t->saved, &mm, &sm));
     return o->keep_last ? cli_series_prune(t->g, o->save, o->keep_last) : CT_OK;
 }
@@ -761,9 +766,12 @@ static ct_status report(trainer *t, double seconds)
         if (ov < 0) ov = 0;
         cli_out("step time (%s, mean over %lld steps): forward %.2f ms, backward %.2f ms, optimizer %.2f ms",
                 ct_strategy_kind(t->s), (long long)t->nstats, s.forward * ms, s.backward * ms, s.optimizer * ms);
-        if (t->world > 1)
+        if (t->world > 1 && s.nbuckets)
             cli_out("; allreduce %.2f ms in %d bucket%s, waited %.2f ms (%.0f%% overlapped with backward)",
                     s.comm_total * ms, s.nbuckets, s.nbuckets == 1 ? "" : "s", s.comm_wait * ms, ov * 100);
+        else if (t->world > 1) /* gathers and reduce-scatters */
+            cli_out("; communication %.2f ms, waited %.2f ms (%.0f%% overlapped with compute)", s.comm_total * ms,
+                    s.comm_wait * ms, ov * 100);
         cli_out("\n");
         (void)n;
     }

@@ -17,6 +17,9 @@ typedef struct {
     int64_t grad_accum, threads;
     double bucket_cap_mb;
     int find_unused, flush_denormal, verbose, debug_collectives;
+    const char *sharding, *prefetch; /* fsdp */
+    int64_t wrap_min_params;
+    int limit_all_gathers, has_fsdp_flag;
     int64_t limit_train, limit_test, eval_batch; /* unlisted: small runs for tests */
     /* which flags the user gave (resume takes the others from the checkpoint) */
     int has_model, has_hidden, has_seed, has_batch, has_optim, has_lr, has_wd, has_momentum, has_strategy;

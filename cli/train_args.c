@@ -56,7 +56,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--resume", OPT_STR, &o->resume, "CKPT", "continue exactly: weights, optimizer, step and data position "
         "(latest: the newest complete checkpoint --save wrote; a new run if none)");
     OPT("--save", OPT_STR, &o->save, "CKPT", "write the model to CKPT (and its optimizer state beside it)");
-    OPT("--state-dict", OPT_STR, &o->state_dict, "FMT", "full (CKPT is a file) or sharded (a directory: a file per rank, an index) (full)");
+    OPT("--state-dict", OPT_STR, &o->state_dict, "FMT", "full (CKPT is a file), sharded (a directory: a file per rank, an index) or local (each rank's own pieces, no gathering) (full)");
     OPT("--save-every", OPT_INT, &o->save_every, "N", "also save every N steps (needs --save)");
     OPT("--keep-last", OPT_INT, &o->keep_last, "K", "save each checkpoint under its step (CKPT-stepN) and keep the K newest");
     OPT("--log-every", OPT_INT, &o->log_every, "N", "progress line every N steps (50; 0: none)");
@@ -67,6 +67,10 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--find-unused-parameters", OPT_FLAG, &o->find_unused, NULL, "ddp: allow parameters without a gradient");
     OPT("--grad-compress", OPT_STR, &o->grad_compress, "NAME", "gradients reduced as none (f32), bf16 or f16");
     OPT("--mixed", OPT_STR, &o->mixed, "DTYPE", "mixed precision: bf16 products on f32 master weights (none)");
+    OPT("--sharding", OPT_STR, &o->sharding, "MODE", "fsdp: full, grad-op, none or hybrid (full)");
+    OPT("--wrap-min-params", OPT_INT, &o->wrap_min_params, "N", "fsdp: a module with N parameters becomes a unit (100000)");
+    OPT("--prefetch", OPT_STR, &o->prefetch, "WHEN", "fsdp: gather the next unit in backward pre, post or none (pre)");
+    OPT("--limit-all-gathers", OPT_FLAG, &o->limit_all_gathers, NULL, "fsdp: at most two units unsharded besides the root");
     OPT("--strategy-opt", OPT_STR, &o->strategy_opt, "K=V,...", "strategy options (--strategy-opt help lists them)");
     OPT("--threads", OPT_INT, &o->threads, "N", "BLAS threads per rank (cores / ranks on the node)");
     OPT("--flush-denormal", OPT_FLAG, &o->flush_denormal, NULL, "treat subnormal floats as 0 (faster; as torch.set_flush_denormal)");
@@ -80,7 +84,7 @@ static int table(train_opts *o, cli_opt *t)
     return n;
 }
 
-#define MAXOPT 48 /* at most sizeof train_opts.given */
+#define MAXOPT 56 /* at most sizeof train_opts.given */
 
 void train_help(FILE *f)
 {
@@ -115,6 +119,9 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->on_nonfinite = "stop";
     o->eval_batch = 500;
     o->state_dict = "full";
+    o->sharding = "full";
+    o->prefetch = "pre";
+    o->wrap_min_params = CLI_FSDP_WRAP_MIN_PARAMS;
     cli_opt t[MAXOPT];
     int n = table(o, t), npos;
     const char *pos[1];
@@ -142,6 +149,9 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->has_clip_norm = GIVEN("--clip-norm");
     o->has_bucket_cap = GIVEN("--bucket-cap-mb");
     int has_epochs = GIVEN("--epochs"), has_steps = GIVEN("--steps");
+    const char *fsdp_flag = GIVEN("--sharding") ? "--sharding" : GIVEN("--wrap-min-params") ? "--wrap-min-params"
+                          : GIVEN("--prefetch") ? "--prefetch" : GIVEN("--limit-all-gathers") ? "--limit-all-gathers"
+                          : NULL;
 #undef GIVEN
 
     if (has_epochs && has_steps) return BAD("--epochs and --steps are both given; give one of them");
@@ -191,9 +201,9 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (o->keep_last && !o->save) return BAD("--keep-last needs --save CKPT to say where");
     if (o->resume && !strcmp(o->resume, "latest") && !o->save)
         return BAD("--resume latest continues the checkpoints --save CKPT writes; give --save too");
-    static const char *const formats[] = {"full", "sharded", NULL};
+    static const char *const formats[] = {"full", "sharded", "local", NULL};
     if (!in_list(o->state_dict, formats))
-        return BAD("unknown --state-dict '%s'; choose full (one file) or sharded (a directory)", o->state_dict);
+        return BAD("unknown --state-dict '%s'; choose full (one file), sharded or local (a directory)", o->state_dict);
     if (cli_find(t, n, "--state-dict")->given && !o->save) return BAD("--state-dict needs --save CKPT to say where");
     if (o->log_every < 0) return BAD("--log-every %lld must not be negative (0 turns progress off)", (long long)o->log_every);
     if (o->has_strategy) {
@@ -207,6 +217,15 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
         }
         if (!found) return BAD("unknown strategy '%s' for --strategy; choose one of: %s", o->strategy, l);
     }
+    if (fsdp_flag && (!o->has_strategy || strcmp(o->strategy, "fsdp")))
+        return BAD("%s applies to --strategy fsdp only", fsdp_flag);
+    static const char *const shardings[] = {"full", "grad-op", "none", "hybrid", NULL};
+    if (!in_list(o->sharding, shardings))
+        return BAD("unknown --sharding '%s'; choose full, grad-op, none or hybrid", o->sharding);
+    static const char *const prefetches[] = {"pre", "post", "none", NULL};
+    if (!in_list(o->prefetch, prefetches)) return BAD("unknown --prefetch '%s'; choose pre, post or none", o->prefetch);
+    if (o->wrap_min_params < 0) return BAD("--wrap-min-params %lld must not be negative (0: the model is one unit)",
+                                           (long long)o->wrap_min_params);
     if (o->grad_accum < 1) return BAD("--grad-accum %lld must be at least 1", (long long)o->grad_accum);
     /* Upper bounds, so no count overflows what it is multiplied into or cast to. */
     if (o->grad_accum > (1 << 30)) return BAD("--grad-accum %lld is too large (at most %d)", (long long)o->grad_accum, 1 << 30);
@@ -217,6 +236,10 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     static const char *const comp[] = {"none", "bf16", "f16", NULL};
     if (!in_list(o->grad_compress, comp)) return BAD("unknown --grad-compress '%s'; choose none, bf16 or f16", o->grad_compress);
     static const char *const mixed[] = {"none", "bf16", NULL};
+    if (!strcmp(o->mixed, "f16") || !strcmp(o->mixed, "fp16"))
+        return BAD("--mixed %s: products in f16 need oneDNN's f16 matmul, which oneDNN 2.6 only has on CPUs with "
+                   "AVX512-FP16; use --mixed bf16 (the same bytes; gradients can still travel in f16 with "
+                   "--grad-compress f16)", o->mixed);
     if (!in_list(o->mixed, mixed)) return BAD("unknown --mixed '%s'; choose none or bf16", o->mixed);
     if (o->threads < 0) return BAD("--threads %lld must not be negative (0: automatic)", (long long)o->threads);
     if (o->limit_train < 0 || o->limit_test < 0) return BAD("--limit-train and --limit-test must not be negative");

@@ -142,12 +142,16 @@ TEST(cli_usage_errors)
         {"train --steps 5", 2, "--model is required"},
         {"train --model mlp --steps 5 --batch 0", 2, "--batch 0 must be at least 1"},
         {"train --model mlp --steps 5 --hidden 256,x", 2, "'x' is not a positive integer"},
-        {"train --model mlp --steps 5 --strategy fsdp", 2, "choose one of: none, ddp"},
+        {"train --model mlp --steps 5 --strategy zero9", 2, "choose one of: none, ddp"},
+        {"train --model mlp --steps 5 --mixed f16", 2, "need oneDNN's f16 matmul"},
+        {"train --model mlp --steps 5 --sharding grad-op", 2, "--sharding applies to --strategy fsdp only"},
+        {"train --model mlp --steps 5 --strategy fsdp --sharding half", 2, "choose full, grad-op, none or hybrid"},
+        {"train --model mlp --steps 5 --strategy fsdp --prefetch early", 2, "choose pre, post or none"},
         {"train --model mlp --steps 5 --optim lbfgs", 2, "choose sgd or adamw"},
         {"train --model mlp --steps 5 --momentum 0.9", 2, "--optim sgd only"},
         {"train --model mlp --steps 5 --save-every 10", 2, "--save-every needs --save"},
         {"train --model mlp --steps 5 --state-dict sharded", 2, "--state-dict needs --save"},
-        {"train --model mlp --steps 5 --save d --state-dict zip", 2, "choose full (one file) or sharded (a directory)"},
+        {"train --model mlp --steps 5 --save d --state-dict zip", 2, "choose full (one file), sharded or local (a directory)"},
         {"train --model mlp --steps 5 --init a --resume b", 2, "--init and --resume are both given"},
         {"train --model mlp --steps 5 --grad-compress zip", 2, "choose none, bf16 or f16"},
         {"train --model mlp --steps 5 --data cifar", 2, "unknown data set 'cifar'"},
@@ -518,27 +522,32 @@ TEST(cli_zero_memory_follows_the_formulas)
     }
 }
 
-/* A ZeRO checkpoint saved by 4 ranks resumes on 2 (and the sharded form
- * too): weights and optimizer state equal an uninterrupted run. */
-static void zero_resume_case(const char *strategy, const char *format)
+/* A checkpoint saved by strategy on na ranks resumes under strategy2 on nb
+ * ranks (in the given format): weights and optimizer state equal an
+ * uninterrupted run of strategy on na ranks.  Pieces (local) name
+ * different tensors at different world sizes, so those runs end with full
+ * checkpoints to compare. */
+static void resume_case(const char *strategy, int na, const char *strategy2, int nb, const char *format)
 {
     static char out[OUT_MAX];
-    char a[512], b[512];
-    const char *tmp = ct_test_tmpdir();
+    char a[512], a2[512], b[512];
+    const char *tmp = ct_test_tmpdir(), *fin = strcmp(format, "local") ? format : "full";
     const char *base = "train --model mlp --limit-train 2000 --limit-test 200 --threads 1 --log-every 0 --batch 48 "
                        "--seed 7";
     snprintf(a, sizeof a, "%s/%s-a%s", tmp, strategy, strcmp(format, "full") ? "" : ".safetensors");
-    snprintf(b, sizeof b, "%s/%s-b%s", tmp, strategy, strcmp(format, "full") ? "" : ".safetensors");
-    int code = run_np(4, out, "%s --strategy %s --steps 12 --save %s --state-dict %s", base, strategy, a, format);
-    if (code) ct_test_fail(__FILE__, __LINE__, "4 ranks failed:\n%s", out);
-    code = run_np(2, out, "train --strategy %s --steps 24 --resume %s --save %s --state-dict %s --threads 1 "
-                          "--log-every 0 --limit-train 2000 --limit-test 200", strategy, a, a, format);
-    if (code) ct_test_fail(__FILE__, __LINE__, "resume on 2 ranks failed:\n%s", out);
-    code = run_np(4, out, "%s --strategy %s --steps 24 --save %s --state-dict %s", base, strategy, b, format);
+    snprintf(a2, sizeof a2, "%s/%s-a%s", tmp, strategy, strcmp(fin, "full") ? "" : ".safetensors");
+    snprintf(b, sizeof b, "%s/%s-b%s", tmp, strategy, strcmp(fin, "full") ? "" : ".safetensors");
+    int code = run_np(na, out, "%s --strategy %s --steps 12 --save %s --state-dict %s", base, strategy, a, format);
+    if (code) ct_test_fail(__FILE__, __LINE__, "%d ranks failed:\n%s", na, out);
+    code = run_np(nb, out, "train --strategy %s --steps 24 --resume %s --save %s --state-dict %s --threads 1 "
+                           "--log-every 0 --limit-train 2000 --limit-test 200", strategy2, a, a2, fin);
+    if (code) ct_test_fail(__FILE__, __LINE__, "resume on %d ranks failed:\n%s", nb, out);
+    code = run_np(na, out, "%s --strategy %s --steps 24 --save %s --state-dict %s", base, strategy, b, fin);
     if (code) ct_test_fail(__FILE__, __LINE__, "straight run failed:\n%s", out);
+    snprintf(a, sizeof a, "%s", a2);
     for (int side = 0; side < 2; side++) {
         char pa[600], pb[600];
-        if (side && !strcmp(format, "full")) { /* X.safetensors -> X.optim.safetensors */
+        if (side && !strcmp(fin, "full")) { /* X.safetensors -> X.optim.safetensors */
             snprintf(pa, sizeof pa, "%.*s.optim.safetensors", (int)strlen(a) - 12, a);
             snprintf(pb, sizeof pb, "%.*s.optim.safetensors", (int)strlen(b) - 12, b);
         } else if (side) {
@@ -576,8 +585,27 @@ static void zero_resume_case(const char *strategy, const char *format)
 
 TEST(cli_zero_checkpoints_move_between_world_sizes)
 {
-    zero_resume_case("zero1", "full");
-    zero_resume_case("zero2", "sharded");
+    resume_case("zero1", 4, "zero1", 2, "full");
+    resume_case("zero2", 4, "zero2", 2, "sharded");
+}
+
+/* FSDP's full and sharded checkpoints move between world sizes (4 -> 2,
+ * 2 -> 3) and strategies (fsdp -> ddp -> fsdp). */
+TEST(cli_fsdp_checkpoints_move_between_world_sizes_and_strategies)
+{
+    resume_case("fsdp", 4, "fsdp", 2, "full");
+    resume_case("fsdp", 2, "fsdp", 3, "sharded");
+    resume_case("fsdp", 2, "ddp", 2, "full");
+    resume_case("ddp", 2, "fsdp", 3, "sharded");
+}
+
+/* Each rank's own pieces (--state-dict local, nothing gathered) load at
+ * another world size and under another strategy. */
+TEST(cli_local_checkpoints_move_between_world_sizes_and_strategies)
+{
+    resume_case("fsdp", 2, "fsdp", 3, "local");
+    resume_case("zero2", 3, "ddp", 2, "local");
+    resume_case("ddp", 2, "fsdp", 4, "local");
 }
 
 /* World-size errors: every rank sees them, rank 0 says them once. */
@@ -672,6 +700,15 @@ TEST(cli_estimate_matches_zero2_runs)
     estimate_matches_run(3, "zero2", "--strategy-opt reduce_buffer_mb=1");
 }
 
+/* FSDP: pieces plus the units unsharded at once (ct_fsdp_plan's units), in
+ * f32 and bf16 (the weights gathered in bf16), FULL_SHARD and SHARD_GRAD_OP. */
+TEST(cli_estimate_matches_fsdp_runs)
+{
+    estimate_matches_run(2, "fsdp", "");
+    estimate_matches_run(3, "fsdp", "--mixed bf16");
+    estimate_matches_run(2, "fsdp", "--strategy-opt sharding=grad_op,backward_prefetch=none");
+}
+
 /* The table: a row per strategy that applies (none only on one rank), the
  * columns, and figures that follow from the model alone. */
 TEST(cli_estimate_table)
@@ -680,10 +717,10 @@ TEST(cli_estimate_table)
     ASSERT_EQ(RUN(out, "estimate --model mlp --ranks 1"), 0);
     ASSERT_STR_CONTAINS(out, "mlp [256,128] (235146 parameters)");
     const char *cols[] = {"strategy", "param", "grad", "optim", "act", "comm", "resident", "total",
-                          "\n  none ", "\n  ddp ", "\n  zero1 ", "\n  zero2 "};
+                          "\n  none ", "\n  ddp ", "\n  zero1 ", "\n  zero2 ", "\n  fsdp "};
     for (size_t i = 0; i < sizeof cols / sizeof cols[0]; i++) ASSERT_STR_CONTAINS(out, cols[i]);
     ASSERT_EQ(RUN(out, "estimate --model mlp --ranks 4 --json"), 0);
-    ASSERT_EQ(count_lines(out), 3); /* ddp, zero1, zero2: none is one rank's */
+    ASSERT_EQ(count_lines(out), 4); /* ddp, zero1, zero2, fsdp: none is one rank's */
     ASSERT(!strstr(out, "\"none\""));
     /* 235146 f32 parameters; AdamW's two moments, each slot padded to 16 floats (4.bias: 10 -> 16). */
     ASSERT_STR_CONTAINS(out, "{\"strategy\":\"ddp\",\"ranks\":4,\"param\":940584,\"grad\":940584,\"optim\":1881216,");
@@ -837,6 +874,20 @@ TEST(cli_sharded_checkpoint_loads_in_pytorch)
     int code = run_np(2, out, "train " SMALL " --steps 20 --log-every 0 --save %s --state-dict sharded", dir);
     if (code) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
     torch_logits_check(scripts, dir, out);
+}
+
+/* FSDP's full state dict (gathered a parameter at a time to rank 0) is an
+ * nn.Sequential state_dict that PyTorch loads strictly. */
+TEST(cli_fsdp_checkpoint_loads_in_pytorch)
+{
+    static char out[OUT_MAX];
+    char scripts[1100], ckpt[1024];
+    if (!torch_available(scripts, sizeof scripts)) return;
+    snprintf(ckpt, sizeof ckpt, "%s/fsdp.safetensors", ct_test_tmpdir());
+    int code = run_np(2, out, "train " SMALL " --steps 20 --log-every 0 --strategy fsdp --wrap-min-params 1000 "
+                      "--mixed bf16 --save %s", ckpt);
+    if (code) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
+    torch_logits_check(scripts, ckpt, out);
 }
 
 /* ---- sharded checkpoints ------------------------------------------------ */

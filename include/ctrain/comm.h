@@ -113,6 +113,10 @@ int ct_group_size(const ct_group *g);
  * ct_comm_set_fake_nodes) K blocks of contiguous world ranks per machine. */
 int ct_group_local_rank(const ct_group *g);
 int ct_group_local_size(const ct_group *g);
+/* The node this rank is on, numbered 0..ct_group_num_nodes(g)-1 in the
+ * order of each node's lowest rank in g (a split color for per-node groups). */
+int ct_group_node(const ct_group *g);
+int ct_group_num_nodes(const ct_group *g);
 /* Collective over g: ranks with the same color form a sub-group, ordered by
  * key (ties by rank in g).  color CT_GROUP_NONE (or any negative) joins
  * none and sets *out to NULL.  The caller destroys *out. */

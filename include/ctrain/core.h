@@ -115,6 +115,8 @@ void ct_mem_trim(void);
  * it if it holds more; overrides CTRAIN_ALLOC_CACHE_MB (default 2048 MiB, 0
  * under AddressSanitizer). */
 void ct_mem_set_cache_limit(size_t bytes);
+/* The bound ct_mem_set_cache_limit set (or the environment's, or the default). */
+size_t ct_mem_get_cache_limit(void);
 /* Fault injection: the n-th ct_alloc from now (0 = the next one) fails; -1 turns it off. */
 void ct_mem_fail_after(long n);
 /* Allocations left before the injected failure (>= 0), or -1 once it has

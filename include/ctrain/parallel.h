@@ -71,6 +71,22 @@ void ct_partition_fini(ct_partition *pt);
  * too small. */
 ct_status ct_partition_describe(const ct_partition *pt, const char *const *names, char *buf, size_t n);
 
+/* ---- FSDP's units, for planning ---------------------------------------- */
+
+/* One FSDP unit as ct_strategy_create("fsdp", ...) would cut the model. */
+typedef struct {
+    int64_t numel;   /* elements of its f32 flat parameter */
+    int64_t low;     /* elements of its bf16 one (param_dtype=bf16: the weights with compute copies) */
+    int is_root;     /* the model itself (keeps its parameters from forward to backward) */
+    int replicated;  /* an ignored module's: never sharded */
+} ct_fsdp_unit;
+
+/* The units fsdp makes of model under opts (its key=value options), in
+ * pre-order, without wrapping anything or communicating (for tools that
+ * plan a run, such as `ctrain estimate`): the first min(*n, max) go to
+ * units, *n gets their number.  CT_EINVAL for options fsdp refuses. */
+ct_status ct_fsdp_plan(ct_module *model, const char *opts, ct_fsdp_unit *units, int max, int *n);
+
 /* ---- the strategy interface ------------------------------------------- */
 
 typedef struct ct_strategy ct_strategy;
@@ -229,6 +245,17 @@ ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all);
  * for a key it does not take. */
 const char *ct_strategy_opt(const ct_strategy *s, const char *key);
 
+/* Makes every parameter's full value readable in p->data until
+ * ct_strategy_release_full_params (PyTorch's summon_full_params): FSDP
+ * gathers its pieces; strategies that keep whole parameters have nothing
+ * to do.  With writeback, changes made to them meanwhile are kept (copied
+ * back into the pieces on release); without, they are dropped (except
+ * under fsdp sharding=none, whose parameters are the pieces).  rank0_only:
+ * only rank 0 keeps them (not with writeback: CT_EINVAL).  Collective. */
+ct_status ct_strategy_summon_full_params(ct_strategy *s, int writeback, int rank0_only);
+/* Ends ct_strategy_summon_full_params (writes back if asked, frees). */
+ct_status ct_strategy_release_full_params(ct_strategy *s);
+
 /* ---- state for checkpoints -------------------------------------------- */
 
 /* Named tensors (retained references); free with ct_state_fini. */
@@ -257,11 +284,24 @@ ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out);
  * once (I64 "step" on rank 0), shares balanced by bytes, so every rank
  * writes its own file at once.  Collective over the group. */
 ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out);
+/* This rank's own pieces of the model state (optim 0) or of the optimizer
+ * state (optim 1), as they lie in its memory, with no communication:
+ * "<name>@<offset>" holds elements [offset, offset + numel) of tensor
+ * <name> flattened (1-D), "<name>" a whole one.  Over the ranks every
+ * element appears once (a replicated strategy: rank 0 has everything;
+ * buffers, frozen parameters and "step" are on rank 0).  PyTorch's
+ * LOCAL_STATE_DICT, except that it loads anywhere: ct_strategy_load_state
+ * assembles pieces into whole tensors, so any world size and any strategy
+ * loads them.  Collective only in that every rank calls it. */
+ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out);
 /* Loads tensors by name into the model (every parameter and buffer must be
  * present with its shape; f32, or bf16/f16 converted) or, with optim != 0,
  * into the optimizer state (a sharded strategy takes what this rank owns).
  * Names not in the model are an error.  The same set on every rank (a
- * sharded checkpoint is read whole: any world size can load it). */
+ * sharded checkpoint is read whole: any world size can load it).  Pieces
+ * ("<name>@<offset>", see ct_strategy_local_state) are assembled into their
+ * tensors first; pieces that overlap, leave a gap or run past the tensor
+ * are an error naming it. */
 ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names,
                                  ct_tensor *const *tensors, int n, int optim);
 

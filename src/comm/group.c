@@ -375,6 +375,18 @@ int ct_group_local_size(const ct_group *g)
     return g->local_size;
 }
 
+int ct_group_node(const ct_group *g)
+{
+    CT_ASSERT(g);
+    return g->node_of ? g->node_of[g->rank] : 0;
+}
+
+int ct_group_num_nodes(const ct_group *g)
+{
+    CT_ASSERT(g);
+    return g->nnodes;
+}
+
 /* Split: MPI has no nonblocking MPI_Comm_split, so start makes the call. */
 typedef struct {
     ct_work w;

@@ -23,15 +23,15 @@
 
 const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS] = {
     {"bucket_cap_mb", CT__OPT_NUM, offsetof(ct__ddp_opts, bucket_cap_mb), "25",
-     "gradient bucket size in MiB after the first bucket", 0},
+     "gradient bucket size in MiB after the first bucket", 0, NULL},
     {"first_bucket_mb", CT__OPT_NUM, offsetof(ct__ddp_opts, first_bucket_mb), "1",
-     "first bucket in MiB (small, so the first allreduce starts early)", 0},
+     "first bucket in MiB (small, so the first allreduce starts early)", 0, NULL},
     {"broadcast_buffers", CT__OPT_BOOL, offsetof(ct__ddp_opts, broadcast_buffers), "1",
-     "broadcast buffers (batchnorm statistics) from rank 0 before every forward", 0},
+     "broadcast buffers (batchnorm statistics) from rank 0 before every forward", 0, NULL},
     {"find_unused_parameters", CT__OPT_BOOL, offsetof(ct__ddp_opts, find_unused_parameters), "0",
-     "mark parameters of modules that did not run as ready", 0},
+     "mark parameters of modules that did not run as ready", 0, NULL},
     {"rebuild_buckets", CT__OPT_BOOL, offsetof(ct__ddp_opts, rebuild_buckets), "1",
-     "after the first step, rebuild buckets in the order gradients became ready", 0},
+     "after the first step, rebuild buckets in the order gradients became ready", 0, NULL},
 };
 
 /* Strategies built on DDP (ZeRO) put these options first in theirs. */

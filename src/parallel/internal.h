@@ -10,7 +10,11 @@
 /* One "key=value" option: where its parsed value goes (an offset into the
  * strategy's own options struct, or into ct__common), its default and a
  * line of help. */
-typedef enum { CT__OPT_INT, CT__OPT_NUM, CT__OPT_BOOL, CT__OPT_DTYPE } ct__opt_type;
+/* INT: a whole number from 1; COUNT: from 0; NUM: a positive number; BOOL;
+ * DTYPE (from dtypes); CHOICE: one of the '|'-separated words in choices,
+ * stored as its index; TEXT: any text, read back with ct_strategy_opt. */
+typedef enum { CT__OPT_INT, CT__OPT_NUM, CT__OPT_BOOL, CT__OPT_DTYPE, CT__OPT_COUNT, CT__OPT_CHOICE,
+               CT__OPT_TEXT } ct__opt_type;
 typedef struct {
     const char *key;
     ct__opt_type type;
@@ -18,6 +22,7 @@ typedef struct {
     const char *def;
     const char *help;
     unsigned dtypes; /* CT__OPT_DTYPE: bit per ct_dtype allowed */
+    const char *choices; /* CT__OPT_CHOICE: "a|b|c" */
 } ct__opt_def;
 
 /* Options every strategy takes. */
@@ -36,6 +41,7 @@ typedef struct {
     int nbase_opts;
     size_t opts_size;        /* bytes of the kind's options struct (s->kopts) */
     int refreshes_compute;   /* refreshes mixed-precision copies itself (params arrive late) */
+    int manages_compute;     /* makes and keeps the compute copies itself (FSDP gathers them) */
     /* Sets up s->priv; collective for distributed strategies. */
     ct_status (*init)(ct_strategy *s);
     void (*fini)(ct_strategy *s);
@@ -54,10 +60,13 @@ typedef struct {
     ct_status (*pre_step)(ct_strategy *s);
     ct_status (*post_step)(ct_strategy *s);
     const ct_partition *(*partition)(const ct_strategy *s); /* sharded strategies */
+    ct_status (*summon)(ct_strategy *s, int writeback, int rank0_only); /* full parameters out */
+    ct_status (*release)(ct_strategy *s);
     void (*zero_grad)(ct_strategy *s);
     ct_status (*model_state)(ct_strategy *s, ct_state *out);
     ct_status (*optim_state)(ct_strategy *s, ct_state *out);
     ct_status (*shard_state)(ct_strategy *s, int optim, ct_state *out);
+    ct_status (*local_state)(ct_strategy *s, int optim, ct_state *out);
     ct_status (*load_state)(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                             int optim);
 } ct__strategy_ops;
@@ -90,6 +99,7 @@ struct ct_strategy {
 extern const ct__strategy_ops ct__ddp_ops;
 extern const ct__strategy_ops ct__zero1_ops;
 extern const ct__strategy_ops ct__zero2_ops;
+extern const ct__strategy_ops ct__fsdp_ops;
 
 /* DDP's options and entries, for the strategies built on its buckets
  * (ZeRO-1 keeps DDP's gradient path and shards only the optimizer). */
@@ -128,6 +138,22 @@ ct_status ct__replicated_optim_state(ct_strategy *s, ct_state *out);
 ct_status ct__replicated_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts,
                                     int n, int optim);
 ct_status ct__replicated_shard_state(ct_strategy *s, int optim, ct_state *out);
+/* Rank 0 of s->g: the whole state (ct_strategy_local_state of a replicated strategy). */
+ct_status ct__replicated_local_state(ct_strategy *s, int optim, ct_state *out);
+/* Whole tensors out of names/ts where some are pieces ("<name>@<offset>",
+ * 1-D): *out gets every whole tensor (retained) and every assembled one,
+ * shaped as the model's parameter (or its optimizer state) of that name.
+ * *had_pieces says whether there were any (else out is left empty). */
+ct_status ct__assemble_pieces(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
+                              ct_state *out, int *had_pieces);
+/* Elements [off, off + count) of src (f32, bf16 or f16) into f32 dst. */
+ct_status ct__load_range(float *dst, const ct_tensor *src, int64_t off, int64_t count, const char *name);
+/* Loads a model state: every name must be a parameter or buffer of the
+ * model, every parameter and buffer present with its shape; put copies
+ * src (same numel) into wherever p's values live. */
+typedef ct_status (*ct__load_fn)(ct_strategy *s, ct_param *p, const ct_tensor *src);
+ct_status ct__load_model_with(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
+                              ct__load_fn put);
 
 /* Mixed precision (mixed.c): compute copies of the parameters in
  * common.param_dtype, made at wrap and refreshed after every step and load;
@@ -136,5 +162,8 @@ ct_status ct__mixed_init(ct_strategy *s);
 ct_status ct__mixed_refresh(ct_strategy *s);
 void ct__mixed_refresh_param(ct_strategy *s, ct_param *p);
 void ct__mixed_fini(ct_strategy *s);
+/* The policy: 1 if p gets a compute copy in a lower precision (a trainable
+ * f32 parameter of two or more dims outside a norm layer). */
+int ct__mixed_wants_copy(const ct_param *p);
 
 #endif

@@ -14,7 +14,7 @@
 
 #include "internal.h"
 
-static int wants_copy(const ct_param *p)
+int ct__mixed_wants_copy(const ct_param *p)
 {
     if (!p->requires_grad || p->data->ndim < 2 || p->data->dtype != CT_F32) return 0;
     const char *kind = p->owner && p->owner->ops ? p->owner->ops->kind : "";
@@ -33,7 +33,7 @@ ct_status ct__mixed_init(ct_strategy *s)
     s->mp = s; /* from here the copies are this strategy's to free */
     for (int i = 0; i < s->nparams; i++) {
         ct_param *p = s->params[i];
-        if (!wants_copy(p)) continue;
+        if (!ct__mixed_wants_copy(p)) continue;
         p->compute = ct_tensor_empty((ct_dtype)s->common.param_dtype, p->data->ndim, p->data->shape,
                                      CT_MEM_PARAM);
         if (!p->compute) {

@@ -17,12 +17,12 @@
 
 static const ct__opt_def common_opts[] = {
     {"grad_accum", CT__OPT_INT, offsetof(ct__common, grad_accum), "1",
-     "micro-batches per train step (gradient accumulation)", 0},
+     "micro-batches per train step (gradient accumulation)", 0, NULL},
     {"param_dtype", CT__OPT_DTYPE, offsetof(ct__common, param_dtype), "f32",
      "dtype of the parameters' compute copies (bf16: mixed precision, f32 master weights)",
-     DT(CT_F32) | DT(CT_BF16)},
+     DT(CT_F32) | DT(CT_BF16), NULL},
     {"reduce_dtype", CT__OPT_DTYPE, offsetof(ct__common, reduce_dtype), "f32",
-     "dtype gradients are reduced in across ranks", DT(CT_F32) | DT(CT_BF16) | DT(CT_F16)},
+     "dtype gradients are reduced in across ranks", DT(CT_F32) | DT(CT_BF16) | DT(CT_F16), NULL},
 };
 #define NCOMMON ((int)(sizeof common_opts / sizeof common_opts[0]))
 
@@ -45,13 +45,32 @@ static ct_status set_value(const char *kind, const ct__opt_def *d, void *base, c
     void *dst = (char *)base + d->off;
     errno = 0;
     switch (d->type) {
-    case CT__OPT_INT: {
-        long long x = strtoll(v, &end, 10);
-        if (end == v || *end || errno || x < 1 || x > 1 << 30)
-            return ct_error(CT_EINVAL, "%s option %s=%s: expected a whole number from 1", kind, d->key, v);
-        *(int *)dst = (int)x;
+    case CT__OPT_INT:
+    case CT__OPT_COUNT: {
+        long long x = strtoll(v, &end, 10), lo = d->type == CT__OPT_INT;
+        if (end == v || *end || errno || x < lo || x > (long long)1 << 40)
+            return ct_error(CT_EINVAL, "%s option %s=%s: expected a whole number from %lld", kind, d->key, v, lo);
+        if (d->type == CT__OPT_COUNT) *(int64_t *)dst = x;
+        else if (x > 1 << 30) return ct_error(CT_EINVAL, "%s option %s=%s: at most %d", kind, d->key, v, 1 << 30);
+        else *(int *)dst = (int)x;
         return CT_OK;
     }
+    case CT__OPT_CHOICE: {
+        size_t len = strlen(v);
+        int idx = 0;
+        for (const char *c = d->choices; *c; idx++) {
+            const char *bar = strchr(c, '|');
+            size_t w = bar ? (size_t)(bar - c) : strlen(c);
+            if (w == len && !strncmp(c, v, len)) {
+                *(int *)dst = idx;
+                return CT_OK;
+            }
+            c += w + (bar != NULL);
+        }
+        return ct_error(CT_EINVAL, "%s option %s=%s: expected one of %s", kind, d->key, v, d->choices);
+    }
+    case CT__OPT_TEXT:
+        return CT_OK; /* kept as text (ct_strategy_opt) */
     case CT__OPT_NUM: {
         double x = strtod(v, &end);
         if (end == v || *end || !isfinite(x) || x <= 0)

@@ -116,17 +116,12 @@ ct_status ct__replicated_optim_state(ct_strategy *s, ct_state *out)
     return st;
 }
 
-/* Copies src (f32, bf16 or f16) into the f32 destination of n elements. */
-static ct_status load_into(float *dst, int64_t n, const ct_tensor *src, const char *name)
+ct_status ct__load_range(float *dst, const ct_tensor *src, int64_t off, int64_t count, const char *name)
 {
-    if (src->numel != n)
-        return ct_error(CT_EINVAL, "'%s' has %lld elements in the checkpoint but %lld in the model; "
-                        "the checkpoint is for a different model configuration",
-                        name, (long long)src->numel, (long long)n);
     switch (src->dtype) {
-    case CT_F32: memcpy(dst, ct_tensor_data(src), (size_t)n * 4); break;
-    case CT_BF16: ct_bf16_to_f32_n(ct_tensor_data(src), dst, (size_t)n); break;
-    case CT_F16: ct_f16_to_f32_n(ct_tensor_data(src), dst, (size_t)n); break;
+    case CT_F32: memcpy(dst, (const float *)ct_tensor_data(src) + off, (size_t)count * 4); break;
+    case CT_BF16: ct_bf16_to_f32_n((const uint16_t *)ct_tensor_data(src) + off, dst, (size_t)count); break;
+    case CT_F16: ct_f16_to_f32_n((const uint16_t *)ct_tensor_data(src) + off, dst, (size_t)count); break;
     default:
         return ct_error(CT_EINVAL, "'%s' is %s in the checkpoint; parameters must be F32, BF16 or F16",
                         name, ct_dtype_name(src->dtype));
@@ -134,7 +129,24 @@ static ct_status load_into(float *dst, int64_t n, const ct_tensor *src, const ch
     return CT_OK;
 }
 
-static ct_status load_model(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n)
+/* Copies src (f32, bf16 or f16) into the f32 destination of n elements. */
+static ct_status load_into(float *dst, int64_t n, const ct_tensor *src, const char *name)
+{
+    if (src->numel != n)
+        return ct_error(CT_EINVAL, "'%s' has %lld elements in the checkpoint but %lld in the model; "
+                        "the checkpoint is for a different model configuration",
+                        name, (long long)src->numel, (long long)n);
+    return ct__load_range(dst, src, 0, n, name);
+}
+
+static ct_status put_whole(ct_strategy *s, ct_param *p, const ct_tensor *src)
+{
+    (void)s;
+    return load_into(ct_f32(p->data), p->data->numel, src, p->name);
+}
+
+ct_status ct__load_model_with(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
+                              ct__load_fn put)
 {
     for (int i = 0; i < n; i++) {
         if (ct_module_find(s->model, names[i])) continue;
@@ -162,7 +174,7 @@ static ct_status load_model(ct_strategy *s, const char *const *names, ct_tensor 
                                 ps[j]->name, ct_shape_str(src, a, sizeof a),
                                 ct_shape_str(ps[j]->data, b, sizeof b));
             }
-            CT_TRY(load_into(ct_f32(ps[j]->data), ps[j]->data->numel, src, ps[j]->name));
+            CT_TRY(put(s, ps[j], src)); /* same shape: same numel */
         }
     }
     return CT_OK;
@@ -200,7 +212,7 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
 ct_status ct__replicated_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
                                    int n, int optim)
 {
-    return optim ? load_optim(s, names, tensors, n) : load_model(s, names, tensors, n);
+    return optim ? load_optim(s, names, tensors, n) : ct__load_model_with(s, names, tensors, n, put_whole);
 }
 
 /* Shares balanced by bytes: largest tensor first onto the least loaded
@@ -236,6 +248,102 @@ ct_status ct__replicated_shard_state(ct_strategy *s, int optim, ct_state *out)
     ct_free(order);
     ct_free(load);
     ct_state_fini(&full);
+    if (st != CT_OK) ct_state_fini(out);
+    return st;
+}
+
+ct_status ct__replicated_local_state(ct_strategy *s, int optim, ct_state *out)
+{
+    memset(out, 0, sizeof *out);
+    if (ct_group_rank(s->g) != 0) return CT_OK;
+    return optim ? ct__replicated_optim_state(s, out) : ct__replicated_model_state(s, out);
+}
+
+typedef struct {
+    int64_t off;
+    int i; /* index into names/ts */
+} piece;
+
+static int cmp_piece(const void *a, const void *b)
+{
+    const piece *x = a, *y = b;
+    return (x->off > y->off) - (x->off < y->off);
+}
+
+/* The model tensor a (possibly optimizer-state) name describes: the
+ * parameter or buffer of that name, or "<param>.<state>"'s parameter. */
+static const ct_tensor *shape_of(ct_strategy *s, const char *base)
+{
+    ct_param *p = ct_module_find(s->model, base);
+    if (p) return p->data;
+    const char *dot = strrchr(base, '.');
+    if (!dot) return NULL;
+    char name[512];
+    snprintf(name, sizeof name, "%.*s", (int)(dot - base), base);
+    p = ct_module_find(s->model, name);
+    return p ? p->data : NULL;
+}
+
+ct_status ct__assemble_pieces(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
+                              ct_state *out, int *had_pieces)
+{
+    memset(out, 0, sizeof *out);
+    *had_pieces = 0;
+    for (int i = 0; i < n; i++) *had_pieces |= strchr(names[i], '@') != NULL;
+    if (!*had_pieces) return CT_OK;
+    piece *pc = ct_alloc(sizeof *pc * (size_t)(n + 1), CT_MEM_OTHER);
+    char *done = ct_alloc_zeroed((size_t)n + 1, CT_MEM_OTHER);
+    ct_status st = pc && done ? CT_OK : CT_ENOMEM;
+    char base[512];
+    for (int i = 0; i < n && st == CT_OK; i++) {
+        const char *at = strrchr(names[i], '@');
+        if (!at) {
+            st = ct_state_add(out, names[i], ts[i]);
+            continue;
+        }
+        if (done[i]) continue;
+        snprintf(base, sizeof base, "%.*s", (int)(at - names[i]), names[i]);
+        const ct_tensor *like = shape_of(s, base);
+        if (!like) {
+            st = ct_error(CT_EINVAL, "checkpoint piece '%s' belongs to no tensor of the model (wrong --model or "
+                          "--hidden?)", names[i]);
+            break;
+        }
+        int np = 0;
+        size_t bl = strlen(base);
+        for (int j = i; j < n; j++) { /* every piece of base */
+            char *end;
+            if (strncmp(names[j], base, bl) || names[j][bl] != '@') continue;
+            long long off = strtoll(names[j] + bl + 1, &end, 10);
+            if (*end || off < 0 || ts[j]->dtype != CT_F32 || ts[j]->ndim != 1) {
+                st = ct_error(CT_EINVAL, "checkpoint piece '%s' is not an F32 vector at a whole offset", names[j]);
+                break;
+            }
+            pc[np++] = (piece){off, j};
+            done[j] = 1;
+        }
+        if (st != CT_OK) break;
+        qsort(pc, (size_t)np, sizeof *pc, cmp_piece);
+        int64_t at_elem = 0;
+        for (int k = 0; k < np && st == CT_OK; k++) {
+            if (pc[k].off != at_elem)
+                st = ct_error(CT_EINVAL, "checkpoint pieces of '%s' %s at element %lld: the checkpoint is "
+                              "incomplete or mixes two saves", base, pc[k].off > at_elem ? "leave a gap" : "overlap",
+                              (long long)at_elem);
+            at_elem += ts[pc[k].i]->numel;
+        }
+        if (st == CT_OK && at_elem != like->numel)
+            st = ct_error(CT_EINVAL, "checkpoint pieces of '%s' hold %lld elements but the model's tensor has %lld",
+                          base, (long long)at_elem, (long long)like->numel);
+        ct_tensor *whole = st == CT_OK ? ct_tensor_empty(CT_F32, like->ndim, like->shape, CT_MEM_DATA) : NULL;
+        if (st == CT_OK && !whole) st = CT_ENOMEM;
+        for (int k = 0; k < np && st == CT_OK; k++)
+            memcpy(ct_f32(whole) + pc[k].off, ct_tensor_data(ts[pc[k].i]), ct_tensor_bytes(ts[pc[k].i]));
+        if (st == CT_OK) st = ct_state_add(out, base, whole);
+        ct_tensor_release(whole);
+    }
+    ct_free(pc);
+    ct_free(done);
     if (st != CT_OK) ct_state_fini(out);
     return st;
 }

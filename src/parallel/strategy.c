@@ -12,9 +12,10 @@
 
 static const ct__strategy_ops none_ops = {.kind = "none"};
 
-static const ct__strategy_ops *const kinds[] = {&none_ops, &ct__ddp_ops, &ct__zero1_ops, &ct__zero2_ops};
+static const ct__strategy_ops *const kinds[] = {&none_ops, &ct__ddp_ops, &ct__zero1_ops, &ct__zero2_ops,
+                                                  &ct__fsdp_ops};
 
-const char *ct_strategy_list(void) { return "none, ddp, zero1, zero2"; }
+const char *ct_strategy_list(void) { return "none, ddp, zero1, zero2, fsdp"; }
 
 static const ct__strategy_ops *find_kind(const char *kind)
 {
@@ -82,7 +83,7 @@ ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_
     if (st == CT_OK) st = ct_module_buffers(model, &s->buffers, &s->nbuffers);
     if (st == CT_OK && ops->init) st = ops->init(s);
     if (st == CT_OK) st = ops->build_optim ? ops->build_optim(s, optim) : build_whole_optim(s, optim);
-    if (st == CT_OK) st = ct__mixed_init(s);
+    if (st == CT_OK && !ops->manages_compute) st = ct__mixed_init(s);
     if (st != CT_OK) {
         ct_strategy_destroy(s);
         return st;
@@ -335,7 +336,7 @@ ct_status ct_strategy_step(ct_strategy *s)
     ct_status st = s->ops->pre_step ? s->ops->pre_step(s) : CT_OK;
     if (st == CT_OK) st = ct_optim_step(s->opt);
     if (st == CT_OK && s->ops->post_step) st = s->ops->post_step(s);
-    if (st == CT_OK && !s->ops->refreshes_compute) st = ct__mixed_refresh(s);
+    if (st == CT_OK && !s->ops->refreshes_compute && !s->ops->manages_compute) st = ct__mixed_refresh(s);
     double t1 = ct_now();
     ct_trace_event("optimizer", "step", t0, t1, 0);
     s->stats.optimizer += t1 - t0;
@@ -370,6 +371,16 @@ ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all)
     return ct_group_allgather(s->g, &mine, all, (int64_t)sizeof mine, CT_U8, NULL);
 }
 
+ct_status ct_strategy_summon_full_params(ct_strategy *s, int writeback, int rank0_only)
+{
+    return s->ops->summon ? s->ops->summon(s, writeback, rank0_only) : CT_OK;
+}
+
+ct_status ct_strategy_release_full_params(ct_strategy *s)
+{
+    return s->ops->release ? s->ops->release(s) : CT_OK;
+}
+
 /* ---- state ----------------------------------------------------------------- */
 
 ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out)
@@ -390,11 +401,27 @@ ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out)
     return s->ops->shard_state ? s->ops->shard_state(s, optim, out) : ct__replicated_shard_state(s, optim, out);
 }
 
+ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out)
+{
+    memset(out, 0, sizeof *out);
+    return s->ops->local_state ? s->ops->local_state(s, optim, out) : ct__replicated_local_state(s, optim, out);
+}
+
 ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
                                  int n, int optim)
 {
-    CT_TRY(s->ops->load_state ? s->ops->load_state(s, names, tensors, n, optim)
-                              : ct__replicated_load_state(s, names, tensors, n, optim));
+    ct_state whole;
+    int pieces;
+    CT_TRY(ct__assemble_pieces(s, names, tensors, n, &whole, &pieces));
+    if (pieces) {
+        names = (const char *const *)whole.names;
+        tensors = whole.tensors;
+        n = whole.n;
+    }
+    ct_status st = s->ops->load_state ? s->ops->load_state(s, names, tensors, n, optim)
+                                      : ct__replicated_load_state(s, names, tensors, n, optim);
+    ct_state_fini(&whole);
+    CT_TRY(st);
     /* New master weights: the compute copies follow. */
-    return optim ? CT_OK : ct__mixed_refresh(s);
+    return optim || s->ops->manages_compute ? CT_OK : ct__mixed_refresh(s);
 }

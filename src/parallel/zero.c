@@ -251,14 +251,15 @@ ct_status ct__zero_post_step(ct_strategy *s)
 
 /* ---- state ------------------------------------------------------------- */
 
-/* Buffer b of trainable parameter i as a full tensor on root: owners copy
- * their ranges into zeros and the ranks' buffers are summed there.  *out is
- * NULL on other ranks. */
-static ct_status gather_buffer(ct_strategy *s, int i, int b, int root, ct_tensor **out)
+static ct_group *group_of(ct_strategy *s, const ct__zero *z, int i) { return z->pg ? z->pg[i] : s->g; }
+
+/* Owners copy their ranges into zeros and the group's buffers are summed on root. */
+ct_status ct__zero_gather(ct_strategy *s, int i, int b, int root, ct_tensor **out)
 {
     ct__zero *z = ct__zero_of(s);
     *out = NULL;
     ct_param *p = z->tp[i];
+    ct_group *g = group_of(s, z, i);
     ct_tensor *full = ct_tensor_create(CT_F32, p->data->ndim, p->data->shape, CT_MEM_COMM);
     if (!full) return CT_ENOMEM;
     int local_only = 1;
@@ -267,16 +268,20 @@ static ct_status gather_buffer(ct_strategy *s, int i, int b, int root, ct_tensor
         local_only &= x->owner == root;
         if (z->slot[k] < 0) continue;
         float *bufs[CT_OPTIM_MAX_STATE];
-        int nb = ct_optim_state(s->opt, z->slot[k], bufs, NULL);
-        if (nb < 0) {
-            ct_tensor_release(full);
-            return nb;
+        const float *src = b < 0 ? ct_optim_slot_at(s->opt, z->slot[k])->data : NULL;
+        if (b >= 0) {
+            int nb = ct_optim_state(s->opt, z->slot[k], bufs, NULL);
+            if (nb < 0) {
+                ct_tensor_release(full);
+                return nb;
+            }
+            src = bufs[b];
         }
-        memcpy(ct_f32(full) + x->offset, bufs[b], (size_t)x->count * sizeof(float));
+        memcpy(ct_f32(full) + x->offset, src, (size_t)x->count * sizeof(float));
     }
     ct_status st = CT_OK;
-    if (!local_only) st = ct_group_reduce(s->g, ct_tensor_data(full), full->numel, CT_F32, CT_OP_SUM, root, NULL);
-    if (st == CT_OK && ct_group_rank(s->g) == root) *out = full;
+    if (!local_only) st = ct_group_reduce(g, ct_tensor_data(full), full->numel, CT_F32, CT_OP_SUM, root, NULL);
+    if (st == CT_OK && ct_group_rank(g) == root && !(z->quiet && z->quiet[i])) *out = full;
     else ct_tensor_release(full);
     return st;
 }
@@ -304,7 +309,7 @@ static ct_status collect(ct_strategy *s, int sharded, ct_state *out)
         int root = sharded ? z->pt.ranges[z->first[i]].owner : 0;
         for (int b = 0; b < nb && st == CT_OK; b++) {
             ct_tensor *t;
-            st = gather_buffer(s, i, b, root, &t);
+            st = ct__zero_gather(s, i, b, root, &t);
             if (st == CT_OK && t) {
                 snprintf(name, sizeof name, "%s.%s", z->tp[i]->name, bn[b]);
                 st = ct_state_add(out, name, t);
@@ -330,6 +335,51 @@ ct_status ct__zero_shard_state(ct_strategy *s, int optim, ct_state *out)
     if (optim) return collect(s, 1, out);
     CT_TRY(ct__zero_wait_all(s));
     return ct__replicated_shard_state(s, 0, out);
+}
+
+/* A piece of p (or of its optimizer buffer buf) of count floats at data,
+ * named "<name>[.<buf>]@<offset>", or whole (p's shape) when it is all of it. */
+static ct_status add_piece(ct_state *out, const ct_param *p, const char *buf, int64_t offset, int64_t count,
+                           float *data)
+{
+    char full[600];
+    int whole = offset == 0 && count == p->data->numel;
+    snprintf(full, sizeof full, "%s%s%s", p->name, buf ? "." : "", buf ? buf : "");
+    if (!whole) snprintf(full + strlen(full), sizeof full - strlen(full), "@%lld", (long long)offset);
+    ct_tensor *t = whole ? ct_tensor_wrap(CT_F32, p->data->ndim, p->data->shape, data)
+                         : ct_tensor_wrap(CT_F32, 1, &count, data);
+    if (!t) return CT_ENOMEM;
+    ct_status st = ct_state_add(out, full, t);
+    ct_tensor_release(t);
+    return st;
+}
+
+ct_status ct__zero_local_state(ct_strategy *s, int optim, ct_state *out)
+{
+    ct__zero *z = ct__zero_of(s);
+    CT_TRY(ct__zero_wait_all(s));
+    const char *bn[CT_OPTIM_MAX_STATE];
+    int nb = optim ? ct_optim_state_names(s->opt, bn) : 1, rank = ct_group_rank(s->g);
+    ct_status st = CT_OK;
+    for (int k = 0; k < z->pt.n && st == CT_OK; k++) {
+        const ct_part_range *x = &z->pt.ranges[k];
+        if (z->slot[k] < 0 || (z->quiet && z->quiet[x->param])) continue;
+        ct_param *p = z->tp[x->param];
+        float *bufs[CT_OPTIM_MAX_STATE] = {ct_optim_slot_at(s->opt, z->slot[k])->data};
+        if (optim) {
+            int got = ct_optim_state(s->opt, z->slot[k], bufs, NULL);
+            if (got < 0) st = got;
+        }
+        for (int b = 0; b < nb && st == CT_OK; b++)
+            st = add_piece(out, p, optim ? bn[b] : NULL, x->offset, x->count, bufs[b]);
+    }
+    for (int i = 0; st == CT_OK && rank == 0 && !optim && i < s->nparams; i++) /* outside the partition */
+        if (ct__zero_index(z, s->params[i]) < 0) st = ct_state_add(out, s->params[i]->name, s->params[i]->data);
+    for (int i = 0; st == CT_OK && rank == 0 && !optim && i < s->nbuffers; i++)
+        st = ct_state_add(out, s->buffers[i]->name, s->buffers[i]->data);
+    if (st == CT_OK && optim && rank == 0) st = add_step(s, out);
+    if (st != CT_OK) ct_state_fini(out);
+    return st;
 }
 
 static const ct_tensor *find(const char *const *names, ct_tensor *const *ts, int n, const char *name)
@@ -407,6 +457,7 @@ const ct__strategy_ops ct__zero1_ops = {
     .model_state = ct__zero_model_state,
     .optim_state = ct__zero_optim_state,
     .shard_state = ct__zero_shard_state,
+    .local_state = ct__zero_local_state,
     .load_state = ct__zero_load_state,
 };
 

@@ -11,6 +11,10 @@ typedef struct {
     ct_partition pt;
     int *first;         /* [ntp] index of the parameter's first range in pt */
     int *slot;          /* [pt.n] optimizer slot of an owned range, else -1 */
+    ct_group **pg;      /* [ntp] the group parameter i is partitioned over (NULL: all s->g); owners
+                           count in it (FSDP: each unit's shard group) */
+    char *quiet;        /* [ntp] 1 where this rank's pieces are a replica's (FSDP hybrid): it takes
+                           part in gathers but another rank reports the state */
     ct_work **work;     /* [pt.n] broadcast of the range after the step, or NULL */
     ct_hook **hooks;    /* pre-forward (and, zero2, pre-backward) hooks of the modules with parameters */
     int nhooks;
@@ -38,12 +42,12 @@ typedef struct {
 /* The options both take (auto_refresh_trainable and its warning). */
 #define SPLIT_OPT(type)                                                                                 \
     {"split_params", CT__OPT_BOOL, offsetof(type, split_params), "0",                                  \
-     "partition the parameters laid end to end into equal pieces (exact balance) instead of whole tensors", 0}
+     "partition the parameters laid end to end into equal pieces (exact balance) instead of whole tensors", 0, NULL}
 #define REFRESH_OPTS(type)                                                                              \
     {"auto_refresh_trainable", CT__OPT_BOOL, offsetof(type, auto_refresh_trainable), "1",              \
-     "follow parameters frozen or unfrozen between steps (else that is an error)", 0},                 \
+     "follow parameters frozen or unfrozen between steps (else that is an error)", 0, NULL},                 \
     {"warn_on_trainable_params_changed", CT__OPT_BOOL, offsetof(type, warn_on_trainable_params_changed), \
-     "1", "warn when the trainable parameters change", 0}
+     "1", "warn when the trainable parameters change", 0, NULL}
 
 /* The strategy's ZeRO state (s->ext). */
 ct__zero *ct__zero_of(ct_strategy *s);
@@ -60,9 +64,14 @@ ct_status ct__zero_refresh_trainable(ct_strategy *s, int auto_refresh, int warn,
 ct_status ct__zero_pre_step(ct_strategy *s);
 ct_status ct__zero_post_step(ct_strategy *s);
 const ct_partition *ct__zero_partition(const ct_strategy *s);
+/* Parameter i's optimizer buffer b (b < 0: its data) as a full tensor on
+ * rank root of its group, *out NULL elsewhere (collective over the group). */
+ct_status ct__zero_gather(ct_strategy *s, int i, int b, int root, ct_tensor **out);
 ct_status ct__zero_model_state(ct_strategy *s, ct_state *out);
 ct_status ct__zero_optim_state(ct_strategy *s, ct_state *out);
 ct_status ct__zero_shard_state(ct_strategy *s, int optim, ct_state *out);
+/* This rank's owned ranges as pieces (ct_strategy_local_state). */
+ct_status ct__zero_local_state(ct_strategy *s, int optim, ct_state *out);
 ct_status ct__zero_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
 
 #endif

@@ -31,11 +31,11 @@ static const ct__opt_def zero2_opt_defs[] = {
     REFRESH_OPTS(zero2_opts),
     SPLIT_OPT(zero2_opts),
     {"broadcast_buffers", CT__OPT_BOOL, offsetof(zero2_opts, broadcast_buffers), "1",
-     "broadcast buffers (batchnorm statistics) from rank 0 before every forward", 0},
+     "broadcast buffers (batchnorm statistics) from rank 0 before every forward", 0, NULL},
     {"sync_models_at_startup", CT__OPT_BOOL, offsetof(zero2_opts, sync_models_at_startup), "1",
-     "broadcast rank 0's parameters and buffers when wrapping", 0},
+     "broadcast rank 0's parameters and buffers when wrapping", 0, NULL},
     {"reduce_buffer_mb", CT__OPT_NUM, offsetof(zero2_opts, reduce_buffer_mb), "8",
-     "gradient MiB in flight to their owners before backward waits for the oldest", 0},
+     "gradient MiB in flight to their owners before backward waits for the oldest", 0, NULL},
 };
 
 static const zero2_opts *O2(const ct_strategy *s) { return s->kopts; }
@@ -385,5 +385,6 @@ const ct__strategy_ops ct__zero2_ops = {
     .model_state = ct__zero_model_state,
     .optim_state = ct__zero_optim_state,
     .shard_state = ct__zero_shard_state,
+    .local_state = ct__zero_local_state,
     .load_state = ct__zero_load_state,
 };

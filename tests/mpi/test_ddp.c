@@ -8,10 +8,7 @@
  */
 #include <math.h>
 
-#include "../test.h"
-
-#define IN 12
-#define NCLS 5
+#include "train_util.h"
 
 /* ---- small custom module kinds for the edge cases --------------------- */
 
@@ -34,36 +31,6 @@ static ct_status branch_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_r
 
 static const ct_module_ops branch_ops = {"branch", branch_fwd, branch_bwd, NULL, 0, NULL};
 
-/* Calls child 0 twice: y = f(f(x)), so f's gradients arrive twice per backward. */
-static ct_status twice_fwd(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
-                           const ct_fwd_ctx *ctx)
-{
-    ct_tensor *mid;
-    ct_record *r1 = NULL, *r2 = NULL;
-    CT_TRY(ct_module_forward(m->kids[0], in, &mid, rec ? &r1 : NULL, ctx));
-    if (rec) CT_TRY(ct_record_add_kid(rec, r1));
-    ct_status s = ct_module_forward(m->kids[0], mid, out, rec ? &r2 : NULL, ctx);
-    ct_tensor_release(mid);
-    if (s == CT_OK && rec) s = ct_record_add_kid(rec, r2);
-    return s;
-}
-
-static ct_status twice_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
-{
-    ct_tensor *g;
-    ct_record *r1 = rec->kids[0], *r2 = rec->kids[1];
-    rec->kids[0] = rec->kids[1] = NULL;
-    ct_status s = ct_module_backward(m->kids[0], dout, &g, r2);
-    if (s != CT_OK) {
-        ct_record_destroy(r1);
-        return s;
-    }
-    s = ct_module_backward(m->kids[0], g, din, r1);
-    ct_tensor_release(g);
-    return s;
-}
-
-static const ct_module_ops twice_ops = {"twice", twice_fwd, twice_bwd, NULL, 0, NULL};
 
 /* ---- helpers ------------------------------------------------------------ */
 
@@ -83,9 +50,7 @@ static ct_module *model(int kind, uint64_t seed)
         ASSERT_OK(ct_module_add(br, "unused", ct_linear_create(hidden, hidden, 1)));
         ASSERT_OK(ct_module_add(m, NULL, br));
     } else if (kind == WITH_TWICE) {
-        ct_module *tw = ct_module_create(&twice_ops, NULL);
-        ASSERT_OK(ct_module_add(tw, "f", ct_linear_create(hidden, hidden, 1)));
-        ASSERT_OK(ct_module_add(m, NULL, tw));
+        ASSERT_OK(ct_module_add(m, NULL, twice_create(ct_linear_create(hidden, hidden, 1))));
     } else {
         ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(hidden, hidden, 1)));
     }
@@ -93,25 +58,6 @@ static ct_module *model(int kind, uint64_t seed)
     ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(hidden, NCLS, 1)));
     ct_module_init_params(m, seed);
     return m;
-}
-
-/* Global batch of a step: the same on every rank. */
-static void global_batch(int step, int64_t n, ct_tensor **x, ct_tensor **y)
-{
-    *x = ct_tensor_create2(n, IN, CT_MEM_ACT);
-    *y = ct_tensor_create(CT_I32, 1, &n, CT_MEM_ACT);
-    ct_rng r;
-    ct_rng_init(&r, 1234, (uint64_t)step);
-    ct_rng_normal(&r, ct_f32(*x), (size_t)(n * IN), 0, 1);
-    for (int64_t i = 0; i < n; i++) ((int32_t *)ct_tensor_data(*y))[i] = (int32_t)((i * 7 + step) % NCLS);
-}
-
-static ct_tensor *rows(ct_tensor *t, int64_t start, int64_t count)
-{
-    int64_t shape[CT_MAX_DIMS];
-    memcpy(shape, t->shape, sizeof shape);
-    shape[0] = count;
-    return ct_tensor_view(t, start * (t->numel / t->shape[0]), t->ndim, shape);
 }
 
 /* forward + cross-entropy + backward of rows [start, start+count) with the
@@ -134,28 +80,6 @@ static ct_status train_micro(ct_strategy *s, ct_tensor *gx, ct_tensor *gy, int64
     ct_tensor_release(x);
     ct_tensor_release(y);
     return st;
-}
-
-static ct_optim_opts optim_for(ct_optim_kind k)
-{
-    ct_optim_opts o = ct_optim_defaults(k);
-    o.lr = k == CT_OPT_SGD ? 0.1f : 0.01f;
-    if (k == CT_OPT_SGD) o.momentum = 0.9f;
-    return o;
-}
-
-static void assert_params_close(ct_module *a, ct_module *b, double tol)
-{
-    ct_param **pa, **pb;
-    int na, nb;
-    ASSERT_OK(ct_module_params(a, &pa, &na));
-    ASSERT_OK(ct_module_params(b, &pb, &nb));
-    ASSERT_EQ(na, nb);
-    for (int i = 0; i < na; i++)
-        for (int64_t j = 0; j < pa[i]->data->numel; j++)
-            ASSERT_CLOSE(ct_f32(pa[i]->data)[j], ct_f32(pb[i]->data)[j], tol, tol);
-    ct_free(pa);
-    ct_free(pb);
 }
 
 /* DDP with per-rank batch b vs one process with batch world*b, `steps` steps. */
@@ -341,31 +265,6 @@ TEST(ddp_rejects_gradient_produced_twice)
 }
 
 /* ---- the v2 interface: train step, clip, options, shards ----------------- */
-
-/* Rank r's contiguous slice of n rows, the first n % world ranks one more
- * (the sampler's split). */
-static void slice(int64_t n, int rank, int world, int64_t *first, int64_t *count)
-{
-    int64_t q = n / world, rem = n % world;
-    *first = rank * q + (rank < rem ? rank : rem);
-    *count = q + (rank < rem);
-}
-
-/* One train step over this rank's slice of the global batch of `step`. */
-static void step_on_slice(ct_strategy *s, int step, int64_t n, int rank, int world, ct_step_out *out)
-{
-    ct_tensor *x, *y;
-    global_batch(step, n, &x, &y);
-    int64_t first, count;
-    slice(n, rank, world, &first, &count);
-    ct_batch b = {rows(x, first, count), rows(y, first, count), n, first};
-    ct_fwd_ctx ctx = {.training = 1, .seed = 5, .step = (uint64_t)step};
-    ASSERT_OK(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, out));
-    ct_tensor_release(b.x);
-    ct_tensor_release(b.y);
-    ct_tensor_release(x);
-    ct_tensor_release(y);
-}
 
 TEST(ddp_train_step_micro_batches_equal_one_process)
 {
@@ -597,32 +496,6 @@ TEST(ddp_mixed_bf16_equals_one_process_with_the_same_casts)
 }
 
 /* ---- ZeRO ---------------------------------------------------------------- */
-
-/* Relative L2 distance of two states over the names of a (on rank 0 only
- * for a sharded strategy); tensors of b missing from a fail. */
-static double state_rel_l2(const ct_state *a, const ct_state *b)
-{
-    double num = 0, den = 0;
-    ASSERT_EQ(a->n, b->n);
-    for (int i = 0; i < a->n; i++) {
-        const ct_tensor *y = NULL;
-        for (int j = 0; j < b->n; j++)
-            if (!strcmp(a->names[i], b->names[j])) y = b->tensors[j];
-        if (!y) ct_test_fail(__FILE__, __LINE__, "'%s' is missing from the other state", a->names[i]);
-        const ct_tensor *x = a->tensors[i];
-        ASSERT_EQ(x->numel, y->numel);
-        if (x->dtype == CT_I64) {
-            ASSERT_EQ(((int64_t *)ct_tensor_data(x))[0], ((int64_t *)ct_tensor_data(y))[0]);
-            continue;
-        }
-        for (int64_t k = 0; k < x->numel; k++) {
-            double d = (double)ct_f32(x)[k] - ct_f32(y)[k];
-            num += d * d;
-            den += (double)ct_f32(y)[k] * ct_f32(y)[k];
-        }
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
 
 /* kind over N ranks equals one process on the whole batch: weights and
  * (consolidated on rank 0) optimizer state, relative L2 < 1e-5. */

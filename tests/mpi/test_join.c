@@ -101,14 +101,22 @@ static void join_case(const char *kind)
     }
     ASSERT_EQ(step, steps_of(world - 1));
     ASSERT_EQ(joined_steps, steps_of(world - 1) - steps_of(rank));
-    ct_param **pa, **pb;
-    int na, nb;
-    ASSERT_OK(ct_module_params(dm, &pa, &na));
+    /* The model as the strategy gives it (gathered on rank 0 where it is sharded). */
+    ct_state ms;
+    ASSERT_OK(ct_strategy_model_state(ds, &ms));
+    ct_param **pb;
+    int nb;
     ASSERT_OK(ct_module_params(rm, &pb, &nb));
-    for (int i = 0; i < na; i++)
-        for (int64_t j = 0; j < pa[i]->data->numel; j++)
-            ASSERT_CLOSE(ct_f32(pa[i]->data)[j], ct_f32(pb[i]->data)[j], 1e-5, 1e-5);
-    ct_free(pa);
+    if (rank == 0) ASSERT_EQ(ms.n, nb);
+    for (int i = 0; i < ms.n; i++) {
+        const ct_param *q = NULL;
+        for (int k = 0; k < nb; k++)
+            if (!strcmp(pb[k]->name, ms.names[i])) q = pb[k];
+        ASSERT(q && ms.tensors[i]->numel == q->data->numel);
+        for (int64_t j = 0; j < q->data->numel; j++)
+            ASSERT_CLOSE(ct_f32(ms.tensors[i])[j], ct_f32(q->data)[j], 1e-5, 1e-5);
+    }
+    ct_state_fini(&ms);
     ct_free(pb);
     ct_strategy_destroy(ds);
     ct_strategy_destroy(rs);
@@ -119,3 +127,4 @@ static void join_case(const char *kind)
 TEST(join_uneven_inputs_ddp) { join_case("ddp"); }
 TEST(join_uneven_inputs_zero1) { join_case("zero1"); }
 TEST(join_uneven_inputs_zero2) { join_case("zero2"); }
+TEST(join_uneven_inputs_fsdp) { join_case("fsdp"); }

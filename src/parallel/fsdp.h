@@ -1,0 +1,104 @@
+/* Private to src/parallel: FSDP's units and flat parameters, shared by
+ * fsdp_units.c (which modules become units), fsdp.c (gather, reduce, the
+ * hooks, the optimizer) and fsdp_state.c (state dicts, full parameters). */
+#ifndef CTRAIN_PARALLEL_FSDP_H
+#define CTRAIN_PARALLEL_FSDP_H
+
+#include "zero.h"
+
+enum { FSDP_FULL_SHARD, FSDP_SHARD_GRAD_OP, FSDP_NO_SHARD, FSDP_HYBRID };
+enum { FSDP_PREFETCH_PRE, FSDP_PREFETCH_POST, FSDP_PREFETCH_NONE };
+
+typedef struct {
+    int sharding;          /* FSDP_* */
+    int backward_prefetch; /* FSDP_PREFETCH_* */
+    int forward_prefetch;
+    int limit_all_gathers;
+    int sync_module_states;
+    int64_t wrap_min_params;
+    /* wrap_modules, wrap_kinds, ignored_modules: text ('+'-separated), read with ct_strategy_opt */
+} fsdp_opts;
+
+/* One flat parameter: the unit's parameters of one dtype class laid end to
+ * end, padded to ns * shard elements; this rank keeps elements
+ * [rank * shard, (rank + 1) * shard) of it in master. */
+typedef struct {
+    ct_param **p;
+    int n;
+    int64_t *off;          /* [n] element offset of p[j] in the flat */
+    int64_t numel, shard;  /* numel <= ns * shard */
+    int low;               /* gathered in bf16 into the compute copies (mixed precision) */
+    ct_partition pt;       /* the flat's pieces over the shard group (split) */
+    float *master;         /* [shard] f32 parameters (what the optimizer steps) */
+    float *gshard;         /* [shard] reduced gradients */
+    int gzero;             /* gshard is logically zero: the next reduce overwrites it */
+    ct_storage *full;      /* [ns * shard] f32, behind p[j]->data; wraps master when ns == 1 */
+    ct_storage *lowst;     /* [ns * shard] bf16, behind p[j]->compute (low) */
+    ct_storage *gfull;     /* [ns * shard] f32, behind p[j]->grad */
+    uint16_t *send;        /* bf16 copy of master for the gather (low) */
+    void *wire;            /* gradients in reduce_dtype when it is not f32 */
+    void *rsbuf;           /* reduce-scatter result when not straight into gshard */
+    ct_work *ag, *rs;
+} fsdp_flat;
+
+enum { UNIT_SHARDED, UNIT_GATHERING, UNIT_FULL };
+
+typedef struct {
+    ct_module *m;
+    int parent;            /* enclosing unit, -1 for a top-level one */
+    int ignored;           /* an ignored module: replicated (no sharding), gradients allreduced */
+    int is_root;           /* the model itself: keeps its parameters from forward to backward */
+    int gi;                /* index of its shard group in fsdp_t.groups */
+    ct_group *sg, *rg;     /* shard group; replicate group (NULL: none) */
+    int ns, srank;         /* shard group size and this rank's place in it */
+    int reshard_after_fwd;
+    fsdp_flat fl[2];
+    int nfl;
+    int state;             /* UNIT_* */
+    int grads;             /* gfull holds gradients */
+    int reducing;          /* reduce in flight */
+    int summoned;          /* full f32 parameters out for the user */
+    int summon_writeback;  /* copy them back into the pieces on release */
+    int seen_fwd, seen_bwd;
+    double t_ag, t_rs;     /* when its gather and its reduce started (step statistics, trace) */
+    ct_hook *h[4];
+} fsdp_unit;
+
+typedef struct {
+    fsdp_unit *u;
+    int nu;
+    ct_group *groups[2];   /* distinct shard groups (gradient norms sum per group) */
+    int ngroups;
+    ct_group *own[3];      /* groups this strategy made (destroyed at fini) */
+    int nown;
+    int *fwd_order, nfwd;  /* units in the order the first step ran them */
+    int *bwd_order, nbwd;
+    int recorded;
+    int *fifo, nfifo;      /* units whose reduce is in flight, oldest first */
+    int ready;             /* set up on every rank: fini may gather */
+} fsdp_t;
+
+/* fsdp_units.c: decides the units (root, wrap_modules, wrap_kinds,
+ * wrap_min_params, ignored_modules), assigns every trainable parameter to
+ * one unit's flat and lays the flats out (u, nu, offsets, numel); no memory
+ * for data yet.  groups/ns are set by the caller afterwards. */
+ct_status ct__fsdp_build_units(ct_strategy *s, fsdp_t *f);
+void ct__fsdp_free_units(fsdp_t *f);
+
+/* fsdp.c, for fsdp_state.c */
+fsdp_t *ct__fsdp_of(ct_strategy *s);
+/* All-gathers every unit's f32 parameters into their data views (keep: they
+ * stay until ct__fsdp_release), or frees them again. */
+ct_status ct__fsdp_summon(ct_strategy *s, int writeback, int rank0_only);
+ct_status ct__fsdp_release(ct_strategy *s);
+/* Frees every unit's gathered parameters (they are stale after a step or a load). */
+ct_status ct__fsdp_reshard_all(ct_strategy *s);
+
+/* fsdp_state.c */
+ct_status ct__fsdp_model_state(ct_strategy *s, ct_state *out);
+ct_status ct__fsdp_shard_state(ct_strategy *s, int optim, ct_state *out);
+ct_status ct__fsdp_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
+ct_status ct__fsdp_grad_norm(ct_strategy *s, double norm_type, double *norm);
+void ct__fsdp_scale_grads(ct_strategy *s, float k);
+
+#endif

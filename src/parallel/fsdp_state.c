@@ -1,0 +1,105 @@
+/*
+ * FSDP's view of the whole model from its pieces: gradient norms summed
+ * over each shard group, full and sharded state dicts (one parameter at a
+ * time, through ZeRO's gather, so rank 0 never holds more than the model
+ * plus one parameter), loading (each rank copies its pieces out of full
+ * tensors: any world size and any sharding loads any checkpoint), and the
+ * public full-parameter calls.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "fsdp.h"
+
+ct_status ct__fsdp_grad_norm(ct_strategy *s, double norm_type, double *norm)
+{
+    fsdp_t *f = ct__fsdp_of(s);
+    int inf = isinf(norm_type);
+    double total = 0;
+    for (int g = 0; g < f->ngroups; g++) {
+        double acc = 0;
+        for (int i = 0; i < f->nu; i++) {
+            if (f->u[i].gi != g) continue;
+            for (int k = 0; k < f->u[i].nfl; k++) {
+                const fsdp_flat *fl = &f->u[i].fl[k];
+                for (int64_t j = 0; j < fl->shard; j++) {
+                    double a = fabs((double)fl->gshard[j]);
+                    if (!inf) acc += a * a;
+                    else if (a > acc || isnan(a)) acc = a;
+                }
+            }
+        }
+        float v = (float)acc;
+        if (ct_group_size(f->groups[g]) > 1)
+            CT_TRY(ct_group_allreduce(f->groups[g], &v, 1, CT_F32, inf ? CT_OP_MAX : CT_OP_SUM, NULL));
+        if (!inf) total += v;
+        else if (v > total || isnan(v)) total = v;
+    }
+    *norm = inf ? total : sqrt(total);
+    return CT_OK;
+}
+
+void ct__fsdp_scale_grads(ct_strategy *s, float k)
+{
+    fsdp_t *f = ct__fsdp_of(s);
+    for (int i = 0; i < f->nu; i++)
+        for (int q = 0; q < f->u[i].nfl; q++) {
+            fsdp_flat *fl = &f->u[i].fl[q];
+            for (int64_t j = 0; j < fl->shard; j++) fl->gshard[j] *= k;
+        }
+}
+
+/* Parameters (gathered one at a time to the rank that reports each: rank 0
+ * for the full state, the owner of its first piece for a shard), then the
+ * parameters outside every flat (frozen) and the buffers, from rank 0. */
+static ct_status model_state(ct_strategy *s, int sharded, ct_state *out)
+{
+    ct__zero *z = ct__zero_of(s);
+    int rank = ct_group_rank(s->g);
+    ct_status st = CT_OK;
+    memset(out, 0, sizeof *out);
+    for (int q = 0; q < s->nparams && st == CT_OK; q++) {
+        ct_param *p = s->params[q];
+        int i = ct__zero_index(z, p);
+        if (i < 0) {
+            if (rank == 0) st = ct_state_add(out, p->name, p->data);
+            continue;
+        }
+        ct_tensor *t = NULL;
+        st = ct__zero_gather(s, i, -1, sharded ? z->pt.ranges[z->first[i]].owner : 0, &t);
+        if (st == CT_OK && t) st = ct_state_add(out, p->name, t);
+        ct_tensor_release(t);
+    }
+    for (int b = 0; b < s->nbuffers && st == CT_OK && rank == 0; b++)
+        st = ct_state_add(out, s->buffers[b]->name, s->buffers[b]->data);
+    if (st != CT_OK) ct_state_fini(out);
+    return st;
+}
+
+ct_status ct__fsdp_model_state(ct_strategy *s, ct_state *out) { return model_state(s, 0, out); }
+
+ct_status ct__fsdp_shard_state(ct_strategy *s, int optim, ct_state *out)
+{
+    return optim ? ct__zero_shard_state(s, 1, out) : model_state(s, 1, out);
+}
+
+/* A flattened parameter's pieces on this rank come out of the full tensor;
+ * anything else is whole. */
+static ct_status put_pieces(ct_strategy *s, ct_param *p, const ct_tensor *src)
+{
+    ct__zero *z = ct__zero_of(s);
+    int i = ct__zero_index(z, p);
+    if (i < 0) return ct__load_range(ct_f32(p->data), src, 0, p->data->numel, p->name);
+    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++)
+        if (z->slot[k] >= 0)
+            CT_TRY(ct__load_range(ct_optim_slot_at(s->opt, z->slot[k])->data, src, z->pt.ranges[k].offset,
+                                  z->pt.ranges[k].count, p->name));
+    return CT_OK;
+}
+
+ct_status ct__fsdp_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim)
+{
+    if (optim) return ct__zero_load_state(s, names, ts, n, 1);
+    CT_TRY(ct__load_model_with(s, names, ts, n, put_pieces));
+    return ct__fsdp_reshard_all(s); /* whatever was gathered holds the old values */
+}

@@ -1,0 +1,36 @@
+/* Helpers the multi-rank training tests share: a deterministic global
+ * batch per step, row views, the sampler's split of rows over ranks, one
+ * train step over a rank's slice, and comparisons of models and states. */
+#ifndef CTRAIN_TESTS_TRAIN_UTIL_H
+#define CTRAIN_TESTS_TRAIN_UTIL_H
+
+#include <math.h>
+#include <string.h>
+
+#include "../test.h"
+
+#define IN 12
+#define NCLS 5
+
+/* Global batch of a step: [n, IN] inputs and [n] targets, the same on every rank. */
+void global_batch(int step, int64_t n, ct_tensor **x, ct_tensor **y);
+/* Rows [start, start + count) of t as a view. */
+ct_tensor *rows(ct_tensor *t, int64_t start, int64_t count);
+/* SGD (lr 0.1, momentum 0.9) or AdamW (lr 0.01). */
+ct_optim_opts optim_for(ct_optim_kind k);
+/* Every parameter of a and b within tol (absolute and relative). */
+void assert_params_close(ct_module *a, ct_module *b, double tol);
+/* Rank r's contiguous slice of n rows, the first n % world ranks one more
+ * (the sampler's split). */
+void slice(int64_t n, int rank, int world, int64_t *first, int64_t *count);
+/* One train step over this rank's slice of the global batch of `step`. */
+void step_on_slice(ct_strategy *s, int step, int64_t n, int rank, int world, ct_step_out *out);
+/* Relative L2 distance of two states over the names of a (on rank 0 only
+ * for a sharded strategy); tensors of b missing from a fail. */
+double state_rel_l2(const ct_state *a, const ct_state *b);
+
+/* A module that calls f twice, y = f(f(x)), so f's gradients arrive twice
+ * per backward; f is its child "f". */
+ct_module *twice_create(ct_module *f);
+
+#endif
