@@ -9,6 +9,10 @@
  * is back where it started (no leak; make sanitize adds LeakSanitizer).
  */
 #include <stdlib.h>
+#include <unistd.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/lsan_interface.h>
+#endif
 
 #include "test.h"
 
@@ -129,14 +133,28 @@ static void walk(const char *kind, int *faults)
 
 TEST(alloc_walk_every_allocation_of_a_step_fails_cleanly)
 {
+    /* "none" first, before MPI starts: LeakSanitizer can then check every
+     * allocation, not only ctrain's tracked ones. */
+    int faults = 0;
+    walk("none", &faults);
+    printf("    none: %d injected failures, each CT_ENOMEM, no leak\n", faults);
+#if defined(__SANITIZE_ADDRESS__)
+    ASSERT_EQ(__lsan_do_recoverable_leak_check(), 0);
+#endif
     ASSERT_OK(ct_comm_init(NULL, NULL));
     /* fsdp joins when its set-up failures unwind cleanly: today fsdp_fini
      * dereferences tables whose allocation failed (fsdp.c, fsdp_units.c). */
-    static const char *const kinds[] = {"none", "ddp", "zero1", "zero2"};
-    for (int i = 0; i < 4; i++) {
-        int faults = 0;
+    static const char *const kinds[] = {"ddp", "zero1", "zero2"};
+    for (int i = 0; i < 3; i++) {
+        faults = 0;
         walk(kinds[i], &faults);
         printf("    %s: %d injected failures, each CT_ENOMEM, no leak\n", kinds[i], faults);
     }
     ct_comm_finalize();
+#if defined(__SANITIZE_ADDRESS__)
+    /* Open MPI leaves allocations behind after MPI_Finalize that LeakSanitizer
+     * would report at exit (see test_comm_single.c); ctrain's own memory was
+     * checked after every walked failure above. */
+    _exit(0);
+#endif
 }
