@@ -129,33 +129,6 @@ static ct_status saved_num(const ct_meta *m, const char *file, const char *key, 
     return CT_OK;
 }
 
-/* The optimizer file's settings are input like any other: each must be in
- * the range its flag allows, or the file is damaged (issue 13: a
- * grad_accum of 0 trained on, a negative step was accepted). */
-static ct_status check_saved_settings(trainer *t, const char *side)
-{
-    train_opts *o = t->o;
-    const char *bad = NULL;
-    char val[64] = "";
-#define RANGE(cond, key, fmt, v) if (!bad && !(cond)) { bad = key; snprintf(val, sizeof val, fmt, v); }
-    RANGE(t->step >= 0, "ctrain.step", "%lld", (long long)t->step);
-    RANGE(t->epoch >= 0, "ctrain.epoch", "%lld", (long long)t->epoch);
-    RANGE(t->pos >= 0, "ctrain.position", "%lld", (long long)t->pos);
-    RANGE(o->seed >= 0, "ctrain.seed", "%lld", (long long)o->seed);
-    RANGE(o->batch >= 1, "ctrain.batch", "%lld", (long long)o->batch);
-    RANGE(o->grad_accum >= 1 && o->grad_accum <= (1 << 30), "ctrain.grad_accum", "%lld", (long long)o->grad_accum);
-    RANGE(o->warmup >= 0, "ctrain.warmup", "%lld", (long long)o->warmup);
-    RANGE(isfinite(o->lr) && o->lr >= 0, "ctrain.lr", "%g", o->lr);
-    RANGE(isfinite(o->weight_decay) && o->weight_decay >= 0, "ctrain.weight_decay", "%g", o->weight_decay);
-    RANGE(isfinite(o->momentum) && o->momentum >= 0, "ctrain.momentum", "%g", o->momentum);
-    RANGE(isfinite(o->clip) && o->clip >= 0, "ctrain.clip", "%g", o->clip);
-#undef RANGE
-    if (bad)
-        return ct_error(CT_EFORMAT, "%s: metadata '%s' is %s, which no run can have; the file is damaged or was "
-                        "edited: resume from another checkpoint, or use --init for the weights alone", side, bad, val);
-    return CT_OK;
-}
-
 /* --resume: the run's settings (flags given must agree where they decide
  * the data order; hyper-parameters not given are the saved run's) and its
  * position. */
@@ -205,7 +178,7 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
         cli_meta_int(&mm, o->resume, "ctrain.seed", &mseed) != CT_OK || mseed != o->seed)
         return ct_error(CT_EFORMAT, "%s and %s are from different saves (put together by hand?); resume from a "
                         "matching pair, or use --init for the weights alone", o->resume, side);
-    return check_saved_settings(t, side);
+    return train_check_saved(o, t->step, t->epoch, t->pos, side);
 }
 
 /* Reads --init / --resume files; for --resume, the run's settings and position. */
@@ -217,16 +190,9 @@ static ct_status read_checkpoints(trainer *t)
     if (o->init) return cli_load_file(o->init, "the --init checkpoint", &t->ck);
     if (!o->resume) return CT_OK;
     char side[4096];
-    size_t rl = strlen(o->resume);
-    static const char osuf[] = ".optim.safetensors", oidx[] = "optim.safetensors.index.json";
-    if ((rl >= sizeof osuf - 1 && !strcmp(o->resume + rl - (sizeof osuf - 1), osuf)) ||
-        (rl >= sizeof oidx - 1 && !strcmp(o->resume + rl - (sizeof oidx - 1), oidx))) {
+    if (train_check_resume_name(o->resume) != CT_OK) {
         t->usage = 1;
-        return ct_error(CT_EINVAL, "--resume %s names the optimizer state; give the model checkpoint it belongs to "
-                        "(%.*s%s), and the optimizer state is found beside it", o->resume,
-                        (int)(rl - (rl >= sizeof oidx - 1 && !strcmp(o->resume + rl - (sizeof oidx - 1), oidx)
-                                        ? sizeof oidx - 1 : sizeof osuf - 1)), o->resume,
-                        o->resume[rl - 1] == 'n' ? "model.safetensors.index.json" : ".safetensors");
+        return CT_EINVAL;
     }
     CT_TRY(cli_load_file(o->resume, "the --resume checkpoint", &t->ck));
     cli_sidecar_path(o->resume, side, sizeof side);
@@ -345,26 +311,6 @@ static ct_status flush_denormals(void)
 /* --state-dict sharded and local write a directory. */
 static int sharded(const trainer *t) { return strcmp(t->o->state_dict, "full") != 0; }
 
-/* --resume latest: the newest complete checkpoint of --save's series, or a new run. */
-static ct_status resolve_latest(trainer *t)
-{
-    train_opts *o = t->o;
-    CT_TRY(cli_resolve_latest(t->g, o->save, t->latest, sizeof t->latest));
-    if (t->latest[0]) {
-        cli_out("--resume latest: continuing from %s\n", t->latest);
-        o->resume = t->latest;
-        return CT_OK;
-    }
-    if (!o->has_model) {
-        t->usage = 1;
-        return ct_error(CT_EINVAL, "--resume latest: %s has no checkpoint yet; give --model (and its flags) to "
-                        "start the run", o->save);
-    }
-    cli_out("--resume latest: no checkpoint of %s yet; starting a new run\n", o->save);
-    o->resume = NULL;
-    return CT_OK;
-}
-
 /* A --save path of the wrong kind fails now, not after the training it would lose. */
 static ct_status check_save_target(trainer *t)
 {
@@ -380,56 +326,6 @@ static ct_status check_save_target(trainer *t)
     return CT_OK;
 }
 
-/* The run as set up (flags settled by --resume, the data as loaded) is
- * the same on every rank: the command lines were compared at start, but
- * checkpoints and data are read by each rank from its own file system. */
-static ct_status agree_effective(trainer *t)
-{
-    enum { N = 12 };
-    char v[N][320];
-    const char *k[N] = {"the model", "the training samples", "the test samples", "the start step", "the epoch",
-                        "the position in the epoch", "the last step", "the seed", "--batch", "--lr",
-                        "the optimizer", "--grad-accum"};
-    cli_config_str(&t->cfg, v[0], sizeof v[0]);
-    snprintf(v[1], sizeof v[1], "%lld", (long long)t->train.n);
-    snprintf(v[2], sizeof v[2], "%lld", (long long)t->test.n);
-    snprintf(v[3], sizeof v[3], "%lld", (long long)t->step);
-    snprintf(v[4], sizeof v[4], "%lld", (long long)t->epoch);
-    snprintf(v[5], sizeof v[5], "%lld", (long long)t->pos);
-    snprintf(v[6], sizeof v[6], "%lld", (long long)t->total);
-    snprintf(v[7], sizeof v[7], "%llu", (unsigned long long)t->seed);
-    snprintf(v[8], sizeof v[8], "%lld", (long long)t->o->batch);
-    snprintf(v[9], sizeof v[9], "%.17g", t->sched.base_lr);
-    snprintf(v[10], sizeof v[10], "%s", ct_optim_name(t->opt));
-    snprintf(v[11], sizeof v[11], "%lld", (long long)t->o->grad_accum);
-    const char *vals[N];
-    for (int i = 0; i < N; i++) vals[i] = v[i];
-    return ct_group_agree_settings(t->g, "the run as loaded (checkpoint and data files)", k, vals, N);
-}
-
-static ct_status write_trace(trainer *t);
-static void trace_path(trainer *t, char *buf, size_t n);
-
-/* Every output is writable before the work that fills it: --save (rank 0,
- * or every rank for a sharded one), --metrics (rank 0), --trace (each
- * rank's own file). */
-static ct_status check_outputs(trainer *t)
-{
-    train_opts *o = t->o;
-    char p[4096];
-    if (o->save && (t->rank == 0 || sharded(t))) {
-        if (o->keep_last) cli_series_path(o->save, 0, p, sizeof p);
-        else snprintf(p, sizeof p, "%s", o->save);
-        CT_TRY(cli_check_output("--save", p, sharded(t)));
-    }
-    if (o->metrics && t->rank == 0) CT_TRY(cli_check_output("--metrics", o->metrics, 0));
-    if (o->trace) {
-        trace_path(t, p, sizeof p);
-        CT_TRY(cli_check_output("--trace", p, 0));
-    }
-    return CT_OK;
-}
-
 /* Everything before the first step, agreed over the world after each part. */
 static ct_status setup(trainer *t)
 {
@@ -440,9 +336,9 @@ static ct_status setup(trainer *t)
     if (o->trace) ct_trace_enable(t->rank);
     if (o->flush_denormal) CT_TRY(ct_group_check(t->g, flush_denormals()));
 
-    if (o->resume && !strcmp(o->resume, "latest")) CT_TRY(resolve_latest(t));
+    if (o->resume && !strcmp(o->resume, "latest")) CT_TRY(train_resolve_latest(t->g, o, t->latest, sizeof t->latest, &t->usage));
     ct_status chk = check_save_target(t);
-    if (chk == CT_OK) chk = check_outputs(t);
+    if (chk == CT_OK) chk = train_check_outputs(o, t->rank, t->world, sharded(t));
     if (chk != CT_OK) t->usage = 1;
     CT_TRY(ct_group_check(t->g, chk));
     CT_TRY(ct_group_check(t->g, read_checkpoints(t)));
@@ -491,7 +387,8 @@ static ct_status setup(trainer *t)
     if (st == CT_OK) st = make_sampler(t);
     if (st == CT_OK) st = make_schedule(t);
     CT_TRY(ct_group_check(t->g, st));
-    CT_TRY(agree_effective(t));
+    CT_TRY(train_agree_loaded(t->g, o, &t->cfg, t->train.n, t->test.n, (int64_t[]){t->step, t->epoch, t->pos, t->total},
+                              t->seed, t->sched.base_lr, ct_optim_name(t->opt)));
     t->start_step = t->step;
     int64_t n = t->total > t->step ? t->total - t->step : 1;
     t->cap_step_s = n < STEP_TIMES_MAX ? n : STEP_TIMES_MAX; /* the median of a long run: its first steps' */
@@ -597,32 +494,6 @@ static ct_status save(trainer *t)
 }
 
 
-/* Divergence: a non-finite loss (on any rank) or gradient norm stops the
- * run naming the step, before the optimizer applies it and before any
- * checkpoint could hold it; with --on-nonfinite skip the step is dropped
- * (*skip set) and counted.  Every rank learns the same verdict. */
-static ct_status nonfinite_check(trainer *t, double loss_sum, float norm, int *skip)
-{
-    int64_t flag[2] = {!isfinite(loss_sum), !isfinite(norm)};
-    *skip = 0;
-    if (t->world > 1) {
-        ct_status st = ct_group_allreduce(t->g, flag, 2, CT_I64, CT_OP_MAX, NULL);
-        if (st != CT_OK) return loop_fail(t, st, "the non-finite check");
-    }
-    if (!flag[0] && !flag[1]) return CT_OK;
-    const char *what = flag[0] ? "the loss" : "the gradient norm";
-    if (!strcmp(t->o->on_nonfinite, "skip")) {
-        if (t->skipped++ == 0)
-            cli_out("step %lld: %s is not finite; skipping the step (--on-nonfinite skip)\n",
-                    (long long)t->step + 1, what);
-        *skip = 1;
-        return CT_OK;
-    }
-    return ct_error(CT_EINVAL, "step %lld: %s is not finite: the run diverged, and stops before the step is "
-                    "applied or saved; lower --lr, use --clip or --warmup, and resume from the last checkpoint "
-                    "(or skip such steps with --on-nonfinite skip)", (long long)t->step + 1, what);
-}
-
 static ct_status train_loop(trainer *t, cli_progress *prog)
 {
     train_opts *o = t->o;
@@ -653,7 +524,9 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
             break;
         }
         int bad = 0;
-        if ((st = nonfinite_check(t, win[0] - before[0], norm, &bad)) != CT_OK) break;
+        st = train_nonfinite(t->g, o->on_nonfinite, t->step, win[0] - before[0], norm, &bad, &t->skipped);
+        if (st == CT_ECOMM) st = loop_fail(t, st, "the non-finite check");
+        if (st != CT_OK) break;
         if (bad) { /* skipped: the step's batch is used up, the model and optimizer are as before */
             win[0] = before[0];
             win[1] = before[1];
@@ -778,22 +651,10 @@ static ct_status report(trainer *t, double seconds)
     return CT_OK;
 }
 
-/* This rank's --trace file: FILE, or FILE.rank<r>.json with several ranks. */
-static void trace_path(trainer *t, char *buf, size_t n)
-{
-    const char *path = t->o->trace;
-    const char *slash = strrchr(path, '/'), *dot = strrchr(path, '.');
-    if (t->world == 1) snprintf(buf, n, "%s", path);
-    else if (dot && (!slash || dot > slash + 1))
-        snprintf(buf, n, "%.*s.rank%d%s", (int)(dot - path), path, t->rank, dot);
-    else
-        snprintf(buf, n, "%s.rank%d", path, t->rank);
-}
-
 static ct_status write_trace(trainer *t)
 {
     char buf[4096];
-    trace_path(t, buf, sizeof buf);
+    train_trace_path(t->o->trace, t->rank, t->world, buf, sizeof buf);
     return ct_trace_write(buf);
 }
 

@@ -41,6 +41,32 @@ int train_check_world(train_opts *o, int world, char *err, size_t errn);
  * that may differ); CT_EINVAL naming the flags and ranks otherwise. */
 ct_status train_agree(train_opts *o, ct_group *g);
 
+/* ---- guards (train_guard.c) --------------------------------------------- */
+
+/* CT_EFORMAT naming side when a setting the optimizer file supplied is out
+ * of its flag's range (grad_accum 0, a negative step, ...). */
+ct_status train_check_saved(const train_opts *o, int64_t step, int64_t epoch, int64_t pos, const char *side);
+/* CT_EINVAL naming the model checkpoint when --resume names an optimizer file. */
+ct_status train_check_resume_name(const char *resume);
+/* Collective: --resume latest becomes the newest complete checkpoint of
+ * --save's series (its path in buf), or NULL for a new run (which needs
+ * --model: else *usage set and CT_EINVAL). */
+ct_status train_resolve_latest(ct_group *g, train_opts *o, char *buf, size_t n, int *usage);
+/* This rank's --trace file: FILE, or FILE.rank<r>.<ext> with several ranks. */
+void train_trace_path(const char *trace, int rank, int world, char *buf, size_t n);
+/* Every output this rank writes (--save, --metrics, --trace) can be written. */
+ct_status train_check_outputs(const train_opts *o, int rank, int world, int sharded);
+/* Collective: the run as loaded (model, data sizes, pos = {start step,
+ * epoch, position, last step}, seed, batch, lr, optimizer, grad_accum) is
+ * the same on every rank. */
+ct_status train_agree_loaded(ct_group *g, const train_opts *o, const ct_model_config *cfg, int64_t train_n,
+                             int64_t test_n, const int64_t pos[4], uint64_t seed, double lr, const char *optim);
+/* Collective: a non-finite loss_sum (any rank) or norm at step: CT_EINVAL
+ * naming it, or with mode "skip" *skip set and *skipped counted.  CT_ECOMM
+ * if the agreement itself failed. */
+ct_status train_nonfinite(ct_group *g, const char *mode, int64_t step, double loss_sum, float norm, int *skip,
+                          int64_t *skipped);
+
 /* Runs training after start-up; returns an exit code. */
 int train_run(train_opts *o);
 
