@@ -140,6 +140,15 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
     CT_TRY(agree(t, m, side, "ctrain.batch", "--batch", o->has_batch, &o->batch));
     CT_TRY(agree(t, m, side, "ctrain.shuffle", "--no-shuffle", o->no_shuffle, &shuffle));
     o->no_shuffle = !shuffle;
+    const char *lb = ct_meta_get(m, "ctrain.last_batch"); /* absent in older files: drop */
+    const char *saved_lb = lb && !strcmp(lb, "keep") ? "keep" : "drop";
+    if (o->has_last_batch && strcmp(o->last_batch, saved_lb)) {
+        t->usage = 1;
+        return ct_error(CT_EINVAL, "--last-batch %s differs from the %s that %s was trained with (it decides the "
+                        "steps of an epoch); drop --last-batch to continue that run exactly", o->last_batch,
+                        saved_lb, o->resume);
+    }
+    o->last_batch = saved_lb;
     const char *oname = ct_meta_get(m, "ctrain.optim");
     if (!oname || ct_optim_parse(oname, &t->okind))
         return ct_error(CT_EFORMAT, "%s has no valid 'ctrain.optim' metadata", side);
@@ -270,7 +279,7 @@ static ct_status make_schedule(trainer *t)
 static ct_status make_sampler(trainer *t)
 {
     train_opts *o = t->o;
-    CT_TRY(ct_sampler_init(&t->sampler, t->train.n, o->batch, t->seed, t->shuffle, 1));
+    CT_TRY(ct_sampler_init(&t->sampler, t->train.n, o->batch, t->seed, t->shuffle, strcmp(o->last_batch, "keep") != 0));
     t->spe = ct_sampler_nbatches(&t->sampler);
     if (t->spe == 0) {
         t->usage = 1;
@@ -417,15 +426,34 @@ static ct_status loop_fail(trainer *t, ct_status st, const char *what)
 /* This rank's slice of the step's global batch, through the strategy:
  * forward, loss and backward per micro-batch, then the synchronisation.
  * Adds the local loss sum and row count to sums. */
-static ct_status train_step(trainer *t, int64_t *idx, double *sums)
+static ct_status train_step(trainer *t, int64_t *idx, double *sums, int *empty)
 {
     int64_t count, global = ct_sampler_batch_size(&t->sampler, t->pos);
     CT_TRY(ct_sampler_batch(&t->sampler, t->pos, t->rank, t->world, idx, &count));
+    *empty = 0;
+    int joined = 0;
+    if (!t->sampler.drop_last) {
+        /* --last-batch keep: the short last batch may leave a rank fewer rows
+         * than micro-batches (none, when the world size does not divide it).
+         * Such a rank joins (ct_strategy_join): it runs the step on a shadow
+         * batch, the first samples of the set, that counts as zeros, and the
+         * others divide by the rows that are trained on. */
+        int active, usable = count >= t->o->grad_accum;
+        CT_TRY(ct_strategy_join(t->s, usable ? count : 0, &global, &active));
+        if (!active) return *empty = 1, CT_OK; /* no rank can fill its micro-batches: nothing to train */
+        if (!usable) {
+            count = t->o->grad_accum;
+            for (int64_t i = 0; i < count; i++) idx[i] = i;
+            joined = 1;
+        }
+    }
     ct_batch b = {.global_rows = global, .sample0 = ct_sampler_first(&t->sampler, t->pos, t->rank, t->world)};
     ct_fwd_ctx ctx = {.training = 1, .seed = t->seed, .step = (uint64_t)t->step};
     ct_step_out out = {0, 0};
+    ct_strategy_set_joined(t->s, joined);
     ct_status st = cli_batch(&t->train, &t->cfg, idx, count, &b.x, &b.y);
     if (st == CT_OK) st = ct_strategy_train_step(t->s, &b, ct_loss_cross_entropy, NULL, &ctx, &out);
+    ct_strategy_set_joined(t->s, 0);
     sums[0] += out.loss_sum;
     sums[1] += (double)out.rows;
     ct_tensor_release(b.x);
@@ -465,6 +493,7 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
     CT_TRY(ct_meta_set(side, "ctrain.position", "%lld", (long long)t->pos));
     CT_TRY(ct_meta_set(side, "ctrain.batch", "%lld", (long long)o->batch));
     CT_TRY(ct_meta_set(side, "ctrain.shuffle", "%d", t->shuffle));
+    CT_TRY(ct_meta_set(side, "ctrain.last_batch", "%s", o->last_batch));
     CT_TRY(ct_meta_set(side, "ctrain.train_samples", "%lld", (long long)t->train.n));
     const ct_optim_opts *oo = ct_optim_get_opts(t->opt);
     CT_TRY(ct_meta_set(side, "ctrain.lr", "%.17g", t->sched.base_lr));
@@ -515,9 +544,15 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
         }
         double lr = ct_strategy_lr(t->s), t_step = ct_now(), before[2] = {win[0], win[1]};
         float norm = 0;
-        if ((st = train_step(t, idx, win)) != CT_OK) {
+        int empty = 0;
+        if ((st = train_step(t, idx, win, &empty)) != CT_OK) {
             st = loop_fail(t, st, "forward/backward");
             break;
+        }
+        if (empty) { /* every rank agreed: a last batch too small to train on */
+            t->step++;
+            t->pos++;
+            continue;
         }
         if (o->clip > 0 && (st = ct_strategy_clip_grad_norm(t->s, (float)o->clip, !strcmp(o->clip_norm, "inf") ? INFINITY : 2.0, &norm))) {
             st = loop_fail(t, st, "gradient clipping");

@@ -13,7 +13,7 @@ typedef struct {
     int no_shuffle;
     const char *init, *resume, *save, *state_dict, *metrics, *trace;
     int64_t save_every, log_every, keep_last;
-    const char *strategy, *grad_compress, *strategy_opt, *mixed, *clip_norm, *on_nonfinite;
+    const char *strategy, *grad_compress, *strategy_opt, *mixed, *clip_norm, *on_nonfinite, *last_batch;
     int64_t grad_accum, threads;
     double bucket_cap_mb;
     int find_unused, flush_denormal, verbose, debug_collectives;
@@ -24,6 +24,7 @@ typedef struct {
     /* which flags the user gave (resume takes the others from the checkpoint) */
     int has_model, has_hidden, has_seed, has_batch, has_optim, has_lr, has_wd, has_momentum, has_strategy;
     unsigned char given[64]; /* how often each option of the table was given (compared across ranks) */
+    int has_last_batch;
     int has_schedule, has_warmup, has_clip, has_accum, has_kernel, has_dropout, has_clip_norm, has_bucket_cap;
 } train_opts;
 

@@ -51,6 +51,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--clip-norm", OPT_STR, &o->clip_norm, "TYPE", "norm --clip measures: 2 or inf (2)");
     OPT("--on-nonfinite", OPT_STR, &o->on_nonfinite, "WHAT", "a NaN/inf loss or gradient norm: stop, or skip the step (stop)");
     OPT("--seed", OPT_INT, &o->seed, "S", "seed of weights, shuffling and dropout (0)");
+    OPT("--last-batch", OPT_STR, &o->last_batch, "WHAT", "an epoch's short last batch: drop, or keep (ranks it leaves without rows join the step) (drop)");
     OPT("--no-shuffle", OPT_FLAG, &o->no_shuffle, NULL, "visit the training set in file order");
     OPT("--init", OPT_STR, &o->init, "CKPT", "start from these weights (optimizer starts fresh)");
     OPT("--resume", OPT_STR, &o->resume, "CKPT", "continue exactly: weights, optimizer, step and data position "
@@ -117,6 +118,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->mixed = "none";
     o->clip_norm = "2";
     o->on_nonfinite = "stop";
+    o->last_batch = "drop";
     o->eval_batch = 500;
     o->state_dict = "full";
     o->sharding = "full";
@@ -132,6 +134,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     for (int i = 0; i < n && i < (int)sizeof o->given; i++) o->given[i] = (unsigned char)t[i].given;
 #define GIVEN(nm) (cli_find(t, n, nm)->given != 0)
     o->has_model = GIVEN("--model");
+    o->has_last_batch = GIVEN("--last-batch");
     o->has_hidden = GIVEN("--hidden");
     o->has_seed = GIVEN("--seed");
     o->has_batch = GIVEN("--batch");
@@ -190,6 +193,8 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (o->warmup < 0) return BAD("--warmup %lld must not be negative", (long long)o->warmup);
     if (strcmp(o->clip_norm, "2") && strcmp(o->clip_norm, "inf"))
         return BAD("unknown --clip-norm '%s'; choose 2 or inf", o->clip_norm);
+    static const char *const last_batch[] = {"drop", "keep", NULL};
+    if (!in_list(o->last_batch, last_batch)) return BAD("unknown --last-batch '%s'; choose drop or keep", o->last_batch);
     static const char *const nonfinite[] = {"stop", "skip", NULL};
     if (!in_list(o->on_nonfinite, nonfinite))
         return BAD("unknown --on-nonfinite '%s'; choose stop or skip", o->on_nonfinite);
