@@ -583,3 +583,32 @@ TEST(rel_join_when_the_world_does_not_divide_the_data)
         ASSERT(max_diff(one, three) < 1e-5);
     }
 }
+
+/* Issue 13, failure 8 (part): inspect printed names and metadata from a
+ * file raw (terminal escape codes reached the terminal) and blocked on a
+ * FIFO; --verify catches a damaged tensor. */
+TEST(rel_inspect_is_safe_on_hostile_files)
+{
+    static char out[OUT_MAX];
+    const char *evil = path_in("evil.safetensors"), *fifo = path_in("fifo");
+    ct_tensor *t = ct_tensor_create1(4, CT_MEM_OTHER);
+    for (int i = 0; i < 4; i++) ct_f32(t)[i] = (float)i;
+    /* ESC sequences, BEL, and CSI as a UTF-8 C1 control (U+009B) */
+    const char *name = "w\x1b[2J\x1b]0;owned\x07", *mk = "note\x1b[31m", *mv = "\x1b[5mblink\xc2\x9b" "2J";
+    ASSERT_OK(ct_safetensors_save(evil, &name, &t, 1, &mk, &mv, 1));
+    ASSERT_EQ(RUN(out, "inspect %s", evil), 0);
+    ASSERT(!strchr(out, 0x1b) && !strchr(out, 0x07) && !strstr(out, "\xc2\x9b"));
+    ASSERT_STR_CONTAINS(out, "w\\x1b[2J\\x1b]0;owned\\x07");
+    ASSERT_STR_CONTAINS(out, "note\\x1b[31m = \\x1b[5mblink\\u009b2J");
+    ASSERT_EQ(mkfifo(fifo, 0600), 0);
+    ASSERT_EQ(RUN(out, "inspect %s", fifo), 1); /* before: blocked forever opening it */
+    ASSERT_STR_CONTAINS(out, "is not a regular file or a directory");
+    /* A flipped bit in the data: load and --verify name the tensor. */
+    FILE *f = fopen(evil, "r+b");
+    ASSERT(f && fseek(f, -1, SEEK_END) == 0);
+    int c = fgetc(f);
+    ASSERT(fseek(f, -1, SEEK_END) == 0 && fputc(c ^ 0x40, f) != EOF && fclose(f) == 0);
+    ASSERT_EQ(RUN(out, "inspect --verify %s", evil), 1);
+    ASSERT_STR_CONTAINS(out, "fails its checksum");
+    ct_tensor_release(t);
+}
