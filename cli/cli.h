@@ -99,8 +99,8 @@ typedef struct {
 /* Evaluates model (inference, no records) on ds, each rank of g taking a
  * contiguous share, in batches of batch, summed over ranks.  With
  * confusion != NULL it receives the classes x classes counts. */
-ct_status cli_evaluate(ct_module *model, const ct_model_config *cfg, const ct_dataset *ds, int64_t batch,
-                       ct_group *g, cli_eval *out, int64_t *confusion);
+ct_status cli_evaluate(ct_strategy *s, ct_module *model, const ct_model_config *cfg, const ct_dataset *ds,
+                       int64_t batch, ct_group *g, cli_eval *out, int64_t *confusion);
 /* "loss 0.3312  accuracy 88.41% (8841/10000)" into buf. */
 const char *cli_eval_str(const cli_eval *e, char *buf, size_t n);
 

@@ -306,6 +306,112 @@ static ct_status row_zero2(const est_in *in, const char *vals, est_row *row)
     return st;
 }
 
+/* The top-level child of the model that holds p. */
+static int child_of(const est_in *in, const ct_param *p)
+{
+    const ct_module *m = p->owner;
+    while (m && m->parent && m->parent != in->model) m = m->parent;
+    for (int i = 0; i < in->model->nkids; i++)
+        if (in->model->kids[i] == m) return i;
+    return -1;
+}
+
+/* Pipe (src/parallel/pipe*.c): each stage keeps its children's parameters,
+ * gradients and optimizer state (sharded over its replicas with dp=zero1);
+ * the largest stage sets the row.  Activations are this estimate's own
+ * model of the schedule rather than a replay: a micro-batch's record on a
+ * stage is taken as its input plus every child's output; a stage holds
+ * `chunks` micro-batches (GPipe) or at most P - k (1F1B), of which the
+ * checkpointed ones keep only their input (one at a time is recomputed);
+ * plus this rank's batch, and one micro-batch's output in flight (comm). */
+static ct_status row_pipe(const est_in *in, const char *vals, est_row *row)
+{
+    char b[256];
+    ct_module *m = in->model;
+    int n = m->nkids, P = 0;
+    const char *sv = optv(vals, "stages", b, sizeof b);
+    if (sv && strcmp(sv, "auto")) P = atoi(sv); /* checked by ct_strategy_check_opts */
+    int *bal = ct_alloc(sizeof *bal * (size_t)(n + 1), CT_MEM_OTHER);
+    int64_t *outn = ct_alloc(sizeof *outn * (size_t)(n + 1), CT_MEM_OTHER);
+    int64_t *counts = ct_alloc(sizeof *counts * (size_t)(in->ntp + 1), CT_MEM_OTHER);
+    ct_status st = bal && outn && counts ? CT_OK : CT_ENOMEM;
+    const char *bv = optv(vals, "balance", b, sizeof b);
+    int nb = 0;
+    for (const char *q = bv; st == CT_OK && q && *q; nb++) {
+        bal[nb] = atoi(q);
+        q += strcspn(q, ":,");
+        q += *q != 0;
+    }
+    if (!P) P = nb ? nb : in->world < n ? in->world : n; /* auto: as many stages as ranks and layers allow */
+    if (st == CT_OK && (P > in->world || P > n || (nb && nb != P)))
+        st = ct_error(CT_EINVAL, "pipe: %d stages do not fit %d ranks and a model of %d layers (balance %s)", P, in->world,
+                      n, bv && *bv ? bv : "by parameters");
+    if (st == CT_OK && !nb) st = ct_pipe_balance_by_params(m, P, bal);
+    /* per-row numel of each child's output, and of the model's input */
+    int64_t shape[CT_MAX_DIMS], in1 = ct_model_input_numel(&in->cfg);
+    int nd = st == CT_OK ? ct_model_input_shape(&in->cfg, 1, shape) : 0;
+    for (int i = 0; st == CT_OK && i < n; i++) {
+        st = ct_module_out_shape(m->kids[i], nd, shape, &nd, shape);
+        outn[i] = 1;
+        for (int d = 1; d < nd; d++) outn[i] *= shape[d];
+    }
+    int R = in->world / (P ? P : 1), chunks = (int)optnum(vals, "chunks", 4), zero1 = 0;
+    char dv[32];
+    if (optv(vals, "dp", dv, sizeof dv) && !strcmp(dv, "zero1")) zero1 = 1;
+    char sch[32], ck[32];
+    int gpipe = optv(vals, "schedule", sch, sizeof sch) && !strcmp(sch, "gpipe");
+    optv(vals, "checkpoint", ck, sizeof ck);
+    int64_t rows = in->batch / (R ? R : 1) + (in->batch % (R ? R : 1) != 0);
+    int64_t mrows = (rows + chunks - 1) / chunks, mbs = (rows + mrows - 1) / mrows;
+    int mixed = opt16(vals, "param_dtype");
+    for (int k = 0, lo = 0; st == CT_OK && k < P; lo += bal[k], k++) {
+        int hi = lo + bal[k];
+        uint64_t param = 0, grad = 0;
+        int nc = 0;
+        for (int i = 0; i < in->nparams; i++) {
+            const ct_param *p = in->params[i];
+            int c = child_of(in, p);
+            if (c < lo || c >= hi) continue;
+            const char *kind = p->owner && p->owner->ops ? p->owner->ops->kind : "";
+            param += bytes_of(p);
+            if (mixed && p->requires_grad && p->data->ndim >= 2 && strcmp(kind, "layernorm") && strcmp(kind, "batchnorm"))
+                param += (uint64_t)p->data->numel * 2;
+            if (p->requires_grad) {
+                grad += (uint64_t)p->data->numel * 4;
+                counts[nc++] = p->data->numel;
+            } else if (p->grad) {
+                grad += (uint64_t)ct_tensor_bytes(p->grad);
+            }
+        }
+        uint64_t optim = optim_bytes(in, counts, nc);
+        if (zero1 && R > 1) { /* the ZeRO partition over the stage's replicas: the largest share */
+            ct_partition pt;
+            st = ct_partition_init(&pt, counts, nc, R, optnum(vals, "split_params", 0) != 0);
+            if (st != CT_OK) break;
+            int64_t *share = ct_alloc(sizeof *share * (size_t)(pt.n + 1), CT_MEM_OTHER);
+            optim = 0;
+            for (int r = 0; share && r < R; r++) {
+                uint64_t o = optim_share(in, &pt, r, share);
+                optim = o > optim ? o : optim;
+            }
+            ct_free(share);
+            ct_partition_fini(&pt);
+        }
+        int64_t inrow = lo ? outn[lo - 1] : in1, rec = inrow;
+        for (int i = lo; i < hi; i++) rec += outn[i];
+        uint64_t full = (uint64_t)(mrows * rec) * 4, inp = (uint64_t)(mrows * inrow) * 4;
+        int held = gpipe ? (int)mbs : (P - k < mbs ? P - k : (int)mbs);
+        uint64_t act = !strcmp(ck, "never") ? (uint64_t)held * full : (uint64_t)(held - 1) * inp + full;
+        act += (uint64_t)rows * ((uint64_t)in1 * 4 + 4);
+        uint64_t comm = k + 1 < P ? (uint64_t)(mrows * outn[hi - 1] + 1) * 4 : 0;
+        take_rank(row, param, grad, optim, act, comm);
+    }
+    ct_free(bal);
+    ct_free(outn);
+    ct_free(counts);
+    return st;
+}
+
 /* FSDP's backward on one rank, replayed (src/parallel/fsdp.c) over the
  * units other than the root in the order backward reaches them (the
  * reverse of pre-order: a sequential's last unit first), on top of the
@@ -415,6 +521,7 @@ static const est_kind kinds[] = {
     {"zero1", 0, row_zero1},
     {"zero2", 0, row_zero2},
     {"fsdp", 0, row_fsdp},
+    {"pipe", 0, row_pipe},
 };
 #define NKINDS ((int)(sizeof kinds / sizeof kinds[0]))
 

@@ -83,7 +83,7 @@ static ct_status run(const eval_opts *o)
         r = CT_ENOMEM;
     r = ct_group_check(g, r);
     cli_eval ev;
-    if (r == CT_OK) r = cli_evaluate(model, &cfg, &test, o->batch, g, &ev, conf);
+    if (r == CT_OK) r = cli_evaluate(NULL, model, &cfg, &test, o->batch, g, &ev, conf);
     if (r == CT_OK) {
         char buf[256], desc[300];
         cli_out("model: %s (%lld parameters) from %s", cli_config_str(&cfg, desc, sizeof desc),

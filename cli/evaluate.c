@@ -1,7 +1,9 @@
 /*
  * Evaluation on a test set: inference (no activation records), each rank a
  * contiguous share of the samples, loss and counts summed over ranks so
- * that every rank ends with the whole set's numbers.
+ * that every rank ends with the whole set's numbers.  Through a strategy
+ * (ct_strategy_predict), the shares are its data slices: the ranks of a
+ * pipeline share one, and only the rank holding the output counts it.
  */
 #include <string.h>
 
@@ -24,11 +26,12 @@ static void tally(const ct_tensor *logits, const ct_tensor *y, int64_t classes, 
     }
 }
 
-ct_status cli_evaluate(ct_module *model, const ct_model_config *cfg, const ct_dataset *ds, int64_t batch,
-                       ct_group *g, cli_eval *out, int64_t *confusion)
+ct_status cli_evaluate(ct_strategy *s, ct_module *model, const ct_model_config *cfg, const ct_dataset *ds,
+                       int64_t batch, ct_group *g, cli_eval *out, int64_t *confusion)
 {
     memset(out, 0, sizeof *out);
     int rank = ct_group_rank(g), size = ct_group_size(g);
+    if (s) ct_strategy_data_rank(s, &rank, &size);
     int64_t q = ds->n / size, rem = ds->n % size;
     int64_t lo = rank * q + (rank < rem ? rank : rem), hi = lo + q + (rank < rem);
     int64_t C = cfg->classes;
@@ -45,9 +48,9 @@ ct_status cli_evaluate(ct_module *model, const ct_model_config *cfg, const ct_da
         ct_tensor *x = NULL, *y = NULL, *z = NULL;
         float loss = 0;
         st = cli_batch(ds, cfg, idx, n, &x, &y);
-        if (st == CT_OK) st = ct_module_forward(model, x, &z, NULL, &ctx);
-        if (st == CT_OK) st = ct_cross_entropy(z, y, -100, &loss, NULL);
-        if (st == CT_OK) {
+        if (st == CT_OK) st = s ? ct_strategy_predict(s, x, &ctx, &z) : ct_module_forward(model, x, &z, NULL, &ctx);
+        if (st == CT_OK && z) st = ct_cross_entropy(z, y, -100, &loss, NULL);
+        if (st == CT_OK && z) {
             loss_sum += (double)loss * (double)n;
             tally(z, y, C, &correct, confusion);
         }

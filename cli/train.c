@@ -33,6 +33,8 @@ typedef struct {
     train_opts *o;
     ct_group *g;
     int rank, world;
+    int drank, dsize;      /* this rank's slice of each batch, of dsize (ct_strategy_data_rank) */
+    int64_t nparams;       /* the whole model's, before a pipeline keeps only its stage */
     ct_model_config cfg;
     uint64_t seed;
     int shuffle;
@@ -244,7 +246,7 @@ static ct_status make_strategy(trainer *t)
                      strcmp(o->grad_compress, "none") ? o->grad_compress : "f32");
     /* DDP's bucket flags: passed where they apply, and where the user gave
      * them, so a strategy without buckets names the flag it does not take */
-    int buckets = !strcmp(o->strategy, "ddp") || !strcmp(o->strategy, "zero1");
+    int buckets = !strcmp(o->strategy, "ddp") || !strcmp(o->strategy, "zero1") || !strcmp(o->strategy, "pipe");
     if (buckets || o->has_bucket_cap)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",bucket_cap_mb=%.17g", o->bucket_cap_mb);
     if (buckets || o->find_unused)
@@ -253,10 +255,29 @@ static ct_status make_strategy(trainer *t)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",sharding=%s,wrap_min_params=%lld,backward_prefetch=%s,"
                       "limit_all_gathers=%d", strcmp(o->sharding, "grad-op") ? o->sharding : "grad_op",
                       (long long)o->wrap_min_params, o->prefetch, o->limit_all_gathers);
+    if (!strcmp(o->strategy, "pipe")) {
+        if (o->stages) n += snprintf(opts + n, sizeof opts - (size_t)n, ",stages=%lld", (long long)o->stages);
+        if (o->chunks) n += snprintf(opts + n, sizeof opts - (size_t)n, ",chunks=%lld", (long long)o->chunks);
+        if (o->pipe_schedule) n += snprintf(opts + n, sizeof opts - (size_t)n, ",schedule=%s", o->pipe_schedule);
+        if (o->pipe_checkpoint) n += snprintf(opts + n, sizeof opts - (size_t)n, ",checkpoint=%s", o->pipe_checkpoint);
+        if (o->balance) { /* "3,3,2" -> balance=3:3:2 (commas separate options) */
+            n += snprintf(opts + n, sizeof opts - (size_t)n, ",balance=");
+            for (const char *c = o->balance; *c && n + 2 < (int)sizeof opts; c++) opts[n++] = *c == ',' ? ':' : *c;
+            opts[n] = 0;
+        }
+    }
     if (o->strategy_opt) snprintf(opts + n, sizeof opts - (size_t)n, ",%s", o->strategy_opt);
+    t->nparams = ct_module_num_params(t->model);
     ct_status st = ct_strategy_create(o->strategy, t->model, &oo, t->g, opts, &t->s);
     if (st == CT_OK) t->opt = ct_strategy_optim(t->s);
     else if (st == CT_EINVAL) t->usage = 1;
+    if (st == CT_OK) ct_strategy_data_rank(t->s, &t->drank, &t->dsize);
+    /* a pipeline's ranks share a slice: each slice needs a sample */
+    if (st == CT_OK && o->batch < t->dsize) {
+        t->usage = 1;
+        st = ct_error(CT_EINVAL, "--batch %lld is smaller than the %d pipeline replicas; use --batch %d or more",
+                      (long long)o->batch, t->dsize, t->dsize);
+    }
     return st;
 }
 
@@ -352,7 +373,7 @@ static ct_status setup(trainer *t)
     CT_TRY(ct_group_check(t->g, chk));
     CT_TRY(ct_group_check(t->g, read_checkpoints(t)));
     /* After --resume has settled the batch: each rank needs a sample in every micro-batch. */
-    if (o->batch < t->world * o->grad_accum) {
+    if (strcmp(o->strategy, "pipe") && o->batch < t->world * o->grad_accum) {
         t->usage = 1;
         if (o->grad_accum == 1)
             return ct_error(CT_EINVAL, "--batch %lld is smaller than the %d ranks; every rank needs at least one "
@@ -429,7 +450,7 @@ static ct_status loop_fail(trainer *t, ct_status st, const char *what)
 static ct_status train_step(trainer *t, int64_t *idx, double *sums, int *empty)
 {
     int64_t count, global = ct_sampler_batch_size(&t->sampler, t->pos);
-    CT_TRY(ct_sampler_batch(&t->sampler, t->pos, t->rank, t->world, idx, &count));
+    CT_TRY(ct_sampler_batch(&t->sampler, t->pos, t->drank, t->dsize, idx, &count));
     *empty = 0;
     int joined = 0;
     if (!t->sampler.drop_last) {
@@ -447,7 +468,7 @@ static ct_status train_step(trainer *t, int64_t *idx, double *sums, int *empty)
             joined = 1;
         }
     }
-    ct_batch b = {.global_rows = global, .sample0 = ct_sampler_first(&t->sampler, t->pos, t->rank, t->world)};
+    ct_batch b = {.global_rows = global, .sample0 = ct_sampler_first(&t->sampler, t->pos, t->drank, t->dsize)};
     ct_fwd_ctx ctx = {.training = 1, .seed = t->seed, .step = (uint64_t)t->step};
     ct_step_out out = {0, 0};
     ct_strategy_set_joined(t->s, joined);
@@ -656,7 +677,7 @@ static ct_status report(trainer *t, double seconds)
     train_opts *o = t->o;
     cli_eval ev;
     char buf[256];
-    CT_TRY(cli_evaluate(t->model, &t->cfg, &t->test, o->eval_batch, t->g, &ev, NULL));
+    CT_TRY(cli_evaluate(t->s, t->model, &t->cfg, &t->test, o->eval_batch, t->g, &ev, NULL));
     int64_t steps = t->step - t->start_step;
     if (steps > 0)
         cli_out("trained %lld steps (to step %lld, epoch %.2f) in %.1f s, %.0f samples/s; final train loss %.6f\n",
@@ -674,7 +695,10 @@ static ct_status report(trainer *t, double seconds)
         if (ov < 0) ov = 0;
         cli_out("step time (%s, mean over %lld steps): forward %.2f ms, backward %.2f ms, optimizer %.2f ms",
                 ct_strategy_kind(t->s), (long long)t->nstats, s.forward * ms, s.backward * ms, s.optimizer * ms);
-        if (t->world > 1 && s.nbuckets)
+        if (!strcmp(ct_strategy_kind(t->s), "pipe"))
+            cli_out("; waited %.2f ms for other stages (the pipeline's bubble) and the replicas' allreduce "
+                    "(%.2f ms in %d bucket%s)", s.comm_wait * ms, s.comm_total * ms, s.nbuckets, s.nbuckets == 1 ? "" : "s");
+        else if (t->world > 1 && s.nbuckets)
             cli_out("; allreduce %.2f ms in %d bucket%s, waited %.2f ms (%.0f%% overlapped with backward)",
                     s.comm_total * ms, s.nbuckets, s.nbuckets == 1 ? "" : "s", s.comm_wait * ms, ov * 100);
         else if (t->world > 1) /* gathers and reduce-scatters */
@@ -712,10 +736,17 @@ static void describe(trainer *t)
     char desc[300];
     cli_out("ctrain train: %s (%lld parameters) on %s (%lld training samples), %s lr %g, batch %lld%s "
             "over %d rank%s (%s), %d BLAS thread%s per rank (OpenBLAS %s), steps %lld..%lld (%lld per epoch)\n",
-            cli_config_str(&t->cfg, desc, sizeof desc), (long long)ct_module_num_params(t->model), o->data, (long long)t->train.n, ct_optim_name(t->opt),
+            cli_config_str(&t->cfg, desc, sizeof desc), (long long)t->nparams, o->data, (long long)t->train.n, ct_optim_name(t->opt),
             t->sched.base_lr, (long long)o->batch, o->grad_accum > 1 ? " (accumulated)" : "", t->world,
             t->world == 1 ? "" : "s", ct_strategy_kind(t->s), ct_blas_get_threads(),
             ct_blas_get_threads() == 1 ? "" : "s", ct_blas_corename(), (long long)t->step, (long long)t->total, (long long)t->spe);
+    int stage, nstages;
+    ct_strategy_pipe_stage(t->s, &stage, &nstages);
+    if (!strcmp(ct_strategy_kind(t->s), "pipe"))
+        cli_out("pipeline: %d stage%s (children per stage %s) x %d replica%s; %s micro-batches, schedule %s, "
+                "checkpoint %s; rank r is stage r %% %d of replica r / %d\n", nstages, nstages == 1 ? "" : "s", ct_strategy_opt(t->s, "balance"),
+                t->dsize, t->dsize == 1 ? "" : "s", ct_strategy_opt(t->s, "chunks"), ct_strategy_opt(t->s, "schedule"),
+                ct_strategy_opt(t->s, "checkpoint"), nstages, nstages);
     const ct_partition *pt = ct_strategy_partition(t->s);
     if (!o->verbose || !pt) return;
     /* Who owns what: the partition's parameter indices count trainable parameters. */

@@ -21,6 +21,9 @@ typedef struct {
     int64_t wrap_min_params;
     int limit_all_gathers, has_fsdp_flag;
     int64_t limit_train, limit_test, eval_batch; /* unlisted: small runs for tests */
+    /* pipe: stages, children per stage, micro-batches, schedule, checkpoint mode */
+    int64_t stages, chunks;
+    const char *balance, *pipe_schedule, *pipe_checkpoint;
     /* which flags the user gave (resume takes the others from the checkpoint) */
     int has_model, has_hidden, has_seed, has_batch, has_optim, has_lr, has_wd, has_momentum, has_strategy;
     unsigned char given[64]; /* how often each option of the table was given (compared across ranks) */

@@ -45,7 +45,8 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--lr", OPT_NUM, &o->lr, "LR", "learning rate (adamw 0.001, sgd 0.01)");
     OPT("--weight-decay", OPT_NUM, &o->weight_decay, "WD", "weight decay (adamw 0.01, sgd 0)");
     OPT("--momentum", OPT_NUM, &o->momentum, "M", "sgd momentum (0)");
-    OPT("--schedule", OPT_STR, &o->schedule, "NAME", "learning rate schedule: constant or cosine (constant)");
+    OPT("--schedule", OPT_STR, &o->schedule, "NAME", "learning rate schedule: constant or cosine (constant); "
+        "gpipe or 1f1b: --pipe-schedule");
     OPT("--warmup", OPT_INT, &o->warmup, "N", "linear warm-up over the first N steps (0)");
     OPT("--clip", OPT_NUM, &o->clip, "MAXNORM", "clip the gradient's global norm to MAXNORM (off)");
     OPT("--clip-norm", OPT_STR, &o->clip_norm, "TYPE", "norm --clip measures: 2 or inf (2)");
@@ -62,7 +63,12 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--keep-last", OPT_INT, &o->keep_last, "K", "save each checkpoint under its step (CKPT-stepN) and keep the K newest");
     OPT("--log-every", OPT_INT, &o->log_every, "N", "progress line every N steps (50; 0: none)");
     OPT("--metrics", OPT_STR, &o->metrics, "FILE", "one JSON object per logged step (appended on --resume)");
-    OPT("--strategy", OPT_STR, &o->strategy, "NAME", "none or ddp (ddp when run on several ranks)");
+    OPT("--strategy", OPT_STR, &o->strategy, "NAME", "none, ddp, zero1, zero2 or pipe (ddp when run on several ranks)");
+    OPT("--stages", OPT_INT, &o->stages, "P", "pipe: pipeline stages (--balance's length, else the ranks); N ranks make N/P replicas");
+    OPT("--balance", OPT_STR, &o->balance, "LIST", "pipe: the model's top-level layers per stage, as 3,3,2 (by parameter count)");
+    OPT("--chunks", OPT_INT, &o->chunks, "M", "pipe: micro-batches per step (4)");
+    OPT("--pipe-schedule", OPT_STR, &o->pipe_schedule, "NAME", "pipe: gpipe or 1f1b (1f1b)");
+    OPT("--pipe-checkpoint", OPT_STR, &o->pipe_checkpoint, "MODE", "pipe: recompute activations: always, except_last or never (except_last)");
     OPT("--grad-accum", OPT_INT, &o->grad_accum, "N", "split each step into N micro-batches (1)");
     OPT("--bucket-cap-mb", OPT_NUM, &o->bucket_cap_mb, "MB", "ddp: gradient bucket size (25)");
     OPT("--find-unused-parameters", OPT_FLAG, &o->find_unused, NULL, "ddp: allow parameters without a gradient");
@@ -189,6 +195,14 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (o->has_momentum && o->momentum < 0) return BAD("--momentum %g must not be negative", o->momentum);
     if (o->has_momentum && ok != CT_OPT_SGD) return BAD("--momentum applies to --optim sgd only (adamw has betas)");
     ct_sched_kind sk;
+    /* --schedule gpipe|1f1b is the pipeline's (the names differ from the learning rate's) */
+    if (!strcmp(o->schedule, "gpipe") || !strcmp(o->schedule, "1f1b")) {
+        if (o->pipe_schedule) return BAD("--schedule %s and --pipe-schedule %s both give the pipeline schedule; give one",
+                                         o->schedule, o->pipe_schedule);
+        o->pipe_schedule = o->schedule;
+        o->schedule = "constant";
+        o->has_schedule = 0;
+    }
     if (ct_sched_parse(o->schedule, &sk)) return BAD("unknown schedule '%s' for --schedule; choose constant or cosine", o->schedule);
     if (o->warmup < 0) return BAD("--warmup %lld must not be negative", (long long)o->warmup);
     if (strcmp(o->clip_norm, "2") && strcmp(o->clip_norm, "inf"))
@@ -231,6 +245,26 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (!in_list(o->prefetch, prefetches)) return BAD("unknown --prefetch '%s'; choose pre, post or none", o->prefetch);
     if (o->wrap_min_params < 0) return BAD("--wrap-min-params %lld must not be negative (0: the model is one unit)",
                                            (long long)o->wrap_min_params);
+    int pipe = o->has_strategy && !strcmp(o->strategy, "pipe");
+    const char *pflag = cli_find(t, n, "--stages")->given ? "--stages" : cli_find(t, n, "--chunks")->given ? "--chunks"
+                      : o->balance ? "--balance" : o->pipe_schedule ? (cli_find(t, n, "--pipe-schedule")->given ? "--pipe-schedule" : "--schedule")
+                      : o->pipe_checkpoint ? "--pipe-checkpoint" : NULL;
+    if (pflag && !pipe) return BAD("%s applies to --strategy pipe only", pflag);
+    if (pipe && cli_find(t, n, "--stages")->given && o->stages < 1) return BAD("--stages %lld must be at least 1", (long long)o->stages);
+    if (pipe && cli_find(t, n, "--chunks")->given && (o->chunks < 1 || o->chunks > 16000))
+        return BAD("--chunks %lld must be from 1 to 16000 (number of chunks must be a positive integer)", (long long)o->chunks);
+    static const char *const psched[] = {"gpipe", "1f1b", NULL}, *const pck[] = {"always", "except_last", "never", NULL};
+    if (o->pipe_schedule && !in_list(o->pipe_schedule, psched))
+        return BAD("unknown --pipe-schedule '%s'; choose gpipe or 1f1b", o->pipe_schedule);
+    if (o->pipe_checkpoint && !in_list(o->pipe_checkpoint, pck))
+        return BAD("unknown --pipe-checkpoint '%s'; choose always, except_last or never", o->pipe_checkpoint);
+    if (o->balance) {
+        const char *b = o->balance;
+        if (!*b || strlen(b) > 200 || strspn(b, "0123456789,") != strlen(b) || strstr(b, ",,") || *b == ',' || b[strlen(b) - 1] == ',')
+            return BAD("--balance '%s': give the number of layers of each stage as positive integers, like 3,3,2", b);
+    }
+    if (pipe && o->has_accum && o->grad_accum != 1)
+        return BAD("--grad-accum does not apply to --strategy pipe: its micro-batches are --chunks");
     if (o->grad_accum < 1) return BAD("--grad-accum %lld must be at least 1", (long long)o->grad_accum);
     /* Upper bounds, so no count overflows what it is multiplied into or cast to. */
     if (o->grad_accum > (1 << 30)) return BAD("--grad-accum %lld is too large (at most %d)", (long long)o->grad_accum, 1 << 30);
@@ -258,6 +292,9 @@ int train_check_world(train_opts *o, int world, char *err, size_t errn)
     if (!strcmp(o->strategy, "none") && world > 1)
         return BAD("--strategy none runs every rank alone, but this job has %d ranks; use --strategy ddp, or "
                    "run without mpirun", world);
+    /* Join sums rows over the strategy's group; a pipeline's stages share one slice. */
+    if (!strcmp(o->last_batch, "keep") && !strcmp(o->strategy, "pipe"))
+        return BAD("--last-batch keep is not available with --strategy pipe yet; leave it out (drop)");
     return 0;
 }
 

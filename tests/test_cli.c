@@ -700,6 +700,16 @@ TEST(cli_estimate_matches_zero2_runs)
     estimate_matches_run(3, "zero2", "--strategy-opt reduce_buffer_mb=1");
 }
 
+/* Pipe: every stage's parameters, gradients and optimizer state; the
+ * activations of each schedule and checkpoint mode (the largest stage's). */
+TEST(cli_estimate_matches_pipe_runs)
+{
+    estimate_matches_run(2, "pipe", "--strategy-opt chunks=4,checkpoint=never");
+    estimate_matches_run(2, "pipe", "--strategy-opt chunks=8,schedule=gpipe");
+    estimate_matches_run(3, "pipe", "--strategy-opt chunks=6,checkpoint=always");
+    estimate_matches_run(4, "pipe", "--strategy-opt stages=2,dp=zero1");
+}
+
 /* FSDP: pieces plus the units unsharded at once (ct_fsdp_plan's units), in
  * f32 and bf16 (the weights gathered in bf16), FULL_SHARD and SHARD_GRAD_OP. */
 TEST(cli_estimate_matches_fsdp_runs)
@@ -720,7 +730,7 @@ TEST(cli_estimate_table)
                           "\n  none ", "\n  ddp ", "\n  zero1 ", "\n  zero2 ", "\n  fsdp "};
     for (size_t i = 0; i < sizeof cols / sizeof cols[0]; i++) ASSERT_STR_CONTAINS(out, cols[i]);
     ASSERT_EQ(RUN(out, "estimate --model mlp --ranks 4 --json"), 0);
-    ASSERT_EQ(count_lines(out), 4); /* ddp, zero1, zero2, fsdp: none is one rank's */
+    ASSERT_EQ(count_lines(out), 5); /* ddp, zero1, zero2, fsdp, pipe: none is one rank's */
     ASSERT(!strstr(out, "\"none\""));
     /* 235146 f32 parameters; AdamW's two moments, each slot padded to 16 floats (4.bias: 10 -> 16). */
     ASSERT_STR_CONTAINS(out, "{\"strategy\":\"ddp\",\"ranks\":4,\"param\":940584,\"grad\":940584,\"optim\":1881216,");

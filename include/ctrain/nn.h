@@ -269,6 +269,19 @@ ct_module *ct_maxpool2d_create(int k, int stride);
 /* Over channel dim 1 of [N,C] or [N,C,H,W]; weight, bias, running_mean,
  * running_var buffers and num_batches_tracked (as PyTorch). */
 ct_module *ct_batchnorm_create(int64_t c, float eps, float momentum);
+/* How a training forward treats bn's running statistics (fairscale's
+ * DeferredBatchNorm, for micro-batches): CT_BN_NOW updates them (default),
+ * CT_BN_DEFER accumulates the batch's statistics for ct_batchnorm_commit,
+ * CT_BN_HOLD leaves both alone (a checkpoint's recompute).  Normalisation
+ * always uses the batch's own statistics.  CT_EINVAL if bn is not a
+ * batchnorm or mode is unknown. */
+enum { CT_BN_NOW = 0, CT_BN_DEFER, CT_BN_HOLD };
+ct_status ct_batchnorm_set_mode(ct_module *bn, int mode);
+/* Updates the running statistics once from every batch accumulated since the
+ * last commit, as if they had been one batch (mean and unbiased variance
+ * over all their values), counts one batch in num_batches_tracked, and
+ * clears the accumulator; nothing accumulated: no-op. */
+ct_status ct_batchnorm_commit(ct_module *bn);
 /* [N, ...] -> [N, prod(...)]. */
 ct_module *ct_flatten_create(void);
 /* Children run in order; add them with ct_module_add(m, NULL, kid). */

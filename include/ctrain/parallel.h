@@ -8,6 +8,10 @@
  *   "none"  one replica, no communication (a world of 1, or every rank alone)
  *   "ddp"   DistributedDataParallel: replicas, bucketed gradient allreduce
  *           started from grad-ready hooks so it overlaps backward
+ *   "zero1", "zero2"  ZeRO: optimizer state (and gradients) sharded
+ *   "pipe"  pipeline parallelism: a sequential cut into stages, one per
+ *           rank, micro-batches flowing through them (GPipe or 1F1B), with
+ *           data-parallel replicas of the pipeline when ranks allow
  *
  * The strategy owns the step: it builds the optimizer over what this rank
  * owns, runs micro-batches (ct_strategy_train_step), synchronises, clips
@@ -87,6 +91,23 @@ typedef struct {
  * units, *n gets their number.  CT_EINVAL for options fsdp refuses. */
 ct_status ct_fsdp_plan(ct_module *model, const char *opts, ct_fsdp_unit *units, int max, int *n);
 
+/* ---- pipeline balance -------------------------------------------------- */
+
+/* Cuts n layers of weights w (negative counts as 0) into nstages contiguous
+ * stages of at least one layer each so that the heaviest stage is as light
+ * as possible; balance[k] (room for nstages) gets stage k's layer count.
+ * CT_EINVAL if n < nstages. */
+ct_status ct_pipe_balance_weights(const double *w, int n, int nstages, int *balance);
+/* balance for sequential seq by its children's parameter counts (fairscale's
+ * balance_by_size).  CT_EINVAL if seq is not a sequential or has fewer
+ * children than nstages. */
+ct_status ct_pipe_balance_by_params(ct_module *seq, int nstages, int *balance);
+/* balance by measured time: runs every child's forward and backward on
+ * sample (a batch of the model's input; the output must be F32) twice and
+ * weighs each child by the second round's time (fairscale's
+ * balance_by_time).  Zeroes seq's gradients afterwards. */
+ct_status ct_pipe_balance_by_time(ct_module *seq, ct_tensor *sample, int nstages, int *balance);
+
 /* ---- the strategy interface ------------------------------------------- */
 
 typedef struct ct_strategy ct_strategy;
@@ -103,6 +124,10 @@ typedef struct ct_strategy ct_strategy;
  *   reduce_dtype=f32|bf16|f16  dtype gradients are reduced in (f32)
  * DDP's keys: bucket_cap_mb (25), first_bucket_mb (1), broadcast_buffers
  * (1), find_unused_parameters (0), rebuild_buckets (1).
+ * pipe's keys: stages (auto), balance (children per stage, "3:3:2"), chunks
+ * (4), schedule (gpipe|1f1b), checkpoint (always|except_last|never), dp
+ * (ddp|zero1: between a stage's replicas), deferred_batch_norm (0), and
+ * DDP's for its replicas.
  * ct_strategy_help lists every key of a kind with its default. */
 
 /* Writes the keys kind accepts, one per line ("key=default  meaning"), to
@@ -137,11 +162,14 @@ ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_
 /* Unwraps (parameters get gradients of their own again) and frees the
  * strategy and its optimizer; NULL is a no-op. */
 void ct_strategy_destroy(ct_strategy *s);
-/* "none", "ddp", "zero1". */
+/* "none", "ddp", "zero1", "zero2", "pipe". */
 const char *ct_strategy_kind(const ct_strategy *s);
 /* Which rank owns which parameter range (sharded strategies), else NULL.
  * Parameter indices count the trainable parameters in model order. */
 const ct_partition *ct_strategy_partition(const ct_strategy *s);
+/* Under "pipe": this rank's stage (-1 if it sits out) and the number of
+ * stages; any other strategy: 0 of 1. */
+void ct_strategy_pipe_stage(const ct_strategy *s, int *stage, int *nstages);
 /* Names accepted by ct_strategy_create, comma separated. */
 const char *ct_strategy_list(void);
 
@@ -193,6 +221,19 @@ ct_status ct_strategy_join(ct_strategy *s, int64_t rows, int64_t *global_rows, i
 void ct_strategy_set_joined(ct_strategy *s, int joined);
 ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
                                  const ct_fwd_ctx *ctx, ct_step_out *out);
+
+/* Inference (no records) over the whole model, however it is placed: *out
+ * gets a new reference to the model's output on the ranks that hold it
+ * (every rank for the replicated and sharded strategies; a pipeline's last
+ * stage) and NULL elsewhere.  Collective over the group for pipe (every
+ * rank of a pipeline passes x with the same rows) and for strategies whose
+ * forward communicates. */
+ct_status ct_strategy_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out);
+/* Which slice of each global batch this rank is given: *rank of *size
+ * slices.  The group rank and size, except under pipe, where the ranks of
+ * one pipeline share a slice (the replica index of the pipeline; ranks that
+ * sit out get slice 0 and train on nothing). */
+void ct_strategy_data_rank(const ct_strategy *s, int *rank, int *size);
 
 /* ---- the pieces, for a loop of one's own ------------------------------- */
 

@@ -10,14 +10,25 @@
  * so a checkpoint recompute or every micro-batch counts as a batch, as in
  * PyTorch.  Eval normalises with the running stats.  The record keeps the
  * input and the mean and 1/std it used.
+ *
+ * Deferred statistics (fairscale's DeferredBatchNorm, for pipelines): in
+ * CT_BN_DEFER a training forward still normalises with its own batch's
+ * statistics but, instead of updating the running ones, merges its count,
+ * mean and sum of squared deviations per channel into an accumulator
+ * (Chan's parallel formula, so micro-batches combine exactly as one
+ * batch); ct_batchnorm_commit then makes one update from the whole.
+ * CT_BN_HOLD (a checkpoint's recompute) does neither.
  */
 #include <math.h>
+#include <string.h>
 
 #include "internal.h"
 
 typedef struct {
     int64_t c;
     float eps, momentum;
+    int mode;    /* CT_BN_NOW, CT_BN_DEFER, CT_BN_HOLD */
+    double *acc; /* CT_BN_DEFER: [3*C] count, mean, sum of squared deviations per channel */
 } bn_impl;
 
 static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
@@ -71,8 +82,15 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
             mu[c] = (float)mc;
             rs[c] = (float)(1.0 / sqrt(var + (double)B->eps));
             float mom = B->momentum;
-            rm[c] = (1.0f - mom) * rm[c] + mom * (float)mc;
-            rv[c] = (1.0f - mom) * rv[c] + mom * (float)(var * (double)cnt / (double)(cnt - 1));
+            if (B->mode == CT_BN_NOW) {
+                rm[c] = (1.0f - mom) * rm[c] + mom * (float)mc;
+                rv[c] = (1.0f - mom) * rv[c] + mom * (float)(var * (double)cnt / (double)(cnt - 1));
+            } else if (B->mode == CT_BN_DEFER) {
+                double *a = B->acc + 3 * c, n = a[0] + (double)cnt, d = mc - a[1];
+                a[2] += ss + d * d * a[0] * (double)cnt / n;
+                a[1] += d * (double)cnt / n;
+                a[0] = n;
+            }
         } else {
             mu[c] = rm[c];
             rs[c] = (float)(1.0 / sqrt((double)rv[c] + (double)B->eps));
@@ -84,7 +102,7 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
             for (int64_t i = 0; i < S; i++) yc[i] = xc[i] * a + sh0;
         }
     }
-    if (training) ct_f32(m->buffers[2]->data)[0] += 1.0f;
+    if (training && B->mode == CT_BN_NOW) ct_f32(m->buffers[2]->data)[0] += 1.0f;
     if (rec) rec->ival[0] = training;
     ct_tensor_release(mean);
     ct_tensor_release(rstd);
@@ -139,7 +157,50 @@ static ct_status bn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
     return CT_OK;
 }
 
-static void bn_destroy(ct_module *m) { ct_free(m->impl); }
+static void bn_destroy(ct_module *m)
+{
+    bn_impl *B = m->impl;
+    ct_free(B->acc);
+    ct_free(B);
+}
+
+static const ct_module_ops bn_ops;
+
+static ct_status need_bn(const ct_module *m, const char *what)
+{
+    if (!m || m->ops != &bn_ops)
+        return ct_error(CT_EINVAL, "%s: '%s' is not a batchnorm module", what, m ? nm(m) : "NULL");
+    return CT_OK;
+}
+
+ct_status ct_batchnorm_set_mode(ct_module *m, int mode)
+{
+    CT_TRY(need_bn(m, "ct_batchnorm_set_mode"));
+    bn_impl *B = m->impl;
+    if (mode != CT_BN_NOW && mode != CT_BN_DEFER && mode != CT_BN_HOLD)
+        return ct_error(CT_EINVAL, "batchnorm '%s': unknown statistics mode %d", nm(m), mode);
+    if (mode == CT_BN_DEFER && !B->acc) {
+        if (!(B->acc = ct_alloc_zeroed(sizeof *B->acc * 3 * (size_t)B->c, CT_MEM_OTHER))) return CT_ENOMEM;
+    }
+    B->mode = mode;
+    return CT_OK;
+}
+
+ct_status ct_batchnorm_commit(ct_module *m)
+{
+    CT_TRY(need_bn(m, "ct_batchnorm_commit"));
+    bn_impl *B = m->impl;
+    if (!B->acc || B->acc[0] < 2) return CT_OK; /* nothing (or one value) accumulated */
+    float *rm = ct_f32(m->buffers[0]->data), *rv = ct_f32(m->buffers[1]->data), mom = B->momentum;
+    for (int64_t c = 0; c < B->c; c++) {
+        const double *a = B->acc + 3 * c;
+        rm[c] = (1.0f - mom) * rm[c] + mom * (float)a[1];
+        rv[c] = (1.0f - mom) * rv[c] + mom * (float)(a[2] / (a[0] - 1.0));
+    }
+    ct_f32(m->buffers[2]->data)[0] += 1.0f;
+    memset(B->acc, 0, sizeof *B->acc * 3 * (size_t)B->c);
+    return CT_OK;
+}
 
 static ct_status bn_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
                               int64_t *out_shape)
@@ -166,7 +227,7 @@ ct_module *ct_batchnorm_create(int64_t c, float eps, float momentum)
     }
     bn_impl *B = ct_alloc_zeroed(sizeof *B, CT_MEM_OTHER);
     if (!B) return NULL;
-    *B = (bn_impl){c, eps, momentum};
+    *B = (bn_impl){c, eps, momentum, CT_BN_NOW, NULL};
     ct_module *m = ct_module_create(&bn_ops, B);
     if (!m) {
         ct_free(B);

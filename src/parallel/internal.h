@@ -12,9 +12,10 @@
  * line of help. */
 /* INT: a whole number from 1; COUNT: from 0; NUM: a positive number; BOOL;
  * DTYPE (from dtypes); CHOICE: one of the '|'-separated words in choices,
- * stored as its index; TEXT: any text, read back with ct_strategy_opt. */
+ * stored as its index; TEXT: any text, read back with ct_strategy_opt;
+ * AUTO_INT: "auto" (stored as 0) or a whole number from 1 (an int). */
 typedef enum { CT__OPT_INT, CT__OPT_NUM, CT__OPT_BOOL, CT__OPT_DTYPE, CT__OPT_COUNT, CT__OPT_CHOICE,
-               CT__OPT_TEXT } ct__opt_type;
+               CT__OPT_TEXT, CT__OPT_AUTO_INT } ct__opt_type;
 typedef struct {
     const char *key;
     ct__opt_type type;
@@ -69,6 +70,15 @@ typedef struct {
     ct_status (*local_state)(ct_strategy *s, int optim, ct_state *out);
     ct_status (*load_state)(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                             int optim);
+    /* A strategy that owns the whole step (pipe: chunks flow through stages)
+     * instead of the default grad_accum micro-batches; called after
+     * ct_strategy_train_step's validation, with *out zeroed. */
+    ct_status (*train_step)(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+                            const ct_fwd_ctx *ctx, ct_step_out *out);
+    /* Inference over the whole model (ct_strategy_predict); NULL: the model's forward. */
+    ct_status (*predict)(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out);
+    /* Which slice of the global batch this rank takes (NULL: group rank and size). */
+    void (*data_rank)(const ct_strategy *s, int *rank, int *size);
 } ct__strategy_ops;
 
 struct ct_strategy {
@@ -100,6 +110,17 @@ extern const ct__strategy_ops ct__ddp_ops;
 extern const ct__strategy_ops ct__zero1_ops;
 extern const ct__strategy_ops ct__zero2_ops;
 extern const ct__strategy_ops ct__fsdp_ops;
+extern const ct__strategy_ops ct__pipe_ops;
+
+/* Backward of s's model from dout times scale with s's hooks (pre_backward,
+ * post_backward: DDP's buckets, ZeRO's reduces), timed into s->stats; *din
+ * (din != NULL) gets the input gradient.  Consumes rec.  The pipeline runs
+ * each stage's backward through its replica strategy with this. */
+ct_status ct__strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale,
+                                   ct_tensor **din);
+/* Squared 2-norm (norm_type 2) or max-abs (infinity) of the gradients of s's
+ * trainable parameters, whatever s shards: the stage term of a pipeline's norm. */
+ct_status ct__strategy_norm_term(ct_strategy *s, double norm_type, double *term);
 
 /* DDP's options and entries, for the strategies built on its buckets
  * (ZeRO-1 keeps DDP's gradient path and shards only the optimizer). */
@@ -129,6 +150,9 @@ ct_status ct__broadcast_state(ct_strategy *s, int buffers_only);
  * s->kopts (defaults first).  CT_EINVAL naming a bad or unknown key. */
 ct_status ct__opts_parse(ct_strategy *s, const char *text);
 void ct__opts_free(ct_strategy *s);
+/* Replaces the text ct_strategy_opt answers for key with what the strategy
+ * settled on (pipe: the balance it computed). */
+ct_status ct__opts_set_text(ct_strategy *s, const char *key, const char *value);
 /* Help lines for ops' keys (and the common ones) into buf. */
 void ct__opts_help(const ct__strategy_ops *ops, char *buf, size_t n);
 

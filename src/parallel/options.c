@@ -45,6 +45,17 @@ static ct_status set_value(const char *kind, const ct__opt_def *d, void *base, c
     void *dst = (char *)base + d->off;
     errno = 0;
     switch (d->type) {
+    case CT__OPT_AUTO_INT: {
+        if (!strcmp(v, "auto")) {
+            *(int *)dst = 0;
+            return CT_OK;
+        }
+        long long x = strtoll(v, &end, 10);
+        if (end == v || *end || errno || x < 1 || x > 1 << 30)
+            return ct_error(CT_EINVAL, "%s option %s=%s: expected auto or a whole number from 1", kind, d->key, v);
+        *(int *)dst = (int)x;
+        return CT_OK;
+    }
     case CT__OPT_INT:
     case CT__OPT_COUNT: {
         long long x = strtoll(v, &end, 10), lo = d->type == CT__OPT_INT;
@@ -168,6 +179,14 @@ static ct_status apply(ct_strategy *s, const char *key, const char *val)
     }
     CT_TRY(set_value(s->ops->kind, d, common ? (void *)&s->common : s->kopts, val));
     return keep_text(s, d->key, val);
+}
+
+ct_status ct__opts_set_text(ct_strategy *s, const char *key, const char *value)
+{
+    int common;
+    const ct__opt_def *d = find(s->ops, key, &common);
+    if (!d) return ct_error(CT_EINVAL, "strategy %s has no option '%s'", s->ops->kind, key);
+    return keep_text(s, d->key, value);
 }
 
 ct_status ct__opts_parse(ct_strategy *s, const char *text)

@@ -13,9 +13,9 @@
 static const ct__strategy_ops none_ops = {.kind = "none"};
 
 static const ct__strategy_ops *const kinds[] = {&none_ops, &ct__ddp_ops, &ct__zero1_ops, &ct__zero2_ops,
-                                                  &ct__fsdp_ops};
+                                                   &ct__fsdp_ops, &ct__pipe_ops};
 
-const char *ct_strategy_list(void) { return "none, ddp, zero1, zero2, fsdp"; }
+const char *ct_strategy_list(void) { return "none, ddp, zero1, zero2, fsdp, pipe"; }
 
 static const ct__strategy_ops *find_kind(const char *kind)
 {
@@ -137,7 +137,8 @@ ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct
 /* Backward from dout times scale.  Backward is linear in dout, so scaling
  * it scales every gradient: the mean over ranks and micro-batches costs
  * one pass over the loss gradient instead of one over all gradients. */
-static ct_status backward_scaled(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale)
+ct_status ct__strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale,
+                                   ct_tensor **din)
 {
     double t0 = ct_now();
     ct_status st = s->ops->pre_backward ? s->ops->pre_backward(s) : CT_OK;
@@ -159,7 +160,7 @@ static ct_status backward_scaled(ct_strategy *s, ct_tensor *dout, ct_record *rec
         float *gp = ct_f32(g);
         for (int64_t i = 0; i < g->numel; i++) gp[i] *= scale;
     }
-    st = ct_module_backward(s->model, g, NULL, rec);
+    st = ct_module_backward(s->model, g, din, rec);
     if (g != dout) ct_tensor_release(g);
     double t1 = ct_now();
     s->stats.backward += t1 - t0;
@@ -170,7 +171,7 @@ static ct_status backward_scaled(ct_strategy *s, ct_tensor *dout, ct_record *rec
 
 ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
 {
-    return backward_scaled(s, dout, rec, s->ops->grad_scale ? s->ops->grad_scale(s) : 1.0f);
+    return ct__strategy_backward_ex(s, dout, rec, s->ops->grad_scale ? s->ops->grad_scale(s) : 1.0f, NULL);
 }
 
 ct_status ct_loss_cross_entropy(ct_tensor *out, ct_tensor *target, void *ud, float *loss, ct_tensor **dout)
@@ -205,7 +206,7 @@ static ct_status micro_step(ct_strategy *s, const ct_batch *b, int64_t r0, int64
         }
         /* d(global mean)/d(micro-batch mean) = n / global; the reduction sums.  A joined rank's shadow
          * rows are not in the global batch: its backward runs (the collectives in it must) with 0. */
-        st = backward_scaled(s, dz, rec, s->joined ? 0.0f : (float)((double)n / (double)global));
+        st = ct__strategy_backward_ex(s, dz, rec, s->joined ? 0.0f : (float)((double)n / (double)global), NULL);
         rec = NULL;
     }
     ct_record_destroy(rec);
@@ -236,7 +237,7 @@ ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     if (!b || !b->x || !b->y || !loss || !ctx)
         return ct_error(CT_EINVAL, "train step needs a batch (x and y), a loss and a context");
     int64_t nrows = b->x->ndim ? b->x->shape[0] : 0;
-    int k = s->common.grad_accum;
+    int k = s->ops->train_step ? 1 : s->common.grad_accum;
     if (b->y->ndim == 0 || b->y->shape[0] != nrows)
         return ct_error(CT_EINVAL, "train step: x has %lld rows but y has %lld; they must match",
                         (long long)nrows, (long long)(b->y->ndim ? b->y->shape[0] : 0));
@@ -248,6 +249,11 @@ ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     if (global < nrows && !s->joined)
         return ct_error(CT_EINVAL, "train step: global_rows %lld is fewer than this rank's %lld rows",
                         (long long)global, (long long)nrows);
+    if (s->ops->train_step) {
+        ct_status st = s->ops->train_step(s, b, loss, ud, ctx, &local);
+        if (out) *out = local;
+        return st;
+    }
     ct_fwd_ctx c = *ctx;
     int64_t r0 = 0;
     ct_status st = CT_OK;
@@ -287,6 +293,15 @@ static ct_status replicated_norm(ct_strategy *s, double norm_type, double *norm)
         }
     }
     *norm = isinf(norm_type) ? acc : sqrt(acc);
+    return CT_OK;
+}
+
+ct_status ct__strategy_norm_term(ct_strategy *s, double norm_type, double *term)
+{
+    sync_grads(s);
+    double n = 0;
+    CT_TRY(s->ops->grad_norm ? s->ops->grad_norm(s, norm_type, &n) : replicated_norm(s, norm_type, &n));
+    *term = isinf(norm_type) ? n : n * n;
     return CT_OK;
 }
 
@@ -358,6 +373,25 @@ void ct_strategy_zero_grad(ct_strategy *s)
 {
     if (s->ops->zero_grad) s->ops->zero_grad(s);
     else ct_module_zero_grad_lazy(s->model);
+}
+
+ct_status ct_strategy_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out)
+{
+    *out = NULL;
+    if (!x || !ctx) return ct_error(CT_EINVAL, "predict needs an input and a context");
+    if (s->ops->predict) return s->ops->predict(s, x, ctx, out);
+    if (s->ops->pre_forward) CT_TRY(s->ops->pre_forward(s));
+    return ct_module_forward(s->model, x, out, NULL, ctx);
+}
+
+void ct_strategy_data_rank(const ct_strategy *s, int *rank, int *size)
+{
+    if (s->ops->data_rank) {
+        s->ops->data_rank(s, rank, size);
+        return;
+    }
+    *rank = ct_group_rank(s->g);
+    *size = ct_group_size(s->g);
 }
 
 ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all)

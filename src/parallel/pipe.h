@@ -1,0 +1,61 @@
+/* Private to src/parallel: the pipeline strategy's state, shared by its
+ * set-up and entries (pipe.c), its schedules (pipe_sched.c) and its
+ * checkpoint state (pipe_state.c). */
+#ifndef CTRAIN_PARALLEL_PIPE_H
+#define CTRAIN_PARALLEL_PIPE_H
+
+#include "internal.h"
+
+enum { PIPE_GPIPE = 0, PIPE_1F1B };
+enum { PIPE_CKPT_ALWAYS = 0, PIPE_CKPT_EXCEPT_LAST, PIPE_CKPT_NEVER };
+enum { PIPE_DP_DDP = 0, PIPE_DP_ZERO1 };
+
+/* The kind's options; DDP's come first because they are its base keys
+ * (passed on to the replicas' DDP or ZeRO-1). */
+typedef struct {
+    ct__ddp_opts ddp;
+    int stages;     /* 0 (auto: balance's length, else the group size) or P; balance is text */
+    int chunks;
+    int schedule;   /* PIPE_GPIPE, PIPE_1F1B */
+    int checkpoint; /* PIPE_CKPT_* */
+    int dp;         /* PIPE_DP_*: what the replicas of a stage run */
+    int deferred_batch_norm; /* running statistics once per step over all micro-batches */
+} pipe_opts;
+
+/* A row's shape at a stage boundary: dims after the batch dim. */
+typedef struct {
+    int ndim;              /* of the whole tensor, batch dim included */
+    int64_t shape[CT_MAX_DIMS]; /* shape[0] unused (rows) */
+    int64_t row_numel;
+} pipe_shape;
+
+typedef struct {
+    int nstages, stage;    /* stage -1: this rank sits out (more ranks than stages x replicas) */
+    int replicas, replica;
+    int *balance;          /* [nstages] children per stage */
+    int lo, hi;            /* this stage holds children [lo, hi) of the model as given */
+    ct_group *pg;          /* this replica's pipeline: rank k is stage k */
+    ct_group *rg;          /* this stage's replicas (data parallel) */
+    ct_strategy *inner;    /* the stage over rg: "ddp", "zero1", or "none" for one replica */
+    ct_module **bns;       /* this stage's batchnorm modules (held during recomputes) */
+    int nbns;
+    char **names;          /* every parameter and buffer name of the whole model */
+    int nnames;
+    /* boundary shapes, agreed for the input row shape in key (see pipe_sched.c) */
+    int have_shapes;
+    pipe_shape key, in, out;
+} pipe_t;
+
+static inline pipe_t *ct__pipe(const ct_strategy *s) { return s->priv; }
+
+ct_status ct__pipe_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+                              const ct_fwd_ctx *ctx, ct_step_out *out);
+ct_status ct__pipe_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out);
+
+ct_status ct__pipe_model_state(ct_strategy *s, ct_state *out);
+ct_status ct__pipe_optim_state(ct_strategy *s, ct_state *out);
+ct_status ct__pipe_shard_state(ct_strategy *s, int optim, ct_state *out);
+ct_status ct__pipe_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
+                              int optim);
+
+#endif

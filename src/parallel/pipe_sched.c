@@ -1,0 +1,563 @@
+/*
+ * The pipeline's schedules: one training step (or one inference pass) of a
+ * stage.  The batch is cut along dim 0 as torch.chunk cuts it (pieces of
+ * ceil(rows / chunks), the last one smaller, so possibly fewer pieces), and
+ * every rank of a pipeline runs its stage's share of
+ *   GPipe:  F0 F1 ... F(m-1), then B(m-1) ... B0 (fill, drain)
+ *   1F1B:   P-k-1 forwards to fill, then one forward and one backward in
+ *           turn, then the remaining backwards: stage k never holds more
+ *           than P-k micro-batches' activations (PipeDream-flush).
+ * Activations go to the next stage and gradients to the previous one as
+ * asynchronous MPI messages; the receive of the next micro-batch is posted
+ * before the current one computes, so transfers overlap compute.
+ *
+ * Shapes.  Before the first micro-batch, stage 0 tells its pipeline the
+ * batch's rows and input shape; when that shape is new, the stages agree
+ * in turn on every boundary's shape by shape inference (ct_module_out_shape),
+ * so a stage that cannot take its predecessor's output is an error on every
+ * rank naming both stages, before anything runs.  On arrival each message's
+ * size is checked against the agreed shape.
+ *
+ * Failures.  A message carries the sender's status after its values.  A
+ * rank that fails mid-step keeps the schedule (it sends zeros marked
+ * failed, receives and drops) instead of leaving its peers waiting; a rank
+ * that receives a failed mark skips its compute the same way.  At the end
+ * the pipeline agrees (ct_group_check): every rank returns the failing
+ * rank's message.
+ *
+ * Checkpointing.  A checkpointed micro-batch keeps only its stage input;
+ * its forward runs again right before its backward with the same context
+ * (seed, step, sample0), so dropout draws the same masks.  always: every
+ * micro-batch; except_last: all but the last (whose backward comes first
+ * in GPipe); never.  A recompute holds batchnorm's running statistics (it is
+ * not another batch); with deferred_batch_norm they are updated once per
+ * step from all micro-batches (ct_batchnorm_commit), as if not split.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "pipe.h"
+
+#define TAG_FWD(j) (2 * (j))
+#define TAG_BWD(j) (2 * (j) + 1)
+
+/* A transfer: count values, then the sender's status (0 ok, 1 failed). */
+typedef struct {
+    ct_tensor *buf;
+    ct_work *w;
+} xfer_t;
+
+typedef struct {
+    int64_t r0, n;
+    ct_tensor *x;    /* the stage's input (a view of the batch, or of fin.buf) */
+    ct_record *rec;  /* NULL when checkpointed */
+    ct_tensor *dz;   /* last stage: the scaled loss gradient */
+    xfer_t fin, bin; /* receives: forward input, backward gradient */
+    int ckpt;
+} mb_t;
+
+typedef struct {
+    ct_strategy *s;
+    pipe_t *p;
+    int m, train;
+    mb_t *mb;
+    const ct_batch *b;
+    ct_tensor *x;         /* the whole input (predict) */
+    ct_loss_fn loss;
+    void *ud;
+    ct_fwd_ctx ctx;
+    int64_t global;
+    ct_tensor *out;       /* predict, last stage: the outputs of every micro-batch */
+    ct_status st;         /* this rank's own failure (its message is the step's) */
+    int poisoned;         /* a peer sent a failed mark: compute is skipped, transfers go on */
+    xfer_t *sends;
+    int nsends, cap;
+    double t_fwd, t_bwd, t_wait;
+    ct_step_out *res;
+} run_t;
+
+static int O_ckpt(const run_t *r) { return ((const pipe_opts *)r->s->kopts)->checkpoint; }
+
+static int ok(const run_t *r) { return r->st == CT_OK && !r->poisoned; }
+
+static void fail(run_t *r, ct_status st)
+{
+    if (r->st == CT_OK) r->st = st;
+}
+
+/* Rows [r0, r0 + n) of t, with shape sh (NULL: t's) for the rest: a view. */
+static ct_tensor *rows_view(ct_tensor *t, int64_t r0, int64_t n, const pipe_shape *sh)
+{
+    int64_t shape[CT_MAX_DIMS];
+    int ndim = sh ? sh->ndim : t->ndim;
+    memcpy(shape, sh ? sh->shape : t->shape, sizeof shape);
+    shape[0] = n;
+    int64_t row = sh ? sh->row_numel : t->numel / t->shape[0];
+    return ct_tensor_view(t, r0 * row, ndim, shape);
+}
+
+static void shape_set(pipe_shape *sh, int ndim, const int64_t *shape)
+{
+    memset(sh, 0, sizeof *sh);
+    sh->ndim = ndim;
+    sh->row_numel = 1;
+    for (int d = 0; d < ndim; d++) {
+        sh->shape[d] = shape[d];
+        if (d) sh->row_numel *= shape[d];
+    }
+}
+
+static char *shape_str(const pipe_shape *sh, int64_t rows, char *buf, size_t n)
+{
+    size_t off = (size_t)snprintf(buf, n, "[%lld", (long long)rows);
+    for (int d = 1; d < sh->ndim && off < n; d++) off += (size_t)snprintf(buf + off, n - off, ", %lld", (long long)sh->shape[d]);
+    if (off < n) snprintf(buf + off, n - off, "]");
+    return buf;
+}
+
+/* ---- transfers -------------------------------------------------------------- */
+
+static void post_recv(run_t *r, xfer_t *x, int peer, int tag, int64_t count)
+{
+    if (x->buf) return;
+    int64_t shape[1] = {count + 1};
+    if (!(x->buf = ct_tensor_empty(CT_F32, 1, shape, CT_MEM_ACT))) {
+        fail(r, CT_ENOMEM);
+        return;
+    }
+    ct_status st = ct_group_recv(r->p->pg, ct_tensor_data(x->buf), count + 1, CT_F32, peer, tag, &x->w);
+    if (st != CT_OK) fail(r, st);
+}
+
+/* Waits for x; 1 if its values may be used. */
+static int wait_recv(run_t *r, xfer_t *x, int from, const char *what, int j)
+{
+    if (!x->w) {
+        if (r->st == CT_OK) fail(r, ct_error(CT_ESTATE, "pipe: the %s of micro-batch %d from stage %d was never "
+                                             "received", what, j, from));
+        return 0;
+    }
+    double t0 = ct_now();
+    ct_status st = ct_work_wait(x->w);
+    double t1 = ct_now();
+    r->t_wait += t1 - t0;
+    if (t1 - t0 > 20e-6) ct_trace_event("wait", "pipe", t0, t1, 0);
+    ct_work_destroy(x->w);
+    x->w = NULL;
+    if (st != CT_OK) {
+        fail(r, ct_error(st, "pipe: receiving the %s of micro-batch %d from stage %d failed (a message of another "
+                         "size than the agreed shape?): %s", what, j, from, ct_last_error()));
+        return 0;
+    }
+    const float *v = ct_f32(x->buf);
+    if (v[x->buf->numel - 1] != 0.0f) r->poisoned = 1;
+    return ok(r);
+}
+
+/* Frees the buffers of sends that completed (all of them, waiting, if all). */
+static void reap_sends(run_t *r, int all)
+{
+    int keep = 0;
+    for (int i = 0; i < r->nsends; i++) {
+        xfer_t *x = &r->sends[i];
+        if (all || ct_work_test(x->w)) {
+            ct_status st = ct_work_wait(x->w);
+            if (st != CT_OK) fail(r, st);
+            ct_work_destroy(x->w);
+            ct_tensor_release(x->buf);
+        } else {
+            r->sends[keep++] = *x;
+        }
+    }
+    r->nsends = keep;
+}
+
+/* Sends t's count values (zeros marked failed when t is NULL) to stage peer. */
+static void send_to(run_t *r, const ct_tensor *t, int64_t count, int peer, int tag)
+{
+    reap_sends(r, 0);
+    if (r->nsends == r->cap) {
+        int cap = r->cap ? 2 * r->cap : 8;
+        xfer_t *n = ct_alloc(sizeof *n * (size_t)cap, CT_MEM_OTHER);
+        if (!n) {
+            /* Without room to keep the handle, wait for what is in flight. */
+            reap_sends(r, 1);
+            fail(r, CT_ENOMEM);
+        } else {
+            if (r->nsends) memcpy(n, r->sends, sizeof *n * (size_t)r->nsends);
+            ct_free(r->sends);
+            r->sends = n;
+            r->cap = cap;
+        }
+    }
+    int64_t shape[1] = {count + 1};
+    xfer_t x = {ct_tensor_empty(CT_F32, 1, shape, CT_MEM_COMM), NULL};
+    if (!x.buf) {
+        /* Cannot even say that we failed: the job has to end, or the peer waits forever. */
+        ct_comm_abort("pipe: out of memory for a %lld-value message to stage %d", (long long)count, peer);
+    }
+    float *v = ct_f32(x.buf);
+    int good = t && ok(r) && t->numel == count;
+    if (good) memcpy(v, ct_f32(t), sizeof *v * (size_t)count);
+    else memset(v, 0, sizeof *v * (size_t)count);
+    v[count] = good ? 0.0f : 1.0f;
+    ct_status st = ct_group_send(r->p->pg, v, count + 1, CT_F32, peer, tag, &x.w);
+    if (st != CT_OK) ct_comm_abort("pipe: sending to stage %d failed: %s", peer, ct_last_error());
+    if (r->nsends < r->cap) r->sends[r->nsends++] = x;
+    else {
+        ct_work_wait(x.w);
+        ct_work_destroy(x.w);
+        ct_tensor_release(x.buf);
+    }
+}
+
+/* ---- forward and backward of one micro-batch ------------------------------- */
+
+static ct_fwd_ctx mb_ctx(const run_t *r, const mb_t *b)
+{
+    ct_fwd_ctx c = r->ctx;
+    c.sample0 = (r->b ? r->b->sample0 : 0) + b->r0;
+    return c;
+}
+
+static void forward(run_t *r, int j)
+{
+    pipe_t *p = r->p;
+    mb_t *b = &r->mb[j];
+    int k = p->stage, last = k == p->nstages - 1;
+    int64_t n = b->n;
+    int have = 1;
+    reap_sends(r, 0); /* sends done since the last operation give their copies back */
+    if (k > 0) {
+        have = wait_recv(r, &b->fin, k - 1, "activations", j);
+        if (j + 1 < r->m) post_recv(r, &r->mb[j + 1].fin, k - 1, TAG_FWD(j + 1), r->mb[j + 1].n * p->in.row_numel);
+    }
+    ct_tensor *y = NULL;
+    if (have && ok(r)) {
+        ct_tensor *src = k == 0 ? (r->b ? r->b->x : r->x) : b->fin.buf;
+        b->x = rows_view(src, k == 0 ? b->r0 : 0, n, k == 0 ? NULL : &p->in);
+        b->ckpt = r->train && (O_ckpt(r) == PIPE_CKPT_ALWAYS || (O_ckpt(r) == PIPE_CKPT_EXCEPT_LAST && j < r->m - 1));
+        ct_fwd_ctx c = mb_ctx(r, b);
+        double t0 = ct_now();
+        ct_status st = b->x ? ct_module_forward(r->s->model, b->x, &y, r->train && !b->ckpt ? &b->rec : NULL, &c)
+                            : CT_ENOMEM;
+        double t1 = ct_now();
+        r->t_fwd += t1 - t0;
+        ct_trace_event(r->train ? (b->ckpt ? "forward (checkpointed)" : "forward") : "forward (inference)", "pipe",
+                       t0, t1, 0);
+        if (st == CT_OK && (y->dtype != CT_F32 || y->numel != n * p->out.row_numel)) {
+            char want[96];
+            st = ct_error(CT_EINVAL, "pipe: stage %d's output is %s with %lld values, not the F32 %s agreed by "
+                          "shape inference", k, ct_dtype_name(y->dtype), (long long)y->numel,
+                          shape_str(&p->out, n, want, sizeof want));
+        }
+        if (st != CT_OK) fail(r, st);
+    }
+    if (!last) {
+        send_to(r, y, n * p->out.row_numel, k + 1, TAG_FWD(j));
+    } else if (ok(r) && r->train) {
+        ct_tensor *t = rows_view(r->b->y, b->r0, n, NULL);
+        float l = 0;
+        ct_status st = t ? r->loss(y, t, r->ud, &l, &b->dz) : CT_ENOMEM;
+        ct_tensor_release(t);
+        if (st == CT_OK && b->dz->dtype != CT_F32)
+            st = ct_error(CT_EINVAL, "pipe: the loss gradient is %s; it must be F32", ct_dtype_name(b->dz->dtype));
+        if (st == CT_OK) {
+            /* d(global mean)/d(micro-batch mean) = n / global; replicas' reductions sum. */
+            float scale = (float)((double)n / (double)r->global), *g = ct_f32(b->dz);
+            for (int64_t i = 0; i < b->dz->numel; i++) g[i] *= scale;
+            r->res->loss_sum += (double)l * (double)n;
+            r->res->rows += n;
+        } else {
+            fail(r, st);
+        }
+    } else if (ok(r)) {
+        memcpy((float *)ct_f32(r->out) + b->r0 * p->out.row_numel, ct_f32(y), sizeof(float) * (size_t)y->numel);
+    }
+    ct_tensor_release(y);
+    if (!r->train) {
+        ct_tensor_release(b->x);
+        ct_tensor_release(b->fin.buf);
+        b->x = b->fin.buf = NULL;
+    }
+}
+
+/* Every batchnorm of the stage into mode (-1: back to the configured one). */
+static void bn_mode(run_t *r, int mode)
+{
+    int deferred = ((const pipe_opts *)r->s->kopts)->deferred_batch_norm;
+    for (int i = 0; i < r->p->nbns; i++) {
+        ct_status st = ct_batchnorm_set_mode(r->p->bns[i], mode >= 0 ? mode : deferred ? CT_BN_DEFER : CT_BN_NOW);
+        if (st != CT_OK) fail(r, st);
+    }
+}
+
+static void backward(run_t *r, int j, int final, int next)
+{
+    pipe_t *p = r->p;
+    mb_t *b = &r->mb[j];
+    int k = p->stage, last = k == p->nstages - 1;
+    ct_tensor *dout = NULL, *din = NULL;
+    reap_sends(r, 0);
+    if (!last) {
+        int have = wait_recv(r, &b->bin, k + 1, "gradients", j);
+        if (next >= 0) post_recv(r, &r->mb[next].bin, k + 1, TAG_BWD(next), r->mb[next].n * p->out.row_numel);
+        if (have && !(dout = rows_view(b->bin.buf, 0, b->n, &p->out))) fail(r, CT_ENOMEM);
+    } else if (b->dz) {
+        dout = ct_tensor_retain(b->dz);
+    }
+    if (ok(r) && dout) {
+        double t0 = ct_now();
+        ct_status st = CT_OK;
+        if (b->ckpt) {
+            ct_tensor *y = NULL;
+            ct_fwd_ctx c = mb_ctx(r, b);
+            bn_mode(r, CT_BN_HOLD);
+            st = ct_module_forward(r->s->model, b->x, &y, &b->rec, &c);
+            bn_mode(r, -1);
+            ct_tensor_release(y);
+            double t1 = ct_now();
+            r->t_bwd += t1 - t0;
+            ct_trace_event("recompute", "pipe", t0, t1, 0);
+            t0 = t1;
+        }
+        ct_strategy *in = p->inner;
+        in->no_sync = !final; /* the replicas reduce once, after the last micro-batch */
+        if (st == CT_OK) st = ct__strategy_backward_ex(in, dout, b->rec, 1.0f, k > 0 ? &din : NULL);
+        else ct_record_destroy(b->rec);
+        b->rec = NULL;
+        in->no_sync = 0;
+        ct_trace_event("backward", "pipe", t0, ct_now(), 0);
+        if (st != CT_OK) fail(r, st);
+    }
+    if (k > 0) send_to(r, din, b->n * p->in.row_numel, k - 1, TAG_BWD(j));
+    ct_tensor_release(din);
+    ct_tensor_release(dout);
+    ct_record_destroy(b->rec);
+    ct_tensor_release(b->x);
+    ct_tensor_release(b->dz);
+    ct_tensor_release(b->fin.buf);
+    ct_tensor_release(b->bin.buf);
+    b->rec = NULL;
+    b->x = b->dz = b->fin.buf = b->bin.buf = NULL;
+}
+
+/* ---- shapes ---------------------------------------------------------------- */
+
+/* Stage 0 tells the pipeline the batch's rows and input shape; a new input
+ * shape has the stages agree on every boundary by shape inference, stage by
+ * stage, each failure an error on every rank naming both stages.  own is
+ * this rank's input (its rows must be stage 0's). */
+static ct_status agree(run_t *r, const ct_tensor *own, int64_t *nrows)
+{
+    pipe_t *p = r->p;
+    int P = p->nstages, k = p->stage;
+    int64_t hdr[2 + CT_MAX_DIMS] = {-1, 0};
+    ct_status local = CT_OK;
+    if (k == 0) {
+        if (!own || own->ndim < 1 || own->shape[0] < 1)
+            local = ct_error(CT_EINVAL, "pipe: stage 0 needs an input with at least one row");
+        else {
+            hdr[0] = own->shape[0];
+            hdr[1] = own->ndim;
+            for (int d = 1; d < own->ndim; d++) hdr[2 + d] = own->shape[d];
+        }
+    }
+    if (P > 1) CT_TRY(ct_group_broadcast(p->pg, hdr, 2 + CT_MAX_DIMS, CT_I64, 0, NULL));
+    if (local == CT_OK && hdr[0] >= 0 && (!own || own->ndim < 1 || own->shape[0] != hdr[0]))
+        local = ct_error(CT_EINVAL, "pipe: stage %d was given %lld rows but stage 0 %lld; every rank of a pipeline "
+                         "takes the same batch", k, (long long)(own && own->ndim ? own->shape[0] : 0),
+                         (long long)hdr[0]);
+    if (P > 1) CT_TRY(ct_group_check(p->pg, local));
+    else CT_TRY(local);
+    *nrows = hdr[0];
+    pipe_shape in;
+    int64_t shape[CT_MAX_DIMS] = {0};
+    for (int d = 0; d < hdr[1]; d++) shape[d] = d ? hdr[2 + d] : 1;
+    shape_set(&in, (int)hdr[1], shape);
+    if (p->have_shapes && !memcmp(&in, &p->key, sizeof in)) return CT_OK;
+    p->have_shapes = 0;
+    pipe_shape cur = in;
+    for (int s = 0; s < P; s++) {
+        int64_t msg[1 + CT_MAX_DIMS] = {0};
+        local = CT_OK;
+        if (s == k) {
+            int ondim = 0;
+            int64_t oshape[CT_MAX_DIMS] = {0};
+            char a[96];
+            p->in = cur;
+            local = ct_module_out_shape(r->s->model, cur.ndim, cur.shape, &ondim, oshape);
+            if (local != CT_OK) {
+                char why[400];
+                snprintf(why, sizeof why, "%s", ct_last_error());
+                if (k == 0)
+                    local = ct_error(local, "pipe: stage 0 (children %d..%d) cannot take the input %s: %s", p->lo,
+                                     p->hi - 1, shape_str(&cur, 1, a, sizeof a), why);
+                else
+                    local = ct_error(local, "pipe: stage %d (children %d..%d) cannot take the output of stage %d, "
+                                     "shape %s per row: %s", k, p->lo, p->hi - 1, k - 1,
+                                     shape_str(&cur, 1, a, sizeof a), why);
+            }
+            msg[0] = ondim;
+            for (int d = 1; d < ondim; d++) msg[1 + d] = oshape[d];
+        }
+        if (P > 1) CT_TRY(ct_group_check(p->pg, local));
+        else CT_TRY(local);
+        if (P > 1) CT_TRY(ct_group_broadcast(p->pg, msg, 1 + CT_MAX_DIMS, CT_I64, s, NULL));
+        for (int d = 0; d < msg[0]; d++) shape[d] = d ? msg[1 + d] : 1;
+        shape_set(&cur, (int)msg[0], shape);
+        if (s == k) p->out = cur;
+    }
+    p->key = in;
+    p->have_shapes = 1;
+    return CT_OK;
+}
+
+/* ---- running a schedule ------------------------------------------------------- */
+
+enum { OP_F = 0, OP_B = 1 };
+
+/* Stage k's operations in order: (kind << 16 | micro-batch). */
+static int build_ops(const run_t *r, int *ops)
+{
+    int m = r->m, n = 0, k = r->p->stage, P = r->p->nstages;
+    int sched = ((const pipe_opts *)r->s->kopts)->schedule;
+    if (!r->train) {
+        for (int j = 0; j < m; j++) ops[n++] = OP_F << 16 | j;
+    } else if (sched == PIPE_GPIPE) {
+        for (int j = 0; j < m; j++) ops[n++] = OP_F << 16 | j;
+        for (int j = m - 1; j >= 0; j--) ops[n++] = OP_B << 16 | j;
+    } else {
+        int warm = P - k - 1 < m ? P - k - 1 : m;
+        for (int j = 0; j < warm; j++) ops[n++] = OP_F << 16 | j;
+        for (int i = 0; i < m - warm; i++) {
+            ops[n++] = OP_F << 16 | (warm + i);
+            ops[n++] = OP_B << 16 | i;
+        }
+        for (int j = m - warm; j < m; j++) ops[n++] = OP_B << 16 | j;
+    }
+    return n;
+}
+
+static ct_status run(run_t *r, int64_t nrows, int chunks)
+{
+    pipe_t *p = r->p;
+    int k = p->stage, P = p->nstages;
+    int64_t size = (nrows + chunks - 1) / chunks; /* torch.chunk */
+    r->m = (int)((nrows + size - 1) / size);
+    r->mb = ct_alloc_zeroed(sizeof *r->mb * (size_t)r->m, CT_MEM_OTHER);
+    int *ops = ct_alloc(sizeof *ops * (size_t)(2 * r->m), CT_MEM_OTHER);
+    if (!r->mb || !ops) /* without its plan this rank cannot keep the schedule its peers wait on */
+        ct_comm_abort("pipe: out of memory for the plan of %d micro-batches", r->m);
+    for (int j = 0; j < r->m; j++) {
+        r->mb[j].r0 = (int64_t)j * size;
+        r->mb[j].n = j + 1 < r->m ? size : nrows - (int64_t)j * size;
+    }
+    int nops = build_ops(r, ops), nb = 0, last_b = -1;
+    int *border = ct_alloc(sizeof *border * (size_t)(r->m + 1), CT_MEM_OTHER);
+    if (!border) fail(r, CT_ENOMEM);
+    for (int i = 0; i < nops; i++)
+        if (ops[i] >> 16 == OP_B) {
+            if (border) border[nb] = ops[i] & 0xffff;
+            nb++;
+            last_b = i;
+        }
+    /* GPipe holds every micro-batch's input until its backward anyway: receive
+     * them all as they come, so the sender's copies go at once instead of
+     * waiting in its memory for a receive posted one ahead. */
+    int ahead = r->train && ((const pipe_opts *)r->s->kopts)->schedule == PIPE_GPIPE ? r->m : 1;
+    for (int j = 0; k > 0 && j < ahead; j++) post_recv(r, &r->mb[j].fin, k - 1, TAG_FWD(j), r->mb[j].n * p->in.row_numel);
+    if (k < P - 1 && nb && border) post_recv(r, &r->mb[border[0]].bin, k + 1, TAG_BWD(border[0]), r->mb[border[0]].n * p->out.row_numel);
+    /* The replica strategy's before-forward work (ZeRO-1: parameters refreshed; DDP: buffers broadcast). */
+    if (r->train && p->inner->ops->pre_forward) {
+        ct_status st = p->inner->ops->pre_forward(p->inner);
+        if (st != CT_OK) fail(r, st);
+    }
+    for (int i = 0, bi = 0; i < nops; i++) {
+        int j = ops[i] & 0xffff;
+        if (ops[i] >> 16 == OP_F) {
+            forward(r, j);
+        } else {
+            bi++;
+            backward(r, j, i == last_b, border && bi < nb ? border[bi] : -1);
+        }
+    }
+    reap_sends(r, 1);
+    /* Receives a failure left unwaited (it cannot happen on the schedule's own path) end here. */
+    for (int j = 0; j < r->m; j++) {
+        mb_t *b = &r->mb[j];
+        xfer_t *xs[2] = {&b->fin, &b->bin};
+        for (int q = 0; q < 2; q++) {
+            if (xs[q]->w) {
+                ct_work_wait(xs[q]->w);
+                ct_work_destroy(xs[q]->w);
+            }
+            ct_tensor_release(xs[q]->buf);
+        }
+        ct_record_destroy(b->rec);
+        ct_tensor_release(b->x);
+        ct_tensor_release(b->dz);
+    }
+    ct_free(border);
+    ct_free(ops);
+    ct_free(r->mb);
+    ct_free(r->sends);
+    r->mb = NULL;
+    r->sends = NULL;
+    /* Every rank of the pipeline returns the first failing rank's message. */
+    return P > 1 ? ct_group_check(p->pg, r->st) : r->st;
+}
+
+static void merge_stats(ct_strategy *s, run_t *r)
+{
+    ct_strategy *in = r->p->inner;
+    s->stats.forward += r->t_fwd;
+    s->stats.backward += r->t_bwd + in->stats.backward;
+    s->stats.comm_wait += r->t_wait + in->stats.comm_wait;
+    s->stats.comm_total += in->stats.comm_total;
+    s->stats.nbuckets = in->stats.nbuckets;
+    int nb = in->stats.nbuckets; /* DDP counts its buckets once, at build */
+    memset(&in->stats, 0, sizeof in->stats);
+    in->stats.nbuckets = nb;
+}
+
+ct_status ct__pipe_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+                              const ct_fwd_ctx *ctx, ct_step_out *out)
+{
+    pipe_t *p = ct__pipe(s);
+    if (p->stage < 0) return CT_OK; /* sitting out */
+    run_t r = {.s = s, .p = p, .train = 1, .b = b, .loss = loss, .ud = ud, .ctx = *ctx, .res = out};
+    int64_t nrows;
+    CT_TRY(agree(&r, b->x, &nrows));
+    r.global = b->global_rows ? b->global_rows : nrows * p->replicas;
+    ct_status st = run(&r, nrows, ((const pipe_opts *)s->kopts)->chunks);
+    merge_stats(s, &r);
+    /* deferred batchnorm: one update from the step's micro-batches */
+    for (int i = 0; ((const pipe_opts *)s->kopts)->deferred_batch_norm && i < p->nbns; i++) {
+        ct_status c = ct_batchnorm_commit(p->bns[i]);
+        if (st == CT_OK) st = c;
+    }
+    return st;
+}
+
+ct_status ct__pipe_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out)
+{
+    pipe_t *p = ct__pipe(s);
+    *out = NULL;
+    if (p->stage < 0) return CT_OK;
+    run_t r = {.s = s, .p = p, .train = 0, .x = x, .ctx = *ctx};
+    r.ctx.training = 0;
+    int64_t nrows;
+    CT_TRY(agree(&r, x, &nrows));
+    if (p->stage == p->nstages - 1) {
+        int64_t shape[CT_MAX_DIMS];
+        memcpy(shape, p->out.shape, sizeof shape);
+        shape[0] = nrows;
+        if (!(r.out = ct_tensor_empty(CT_F32, p->out.ndim, shape, CT_MEM_ACT))) r.st = CT_ENOMEM;
+    }
+    ct_status st = run(&r, nrows, ((const pipe_opts *)s->kopts)->chunks);
+    if (st == CT_OK) *out = r.out;
+    else ct_tensor_release(r.out);
+    return st;
+}
