@@ -33,7 +33,7 @@ DEPS_OK   = $(B)/.deps-ok
 NP      ?= 2,3,4
 MPIRUN   = OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe --bind-to none
 
-.PHONY: all test sanitize bench run run-gpt install clean deps
+.PHONY: all test sanitize fuzz bench run run-gpt install clean deps
 all: $(B)/libctrain.a $(B)/libctrain.so $(B)/ctrain $(B)/ctrain.pc
 
 deps: $(DEPS_OK)
@@ -76,10 +76,14 @@ $(B)/tests/ctor_prog: $(B)/tests/ctor_prog.o $(B)/libctrain.a
 $(B)/tests/ctor_prog_so: $(B)/tests/ctor_prog.o $(B)/libctrain.so
 	$(CC) -o $@ $< -L$(B) -lctrain -Wl,-rpath,'$$ORIGIN/..' $(SANFLAGS) $(LDLIBS)
 
+# Ranks that call different collectives (the collective fingerprint test).
+$(B)/tests/fp_prog: $(B)/tests/fp_prog.o $(B)/libctrain.a
+	$(CC) -o $@ $< $(B)/libctrain.a $(SANFLAGS) $(LDLIBS)
+
 $(B)/bench/%: $(B)/bench/%.o $(B)/libctrain.a
 	$(CC) -o $@ $< $(B)/libctrain.a $(SANFLAGS) $(LDLIBS)
 
-test: all $(B)/tests/run $(B)/tests/mpi_run $(B)/tests/ctor_prog $(B)/tests/ctor_prog_so
+test: all $(B)/tests/run $(B)/tests/mpi_run $(B)/tests/ctor_prog $(B)/tests/ctor_prog_so $(B)/tests/fp_prog
 	$(B)/tests/run --mpi $(B)/tests/mpi_run --np $(NP) $(T)
 
 # Same tests under AddressSanitizer + UndefinedBehaviorSanitizer in build-san/.
@@ -88,6 +92,11 @@ test: all $(B)/tests/run $(B)/tests/mpi_run $(B)/tests/ctor_prog $(B)/tests/ctor
 sanitize:
 	$(MAKE) B=build-san CFLAGS="-O1 -g" \
 	    SANFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" test
+
+# libFuzzer targets for every parser (tests/fuzz), with clang from Debian
+# (scripts/fuzz.sh installs it when missing; `make test` never needs it).
+fuzz:
+	sh scripts/fuzz.sh
 
 bench: all $(BENCHES)
 	@for b in $(BENCHES); do echo "== $$b"; $$b || exit 1; done
@@ -110,6 +119,6 @@ install: all
 	install -m 644 $(B)/ctrain.pc $(PREFIX)/lib/pkgconfig
 
 clean:
-	rm -rf build build-san
+	rm -rf build build-san build-fuzz
 
 -include $(shell find $(B) -name '*.d' 2>/dev/null)

@@ -49,6 +49,10 @@ typedef struct {
  * returns CLI_USAGE with one line in err naming the cause and the fix. */
 int cli_parse(const char *cmd, int argc, char **argv, cli_opt *opts, int nopts, const char **pos,
               int maxpos, int *npos, int *help, char *err, size_t errn);
+/* Collective over g: every option of opts (by its parsed value) must be the
+ * same on every rank, except those named in per_rank (NULL-terminated);
+ * CT_EINVAL on every rank naming the options and ranks that differ. */
+ct_status cli_agree_options(ct_group *g, const char *what, const cli_opt *opts, int n, const char *const *per_rank);
 /* Prints usage then every listed option with its help. */
 void cli_print_help(FILE *f, const char *usage, const cli_opt *opts, int nopts, const char *epilog);
 /* The option called name (for checking .given), or NULL. */
@@ -65,6 +69,9 @@ void cli_out(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void cli_err(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Human-readable bytes ("12.3 MiB") into buf. */
 const char *cli_bytes(double bytes, char *buf, size_t n);
+/* s with control characters and DEL written as \xHH (and backslashes
+ * doubled) into buf, so text from a file cannot drive the terminal. */
+const char *cli_printable(const char *s, char *buf, size_t n);
 /* "1:02:03" or "2:03" into buf. */
 const char *cli_hms(double seconds, char *buf, size_t n);
 /* "mlp [256,128]" into buf. */
@@ -139,9 +146,18 @@ ct_status cli_load_file(const char *path, const char *what, ct_safetensors **out
 ct_status cli_file_meta(const ct_safetensors *st, ct_meta *m);
 /* Loads every tensor of st into the strategy's model (optim 0) or optimizer (optim 1). */
 ct_status cli_load_state(ct_strategy *s, const ct_safetensors *st, int optim);
-/* Writes the strategy's model state to path and, with sidecar_meta != NULL,
- * its optimizer state to the sidecar; atomically, each. */
+/* Collective: writes the strategy's model state to path and, with
+ * sidecar_meta != NULL, its optimizer state to the sidecar; both commit as
+ * one unit (a failure leaves the previous pair). */
 ct_status cli_save(ct_strategy *s, const char *path, const ct_meta *model_meta, const ct_meta *sidecar_meta);
+/* Collective: rank 0 finishes a commit of the checkpoint at path (a file,
+ * or a sharded directory) that a crash interrupted; call before reading it.
+ * g NULL: this process alone (no MPI). */
+ct_status cli_ckpt_recover(ct_group *g, const char *path);
+/* CT_OK when path is a regular file or a directory (never a FIFO a read would block on). */
+ct_status cli_check_regular(const char *path);
+/* CT_EINVAL naming path and the tensor when an f32 tensor of state holds NaN or inf. */
+ct_status cli_check_state_finite(const char *path, const ct_state *state);
 /* Collective over the strategy's group: writes a sharded checkpoint into
  * directory dir (made if missing): every rank its share of the model and
  * of the optimizer state, then rank 0 the optimizer's and the model's
@@ -154,6 +170,22 @@ ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model
                            int64_t step, int local);
 /* Reads key of m as an integer into *v; CT_EFORMAT naming file and key. */
 ct_status cli_meta_int(const ct_meta *m, const char *file, const char *key, int64_t *v);
+
+/* CT_OK when the file path (is_dir: the directory path, made later if
+ * missing) can be written: its directory exists and takes a new file.
+ * The message names flag and the fix. */
+ct_status cli_check_output(const char *flag, const char *path, int is_dir);
+
+/* ---- a series of checkpoints (series.c): --keep-last, --resume latest -- */
+
+/* The name of the series member of path at step: run.safetensors ->
+ * run-step00000100.safetensors; a directory ckpt -> ckpt-step00000100. */
+void cli_series_path(const char *path, int64_t step, char *buf, size_t n);
+/* Collective: the newest complete checkpoint of the series of save (or
+ * save itself) into buf on every rank, "" when there is none. */
+ct_status cli_resolve_latest(ct_group *g, const char *save, char *buf, size_t n);
+/* Collective: rank 0 removes all but the keep newest members of the series. */
+ct_status cli_series_prune(ct_group *g, const char *save, int64_t keep);
 
 /* ---- progress (progress.c) --------------------------------------------- */
 
@@ -169,6 +201,9 @@ typedef struct {
  * append != 0 to continue an existing file. */
 ct_status cli_progress_init(cli_progress *p, int64_t total_steps, int64_t steps_per_epoch,
                             const char *metrics_path, int append);
+/* Rank 0, on --resume: drops the records of path with a step beyond step,
+ * so the appended run does not repeat them (no file: nothing to do). */
+ct_status cli_metrics_rewind(const char *path, int64_t step);
 /* Redraws the live bar (terminal only, at most 10 times a second). */
 void cli_progress_tick(cli_progress *p, int64_t step, int64_t epoch, double last_loss);
 /* One permanent line (and a metrics record) for step. */

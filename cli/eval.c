@@ -60,7 +60,8 @@ static ct_status run(const eval_opts *o)
     int64_t *conf = NULL;
     ct_model_config cfg;
     ct_meta m;
-    ct_status r = cli_load_file(o->ckpt, "the checkpoint", &st);
+    ct_status r = cli_ckpt_recover(g, o->ckpt); /* a save a crash interrupted is finished first */
+    if (r == CT_OK) r = cli_load_file(o->ckpt, "the checkpoint", &st);
     if (r == CT_OK) r = cli_file_meta(st, &m);
     if (r == CT_OK && ct_model_config_from_meta(&m, &cfg) != CT_OK) {
         char why[512];
@@ -97,7 +98,8 @@ static ct_status run(const eval_opts *o)
         cli_out("model: %s (%lld parameters) from %s", cli_config_str(&cfg, desc, sizeof desc),
                 (long long)ct_module_num_params(model), o->ckpt);
         const char *step = ct_meta_get(&m, "ctrain.step");
-        cli_out(step ? ", step %s\n" : "\n", step);
+        char shown[1100];
+        cli_out(step ? ", step %s\n" : "\n", step ? cli_printable(step, shown, sizeof shown) : "");
         if (is_text) {
             cli_out("data: %s, %d files, %lld bytes, validation from byte %lld (%lld windows of %lld + 1)\n",
                     o->data_dir ? o->data_dir : CT_FORTUNES_DIR, text.nfiles, (long long)text.n,
@@ -129,7 +131,9 @@ int cli_eval_cmd(int argc, char **argv)
         if (!o.ckpt) snprintf(err, sizeof err, "ctrain eval: --checkpoint CKPT is required (a file written by ctrain train --save)"), rc = CLI_USAGE;
         else if (o.data && strcmp(o.data, "fashion-mnist") && strcmp(o.data, "fortunes")) snprintf(err, sizeof err, "ctrain eval: unknown data set '%s' for --data; this ctrain knows: fashion-mnist, fortunes", o.data), rc = CLI_USAGE;
         else if (cli_find(t, n, "--batch")->given && o.batch < 1) snprintf(err, sizeof err, "ctrain eval: --batch %lld must be at least 1", (long long)o.batch), rc = CLI_USAGE;
-        else if (o.threads < 0 || o.limit_test < 0) snprintf(err, sizeof err, "ctrain eval: --threads and --limit-test must not be negative"), rc = CLI_USAGE;
+        else if (o.threads < 0 || o.threads > 4096)
+            snprintf(err, sizeof err, "ctrain eval: --threads %lld must be in 0..4096 (0: automatic)", (long long)o.threads), rc = CLI_USAGE;
+        else if (o.limit_test < 0) snprintf(err, sizeof err, "ctrain eval: --limit-test must not be negative"), rc = CLI_USAGE;
     }
     cli_rank = cli_launcher_rank();
     if (help) {

@@ -1,26 +1,58 @@
 /*
  * `ctrain inspect`: what a safetensors file holds (any, not only ctrain's),
  * or a sharded checkpoint through its index: every tensor with its dtype,
- * shape and size, the totals, and the metadata.
+ * shape and size, the totals, and the metadata.  --verify checks every
+ * tensor against its stored checksum and, for a ctrain checkpoint, that its
+ * optimizer state belongs to the same save.  Text from the file is printed
+ * with control characters escaped, so a file cannot drive the terminal.
  */
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli.h"
 
 static const char usage[] =
-    "usage: ctrain inspect CKPT\n\n"
+    "usage: ctrain inspect CKPT [--verify]\n\n"
     "Lists every tensor of the safetensors file CKPT (name, dtype, shape, bytes),\n"
     "the total number of parameters and bytes, and the file's metadata.  CKPT may be a\n"
-    "sharded checkpoint: its directory, or its index (*.safetensors.index.json).";
+    "sharded checkpoint: its directory, or its index (*.safetensors.index.json).\n"
+    "--verify checks every tensor against the crc32 stored when it was saved and, for a\n"
+    "checkpoint ctrain wrote, that its optimizer state is from the same save (exit 1 if not).";
+
+/* The pair check: CKPT's sidecar exists and carries the same save id and step. */
+static ct_status verify_pair(const char *path, const ct_safetensors *st, int *has_side)
+{
+    char side[4096];
+    *has_side = 0;
+    cli_sidecar_path(path, side, sizeof side);
+    if (!ct_safetensors_meta(st, "ctrain.step") || access(side, F_OK) != 0) return CT_OK;
+    *has_side = 1;
+    int checked, unchecked;
+    ct_safetensors *o;
+    CT_TRY(ct_safetensors_verify(side, &checked, &unchecked));
+    CT_TRY(cli_load_file(side, "the optimizer state", &o));
+    static const char *const keys[] = {"ctrain.step", "ctrain.commit", "ctrain.generation"};
+    ct_status s = CT_OK;
+    for (int k = 0; k < 3 && s == CT_OK; k++) {
+        const char *a = ct_safetensors_meta(st, keys[k]), *b = ct_safetensors_meta(o, keys[k]);
+        if ((a || b) && (!a || !b || strcmp(a, b)))
+            s = ct_error(CT_EFORMAT, "%s and its optimizer state %s are from different saves ('%s' is %s and %s); "
+                         "resume from a matching pair", path, side, keys[k], a ? a : "absent", b ? b : "absent");
+    }
+    ct_safetensors_destroy(o);
+    return s;
+}
 
 int cli_inspect(int argc, char **argv)
 {
     const char *pos[2];
-    int help, npos;
+    int help, npos, verify = 0;
     char err[1024];
-    int rc = cli_parse("inspect", argc, argv, NULL, 0, pos, 1, &npos, &help, err, sizeof err);
+    cli_opt opts[] = {{"--verify", OPT_FLAG, &verify, NULL, "check checksums and the optimizer pair", 0}};
+    int rc = cli_parse("inspect", argc, argv, opts, 1, pos, 1, &npos, &help, err, sizeof err);
     if (help) {
-        cli_print_help(stdout, usage, NULL, 0, NULL);
+        cli_print_help(stdout, usage, opts, 1, NULL);
         return CLI_OK;
     }
     if (rc) {
@@ -31,33 +63,54 @@ int cli_inspect(int argc, char **argv)
         fprintf(stderr, "ctrain inspect: give the file to inspect: ctrain inspect CKPT\n");
         return CLI_USAGE;
     }
-    ct_safetensors *st;
-    if (cli_load_file(pos[0], "the file", &st) != CT_OK) {
+    ct_status s = cli_check_regular(pos[0]);
+    if (s == CT_OK) s = cli_ckpt_recover(NULL, pos[0]);
+    ct_safetensors *st = NULL;
+    if (s == CT_OK) s = cli_load_file(pos[0], "the file", &st);
+    if (s != CT_OK) {
         cli_err("inspect", "%s", ct_last_error());
         return CLI_RUNTIME;
     }
     int n = ct_safetensors_count(st);
     size_t w = 4;
-    for (int i = 0; i < n; i++)
-        if (strlen(ct_safetensors_name(st, i)) > w) w = strlen(ct_safetensors_name(st, i));
-    printf("%s: %d tensor%s\n", pos[0], n, n == 1 ? "" : "s");
+    char name[1024];
+    for (int i = 0; i < n; i++) {
+        size_t l = strlen(cli_printable(ct_safetensors_name(st, i), name, sizeof name));
+        if (l > w) w = l;
+    }
+    printf("%s: %d tensor%s\n", cli_printable(pos[0], name, sizeof name), n, n == 1 ? "" : "s");
     printf("  %-*s  %-5s  %-20s %12s\n", (int)w, "name", "dtype", "shape", "bytes");
     int64_t elems = 0;
     size_t bytes = 0;
     for (int i = 0; i < n; i++) {
         const ct_tensor *t = ct_safetensors_tensor(st, i);
         char shape[128];
-        printf("  %-*s  %-5s  %-20s %12zu\n", (int)w, ct_safetensors_name(st, i), ct_dtype_name(t->dtype),
-               ct_shape_str(t, shape, sizeof shape), ct_tensor_bytes(t));
+        printf("  %-*s  %-5s  %-20s %12zu\n", (int)w, cli_printable(ct_safetensors_name(st, i), name, sizeof name),
+               ct_dtype_name(t->dtype), ct_shape_str(t, shape, sizeof shape), ct_tensor_bytes(t));
         elems += t->numel;
         bytes += ct_tensor_bytes(t);
     }
-    char b[64];
+    char b[64], val[4096];
     printf("total: %lld parameters, %zu bytes (%s)\n", (long long)elems, bytes, cli_bytes((double)bytes, b, sizeof b));
     int nm = ct_safetensors_meta_count(st);
     printf("metadata: %d entr%s\n", nm, nm == 1 ? "y" : "ies");
     for (int i = 0; i < nm; i++)
-        printf("  %s = %s\n", ct_safetensors_meta_key(st, i), ct_safetensors_meta_value(st, i));
+        printf("  %s = %s\n", cli_printable(ct_safetensors_meta_key(st, i), name, sizeof name),
+               cli_printable(ct_safetensors_meta_value(st, i), val, sizeof val));
+    rc = CLI_OK;
+    if (verify) {
+        int checked, unchecked, has_side;
+        s = ct_safetensors_verify(pos[0], &checked, &unchecked);
+        if (s == CT_OK) s = verify_pair(pos[0], st, &has_side);
+        if (s != CT_OK) {
+            cli_err("inspect", "verify failed: %s", ct_last_error());
+            rc = CLI_RUNTIME;
+        } else {
+            printf("verify: %d tensor%s match their checksums", checked, checked == 1 ? "" : "s");
+            if (unchecked) printf(", %d without checksums (written by another tool or an older ctrain)", unchecked);
+            printf("%s\n", has_side ? "; the optimizer state is from the same save and intact" : "");
+        }
+    }
     ct_safetensors_destroy(st);
-    return CLI_OK;
+    return rc;
 }

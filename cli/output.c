@@ -36,13 +36,14 @@ void cli_out(const char *fmt, ...)
 void cli_err(const char *cmd, const char *fmt, ...)
 {
     if (cli_rank != 0) return;
-    char msg[1024];
+    char msg[8192], shown[16384];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     fflush(stdout);
-    fprintf(stderr, "ctrain %s: %s\n", cmd, msg);
+    /* Messages quote names and values from files: control characters are shown escaped. */
+    fprintf(stderr, "ctrain %s: %s\n", cmd, cli_printable(msg, shown, sizeof shown));
     fflush(stderr);
 }
 
@@ -110,5 +111,25 @@ const char *cli_config_str(const ct_model_config *cfg, char *buf, size_t n)
                  ct_model_config_hidden_str(cfg, hid, sizeof hid), (double)cfg->dropout);
     else
         snprintf(buf, n, "%s [%s]", ct_model_kind_name(cfg->kind), ct_model_config_hidden_str(cfg, hid, sizeof hid));
+    return buf;
+}
+
+const char *cli_printable(const char *s, char *buf, size_t n)
+{
+    size_t at = 0;
+    for (; *s && at + 7 < n; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == 0xc2 && (unsigned char)s[1] >= 0x80 && (unsigned char)s[1] < 0xa0) /* a C1 control, as UTF-8 */
+            at += (size_t)snprintf(buf + at, n - at, "\\u%04x", (unsigned char)*++s);
+        else if (c < 0x20 || c == 0x7f) at += (size_t)snprintf(buf + at, n - at, "\\x%02x", c);
+        else if (c == '\\') at += (size_t)snprintf(buf + at, n - at, "\\\\");
+        else buf[at++] = (char)c;
+    }
+    if (*s && n >= 4) { /* cut: say so */
+        if (at > n - 4) at = n - 4;
+        memcpy(buf + at, "...", 3);
+        at += 3;
+    }
+    buf[at < n ? at : n - 1] = 0;
     return buf;
 }

@@ -18,7 +18,7 @@ ct_status cli_progress_init(cli_progress *p, int64_t total_steps, int64_t steps_
     p->t_start = ct_now();
     p->total_steps = total_steps;
     p->steps_per_epoch = steps_per_epoch;
-    p->epochs = (total_steps + steps_per_epoch - 1) / steps_per_epoch;
+    p->epochs = total_steps / steps_per_epoch + (total_steps % steps_per_epoch != 0); /* no overflow at INT64_MAX */
     if (metrics_path && cli_rank == 0) {
         p->metrics = fopen(metrics_path, append ? "a" : "w");
         if (!p->metrics)

@@ -14,10 +14,11 @@
  * a generation number: model-step000100.1-...), so a save never replaces a
  * file an existing index lists.  Files of older generations are removed
  * only after both indexes are written.  A crash at any point therefore
- * leaves loadable indexes whose files all exist; a crash between the two
- * index writes leaves them from different saves, which --resume detects
- * (both carry "ctrain.generation", the shard names' tag) and refuses.  A
- * rank whose share is empty writes no file.
+ * leaves loadable indexes whose files all exist.  The two indexes are
+ * written staged and commit as one unit (ct_ckpt_commit), so a crash never
+ * leaves them from different saves (both carry "ctrain.generation", the
+ * shard names' tag, which --resume compares).  A rank whose share is empty
+ * writes no file.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -59,6 +60,9 @@ static ct_status prepare_dir(const char *dir, int64_t step, int64_t *gen)
     if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
         return ct_error(CT_EIO, "%s is not a directory, but --state-dict sharded writes one; give another --save path",
                         dir);
+    char anchor[4096];
+    snprintf(anchor, sizeof anchor, "%s/model.safetensors.index.json", dir);
+    CT_TRY(ct_ckpt_recover(anchor)); /* an earlier save's interrupted commit first */
     for (*gen = 0;; ++*gen) {
         char tag[64], pre[2][80];
         gen_tag(tag, sizeof tag, step, *gen);
@@ -83,6 +87,7 @@ static ct_status write_share(const char *dir, const char *file, const ct_state *
     if (state->n == 0) return CT_OK;
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", dir, file);
+    CT_TRY(cli_check_state_finite(dir, state));
     const char *fk[] = {"format"}, *fv[] = {"pt"}; /* what Hugging Face's loaders look for in a shard */
     return ct_safetensors_save(path, (const char *const *)state->names, state->tensors, state->n, fk, fv, 1);
 }
@@ -167,9 +172,10 @@ static ct_status write_index(const char *dir, int kind, const char *tag, int siz
     vals[meta->n] = tot;
     keys[meta->n + 1] = "ctrain.generation"; /* both indexes of one save carry the same */
     vals[meta->n + 1] = tag;
-    char path[4096];
+    char path[4096], staged[4112];
     snprintf(path, sizeof path, "%s/%s.safetensors.index.json", dir, kinds[kind]);
-    ct_status st = ct_safetensors_save_index(path, names, files, n, keys, vals, meta->n + 2);
+    ct_status st = ct_ckpt_staged_path(path, staged, sizeof staged);
+    if (st == CT_OK) st = ct_safetensors_save_index(staged, names, files, n, keys, vals, meta->n + 2);
     ct_free(names);
     ct_free(files);
     ct_free(fnames);
@@ -242,8 +248,12 @@ ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model
     if (rc == CT_OK) {
         ct_status r0 = CT_OK;
         if (rank == 0) {
+            char idx[2][4096];
+            const char *parts[2] = {idx[1], idx[0]};
+            for (int k = 0; k < 2; k++) snprintf(idx[k], sizeof idx[k], "%s/%s.safetensors.index.json", dir, kinds[k]);
             r0 = write_index(dir, 1, tag, size, counts, packed, sidecar_meta);
             if (r0 == CT_OK) r0 = write_index(dir, 0, tag, size, counts, packed, model_meta);
+            if (r0 == CT_OK) r0 = ct_ckpt_commit(idx[0], parts, 2); /* both indexes become current at once */
             if (r0 == CT_OK) r0 = remove_old(dir, tag);
         }
         rc = ct_group_check(g, r0);

@@ -19,12 +19,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
 
 #include "train.h"
+
+#define STEP_TIMES_MAX (1 << 20)
 
 typedef struct {
     train_opts *o;
@@ -49,10 +52,13 @@ typedef struct {
     double last_loss;      /* mean loss over the last logged window */
     ct_step_stats sum;     /* strategy timings summed over steps */
     int64_t nstats;
-    double *step_s;        /* wall time of each step of this run */
-    int64_t nstep_s;
+    double *step_s;        /* wall time of each step of this run (the first STEP_TIMES_MAX) */
+    int64_t nstep_s, cap_step_s;
     ct_mem_report *mem;    /* every rank's, gathered after the loop */
     int usage;             /* the failure is the command line's (exit 2) */
+    char latest[4096];     /* --resume latest: the checkpoint it found */
+    char saved[4096];      /* where the last save went */
+    int64_t skipped;       /* steps dropped by --on-nonfinite skip */
 } trainer;
 
 /* ---- set-up -------------------------------------------------------------- */
@@ -98,11 +104,11 @@ static ct_status choose_config(trainer *t)
 }
 
 /* A flag the user gave must agree with the value the run was saved with. */
-static ct_status agree(trainer *t, const ct_meta *m, const char *key, const char *flag, int given,
+static ct_status agree(trainer *t, const ct_meta *m, const char *file, const char *key, const char *flag, int given,
                        int64_t *val)
 {
     int64_t saved;
-    CT_TRY(cli_meta_int(m, t->o->resume, key, &saved));
+    CT_TRY(cli_meta_int(m, file, key, &saved));
     if (given && *val != saved) {
         t->usage = 1;
         if (!strcmp(flag, "--no-shuffle"))
@@ -135,10 +141,19 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
 {
     train_opts *o = t->o;
     int64_t shuffle = !o->no_shuffle, mstep;
-    CT_TRY(agree(t, m, "ctrain.seed", "--seed", o->has_seed, &o->seed));
-    CT_TRY(agree(t, m, "ctrain.batch", "--batch", o->has_batch, &o->batch));
-    CT_TRY(agree(t, m, "ctrain.shuffle", "--no-shuffle", o->no_shuffle, &shuffle));
+    CT_TRY(agree(t, m, side, "ctrain.seed", "--seed", o->has_seed, &o->seed));
+    CT_TRY(agree(t, m, side, "ctrain.batch", "--batch", o->has_batch, &o->batch));
+    CT_TRY(agree(t, m, side, "ctrain.shuffle", "--no-shuffle", o->no_shuffle, &shuffle));
     o->no_shuffle = !shuffle;
+    const char *lb = ct_meta_get(m, "ctrain.last_batch"); /* absent in older files: drop */
+    const char *saved_lb = lb && !strcmp(lb, "keep") ? "keep" : "drop";
+    if (o->has_last_batch && strcmp(o->last_batch, saved_lb)) {
+        t->usage = 1;
+        return ct_error(CT_EINVAL, "--last-batch %s differs from the %s that %s was trained with (it decides the "
+                        "steps of an epoch); drop --last-batch to continue that run exactly", o->last_batch,
+                        saved_lb, o->resume);
+    }
+    o->last_batch = saved_lb;
     const char *oname = ct_meta_get(m, "ctrain.optim");
     if (!oname || ct_optim_parse(oname, &t->okind))
         return ct_error(CT_EFORMAT, "%s has no valid 'ctrain.optim' metadata", side);
@@ -170,21 +185,30 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
     CT_TRY(cli_file_meta(t->ck, &mm));
     /* Sharded: both indexes name the save they belong to. */
     const char *gm = ct_meta_get(&mm, "ctrain.generation"), *gs = ct_meta_get(m, "ctrain.generation");
-    int same_save = (!gm && !gs) || (gm && gs && !strcmp(gm, gs));
-    if (cli_meta_int(&mm, o->resume, "ctrain.step", &mstep) != CT_OK || mstep != t->step || !same_save)
-        return ct_error(CT_EFORMAT, "%s and %s are from different saves (a save was interrupted?); resume from a "
+    const char *cm = ct_meta_get(&mm, "ctrain.commit"), *cs = ct_meta_get(m, "ctrain.commit");
+    int same_save = ((!gm && !gs) || (gm && gs && !strcmp(gm, gs))) && ((!cm && !cs) || (cm && cs && !strcmp(cm, cs)));
+    int64_t mseed = -1;
+    if (cli_meta_int(&mm, o->resume, "ctrain.step", &mstep) != CT_OK || mstep != t->step || !same_save ||
+        cli_meta_int(&mm, o->resume, "ctrain.seed", &mseed) != CT_OK || mseed != o->seed)
+        return ct_error(CT_EFORMAT, "%s and %s are from different saves (put together by hand?); resume from a "
                         "matching pair, or use --init for the weights alone", o->resume, side);
-    return CT_OK;
+    return train_check_saved(o, t->step, t->epoch, t->pos, side);
 }
 
 /* Reads --init / --resume files; for --resume, the run's settings and position. */
 static ct_status read_checkpoints(trainer *t)
 {
     train_opts *o = t->o;
+    const char *ck = o->init ? o->init : o->resume;
+    if (ck) CT_TRY(cli_ckpt_recover(t->g, ck)); /* a save a crash interrupted is finished first */
     if (o->init) return cli_load_file(o->init, "the --init checkpoint", &t->ck);
     if (!o->resume) return CT_OK;
-    CT_TRY(cli_load_file(o->resume, "the --resume checkpoint", &t->ck));
     char side[4096];
+    if (train_check_resume_name(o->resume) != CT_OK) {
+        t->usage = 1;
+        return CT_EINVAL;
+    }
+    CT_TRY(cli_load_file(o->resume, "the --resume checkpoint", &t->ck));
     cli_sidecar_path(o->resume, side, sizeof side);
     if (access(side, F_OK) != 0)
         return ct_error(CT_EIO, "cannot resume from %s: its optimizer state %s is missing (it is written beside "
@@ -282,17 +306,23 @@ static ct_status make_schedule(trainer *t)
 static ct_status make_sampler(trainer *t)
 {
     train_opts *o = t->o;
-    CT_TRY(ct_sampler_init(&t->sampler, t->train.n, o->batch, t->seed, t->shuffle, 1));
+    CT_TRY(ct_sampler_init(&t->sampler, t->train.n, o->batch, t->seed, t->shuffle, strcmp(o->last_batch, "keep") != 0));
     t->spe = ct_sampler_nbatches(&t->sampler);
     if (t->spe == 0) {
         t->usage = 1;
         return ct_error(CT_EINVAL, "the training set has %lld samples, fewer than one batch of %lld; lower --batch",
                         (long long)t->train.n, (long long)o->batch);
     }
+    if (!o->steps && o->epochs > INT64_MAX / t->spe) {
+        t->usage = 1;
+        return ct_error(CT_EINVAL, "--epochs %lld of %lld steps each is more steps than can be counted; give at "
+                        "most %lld epochs, or --steps", (long long)o->epochs, (long long)t->spe,
+                        (long long)(INT64_MAX / t->spe));
+    }
     t->total = o->steps ? o->steps : o->epochs * t->spe;
     if (t->pos > t->spe || t->pos < 0 || t->epoch < 0)
         return ct_error(CT_EFORMAT, "%s is at batch %lld of epoch %lld, but an epoch here has %lld batches; resume "
-                        "with the same data (and --limit-train)", o->resume, (long long)t->pos,
+                        "with the same training set", o->resume, (long long)t->pos,
                         (long long)t->epoch, (long long)t->spe);
     if (t->pos == t->spe) {
         t->epoch++;
@@ -342,7 +372,9 @@ static ct_status setup(trainer *t)
     if (o->trace) ct_trace_enable(t->rank);
     if (o->flush_denormal) CT_TRY(ct_group_check(t->g, flush_denormals()));
 
+    if (o->resume && !strcmp(o->resume, "latest")) CT_TRY(train_resolve_latest(t->g, o, t->latest, sizeof t->latest, &t->usage));
     ct_status chk = check_save_target(t);
+    if (chk == CT_OK) chk = train_check_outputs(o, t->rank, t->world, sharded(t));
     if (chk != CT_OK) t->usage = 1;
     CT_TRY(ct_group_check(t->g, chk));
     CT_TRY(ct_group_check(t->g, read_checkpoints(t)));
@@ -403,9 +435,12 @@ static ct_status setup(trainer *t)
     if (st == CT_OK) st = make_sampler(t);
     if (st == CT_OK) st = make_schedule(t);
     CT_TRY(ct_group_check(t->g, st));
+    CT_TRY(train_agree_loaded(t->g, o, &t->cfg, t->train.n, t->test.n, (int64_t[]){t->step, t->epoch, t->pos, t->total},
+                              t->seed, t->sched.base_lr, ct_optim_name(t->opt)));
     t->start_step = t->step;
     int64_t n = t->total > t->step ? t->total - t->step : 1;
-    t->step_s = ct_alloc(sizeof *t->step_s * (size_t)n, CT_MEM_OTHER);
+    t->cap_step_s = n < STEP_TIMES_MAX ? n : STEP_TIMES_MAX; /* the median of a long run: its first steps' */
+    t->step_s = ct_alloc(sizeof *t->step_s * (size_t)t->cap_step_s, CT_MEM_OTHER);
     t->mem = ct_alloc(sizeof *t->mem * (size_t)t->world, CT_MEM_OTHER);
     CT_TRY(ct_group_check(t->g, t->step_s && t->mem ? CT_OK : CT_ENOMEM));
     /* Wrapping's one-off transients (the gradients before DDP moves them
@@ -430,18 +465,37 @@ static ct_status loop_fail(trainer *t, ct_status st, const char *what)
 /* This rank's slice of the step's global batch, through the strategy:
  * forward, loss and backward per micro-batch, then the synchronisation.
  * Adds the local loss sum and row count to sums. */
-static ct_status train_step(trainer *t, int64_t *idx, double *sums)
+static ct_status train_step(trainer *t, int64_t *idx, double *sums, int *empty)
 {
     int64_t count, global = ct_sampler_batch_size(&t->sampler, t->pos);
     CT_TRY(ct_sampler_batch(&t->sampler, t->pos, t->drank, t->dsize, idx, &count));
+    *empty = 0;
+    int joined = 0;
+    if (!t->sampler.drop_last) {
+        /* --last-batch keep: the short last batch may leave a rank fewer rows
+         * than micro-batches (none, when the world size does not divide it).
+         * Such a rank joins (ct_strategy_join): it runs the step on a shadow
+         * batch, the first samples of the set, that counts as zeros, and the
+         * others divide by the rows that are trained on. */
+        int active, usable = count >= t->o->grad_accum;
+        CT_TRY(ct_strategy_join(t->s, usable ? count : 0, &global, &active));
+        if (!active) return *empty = 1, CT_OK; /* no rank can fill its micro-batches: nothing to train */
+        if (!usable) {
+            count = t->o->grad_accum;
+            for (int64_t i = 0; i < count; i++) idx[i] = i;
+            joined = 1;
+        }
+    }
     ct_batch b = {.global_rows = global, .sample0 = ct_sampler_first(&t->sampler, t->pos, t->drank, t->dsize)};
     ct_fwd_ctx ctx = {.training = 1, .seed = t->seed, .step = (uint64_t)t->step};
     ct_step_out out = {0, 0};
+    ct_strategy_set_joined(t->s, joined);
     /* Text: random windows keyed by (seed, step, place in the global batch). */
     ct_status st = t->is_text ? ct_text_train_batch(&t->text, t->cfg.context, t->seed, (uint64_t)t->step, b.sample0,
                                                     count, &b.x, &b.y)
                               : cli_batch(&t->train, &t->cfg, idx, count, &b.x, &b.y);
     if (st == CT_OK) st = ct_strategy_train_step(t->s, &b, ct_loss_cross_entropy, NULL, &ctx, &out);
+    ct_strategy_set_joined(t->s, 0);
     sums[0] += out.loss_sum;
     sums[1] += (double)out.rows;
     ct_tensor_release(b.x);
@@ -471,10 +525,17 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
     CT_TRY(ct_meta_set(model, "ctrain.seed", "%llu", (unsigned long long)t->seed));
     CT_TRY(ct_meta_set(model, "ctrain.optim", "%s", ct_optim_name(t->opt)));
     CT_TRY(ct_meta_set(model, "ctrain.data", "%s", o->data));
+    /* Both files of one save carry the same id, so a pair put together from
+     * two saves is recognised (rank 0 writes the files; its id counts). */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    CT_TRY(ct_meta_set(model, "ctrain.commit", "%llx-%x-%llx", (unsigned long long)ts.tv_sec, (unsigned)getpid(),
+                       (unsigned long long)ts.tv_nsec));
     *side = *model;
     CT_TRY(ct_meta_set(side, "ctrain.position", "%lld", (long long)t->pos));
     CT_TRY(ct_meta_set(side, "ctrain.batch", "%lld", (long long)o->batch));
     CT_TRY(ct_meta_set(side, "ctrain.shuffle", "%d", t->shuffle));
+    CT_TRY(ct_meta_set(side, "ctrain.last_batch", "%s", o->last_batch));
     CT_TRY(ct_meta_set(side, "ctrain.train_samples", "%lld", (long long)t->train.n));
     const ct_optim_opts *oo = ct_optim_get_opts(t->opt);
     CT_TRY(ct_meta_set(side, "ctrain.lr", "%.17g", t->sched.base_lr));
@@ -494,10 +555,15 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
 static ct_status save(trainer *t)
 {
     ct_meta mm, sm;
+    train_opts *o = t->o;
     CT_TRY(ct_group_check(t->g, fill_meta(t, &mm, &sm)));
-    if (sharded(t)) return cli_save_sharded(t->s, t->o->save, &mm, &sm, t->step, !strcmp(t->o->state_dict, "local"));
-    return cli_save(t->s, t->o->save, &mm, &sm);
+    snprintf(t->saved, sizeof t->saved, "%s", o->save);
+    if (o->keep_last) cli_series_path(o->save, t->step, t->saved, sizeof t->saved);
+    if (sharded(t)) CT_TRY(cli_save_sharded(t->s, t->saved, &mm, &sm, t->step, !strcmp(o->state_dict, "local")));
+    else CT_TRY(cli_save(t->s, t->saved, &mm, &sm));
+    return o->keep_last ? cli_series_prune(t->g, o->save, o->keep_last) : CT_OK;
 }
+
 
 static ct_status train_loop(trainer *t, cli_progress *prog)
 {
@@ -513,21 +579,45 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
             t->pos = 0;
             if ((st = ct_sampler_set_epoch(&t->sampler, t->epoch))) break;
         }
-        double lr = ct_strategy_lr(t->s), t_step = ct_now();
-        if ((st = train_step(t, idx, win)) != CT_OK) {
+        if (!o->log_every) { /* no progress lines: the final loss is the last step's */
+            win[0] = win[1] = 0;
+            win_steps = 0;
+            t_win = ct_now();
+        }
+        double lr = ct_strategy_lr(t->s), t_step = ct_now(), before[2] = {win[0], win[1]};
+        float norm = 0;
+        int empty = 0;
+        if ((st = train_step(t, idx, win, &empty)) != CT_OK) {
             st = loop_fail(t, st, "forward/backward");
             break;
         }
-        if (o->clip > 0 && (st = ct_strategy_clip_grad_norm(t->s, (float)o->clip, !strcmp(o->clip_norm, "inf") ? INFINITY : 2.0, NULL))) {
+        if (empty) { /* every rank agreed: a last batch too small to train on */
+            t->step++;
+            t->pos++;
+            continue;
+        }
+        if (o->clip > 0 && (st = ct_strategy_clip_grad_norm(t->s, (float)o->clip, !strcmp(o->clip_norm, "inf") ? INFINITY : 2.0, &norm))) {
             st = loop_fail(t, st, "gradient clipping");
             break;
+        }
+        int bad = 0;
+        st = train_nonfinite(t->g, o->on_nonfinite, t->step, win[0] - before[0], norm, &bad, &t->skipped);
+        if (st == CT_ECOMM) st = loop_fail(t, st, "the non-finite check");
+        if (st != CT_OK) break;
+        if (bad) { /* skipped: the step's batch is used up, the model and optimizer are as before */
+            win[0] = before[0];
+            win[1] = before[1];
+            ct_strategy_zero_grad(t->s);
+            t->step++;
+            t->pos++;
+            continue;
         }
         if ((st = ct_strategy_step(t->s))) {
             st = loop_fail(t, st, "optimizer step");
             break;
         }
         ct_strategy_zero_grad(t->s);
-        t->step_s[t->nstep_s++] = ct_now() - t_step;
+        if (t->nstep_s < t->cap_step_s) t->step_s[t->nstep_s++] = ct_now() - t_step;
         add_stats(t);
         t->step++;
         t->pos++;
@@ -618,6 +708,9 @@ static ct_status report(trainer *t, double seconds)
         cli_out("trained %lld steps (to step %lld, epoch %.2f) in %.1f s, %.0f samples/s; final train loss %.6f\n",
                 (long long)steps, (long long)t->step, (double)t->step / (double)t->spe, seconds,
                 (double)steps * (double)o->batch / seconds, t->last_loss);
+    if (t->skipped)
+        cli_out("skipped %lld step%s with a non-finite loss or gradient norm (--on-nonfinite skip)\n",
+                (long long)t->skipped, t->skipped == 1 ? "" : "s");
     if (t->is_text) cli_out("%s\n", cli_eval_text_str(&ev, ct_text_unigram_entropy(&t->text), buf, sizeof buf));
     else cli_out("test: %s\n", cli_eval_str(&ev, buf, sizeof buf));
     print_memory(t);
@@ -645,14 +738,8 @@ static ct_status report(trainer *t, double seconds)
 
 static ct_status write_trace(trainer *t)
 {
-    const char *path = t->o->trace;
-    if (t->world == 1) return ct_trace_write(path);
     char buf[4096];
-    const char *slash = strrchr(path, '/'), *dot = strrchr(path, '.');
-    if (dot && (!slash || dot > slash + 1))
-        snprintf(buf, sizeof buf, "%.*s.rank%d%s", (int)(dot - path), path, t->rank, dot);
-    else
-        snprintf(buf, sizeof buf, "%s.rank%d", path, t->rank);
+    train_trace_path(t->o->trace, t->rank, t->world, buf, sizeof buf);
     return ct_trace_write(buf);
 }
 
@@ -723,7 +810,9 @@ int train_run(train_opts *o)
             cli_out("nothing to train: %s is at step %lld and this run stops at step %lld; raise --steps or "
                     "--epochs to continue it\n", o->resume ? o->resume : "the checkpoint", (long long)t.step,
                     (long long)t.total);
-        st = ct_group_check(t.g, cli_progress_init(&prog, t.total, t.spe, o->metrics, o->resume != NULL));
+        st = o->resume && o->metrics && t.rank == 0 ? cli_metrics_rewind(o->metrics, t.step) : CT_OK;
+        if (st == CT_OK) st = cli_progress_init(&prog, t.total, t.spe, o->metrics, o->resume != NULL);
+        st = ct_group_check(t.g, st);
     }
     if (st == CT_OK) st = train_loop(&t, &prog);
     if (st == CT_OK) st = ct_strategy_memory(t.s, t.mem);
@@ -735,11 +824,11 @@ int train_run(train_opts *o)
         st = save(&t);
         if (st == CT_OK && sharded(&t))
             cli_out("saved %s (sharded over %d rank%s; indexes %s/model.safetensors.index.json and "
-                    "optim.safetensors.index.json)\n", o->save, t.world, t.world == 1 ? "" : "s", o->save);
+                    "optim.safetensors.index.json)\n", t.saved, t.world, t.world == 1 ? "" : "s", t.saved);
         else if (st == CT_OK) {
             char side[4096];
-            cli_sidecar_path(o->save, side, sizeof side);
-            cli_out("saved %s (optimizer state: %s)\n", o->save, side);
+            cli_sidecar_path(t.saved, side, sizeof side);
+            cli_out("saved %s (optimizer state: %s)\n", t.saved, side);
         }
     }
     if (st == CT_OK && o->trace) st = ct_group_check(t.g, write_trace(&t));
@@ -780,14 +869,18 @@ int cli_train(int argc, char **argv)
         }
         return CLI_OK;
     }
+    if (o.debug_collectives) setenv("CTRAIN_DEBUG", "collectives", 1); /* read (and agreed) by ct_comm_init */
     if (ct_comm_init(NULL, NULL) != CT_OK) {
         cli_err("train", "cannot start communication: %s", ct_last_error());
         return CLI_RUNTIME;
     }
     cli_rank = ct_group_rank(ct_group_world());
     cli_world = ct_group_size(ct_group_world());
-    rc = train_check_world(&o, cli_world, err, sizeof err);
-    if (rc) {
+    /* First of all, before any collective that depends on a setting. */
+    if (train_agree(&o, ct_group_world()) != CT_OK) {
+        cli_err("train", "%s", ct_last_error());
+        rc = CLI_USAGE;
+    } else if ((rc = train_check_world(&o, cli_world, err, sizeof err))) {
         if (cli_rank == 0) fprintf(stderr, "%s\n", err);
     } else {
         rc = train_run(&o);

@@ -4,6 +4,9 @@
 
 #include "cli.h"
 
+/* Room for the train command's options (train_args.c's table asserts it). */
+#define CLI_TRAIN_MAXOPT 80
+
 typedef struct {
     const char *model, *hidden, *data, *data_dir;
     int64_t epochs, steps, batch, kernel;
@@ -12,11 +15,11 @@ typedef struct {
     int64_t warmup, seed;
     int no_shuffle;
     const char *init, *resume, *save, *state_dict, *metrics, *trace;
-    int64_t save_every, log_every;
-    const char *strategy, *grad_compress, *strategy_opt, *mixed, *clip_norm;
+    int64_t save_every, log_every, keep_last;
+    const char *strategy, *grad_compress, *strategy_opt, *mixed, *clip_norm, *on_nonfinite, *last_batch;
     int64_t grad_accum, threads;
     double bucket_cap_mb;
-    int find_unused, flush_denormal, verbose;
+    int find_unused, flush_denormal, verbose, debug_collectives;
     const char *sharding, *prefetch; /* fsdp */
     int64_t wrap_min_params;
     int limit_all_gathers, has_wrap_min;
@@ -28,6 +31,8 @@ typedef struct {
     int has_gpt_shape;                           /* any of those given */
     /* which flags the user gave (resume takes the others from the checkpoint) */
     int has_model, has_hidden, has_seed, has_batch, has_optim, has_lr, has_wd, has_momentum, has_strategy;
+    unsigned char given[CLI_TRAIN_MAXOPT]; /* how often each option of the table was given (compared across ranks) */
+    int has_last_batch;
     int has_schedule, has_warmup, has_clip, has_accum, has_kernel, has_dropout, has_clip_norm, has_bucket_cap;
 } train_opts;
 
@@ -39,6 +44,37 @@ void train_help(FILE *f);
 /* Checks that need the world size (the strategy; the batch is checked once
  * --resume has settled it); CLI_USAGE with err on failure. */
 int train_check_world(train_opts *o, int world, char *err, size_t errn);
+
+/* Collective: every setting of o that changes the numbers or the
+ * collectives is the same on every rank of g (train_args.c lists those
+ * that may differ); CT_EINVAL naming the flags and ranks otherwise. */
+ct_status train_agree(train_opts *o, ct_group *g);
+
+/* ---- guards (train_guard.c) --------------------------------------------- */
+
+/* CT_EFORMAT naming side when a setting the optimizer file supplied is out
+ * of its flag's range (grad_accum 0, a negative step, ...). */
+ct_status train_check_saved(const train_opts *o, int64_t step, int64_t epoch, int64_t pos, const char *side);
+/* CT_EINVAL naming the model checkpoint when --resume names an optimizer file. */
+ct_status train_check_resume_name(const char *resume);
+/* Collective: --resume latest becomes the newest complete checkpoint of
+ * --save's series (its path in buf), or NULL for a new run (which needs
+ * --model: else *usage set and CT_EINVAL). */
+ct_status train_resolve_latest(ct_group *g, train_opts *o, char *buf, size_t n, int *usage);
+/* This rank's --trace file: FILE, or FILE.rank<r>.<ext> with several ranks. */
+void train_trace_path(const char *trace, int rank, int world, char *buf, size_t n);
+/* Every output this rank writes (--save, --metrics, --trace) can be written. */
+ct_status train_check_outputs(const train_opts *o, int rank, int world, int sharded);
+/* Collective: the run as loaded (model, data sizes, pos = {start step,
+ * epoch, position, last step}, seed, batch, lr, optimizer, grad_accum) is
+ * the same on every rank. */
+ct_status train_agree_loaded(ct_group *g, const train_opts *o, const ct_model_config *cfg, int64_t train_n,
+                             int64_t test_n, const int64_t pos[4], uint64_t seed, double lr, const char *optim);
+/* Collective: a non-finite loss_sum (any rank) or norm at step: CT_EINVAL
+ * naming it, or with mode "skip" *skip set and *skipped counted.  CT_ECOMM
+ * if the agreement itself failed. */
+ct_status train_nonfinite(ct_group *g, const char *mode, int64_t step, double loss_sum, float norm, int *skip,
+                          int64_t *skipped);
 
 /* Runs training after start-up; returns an exit code. */
 int train_run(train_opts *o);

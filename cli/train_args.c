@@ -29,10 +29,17 @@ static const char epilog[] =
     "with any number of ranks.\n";
 
 /* The option table over o; returns the number of entries. */
+#define MAXOPT CLI_TRAIN_MAXOPT
+
+/* The train command's options into t (room for MAXOPT). */
 static int table(train_opts *o, cli_opt *t)
 {
     int n = 0;
-#define OPT(nm, ty, dst, mv, hl) t[n++] = (cli_opt){nm, ty, dst, mv, hl, 0}
+#define OPT(nm, ty, dst, mv, hl)                              \
+    do {                                                      \
+        CT_ASSERT(n < MAXOPT);                                \
+        t[n++] = (cli_opt){nm, ty, dst, mv, hl, 0};           \
+    } while (0)
     OPT("--model", OPT_STR, &o->model, "NAME", "model to train: mlp or cnn");
     OPT("--hidden", OPT_STR, &o->hidden, "LIST", "layer sizes (mlp 256,128; cnn conv channels then fc: 16,32,128)");
     OPT("--kernel", OPT_INT, &o->kernel, "K", "cnn: conv kernel size, odd (3)");
@@ -57,13 +64,17 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--warmup", OPT_INT, &o->warmup, "N", "linear warm-up over the first N steps (0)");
     OPT("--clip", OPT_NUM, &o->clip, "MAXNORM", "clip the gradient's global norm to MAXNORM (off)");
     OPT("--clip-norm", OPT_STR, &o->clip_norm, "TYPE", "norm --clip measures: 2 or inf (2)");
+    OPT("--on-nonfinite", OPT_STR, &o->on_nonfinite, "WHAT", "a NaN/inf loss or gradient norm: stop, or skip the step (stop)");
     OPT("--seed", OPT_INT, &o->seed, "S", "seed of weights, shuffling and dropout (0)");
+    OPT("--last-batch", OPT_STR, &o->last_batch, "WHAT", "an epoch's short last batch: drop, or keep (ranks it leaves without rows join the step) (drop)");
     OPT("--no-shuffle", OPT_FLAG, &o->no_shuffle, NULL, "visit the training set in file order");
     OPT("--init", OPT_STR, &o->init, "CKPT", "start from these weights (optimizer starts fresh)");
-    OPT("--resume", OPT_STR, &o->resume, "CKPT", "continue exactly: weights, optimizer, step and data position");
+    OPT("--resume", OPT_STR, &o->resume, "CKPT", "continue exactly: weights, optimizer, step and data position "
+        "(latest: the newest complete checkpoint --save wrote; a new run if none)");
     OPT("--save", OPT_STR, &o->save, "CKPT", "write the model to CKPT (and its optimizer state beside it)");
     OPT("--state-dict", OPT_STR, &o->state_dict, "FMT", "full (CKPT is a file), sharded (a directory: a file per rank, an index) or local (each rank's own pieces, no gathering) (full)");
     OPT("--save-every", OPT_INT, &o->save_every, "N", "also save every N steps (needs --save)");
+    OPT("--keep-last", OPT_INT, &o->keep_last, "K", "save each checkpoint under its step (CKPT-stepN) and keep the K newest");
     OPT("--log-every", OPT_INT, &o->log_every, "N", "progress line every N steps (50; 0: none)");
     OPT("--metrics", OPT_STR, &o->metrics, "FILE", "one JSON object per logged step (appended on --resume)");
     OPT("--strategy", OPT_STR, &o->strategy, "NAME", "none, ddp, zero1, zero2 or pipe (ddp when run on several ranks)");
@@ -85,6 +96,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--threads", OPT_INT, &o->threads, "N", "BLAS threads per rank (cores / ranks on the node)");
     OPT("--flush-denormal", OPT_FLAG, &o->flush_denormal, NULL, "treat subnormal floats as 0 (faster; as torch.set_flush_denormal)");
     OPT("--trace", OPT_STR, &o->trace, "FILE", "write a Chrome trace (FILE.rank<r>.json with several ranks)");
+    OPT("--debug-collectives", OPT_FLAG, &o->debug_collectives, NULL, "check every collective's fingerprint across ranks (CTRAIN_DEBUG=collectives)");
     OPT("--verbose", OPT_FLAG, &o->verbose, NULL, "also print which rank owns which parameters (zero1, zero2)");
     OPT("--limit-train", OPT_INT, &o->limit_train, "N", NULL);
     OPT("--limit-test", OPT_INT, &o->limit_test, "N", NULL);
@@ -93,7 +105,6 @@ static int table(train_opts *o, cli_opt *t)
     return n;
 }
 
-#define MAXOPT 56
 
 void train_help(FILE *f)
 {
@@ -131,6 +142,8 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->grad_compress = "none";
     o->mixed = "none";
     o->clip_norm = "2";
+    o->on_nonfinite = "stop";
+    o->last_batch = "drop";
     o->eval_batch = 500;
     o->state_dict = "full";
     o->sharding = "full";
@@ -143,8 +156,10 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (r || *help) return r;
     for (int i = 0; i < n; i++)
         if (t[i].given > 1) return BAD("%s is given %d times; give it once", t[i].name, t[i].given);
+    for (int i = 0; i < n && i < (int)sizeof o->given; i++) o->given[i] = (unsigned char)t[i].given;
 #define GIVEN(nm) (cli_find(t, n, nm)->given != 0)
     o->has_model = GIVEN("--model");
+    o->has_last_batch = GIVEN("--last-batch");
     o->has_hidden = GIVEN("--hidden");
     o->has_seed = GIVEN("--seed");
     o->has_batch = GIVEN("--batch");
@@ -226,10 +241,19 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (o->warmup < 0) return BAD("--warmup %lld must not be negative", (long long)o->warmup);
     if (strcmp(o->clip_norm, "2") && strcmp(o->clip_norm, "inf"))
         return BAD("unknown --clip-norm '%s'; choose 2 or inf", o->clip_norm);
+    static const char *const last_batch[] = {"drop", "keep", NULL};
+    if (!in_list(o->last_batch, last_batch)) return BAD("unknown --last-batch '%s'; choose drop or keep", o->last_batch);
+    static const char *const nonfinite[] = {"stop", "skip", NULL};
+    if (!in_list(o->on_nonfinite, nonfinite))
+        return BAD("unknown --on-nonfinite '%s'; choose stop or skip", o->on_nonfinite);
     if (o->clip < 0) return BAD("--clip %g must not be negative (leave it out for no clipping)", o->clip);
     if (o->seed < 0) return BAD("--seed %lld must not be negative", (long long)o->seed);
     if (o->save_every < 0) return BAD("--save-every %lld must not be negative", (long long)o->save_every);
     if (o->save_every && !o->save) return BAD("--save-every needs --save CKPT to say where");
+    if (o->keep_last < 0) return BAD("--keep-last %lld must not be negative", (long long)o->keep_last);
+    if (o->keep_last && !o->save) return BAD("--keep-last needs --save CKPT to say where");
+    if (o->resume && !strcmp(o->resume, "latest") && !o->save)
+        return BAD("--resume latest continues the checkpoints --save CKPT writes; give --save too");
     static const char *const formats[] = {"full", "sharded", "local", NULL};
     if (!in_list(o->state_dict, formats))
         return BAD("unknown --state-dict '%s'; choose full (one file), sharded or local (a directory)", o->state_dict);
@@ -276,6 +300,11 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (pipe && o->has_accum && o->grad_accum != 1)
         return BAD("--grad-accum does not apply to --strategy pipe: its micro-batches are --chunks");
     if (o->grad_accum < 1) return BAD("--grad-accum %lld must be at least 1", (long long)o->grad_accum);
+    /* Upper bounds, so no count overflows what it is multiplied into or cast to. */
+    if (o->grad_accum > (1 << 30)) return BAD("--grad-accum %lld is too large (at most %d)", (long long)o->grad_accum, 1 << 30);
+    if (o->threads > 4096) return BAD("--threads %lld is too large (at most 4096)", (long long)o->threads);
+    if (o->bucket_cap_mb > (1 << 20)) return BAD("--bucket-cap-mb %g is too large (at most %d)", o->bucket_cap_mb, 1 << 20);
+    if (o->eval_batch > (1 << 30)) return BAD("the evaluation batch %lld is too large", (long long)o->eval_batch);
     if (!(o->bucket_cap_mb > 0)) return BAD("--bucket-cap-mb %g must be positive", o->bucket_cap_mb);
     static const char *const comp[] = {"none", "bf16", "f16", NULL};
     if (!in_list(o->grad_compress, comp)) return BAD("unknown --grad-compress '%s'; choose none, bf16 or f16", o->grad_compress);
@@ -297,5 +326,22 @@ int train_check_world(train_opts *o, int world, char *err, size_t errn)
     if (!strcmp(o->strategy, "none") && world > 1)
         return BAD("--strategy none runs every rank alone, but this job has %d ranks; use --strategy ddp, or "
                    "run without mpirun", world);
+    /* Join sums rows over the strategy's group; a pipeline's stages share one slice. */
+    if (!strcmp(o->last_batch, "keep") && !strcmp(o->strategy, "pipe"))
+        return BAD("--last-batch keep is not available with --strategy pipe yet; leave it out (drop)");
     return 0;
+}
+
+/* Options that may differ per rank: they change neither the numbers nor
+ * the collectives (threads, per-rank output, where a node keeps its data:
+ * the data itself is compared once loaded).  Every other option of the
+ * table is compared across ranks before training. */
+static const char *const per_rank[] = {"--threads", "--trace", "--metrics", "--verbose", "--data-dir", NULL};
+
+ct_status train_agree(train_opts *o, ct_group *g)
+{
+    cli_opt t[MAXOPT];
+    int n = table(o, t);
+    for (int i = 0; i < n && i < (int)sizeof o->given; i++) t[i].given = o->given[i];
+    return cli_agree_options(g, "the command line", t, n, per_rank);
 }

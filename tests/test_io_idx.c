@@ -313,3 +313,19 @@ TEST(idx_fashion_mnist_real)
     ASSERT_NEAR(sum / (double)ds.images->numel, 0.0, 0.002); /* mean and std come from this set */
     ct_dataset_fini(&ds);
 }
+
+/* Issue 13, failure 5: dimensions of 2^32-1 made rows * cols overflow (a
+ * signed overflow UBSan flags; a fuzzer found it) and the message did not
+ * name the file.  Every large shape is an error naming the image file. */
+TEST(idx_huge_dimensions_do_not_overflow)
+{
+    static const uint32_t shapes[][3] = {
+        {1, 0xffffffffu, 0xffffffffu}, {0xffffffffu, 0xffffffffu, 0xffffffffu}, {2, 0x80000000u, 0x80000000u},
+        {0xffffffffu, 1, 0xffffffffu}, {3, 0x10000u, 0x10000u}};
+    unsigned char img[64], lab[64];
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        size_t ni = idx_bytes(img, 0x08, 3, shapes[i], (const unsigned char *)"\1\2\3\4", 4);
+        size_t nl = idx_bytes(lab, 0x08, 1, &shapes[i][0], (const unsigned char *)"\1\2\3", 3);
+        expect_fail(img, ni, 0, lab, nl, 0, CT_EFORMAT, "", 0);
+    }
+}

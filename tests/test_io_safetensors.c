@@ -106,7 +106,7 @@ TEST(st_roundtrip_all_dtypes_and_metadata)
     ASSERT(ct_safetensors_find(st, "nope") == NULL);
     ASSERT_NEAR(ct_f32(ct_safetensors_find(st, "fc.weight"))[14], 2.5, 0);
     ASSERT_EQ(((int64_t *)ct_tensor_data(ct_safetensors_find(st, "steps")))[3], INT64_MIN);
-    ASSERT_EQ(ct_safetensors_meta_count(st), 4);
+    ASSERT_EQ(ct_safetensors_meta_count(st), 5); /* and the writer's ctrain.crc32 */
     for (int i = 0; i < 4; i++) {
         const char *v = ct_safetensors_meta(st, mk[i]);
         ASSERT(v != NULL);
@@ -135,7 +135,8 @@ TEST(st_writer_exact_bytes)
     const char *path = tmp_path("exact.safetensors");
     ASSERT_OK(ct_safetensors_save(path, (const char *[]){"a", "b"}, (ct_tensor *[]){a, b}, 2,
                                   (const char *[]){"k"}, (const char *[]){"v\"\n"}, 1));
-    const char *want = "{\"__metadata__\":{\"k\":\"v\\\"\\n\"},"
+    /* the writer adds each tensor's crc32, in name order (zlib.crc32 in Python agrees) */
+    const char *want = "{\"__metadata__\":{\"ctrain.crc32\":\"eb8eba67,c3872656\",\"k\":\"v\\\"\\n\"},"
                        "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
                        "\"a\":{\"dtype\":\"U8\",\"shape\":[3],\"data_offsets\":[8,11]}}";
     size_t wl = strlen(want), padded = (wl + 7) / 8 * 8, n;
@@ -900,4 +901,29 @@ TEST(st_index_fuzz_mutations)
     for (int i = 0; i < 5; i++) ct_tensor_release(t[i]);
     remove_dir(dir);
     rmdir(ct_test_tmpdir()); /* empty unless another test left files */
+}
+
+/* A bit flipped in a tensor's data is caught on load, naming the tensor. */
+TEST(st_checksum_catches_a_flipped_bit)
+{
+    ct_tensor *a = ct_tensor_create1(4, CT_MEM_OTHER), *b = ct_tensor_create1(3, CT_MEM_OTHER);
+    for (int i = 0; i < 4; i++) ct_f32(a)[i] = (float)i;
+    for (int i = 0; i < 3; i++) ct_f32(b)[i] = -(float)i;
+    const char *path = tmp_path("crc.safetensors");
+    ASSERT_OK(ct_safetensors_save(path, (const char *[]){"a", "b"}, (ct_tensor *[]){a, b}, 2, NULL, NULL, 0));
+    int checked, unchecked;
+    ASSERT_OK(ct_safetensors_verify(path, &checked, &unchecked));
+    ASSERT_EQ(checked, 2);
+    ASSERT_EQ(unchecked, 0);
+    size_t n;
+    unsigned char *f = read_bytes(path, &n);
+    f[n - 1] ^= 0x10; /* the last byte is in "a" (layout: by size, then name; a before b) */
+    write_bytes(path, f, n);
+    free(f);
+    ct_safetensors *st;
+    ASSERT_ERR(ct_safetensors_load(path, &st), CT_EFORMAT, "fails its checksum");
+    ASSERT_STR_CONTAINS(ct_last_error(), "crc.safetensors");
+    ASSERT_ERR(ct_safetensors_verify(path, &checked, &unchecked), CT_EFORMAT, "tensor 'b'");
+    ct_tensor_release(a);
+    ct_tensor_release(b);
 }

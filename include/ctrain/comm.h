@@ -128,6 +128,21 @@ ct_status ct_group_barrier(ct_group *g);
  * rank if all passed local == CT_OK; otherwise every rank returns the error
  * of the lowest failing rank, with that rank's number and message. */
 ct_status ct_group_check(ct_group *g, ct_status local);
+/* 1 when collectives carry fingerprints: CTRAIN_DEBUG=collectives on any
+ * rank at ct_comm_init turns them on for all.  Each collective then first
+ * compares (group, operation, dtype, count, root, reduction, sequence
+ * number) across its ranks, and the first mismatch ends the job naming
+ * both ranks and both operations; collectives of a group run one at a time. */
+int ct_comm_debug_collectives(void);
+/* Collective: checks that every rank of g holds the same n settings
+ * (keys[i] = vals[i], text) before work that depends on them.  The calls
+ * it makes do not depend on the values, so ranks that disagree never hang.
+ * On any difference every rank gets CT_EINVAL and the same message naming
+ * what ("the command line"), the settings and which ranks hold which value:
+ * "ranks disagree on the command line: --steps differs: rank 0 has '100',
+ * rank 1 has '200'; ...". */
+ct_status ct_group_agree_settings(ct_group *g, const char *what, const char *const *keys, const char *const *vals,
+                                  int n);
 /* Waits for the group's outstanding operations and frees it (collective, as
  * MPI_Comm_free is).  NULL and the world group are no-ops. */
 void ct_group_destroy(ct_group *g);

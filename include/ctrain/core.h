@@ -38,8 +38,11 @@ const char *ct_last_error(void);
 /* Sets the thread's error message from printf-style args and returns code. */
 ct_status ct_error(ct_status code, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
-/* Clears the thread's error message. */
+/* Clears the thread's error message (and its status). */
 void ct_clear_error(void);
+/* The code given with the thread's last error (CT_OK if none since the last
+ * clear): what a constructor that returns NULL failed with. */
+ct_status ct_last_status(void);
 
 /* Programmer errors only: always checked, prints the expression and location, aborts. */
 #define CT_ASSERT(cond)                                                       \
@@ -116,6 +119,9 @@ void ct_mem_set_cache_limit(size_t bytes);
 size_t ct_mem_get_cache_limit(void);
 /* Fault injection: the n-th ct_alloc from now (0 = the next one) fails; -1 turns it off. */
 void ct_mem_fail_after(long n);
+/* Allocations left before the injected failure (>= 0), or -1 once it has
+ * happened (or none is set): how a fault-injection walk knows it is done. */
+long ct_mem_fail_pending(void);
 
 /* ---- memory report ----------------------------------------------------- */
 

@@ -193,6 +193,41 @@ int ct_safetensors_meta_count(const ct_safetensors *st);
 const char *ct_safetensors_meta_key(const ct_safetensors *st, int i);
 const char *ct_safetensors_meta_value(const ct_safetensors *st, int i);
 
+/* ---- checkpoints that commit as one unit -------------------------------
+ * A checkpoint is often several files (model and optimizer state, shards and
+ * their indexes) that are only useful together.  To replace one unit by the
+ * next without ever leaving a mix:
+ *   1. ct_ckpt_recover(anchor): finish any earlier commit a crash interrupted;
+ *   2. write every part that replaces a file to ct_ckpt_staged_path(final)
+ *      (ct_safetensors_save and ct_safetensors_save_index take staged paths);
+ *      parts with new, unique names can be written in place;
+ *   3. ct_ckpt_commit(anchor, finals, n): writes the journal "<anchor>.commit"
+ *      listing the staged parts (atomically: that write is the commit point),
+ *      renames each over its final name and removes the journal.
+ * A crash before the journal leaves the previous unit untouched (staged
+ * files are left over and overwritten by the next save); a crash after it
+ * is finished by the next ct_ckpt_recover.  Readers call ct_ckpt_recover
+ * before loading (from one process: it renames).  All parts sit in the
+ * anchor's directory.  CTRAIN_FAULT_KILL_AT=k kills the process at the k-th
+ * file-system step of a save, for crash tests. */
+
+/* "<final>.staged" into buf (n bytes); CT_EINVAL if it does not fit. */
+ct_status ct_ckpt_staged_path(const char *final, char *buf, size_t n);
+/* Makes the n staged parts (given by their final paths, all in anchor's
+ * directory) current as one unit; see above.  On failure before the commit
+ * point the previous unit is still current, and the message says why. */
+ct_status ct_ckpt_commit(const char *anchor, const char *const *finals, int n);
+/* Finishes an interrupted commit of anchor's unit (nothing to do without a
+ * journal).  CT_EIO naming the file when a rename fails. */
+ct_status ct_ckpt_recover(const char *anchor);
+
+/* Checks every tensor of the safetensors file or sharded checkpoint at
+ * path against the crc32 checksums ct_safetensors_save stores in each file
+ * ("ctrain.crc32" metadata; ct_safetensors_load checks them too).
+ * *checked gets the tensors verified, *unchecked those in files written
+ * without checksums.  CT_EFORMAT naming the file and tensor on a mismatch. */
+ct_status ct_safetensors_verify(const char *path, int *checked, int *unchecked);
+
 #ifdef __cplusplus
 }
 #endif

@@ -205,6 +205,20 @@ typedef struct {
  * of the group calls it; each needs at least grad_accum rows.  The
  * optimizer step is separate (ct_strategy_step), so a caller can clip
  * first. */
+/* Uneven inputs (PyTorch's Join): collective over s's group, once per step
+ * before ct_strategy_train_step.  Every rank gives the rows it has for the
+ * step (0: it has run out of data); *global_rows gets their sum (pass it as
+ * ct_batch.global_rows: the divisor of the mean over the ranks that still
+ * have data) and *active the number of ranks with rows.  While *active > 0
+ * every rank runs the step, a rank without rows with a shadow batch
+ * (ct_strategy_set_joined), so it keeps answering its peers' collectives with zeros and
+ * uneven data sets never hang; *active 0 means every rank is done.  A
+ * joined rank's buffers (BatchNorm statistics) see its shadow batch. */
+ct_status ct_strategy_join(ct_strategy *s, int64_t rows, int64_t *global_rows, int *active);
+/* joined 1: the next train steps run on a shadow batch (any rows of the
+ * right shapes, at least grad_accum) whose gradients count as zeros and
+ * whose loss and rows are not counted; 0 (the default): real data. */
+void ct_strategy_set_joined(ct_strategy *s, int joined);
 ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
                                  const ct_fwd_ctx *ctx, ct_step_out *out);
 

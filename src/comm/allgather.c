@@ -260,6 +260,7 @@ ct_status ct_group_allgather(ct_group *g, const void *send, void *recv, int64_t 
         CT_TRY(ct__shm_locate(g, recv, block * (size_t)g->size, &ref, "allgather"));
     allgather_op *o = ct__work_new(g, &allgather_vt, sizeof *o);
     if (!o) return CT_ENOMEM;
+    ct__work_describe(&o->w, dt, count, -1, -1);
     if (two_level && ref.a && g->leaders && count > 0 && (int64_t)g->size * count <= INT_MAX) {
         /* the leader's layout of node blocks, made here so that running out
          * of memory fails before anything is sent */
@@ -316,6 +317,7 @@ ct_status ct_group_allgatherv(ct_group *g, const void *send, int64_t send_count,
                                    "pass send = recv + displs[rank]");
     allgather_op *o = ct__work_new(g, &allgatherv_vt, sizeof *o);
     if (!o) return CT_ENOMEM;
+    ct__work_describe(&o->w, dt, end, -1, -1); /* the receive size: the same on every rank */
     o->recv = recv;
     o->send = send;
     o->count = (int)send_count;

@@ -252,6 +252,7 @@ ct_status ct_group_allreduce(ct_group *g, void *buf, int64_t count, ct_dtype dt,
         CT_TRY(ct__shm_locate(g, buf, (size_t)count * ct_dtype_size(dt), &ref, "allreduce"));
     allreduce_op *o = ct__work_new(g, &allreduce_vt, sizeof *o);
     if (!o) return CT_ENOMEM;
+    ct__work_describe(&o->w, dt, count, -1, op);
     o->buf = buf;
     o->count = (int)count;
     o->dt = dt;

@@ -27,6 +27,7 @@ ct_status ct_group_broadcast(ct_group *g, void *buf, int64_t count, ct_dtype dt,
     CT_TRY(ct__check_rank(g, root, "root", "broadcast"));
     bcast_op *o = ct__work_new(g, &bcast_vt, sizeof *o);
     if (!o) return CT_ENOMEM;
+    ct__work_describe(&o->w, dt, count, root, -1);
     o->buf = buf;
     o->count = (int)count;
     o->dt = dt;

@@ -148,6 +148,8 @@ void *ct__work_new(ct_group *g, const ct__op_vt *vt, size_t size)
     w->g = g;
     w->req = MPI_REQUEST_NULL;
     w->state = CT__W_QUEUED;
+    w->fp_dtype = w->fp_root = w->fp_redop = -1;
+    w->fp_count = -1;
     return w;
 }
 
@@ -155,6 +157,7 @@ void ct__work_destroy(ct_work *w)
 {
     if (!w) return;
     if (w->vt->destroy) w->vt->destroy(w);
+    ct_free(w->fp_all);
     ct_free(w);
 }
 
@@ -379,7 +382,7 @@ static void launch(ct_work *w);
  * collective holds it. */
 static void start_deferred(ct_group *g)
 {
-    int cap = atomic_load(&max_running);
+    int cap = ct__fp_on() ? 1 : atomic_load(&max_running);
     while (g->defer_head && !g->gate && (cap <= 0 || g->running < cap)) {
         ct_work *d = g->defer_head;
         g->defer_head = d->next;
@@ -492,7 +495,8 @@ static void launch(ct_work *w)
                                                          "request list")));
         return;
     }
-    after_step(w, w->vt->start(w));
+    /* CTRAIN_DEBUG=collectives: the fingerprint first; start runs when it matches. */
+    after_step(w, ordered(w) && ct__fp_on() ? ct__fp_start(w) : w->vt->start(w));
 }
 
 /* Starts w, or, if its group already has max_running collectives running
@@ -500,7 +504,7 @@ static void launch(ct_work *w)
 static void start_one(ct_work *w)
 {
     ct_group *g = w->g;
-    int cap = atomic_load(&max_running);
+    int cap = ct__fp_on() ? 1 : atomic_load(&max_running); /* fingerprints: one at a time (fingerprint.c) */
     if (ordered(w) && (g->gate || g->defer_head || (cap > 0 && g->running >= cap))) {
         w->next = NULL;
         if (g->defer_tail) g->defer_tail->next = w;
@@ -556,7 +560,12 @@ static int poll_inflight(void)
         int r;
         if (w->mpi_status.MPI_ERROR != MPI_SUCCESS)
             r = ct__op_fail(w, ct__mpi_fail(w->mpi_status.MPI_ERROR, w->vt->name));
-        else if (!w->vt->progress)
+        else if (w->fp_phase) { /* the fingerprint all-gather finished */
+            if (ct__fp_check(w)) continue; /* mismatched: parked until rank 0's notice ends the job */
+            r = reserve_inflight() ? ct__op_fail(w, ct_error(CT_ENOMEM, "out of memory for the comm thread's "
+                                                             "request list"))
+                                   : w->vt->start(w);
+        } else if (!w->vt->progress)
             r = CT__DONE;
         else if (reserve_inflight())
             r = ct__op_fail(w, ct_error(CT_ENOMEM, "out of memory for the comm thread's "

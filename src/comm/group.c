@@ -284,6 +284,7 @@ static ct_status comm_start(void)
     }
     MPI_Comm dup;
     ct_status s;
+    if ((s = ct__fp_init(MPI_COMM_WORLD)) != CT_OK) goto out_finalize;
     if (atomic_load(&fake_nodes) < 0) {
         const char *e = getenv("CTRAIN_FAKE_NODES");
         ct_comm_set_fake_nodes(e ? atoi(e) : 0);

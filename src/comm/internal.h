@@ -116,6 +116,12 @@ struct ct_work {
     MPI_Status mpi_status;  /* of the last request that completed */
     int gate;               /* CT__OP_GATE: still holding the group */
     uint64_t seq;           /* collectives: number in its group, from 1 */
+    /* What the collective is, for its fingerprint (fingerprint.c): set by
+     * ct__work_describe, -1 where it has no such argument. */
+    int fp_dtype, fp_root, fp_redop;
+    int64_t fp_count;
+    int fp_phase;           /* 1 while the fingerprint all-gather runs */
+    int64_t *fp_all;        /* every rank's fingerprint, then this rank's */
     double t_start;         /* collectives: ct_now() when started */
 
     /* engine state */
@@ -172,6 +178,22 @@ void ct__group_register(ct_group *g);
 void ct__group_unregister(ct_group *g);
 /* Removes and returns the most recently registered group, or NULL. */
 ct_group *ct__group_pop(void);
+
+/* ---- fingerprint.c ----------------------------------------------------- */
+
+/* Comm thread, after MPI_Init: agrees over world whether CTRAIN_DEBUG asks
+ * for collective fingerprints (any rank asking turns them on for all). */
+ct_status ct__fp_init(MPI_Comm world);
+/* 1 when collectives carry fingerprints (then one runs at a time per group). */
+int ct__fp_on(void);
+/* Records what w does, for its fingerprint (-1: no such argument). */
+void ct__work_describe(ct_work *w, int dtype, int64_t count, int root, int redop);
+/* Comm thread: starts w's fingerprint all-gather (w->req set; CT__WAIT). */
+int ct__fp_start(ct_work *w);
+/* Comm thread, when the all-gather completed: 0 when every rank's matches
+ * (w may start); otherwise rank 0 of the group ends the job naming both
+ * ranks and operations (no return) and the others return 1 (park w). */
+int ct__fp_check(ct_work *w);
 
 /* ---- watch.c ----------------------------------------------------------- */
 

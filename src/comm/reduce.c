@@ -106,6 +106,7 @@ ct_status ct_group_reduce(ct_group *g, void *buf, int64_t count, ct_dtype dt, ct
     if (agree) CT_TRY(ct__shm_locate(g, buf, (size_t)count * ct_dtype_size(dt), &ref, "reduce"));
     reduce_op *o = ct__work_new(g, &reduce_vt, sizeof *o);
     if (!o) return CT_ENOMEM;
+    ct__work_describe(&o->w, dt, count, root, op);
     o->buf = buf;
     o->count = (int)count;
     o->dt = dt;

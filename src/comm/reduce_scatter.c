@@ -253,6 +253,7 @@ ct_status ct_group_reduce_scatter(ct_group *g, const void *send, void *recv, int
         CT_TRY(ct__shm_locate(g, send, block * (size_t)g->size, &ref, "reduce_scatter"));
     redscat_op *o = ct__work_new(g, &redscat_vt, sizeof *o);
     if (!o) return CT_ENOMEM;
+    ct__work_describe(&o->w, dt, count, -1, op);
     if (two_level && ref.a && g->leaders && count > 0 && is_float(dt) &&
         (int64_t)g->size * count <= INT_MAX) {
         /* the leader's buffers, made here so that running out of memory

@@ -231,21 +231,22 @@ static ct_status alloc_run(alloc_op *q)
     int rc;
     /* Allocate what can fail locally first, so every rank knows before the
      * window's collective call whether all can go on. */
-    struct ct__shm *s = NULL;
-    shm_alloc *a = ct_alloc_zeroed(sizeof *a, CT_MEM_OTHER);
-    if (a) a->base = ct_alloc_zeroed((size_t)t->size * sizeof *a->base, CT_MEM_OTHER);
-    if (!t->shm) {
-        s = ct_alloc_zeroed(sizeof *s, CT_MEM_OTHER);
-        if (s) s->slot = ct_alloc_zeroed((size_t)t->size * sizeof *s->slot, CT_MEM_OTHER);
-    }
     /* Without MPI_THREAD_MULTIPLE, blocking calls of other groups would stall
      * the comm thread, and with it the shared-memory paths: MPI only then. */
     /* On one node: one window over the group.  Spanning nodes, when some
      * node has two of its ranks: a window per node, over the group's ranks
      * on it (two-level collectives use them). */
-    int local[2] = {shm_enabled() && ct__engine_concurrent() && g->size > 1 &&
-                        (g->nnodes == 1 || g->nnodes < g->size),
-                    a && a->base && (t->shm || (s && s->slot))};
+    int want = shm_enabled() && ct__engine_concurrent() && g->size > 1 && (g->nnodes == 1 || g->nnodes < g->size);
+    /* The bookkeeping only when a window may follow: an allocation whose
+     * failure would be ignored is one a fault-injection walk cannot check. */
+    struct ct__shm *s = NULL;
+    shm_alloc *a = want ? ct_alloc_zeroed(sizeof *a, CT_MEM_OTHER) : NULL;
+    if (a) a->base = ct_alloc_zeroed((size_t)t->size * sizeof *a->base, CT_MEM_OTHER);
+    if (want && !t->shm) {
+        s = ct_alloc_zeroed(sizeof *s, CT_MEM_OTHER);
+        if (s) s->slot = ct_alloc_zeroed((size_t)t->size * sizeof *s->slot, CT_MEM_OTHER);
+    }
+    int local[2] = {want, a && a->base && (t->shm || (s && s->slot))};
     int all[2] = {0, 0};
     rc = MPI_Allreduce(local, all, 2, MPI_INT, MPI_MIN, g->comm);
     ct_status st = CT_OK;

@@ -388,3 +388,9 @@ const char *ct_mem_cat_name(ct_mem_cat cat)
 }
 
 void ct_mem_fail_after(long n) { atomic_store(&fail_countdown, n); }
+
+long ct_mem_fail_pending(void)
+{
+    long n = atomic_load(&fail_countdown);
+    return n < 0 ? -1 : n;
+}

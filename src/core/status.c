@@ -6,7 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-static _Thread_local char errbuf[1024];
+/* Long enough for a message that wraps a few others (paths included); a
+ * longer one ends in "..." so the cut shows. */
+static _Thread_local char errbuf[4096];
 
 const char *ct_strerror(ct_status s)
 {
@@ -23,9 +25,17 @@ const char *ct_strerror(ct_status s)
     return "unknown error";
 }
 
+static _Thread_local ct_status errcode;
+
 const char *ct_last_error(void) { return errbuf; }
 
-void ct_clear_error(void) { errbuf[0] = 0; }
+ct_status ct_last_status(void) { return errcode; }
+
+void ct_clear_error(void)
+{
+    errbuf[0] = 0;
+    errcode = CT_OK;
+}
 
 ct_status ct_error(ct_status code, const char *fmt, ...)
 {
@@ -35,9 +45,11 @@ ct_status ct_error(ct_status code, const char *fmt, ...)
     char tmp[sizeof errbuf];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(tmp, sizeof tmp, fmt, ap);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
     va_end(ap);
+    if (n >= (int)sizeof tmp) memcpy(tmp + sizeof tmp - 4, "...", 4);
     memcpy(errbuf, tmp, sizeof errbuf);
+    errcode = code;
     return code;
 }
 

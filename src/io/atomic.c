@@ -9,9 +9,35 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+/* Crash and full-disk testing: with CTRAIN_FAULT_KILL_AT=k in the
+ * environment, the k-th point at which a checkpoint write touches the file
+ * system (create, each write, fsync, rename, unlink) kills the process with
+ * SIGKILL before doing it; with CTRAIN_FAULT_FAIL_AT=k that step fails
+ * with ENOSPC instead (a full disk), so a test can stop a save at every one
+ * of its steps in turn.  Returns -1 (errno ENOSPC) for the failing step. */
+int ct__io_point(void)
+{
+    static long kill_at = -1, fail_at, count;
+    if (kill_at < 0) {
+        const char *k = getenv("CTRAIN_FAULT_KILL_AT"), *f = getenv("CTRAIN_FAULT_FAIL_AT");
+        kill_at = k && *k ? strtol(k, NULL, 10) : 0;
+        fail_at = f && *f ? strtol(f, NULL, 10) : 0;
+    }
+    if (!kill_at && !fail_at) return 0;
+    ++count;
+    if (count == kill_at) raise(SIGKILL);
+    if (count == fail_at) {
+        errno = ENOSPC;
+        return -1;
+    }
+    return 0;
+}
 
 ct_status ct__afile_open(ct__afile *a, const char *path)
 {
@@ -21,7 +47,7 @@ ct_status ct__afile_open(ct__afile *a, const char *path)
     a->tmp = ct_alloc_zeroed(tlen, CT_MEM_OTHER);
     if (!a->tmp) return CT_ENOMEM;
     snprintf(a->tmp, tlen, "%s.tmp.%d", path, (int)getpid());
-    a->f = fopen(a->tmp, "wb");
+    a->f = ct__io_point() ? NULL : fopen(a->tmp, "wb");
     if (!a->f) {
         ct_status s = ct_error(CT_EIO, "%s: cannot create: %s", a->tmp, strerror(errno));
         ct_free(a->tmp);
@@ -33,20 +59,20 @@ ct_status ct__afile_open(ct__afile *a, const char *path)
 
 ct_status ct__afile_write(ct__afile *a, const void *p, size_t n)
 {
-    if (n && fwrite(p, 1, n, a->f) != n)
+    if (n && (ct__io_point() || fwrite(p, 1, n, a->f) != n))
         return ct_error(CT_EIO, "%s: write failed: %s; is the disk full?", a->tmp, strerror(errno));
     return CT_OK;
 }
 
 /* Makes a completed rename durable. */
-static ct_status sync_dir(const char *path)
+ct_status ct__sync_dir(const char *path)
 {
     const char *slash = strrchr(path, '/');
     char dir[4096];
     if (!slash) snprintf(dir, sizeof dir, ".");
     else if (slash == path) snprintf(dir, sizeof dir, "/");
     else snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
-    int fd = open(dir, O_RDONLY | O_DIRECTORY);
+    int fd = ct__io_point() ? -1 : open(dir, O_RDONLY | O_DIRECTORY);
     if (fd < 0) return ct_error(CT_EIO, "%s: cannot open directory to sync: %s", dir, strerror(errno));
     int r = fsync(fd), e = errno;
     close(fd);
@@ -59,7 +85,7 @@ static ct_status sync_dir(const char *path)
 ct_status ct__afile_commit(ct__afile *a)
 {
     ct_status s;
-    if (fflush(a->f) != 0 || fsync(fileno(a->f)) != 0) {
+    if (ct__io_point() || fflush(a->f) != 0 || fsync(fileno(a->f)) != 0) {
         s = ct_error(CT_EIO, "%s: flush failed: %s; is the disk full?", a->tmp, strerror(errno));
         goto out_abort;
     }
@@ -69,13 +95,13 @@ ct_status ct__afile_commit(ct__afile *a)
         s = ct_error(CT_EIO, "%s: close failed: %s", a->tmp, strerror(errno));
         goto out_abort;
     }
-    if (rename(a->tmp, a->path) != 0) {
+    if (ct__io_point() || rename(a->tmp, a->path) != 0) {
         s = ct_error(CT_EIO, "%s: cannot rename %s over it: %s", a->path, a->tmp, strerror(errno));
         goto out_abort;
     }
     ct_free(a->tmp);
     a->tmp = NULL;
-    return sync_dir(a->path);
+    return ct__sync_dir(a->path);
 out_abort:
     ct__afile_abort(a);
     return s;

@@ -161,8 +161,8 @@ ct_status ct_idx_load(const char *images_path, const char *labels_path, int ncla
                      images_path, (long long)n, (long long)rows, (long long)cols);
         goto out_close;
     }
-    /* Each dim is below 2^32, so rows*cols fits, and the check bounds the rest. */
-    if (rows * cols > INT64_MAX / 4 / n) {
+    /* Each dim is below 2^32, but rows*cols need not fit in int64: divide, never multiply, to bound it. */
+    if (rows > INT64_MAX / 4 / n / cols) {
         s = ct_error(CT_EFORMAT, "%s: header claims %lld images of %lldx%lld pixels, too many to address",
                      images_path, (long long)n, (long long)rows, (long long)cols);
         goto out_close;

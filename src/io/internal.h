@@ -110,5 +110,21 @@ ct_status ct__afile_write(ct__afile *a, const void *p, size_t n);
 ct_status ct__afile_commit(ct__afile *a);
 /* Closes and removes the temp file; safe after a failed open. */
 void ct__afile_abort(ct__afile *a);
+/* fsyncs the directory holding path, so a rename or unlink in it is durable. */
+ct_status ct__sync_dir(const char *path);
+/* A point where a checkpoint write touches the file system: with
+ * CTRAIN_FAULT_KILL_AT=k the k-th such point kills the process, with
+ * CTRAIN_FAULT_FAIL_AT=k it returns -1 with errno ENOSPC (crash and
+ * full-disk tests); otherwise 0. */
+int ct__io_point(void);
+
+/* ---- checksums (checksum.c) --------------------------------------------- */
+
+/* Metadata key holding one crc32 per tensor, in name order, comma-separated. */
+#define CT__CRC_KEY "ctrain.crc32"
+/* Checks st's tensors against its CT__CRC_KEY metadata (absent: nothing to
+ * check, *checked 0); CT_EFORMAT naming path and the first tensor that
+ * differs.  *checked gets the number of tensors verified. */
+ct_status ct__st_verify(const char *path, const ct_safetensors *st, int *checked);
 
 #endif

@@ -349,7 +349,9 @@ static ct_status load_source(source *src, const char *path, ct_safetensors **out
                         "the file is truncated or not safetensors", path, (long long)src->size);
     ct_safetensors *st = ct_alloc_zeroed(sizeof *st, CT_MEM_OTHER);
     if (!st) return CT_ENOMEM;
+    int checked;
     ct_status s = load_from(src, path, st);
+    if (s == CT_OK) s = ct__st_verify(path, st, &checked);
     if (s != CT_OK) {
         ct_safetensors_destroy(st);
         return s;

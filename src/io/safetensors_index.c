@@ -75,7 +75,12 @@ static ct_status check_text(const char *path, const char *what, const char *s)
 static ct_status prepare_index(const char *path, const char *const *names, const char *const *files, int n,
                                const char *const *mk, const char *const *mv, int nmeta, wentry *ws, kv *ms)
 {
-    if (!ct__st_is_index(path))
+    size_t pl = strlen(path), sl = sizeof ".staged" - 1;
+    char unstaged[4096];
+    /* A staged index (ct_ckpt_staged_path) is checked by the name it will commit to. */
+    snprintf(unstaged, sizeof unstaged, "%.*s", (int)(pl > sl && !strcmp(path + pl - sl, ".staged") ? pl - sl : pl),
+             path);
+    if (!ct__st_is_index(unstaged))
         return ct_error(CT_EINVAL, "%s: an index's name must end in '%s' (loaders recognise it by that); "
                         "name it like model%s", path, INDEX_EXT, INDEX_EXT);
     for (int i = 0; i < n; i++) {

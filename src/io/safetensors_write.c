@@ -4,13 +4,15 @@
  * multiple of its element size; the header is padded with spaces to a
  * multiple of 8.  The file is replaced atomically (atomic.c): written to
  * path.tmp.<pid>, flushed and fsync'd, renamed over path, and the directory
- * fsync'd so the rename itself survives a crash.
+ * fsync'd so the rename itself survives a crash.  Every file carries a
+ * crc32 of each tensor in its metadata (CT__CRC_KEY), checked on load.
  */
 #include "internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <zlib.h>
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "safetensors data is little-endian; this file assumes a little-endian host"
@@ -20,6 +22,16 @@ typedef struct {
     const char *name;
     const ct_tensor *t;
 } entry;
+
+/* The CT__CRC_KEY value: every tensor's crc32, in name order. */
+static ct_status crc_list(const entry *ents, int n, ct__buf *b)
+{
+    for (int i = 0; i < n; i++)
+        ct__buf_printf(b, "%s%08lx", i ? "," : "",
+                       crc32_z(0L, ct_tensor_data(ents[i].t), ct_tensor_bytes(ents[i].t)));
+    ct__buf_puts(b, "");
+    return b->failed ? CT_ENOMEM : CT_OK;
+}
 
 typedef struct {
     const char *key, *val;
@@ -50,8 +62,10 @@ static ct_status check_utf8(const char *path, const char *what, const char *s)
 
 /* Validates the inputs and builds the sorted tables. */
 static ct_status prepare(const char *path, const char *const *names, ct_tensor *const *tensors, int n,
-                         const char *const *mk, const char *const *mv, int nmeta, entry *ents, meta *ms)
+                         const char *const *mk, const char *const *mv, int *nmeta_io, entry *ents, meta *ms,
+                         ct__buf *crcs)
 {
+    int nmeta = *nmeta_io;
     for (int i = 0; i < n; i++) {
         CT_ASSERT(names[i] && tensors[i]);
         const ct_tensor *t = tensors[i];
@@ -67,14 +81,18 @@ static ct_status prepare(const char *path, const char *const *names, ct_tensor *
     for (int i = 1; i < n; i++)
         if (!strcmp(ents[i - 1].name, ents[i].name))
             return ct_error(CT_EINVAL, "%s: tensor name '%s' is given twice", path, ents[i].name);
+    CT_TRY(crc_list(ents, n, crcs));
     qsort(ents, (size_t)n, sizeof *ents, cmp_layout);
 
+    int k = 0;
     for (int i = 0; i < nmeta; i++) {
         CT_ASSERT(mk[i] && mv[i]);
         CT_TRY(check_utf8(path, "metadata key", mk[i]));
         CT_TRY(check_utf8(path, "metadata value", mv[i]));
-        ms[i] = (meta){mk[i], mv[i]};
+        if (strcmp(mk[i], CT__CRC_KEY)) ms[k++] = (meta){mk[i], mv[i]}; /* a copied file's are stale */
     }
+    if (n) ms[k++] = (meta){CT__CRC_KEY, crcs->p};
+    *nmeta_io = nmeta = k;
     qsort(ms, (size_t)nmeta, sizeof *ms, cmp_meta);
     for (int i = 1; i < nmeta; i++)
         if (!strcmp(ms[i - 1].key, ms[i].key))
@@ -122,11 +140,11 @@ ct_status ct_safetensors_save(const char *path, const char *const *names,
     CT_ASSERT(n == 0 || (names && tensors));
     CT_ASSERT(nmeta == 0 || (meta_keys && meta_vals));
     ct_status s;
-    ct__buf hdr = {0};
+    ct__buf hdr = {0}, crcs = {0};
     entry *ents = ct_alloc_zeroed((size_t)n * sizeof *ents + 1, CT_MEM_OTHER);
-    meta *ms = ct_alloc_zeroed((size_t)nmeta * sizeof *ms + 1, CT_MEM_OTHER);
+    meta *ms = ct_alloc_zeroed((size_t)(nmeta + 1) * sizeof *ms, CT_MEM_OTHER);
     if (!ents || !ms) { s = CT_ENOMEM; goto out_free; }
-    if ((s = prepare(path, names, tensors, n, meta_keys, meta_vals, nmeta, ents, ms)) != CT_OK)
+    if ((s = prepare(path, names, tensors, n, meta_keys, meta_vals, &nmeta, ents, ms, &crcs)) != CT_OK)
         goto out_free;
     if ((s = build_header(ents, n, ms, nmeta, &hdr)) != CT_OK) goto out_free;
 
@@ -142,6 +160,7 @@ ct_status ct_safetensors_save(const char *path, const char *const *names,
     else ct__afile_abort(&af);
 out_free:
     ct__buf_free(&hdr);
+    ct__buf_free(&crcs);
     ct_free(ents);
     ct_free(ms);
     return s;

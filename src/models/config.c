@@ -82,7 +82,10 @@ ct_status ct__parse_int_list(const char *list, int64_t *out, int max, int *n, co
         errno = 0;
         long long v = strtoll(p, &end, 10);
         int len = (int)strcspn(p, ",");
-        if (end == p || (*end && *end != ',') || errno || v <= 0 || v > (1LL << 31))
+        if (end != p && (!*end || *end == ',') && ((errno == ERANGE && v > 0) || v > (1LL << 31)))
+            return ct_error(CT_EINVAL, "%s '%s': '%.*s' is too large: a size is at most %lld", what, list, len, p,
+                            1LL << 31);
+        if (end == p || (*end && *end != ',') || errno || v <= 0)
             return ct_error(CT_EINVAL, "%s '%s': '%.*s' is not a positive integer; give comma-separated "
                             "sizes such as 256,128", what, list, len, p);
         if (k == max)

@@ -153,12 +153,27 @@ static ct_status build_buckets(ct_strategy *s, const int *order, int keep_values
         release_buckets(s->g, nbk, nb);
         goto out;
     }
-    /* Re-point gradients: views into the new buffers, values kept. */
+    /* Re-point gradients: views into the new buffers, values kept.  Every
+     * view is made before any gradient moves, so running out of memory
+     * leaves the old buckets in place (found by the allocation walk). */
+    ct_tensor **views = ct_alloc_zeroed(sizeof *views * (size_t)(n ? n : 1), CT_MEM_OTHER);
+    for (int p = 0; views && p < n; p++) {
+        ct_param *pa = d->tp[p];
+        views[p] = ct_tensor_view(nbk[d->bucket_of[p]].buf, d->offset[p], pa->data->ndim, pa->data->shape);
+        if (!views[p]) {
+            for (int q = 0; q < p; q++) ct_tensor_release(views[q]);
+            ct_free(views);
+            views = NULL;
+        }
+    }
+    if (!views) {
+        release_buckets(s->g, nbk, nb);
+        st = CT_ENOMEM;
+        goto out;
+    }
     for (int p = 0; p < n; p++) {
         ct_param *pa = d->tp[p];
-        ct_tensor *v = ct_tensor_view(nbk[d->bucket_of[p]].buf, d->offset[p], pa->data->ndim,
-                                      pa->data->shape);
-        CT_ASSERT(v); /* shapes come from the parameter itself */
+        ct_tensor *v = views[p];
         if (keep_values) {
             ct_param_grad_sync(pa);
             memcpy(ct_tensor_data(v), ct_tensor_data(pa->grad), ct_tensor_bytes(v));
@@ -168,6 +183,7 @@ static ct_status build_buckets(ct_strategy *s, const int *order, int keep_values
         ct_tensor_release(pa->grad);
         pa->grad = v;
     }
+    ct_free(views);
     free_buckets(s);
     d->b = nbk;
     d->nb = nb;
@@ -354,6 +370,7 @@ void ct__ddp_fini(ct_strategy *s)
     /* Give every parameter a gradient of its own again (before the buckets go). */
     for (int i = 0; d->tp && i < d->ntp; i++) {
         ct_param *p = d->tp[i];
+        if (!p) continue; /* init failed before filling the table (found by the allocation walk) */
         if (d->grad_hooks) ct_hook_remove(d->grad_hooks[i]);
         if (p->grad) { /* every trainable gradient is a view into a bucket */
             ct_tensor *own = ct_tensor_clone(p->grad, CT_MEM_GRAD);
@@ -400,7 +417,20 @@ static ct_status rebuild(ct_strategy *s, int keep_values)
     if (d->nready != d->ntp) return CT_OK; /* some gradients never became ready: keep the layout */
     CT_TRY(ct_group_broadcast(s->g, d->ready_order, d->ntp, CT_I32, 0, NULL));
     if (!keep_values) free_buckets(s);
-    return build_buckets(s, d->ready_order, keep_values);
+    ct_status st = build_buckets(s, d->ready_order, keep_values);
+    if (st == CT_OK || keep_values) return st;
+    /* The old buckets are gone and the gradients still point into them (found
+     * by the allocation walk): never leave them so.  Try once more (the bytes
+     * were just freed); failing that, the gradients let go of the memory, and
+     * the error (reported by the next backward) ends the run. */
+    char why[512];
+    snprintf(why, sizeof why, "%s", ct_last_error());
+    if (build_buckets(s, d->ready_order, 0) != CT_OK)
+        for (int i = 0; i < d->ntp; i++) {
+            ct_tensor_release(d->tp[i]->grad);
+            d->tp[i]->grad = NULL;
+        }
+    return ct_error(st, "%s", why);
 }
 
 static int rebuild_due(ct_strategy *s)

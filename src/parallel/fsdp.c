@@ -462,7 +462,7 @@ static ct_status fsdp_build_optim(ct_strategy *s, const ct_optim_opts *oo)
     }
     s->opt = ct_optim_create_slots(oo, sl, nslots);
     ct_free(sl);
-    return s->opt ? CT_OK : (ct_status)CT_EINVAL;
+    return s->opt ? CT_OK : ct_last_status();
 }
 
 /* Memory and views for one flat: the piece (copied out of the parameters),
@@ -495,6 +495,7 @@ static ct_status setup_flat(fsdp_unit *u, fsdp_flat *fl)
     if (u->ns > 1) CT_TRY(ct_storage_free_data(fl->full));
     CT_TRY(ct_storage_free_data(fl->gfull));
     if (fl->low) CT_TRY(ct_storage_free_data(fl->lowst));
+    if (!(fl->old = ct_alloc_zeroed(sizeof *fl->old * (size_t)(2 * fl->n), CT_MEM_OTHER))) return CT_ENOMEM;
     for (int j = 0; j < fl->n; j++) {
         ct_param *p = fl->p[j];
         const ct_tensor *d = p->data;
@@ -507,14 +508,41 @@ static ct_status setup_flat(fsdp_unit *u, fsdp_flat *fl)
             ct_tensor_release(nc);
             return CT_ENOMEM;
         }
-        ct_tensor_release(p->data);
-        ct_tensor_release(p->grad);
+        fl->old[2 * j] = p->data; /* released once every rank is set up */
+        fl->old[2 * j + 1] = p->grad;
         p->data = nd;
         p->grad = ng;
         p->compute = nc;
         p->grad_stale = 1;
     }
     return CT_OK;
+}
+
+/* Set-up done everywhere: the parameters' own tensors go (keep: they come
+ * back, and the views go, after a failed set-up). */
+static void settle_old(fsdp_t *f, int keep)
+{
+    for (int i = 0; f->u && i < f->nu; i++)
+        for (int k = 0; k < f->u[i].nfl; k++) {
+            fsdp_flat *fl = &f->u[i].fl[k];
+            for (int j = 0; fl->old && j < fl->n; j++) {
+                if (!fl->old[2 * j]) continue;
+                ct_param *p = fl->p[j];
+                if (keep) {
+                    ct_tensor *view[3] = {p->data, p->grad, p->compute};
+                    p->data = fl->old[2 * j];
+                    p->grad = fl->old[2 * j + 1];
+                    p->compute = NULL;
+                    p->grad_stale = 0;
+                    for (int v = 0; v < 3; v++) ct_tensor_release(view[v]);
+                } else {
+                    ct_tensor_release(fl->old[2 * j]);
+                    ct_tensor_release(fl->old[2 * j + 1]);
+                }
+            }
+            ct_free(fl->old);
+            fl->old = NULL;
+        }
 }
 
 static ct_status make_groups(ct_strategy *s, fsdp_t *f)
@@ -615,7 +643,10 @@ static ct_status setup(ct_strategy *s)
 static ct_status fsdp_init(ct_strategy *s)
 {
     ct_status st = ct_group_check(s->g, setup(s));
-    if (st == CT_OK) ct__fsdp_of(s)->ready = 1;
+    if (st == CT_OK) {
+        ct__fsdp_of(s)->ready = 1;
+        settle_old(ct__fsdp_of(s), 0);
+    }
     return st;
 }
 
@@ -627,13 +658,14 @@ static void fsdp_fini(ct_strategy *s)
     ct__zero *z = ct__zero_of(s);
     if (f) {
         finish_all(s);
+        if (!f->ready) settle_old(f, 1); /* set-up failed: the parameters as they were */
         int full = f->ready && ct__fsdp_summon(s, 0, 0) == CT_OK;
-        for (int i = 0; i < f->nu; i++) {
+        for (int i = 0; f->u && i < f->nu; i++) {
             fsdp_unit *u = &f->u[i];
             for (int k = 0; k < 4; k++) ct_hook_remove(u->h[k]);
             for (int k = 0; k < u->nfl; k++) {
                 fsdp_flat *fl = &u->fl[k];
-                for (int j = 0; j < fl->n; j++) {
+                for (int j = 0; fl->p && j < fl->n; j++) {
                     ct_param *p = fl->p[j];
                     if (!p->data || p->data->storage != fl->full) continue; /* set-up stopped before it */
                     ct_tensor *d = full ? ct_tensor_clone(p->data, CT_MEM_PARAM)

@@ -39,6 +39,8 @@ typedef struct {
     void *wire;            /* gradients in reduce_dtype when it is not f32 */
     void *rsbuf;           /* reduce-scatter result when not straight into gshard */
     ct_work *ag, *rs;
+    ct_tensor **old;       /* [2n] the parameters' own data and grad tensors until set-up is done on
+                              every rank, so a failed set-up gives them back untouched */
 } fsdp_flat;
 
 enum { UNIT_SHARDED, UNIT_GATHERING, UNIT_FULL };

@@ -66,7 +66,7 @@ static int index_of(ct_module **mods, int nm, const ct_module *m)
 
 void ct__fsdp_free_units(fsdp_t *f)
 {
-    for (int i = 0; i < f->nu; i++)
+    for (int i = 0; f->u && i < f->nu; i++)
         for (int k = 0; k < f->u[i].nfl; k++) {
             ct_free(f->u[i].fl[k].p);
             ct_free(f->u[i].fl[k].off);
@@ -139,6 +139,7 @@ ct_status ct__fsdp_build_units(ct_strategy *s, fsdp_t *f)
         if (mark[i] && cnt[i] < 0) f->nu++;
     }
     if (!(f->u = ct_alloc_zeroed(sizeof *f->u * (size_t)(f->nu + 1), CT_MEM_OTHER))) {
+        f->nu = 0;
         st = CT_ENOMEM;
         goto out;
     }
@@ -173,11 +174,11 @@ ct_status ct__fsdp_build_units(ct_strategy *s, fsdp_t *f)
             if (!fl->p) {
                 fl->p = ct_alloc(sizeof *fl->p * (size_t)fl->n, CT_MEM_OTHER);
                 fl->off = ct_alloc(sizeof *fl->off * (size_t)fl->n, CT_MEM_OTHER);
+                fl->n = 0; /* counts the entries filled from here */
                 if (!fl->p || !fl->off) {
                     st = CT_ENOMEM;
                     break;
                 }
-                fl->n = 0;
             }
             fl->p[fl->n] = p;
             fl->off[fl->n++] = fl->numel;

@@ -92,6 +92,7 @@ struct ct_strategy {
     const char *opt_keys[64];
     int nopt_text;
     int no_sync;
+    int joined; /* ct_strategy_set_joined: train steps run on a shadow batch that counts as zeros */
     ct_param **params;     /* every parameter, model order */
     int nparams;
     ct_param **buffers;

@@ -57,7 +57,7 @@ ct_status ct_strategy_check_opts(const char *kind, const char *opts, char *buf, 
 static ct_status build_whole_optim(ct_strategy *s, const ct_optim_opts *o)
 {
     s->opt = ct_optim_create(o, s->params, s->nparams);
-    return s->opt ? CT_OK : (ct_status)CT_EINVAL;
+    return s->opt ? CT_OK : ct_last_status(); /* CT_ENOMEM stays CT_ENOMEM (found by the allocation walk) */
 }
 
 ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_opts *optim,
@@ -200,10 +200,13 @@ static ct_status micro_step(ct_strategy *s, const ct_batch *b, int64_t r0, int64
     if (st == CT_OK) st = ct_strategy_forward(s, x, &z, &rec, &ctx);
     if (st == CT_OK) st = loss(z, y, ud, &l, &dz);
     if (st == CT_OK) {
-        out->loss_sum += (double)l * (double)n;
-        out->rows += n;
-        /* d(global mean)/d(micro-batch mean) = n / global; the reduction sums. */
-        st = ct__strategy_backward_ex(s, dz, rec, (float)((double)n / (double)global), NULL);
+        if (!s->joined) {
+            out->loss_sum += (double)l * (double)n;
+            out->rows += n;
+        }
+        /* d(global mean)/d(micro-batch mean) = n / global; the reduction sums.  A joined rank's shadow
+         * rows are not in the global batch: its backward runs (the collectives in it must) with 0. */
+        st = ct__strategy_backward_ex(s, dz, rec, s->joined ? 0.0f : (float)((double)n / (double)global), NULL);
         rec = NULL;
     }
     ct_record_destroy(rec);
@@ -213,6 +216,18 @@ static ct_status micro_step(ct_strategy *s, const ct_batch *b, int64_t r0, int64
     ct_tensor_release(dz);
     return st;
 }
+
+ct_status ct_strategy_join(ct_strategy *s, int64_t rows, int64_t *global_rows, int *active)
+{
+    if (rows < 0) return ct_error(CT_EINVAL, "join: rows is %lld; give 0 or more", (long long)rows);
+    int64_t v[2] = {rows, rows > 0};
+    if (s->g && s->ops != &none_ops) CT_TRY(ct_group_allreduce(s->g, v, 2, CT_I64, CT_OP_SUM, NULL)); /* none: alone */
+    *global_rows = v[0];
+    *active = (int)v[1];
+    return CT_OK;
+}
+
+void ct_strategy_set_joined(ct_strategy *s, int joined) { s->joined = joined != 0; }
 
 ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
                                  const ct_fwd_ctx *ctx, ct_step_out *out)
@@ -231,7 +246,7 @@ ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
                         "(grad_accum); give every rank at least %d rows or lower grad_accum",
                         (long long)nrows, k, k);
     int64_t global = b->global_rows ? b->global_rows : nrows * ct_group_size(s->g);
-    if (global < nrows)
+    if (global < nrows && !s->joined)
         return ct_error(CT_EINVAL, "train step: global_rows %lld is fewer than this rank's %lld rows",
                         (long long)global, (long long)nrows);
     if (s->ops->train_step) {

@@ -66,7 +66,8 @@ ct_status ct__zero_wait_all(ct_strategy *s)
 {
     ct__zero *z = ct__zero_of(s);
     ct_status st = CT_OK;
-    for (int i = 0; z && i < z->ntp; i++) {
+    if (!z || !z->first || !z->work || !z->pt.ranges) return CT_OK; /* init failed part-way: nothing in flight */
+    for (int i = 0; i < z->ntp; i++) {
         ct_status w = wait_param(s, i);
         if (st == CT_OK) st = w;
     }
@@ -226,7 +227,7 @@ static ct_status zero_build_optim(ct_strategy *s, const ct_optim_opts *oo)
     }
     s->opt = ct_optim_create_ranges(oo, r, n);
     ct_free(r);
-    return s->opt ? CT_OK : (ct_status)CT_EINVAL;
+    return s->opt ? CT_OK : ct_last_status();
 }
 
 /* Before the optimizer writes the owned ranges: the last broadcasts are

@@ -58,7 +58,7 @@ static ct_status zero2_build_optim(ct_strategy *s, const ct_optim_opts *oo)
     }
     s->opt = ct_optim_create_slots(oo, sl, n);
     ct_free(sl);
-    return s->opt ? CT_OK : (ct_status)CT_EINVAL;
+    return s->opt ? CT_OK : ct_last_status();
 }
 
 /* Waits for the oldest parameter in flight: its owners copy their ranges

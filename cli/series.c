@@ -1,0 +1,208 @@
+/*
+ * A series of checkpoints: `--save CKPT --keep-last K` writes every save
+ * under its own name, CKPT with the step in it (run.safetensors ->
+ * run-step00000100.safetensors and its run-step00000100.optim.safetensors;
+ * a sharded directory ckpt -> ckpt-step00000100), each committed as one
+ * unit, and after each save removes all but the K newest.  `--resume
+ * latest` continues from the newest complete checkpoint of the series that
+ * --save names (or CKPT itself, saved without --keep-last), and starts a new
+ * run when there is none yet, so a preemptible job can be restarted with
+ * the same command line.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cli.h"
+
+#define EXT ".safetensors"
+#define TAG "-step"
+#define DIGITS 8
+
+/* Splits path into dir ("." if none), the stem before the step tag and the extension. */
+static void split(const char *path, char *dir, size_t dn, char *stem, size_t sn, const char **ext)
+{
+    const char *slash = strrchr(path, '/');
+    const char *base = slash ? slash + 1 : path;
+    if (slash) snprintf(dir, dn, "%.*s", (int)(slash == path ? 1 : slash - path), path);
+    else snprintf(dir, dn, ".");
+    size_t bl = strlen(base), el = sizeof EXT - 1;
+    int has_ext = bl > el && !strcmp(base + bl - el, EXT);
+    *ext = has_ext ? EXT : "";
+    snprintf(stem, sn, "%.*s", (int)(has_ext ? bl - el : bl), base);
+}
+
+void cli_series_path(const char *path, int64_t step, char *buf, size_t n)
+{
+    size_t pl = strlen(path), el = sizeof EXT - 1;
+    int has_ext = pl > el && !strcmp(path + pl - el, EXT);
+    while (pl > 1 && !has_ext && path[pl - 1] == '/') pl--; /* "dir/" */
+    snprintf(buf, n, "%.*s" TAG "%0*lld%s", (int)(has_ext ? pl - el : pl), path, DIGITS, (long long)step,
+             has_ext ? EXT : "");
+}
+
+/* The step of directory entry name when it is a member of the series
+ * (stem, ext); -1 otherwise. */
+static int64_t member_step(const char *name, const char *stem, const char *ext)
+{
+    size_t sl = strlen(stem), tl = sizeof TAG - 1, el = strlen(ext), nl = strlen(name);
+    if (nl <= sl + tl + el || strncmp(name, stem, sl) || strncmp(name + sl, TAG, tl)) return -1;
+    const char *d = name + sl + tl;
+    size_t dl = nl - sl - tl - el;
+    if (strcmp(name + nl - el, ext) || dl < DIGITS || dl > 18) return -1;
+    for (size_t i = 0; i < dl; i++)
+        if (d[i] < '0' || d[i] > '9') return -1;
+    return strtoll(d, NULL, 10);
+}
+
+/* Steps of the series' members in dir, newest first, into *steps (caller frees). */
+static ct_status list_members(const char *path, int64_t **steps, int *n)
+{
+    char dir[4096], stem[1024];
+    const char *ext;
+    split(path, dir, sizeof dir, stem, sizeof stem, &ext);
+    *steps = NULL;
+    *n = 0;
+    DIR *d = opendir(dir);
+    if (!d) return errno == ENOENT ? CT_OK : ct_error(CT_EIO, "cannot read %s: %s", dir, strerror(errno));
+    int cap = 0;
+    struct dirent *e;
+    ct_status st = CT_OK;
+    while ((e = readdir(d)) && st == CT_OK) {
+        int64_t s = member_step(e->d_name, stem, ext);
+        if (s < 0) continue;
+        if (*n == cap) {
+            cap = cap ? 2 * cap : 16;
+            int64_t *g = ct_alloc(sizeof *g * (size_t)cap, CT_MEM_OTHER);
+            if (!g) {
+                st = CT_ENOMEM;
+                break;
+            }
+            if (*n) memcpy(g, *steps, sizeof *g * (size_t)*n);
+            ct_free(*steps);
+            *steps = g;
+        }
+        int i = (*n)++;
+        for (; i > 0 && (*steps)[i - 1] < s; i--) (*steps)[i] = (*steps)[i - 1]; /* newest first */
+        (*steps)[i] = s;
+    }
+    closedir(d);
+    return st;
+}
+
+/* A checkpoint is complete when a crash left no commit to finish (or it
+ * was finished now) and its model and optimizer state are both there. */
+static int complete(const char *ck)
+{
+    char side[4096];
+    if (cli_ckpt_recover(NULL, ck) != CT_OK) return 0;
+    cli_sidecar_path(ck, side, sizeof side);
+    struct stat sb;
+    if (stat(ck, &sb) != 0) return 0;
+    if (S_ISDIR(sb.st_mode)) {
+        char idx[4200];
+        snprintf(idx, sizeof idx, "%s/model.safetensors.index.json", ck);
+        if (access(idx, F_OK) != 0) return 0;
+    }
+    return access(side, F_OK) == 0;
+}
+
+/* The step a checkpoint saved without --keep-last is at, -1 if unreadable. */
+static int64_t saved_step(const char *ck)
+{
+    ct_safetensors *st;
+    if (ct_safetensors_load(ck, &st) != CT_OK) {
+        ct_clear_error();
+        return -1;
+    }
+    const char *s = ct_safetensors_meta(st, "ctrain.step");
+    int64_t v = s ? strtoll(s, NULL, 10) : -1;
+    ct_safetensors_destroy(st);
+    return v;
+}
+
+/* Rank 0: the newest complete checkpoint of the series into buf ("" if none). */
+static ct_status find_latest(const char *save, char *buf, size_t n)
+{
+    int64_t *steps;
+    int count;
+    buf[0] = 0;
+    CT_TRY(list_members(save, &steps, &count));
+    int64_t best = -1;
+    for (int i = 0; i < count; i++) {
+        char p[4096];
+        cli_series_path(save, steps[i], p, sizeof p);
+        if (complete(p)) {
+            best = steps[i];
+            snprintf(buf, n, "%s", p);
+            break;
+        }
+    }
+    ct_free(steps);
+    if (complete(save)) {
+        int64_t s = saved_step(save);
+        if (s > best) snprintf(buf, n, "%s", save);
+    }
+    return CT_OK;
+}
+
+ct_status cli_resolve_latest(ct_group *g, const char *save, char *buf, size_t n)
+{
+    ct_status st = ct_group_check(g, ct_group_rank(g) == 0 ? find_latest(save, buf, n) : CT_OK);
+    if (st == CT_OK) st = ct_group_broadcast(g, buf, (int64_t)n, CT_U8, 0, NULL);
+    buf[n - 1] = 0;
+    return st;
+}
+
+/* Removes a member: the part that makes it complete goes first, so a crash
+ * half-way leaves something --resume latest passes over. */
+static ct_status remove_member(const char *ck)
+{
+    char side[4096], path[4400];
+    struct stat sb;
+    if (stat(ck, &sb) != 0) return CT_OK;
+    if (!S_ISDIR(sb.st_mode)) {
+        cli_sidecar_path(ck, side, sizeof side);
+        if ((unlink(side) != 0 && errno != ENOENT) || unlink(ck) != 0)
+            return ct_error(CT_EIO, "--keep-last: cannot remove the old checkpoint %s: %s", ck, strerror(errno));
+        return CT_OK;
+    }
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", ck);
+    if (unlink(path) != 0 && errno != ENOENT)
+        return ct_error(CT_EIO, "--keep-last: cannot remove %s: %s", path, strerror(errno));
+    DIR *d = opendir(ck);
+    if (!d) return ct_error(CT_EIO, "--keep-last: cannot read %s: %s", ck, strerror(errno));
+    struct dirent *e;
+    while ((e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+            snprintf(path, sizeof path, "%s/%s", ck, e->d_name);
+            unlink(path);
+        }
+    closedir(d);
+    if (rmdir(ck) != 0)
+        return ct_error(CT_EIO, "--keep-last: cannot remove the old checkpoint %s: %s", ck, strerror(errno));
+    return CT_OK;
+}
+
+static ct_status prune(const char *save, int64_t keep)
+{
+    int64_t *steps;
+    int count;
+    CT_TRY(list_members(save, &steps, &count));
+    ct_status st = CT_OK;
+    for (int i = (int)keep; i < count && st == CT_OK; i++) {
+        char p[4096];
+        cli_series_path(save, steps[i], p, sizeof p);
+        st = remove_member(p);
+    }
+    ct_free(steps);
+    return st;
+}
+
+ct_status cli_series_prune(ct_group *g, const char *save, int64_t keep)
+{
+    return ct_group_check(g, ct_group_rank(g) == 0 ? prune(save, keep) : CT_OK);
+}
