@@ -1,0 +1,49 @@
+/* Private to the train command: the state of one run, shared by the loop
+ * (train.c) and what it prints (train_report.c). */
+#ifndef CTRAIN_CLI_TRAIN_LOOP_H
+#define CTRAIN_CLI_TRAIN_LOOP_H
+
+#include "train.h"
+
+typedef struct {
+    train_opts *o;
+    ct_group *g;
+    int rank, world;
+    int drank, dsize;      /* this rank's slice of each batch, of dsize (ct_strategy_data_rank) */
+    int64_t nparams;       /* the whole model's, before a pipeline keeps only its stage */
+    ct_model_config cfg;
+    uint64_t seed;
+    int shuffle;
+    ct_optim_kind okind;
+    ct_dataset train, test; /* images; for text only .n is set (windows per split) */
+    ct_text text;            /* the gpt's corpus */
+    int is_text;
+    ct_safetensors *ck, *side; /* --init / --resume files */
+    ct_module *model;
+    ct_optim *opt;
+    ct_strategy *s;
+    ct_sampler sampler;
+    ct_lr_schedule sched;
+    int64_t step, epoch, pos, total, spe, start_step;
+    double last_loss;      /* mean loss over the last logged window */
+    ct_step_stats sum;     /* strategy timings summed over steps */
+    int64_t nstats;
+    double *step_s;        /* wall time of each step of this run (the first STEP_TIMES_MAX) */
+    int64_t nstep_s, cap_step_s;
+    ct_mem_report *mem;    /* every rank's, gathered after the loop */
+    int usage;             /* the failure is the command line's (exit 2) */
+    char latest[4096];     /* --resume latest: the checkpoint it found */
+    char saved[4096];      /* where the last save went */
+    int64_t skipped;       /* steps dropped by --on-nonfinite skip */
+} trainer;
+
+/* Evaluates, then prints the run's summary: steps, loss, test or
+ * validation figures, every rank's peak memory and the strategy's times. */
+ct_status train_report(trainer *t, double seconds);
+/* Median wall time of this run's steps in ms (0 if none ran). */
+double train_median_step_ms(trainer *t);
+/* The run's first lines: model, data, strategy (a pipeline's stages), and
+ * with --verbose who owns which parameter ranges. */
+void train_describe(trainer *t);
+
+#endif

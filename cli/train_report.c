@@ -1,0 +1,133 @@
+/*
+ * What `ctrain train` prints about a run: its description before training
+ * and its report after (evaluation, memory per rank, the strategy's times).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "train_loop.h"
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double train_median_step_ms(trainer *t)
+{
+    if (!t->nstep_s) return 0;
+    qsort(t->step_s, (size_t)t->nstep_s, sizeof *t->step_s, cmp_double);
+    int64_t n = t->nstep_s;
+    return 1000.0 * (n % 2 ? t->step_s[n / 2] : 0.5 * (t->step_s[n / 2 - 1] + t->step_s[n / 2]));
+}
+
+/* Peak bytes per category over the training steps, a column per rank (up
+ * to 8; beyond that the largest rank's figure). */
+static void print_memory(trainer *t)
+{
+    static const char *rows[] = {"param", "grad", "optim", "act", "comm", "data", "other",
+                                 "total", "resident", "cached", "rss"};
+    int cols = t->world <= 8 ? t->world : 1;
+    char b[32];
+    cli_out("peak memory over the training steps%s:\n  %-9s", t->world > 8 ? " (max over ranks)" : "", "");
+    for (int r = 0; r < cols; r++) {
+        char h[16];
+        snprintf(h, sizeof h, cols == 1 && t->world == 1 ? "bytes" : t->world > 8 ? "max" : "rank %d", r);
+        cli_out("%12s", h);
+    }
+    cli_out("\n");
+    for (size_t k = 0; k < sizeof rows / sizeof rows[0]; k++) {
+        cli_out("  %-9s", rows[k]);
+        for (int r = 0; r < cols; r++) {
+            size_t v = 0;
+            for (int q = t->world > 8 ? 0 : r; q < (t->world > 8 ? t->world : r + 1); q++) {
+                const ct_mem_report *m = &t->mem[q];
+                size_t x = k < CT_MEM_NCAT ? m->peak[k] : k == 7 ? m->peak_total : k == 8 ? m->peak_resident
+                         : k == 9 ? m->cached : m->peak_rss;
+                if (x > v) v = x;
+            }
+            cli_out("%12s", cli_bytes((double)v, b, sizeof b));
+        }
+        cli_out("\n");
+    }
+    cli_out("  (resident = param + grad + optim at its peak; rss = the process's peak resident set)\n");
+}
+
+ct_status train_report(trainer *t, double seconds)
+{
+    train_opts *o = t->o;
+    cli_eval ev;
+    char buf[512];
+    /* Text windows are long: a few per forward keeps the logits small. */
+    if (t->is_text)
+        CT_TRY(cli_evaluate_text(t->s, t->model, &t->cfg, &t->text, o->eval_batch < 32 ? o->eval_batch : 32,
+                                 o->limit_test, t->g, &ev));
+    else CT_TRY(cli_evaluate(t->s, t->model, &t->cfg, &t->test, o->eval_batch, t->g, &ev, NULL));
+    int64_t steps = t->step - t->start_step;
+    if (steps > 0)
+        cli_out("trained %lld steps (to step %lld, epoch %.2f) in %.1f s, %.0f samples/s; final train loss %.6f\n",
+                (long long)steps, (long long)t->step, (double)t->step / (double)t->spe, seconds,
+                (double)steps * (double)o->batch / seconds, t->last_loss);
+    if (t->skipped)
+        cli_out("skipped %lld step%s with a non-finite loss or gradient norm (--on-nonfinite skip)\n",
+                (long long)t->skipped, t->skipped == 1 ? "" : "s");
+    if (t->is_text) cli_out("%s\n", cli_eval_text_str(&ev, ct_text_unigram_entropy(&t->text), buf, sizeof buf));
+    else cli_out("test: %s\n", cli_eval_str(&ev, buf, sizeof buf));
+    print_memory(t);
+    if (t->nstats) {
+        double n = (double)t->nstats, ms = 1000.0 / n;
+        ct_step_stats s = t->sum;
+        double ov = s.comm_total > 0 ? 1.0 - s.comm_wait / s.comm_total : 1.0;
+        if (ov < 0) ov = 0;
+        cli_out("step time (%s, mean over %lld steps): forward %.2f ms, backward %.2f ms, optimizer %.2f ms",
+                ct_strategy_kind(t->s), (long long)t->nstats, s.forward * ms, s.backward * ms, s.optimizer * ms);
+        if (!strcmp(ct_strategy_kind(t->s), "pipe"))
+            cli_out("; waited %.2f ms for other stages (the pipeline's bubble) and the replicas' allreduce "
+                    "(%.2f ms in %d bucket%s)", s.comm_wait * ms, s.comm_total * ms, s.nbuckets, s.nbuckets == 1 ? "" : "s");
+        else if (t->world > 1 && s.nbuckets)
+            cli_out("; allreduce %.2f ms in %d bucket%s, waited %.2f ms (%.0f%% overlapped with backward)",
+                    s.comm_total * ms, s.nbuckets, s.nbuckets == 1 ? "" : "s", s.comm_wait * ms, ov * 100);
+        else if (t->world > 1) /* gathers and reduce-scatters */
+            cli_out("; communication %.2f ms, waited %.2f ms (%.0f%% overlapped with compute)", s.comm_total * ms,
+                    s.comm_wait * ms, ov * 100);
+        cli_out("\n");
+        (void)n;
+    }
+    return CT_OK;
+}
+
+void train_describe(trainer *t)
+{
+    train_opts *o = t->o;
+    char desc[300];
+    cli_out("ctrain train: %s (%lld parameters) on %s (%lld training samples), %s lr %g, batch %lld%s "
+            "over %d rank%s (%s), %d BLAS thread%s per rank (OpenBLAS %s), steps %lld..%lld (%lld per epoch)\n",
+            cli_config_str(&t->cfg, desc, sizeof desc), (long long)t->nparams, o->data, (long long)t->train.n, ct_optim_name(t->opt),
+            t->sched.base_lr, (long long)o->batch, o->grad_accum > 1 ? " (accumulated)" : "", t->world,
+            t->world == 1 ? "" : "s", ct_strategy_kind(t->s), ct_blas_get_threads(),
+            ct_blas_get_threads() == 1 ? "" : "s", ct_blas_corename(), (long long)t->step, (long long)t->total, (long long)t->spe);
+    int stage, nstages;
+    ct_strategy_pipe_stage(t->s, &stage, &nstages);
+    if (!strcmp(ct_strategy_kind(t->s), "pipe"))
+        cli_out("pipeline: %d stage%s (children per stage %s) x %d replica%s; %s micro-batches, schedule %s, "
+                "checkpoint %s; rank r is stage r %% %d of replica r / %d\n", nstages, nstages == 1 ? "" : "s", ct_strategy_opt(t->s, "balance"),
+                t->dsize, t->dsize == 1 ? "" : "s", ct_strategy_opt(t->s, "chunks"), ct_strategy_opt(t->s, "schedule"),
+                ct_strategy_opt(t->s, "checkpoint"), nstages, nstages);
+    const ct_partition *pt = ct_strategy_partition(t->s);
+    if (!o->verbose || !pt) return;
+    /* Who owns what: the partition's parameter indices count trainable parameters. */
+    ct_param **ps;
+    int np, nt = 0;
+    if (ct_module_params(t->model, &ps, &np) != CT_OK) return;
+    const char **names = ct_alloc_zeroed(sizeof *names * (size_t)(np + 1), CT_MEM_OTHER);
+    size_t n = 256 + 64 * (size_t)pt->n;
+    char *buf = ct_alloc_zeroed(n, CT_MEM_OTHER);
+    for (int i = 0; names && i < np; i++)
+        if (ps[i]->requires_grad) names[nt++] = ps[i]->name;
+    if (names && buf && ct_partition_describe(pt, names, buf, n) == CT_OK) cli_out("partition (%s):\n%s", ct_strategy_kind(t->s), buf);
+    ct_free(buf);
+    ct_free(names);
+    ct_free(ps);
+}
+
