@@ -1,0 +1,120 @@
+/* Private to src/parallel: the offload strategy's state, shared by its
+ * set-up and checkpoint state (offload.c), its step (offload_step.c) and
+ * its store (offload_store.c). */
+#ifndef CTRAIN_PARALLEL_OFFLOAD_H
+#define CTRAIN_PARALLEL_OFFLOAD_H
+
+#include <sys/types.h>
+
+#include "internal.h"
+
+/* ---- the store: a file on local disk and one I/O thread ----------------- */
+
+/* A file in a directory, unlinked as soon as it is created so that nothing
+ * is left behind whatever way the process ends (exit, error, a signal, even
+ * SIGKILL): the open descriptor keeps the space until it is closed.  One
+ * background thread runs jobs in the order they were queued; a job moves
+ * memory between storages and the file. */
+typedef struct ct__ostore ct__ostore;
+
+/* One piece of a job.  READ: bring the storage's memory back
+ * (ct_storage_alloc_data) and fill it from the file at off; WRITE: write the
+ * storage's memory to off, then release it; ALLOC: bring the memory back
+ * without reading (contents undefined); DROP: release without writing. */
+enum { CT__IO_READ = 0, CT__IO_WRITE, CT__IO_ALLOC, CT__IO_DROP };
+typedef struct {
+    ct_storage *st;
+    off_t off;
+    int op;
+} ct__io_piece;
+#define CT__IO_MAX_PIECES 4
+
+/* Creates the file in dir (NULL or "": $TMPDIR, else /tmp) and reserves
+ * bytes for it, so a full disk is found here, not in the middle of a step.
+ * drop_cache: every read and write is followed by dropping those pages
+ * from the page cache (written ones after writeback), so the store costs
+ * disk time and not RAM.  CT_EIO naming the directory, the cause and the
+ * fix. */
+ct_status ct__ostore_open(const char *dir, size_t bytes, int drop_cache, ct__ostore **out);
+/* Waits for queued jobs, stops the thread and closes (frees) the file. NULL: no-op. */
+void ct__ostore_close(ct__ostore *o);
+/* Queues a job of n pieces; returns its ticket (> 0) in *ticket.  Memory
+ * of a READ/ALLOC storage is allocated by the I/O thread when the job runs,
+ * after every job queued before it has released its memory: jobs in order
+ * keep the resident set to what the caller planned. */
+ct_status ct__ostore_submit(ct__ostore *o, const ct__io_piece *p, int n, long *ticket);
+/* Waits until the job with this ticket (and every earlier one) has run.  A
+ * job that failed makes this and every later wait fail with its message
+ * (the store is then unusable: the data of the failed job is lost). */
+ct_status ct__ostore_wait(ct__ostore *o, long ticket);
+/* Waits for every queued job. */
+ct_status ct__ostore_drain(ct__ostore *o);
+/* Synchronous read or write of bytes at off, on the caller's thread (for
+ * checkpoints, between steps, with the queue drained). */
+ct_status ct__ostore_rw(ct__ostore *o, int write, void *buf, size_t bytes, off_t off);
+/* Seconds the I/O thread spent in reads and writes, and the caller in
+ * ct__ostore_wait, since the last call; both reset. */
+void ct__ostore_times(ct__ostore *o, double *busy, double *waited);
+/* Bytes read and written since open. */
+void ct__ostore_bytes(const ct__ostore *o, double *rd, double *wr);
+
+/* ---- the strategy -------------------------------------------------------- */
+
+typedef struct {
+    int slices;                     /* slices to cut the sequential into */
+    char balance[CT__OPT_TEXT_MAX]; /* "3:3:2" children per slice; "" by parameter count */
+    int checkpoint_activation;      /* keep only slice inputs in forward; recompute in backward */
+    int microbatches;               /* per step; > 1 needs checkpoint_activation */
+    char dir[CT__OPT_TEXT_MAX];     /* where the store's file goes ("" : $TMPDIR or /tmp) */
+    int max_resident_mb;            /* 0 (auto: no bound) or MiB of param + grad + optim */
+    int prefetch;                   /* load the next slice while this one computes */
+    int drop_cache;                 /* keep the store out of the page cache */
+} offload_opts;
+
+/* Parts of a slice (bit masks). */
+enum { OFF_DATA = 1, OFF_GRAD = 2, OFF_STATE = 4 };
+
+typedef struct {
+    int k0, k1;          /* children [k0, k1) of the sequential */
+    int p0, p1;          /* parameters [p0, p1) of s->params (model order) */
+    int64_t n;           /* floats of parameters */
+    ct_storage *data;    /* [n] CT_MEM_PARAM: the parameters' data views */
+    ct_storage *grad;    /* [n] CT_MEM_GRAD */
+    ct_storage *state;   /* [nstate * n] CT_MEM_OPTIM (NULL when the optimizer has none) */
+    off_t off;           /* file: data at off, grad after it, state after that */
+    ct_work *ar;         /* the gradient allreduce in flight (DDP) */
+} offload_slice;
+
+typedef struct {
+    offload_slice *sl;
+    int ns;
+    int nstate;          /* optimizer state buffers per element (AdamW 2, SGD momentum 1) */
+    ct__ostore *store;
+    int ahead;           /* slices resident at once the budget allows: 1, 2 or 3 */
+    size_t fixed;        /* resident bytes outside the slices (buffers, small state) */
+    int grads_zero;      /* zero_grad since the last backward: the next one overwrites */
+    double *gsq;         /* [nparams] squared 2-norm of each parameter's gradient */
+    float *gmax;         /* [nparams] max |g| */
+    float scales[8];     /* clip factors pending for the next step, in order */
+    int nscales;
+    ct_module **bns;     /* batchnorms, held during recomputes */
+    int nbns;
+} offload_t;
+
+static inline offload_t *ct__offload(const ct_strategy *s) { return s->priv; }
+/* Ranks of the data-parallel group (1 without communication). */
+static inline int ct__offload_ranks(const ct_strategy *s) { return s->g ? ct_group_size(s->g) : 1; }
+static inline const offload_opts *ct__offload_opts(const ct_strategy *s) { return s->kopts; }
+
+/* Queues the pieces of slice i in mask for op (CT__IO_*); *ticket as submit. */
+ct_status ct__offload_io(ct_strategy *s, int i, int mask, int op, long *ticket);
+
+/* Notes the norm terms of resident slice i's gradients (clears stale ones). */
+void ct__offload_norms(ct_strategy *s, int i);
+
+ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+                                 const ct_fwd_ctx *ctx, ct_step_out *out);
+ct_status ct__offload_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out);
+ct_status ct__offload_pre_step(ct_strategy *s);
+
+#endif
