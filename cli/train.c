@@ -238,6 +238,19 @@ static ct_status make_strategy(trainer *t)
             opts[n] = 0;
         }
     }
+    if (!strcmp(o->strategy, "offload")) {
+        if (o->slices) n += snprintf(opts + n, sizeof opts - (size_t)n, ",slices=%lld", (long long)o->slices);
+        if (o->microbatches) n += snprintf(opts + n, sizeof opts - (size_t)n, ",microbatches=%lld", (long long)o->microbatches);
+        if (o->max_resident_mb)
+            n += snprintf(opts + n, sizeof opts - (size_t)n, ",max_resident_mb=%lld", (long long)o->max_resident_mb);
+        if (o->checkpoint_activation) n += snprintf(opts + n, sizeof opts - (size_t)n, ",checkpoint_activation=1");
+        if (o->offload_dir) n += snprintf(opts + n, sizeof opts - (size_t)n, ",dir=%s", o->offload_dir);
+        if (o->balance) {
+            n += snprintf(opts + n, sizeof opts - (size_t)n, ",balance=");
+            for (const char *c = o->balance; *c && n + 2 < (int)sizeof opts; c++) opts[n++] = *c == ',' ? ':' : *c;
+            opts[n] = 0;
+        }
+    }
     if (o->strategy_opt) snprintf(opts + n, sizeof opts - (size_t)n, ",%s", o->strategy_opt);
     t->nparams = ct_module_num_params(t->model);
     ct_status st = ct_strategy_create(o->strategy, t->model, &oo, t->g, opts, &t->s);
@@ -336,6 +349,12 @@ static ct_status setup(trainer *t)
     CT_TRY(ct_group_check(t->g, chk));
     CT_TRY(ct_group_check(t->g, read_checkpoints(t)));
     /* After --resume has settled the batch: each rank needs a sample in every micro-batch. */
+    if (!strcmp(o->strategy, "offload") && o->microbatches > 1 && o->batch < t->world * o->microbatches) {
+        t->usage = 1;
+        return ct_error(CT_EINVAL, "--batch %lld is smaller than %d ranks x %lld micro-batches (--microbatches); "
+                        "every rank needs at least one sample per micro-batch: use --batch %lld or more",
+                        (long long)o->batch, t->world, (long long)o->microbatches, (long long)(t->world * o->microbatches));
+    }
     if (strcmp(o->strategy, "pipe") && o->batch < t->world * o->grad_accum) {
         t->usage = 1;
         if (o->grad_accum == 1)
@@ -431,6 +450,8 @@ static void add_stats(trainer *t)
     t->sum.comm_wait += s.comm_wait;
     t->sum.optimizer += s.optimizer;
     t->sum.comm_total += s.comm_total;
+    t->sum.io_total += s.io_total;
+    t->sum.io_wait += s.io_wait;
     t->sum.nbuckets = s.nbuckets;
     t->nstats++;
 }
@@ -597,6 +618,9 @@ static ct_status report(trainer *t, double seconds)
         if (ov < 0) ov = 0;
         cli_out("step time (%s, mean over %lld steps): forward %.2f ms, backward %.2f ms, optimizer %.2f ms",
                 ct_strategy_kind(t->s), (long long)t->nstats, s.forward * ms, s.backward * ms, s.optimizer * ms);
+        if (s.io_total > 0)
+            cli_out("; offload I/O %.2f ms, waited %.2f ms (%.0f%% hidden behind compute)", s.io_total * ms,
+                    s.io_wait * ms, 100.0 * (s.io_total > s.io_wait ? 1.0 - s.io_wait / s.io_total : 0.0));
         if (!strcmp(ct_strategy_kind(t->s), "pipe"))
             cli_out("; waited %.2f ms for other stages (the pipeline's bubble) and the replicas' allreduce "
                     "(%.2f ms in %d bucket%s)", s.comm_wait * ms, s.comm_total * ms, s.nbuckets, s.nbuckets == 1 ? "" : "s");
@@ -652,6 +676,14 @@ static void describe(trainer *t)
                 "checkpoint %s; rank r is stage r %% %d of replica r / %d\n", nstages, nstages == 1 ? "" : "s", ct_strategy_opt(t->s, "balance"),
                 t->dsize, t->dsize == 1 ? "" : "s", ct_strategy_opt(t->s, "chunks"), ct_strategy_opt(t->s, "schedule"),
                 ct_strategy_opt(t->s, "checkpoint"), nstages, nstages);
+    int nsl, ahead;
+    ct_strategy_offload_info(t->s, &nsl, &ahead);
+    if (nsl)
+        cli_out("offload: %d slices (children per slice %s), up to %d resident (%s), micro-batches %s, "
+                "activation checkpointing %s, budget %s MiB; store in %s\n", nsl, ct_strategy_opt(t->s, "balance"), ahead,
+                ahead == 1 ? "no prefetch" : ahead == 2 ? "the next slice loads meanwhile" : "prefetch and overlapped allreduce",
+                ct_strategy_opt(t->s, "microbatches"), strcmp(ct_strategy_opt(t->s, "checkpoint_activation"), "0") ? "on" : "off",
+                ct_strategy_opt(t->s, "max_resident_mb"), o->offload_dir ? o->offload_dir : "$TMPDIR or /tmp");
     const ct_partition *pt = ct_strategy_partition(t->s);
     if (!o->verbose || !pt) return;
     /* Who owns what: the partition's parameter indices count trainable parameters. */

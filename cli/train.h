@@ -21,6 +21,10 @@ typedef struct {
     /* pipe: stages, children per stage, micro-batches, schedule, checkpoint mode */
     int64_t stages, chunks;
     const char *balance, *pipe_schedule, *pipe_checkpoint;
+    /* offload: slices, micro-batches, the store's directory, the resident budget */
+    int64_t slices, microbatches, max_resident_mb;
+    const char *offload_dir;
+    int checkpoint_activation;
     /* which flags the user gave (resume takes the others from the checkpoint) */
     int has_model, has_hidden, has_seed, has_batch, has_optim, has_lr, has_wd, has_momentum, has_strategy;
     int has_schedule, has_warmup, has_clip, has_accum, has_kernel, has_dropout, has_clip_norm, has_bucket_cap;
