@@ -407,10 +407,23 @@ TEST(offload_split_by_parameter_count)
     for (int k = 0; k < 8; k++) ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(10, widths[k], 0)));
     int sizes[9];
     ASSERT_OK(ct_offload_split(m, 3, sizes));
-    /* 3500 parameters, a share of ~1167: [1000+100+100] [100+1000+100] [100+1000] */
+    /* 3500 parameters, a share of ~1167 (cumulative 1167, 2333): [1000+100+100]
+     * closes at 1200 (33 over beats 133 over), [100+1000] at 2300 (33 under
+     * beats 67 over), the last takes [100+100+1000] */
     ASSERT_EQ(sizes[0], 3);
-    ASSERT_EQ(sizes[1], 3);
-    ASSERT_EQ(sizes[2], 2);
+    ASSERT_EQ(sizes[1], 2);
+    ASSERT_EQ(sizes[2], 3);
+    /* children without parameters stay with the slice before them */
+    ct_module *r = ct_sequential_create();
+    for (int k = 0; k < 4; k++) {
+        ASSERT_OK(ct_module_add(r, NULL, ct_linear_create(10, 10, 0)));
+        ASSERT_OK(ct_module_add(r, NULL, ct_relu_create()));
+    }
+    ASSERT_OK(ct_offload_split(r, 4, sizes));
+    for (int k = 0; k < 4; k++) ASSERT_EQ(sizes[k], 2);
+    ASSERT_OK(ct_offload_split(r, 8, sizes));
+    for (int k = 0; k < 8; k++) ASSERT_EQ(sizes[k], 1);
+    ct_module_destroy(r);
     ASSERT_OK(ct_offload_split(m, 8, sizes));
     for (int k = 0; k < 8; k++) ASSERT_EQ(sizes[k], 1);
     ASSERT_ERR(ct_offload_split(m, 9, sizes), CT_EINVAL, "use at most 8 slices");

@@ -54,19 +54,25 @@ ct_status ct_offload_split(ct_module *seq, int nslices, int *sizes)
                         "use at most %d slices", n, nslices, n);
     int64_t total = 0;
     for (int k = 0; k < n; k++) total += ct_module_num_params(seq->kids[k]);
-    /* fairscale's split: close a slice once it reaches its share of the
-     * parameters (cumulative, so rounding does not pile onto the last),
-     * keeping a child for every slice still to come. */
+    /* fairscale's split, to the nearest boundary: a slice closes before a
+     * child when the slices so far are then closer to their share of the
+     * parameters (cumulative, so rounding does not pile onto the last) than
+     * with it; a child without parameters stays with the slice before it;
+     * every slice still to come keeps a child. */
     int j = 0, cnt = 0;
     int64_t acc = 0;
     for (int k = 0; k < n; k++) {
-        acc += ct_module_num_params(seq->kids[k]);
-        cnt++;
-        int left = n - k - 1, slices_left = nslices - j - 1;
-        if (j < nslices - 1 && (left == slices_left || (double)acc >= (double)total * (j + 1) / nslices)) {
-            sizes[j++] = cnt;
-            cnt = 0;
+        int64_t w = ct_module_num_params(seq->kids[k]);
+        if (j < nslices - 1 && cnt > 0) {
+            double target = (double)total * (j + 1) / nslices;
+            int must = n - k == nslices - j - 1; /* the rest are one child per slice */
+            if (must || fabs((double)acc - target) < fabs((double)(acc + w) - target)) {
+                sizes[j++] = cnt;
+                cnt = 0;
+            }
         }
+        acc += w;
+        cnt++;
     }
     sizes[j++] = cnt;
     CT_ASSERT(j == nslices && cnt > 0);
@@ -276,7 +282,7 @@ static ct_status offload_build_optim(ct_strategy *s, const ct_optim_opts *o)
         if ((size_t)f->ahead > room) f->ahead = (int)room;
         if (f->ahead < 2 && O->prefetch)
             ct_log(CT_LOG_WARN, "offload: the budget of %d MiB holds one slice of %.2f MiB, not two: slices "
-                   "load without prefetch (more slices would let I/O overlap compute)", O->max_resident_mb,
+                   "load without prefetch (a budget for two slices lets I/O overlap compute)", O->max_resident_mb,
                    (double)largest / MIB);
     }
     f->grads_zero = 1;
@@ -287,7 +293,7 @@ static void offload_fini(ct_strategy *s)
 {
     offload_t *f = ct__offload(s);
     if (!f) return;
-    int ok = f->store && ct__ostore_drain(f->store) == CT_OK;
+    int ok = f->store && ct__ostore_drain(f->store) == CT_OK && ct__offload_flush(s) == CT_OK;
     for (int i = 0; i < f->ns; i++) {
         offload_slice *sl = &f->sl[i];
         if (sl->ar) {
@@ -392,6 +398,7 @@ static ct_status offload_reduce(ct_strategy *s)
 {
     offload_t *f = ct__offload(s);
     if (ct__offload_ranks(s) == 1) return CT_OK;
+    CT_TRY(ct__offload_flush(s)); /* a step still pending used the gradients before this */
     for (int i = 0; i < f->ns; i++) {
         offload_slice *sl = &f->sl[i];
         long t;
@@ -435,7 +442,7 @@ static ct_status add_read(ct_strategy *s, ct_state *out, const char *name, ct_pa
 
 static ct_status offload_model_state(ct_strategy *s, ct_state *out)
 {
-    ct_status st = CT_OK;
+    ct_status st = ct__offload_flush(s);
     for (int j = 0; j < s->nparams && st == CT_OK; j++) {
         offload_slice *sl;
         off_t o = param_off(s, j, &sl);
@@ -452,7 +459,7 @@ static ct_status offload_optim_state(ct_strategy *s, ct_state *out)
     const char *names[CT_OPTIM_MAX_STATE];
     ct_optim_state_names(s->opt, names);
     char name[512];
-    ct_status st = CT_OK;
+    ct_status st = ct__offload_flush(s);
     for (int j = 0; j < s->nparams && st == CT_OK; j++) {
         ct_param *p = s->params[j];
         if (!p->requires_grad) continue;
@@ -574,6 +581,7 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
 static ct_status offload_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                                     int optim)
 {
+    CT_TRY(ct__offload_flush(s)); /* the step taken happened before the load */
     return optim ? load_optim(s, names, ts, n) : load_model(s, names, ts, n);
 }
 

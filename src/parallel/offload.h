@@ -19,9 +19,11 @@ typedef struct ct__ostore ct__ostore;
 
 /* One piece of a job.  READ: bring the storage's memory back
  * (ct_storage_alloc_data) and fill it from the file at off; WRITE: write the
- * storage's memory to off, then release it; ALLOC: bring the memory back
- * without reading (contents undefined); DROP: release without writing. */
-enum { CT__IO_READ = 0, CT__IO_WRITE, CT__IO_ALLOC, CT__IO_DROP };
+ * storage's memory to off, then release it; SAVE: write it and keep it
+ * (the caller may read it meanwhile, not change it); ALLOC: bring the
+ * memory back without reading (contents undefined); DROP: release without
+ * writing. */
+enum { CT__IO_READ = 0, CT__IO_WRITE, CT__IO_SAVE, CT__IO_ALLOC, CT__IO_DROP };
 typedef struct {
     ct_storage *st;
     off_t off;
@@ -83,6 +85,7 @@ typedef struct {
     ct_storage *state;   /* [nstate * n] CT_MEM_OPTIM (NULL when the optimizer has none) */
     off_t off;           /* file: data at off, grad after it, state after that */
     ct_work *ar;         /* the gradient allreduce in flight (DDP) */
+    int pending;         /* the last optimizer step is still to be applied to this slice */
 } offload_slice;
 
 typedef struct {
@@ -97,6 +100,15 @@ typedef struct {
     float *gmax;         /* [nparams] max |g| */
     float scales[8];     /* clip factors pending for the next step, in order */
     int nscales;
+    /* The optimizer step ct_strategy_step took, applied to each slice when
+     * it is next resident (the next forward, or a flush): the update needs
+     * the slice's parameters, gradients and state in memory, and the next
+     * forward loads the slice anyway, so the step costs no pass of its own
+     * over the store. */
+    ct_optim_opts pend_o;  /* with the step's learning rate */
+    int64_t pend_step;     /* 1-based step number of the update */
+    float pend_scales[8];  /* its clip factors */
+    int pend_nscales;
     ct_module **bns;     /* batchnorms, held during recomputes */
     int nbns;
 } offload_t;
@@ -116,5 +128,8 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
                                  const ct_fwd_ctx *ctx, ct_step_out *out);
 ct_status ct__offload_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out);
 ct_status ct__offload_pre_step(ct_strategy *s);
+/* Applies the pending optimizer step to every slice that still waits for it
+ * (before state is read or written, inference, or unwrapping). */
+ct_status ct__offload_flush(ct_strategy *s);
 
 #endif

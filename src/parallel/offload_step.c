@@ -14,6 +14,9 @@
 
 #include "offload.h"
 
+static void apply_update(ct_strategy *s, int i);
+static ct_status write_updated(ct_strategy *s, int i, int keep_data);
+
 /* Rows [r0, r0 + n) of t: a view. */
 static ct_tensor *rows(ct_tensor *t, int64_t r0, int64_t n)
 {
@@ -163,19 +166,27 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     }
     double t0 = ct_now();
     long t = 0, tn = 0;
-    /* ---- forward: slice by slice, every micro-batch while it is resident ---- */
-    if (st == CT_OK) st = load(s, 0, OFF_DATA, 0, &t);
+    /* ---- forward: slice by slice, every micro-batch while it is resident;
+     * a slice the last step has not reached yet comes with its gradients and
+     * state, is updated, and goes back while it computes ---- */
+    const int all = OFF_DATA | OFF_GRAD | OFF_STATE;
+    if (st == CT_OK) st = load(s, 0, f->sl[0].pending ? all : OFF_DATA, 0, &t);
     for (int i = 0; st == CT_OK && i < ns; i++) {
         const offload_slice *sl = &f->sl[i];
         if ((st = ct__ostore_wait(f->store, t)) != CT_OK) break;
-        if (f->ahead >= 2 && i + 1 < ns && (st = load(s, i + 1, OFF_DATA, 0, &tn)) != CT_OK) break;
+        if (f->ahead >= 2 && i + 1 < ns && (st = load(s, i + 1, f->sl[i + 1].pending ? all : OFF_DATA, 0, &tn)) != CT_OK)
+            break;
+        if (sl->pending) {
+            apply_update(s, i);
+            if ((st = write_updated(s, i, 1)) != CT_OK) break;
+        }
         for (int m = 0; st == CT_OK && m < M; m++) {
             if (ckpt) keep[(size_t)i * (size_t)M + (size_t)m] = ct_tensor_retain(act[m]);
             st = run_slice(s, sl, &act[m], ckpt ? NULL : recs, &cm[m]);
         }
         if (st != CT_OK || i + 1 == ns) break; /* the last slice stays for backward */
         if ((st = ct__offload_io(s, i, OFF_DATA, CT__IO_DROP, &t)) != CT_OK) break;
-        if (f->ahead < 2 && (st = load(s, i + 1, OFF_DATA, 0, &tn)) != CT_OK) break;
+        if (f->ahead < 2 && (st = load(s, i + 1, f->sl[i + 1].pending ? all : OFF_DATA, 0, &tn)) != CT_OK) break;
         t = tn;
     }
     /* ---- loss: act[m] becomes the scaled gradient of the global mean ---- */
@@ -249,6 +260,7 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
 ct_status ct__offload_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out)
 {
     offload_t *f = ct__offload(s);
+    CT_TRY(ct__offload_flush(s));
     long t = 0, tn = 0;
     ct_tensor *a = ct_tensor_retain(x);
     ct_status st = load(s, 0, OFF_DATA, 0, &t);
@@ -270,48 +282,84 @@ ct_status ct__offload_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ct
     return CT_OK;
 }
 
-/* The optimizer over each slice while it is resident: its parameters,
- * gradients and state come in, the clip factors apply as ct_scale_grads
- * would, the update is the optimizer's own (ct_adamw_update /
- * ct_sgd_update, bitwise what ct_optim_step does), parameters and state go
- * back.  ct_strategy_step then counts the step on the (slot-less)
- * optimizer. */
+/* The pending optimizer step on resident slice i (parameters, gradients
+ * and state in memory): the clip factors apply as ct_scale_grads would, the
+ * update is the optimizer's own (ct_adamw_update / ct_sgd_update, bitwise
+ * what ct_optim_step does on whole parameters: the updates are per element). */
+static void apply_update(ct_strategy *s, int i)
+{
+    offload_t *f = ct__offload(s);
+    offload_slice *sl = &f->sl[i];
+    const ct_optim_opts *o = &f->pend_o;
+    float *state = sl->state ? ct_storage_ptr(sl->state) : NULL;
+    int64_t off = 0;
+    for (int j = sl->p0; j < sl->p1; j++) {
+        ct_param *p = s->params[j];
+        int64_t n = p->data->numel;
+        if (p->requires_grad && p->grad) {
+            for (int k = 0; k < f->pend_nscales; k++) ct_scale_grads(&p, 1, f->pend_scales[k]);
+            if (o->kind == CT_OPT_ADAMW)
+                ct_adamw_update(ct_f32(p->data), ct_f32(p->grad), state + off, state + sl->n + off, n, o, f->pend_step);
+            else
+                ct_sgd_update(ct_f32(p->data), ct_f32(p->grad), state ? state + off : NULL, n, o, f->pend_step == 1);
+        }
+        off += n;
+    }
+    sl->pending = 0;
+}
+
+/* Queues the write-back of slice i just updated: parameters saved (kept
+ * for the forward that reads them), state written, gradients dropped. */
+static ct_status write_updated(ct_strategy *s, int i, int keep_data)
+{
+    long t;
+    CT_TRY(ct__offload_io(s, i, OFF_DATA, keep_data ? CT__IO_SAVE : CT__IO_WRITE, &t));
+    CT_TRY(ct__offload_io(s, i, OFF_STATE, CT__IO_WRITE, &t));
+    return ct__offload_io(s, i, OFF_GRAD, CT__IO_DROP, &t);
+}
+
+ct_status ct__offload_flush(ct_strategy *s)
+{
+    offload_t *f = ct__offload(s);
+    int idx[1024], n = 0; /* slices still pending, in order (a partial forward left the rest) */
+    for (int i = 0; i < f->ns; i++)
+        if (f->sl[i].pending) {
+            if (n == (int)(sizeof idx / sizeof idx[0])) break; /* the rest on the next call */
+            idx[n++] = i;
+        }
+    if (!n) return CT_OK;
+    const int all = OFF_DATA | OFF_GRAD | OFF_STATE;
+    long t = 0, tn = 0;
+    ct_status st = load(s, idx[0], all, 0, &t);
+    for (int k = 0; st == CT_OK && k < n; k++) {
+        if ((st = ct__ostore_wait(f->store, t)) != CT_OK) break;
+        if (f->ahead >= 2 && k + 1 < n && (st = load(s, idx[k + 1], all, 0, &tn)) != CT_OK) break;
+        apply_update(s, idx[k]);
+        if ((st = write_updated(s, idx[k], 0)) != CT_OK) break;
+        if (f->ahead < 2 && k + 1 < n && (st = load(s, idx[k + 1], all, 0, &tn)) != CT_OK) break;
+        t = tn;
+    }
+    if (st == CT_OK) st = ct__ostore_drain(f->store);
+    if (st != CT_OK) unwind(s);
+    add_io_times(s);
+    return st == CT_OK ? ct__offload_flush(s) : st; /* more than idx holds: again */
+}
+
+/* ct_strategy_step: the step is recorded (learning rate, step number, clip
+ * factors) and applied to each slice in the next forward, which loads the
+ * slice anyway (or by a flush before anything reads the state).  Then
+ * ct_strategy_step counts it on the slot-less optimizer. */
 ct_status ct__offload_pre_step(ct_strategy *s)
 {
     offload_t *f = ct__offload(s);
     ct_optim_opts o = *ct_optim_get_opts(s->opt);
     CT_TRY(ct_optim_validate(&o));
-    int64_t step = ct_optim_get_step(s->opt) + 1;
-    long t = 0, tn = 0, tw = 0;
-    ct_status st = load(s, 0, OFF_DATA | OFF_GRAD | OFF_STATE, 0, &t);
-    for (int i = 0; st == CT_OK && i < f->ns; i++) {
-        offload_slice *sl = &f->sl[i];
-        if ((st = ct__ostore_wait(f->store, t)) != CT_OK) break;
-        if (f->ahead >= 2 && i + 1 < f->ns && (st = load(s, i + 1, OFF_DATA | OFF_GRAD | OFF_STATE, 0, &tn)) != CT_OK)
-            break;
-        float *state = sl->state ? ct_storage_ptr(sl->state) : NULL;
-        int64_t off = 0;
-        for (int j = sl->p0; j < sl->p1; j++) {
-            ct_param *p = s->params[j];
-            int64_t n = p->data->numel;
-            if (p->requires_grad && p->grad) {
-                for (int k = 0; k < f->nscales; k++) ct_scale_grads(&p, 1, f->scales[k]);
-                if (o.kind == CT_OPT_ADAMW)
-                    ct_adamw_update(ct_f32(p->data), ct_f32(p->grad), state + off, state + sl->n + off, n, &o, step);
-                else
-                    ct_sgd_update(ct_f32(p->data), ct_f32(p->grad), state ? state + off : NULL, n, &o, step == 1);
-            }
-            off += n;
-        }
-        if ((st = ct__offload_io(s, i, OFF_DATA | OFF_STATE, CT__IO_WRITE, &tw)) != CT_OK) break;
-        if ((st = ct__offload_io(s, i, OFF_GRAD, CT__IO_DROP, &tw)) != CT_OK) break;
-        if (f->ahead < 2 && i + 1 < f->ns && (st = load(s, i + 1, OFF_DATA | OFF_GRAD | OFF_STATE, 0, &tn)) != CT_OK)
-            break;
-        t = tn;
-    }
-    if (st == CT_OK) st = ct__ostore_drain(f->store);
-    if (st != CT_OK) unwind(s);
+    CT_TRY(ct__offload_flush(s)); /* an earlier step some slices still wait for */
+    f->pend_o = o;
+    f->pend_step = ct_optim_get_step(s->opt) + 1;
+    memcpy(f->pend_scales, f->scales, sizeof f->scales);
+    f->pend_nscales = f->nscales;
     f->nscales = 0;
-    add_io_times(s);
-    return st;
+    for (int i = 0; i < f->ns; i++) f->sl[i].pending = 1;
+    return CT_OK;
 }

@@ -105,10 +105,11 @@ static int run_piece(ct__ostore *o, const ct__io_piece *p)
     case CT__IO_ALLOC:
         if (ct_storage_alloc_data(st, 0) != CT_OK) return ENOMEM;
         return p->op == CT__IO_READ ? xfer(o, 0, ct_storage_ptr(st), st->bytes, p->off) : 0;
-    case CT__IO_WRITE: {
+    case CT__IO_WRITE:
+    case CT__IO_SAVE: {
         int e = ct_storage_has_data(st) ? xfer(o, 1, ct_storage_ptr(st), st->bytes, p->off) : 0;
         if (e) return e;
-        ct_storage_free_data(st);
+        if (p->op == CT__IO_WRITE) ct_storage_free_data(st);
         return 0;
     }
     default:
@@ -144,7 +145,7 @@ static void *io_main(void *arg)
         o->busy += t1 - t0;
         if (e && !o->err_errno) {
             o->err_errno = e;
-            o->err_write = bad->op == CT__IO_WRITE;
+            o->err_write = bad->op == CT__IO_WRITE || bad->op == CT__IO_SAVE;
             o->err_bytes = bad->st->bytes;
             o->err_off = bad->off;
         }
