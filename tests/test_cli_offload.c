@@ -286,6 +286,58 @@ TEST(cli_offload_full_disk_and_bad_dir_keep_checkpoint)
     same_files(ck, copy);
 }
 
+/* The largest value of "key" over the objects of a JSON line. */
+static double json_max(const char *line, const char *key)
+{
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    double best = -1;
+    for (const char *p = line; (p = strstr(p, pat)); p += strlen(pat))
+        if (atof(p + strlen(pat)) > best) best = atof(p + strlen(pat));
+    if (best < 0) ct_test_fail(__FILE__, __LINE__, "no %s in: %s", pat, line);
+    return best;
+}
+
+/* `ctrain estimate`'s offload row against the memory report of a run:
+ * param, grad, optim and resident within 10%, activations within 25%. */
+static void estimate_matches(int np, const char *extra)
+{
+    static char out[OUT_MAX], est[OUT_MAX];
+    char metrics[1024], line[8192] = "";
+    const char *model = "--model mlp --hidden 512,512,512";
+    snprintf(metrics, sizeof metrics, "%s/est-%d.jsonl", ct_test_tmpdir(), np);
+    int code = run_sh(np, "", out, "train %s --steps 5 --limit-train 2000 --limit-test 200 --threads 1 --log-every 0 "
+                      "--strategy offload %s --metrics %s", model, extra, metrics);
+    if (code) ct_test_fail(__FILE__, __LINE__, "train --strategy offload %s failed:\n%s", extra, out);
+    FILE *f = fopen(metrics, "r");
+    ASSERT(f);
+    while (fgets(line, sizeof line, f) && !strstr(line, "\"summary\"")) {}
+    fclose(f);
+    ASSERT_STR_CONTAINS(line, "\"summary\"");
+    ASSERT_EQ(unlink(metrics), 0);
+    code = RUN(est, "estimate %s --ranks %d --strategy offload %s --json", model, np, extra);
+    if (code) ct_test_fail(__FILE__, __LINE__, "estimate --strategy offload %s failed:\n%s", extra, est);
+    const char *keys[] = {"param", "grad", "optim", "resident", "act"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+        double m = json_max(line, keys[i]), e = json_max(est, keys[i]);
+        double tol = strcmp(keys[i], "act") ? 0.10 : 0.25;
+        if (!(fabs(e - m) <= tol * m))
+            ct_test_fail(__FILE__, __LINE__, "offload on %d ranks %s: %s predicted %.0f, measured %.0f\nestimate: %s"
+                         "measured: %s", np, extra, keys[i], e, m, est, line);
+    }
+}
+
+/* Prefetch (two slices), no prefetch (one), checkpointed micro-batches,
+ * and two ranks (three slices' parameters and gradients while an allreduce
+ * overlaps the next slice). */
+TEST(cli_offload_estimate_matches_runs)
+{
+    estimate_matches(1, "");
+    estimate_matches(1, "--strategy-opt slices=3,prefetch=0");
+    estimate_matches(1, "--strategy-opt checkpoint_activation=1,microbatches=4");
+    estimate_matches(2, "");
+}
+
 TEST(cli_offload_usage_errors)
 {
     static char out[OUT_MAX];
