@@ -36,7 +36,7 @@ typedef struct {
     int ahead, ok;
 } row;
 
-static int W = 1024, L = 16, R = 256, STEPS = 5, WARM = 1, CACHE = 0;
+static int W = 1024, L = 16, R = 1024, STEPS = 5, WARM = 1, CACHE = 0;
 static const char *DIR_ = "";
 
 static ct_module *model(void)
