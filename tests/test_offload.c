@@ -119,6 +119,41 @@ TEST(offload_equals_plain_with_dropout_checkpointing_and_clipping)
     check_equal("slices=2,checkpoint_activation=1", "", 0.3f, 0.05f);
 }
 
+/* Batchnorm under checkpointing: the recompute does not count as another
+ * batch, so the running statistics (buffers, in the state) equal plain
+ * training's; eval through the strategy then uses them alike. */
+TEST(offload_checkpoint_recompute_keeps_batchnorm_statistics)
+{
+    ct_module *m[2];
+    for (int k = 0; k < 2; k++) {
+        m[k] = ct_sequential_create();
+        ASSERT_OK(ct_module_add(m[k], NULL, ct_linear_create(12, 16, 1)));
+        ASSERT_OK(ct_module_add(m[k], NULL, ct_batchnorm_create(16, 1e-5f, 0.1f)));
+        ASSERT_OK(ct_module_add(m[k], NULL, ct_relu_create()));
+        ASSERT_OK(ct_module_add(m[k], NULL, ct_linear_create(16, 16, 1)));
+        ASSERT_OK(ct_module_add(m[k], NULL, ct_batchnorm_create(16, 1e-5f, 0.1f)));
+        ASSERT_OK(ct_module_add(m[k], NULL, ct_linear_create(16, 5, 1)));
+        ct_module_init_params(m[k], 4);
+    }
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
+    ct_strategy *sa, *sb;
+    char opts[512];
+    snprintf(opts, sizeof opts, "slices=3,checkpoint_activation=1,dir=%s", ct_test_tmpdir());
+    ASSERT_OK(ct_strategy_create("none", m[0], &oo, NULL, "", &sa));
+    ASSERT_OK(ct_strategy_create("offload", m[1], &oo, NULL, opts, &sb));
+    for (int step = 0; step < 3; step++) {
+        double la = step_on(sa, step, -1), lb = step_on(sb, step, -1);
+        ASSERT(la == lb);
+    }
+    assert_same_state(sa, sb); /* running_mean, running_var, num_batches_tracked included */
+    ct_param *nb = ct_module_find(m[1], "1.num_batches_tracked");
+    ASSERT(nb && ct_f32(nb->data)[0] == 3.0f);
+    ct_strategy_destroy(sa);
+    ct_strategy_destroy(sb);
+    ct_module_destroy(m[0]);
+    ct_module_destroy(m[1]);
+}
+
 /* Micro-batches: each slice runs them all while resident; the gradients
  * add up in the order grad_accum adds them. */
 TEST(offload_microbatches_equal_grad_accum)
