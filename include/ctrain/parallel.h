@@ -122,7 +122,8 @@ typedef struct ct_strategy ct_strategy;
  * checkpoint_activation), dir (the store's directory: $TMPDIR or /tmp),
  * max_resident_mb (auto: no bound; else the bound on param + grad + optim
  * bytes, refused at wrap when the largest slice cannot fit), prefetch (1),
- * drop_cache (1: the store's pages leave the page cache after each I/O).
+ * drop_cache (1: the store's pages leave the page cache after each I/O),
+ * store (file: in dir on disk; memory: a RAM pool, counted as "other").
  * ct_strategy_help lists every key of a kind with its default. */
 
 /* Writes the keys kind accepts, one per line ("key=default  meaning"), to

@@ -35,6 +35,9 @@ static const ct__opt_def offload_opt_defs[] = {
      "load the next slice while this one computes (when the budget holds two)", 0, NULL},
     {"drop_cache", CT__OPT_BOOL, offsetof(offload_opts, drop_cache), "1",
      "drop the store's pages from the page cache after each read and write (RAM stays free)", 0, NULL},
+    {"store", CT__OPT_CHOICE, offsetof(offload_opts, store), "file",
+     "where slices not in use live: file (in dir, on disk) or memory (a pool in RAM, counted as other)", 0,
+     "file|memory"},
 };
 
 #define MIB 1048576.0
@@ -236,7 +239,7 @@ static ct_status offload_slice_out(ct_strategy *s, int i)
             ct_tensor_release(d);
             return CT_ENOMEM;
         }
-        memcpy(ct_storage_ptr(sl->data) + off, ct_tensor_data(p->data), (size_t)p->data->numel * 4);
+        memcpy((char *)ct_storage_ptr(sl->data) + off, ct_tensor_data(p->data), (size_t)p->data->numel * 4);
         ct_tensor_release(p->data);
         ct_tensor_release(p->grad);
         p->data = d;
@@ -264,7 +267,7 @@ static ct_status offload_build_optim(ct_strategy *s, const ct_optim_opts *o)
         total += slice_bytes(f, &f->sl[i]);
         if (slice_bytes(f, &f->sl[i]) > largest) largest = slice_bytes(f, &f->sl[i]);
     }
-    CT_TRY(ct__ostore_open(O->dir, total, O->drop_cache, &f->store));
+    CT_TRY(ct__ostore_open(O->store == OFF_STORE_MEMORY, O->dir, total, O->drop_cache, &f->store));
     for (int i = 0; i < f->ns; i++) CT_TRY(offload_slice_out(s, i));
     ct_mem_report r;
     ct_mem_report_get(&r);

@@ -8,13 +8,14 @@
 
 #include "internal.h"
 
-/* ---- the store: a file on local disk and one I/O thread ----------------- */
+/* ---- the store: a back end and one I/O thread ----------------------------- */
 
-/* A file in a directory, unlinked as soon as it is created so that nothing
- * is left behind whatever way the process ends (exit, error, a signal, even
- * SIGKILL): the open descriptor keeps the space until it is closed.  One
- * background thread runs jobs in the order they were queued; a job moves
- * memory between storages and the file. */
+/* The file back end: a file in a directory, unlinked as soon as it is
+ * created so that nothing is left behind whatever way the process ends
+ * (exit, error, a signal, even SIGKILL): the open descriptor keeps the
+ * space until it is closed.  The memory back end: a pool of the store's
+ * size.  One background thread runs jobs in the order they were queued; a
+ * job moves memory between storages and the store. */
 typedef struct ct__ostore ct__ostore;
 
 /* One piece of a job.  READ: bring the storage's memory back
@@ -31,13 +32,13 @@ typedef struct {
 } ct__io_piece;
 #define CT__IO_MAX_PIECES 4
 
-/* Creates the file in dir (NULL or "": $TMPDIR, else /tmp) and reserves
- * bytes for it, so a full disk is found here, not in the middle of a step.
- * drop_cache: every read and write is followed by dropping those pages
- * from the page cache (written ones after writeback), so the store costs
- * disk time and not RAM.  CT_EIO naming the directory, the cause and the
- * fix. */
-ct_status ct__ostore_open(const char *dir, size_t bytes, int drop_cache, ct__ostore **out);
+/* memory 0: creates the file in dir (NULL or "": $TMPDIR, else /tmp) and
+ * reserves bytes for it, so a full disk is found here, not in the middle of
+ * a step; drop_cache: every read and write is followed by dropping those
+ * pages from the page cache (written ones after writeback), so the store
+ * costs disk time and not RAM.  CT_EIO naming the directory, the cause and
+ * the fix.  memory 1: a pool of bytes (CT_MEM_OTHER), CT_ENOMEM. */
+ct_status ct__ostore_open(int memory, const char *dir, size_t bytes, int drop_cache, ct__ostore **out);
 /* Waits for queued jobs, stops the thread and closes (frees) the file. NULL: no-op. */
 void ct__ostore_close(ct__ostore *o);
 /* Queues a job of n pieces; returns its ticket (> 0) in *ticket.  Memory
@@ -71,7 +72,9 @@ typedef struct {
     int max_resident_mb;            /* 0 (auto: no bound) or MiB of param + grad + optim */
     int prefetch;                   /* load the next slice while this one computes */
     int drop_cache;                 /* keep the store out of the page cache */
+    int store;                      /* OFF_STORE_FILE or OFF_STORE_MEMORY */
 } offload_opts;
+enum { OFF_STORE_FILE = 0, OFF_STORE_MEMORY };
 
 /* Parts of a slice (bit masks). */
 enum { OFF_DATA = 1, OFF_GRAD = 2, OFF_STATE = 4 };

@@ -1,7 +1,8 @@
 /*
- * The offload store: one file on local disk and one I/O thread that runs
- * jobs (read a slice into memory, write it back and release it) in queue
- * order while the caller computes.  The file is unlinked right after it is
+ * The offload store: one I/O thread that runs jobs (read a slice into
+ * memory, write it back and release it) in queue order while the caller
+ * computes, over a back end (a struct of function pointers): a file on
+ * local disk, or a memory pool.  The file is unlinked right after it is
  * created, so it disappears however the process ends; its space is
  * reserved up front so a full disk is an error at set-up, not mid-step.
  */
@@ -24,9 +25,15 @@ typedef struct {
     int n;
 } job;
 
+/* A back end: whole transfers at byte offsets, errno on failure. */
+typedef struct {
+    int (*rw)(void *ctx, int write, void *buf, size_t bytes, off_t off);
+    void (*close)(void *ctx);
+} backend;
+
 struct ct__ostore {
-    int fd;
-    int drop_cache;
+    const backend *be;
+    void *ctx;
     size_t bytes;
     char dir[CT__OPT_TEXT_MAX];
     pthread_t th;
@@ -59,29 +66,103 @@ static int injected(void)
     return 0;
 }
 
-/* Whole transfer or an errno. */
-static int xfer(ct__ostore *o, int write, char *buf, size_t bytes, off_t off)
+/* ---- the file back end ---------------------------------------------------- */
+
+typedef struct {
+    int fd;
+    int drop_cache;
+} file_ctx;
+
+static int file_rw(void *ctx, int write, void *buf, size_t bytes, off_t off)
 {
-    if (injected()) return write ? ENOSPC : EIO;
+    file_ctx *fc = ctx;
     size_t done = 0;
     while (done < bytes) {
-        ssize_t r = write ? pwrite(o->fd, buf + done, bytes - done, off + (off_t)done)
-                          : pread(o->fd, buf + done, bytes - done, off + (off_t)done);
+        ssize_t r = write ? pwrite(fc->fd, (char *)buf + done, bytes - done, off + (off_t)done)
+                          : pread(fc->fd, (char *)buf + done, bytes - done, off + (off_t)done);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) return errno;
         if (r == 0) return write ? ENOSPC : EIO; /* a short file: it was truncated under us */
         done += (size_t)r;
     }
-    if (o->drop_cache) {
+    if (fc->drop_cache) {
         /* Written pages must reach the disk before the kernel can drop them;
          * read pages are clean and drop at once. */
-        if (write) (void)sync_file_range(o->fd, off, (off_t)bytes, SYNC_FILE_RANGE_WAIT_BEFORE |
+        if (write) (void)sync_file_range(fc->fd, off, (off_t)bytes, SYNC_FILE_RANGE_WAIT_BEFORE |
                                          SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
-        (void)posix_fadvise(o->fd, off, (off_t)bytes, POSIX_FADV_DONTNEED);
+        (void)posix_fadvise(fc->fd, off, (off_t)bytes, POSIX_FADV_DONTNEED);
     }
-    if (write) o->wr += (double)bytes;
-    else o->rd += (double)bytes;
     return 0;
+}
+
+static void file_close(void *ctx)
+{
+    file_ctx *fc = ctx;
+    close(fc->fd);
+    ct_free(fc);
+}
+
+static const backend file_backend = {file_rw, file_close};
+
+/* Creates the unlinked file in dir and reserves bytes. */
+static ct_status file_open(const char *dir, size_t bytes, int drop_cache, void **out)
+{
+    struct stat sb;
+    if (stat(dir, &sb) != 0)
+        return ct_error(CT_EIO, "offload directory '%s': %s; create it or pass --offload-dir with an "
+                        "existing directory", dir, strerror(errno));
+    if (!S_ISDIR(sb.st_mode))
+        return ct_error(CT_EIO, "offload directory '%s' is not a directory; pass --offload-dir with a directory", dir);
+    file_ctx *fc = ct_alloc_zeroed(sizeof *fc, CT_MEM_OTHER);
+    if (!fc) return CT_ENOMEM;
+    fc->drop_cache = drop_cache;
+    char path[CT__OPT_TEXT_MAX + 64];
+    snprintf(path, sizeof path, "%s/ctrain-offload-%ld-XXXXXX", dir, (long)getpid());
+    fc->fd = mkstemp(path);
+    if (fc->fd < 0) {
+        int e = errno;
+        ct_free(fc);
+        return ct_error(CT_EIO, "cannot create the offload file in '%s': %s; pass --offload-dir with a "
+                        "directory you can write", dir, strerror(e));
+    }
+    /* Gone from the directory now; the descriptor keeps the space until close. */
+    unlink(path);
+    int e = bytes ? posix_fallocate(fc->fd, 0, (off_t)bytes) : 0;
+    if (e == EOPNOTSUPP || e == EINVAL) e = ftruncate(fc->fd, (off_t)bytes) ? errno : 0; /* no reservation there */
+    if (e) {
+        file_close(fc);
+        return ct_error(CT_EIO, "cannot reserve %zu bytes (%.1f MiB) for the offload store in '%s': %s; "
+                        "free space or pass --offload-dir on a filesystem with room",
+                        bytes, (double)bytes / 1048576.0, dir, strerror(e));
+    }
+    *out = fc;
+    return CT_OK;
+}
+
+/* ---- the memory back end: a pool of the store's size ------------------------ */
+
+static int mem_rw(void *ctx, int write, void *buf, size_t bytes, off_t off)
+{
+    char *pool = ctx;
+    if (write) memcpy(pool + off, buf, bytes);
+    else memcpy(buf, pool + off, bytes);
+    return 0;
+}
+
+static void mem_close(void *ctx) { ct_free(ctx); }
+
+static const backend mem_backend = {mem_rw, mem_close};
+
+/* ---- jobs ------------------------------------------------------------------- */
+
+/* Whole transfer or an errno. */
+static int xfer(ct__ostore *o, int write, void *buf, size_t bytes, off_t off)
+{
+    if (injected()) return write ? ENOSPC : EIO;
+    int e = o->be->rw(o->ctx, write, buf, bytes, off);
+    if (!e && write) o->wr += (double)bytes;
+    else if (!e) o->rd += (double)bytes;
+    return e;
 }
 
 static ct_status failure(ct__ostore *o)
@@ -156,48 +237,38 @@ static void *io_main(void *arg)
     return NULL;
 }
 
-ct_status ct__ostore_open(const char *dir, size_t bytes, int drop_cache, ct__ostore **out)
+ct_status ct__ostore_open(int memory, const char *dir, size_t bytes, int drop_cache, ct__ostore **out)
 {
     *out = NULL;
     if (!dir || !*dir) dir = getenv("TMPDIR");
     if (!dir || !*dir) dir = "/tmp";
-    struct stat sb;
-    if (stat(dir, &sb) != 0)
-        return ct_error(CT_EIO, "offload directory '%s': %s; create it or pass --offload-dir with an "
-                        "existing directory", dir, strerror(errno));
-    if (!S_ISDIR(sb.st_mode))
-        return ct_error(CT_EIO, "offload directory '%s' is not a directory; pass --offload-dir with a directory", dir);
     ct__ostore *o = ct_alloc_zeroed(sizeof *o, CT_MEM_OTHER);
     if (!o) return CT_ENOMEM;
-    snprintf(o->dir, sizeof o->dir, "%s", dir);
+    snprintf(o->dir, sizeof o->dir, "%s", memory ? "memory" : dir);
     o->bytes = bytes;
-    o->drop_cache = drop_cache;
-    char path[CT__OPT_TEXT_MAX + 64];
-    snprintf(path, sizeof path, "%s/ctrain-offload-%ld-XXXXXX", dir, (long)getpid());
-    o->fd = mkstemp(path);
-    if (o->fd < 0) {
-        int e = errno;
-        ct_free(o);
-        return ct_error(CT_EIO, "cannot create the offload file in '%s': %s; pass --offload-dir with a "
-                        "directory you can write", dir, strerror(e));
+    ct_status st = CT_OK;
+    if (memory) {
+        /* Not resident by the report's definition (param + grad + optim): the
+         * pool is where slices are not in use, as the file would be. */
+        o->be = &mem_backend;
+        if (!(o->ctx = ct_alloc(bytes ? bytes : 1, CT_MEM_OTHER)))
+            st = ct_error(CT_ENOMEM, "offload store=memory: no room for a pool of %zu bytes (%.1f MiB); use "
+                          "store=file", bytes, (double)bytes / 1048576.0);
+    } else {
+        o->be = &file_backend;
+        st = file_open(dir, bytes, drop_cache, &o->ctx);
     }
-    /* Gone from the directory now; the descriptor keeps the space until close. */
-    unlink(path);
-    int e = bytes ? posix_fallocate(o->fd, 0, (off_t)bytes) : 0;
-    if (e == EOPNOTSUPP || e == EINVAL) e = ftruncate(o->fd, (off_t)bytes) ? errno : 0; /* no reservation there */
-    if (e) {
-        close(o->fd);
+    if (st != CT_OK) {
         ct_free(o);
-        return ct_error(CT_EIO, "cannot reserve %zu bytes (%.1f MiB) for the offload store in '%s': %s; "
-                        "free space or pass --offload-dir on a filesystem with room",
-                        bytes, (double)bytes / 1048576.0, dir, strerror(e));
+        return st;
     }
     pthread_mutex_init(&o->mu, NULL);
     pthread_cond_init(&o->cv, NULL);
-    if ((e = pthread_create(&o->th, NULL, io_main, o))) {
+    int e = pthread_create(&o->th, NULL, io_main, o);
+    if (e) {
         pthread_mutex_destroy(&o->mu);
         pthread_cond_destroy(&o->cv);
-        close(o->fd);
+        o->be->close(o->ctx);
         ct_free(o);
         return ct_error(CT_ENOMEM, "cannot start the offload I/O thread: %s", strerror(e));
     }
@@ -215,7 +286,7 @@ void ct__ostore_close(ct__ostore *o)
     pthread_join(o->th, NULL);
     pthread_mutex_destroy(&o->mu);
     pthread_cond_destroy(&o->cv);
-    close(o->fd);
+    o->be->close(o->ctx);
     ct_free(o);
 }
 
