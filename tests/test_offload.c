@@ -111,6 +111,7 @@ TEST(offload_equals_plain_training_bitwise)
     check_equal("balance=1:8", "", 0.0f, -1);
     check_equal("slices=9", "", 0.0f, -1);
     check_equal("slices=3,store=memory", "", 0.0f, -1);
+    check_equal("balance=1:1:1:6", "", 0.0f, -1); /* slices without parameters (tanh, dropout) */
 }
 
 TEST(offload_equals_plain_with_dropout_checkpointing_and_clipping)

@@ -297,6 +297,9 @@ static void offload_fini(ct_strategy *s)
     offload_t *f = ct__offload(s);
     if (!f) return;
     int ok = f->store && ct__ostore_drain(f->store) == CT_OK && ct__offload_flush(s) == CT_OK;
+    if (f->store && !ok)
+        ct_log(CT_LOG_WARN, "offload: the store failed (%s); the unwrapped model's parameters are zeros: load "
+               "the last checkpoint", ct_last_error());
     for (int i = 0; i < f->ns; i++) {
         offload_slice *sl = &f->sl[i];
         if (sl->ar) {
