@@ -121,6 +121,47 @@ TEST(offload_equals_plain_with_dropout_checkpointing_and_clipping)
     check_equal("slices=2,checkpoint_activation=1", "", 0.3f, 0.05f);
 }
 
+/* Gradients accumulated over two train steps without zero_grad (the second
+ * backward adds to what the store holds), two optimizer steps on the same
+ * gradients (the first, still pending, is applied before the second is
+ * taken), clipping in between: all as plain training does them. */
+TEST(offload_accumulation_and_repeated_steps_equal_plain)
+{
+    ct_module *a = model(6, 0.1f), *b = model(6, 0.1f);
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_SGD);
+    oo.lr = 0.05;
+    oo.momentum = 0.9;
+    ct_strategy *s[2];
+    char opts[512];
+    snprintf(opts, sizeof opts, "slices=3,dir=%s", ct_test_tmpdir());
+    ASSERT_OK(ct_strategy_create("none", a, &oo, NULL, "", &s[0]));
+    ASSERT_OK(ct_strategy_create("offload", b, &oo, NULL, opts, &s[1]));
+    for (int k = 0; k < 2; k++) {
+        for (int step = 0; step < 2; step++) {
+            int64_t n = 10;
+            ct_tensor *x = ct_tensor_create2(n, 12, CT_MEM_ACT), *y = ct_tensor_create(CT_I32, 1, &n, CT_MEM_ACT);
+            ct_rng r;
+            ct_rng_init(&r, 8, (uint64_t)step);
+            ct_rng_normal(&r, ct_f32(x), (size_t)(n * 12), 0, 1);
+            for (int64_t i = 0; i < n; i++) ((int32_t *)ct_tensor_data(y))[i] = (int32_t)(i % 5);
+            ct_batch bt = {x, y, n, 0};
+            ct_fwd_ctx ctx = {.training = 1, .seed = 2, .step = (uint64_t)step};
+            ASSERT_OK(ct_strategy_train_step(s[k], &bt, ct_loss_cross_entropy, NULL, &ctx, NULL));
+            ct_tensor_release(x);
+            ct_tensor_release(y);
+        }
+        ASSERT_OK(ct_strategy_clip_grad_norm(s[k], 0.1f, 2.0, NULL));
+        ASSERT_OK(ct_strategy_step(s[k]));
+        ASSERT_OK(ct_strategy_step(s[k]));
+        ASSERT_OK(ct_strategy_step(s[k]));
+    }
+    assert_same_state(s[0], s[1]);
+    ct_strategy_destroy(s[0]);
+    ct_strategy_destroy(s[1]);
+    ct_module_destroy(a);
+    ct_module_destroy(b);
+}
+
 /* Batchnorm under checkpointing: the recompute does not count as another
  * batch, so the running statistics (buffers, in the state) equal plain
  * training's; eval through the strategy then uses them alike. */

@@ -309,13 +309,16 @@ static void apply_update(ct_strategy *s, int i)
 }
 
 /* Queues the write-back of slice i just updated: parameters saved (kept
- * for the forward that reads them), state written, gradients dropped. */
+ * for the forward that reads them), state written, gradients dropped, or
+ * written when the clip factors changed them (a later step on the same
+ * gradients, or a backward adding to them, sees the clipped ones, as in
+ * PyTorch where clipping scales .grad in place). */
 static ct_status write_updated(ct_strategy *s, int i, int keep_data)
 {
     long t;
     CT_TRY(ct__offload_io(s, i, OFF_DATA, keep_data ? CT__IO_SAVE : CT__IO_WRITE, &t));
     CT_TRY(ct__offload_io(s, i, OFF_STATE, CT__IO_WRITE, &t));
-    return ct__offload_io(s, i, OFF_GRAD, CT__IO_DROP, &t);
+    return ct__offload_io(s, i, OFF_GRAD, ct__offload(s)->pend_nscales ? CT__IO_WRITE : CT__IO_DROP, &t);
 }
 
 ct_status ct__offload_flush(ct_strategy *s)
