@@ -508,6 +508,101 @@ static ct_status row_fsdp(const est_in *in, const char *vals, est_row *row)
     return st;
 }
 
+/* Offload (src/parallel/offload*.c): a slice's parameters, gradients and
+ * optimizer state (unpadded: one flat run per slice) are in memory only
+ * while it is in use; with prefetch two slices are (the one computing, the
+ * next loading; three over several ranks, where a slice's allreduce
+ * overlaps the next), one without or when --max-resident-mb holds only
+ * one.  The forward after a step holds a slice's all three at once (the
+ * update is applied there), so the categories peak together: the row takes
+ * the largest slices.  Activations without checkpoint_activation are the
+ * whole model's records (as none); with it, every slice's input for the
+ * whole batch plus one micro-batch's records of the largest slice. */
+static ct_status row_offload(const est_in *in, const char *vals, est_row *row)
+{
+    char b[256];
+    ct_module *m = in->model;
+    int n = m->nkids, ns = (int)optnum(vals, "slices", 4);
+    int *sz = ct_alloc(sizeof *sz * (size_t)(n + 1), CT_MEM_OTHER);
+    int64_t *outn = ct_alloc(sizeof *outn * (size_t)(n + 1), CT_MEM_OTHER);
+    uint64_t *sp = ct_alloc(sizeof *sp * (size_t)(n + 1), CT_MEM_OTHER);
+    ct_status st = sz && outn && sp ? CT_OK : CT_ENOMEM;
+    const char *bv = optv(vals, "balance", b, sizeof b);
+    if (st == CT_OK && bv && *bv) {
+        ns = 0;
+        for (const char *q = bv; *q; ns++) {
+            sz[ns] = atoi(q);
+            q += strcspn(q, ":,");
+            q += *q != 0;
+        }
+    } else if (st == CT_OK) {
+        st = ct_offload_split(m, ns, sz);
+    }
+    int nbufs = in->optim == CT_OPT_ADAMW ? 2 : in->momentum != 0 ? 1 : 0;
+    int64_t shape[CT_MAX_DIMS], in1 = ct_model_input_numel(&in->cfg);
+    int nd = st == CT_OK ? ct_model_input_shape(&in->cfg, 1, shape) : 0;
+    for (int i = 0; st == CT_OK && i < n; i++) {
+        st = ct_module_out_shape(m->kids[i], nd, shape, &nd, shape);
+        outn[i] = 1;
+        for (int d = 1; d < nd; d++) outn[i] *= shape[d];
+    }
+    int64_t rows = in->batch / in->world + (in->batch % in->world != 0);
+    int M = (int)optnum(vals, "microbatches", 1), ckpt = optnum(vals, "checkpoint_activation", 0) != 0;
+    int64_t mrows = (rows + M - 1) / M;
+    uint64_t largest = 0, bound = 0, maxrec = 0;
+    for (int k = 0, lo = 0; st == CT_OK && k < ns; lo += sz[k], k++) {
+        uint64_t floats = 0;
+        for (int i = 0; i < in->ntp; i++) {
+            int c = child_of(in, in->tp[i]);
+            if (c >= lo && c < lo + sz[k]) floats += (uint64_t)in->tp[i]->data->numel;
+        }
+        sp[k] = floats * 4;
+        largest = sp[k] > largest ? sp[k] : largest;
+        int64_t inrow = lo ? outn[lo - 1] : in1, rec = inrow;
+        for (int i = lo; i < lo + sz[k]; i++) rec += outn[i];
+        if (lo) bound += (uint64_t)(rows * inrow) * 4; /* the first slice's input is the batch itself */
+        maxrec = (uint64_t)(mrows * rec) * 4 > maxrec ? (uint64_t)(mrows * rec) * 4 : maxrec;
+    }
+    int ahead = optnum(vals, "prefetch", 1) != 0 ? (in->world > 1 ? 3 : 2) : 1;
+    double mb = optnum(vals, "max_resident_mb", 0); /* "auto" reads as 0 */
+    uint64_t fixed = in->buffer_bytes, per = largest * (uint64_t)(2 + nbufs);
+    if (st == CT_OK && mb > 0) {
+        uint64_t budget = (uint64_t)(mb * 1048576.0);
+        if (fixed + per > budget)
+            st = ct_error(CT_EINVAL, "offload: the largest slice needs %.2f MiB resident, over the budget of %.0f MiB; "
+                          "use more slices or a larger --max-resident-mb", (double)per / 1048576.0, mb);
+        else if ((budget - fixed) / per < (uint64_t)ahead)
+            ahead = (int)((budget - fixed) / per);
+    }
+    /* the largest slices: pb[a] the a largest together */
+    uint64_t pb[4] = {0, 0, 0, 0};
+    for (int a = 1; st == CT_OK && a <= 3 && a <= ns; a++) {
+        int best = 0;
+        for (int k = 1; k < ns; k++)
+            if (sp[k] > sp[best]) best = k;
+        pb[a] = pb[a - 1] + sp[best];
+        sp[best] = 0;
+    }
+    for (int a = ns + 1; a <= 3; a++) pb[a] = pb[ns < 3 ? ns : 3];
+    /* two slices in full (a forward that applies the step), or three with
+     * parameters and gradients (a backward whose allreduce is in flight) */
+    int full = ahead < 2 ? ahead : 2;
+    uint64_t act = 0;
+    if (st == CT_OK && ckpt) act = (uint64_t)rows * ((uint64_t)in1 * 4 + 4) + bound + maxrec;
+    else if (st == CT_OK) st = est_activations(in, rows, 1, rows != in->batch, 0, &act);
+    if (st == CT_OK) {
+        uint64_t both = pb[full] * (uint64_t)(2 + nbufs), three = 2 * pb[ahead];
+        take_rank(row, fixed + pb[ahead], pb[ahead], pb[full] * (uint64_t)nbufs, act, 0);
+        uint64_t res = fixed + (both > three ? both : three); /* the categories do not peak together at 3 */
+        row->resident = res > row->resident ? row->resident : res;
+        row->total = row->resident + row->act + row->comm;
+    }
+    ct_free(sz);
+    ct_free(outn);
+    ct_free(sp);
+    return st;
+}
+
 /* Every strategy's row, in the order of ct_strategy_list(); max_ranks 0: any. */
 typedef struct {
     const char *kind;
@@ -522,6 +617,7 @@ static const est_kind kinds[] = {
     {"zero2", 0, row_zero2},
     {"fsdp", 0, row_fsdp},
     {"pipe", 0, row_pipe},
+    {"offload", 0, row_offload},
 };
 #define NKINDS ((int)(sizeof kinds / sizeof kinds[0]))
 

@@ -241,6 +241,19 @@ static ct_status make_strategy(trainer *t)
             opts[n] = 0;
         }
     }
+    if (!strcmp(o->strategy, "offload")) {
+        if (o->slices) n += snprintf(opts + n, sizeof opts - (size_t)n, ",slices=%lld", (long long)o->slices);
+        if (o->microbatches) n += snprintf(opts + n, sizeof opts - (size_t)n, ",microbatches=%lld", (long long)o->microbatches);
+        if (o->max_resident_mb)
+            n += snprintf(opts + n, sizeof opts - (size_t)n, ",max_resident_mb=%lld", (long long)o->max_resident_mb);
+        if (o->checkpoint_activation) n += snprintf(opts + n, sizeof opts - (size_t)n, ",checkpoint_activation=1");
+        if (o->offload_dir) n += snprintf(opts + n, sizeof opts - (size_t)n, ",dir=%s", o->offload_dir);
+        if (o->balance) {
+            n += snprintf(opts + n, sizeof opts - (size_t)n, ",balance=");
+            for (const char *c = o->balance; *c && n + 2 < (int)sizeof opts; c++) opts[n++] = *c == ',' ? ':' : *c;
+            opts[n] = 0;
+        }
+    }
     if (o->strategy_opt) snprintf(opts + n, sizeof opts - (size_t)n, ",%s", o->strategy_opt);
     t->nparams = ct_module_num_params(t->model);
     ct_status st = ct_strategy_create(o->strategy, t->model, &oo, t->g, opts, &t->s);
@@ -348,6 +361,12 @@ static ct_status setup(trainer *t)
     CT_TRY(ct_group_check(t->g, chk));
     CT_TRY(ct_group_check(t->g, read_checkpoints(t)));
     /* After --resume has settled the batch: each rank needs a sample in every micro-batch. */
+    if (!strcmp(o->strategy, "offload") && o->microbatches > 1 && o->batch < t->world * o->microbatches) {
+        t->usage = 1;
+        return ct_error(CT_EINVAL, "--batch %lld is smaller than %d ranks x %lld micro-batches (--microbatches); "
+                        "every rank needs at least one sample per micro-batch: use --batch %lld or more",
+                        (long long)o->batch, t->world, (long long)o->microbatches, (long long)(t->world * o->microbatches));
+    }
     if (strcmp(o->strategy, "pipe") && o->batch < t->world * o->grad_accum) {
         t->usage = 1;
         if (o->grad_accum == 1)
@@ -480,6 +499,8 @@ static void add_stats(trainer *t)
     t->sum.comm_wait += s.comm_wait;
     t->sum.optimizer += s.optimizer;
     t->sum.comm_total += s.comm_total;
+    t->sum.io_total += s.io_total;
+    t->sum.io_wait += s.io_wait;
     t->sum.nbuckets = s.nbuckets;
     t->nstats++;
 }

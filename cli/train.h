@@ -29,6 +29,10 @@ typedef struct {
     const char *balance, *pipe_schedule, *pipe_checkpoint;
     int64_t layers, heads, dim, context, vocab;  /* gpt */
     int has_gpt_shape;                           /* any of those given */
+    /* offload: slices, micro-batches, the store's directory, the resident budget */
+    int64_t slices, microbatches, max_resident_mb;
+    const char *offload_dir;
+    int checkpoint_activation;
     /* which flags the user gave (resume takes the others from the checkpoint) */
     int has_model, has_hidden, has_seed, has_batch, has_optim, has_lr, has_wd, has_momentum, has_strategy;
     unsigned char given[CLI_TRAIN_MAXOPT]; /* how often each option of the table was given (compared across ranks) */

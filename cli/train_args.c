@@ -77,12 +77,17 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--keep-last", OPT_INT, &o->keep_last, "K", "save each checkpoint under its step (CKPT-stepN) and keep the K newest");
     OPT("--log-every", OPT_INT, &o->log_every, "N", "progress line every N steps (50; 0: none)");
     OPT("--metrics", OPT_STR, &o->metrics, "FILE", "one JSON object per logged step (appended on --resume)");
-    OPT("--strategy", OPT_STR, &o->strategy, "NAME", "none, ddp, zero1, zero2 or pipe (ddp when run on several ranks)");
+    OPT("--strategy", OPT_STR, &o->strategy, "NAME", "none, ddp, zero1, zero2, pipe or offload (ddp when run on several ranks)");
     OPT("--stages", OPT_INT, &o->stages, "P", "pipe: pipeline stages (--balance's length, else the ranks); N ranks make N/P replicas");
-    OPT("--balance", OPT_STR, &o->balance, "LIST", "pipe: the model's top-level layers per stage, as 3,3,2 (by parameter count)");
+    OPT("--balance", OPT_STR, &o->balance, "LIST", "pipe, offload: the model's top-level layers per stage or slice, as 3,3,2 (by parameter count)");
     OPT("--chunks", OPT_INT, &o->chunks, "M", "pipe: micro-batches per step (4)");
     OPT("--pipe-schedule", OPT_STR, &o->pipe_schedule, "NAME", "pipe: gpipe or 1f1b (1f1b)");
     OPT("--pipe-checkpoint", OPT_STR, &o->pipe_checkpoint, "MODE", "pipe: recompute activations: always, except_last or never (except_last)");
+    OPT("--slices", OPT_INT, &o->slices, "N", "offload: slices of the model; only those in use are in memory (4)");
+    OPT("--offload-dir", OPT_STR, &o->offload_dir, "DIR", "offload: directory of the store's file, removed on any exit ($TMPDIR or /tmp)");
+    OPT("--checkpoint-activation", OPT_FLAG, &o->checkpoint_activation, NULL, "offload: keep slice inputs only; recompute in backward");
+    OPT("--microbatches", OPT_INT, &o->microbatches, "M", "offload: micro-batches per step, each slice runs all (needs --checkpoint-activation) (1)");
+    OPT("--max-resident-mb", OPT_INT, &o->max_resident_mb, "MIB", "offload: bound on resident param + grad + optim (none)");
     OPT("--grad-accum", OPT_INT, &o->grad_accum, "N", "split each step into N micro-batches (1)");
     OPT("--bucket-cap-mb", OPT_NUM, &o->bucket_cap_mb, "MB", "ddp: gradient bucket size (25)");
     OPT("--find-unused-parameters", OPT_FLAG, &o->find_unused, NULL, "ddp: allow parameters without a gradient");
@@ -283,7 +288,24 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     const char *pflag = cli_find(t, n, "--stages")->given ? "--stages" : cli_find(t, n, "--chunks")->given ? "--chunks"
                       : o->balance ? "--balance" : o->pipe_schedule ? (cli_find(t, n, "--pipe-schedule")->given ? "--pipe-schedule" : "--schedule")
                       : o->pipe_checkpoint ? "--pipe-checkpoint" : NULL;
-    if (pflag && !pipe) return BAD("%s applies to --strategy pipe only", pflag);
+    int offload = o->has_strategy && !strcmp(o->strategy, "offload");
+    if (pflag && !pipe && !(offload && !strcmp(pflag, "--balance"))) return BAD("%s applies to --strategy pipe only", pflag);
+    const char *oflag = cli_find(t, n, "--slices")->given ? "--slices" : o->offload_dir ? "--offload-dir"
+                      : o->checkpoint_activation ? "--checkpoint-activation" : cli_find(t, n, "--microbatches")->given ? "--microbatches"
+                      : cli_find(t, n, "--max-resident-mb")->given ? "--max-resident-mb" : NULL;
+    if (oflag && !offload) return BAD("%s applies to --strategy offload only", oflag);
+    if (offload && cli_find(t, n, "--slices")->given && o->slices < 1) return BAD("--slices %lld must be at least 1", (long long)o->slices);
+    if (offload && cli_find(t, n, "--microbatches")->given && o->microbatches < 1)
+        return BAD("--microbatches %lld must be at least 1", (long long)o->microbatches);
+    if (offload && cli_find(t, n, "--max-resident-mb")->given && o->max_resident_mb < 1)
+        return BAD("--max-resident-mb %lld must be at least 1 (leave it out for no bound)", (long long)o->max_resident_mb);
+    if (offload && o->microbatches > 1 && !o->checkpoint_activation)
+        return BAD("--microbatches %lld needs --checkpoint-activation (each micro-batch's activations would stay for "
+                   "every slice otherwise, as fairscale refuses too)", (long long)o->microbatches);
+    if (o->offload_dir && (strchr(o->offload_dir, ',') || strlen(o->offload_dir) > 200))
+        return BAD("--offload-dir '%s': use a path without commas, of at most 200 characters", o->offload_dir);
+    if (offload && o->has_accum && o->grad_accum != 1)
+        return BAD("--grad-accum does not apply to --strategy offload: its micro-batches are --microbatches");
     if (pipe && cli_find(t, n, "--stages")->given && o->stages < 1) return BAD("--stages %lld must be at least 1", (long long)o->stages);
     if (pipe && cli_find(t, n, "--chunks")->given && (o->chunks < 1 || o->chunks > 16000))
         return BAD("--chunks %lld must be from 1 to 16000 (number of chunks must be a positive integer)", (long long)o->chunks);

@@ -82,6 +82,9 @@ ct_status train_report(trainer *t, double seconds)
         if (ov < 0) ov = 0;
         cli_out("step time (%s, mean over %lld steps): forward %.2f ms, backward %.2f ms, optimizer %.2f ms",
                 ct_strategy_kind(t->s), (long long)t->nstats, s.forward * ms, s.backward * ms, s.optimizer * ms);
+        if (s.io_total > 0)
+            cli_out("; offload I/O %.2f ms, waited %.2f ms (%.0f%% hidden behind compute)", s.io_total * ms,
+                    s.io_wait * ms, 100.0 * (s.io_total > s.io_wait ? 1.0 - s.io_wait / s.io_total : 0.0));
         if (!strcmp(ct_strategy_kind(t->s), "pipe"))
             cli_out("; waited %.2f ms for other stages (the pipeline's bubble) and the replicas' allreduce "
                     "(%.2f ms in %d bucket%s)", s.comm_wait * ms, s.comm_total * ms, s.nbuckets, s.nbuckets == 1 ? "" : "s");
@@ -114,6 +117,14 @@ void train_describe(trainer *t)
                 "checkpoint %s; rank r is stage r %% %d of replica r / %d\n", nstages, nstages == 1 ? "" : "s", ct_strategy_opt(t->s, "balance"),
                 t->dsize, t->dsize == 1 ? "" : "s", ct_strategy_opt(t->s, "chunks"), ct_strategy_opt(t->s, "schedule"),
                 ct_strategy_opt(t->s, "checkpoint"), nstages, nstages);
+    int nsl, ahead;
+    ct_strategy_offload_info(t->s, &nsl, &ahead);
+    if (nsl)
+        cli_out("offload: %d slices (children per slice %s), up to %d resident (%s), micro-batches %s, "
+                "activation checkpointing %s, budget %s MiB; store in %s\n", nsl, ct_strategy_opt(t->s, "balance"), ahead,
+                ahead == 1 ? "no prefetch" : ahead == 2 ? "the next slice loads meanwhile" : "prefetch and overlapped allreduce",
+                ct_strategy_opt(t->s, "microbatches"), strcmp(ct_strategy_opt(t->s, "checkpoint_activation"), "0") ? "on" : "off",
+                ct_strategy_opt(t->s, "max_resident_mb"), o->offload_dir ? o->offload_dir : "$TMPDIR or /tmp");
     const ct_partition *pt = ct_strategy_partition(t->s);
     if (!o->verbose || !pt) return;
     /* Who owns what: the partition's parameter indices count trainable parameters. */

@@ -730,7 +730,7 @@ TEST(cli_estimate_table)
                           "\n  none ", "\n  ddp ", "\n  zero1 ", "\n  zero2 ", "\n  fsdp "};
     for (size_t i = 0; i < sizeof cols / sizeof cols[0]; i++) ASSERT_STR_CONTAINS(out, cols[i]);
     ASSERT_EQ(RUN(out, "estimate --model mlp --ranks 4 --json"), 0);
-    ASSERT_EQ(count_lines(out), 5); /* ddp, zero1, zero2, fsdp, pipe: none is one rank's */
+    ASSERT_EQ(count_lines(out), 6); /* ddp, zero1, zero2, fsdp, pipe, offload: none is one rank's */
     ASSERT(!strstr(out, "\"none\""));
     /* 235146 f32 parameters; AdamW's two moments, each slot padded to 16 floats (4.bias: 10 -> 16). */
     ASSERT_STR_CONTAINS(out, "{\"strategy\":\"ddp\",\"ranks\":4,\"param\":940584,\"grad\":940584,\"optim\":1881216,");

@@ -12,6 +12,11 @@
  *   "pipe"  pipeline parallelism: a sequential cut into stages, one per
  *           rank, micro-batches flowing through them (GPipe or 1F1B), with
  *           data-parallel replicas of the pipeline when ranks allow
+ *   "offload"  fairscale's OffloadModel: a sequential cut into slices whose
+ *           parameters, gradients and optimizer state live in a file on
+ *           local disk; only the slices in use are in memory, the next one
+ *           loads while this one computes (each rank offloads its replica
+ *           and allreduces a slice's gradients as DDP would)
  *
  * The strategy owns the step: it builds the optimizer over what this rank
  * owns, runs micro-batches (ct_strategy_train_step), synchronises, clips
@@ -128,6 +133,13 @@ typedef struct ct_strategy ct_strategy;
  * (4), schedule (gpipe|1f1b), checkpoint (always|except_last|never), dp
  * (ddp|zero1: between a stage's replicas), deferred_batch_norm (0), and
  * DDP's for its replicas.
+ * offload's keys: slices (4), balance (children per slice, "3:3:2"),
+ * checkpoint_activation (0), microbatches (1; more need
+ * checkpoint_activation), dir (the store's directory: $TMPDIR or /tmp),
+ * max_resident_mb (auto: no bound; else the bound on param + grad + optim
+ * bytes, refused at wrap when the largest slice cannot fit), prefetch (1),
+ * drop_cache (1: the store's pages leave the page cache after each I/O),
+ * store (file: in dir on disk; memory: a RAM pool, counted as "other").
  * ct_strategy_help lists every key of a kind with its default. */
 
 /* Writes the keys kind accepts, one per line ("key=default  meaning"), to
@@ -149,6 +161,8 @@ typedef struct {
     double comm_total;  /* sum over buckets of (allreduce end - start) */
     double overlap;     /* 1 - comm_wait / comm_total, clipped to [0,1]; 1 when no comm */
     int nbuckets;
+    double io_total;    /* offload: seconds the store's I/O thread spent reading and writing */
+    double io_wait;     /* offload: seconds the step waited for it (io_total - io_wait was hidden) */
 } ct_step_stats;
 
 /* Wraps model for training over group g (NULL: the world) with the strategy
@@ -172,6 +186,20 @@ const ct_partition *ct_strategy_partition(const ct_strategy *s);
 void ct_strategy_pipe_stage(const ct_strategy *s, int *stage, int *nstages);
 /* Names accepted by ct_strategy_create, comma separated. */
 const char *ct_strategy_list(void);
+/* Under "offload": the number of slices and how many may be resident at
+ * once (1: no prefetch, 2: the next slice loads meanwhile, 3: also a
+ * slice's gradient allreduce overlaps the next); any other strategy: 0, 0. */
+void ct_strategy_offload_info(const ct_strategy *s, int *nslices, int *ahead);
+/* Children per slice when offload cuts sequential seq into nslices (room
+ * for nslices in sizes): a slice closes once the slices so far hold their
+ * share of the parameters, the last takes the rest, every slice has a child
+ * (fairscale's OffloadModel split).  CT_EINVAL if seq is not a sequential
+ * or has fewer children than nslices. */
+ct_status ct_offload_split(ct_module *seq, int nslices, int *sizes);
+/* Fault injection for tests: the n-th offload store read or write from now
+ * (0 = the next) fails, a write as a full disk (ENOSPC), a read as EIO;
+ * -1 turns it off. */
+void ct_offload_fail_io_after(long n);
 
 /* ---- one training step, the strategy's way ----------------------------- */
 

@@ -43,6 +43,7 @@ typedef struct {
     size_t opts_size;        /* bytes of the kind's options struct (s->kopts) */
     int refreshes_compute;   /* refreshes mixed-precision copies itself (params arrive late) */
     int manages_compute;     /* makes and keeps the compute copies itself (FSDP gathers them) */
+    int runs_alone;          /* works without ct_comm_init (no group: one process of its own) */
     /* Sets up s->priv; collective for distributed strategies. */
     ct_status (*init)(ct_strategy *s);
     void (*fini)(ct_strategy *s);
@@ -111,6 +112,7 @@ extern const ct__strategy_ops ct__zero1_ops;
 extern const ct__strategy_ops ct__zero2_ops;
 extern const ct__strategy_ops ct__fsdp_ops;
 extern const ct__strategy_ops ct__pipe_ops;
+extern const ct__strategy_ops ct__offload_ops;
 
 /* Backward of s's model from dout times scale with s's hooks (pre_backward,
  * post_backward: DDP's buckets, ZeRO's reduces), timed into s->stats; *din

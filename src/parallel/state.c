@@ -220,8 +220,9 @@ ct_status ct__replicated_load_state(ct_strategy *s, const char *const *names, ct
 ct_status ct__replicated_shard_state(ct_strategy *s, int optim, ct_state *out)
 {
     ct_state full;
-    CT_TRY(optim ? ct__replicated_optim_state(s, &full) : ct__replicated_model_state(s, &full));
-    int size = ct_group_size(s->g), rank = ct_group_rank(s->g);
+    /* through the strategy: one that keeps whole state elsewhere (offload's store) shares it too */
+    CT_TRY(optim ? ct_strategy_optim_state(s, &full) : ct_strategy_model_state(s, &full));
+    int size = s->g ? ct_group_size(s->g) : 1, rank = s->g ? ct_group_rank(s->g) : 0; /* no group: alone */
     int *order = ct_alloc(sizeof *order * (size_t)(full.n + 1), CT_MEM_OTHER);
     size_t *load = ct_alloc(sizeof *load * (size_t)size, CT_MEM_OTHER);
     ct_status st = order && load ? CT_OK : CT_ENOMEM;
@@ -255,8 +256,9 @@ ct_status ct__replicated_shard_state(ct_strategy *s, int optim, ct_state *out)
 ct_status ct__replicated_local_state(ct_strategy *s, int optim, ct_state *out)
 {
     memset(out, 0, sizeof *out);
-    if (ct_group_rank(s->g) != 0) return CT_OK;
-    return optim ? ct__replicated_optim_state(s, out) : ct__replicated_model_state(s, out);
+    if (s->g && ct_group_rank(s->g) != 0) return CT_OK;
+    /* through the strategy: one that keeps whole state elsewhere (offload's store) gives it too */
+    return optim ? ct_strategy_optim_state(s, out) : ct_strategy_model_state(s, out);
 }
 
 typedef struct {

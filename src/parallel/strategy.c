@@ -10,12 +10,12 @@
 
 #include "internal.h"
 
-static const ct__strategy_ops none_ops = {.kind = "none"};
+static const ct__strategy_ops none_ops = {.kind = "none", .runs_alone = 1};
 
 static const ct__strategy_ops *const kinds[] = {&none_ops, &ct__ddp_ops, &ct__zero1_ops, &ct__zero2_ops,
-                                                   &ct__fsdp_ops, &ct__pipe_ops};
+                                                   &ct__fsdp_ops, &ct__pipe_ops, &ct__offload_ops};
 
-const char *ct_strategy_list(void) { return "none, ddp, zero1, zero2, fsdp, pipe"; }
+const char *ct_strategy_list(void) { return "none, ddp, zero1, zero2, fsdp, pipe, offload"; }
 
 static const ct__strategy_ops *find_kind(const char *kind)
 {
@@ -70,7 +70,7 @@ ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_
         return ct_error(CT_EINVAL, "strategy '%s' needs a model and an optimizer spec", kind);
     CT_TRY(ct_optim_validate(optim));
     if (!g) g = ct_group_world();
-    if (ops != &none_ops && !g)
+    if (!ops->runs_alone && !g)
         return ct_error(CT_ESTATE, "strategy '%s' needs communication: call ct_comm_init first", kind);
     ct_strategy *s = ct_alloc_zeroed(sizeof *s, CT_MEM_OTHER);
     if (!s) return CT_ENOMEM;
@@ -245,7 +245,7 @@ ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
         return ct_error(CT_EINVAL, "train step: %lld rows on this rank cannot fill %d micro-batches "
                         "(grad_accum); give every rank at least %d rows or lower grad_accum",
                         (long long)nrows, k, k);
-    int64_t global = b->global_rows ? b->global_rows : nrows * ct_group_size(s->g);
+    int64_t global = b->global_rows ? b->global_rows : nrows * (s->g ? ct_group_size(s->g) : 1);
     if (global < nrows && !s->joined)
         return ct_error(CT_EINVAL, "train step: global_rows %lld is fewer than this rank's %lld rows",
                         (long long)global, (long long)nrows);
@@ -390,15 +390,15 @@ void ct_strategy_data_rank(const ct_strategy *s, int *rank, int *size)
         s->ops->data_rank(s, rank, size);
         return;
     }
-    *rank = ct_group_rank(s->g);
-    *size = ct_group_size(s->g);
+    *rank = s->g ? ct_group_rank(s->g) : 0; /* no group: a process of its own */
+    *size = s->g ? ct_group_size(s->g) : 1;
 }
 
 ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all)
 {
     ct_mem_report mine;
     ct_mem_report_get(&mine);
-    if (ct_group_size(s->g) == 1) {
+    if (!s->g || ct_group_size(s->g) == 1) {
         all[0] = mine;
         return CT_OK;
     }

@@ -1,0 +1,140 @@
+/* Private to src/parallel: the offload strategy's state, shared by its
+ * set-up and checkpoint state (offload.c), its step (offload_step.c) and
+ * its store (offload_store.c). */
+#ifndef CTRAIN_PARALLEL_OFFLOAD_H
+#define CTRAIN_PARALLEL_OFFLOAD_H
+
+#include <sys/types.h>
+
+#include "internal.h"
+
+/* ---- the store: a back end and one I/O thread ----------------------------- */
+
+/* The file back end: a file in a directory, unlinked as soon as it is
+ * created so that nothing is left behind whatever way the process ends
+ * (exit, error, a signal, even SIGKILL): the open descriptor keeps the
+ * space until it is closed.  The memory back end: a pool of the store's
+ * size.  One background thread runs jobs in the order they were queued; a
+ * job moves memory between storages and the store. */
+typedef struct ct__ostore ct__ostore;
+
+/* One piece of a job.  READ: bring the storage's memory back
+ * (ct_storage_alloc_data) and fill it from the file at off; WRITE: write the
+ * storage's memory to off, then release it; SAVE: write it and keep it
+ * (the caller may read it meanwhile, not change it); ALLOC: bring the
+ * memory back without reading (contents undefined); DROP: release without
+ * writing. */
+enum { CT__IO_READ = 0, CT__IO_WRITE, CT__IO_SAVE, CT__IO_ALLOC, CT__IO_DROP };
+typedef struct {
+    ct_storage *st;
+    off_t off;
+    int op;
+} ct__io_piece;
+#define CT__IO_MAX_PIECES 4
+
+/* memory 0: creates the file in dir (NULL or "": $TMPDIR, else /tmp) and
+ * reserves bytes for it, so a full disk is found here, not in the middle of
+ * a step; drop_cache: every read and write is followed by dropping those
+ * pages from the page cache (written ones after writeback), so the store
+ * costs disk time and not RAM.  CT_EIO naming the directory, the cause and
+ * the fix.  memory 1: a pool of bytes (CT_MEM_OTHER), CT_ENOMEM. */
+ct_status ct__ostore_open(int memory, const char *dir, size_t bytes, int drop_cache, ct__ostore **out);
+/* Waits for queued jobs, stops the thread and closes (frees) the file. NULL: no-op. */
+void ct__ostore_close(ct__ostore *o);
+/* Queues a job of n pieces; returns its ticket (> 0) in *ticket.  Memory
+ * of a READ/ALLOC storage is allocated by the I/O thread when the job runs,
+ * after every job queued before it has released its memory: jobs in order
+ * keep the resident set to what the caller planned. */
+ct_status ct__ostore_submit(ct__ostore *o, const ct__io_piece *p, int n, long *ticket);
+/* Waits until the job with this ticket (and every earlier one) has run.  A
+ * job that failed makes this and every later wait fail with its message
+ * (the store is then unusable: the data of the failed job is lost). */
+ct_status ct__ostore_wait(ct__ostore *o, long ticket);
+/* Waits for every queued job. */
+ct_status ct__ostore_drain(ct__ostore *o);
+/* Synchronous read or write of bytes at off, on the caller's thread (for
+ * checkpoints, between steps, with the queue drained). */
+ct_status ct__ostore_rw(ct__ostore *o, int write, void *buf, size_t bytes, off_t off);
+/* Seconds the I/O thread spent in reads and writes, and the caller in
+ * ct__ostore_wait, since the last call; both reset. */
+void ct__ostore_times(ct__ostore *o, double *busy, double *waited);
+/* Bytes read and written since open. */
+void ct__ostore_bytes(const ct__ostore *o, double *rd, double *wr);
+
+/* ---- the strategy -------------------------------------------------------- */
+
+/* Longest text option (balance, dir) and path the store handles. */
+#define OFF_TEXT_MAX 4096
+
+/* The kind's options (balance and dir are text: ct_strategy_opt). */
+typedef struct {
+    int slices;                     /* slices to cut the sequential into */
+    int checkpoint_activation;      /* keep only slice inputs in forward; recompute in backward */
+    int microbatches;               /* per step; > 1 needs checkpoint_activation */
+    int max_resident_mb;            /* 0 (auto: no bound) or MiB of param + grad + optim */
+    int prefetch;                   /* load the next slice while this one computes */
+    int drop_cache;                 /* keep the store out of the page cache */
+    int store;                      /* OFF_STORE_FILE or OFF_STORE_MEMORY */
+} offload_opts;
+enum { OFF_STORE_FILE = 0, OFF_STORE_MEMORY };
+
+/* Parts of a slice (bit masks). */
+enum { OFF_DATA = 1, OFF_GRAD = 2, OFF_STATE = 4 };
+
+typedef struct {
+    int k0, k1;          /* children [k0, k1) of the sequential */
+    int p0, p1;          /* parameters [p0, p1) of s->params (model order) */
+    int64_t n;           /* floats of parameters */
+    ct_storage *data;    /* [n] CT_MEM_PARAM: the parameters' data views */
+    ct_storage *grad;    /* [n] CT_MEM_GRAD */
+    ct_storage *state;   /* [nstate * n] CT_MEM_OPTIM (NULL when the optimizer has none) */
+    off_t off;           /* file: data at off, grad after it, state after that */
+    ct_work *ar;         /* the gradient allreduce in flight (DDP) */
+    int pending;         /* the last optimizer step is still to be applied to this slice */
+} offload_slice;
+
+typedef struct {
+    offload_slice *sl;
+    int ns;
+    int nstate;          /* optimizer state buffers per element (AdamW 2, SGD momentum 1) */
+    ct__ostore *store;
+    int ahead;           /* slices resident at once the budget allows: 1, 2 or 3 */
+    size_t fixed;        /* resident bytes outside the slices (buffers, small state) */
+    int grads_zero;      /* zero_grad since the last backward: the next one overwrites */
+    double *gsq;         /* [nparams] squared 2-norm of each parameter's gradient */
+    float *gmax;         /* [nparams] max |g| */
+    float scales[8];     /* clip factors pending for the next step, in order */
+    int nscales;
+    /* The optimizer step ct_strategy_step took, applied to each slice when
+     * it is next resident (the next forward, or a flush): the update needs
+     * the slice's parameters, gradients and state in memory, and the next
+     * forward loads the slice anyway, so the step costs no pass of its own
+     * over the store. */
+    ct_optim_opts pend_o;  /* with the step's learning rate */
+    int64_t pend_step;     /* 1-based step number of the update */
+    float pend_scales[8];  /* its clip factors */
+    int pend_nscales;
+    ct_module **bns;     /* batchnorms, held during recomputes */
+    int nbns;
+} offload_t;
+
+static inline offload_t *ct__offload(const ct_strategy *s) { return s->priv; }
+/* Ranks of the data-parallel group (1 without communication). */
+static inline int ct__offload_ranks(const ct_strategy *s) { return s->g ? ct_group_size(s->g) : 1; }
+static inline const offload_opts *ct__offload_opts(const ct_strategy *s) { return s->kopts; }
+
+/* Queues the pieces of slice i in mask for op (CT__IO_*); *ticket as submit. */
+ct_status ct__offload_io(ct_strategy *s, int i, int mask, int op, long *ticket);
+
+/* Notes the norm terms of resident slice i's gradients (clears stale ones). */
+void ct__offload_norms(ct_strategy *s, int i);
+
+ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+                                 const ct_fwd_ctx *ctx, ct_step_out *out);
+ct_status ct__offload_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out);
+ct_status ct__offload_pre_step(ct_strategy *s);
+/* Applies the pending optimizer step to every slice that still waits for it
+ * (before state is read or written, inference, or unwrapping). */
+ct_status ct__offload_flush(ct_strategy *s);
+
+#endif

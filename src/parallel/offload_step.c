@@ -1,0 +1,368 @@
+/*
+ * Offload's step: forward slice by slice (each slice runs every
+ * micro-batch while it is resident), backward in reverse (recomputing a
+ * slice from its kept input under checkpoint_activation, with the same
+ * context so dropout draws the same masks), and the optimizer slice by
+ * slice.  The store's I/O thread loads the next slice while this one
+ * computes and writes back the one just used; jobs run in queue order, so
+ * at most `ahead` slices hold memory at once (1: no prefetch; 2: the next
+ * one loads meanwhile; 3: also a slice's gradient allreduce (DDP) runs
+ * while the next slice computes).
+ */
+#include <math.h>
+#include <string.h>
+
+#include "offload.h"
+
+static void apply_update(ct_strategy *s, int i);
+static ct_status write_updated(ct_strategy *s, int i, int keep_data);
+
+/* Rows [r0, r0 + n) of t: a view. */
+static ct_tensor *rows(ct_tensor *t, int64_t r0, int64_t n)
+{
+    int64_t shape[CT_MAX_DIMS];
+    memcpy(shape, t->shape, sizeof shape);
+    shape[0] = n;
+    return ct_tensor_view(t, r0 * (t->numel / t->shape[0]), t->ndim, shape);
+}
+
+static ct_status load(ct_strategy *s, int i, int mask, int grad_alloc, long *t)
+{
+    long a = 0, b = 0;
+    if (mask & ~OFF_GRAD) CT_TRY(ct__offload_io(s, i, mask & ~OFF_GRAD, CT__IO_READ, &a));
+    if (mask & OFF_GRAD) CT_TRY(ct__offload_io(s, i, OFF_GRAD, grad_alloc ? CT__IO_ALLOC : CT__IO_READ, &b));
+    *t = b ? b : a;
+    return CT_OK;
+}
+
+/* Norm terms of slice i's gradients, exactly as the replicated norm takes them. */
+void ct__offload_norms(ct_strategy *s, int i)
+{
+    offload_t *f = ct__offload(s);
+    for (int j = f->sl[i].p0; j < f->sl[i].p1; j++) {
+        ct_param *p = s->params[j];
+        ct_param_grad_sync(p);
+        if (!p->grad || !p->requires_grad) continue;
+        f->gsq[j] = ct_grad_sq_sum(&p, 1);
+        const float *g = ct_f32(p->grad);
+        float mx = 0;
+        for (int64_t e = 0; e < p->grad->numel; e++) {
+            float a = fabsf(g[e]);
+            if (a > mx || isnan(a)) mx = a;
+        }
+        f->gmax[j] = mx;
+    }
+}
+
+/* Slice i's gradients are final (reduced): note the norms, write them back
+ * and release the slice. */
+static ct_status finish_slice(ct_strategy *s, int i)
+{
+    offload_slice *sl = &ct__offload(s)->sl[i];
+    if (sl->ar) {
+        ct_status st = ct_work_wait(sl->ar);
+        ct_work_destroy(sl->ar);
+        sl->ar = NULL;
+        CT_TRY(st);
+    }
+    ct__offload_norms(s, i);
+    long t;
+    CT_TRY(ct__offload_io(s, i, OFF_GRAD, CT__IO_WRITE, &t));
+    return ct__offload_io(s, i, OFF_DATA, CT__IO_DROP, &t);
+}
+
+static void hold_bns(offload_t *f, int mode)
+{
+    for (int i = 0; i < f->nbns; i++) ct_batchnorm_set_mode(f->bns[i], mode);
+}
+
+/* Runs children [k0, k1) from *x (consumed) into *x; recs (may be NULL) get
+ * one record per child. */
+static ct_status run_slice(ct_strategy *s, const offload_slice *sl, ct_tensor **x, ct_record **recs,
+                           const ct_fwd_ctx *ctx)
+{
+    for (int c = sl->k0; c < sl->k1; c++) {
+        ct_tensor *out = NULL;
+        ct_status st = ct_module_forward(s->model->kids[c], *x, &out, recs ? &recs[c] : NULL, ctx);
+        ct_tensor_release(*x);
+        *x = out;
+        if (st != CT_OK) return st;
+    }
+    return CT_OK;
+}
+
+/* Backward of children [k0, k1) from *d (consumed) into *d (NULL when
+ * want_din is 0 and this is the model's first child). */
+static ct_status back_slice(ct_strategy *s, const offload_slice *sl, ct_tensor **d, ct_record **recs)
+{
+    for (int c = sl->k1 - 1; c >= sl->k0; c--) {
+        ct_tensor *din = NULL;
+        ct_record *r = recs[c];
+        recs[c] = NULL;
+        ct_status st = ct_module_backward(s->model->kids[c], *d, c ? &din : NULL, r);
+        ct_tensor_release(*d);
+        *d = din;
+        if (st != CT_OK) return st;
+    }
+    return CT_OK;
+}
+
+/* After a failure: nothing of any slice stays resident, nothing in flight. */
+static void unwind(ct_strategy *s)
+{
+    offload_t *f = ct__offload(s);
+    ct__ostore_drain(f->store);
+    for (int i = 0; i < f->ns; i++) {
+        offload_slice *sl = &f->sl[i];
+        if (sl->ar) {
+            ct_work_wait(sl->ar);
+            ct_work_destroy(sl->ar);
+            sl->ar = NULL;
+        }
+        long t;
+        ct__offload_io(s, i, OFF_DATA | OFF_GRAD | OFF_STATE, CT__IO_DROP, &t);
+    }
+    ct__ostore_drain(f->store);
+    f->grads_zero = 1; /* the failed step's gradients are gone */
+}
+
+static void add_io_times(ct_strategy *s)
+{
+    double busy, waited;
+    ct__ostore_times(ct__offload(s)->store, &busy, &waited);
+    s->stats.io_total += busy;
+    s->stats.io_wait += waited;
+}
+
+ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+                                 const ct_fwd_ctx *ctx, ct_step_out *out)
+{
+    offload_t *f = ct__offload(s);
+    const offload_opts *O = ct__offload_opts(s);
+    int M = O->microbatches, ns = f->ns, ckpt = O->checkpoint_activation, nk = s->model->nkids;
+    int64_t nrows = b->x->shape[0];
+    if (nrows < M)
+        return ct_error(CT_EINVAL, "offload: %lld rows on this rank cannot fill %d micro-batches; give every "
+                        "rank at least %d rows or lower --microbatches", (long long)nrows, M, M);
+    int64_t global = b->global_rows ? b->global_rows : nrows * ct__offload_ranks(s);
+    int dist = ct__offload_ranks(s) > 1 && !s->no_sync;
+    /* per micro-batch: the activation flowing (forward) or its gradient
+     * (backward), the inputs kept under checkpointing, and the records
+     * without it (one micro-batch: one record per child) */
+    size_t nkeep = ckpt ? (size_t)ns * (size_t)M : 0;
+    ct_tensor **act = ct_alloc_zeroed(sizeof *act * (size_t)M, CT_MEM_OTHER);
+    ct_tensor **keep = ct_alloc_zeroed(sizeof *keep * (nkeep + 1), CT_MEM_OTHER);
+    ct_record **recs = ct_alloc_zeroed(sizeof *recs * (size_t)(nk + 1), CT_MEM_OTHER);
+    ct_fwd_ctx *cm = ct_alloc(sizeof *cm * (size_t)M, CT_MEM_OTHER);
+    int64_t *nm = ct_alloc(sizeof *nm * (size_t)M, CT_MEM_OTHER);
+    ct_status st = act && keep && recs && cm && nm ? CT_OK : CT_ENOMEM;
+    int64_t r0 = 0;
+    for (int m = 0; st == CT_OK && m < M; m++) {
+        nm[m] = nrows / M + (m < nrows % M); /* as even as rows allow */
+        cm[m] = *ctx;
+        cm[m].sample0 = b->sample0 + r0;
+        if (!(act[m] = rows(b->x, r0, nm[m]))) st = CT_ENOMEM;
+        r0 += nm[m];
+    }
+    double t0 = ct_now();
+    long t = 0, tn = 0;
+    /* ---- forward: slice by slice, every micro-batch while it is resident;
+     * a slice the last step has not reached yet comes with its gradients and
+     * state, is updated, and goes back while it computes ---- */
+    const int all = OFF_DATA | OFF_GRAD | OFF_STATE;
+    if (st == CT_OK) st = load(s, 0, f->sl[0].pending ? all : OFF_DATA, 0, &t);
+    for (int i = 0; st == CT_OK && i < ns; i++) {
+        const offload_slice *sl = &f->sl[i];
+        if ((st = ct__ostore_wait(f->store, t)) != CT_OK) break;
+        if (f->ahead >= 2 && i + 1 < ns && (st = load(s, i + 1, f->sl[i + 1].pending ? all : OFF_DATA, 0, &tn)) != CT_OK)
+            break;
+        if (sl->pending) {
+            apply_update(s, i);
+            if ((st = write_updated(s, i, 1)) != CT_OK) break;
+        }
+        for (int m = 0; st == CT_OK && m < M; m++) {
+            if (ckpt) keep[(size_t)i * (size_t)M + (size_t)m] = ct_tensor_retain(act[m]);
+            st = run_slice(s, sl, &act[m], ckpt ? NULL : recs, &cm[m]);
+        }
+        if (st != CT_OK || i + 1 == ns) break; /* the last slice stays for backward */
+        if ((st = ct__offload_io(s, i, OFF_DATA, CT__IO_DROP, &t)) != CT_OK) break;
+        if (f->ahead < 2 && (st = load(s, i + 1, f->sl[i + 1].pending ? all : OFF_DATA, 0, &tn)) != CT_OK) break;
+        t = tn;
+    }
+    /* ---- loss: act[m] becomes the scaled gradient of the global mean ---- */
+    for (int m = 0; st == CT_OK && m < M; m++) {
+        float l = 0;
+        ct_tensor *dz = NULL;
+        ct_tensor *y = rows(b->y, (int64_t)(cm[m].sample0 - b->sample0), nm[m]);
+        st = y ? loss(act[m], y, ud, &l, &dz) : CT_ENOMEM;
+        ct_tensor_release(y);
+        if (st != CT_OK) break;
+        out->loss_sum += (double)l * (double)nm[m];
+        out->rows += nm[m];
+        float k = (float)((double)nm[m] / (double)global), *g = ct_f32(dz);
+        for (int64_t e = 0; e < dz->numel; e++) g[e] *= k;
+        ct_tensor_release(act[m]);
+        act[m] = dz;
+    }
+    double t1 = ct_now();
+    s->stats.forward += t1 - t0;
+    /* ---- backward: slices in reverse, gradients written back as they finish ---- */
+    int gz = f->grads_zero;
+    if (st == CT_OK) st = load(s, ns - 1, OFF_GRAD, gz, &t);
+    for (int i = ns - 1; st == CT_OK && i >= 0; i--) {
+        offload_slice *sl = &f->sl[i];
+        if ((st = ct__ostore_wait(f->store, t)) != CT_OK) break;
+        if (gz)
+            for (int j = sl->p0; j < sl->p1; j++) s->params[j]->grad_stale = 1; /* overwrite, not add */
+        if (f->ahead >= 2 && i > 0 && (st = load(s, i - 1, OFF_DATA | OFF_GRAD, gz, &tn)) != CT_OK) break;
+        for (int m = 0; st == CT_OK && m < M; m++) {
+            if (ckpt) {
+                ct_tensor *x = keep[(size_t)i * (size_t)M + (size_t)m];
+                keep[(size_t)i * (size_t)M + (size_t)m] = NULL;
+                hold_bns(f, CT_BN_HOLD); /* a recompute is not another batch */
+                st = run_slice(s, sl, &x, recs, &cm[m]);
+                hold_bns(f, CT_BN_NOW);
+                ct_tensor_release(x);
+                if (st != CT_OK) break;
+            }
+            st = back_slice(s, sl, &act[m], recs);
+        }
+        if (st != CT_OK) break;
+        if (dist) {
+            /* Sum over ranks (the loss gradient carries 1/global); with room
+             * for three slices it runs while the next slice computes. */
+            int async = f->ahead >= 3;
+            for (int j = sl->p0; j < sl->p1; j++) ct_param_grad_sync(s->params[j]);
+            st = ct_group_allreduce(s->g, ct_storage_ptr(sl->grad), sl->n, CT_F32, CT_OP_SUM, async ? &sl->ar : NULL);
+        }
+        if (st == CT_OK && i + 1 < ns && f->sl[i + 1].ar) st = finish_slice(s, i + 1);
+        if (st == CT_OK && !sl->ar) st = finish_slice(s, i);
+        if (st == CT_OK && f->ahead < 2 && i > 0) st = load(s, i - 1, OFF_DATA | OFF_GRAD, gz, &tn);
+        t = tn;
+    }
+    if (st == CT_OK && f->sl[0].ar) st = finish_slice(s, 0);
+    if (st == CT_OK) st = ct__ostore_drain(f->store);
+    s->stats.backward += ct_now() - t1;
+    for (int m = 0; act && m < M; m++) ct_tensor_release(act[m]);
+    for (size_t k = 0; keep && k < nkeep; k++) ct_tensor_release(keep[k]);
+    for (int c = 0; recs && c < nk; c++) ct_record_destroy(recs[c]);
+    ct_free(act);
+    ct_free(keep);
+    ct_free(recs);
+    ct_free(cm);
+    ct_free(nm);
+    if (st != CT_OK) unwind(s);
+    else f->grads_zero = 0;
+    add_io_times(s);
+    return st;
+}
+
+ct_status ct__offload_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out)
+{
+    offload_t *f = ct__offload(s);
+    CT_TRY(ct__offload_flush(s));
+    long t = 0, tn = 0;
+    ct_tensor *a = ct_tensor_retain(x);
+    ct_status st = load(s, 0, OFF_DATA, 0, &t);
+    for (int i = 0; st == CT_OK && i < f->ns; i++) {
+        if ((st = ct__ostore_wait(f->store, t)) != CT_OK) break;
+        if (f->ahead >= 2 && i + 1 < f->ns && (st = load(s, i + 1, OFF_DATA, 0, &tn)) != CT_OK) break;
+        if ((st = run_slice(s, &f->sl[i], &a, NULL, ctx)) != CT_OK) break;
+        if ((st = ct__offload_io(s, i, OFF_DATA, CT__IO_DROP, &t)) != CT_OK) break;
+        if (f->ahead < 2 && i + 1 < f->ns && (st = load(s, i + 1, OFF_DATA, 0, &tn)) != CT_OK) break;
+        t = tn;
+    }
+    if (st == CT_OK) st = ct__ostore_drain(f->store);
+    if (st != CT_OK) {
+        ct_tensor_release(a);
+        unwind(s);
+        return st;
+    }
+    *out = a;
+    return CT_OK;
+}
+
+/* The pending optimizer step on resident slice i (parameters, gradients
+ * and state in memory): the clip factors apply as ct_scale_grads would, the
+ * update is the optimizer's own (ct_adamw_update / ct_sgd_update, bitwise
+ * what ct_optim_step does on whole parameters: the updates are per element). */
+static void apply_update(ct_strategy *s, int i)
+{
+    offload_t *f = ct__offload(s);
+    offload_slice *sl = &f->sl[i];
+    const ct_optim_opts *o = &f->pend_o;
+    float *state = sl->state ? ct_storage_ptr(sl->state) : NULL;
+    int64_t off = 0;
+    for (int j = sl->p0; j < sl->p1; j++) {
+        ct_param *p = s->params[j];
+        int64_t n = p->data->numel;
+        if (p->requires_grad && p->grad) {
+            for (int k = 0; k < f->pend_nscales; k++) ct_scale_grads(&p, 1, f->pend_scales[k]);
+            if (o->kind == CT_OPT_ADAMW)
+                ct_adamw_update(ct_f32(p->data), ct_f32(p->grad), state + off, state + sl->n + off, n, o, f->pend_step);
+            else
+                ct_sgd_update(ct_f32(p->data), ct_f32(p->grad), state ? state + off : NULL, n, o, f->pend_step == 1);
+        }
+        off += n;
+    }
+    sl->pending = 0;
+}
+
+/* Queues the write-back of slice i just updated: parameters saved (kept
+ * for the forward that reads them), state written, gradients dropped, or
+ * written when the clip factors changed them (a later step on the same
+ * gradients, or a backward adding to them, sees the clipped ones, as in
+ * PyTorch where clipping scales .grad in place). */
+static ct_status write_updated(ct_strategy *s, int i, int keep_data)
+{
+    long t;
+    CT_TRY(ct__offload_io(s, i, OFF_DATA, keep_data ? CT__IO_SAVE : CT__IO_WRITE, &t));
+    CT_TRY(ct__offload_io(s, i, OFF_STATE, CT__IO_WRITE, &t));
+    return ct__offload_io(s, i, OFF_GRAD, ct__offload(s)->pend_nscales ? CT__IO_WRITE : CT__IO_DROP, &t);
+}
+
+ct_status ct__offload_flush(ct_strategy *s)
+{
+    offload_t *f = ct__offload(s);
+    int idx[1024], n = 0; /* slices still pending, in order (a partial forward left the rest) */
+    for (int i = 0; i < f->ns; i++)
+        if (f->sl[i].pending) {
+            if (n == (int)(sizeof idx / sizeof idx[0])) break; /* the rest on the next call */
+            idx[n++] = i;
+        }
+    if (!n) return CT_OK;
+    const int all = OFF_DATA | OFF_GRAD | OFF_STATE;
+    long t = 0, tn = 0;
+    ct_status st = load(s, idx[0], all, 0, &t);
+    for (int k = 0; st == CT_OK && k < n; k++) {
+        if ((st = ct__ostore_wait(f->store, t)) != CT_OK) break;
+        if (f->ahead >= 2 && k + 1 < n && (st = load(s, idx[k + 1], all, 0, &tn)) != CT_OK) break;
+        apply_update(s, idx[k]);
+        if ((st = write_updated(s, idx[k], 0)) != CT_OK) break;
+        if (f->ahead < 2 && k + 1 < n && (st = load(s, idx[k + 1], all, 0, &tn)) != CT_OK) break;
+        t = tn;
+    }
+    if (st == CT_OK) st = ct__ostore_drain(f->store);
+    if (st != CT_OK) unwind(s);
+    add_io_times(s);
+    return st == CT_OK ? ct__offload_flush(s) : st; /* more than idx holds: again */
+}
+
+/* ct_strategy_step: the step is recorded (learning rate, step number, clip
+ * factors) and applied to each slice in the next forward, which loads the
+ * slice anyway (or by a flush before anything reads the state).  Then
+ * ct_strategy_step counts it on the slot-less optimizer. */
+ct_status ct__offload_pre_step(ct_strategy *s)
+{
+    offload_t *f = ct__offload(s);
+    ct_optim_opts o = *ct_optim_get_opts(s->opt);
+    CT_TRY(ct_optim_validate(&o));
+    CT_TRY(ct__offload_flush(s)); /* an earlier step some slices still wait for */
+    f->pend_o = o;
+    f->pend_step = ct_optim_get_step(s->opt) + 1;
+    memcpy(f->pend_scales, f->scales, sizeof f->scales);
+    f->pend_nscales = f->nscales;
+    f->nscales = 0;
+    for (int i = 0; i < f->ns; i++) f->sl[i].pending = 1;
+    return CT_OK;
+}

@@ -1,0 +1,357 @@
+/*
+ * The offload store: one I/O thread that runs jobs (read a slice into
+ * memory, write it back and release it) in queue order while the caller
+ * computes, over a back end (a struct of function pointers): a file on
+ * local disk, or a memory pool.  The file is unlinked right after it is
+ * created, so it disappears however the process ends; its space is
+ * reserved up front so a full disk is an error at set-up, not mid-step.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "offload.h"
+
+#define QCAP 64
+
+typedef struct {
+    ct__io_piece p[CT__IO_MAX_PIECES];
+    int n;
+} job;
+
+/* A back end: whole transfers at byte offsets, errno on failure. */
+typedef struct {
+    int (*rw)(void *ctx, int write, void *buf, size_t bytes, off_t off);
+    void (*close)(void *ctx);
+} backend;
+
+struct ct__ostore {
+    const backend *be;
+    void *ctx;
+    size_t bytes;
+    char dir[OFF_TEXT_MAX];
+    pthread_t th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;       /* the thread waits for jobs; callers wait for completion */
+    job q[QCAP];
+    long submitted, done;    /* tickets: job k (1-based) is done when done >= k */
+    int stop;
+    /* first failure: sticky */
+    int err_errno;
+    int err_write;
+    size_t err_bytes;
+    off_t err_off;
+    double busy, waited;     /* seconds: thread in I/O, callers in wait */
+    double rd, wr;           /* bytes moved */
+};
+
+/* Fault injection for tests (ct_offload_fail_io_after): the n-th store I/O
+ * from now fails, as a full disk (ENOSPC) for a write or EIO for a read. */
+static _Atomic long fail_after = -1;
+
+void ct_offload_fail_io_after(long n) { atomic_store(&fail_after, n); }
+
+static int injected(void)
+{
+    long v = atomic_load(&fail_after);
+    while (v >= 0) {
+        if (atomic_compare_exchange_weak(&fail_after, &v, v - 1)) return v == 0;
+    }
+    return 0;
+}
+
+/* ---- the file back end ---------------------------------------------------- */
+
+typedef struct {
+    int fd;
+    int drop_cache;
+} file_ctx;
+
+static int file_rw(void *ctx, int write, void *buf, size_t bytes, off_t off)
+{
+    file_ctx *fc = ctx;
+    size_t done = 0;
+    while (done < bytes) {
+        ssize_t r = write ? pwrite(fc->fd, (char *)buf + done, bytes - done, off + (off_t)done)
+                          : pread(fc->fd, (char *)buf + done, bytes - done, off + (off_t)done);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return errno;
+        if (r == 0) return write ? ENOSPC : EIO; /* a short file: it was truncated under us */
+        done += (size_t)r;
+    }
+    if (fc->drop_cache) {
+        /* Written pages must reach the disk before the kernel can drop them;
+         * read pages are clean and drop at once. */
+        if (write) (void)sync_file_range(fc->fd, off, (off_t)bytes, SYNC_FILE_RANGE_WAIT_BEFORE |
+                                         SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+        (void)posix_fadvise(fc->fd, off, (off_t)bytes, POSIX_FADV_DONTNEED);
+    }
+    return 0;
+}
+
+static void file_close(void *ctx)
+{
+    file_ctx *fc = ctx;
+    close(fc->fd);
+    ct_free(fc);
+}
+
+static const backend file_backend = {file_rw, file_close};
+
+/* Creates the unlinked file in dir and reserves bytes. */
+static ct_status file_open(const char *dir, size_t bytes, int drop_cache, void **out)
+{
+    struct stat sb;
+    if (stat(dir, &sb) != 0)
+        return ct_error(CT_EIO, "offload directory '%s': %s; create it or pass --offload-dir with an "
+                        "existing directory", dir, strerror(errno));
+    if (!S_ISDIR(sb.st_mode))
+        return ct_error(CT_EIO, "offload directory '%s' is not a directory; pass --offload-dir with a directory", dir);
+    file_ctx *fc = ct_alloc_zeroed(sizeof *fc, CT_MEM_OTHER);
+    if (!fc) return CT_ENOMEM;
+    fc->drop_cache = drop_cache;
+    char path[OFF_TEXT_MAX + 64];
+    snprintf(path, sizeof path, "%s/ctrain-offload-%ld-XXXXXX", dir, (long)getpid());
+    fc->fd = mkstemp(path);
+    if (fc->fd < 0) {
+        int e = errno;
+        ct_free(fc);
+        return ct_error(CT_EIO, "cannot create the offload file in '%s': %s; pass --offload-dir with a "
+                        "directory you can write", dir, strerror(e));
+    }
+    /* Gone from the directory now; the descriptor keeps the space until close. */
+    unlink(path);
+    int e = bytes ? posix_fallocate(fc->fd, 0, (off_t)bytes) : 0;
+    if (e == EOPNOTSUPP || e == EINVAL) e = ftruncate(fc->fd, (off_t)bytes) ? errno : 0; /* no reservation there */
+    if (e) {
+        file_close(fc);
+        return ct_error(CT_EIO, "cannot reserve %zu bytes (%.1f MiB) for the offload store in '%s': %s; "
+                        "free space or pass --offload-dir on a filesystem with room",
+                        bytes, (double)bytes / 1048576.0, dir, strerror(e));
+    }
+    *out = fc;
+    return CT_OK;
+}
+
+/* ---- the memory back end: a pool of the store's size ------------------------ */
+
+static int mem_rw(void *ctx, int write, void *buf, size_t bytes, off_t off)
+{
+    char *pool = ctx;
+    if (write) memcpy(pool + off, buf, bytes);
+    else memcpy(buf, pool + off, bytes);
+    return 0;
+}
+
+static void mem_close(void *ctx) { ct_free(ctx); }
+
+static const backend mem_backend = {mem_rw, mem_close};
+
+/* ---- jobs ------------------------------------------------------------------- */
+
+/* Whole transfer or an errno. */
+static int xfer(ct__ostore *o, int write, void *buf, size_t bytes, off_t off)
+{
+    if (injected()) return write ? ENOSPC : EIO;
+    int e = o->be->rw(o->ctx, write, buf, bytes, off);
+    if (!e && write) o->wr += (double)bytes;
+    else if (!e) o->rd += (double)bytes;
+    return e;
+}
+
+static ct_status failure(ct__ostore *o)
+{
+    if (o->err_errno == ENOSPC || o->err_errno == EFBIG || o->err_errno == EDQUOT)
+        return ct_error(CT_EIO, "offload store in '%s': %s writing %zu bytes at offset %lld; the store "
+                        "needs %zu bytes there: free space, or pass --offload-dir on a filesystem with room",
+                        o->dir, strerror(o->err_errno), o->err_bytes, (long long)o->err_off, o->bytes);
+    return ct_error(CT_EIO, "offload store in '%s': %s %s %zu bytes at offset %lld; check the disk under "
+                    "that directory or pass --offload-dir elsewhere",
+                    o->dir, strerror(o->err_errno), o->err_write ? "writing" : "reading", o->err_bytes,
+                    (long long)o->err_off);
+}
+
+/* Runs one piece; errno on failure (0 ok). */
+static int run_piece(ct__ostore *o, const ct__io_piece *p)
+{
+    ct_storage *st = p->st;
+    switch (p->op) {
+    case CT__IO_READ:
+    case CT__IO_ALLOC:
+        if (ct_storage_alloc_data(st, 0) != CT_OK) return ENOMEM;
+        return p->op == CT__IO_READ ? xfer(o, 0, ct_storage_ptr(st), st->bytes, p->off) : 0;
+    case CT__IO_WRITE:
+    case CT__IO_SAVE: {
+        int e = ct_storage_has_data(st) ? xfer(o, 1, ct_storage_ptr(st), st->bytes, p->off) : 0;
+        if (e) return e;
+        if (p->op == CT__IO_WRITE) ct_storage_free_data(st);
+        return 0;
+    }
+    default:
+        ct_storage_free_data(st);
+        return 0;
+    }
+}
+
+static void *io_main(void *arg)
+{
+    ct__ostore *o = arg;
+    pthread_mutex_lock(&o->mu);
+    for (;;) {
+        while (!o->stop && o->done == o->submitted) pthread_cond_wait(&o->cv, &o->mu);
+        if (o->done == o->submitted) break; /* stop, queue empty */
+        /* submit never writes the slot of a job not yet done: read it unlocked */
+        const job *j = &o->q[o->done % QCAP];
+        int failed = o->err_errno != 0;
+        pthread_mutex_unlock(&o->mu);
+        double t0 = ct_now();
+        int e = 0;
+        const ct__io_piece *bad = NULL;
+        /* After a failure the store is lost; later jobs still release memory. */
+        for (int k = 0; k < j->n; k++) {
+            if (failed || e) {
+                if (j->p[k].op == CT__IO_WRITE || j->p[k].op == CT__IO_DROP) ct_storage_free_data(j->p[k].st);
+                continue;
+            }
+            if ((e = run_piece(o, &j->p[k]))) bad = &j->p[k];
+        }
+        double t1 = ct_now();
+        pthread_mutex_lock(&o->mu);
+        o->busy += t1 - t0;
+        if (e && !o->err_errno) {
+            o->err_errno = e;
+            o->err_write = bad->op == CT__IO_WRITE || bad->op == CT__IO_SAVE;
+            o->err_bytes = bad->st->bytes;
+            o->err_off = bad->off;
+        }
+        o->done++;
+        pthread_cond_broadcast(&o->cv);
+    }
+    pthread_mutex_unlock(&o->mu);
+    return NULL;
+}
+
+ct_status ct__ostore_open(int memory, const char *dir, size_t bytes, int drop_cache, ct__ostore **out)
+{
+    *out = NULL;
+    if (!dir || !*dir) dir = getenv("TMPDIR");
+    if (!dir || !*dir) dir = "/tmp";
+    if (strlen(dir) >= OFF_TEXT_MAX)
+        return ct_error(CT_EINVAL, "offload dir '%.60s...' is longer than %d characters; give a shorter path",
+                        dir, OFF_TEXT_MAX - 1);
+    ct__ostore *o = ct_alloc_zeroed(sizeof *o, CT_MEM_OTHER);
+    if (!o) return CT_ENOMEM;
+    snprintf(o->dir, sizeof o->dir, "%s", memory ? "memory" : dir);
+    o->bytes = bytes;
+    ct_status st = CT_OK;
+    if (memory) {
+        /* Not resident by the report's definition (param + grad + optim): the
+         * pool is where slices are not in use, as the file would be. */
+        o->be = &mem_backend;
+        if (!(o->ctx = ct_alloc(bytes ? bytes : 1, CT_MEM_OTHER)))
+            st = ct_error(CT_ENOMEM, "offload store=memory: no room for a pool of %zu bytes (%.1f MiB); use "
+                          "store=file", bytes, (double)bytes / 1048576.0);
+    } else {
+        o->be = &file_backend;
+        st = file_open(dir, bytes, drop_cache, &o->ctx);
+    }
+    if (st != CT_OK) {
+        ct_free(o);
+        return st;
+    }
+    pthread_mutex_init(&o->mu, NULL);
+    pthread_cond_init(&o->cv, NULL);
+    int e = pthread_create(&o->th, NULL, io_main, o);
+    if (e) {
+        pthread_mutex_destroy(&o->mu);
+        pthread_cond_destroy(&o->cv);
+        o->be->close(o->ctx);
+        ct_free(o);
+        return ct_error(CT_ENOMEM, "cannot start the offload I/O thread: %s", strerror(e));
+    }
+    *out = o;
+    return CT_OK;
+}
+
+void ct__ostore_close(ct__ostore *o)
+{
+    if (!o) return;
+    pthread_mutex_lock(&o->mu);
+    o->stop = 1;
+    pthread_cond_broadcast(&o->cv);
+    pthread_mutex_unlock(&o->mu);
+    pthread_join(o->th, NULL);
+    pthread_mutex_destroy(&o->mu);
+    pthread_cond_destroy(&o->cv);
+    o->be->close(o->ctx);
+    ct_free(o);
+}
+
+ct_status ct__ostore_submit(ct__ostore *o, const ct__io_piece *p, int n, long *ticket)
+{
+    CT_ASSERT(n >= 1 && n <= CT__IO_MAX_PIECES);
+    pthread_mutex_lock(&o->mu);
+    while (o->submitted - o->done >= QCAP) pthread_cond_wait(&o->cv, &o->mu);
+    job *j = &o->q[o->submitted % QCAP];
+    memcpy(j->p, p, sizeof *p * (size_t)n);
+    j->n = n;
+    *ticket = ++o->submitted;
+    pthread_cond_broadcast(&o->cv);
+    pthread_mutex_unlock(&o->mu);
+    return CT_OK;
+}
+
+ct_status ct__ostore_wait(ct__ostore *o, long ticket)
+{
+    double t0 = ct_now();
+    pthread_mutex_lock(&o->mu);
+    while (o->done < ticket) pthread_cond_wait(&o->cv, &o->mu);
+    o->waited += ct_now() - t0;
+    ct_status st = o->err_errno ? failure(o) : CT_OK;
+    pthread_mutex_unlock(&o->mu);
+    return st;
+}
+
+ct_status ct__ostore_drain(ct__ostore *o)
+{
+    pthread_mutex_lock(&o->mu);
+    long t = o->submitted;
+    pthread_mutex_unlock(&o->mu);
+    return ct__ostore_wait(o, t);
+}
+
+ct_status ct__ostore_rw(ct__ostore *o, int write, void *buf, size_t bytes, off_t off)
+{
+    CT_TRY(ct__ostore_drain(o));
+    int e = xfer(o, write, buf, bytes, off);
+    if (!e) return CT_OK;
+    pthread_mutex_lock(&o->mu);
+    o->err_errno = e;
+    o->err_write = write;
+    o->err_bytes = bytes;
+    o->err_off = off;
+    ct_status st = failure(o);
+    pthread_mutex_unlock(&o->mu);
+    return st;
+}
+
+void ct__ostore_times(ct__ostore *o, double *busy, double *waited)
+{
+    pthread_mutex_lock(&o->mu);
+    *busy = o->busy;
+    *waited = o->waited;
+    o->busy = o->waited = 0;
+    pthread_mutex_unlock(&o->mu);
+}
+
+void ct__ostore_bytes(const ct__ostore *o, double *rd, double *wr)
+{
+    *rd = o->rd;
+    *wr = o->wr;
+}

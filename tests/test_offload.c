@@ -1,0 +1,509 @@
+/*
+ * The offload strategy in one process: offloaded training equals plain
+ * training bit for bit (with and without activation checkpointing, with
+ * micro-batches, dropout and clipping), the resident bytes stay under the
+ * budget for a model several times its size, state saves and resumes in
+ * any strategy, the store lives in the offload directory and leaves nothing
+ * there, and a full disk or a bad directory is a clear error.
+ */
+#include <dirent.h>
+#include <sys/stat.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "test.h"
+
+/* 9 children, dropout between: slices cut between any of them. */
+static ct_module *model(uint64_t seed, float drop)
+{
+    ct_module *m = ct_sequential_create();
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(12, 32, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_dropout_create(drop)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(32, 48, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_gelu_create()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(48, 32, 0)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_dropout_create(drop)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_layernorm_create(32, 1e-5f)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(32, 5, 1)));
+    ct_module_init_params(m, seed);
+    return m;
+}
+
+/* One step on a batch drawn from step; clip < 0: no clipping. */
+static double step_on(ct_strategy *s, int step, float clip)
+{
+    int64_t n = 24;
+    ct_tensor *x = ct_tensor_create2(n, 12, CT_MEM_ACT), *y = ct_tensor_create(CT_I32, 1, &n, CT_MEM_ACT);
+    ct_rng r;
+    ct_rng_init(&r, 41, (uint64_t)step);
+    ct_rng_normal(&r, ct_f32(x), (size_t)(n * 12), 0, 1);
+    for (int64_t i = 0; i < n; i++) ((int32_t *)ct_tensor_data(y))[i] = (int32_t)((i * 7 + step) % 5);
+    ct_batch b = {x, y, n, 0};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 11, .step = (uint64_t)step};
+    ct_step_out out;
+    ASSERT_OK(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, &out));
+    ASSERT_EQ(out.rows, n);
+    if (clip >= 0) ASSERT_OK(ct_strategy_clip_grad_norm(s, clip, 2.0, NULL));
+    ASSERT_OK(ct_strategy_step(s));
+    ct_strategy_zero_grad(s);
+    ct_tensor_release(x);
+    ct_tensor_release(y);
+    return out.loss_sum;
+}
+
+/* Both strategies' full states (model, then optimizer) are bit for bit equal. */
+static void assert_same_state(ct_strategy *a, ct_strategy *b)
+{
+    for (int optim = 0; optim < 2; optim++) {
+        ct_state sa, sb;
+        ASSERT_OK(optim ? ct_strategy_optim_state(a, &sa) : ct_strategy_model_state(a, &sa));
+        ASSERT_OK(optim ? ct_strategy_optim_state(b, &sb) : ct_strategy_model_state(b, &sb));
+        ASSERT_EQ(sa.n, sb.n);
+        for (int i = 0; i < sa.n; i++) {
+            ASSERT(!strcmp(sa.names[i], sb.names[i]));
+            ASSERT_EQ(ct_tensor_bytes(sa.tensors[i]), ct_tensor_bytes(sb.tensors[i]));
+            if (memcmp(ct_tensor_data(sa.tensors[i]), ct_tensor_data(sb.tensors[i]), ct_tensor_bytes(sa.tensors[i])))
+                ct_test_fail(__FILE__, __LINE__, "'%s' differs", sa.names[i]);
+        }
+        ct_state_fini(&sa);
+        ct_state_fini(&sb);
+    }
+}
+
+/* Offloaded with opts vs plain with popts: 5 AdamW steps, same losses and
+ * bit-identical parameters and optimizer state. */
+static void check_equal(const char *opts, const char *popts, float drop, float clip)
+{
+    ct_module *a = model(3, drop), *b = model(3, drop);
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
+    oo.lr = 0.01;
+    ct_strategy *sa, *sb;
+    ASSERT_OK(ct_strategy_create("none", a, &oo, NULL, popts, &sa));
+    char full[512];
+    snprintf(full, sizeof full, "%s,dir=%s", opts, ct_test_tmpdir());
+    ASSERT_OK(ct_strategy_create("offload", b, &oo, NULL, full, &sb));
+    for (int step = 0; step < 5; step++) {
+        double la = step_on(sa, step, clip), lb = step_on(sb, step, clip);
+        if (la != lb) ct_test_fail(__FILE__, __LINE__, "%s: step %d loss %.9g vs plain %.9g", opts, step, lb, la);
+    }
+    assert_same_state(sa, sb);
+    ct_strategy_destroy(sb);
+    ct_strategy_destroy(sa);
+    /* unwrapped: the parameters are the model's own again, with the trained values */
+    ct_param **pa, **pb;
+    int na, nb;
+    ASSERT_OK(ct_module_params(a, &pa, &na));
+    ASSERT_OK(ct_module_params(b, &pb, &nb));
+    for (int i = 0; i < na; i++)
+        ASSERT(!memcmp(ct_tensor_data(pa[i]->data), ct_tensor_data(pb[i]->data), ct_tensor_bytes(pa[i]->data)));
+    ct_free(pa);
+    ct_free(pb);
+    ct_module_destroy(a);
+    ct_module_destroy(b);
+}
+
+TEST(offload_equals_plain_training_bitwise)
+{
+    check_equal("slices=3", "", 0.0f, -1);
+    check_equal("slices=4,prefetch=0", "", 0.0f, -1);
+    check_equal("balance=1:8", "", 0.0f, -1);
+    check_equal("slices=9", "", 0.0f, -1);
+    check_equal("slices=3,store=memory", "", 0.0f, -1);
+    check_equal("balance=1:1:1:6", "", 0.0f, -1); /* slices without parameters (tanh, dropout) */
+}
+
+TEST(offload_equals_plain_with_dropout_checkpointing_and_clipping)
+{
+    check_equal("slices=3", "", 0.3f, 0.05f);
+    check_equal("slices=3,checkpoint_activation=1", "", 0.3f, -1);
+    check_equal("slices=2,checkpoint_activation=1", "", 0.3f, 0.05f);
+}
+
+/* Gradients accumulated over two train steps without zero_grad (the second
+ * backward adds to what the store holds), two optimizer steps on the same
+ * gradients (the first, still pending, is applied before the second is
+ * taken), clipping in between: all as plain training does them. */
+TEST(offload_accumulation_and_repeated_steps_equal_plain)
+{
+    ct_module *a = model(6, 0.1f), *b = model(6, 0.1f);
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_SGD);
+    oo.lr = 0.05;
+    oo.momentum = 0.9;
+    ct_strategy *s[2];
+    char opts[512];
+    snprintf(opts, sizeof opts, "slices=3,dir=%s", ct_test_tmpdir());
+    ASSERT_OK(ct_strategy_create("none", a, &oo, NULL, "", &s[0]));
+    ASSERT_OK(ct_strategy_create("offload", b, &oo, NULL, opts, &s[1]));
+    for (int k = 0; k < 2; k++) {
+        for (int step = 0; step < 2; step++) {
+            int64_t n = 10;
+            ct_tensor *x = ct_tensor_create2(n, 12, CT_MEM_ACT), *y = ct_tensor_create(CT_I32, 1, &n, CT_MEM_ACT);
+            ct_rng r;
+            ct_rng_init(&r, 8, (uint64_t)step);
+            ct_rng_normal(&r, ct_f32(x), (size_t)(n * 12), 0, 1);
+            for (int64_t i = 0; i < n; i++) ((int32_t *)ct_tensor_data(y))[i] = (int32_t)(i % 5);
+            ct_batch bt = {x, y, n, 0};
+            ct_fwd_ctx ctx = {.training = 1, .seed = 2, .step = (uint64_t)step};
+            ASSERT_OK(ct_strategy_train_step(s[k], &bt, ct_loss_cross_entropy, NULL, &ctx, NULL));
+            ct_tensor_release(x);
+            ct_tensor_release(y);
+        }
+        ASSERT_OK(ct_strategy_clip_grad_norm(s[k], 0.1f, 2.0, NULL));
+        ASSERT_OK(ct_strategy_step(s[k]));
+        ASSERT_OK(ct_strategy_step(s[k]));
+        ASSERT_OK(ct_strategy_step(s[k]));
+    }
+    assert_same_state(s[0], s[1]);
+    ct_strategy_destroy(s[0]);
+    ct_strategy_destroy(s[1]);
+    ct_module_destroy(a);
+    ct_module_destroy(b);
+}
+
+/* Batchnorm under checkpointing: the recompute does not count as another
+ * batch, so the running statistics (buffers, in the state) equal plain
+ * training's; eval through the strategy then uses them alike. */
+TEST(offload_checkpoint_recompute_keeps_batchnorm_statistics)
+{
+    ct_module *m[2];
+    for (int k = 0; k < 2; k++) {
+        m[k] = ct_sequential_create();
+        ASSERT_OK(ct_module_add(m[k], NULL, ct_linear_create(12, 16, 1)));
+        ASSERT_OK(ct_module_add(m[k], NULL, ct_batchnorm_create(16, 1e-5f, 0.1f)));
+        ASSERT_OK(ct_module_add(m[k], NULL, ct_relu_create()));
+        ASSERT_OK(ct_module_add(m[k], NULL, ct_linear_create(16, 16, 1)));
+        ASSERT_OK(ct_module_add(m[k], NULL, ct_batchnorm_create(16, 1e-5f, 0.1f)));
+        ASSERT_OK(ct_module_add(m[k], NULL, ct_linear_create(16, 5, 1)));
+        ct_module_init_params(m[k], 4);
+    }
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
+    ct_strategy *sa, *sb;
+    char opts[512];
+    snprintf(opts, sizeof opts, "slices=3,checkpoint_activation=1,dir=%s", ct_test_tmpdir());
+    ASSERT_OK(ct_strategy_create("none", m[0], &oo, NULL, "", &sa));
+    ASSERT_OK(ct_strategy_create("offload", m[1], &oo, NULL, opts, &sb));
+    for (int step = 0; step < 3; step++) {
+        double la = step_on(sa, step, -1), lb = step_on(sb, step, -1);
+        ASSERT(la == lb);
+    }
+    assert_same_state(sa, sb); /* running_mean, running_var, num_batches_tracked included */
+    ct_param *nb = ct_module_find(m[1], "1.num_batches_tracked");
+    ASSERT(nb && ct_f32(nb->data)[0] == 3.0f);
+    ct_strategy_destroy(sa);
+    ct_strategy_destroy(sb);
+    ct_module_destroy(m[0]);
+    ct_module_destroy(m[1]);
+}
+
+/* Micro-batches: each slice runs them all while resident; the gradients
+ * add up in the order grad_accum adds them. */
+TEST(offload_microbatches_equal_grad_accum)
+{
+    check_equal("slices=3,checkpoint_activation=1,microbatches=4", "grad_accum=4", 0.3f, -1);
+    check_equal("slices=4,checkpoint_activation=1,microbatches=3,prefetch=0", "grad_accum=3", 0.0f, 0.05f);
+}
+
+/* A model 5x the budget trains with the memory report's peak resident
+ * (param + grad + optim) under the budget; 1 MiB too little is refused
+ * with the numbers. */
+TEST(offload_resident_stays_under_budget)
+{
+    ct_module *m = ct_sequential_create();
+    for (int k = 0; k < 20; k++) {
+        ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(k ? 250 : 12, 250, 1)));
+        ASSERT_OK(ct_module_add(m, NULL, ct_relu_create()));
+    }
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(250, 5, 1)));
+    ct_module_init_params(m, 1);
+    int64_t np = ct_module_num_params(m);
+    size_t whole = (size_t)np * 4 * 4; /* params, grads, AdamW's two moments */
+    const int budget_mb = 4;
+    ASSERT(whole >= 4 * (size_t)budget_mb * 1048576);
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
+    ct_strategy *s;
+    char opts[512];
+    snprintf(opts, sizeof opts, "slices=4,max_resident_mb=%d,dir=%s", budget_mb, ct_test_tmpdir());
+    ASSERT_ERR(ct_strategy_create("offload", m, &oo, NULL, opts, &s), CT_EINVAL, "over the budget of 4 MiB");
+    ASSERT_STR_CONTAINS(ct_last_error(), "use more slices");
+    snprintf(opts, sizeof opts, "slices=20,max_resident_mb=%d,dir=%s", budget_mb, ct_test_tmpdir());
+    ASSERT_OK(ct_strategy_create("offload", m, &oo, NULL, opts, &s));
+    int ns, ahead;
+    ct_strategy_offload_info(s, &ns, &ahead);
+    ASSERT_EQ(ns, 20);
+    ASSERT(ahead >= 2); /* room to prefetch */
+    ct_mem_reset_peak();
+    for (int step = 0; step < 3; step++) {
+        int64_t n = 16;
+        ct_tensor *x = ct_tensor_create2(n, 12, CT_MEM_ACT), *y = ct_tensor_create(CT_I32, 1, &n, CT_MEM_ACT);
+        ct_batch b = {x, y, n, 0};
+        ct_fwd_ctx ctx = {.training = 1, .seed = 1, .step = (uint64_t)step};
+        ASSERT_OK(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, NULL));
+        ASSERT_OK(ct_strategy_clip_grad_norm(s, 1.0f, 2.0, NULL));
+        ASSERT_OK(ct_strategy_step(s));
+        ct_strategy_zero_grad(s);
+        ct_tensor_release(x);
+        ct_tensor_release(y);
+    }
+    ct_mem_report r;
+    ct_mem_report_get(&r);
+    if (r.peak_resident > (size_t)budget_mb * 1048576)
+        ct_test_fail(__FILE__, __LINE__, "peak resident %zu bytes over the budget %d MiB (model %zu bytes)",
+                     r.peak_resident, budget_mb, whole);
+    ASSERT(r.peak[CT_MEM_OPTIM] > 0 && r.peak[CT_MEM_GRAD] > 0); /* slices did come in */
+    ct_step_stats st = ct_strategy_stats(s);
+    ASSERT(st.io_total > 0);
+    ct_strategy_destroy(s);
+    ct_module_destroy(m);
+}
+
+/* A run saved under offload resumes under "none" (and a plain run's state
+ * resumes under offload) exactly as if it had not stopped. */
+TEST(offload_state_saves_and_resumes_in_any_strategy)
+{
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
+    oo.lr = 0.01;
+    const char *kinds[2][2] = {{"offload", "none"}, {"none", "offload"}};
+    for (int dir = 0; dir < 2; dir++) {
+        ct_module *a = model(8, 0.2f), *b = model(99, 0.2f), *c = model(8, 0.2f);
+        char opts[512];
+        snprintf(opts, sizeof opts, "slices=3,checkpoint_activation=1,dir=%s", ct_test_tmpdir());
+        const char *ka = kinds[dir][0], *kb = kinds[dir][1];
+        ct_strategy *sa, *sb, *sc;
+        ASSERT_OK(ct_strategy_create(ka, a, &oo, NULL, strcmp(ka, "none") ? opts : "", &sa));
+        ASSERT_OK(ct_strategy_create(kb, b, &oo, NULL, strcmp(kb, "none") ? opts : "", &sb));
+        ASSERT_OK(ct_strategy_create("none", c, &oo, NULL, "", &sc)); /* never stops */
+        for (int step = 0; step < 3; step++) {
+            step_on(sa, step, -1);
+            step_on(sc, step, -1);
+        }
+        /* through a safetensors file, as ctrain --save / --resume do */
+        for (int optim = 0; optim < 2; optim++) {
+            ct_state st;
+            ASSERT_OK(optim ? ct_strategy_optim_state(sa, &st) : ct_strategy_model_state(sa, &st));
+            char path[PATH_MAX];
+            snprintf(path, sizeof path, "%s/ck%d.safetensors", ct_test_tmpdir(), optim);
+            ASSERT_OK(ct_safetensors_save(path, (const char *const *)st.names, st.tensors,
+                                          st.n, NULL, NULL, 0));
+            ct_state_fini(&st);
+            ct_safetensors *f;
+            ASSERT_OK(ct_safetensors_load(path, &f));
+            const char **names;
+            ct_tensor **ts;
+            int n = ct_safetensors_count(f);
+            names = ct_alloc(sizeof *names * (size_t)n, CT_MEM_OTHER);
+            ts = ct_alloc(sizeof *ts * (size_t)n, CT_MEM_OTHER);
+            for (int i = 0; i < n; i++) {
+                names[i] = ct_safetensors_name(f, i);
+                ts[i] = ct_safetensors_tensor(f, i);
+            }
+            ASSERT_OK(ct_strategy_load_state(sb, names, ts, n, optim));
+            ct_free(names);
+            ct_free(ts);
+            ct_safetensors_destroy(f);
+        }
+        for (int step = 3; step < 6; step++) {
+            double lb = step_on(sb, step, -1), lc = step_on(sc, step, -1);
+            ASSERT(lb == lc);
+        }
+        assert_same_state(sb, sc);
+        ct_strategy_destroy(sa);
+        ct_strategy_destroy(sb);
+        ct_strategy_destroy(sc);
+        ct_module_destroy(a);
+        ct_module_destroy(b);
+        ct_module_destroy(c);
+    }
+}
+
+/* Eval through the strategy streams the slices and equals the plain forward. */
+TEST(offload_predict_equals_plain_forward)
+{
+    ct_module *a = model(5, 0.5f), *b = model(5, 0.5f);
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_SGD);
+    ct_strategy *s;
+    char opts[512];
+    snprintf(opts, sizeof opts, "slices=4,dir=%s", ct_test_tmpdir());
+    ASSERT_OK(ct_strategy_create("offload", b, &oo, NULL, opts, &s));
+    ct_tensor *x = ct_tensor_create2(7, 12, CT_MEM_ACT), *ya = NULL, *yb = NULL;
+    ct_rng r;
+    ct_rng_init(&r, 1, 2);
+    ct_rng_normal(&r, ct_f32(x), 7 * 12, 0, 1);
+    ct_fwd_ctx ctx = {.training = 0};
+    ASSERT_OK(ct_module_forward(a, x, &ya, NULL, &ctx));
+    ASSERT_OK(ct_strategy_predict(s, x, &ctx, &yb));
+    ASSERT(yb && !memcmp(ct_tensor_data(ya), ct_tensor_data(yb), ct_tensor_bytes(ya)));
+    /* forward outside the train step would find no parameters: refused */
+    ct_tensor *z = NULL;
+    ASSERT_ERR(ct_strategy_forward(s, x, &z, NULL, &ctx), CT_ESTATE, "ct_strategy_train_step");
+    ct_tensor_release(x);
+    ct_tensor_release(ya);
+    ct_tensor_release(yb);
+    ct_strategy_destroy(s);
+    ct_module_destroy(a);
+    ct_module_destroy(b);
+}
+
+static int count_entries(const char *dir)
+{
+    DIR *d = opendir(dir);
+    ASSERT(d);
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
+    closedir(d);
+    return n;
+}
+
+/* The store is a file in the given directory, unlinked from the start, so
+ * nothing is ever left there (not even after SIGKILL); the process holds
+ * it open while the strategy lives. */
+TEST(offload_store_lives_in_the_directory_and_leaves_nothing)
+{
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof dir, "%s/store", ct_test_tmpdir());
+    ASSERT(mkdir(dir, 0700) == 0);
+    ct_module *m = model(1, 0);
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
+    ct_strategy *s;
+    char opts[PATH_MAX + 64];
+    snprintf(opts, sizeof opts, "slices=2,dir=%s", dir);
+    ASSERT_OK(ct_strategy_create("offload", m, &oo, NULL, opts, &s));
+    step_on(s, 0, -1);
+    ASSERT_EQ(count_entries(dir), 0);
+    int found = 0;
+    DIR *fds = opendir("/proc/self/fd");
+    if (!fds) SKIP("no /proc/self/fd to see the open store");
+    struct dirent *e;
+    while ((e = readdir(fds))) {
+        char link[PATH_MAX], target[PATH_MAX];
+        snprintf(link, sizeof link, "/proc/self/fd/%s", e->d_name);
+        ssize_t k = readlink(link, target, sizeof target - 1);
+        if (k <= 0) continue;
+        target[k] = 0;
+        if (!strncmp(target, dir, strlen(dir)) && strstr(target, "ctrain-offload") && strstr(target, "(deleted)")) found++;
+    }
+    closedir(fds);
+    ASSERT_EQ(found, 1);
+    ct_strategy_destroy(s);
+    ASSERT_EQ(count_entries(dir), 0);
+    ct_module_destroy(m);
+}
+
+/* Bad set-ups are refused with the cause and the fix. */
+TEST(offload_bad_configurations_are_clear_errors)
+{
+    ct_module *m = model(1, 0);
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
+    ct_strategy *s;
+    char opts[PATH_MAX + 64];
+    ASSERT_ERR(ct_strategy_create("offload", m, &oo, NULL, "microbatches=4", &s), CT_EINVAL,
+               "need checkpoint_activation");
+    ASSERT_ERR(ct_strategy_create("offload", m, &oo, NULL, "slices=10", &s), CT_EINVAL,
+               "cannot cut 9 children into 10 slices");
+    ASSERT_ERR(ct_strategy_create("offload", m, &oo, NULL, "balance=3:3", &s), CT_EINVAL, "sums to 6");
+    ASSERT_ERR(ct_strategy_create("offload", m, &oo, NULL, "grad_accum=2", &s), CT_EINVAL, "--microbatches");
+    snprintf(opts, sizeof opts, "dir=%s/missing", ct_test_tmpdir());
+    ASSERT_ERR(ct_strategy_create("offload", m, &oo, NULL, opts, &s), CT_EIO, "No such file or directory");
+    char file[PATH_MAX];
+    snprintf(file, sizeof file, "%s/plain", ct_test_tmpdir());
+    FILE *fp = fopen(file, "w");
+    ASSERT(fp);
+    fclose(fp);
+    snprintf(opts, sizeof opts, "dir=%s", file);
+    ASSERT_ERR(ct_strategy_create("offload", m, &oo, NULL, opts, &s), CT_EIO, "is not a directory");
+    ct_module *lin = ct_linear_create(3, 3, 1);
+    ASSERT_ERR(ct_strategy_create("offload", lin, &oo, NULL, "", &s), CT_EINVAL, "needs a sequential");
+    ct_module_destroy(lin);
+    /* the model came through the failed set-ups unchanged: it still trains offloaded */
+    snprintf(opts, sizeof opts, "dir=%s", ct_test_tmpdir());
+    ASSERT_OK(ct_strategy_create("offload", m, &oo, NULL, opts, &s));
+    step_on(s, 0, -1);
+    ct_strategy_destroy(s);
+    ct_module_destroy(m);
+}
+
+/* A disk that fills (or fails) in the middle of a step: the step fails
+ * naming the store's directory and the fix, the store is given up, and a
+ * checkpoint written before is untouched and still loads. */
+TEST(offload_full_disk_mid_step_is_a_clear_error)
+{
+    ct_module *m = model(2, 0), *ref = model(2, 0);
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
+    ct_strategy *s, *sr;
+    char opts[PATH_MAX + 64];
+    snprintf(opts, sizeof opts, "slices=3,dir=%s", ct_test_tmpdir());
+    ASSERT_OK(ct_strategy_create("offload", m, &oo, NULL, opts, &s));
+    ASSERT_OK(ct_strategy_create("none", ref, &oo, NULL, "", &sr));
+    step_on(s, 0, -1);
+    step_on(sr, 0, -1);
+    ct_state st;
+    ASSERT_OK(ct_strategy_model_state(s, &st));
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/last.safetensors", ct_test_tmpdir());
+    ASSERT_OK(ct_safetensors_save(path, (const char *const *)st.names, st.tensors, st.n, NULL, NULL, 0));
+    ct_state_fini(&st);
+    for (int when = 0; when < 12; when += 5) {
+        ct_offload_fail_io_after(when);
+        int64_t n = 8;
+        ct_tensor *x = ct_tensor_create2(n, 12, CT_MEM_ACT), *y = ct_tensor_create(CT_I32, 1, &n, CT_MEM_ACT);
+        ct_batch b = {x, y, n, 0};
+        ct_fwd_ctx ctx = {.training = 1};
+        ct_status r = ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, NULL);
+        if (r == CT_OK) r = ct_strategy_step(s);
+        ASSERT_EQ(r, CT_EIO);
+        ASSERT_STR_CONTAINS(ct_last_error(), ct_test_tmpdir());
+        ASSERT_STR_CONTAINS(ct_last_error(), "--offload-dir");
+        ct_tensor_release(x);
+        ct_tensor_release(y);
+    }
+    ct_offload_fail_io_after(-1);
+    ct_mem_report rep;
+    ct_mem_report_get(&rep);
+    /* nothing of a slice stays resident after the failures (only the reference's) */
+    ASSERT(rep.current[CT_MEM_GRAD] <= (size_t)ct_module_num_params(ref) * 4);
+    ct_strategy_destroy(s);
+    ct_safetensors *f;
+    ASSERT_OK(ct_safetensors_load(path, &f));
+    for (int i = 0; i < ct_safetensors_count(f); i++) {
+        ct_param *p = ct_module_find(ref, ct_safetensors_name(f, i));
+        ASSERT(p);
+        ASSERT(!memcmp(ct_tensor_data(ct_safetensors_tensor(f, i)), ct_tensor_data(p->data), ct_tensor_bytes(p->data)));
+    }
+    ct_safetensors_destroy(f);
+    ct_strategy_destroy(sr);
+    ct_module_destroy(m);
+    ct_module_destroy(ref);
+}
+
+TEST(offload_split_by_parameter_count)
+{
+    ct_module *m = ct_sequential_create();
+    int widths[] = {100, 10, 10, 10, 100, 10, 10, 100};
+    for (int k = 0; k < 8; k++) ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(10, widths[k], 0)));
+    int sizes[9];
+    ASSERT_OK(ct_offload_split(m, 3, sizes));
+    /* 3500 parameters, a share of ~1167 (cumulative 1167, 2333): [1000+100+100]
+     * closes at 1200 (33 over beats 133 over), [100+1000] at 2300 (33 under
+     * beats 67 over), the last takes [100+100+1000] */
+    ASSERT_EQ(sizes[0], 3);
+    ASSERT_EQ(sizes[1], 2);
+    ASSERT_EQ(sizes[2], 3);
+    /* children without parameters stay with the slice before them */
+    ct_module *r = ct_sequential_create();
+    for (int k = 0; k < 4; k++) {
+        ASSERT_OK(ct_module_add(r, NULL, ct_linear_create(10, 10, 0)));
+        ASSERT_OK(ct_module_add(r, NULL, ct_relu_create()));
+    }
+    ASSERT_OK(ct_offload_split(r, 4, sizes));
+    for (int k = 0; k < 4; k++) ASSERT_EQ(sizes[k], 2);
+    ASSERT_OK(ct_offload_split(r, 8, sizes));
+    for (int k = 0; k < 8; k++) ASSERT_EQ(sizes[k], 1);
+    ct_module_destroy(r);
+    ASSERT_OK(ct_offload_split(m, 8, sizes));
+    for (int k = 0; k < 8; k++) ASSERT_EQ(sizes[k], 1);
+    ASSERT_ERR(ct_offload_split(m, 9, sizes), CT_EINVAL, "use at most 8 slices");
+    ct_module_destroy(m);
+}
