@@ -46,6 +46,35 @@ static const ct__opt_def offload_opt_defs[] = {
 
 static int is_sequential(const ct_module *m) { return m && !strcmp(m->ops->kind, "sequential"); }
 
+/* w[k]: elements of the parameters child k lists that no earlier child (nor
+ * seq itself) does, so a tied weight counts once, where it first appears. */
+static ct_status child_weights(ct_module *seq, int64_t *w)
+{
+    ct_param **all;
+    int na, seen = seq->nparams; /* seq's own come first in the model's list */
+    CT_TRY(ct_module_params(seq, &all, &na));
+    ct_status st = CT_OK;
+    for (int k = 0; k < seq->nkids && st == CT_OK; k++) {
+        ct_param **ps;
+        int np;
+        if ((st = ct_module_params(seq->kids[k], &ps, &np)) != CT_OK) break;
+        w[k] = 0;
+        int fresh = 0;
+        for (int j = 0; j < np; j++) {
+            int old = 0;
+            for (int q = 0; q < seen && !old; q++) old = all[q] == ps[j];
+            if (!old) {
+                w[k] += ps[j]->data->numel;
+                fresh++;
+            }
+        }
+        seen += fresh;
+        ct_free(ps);
+    }
+    ct_free(all);
+    return st;
+}
+
 ct_status ct_offload_split(ct_module *seq, int nslices, int *sizes)
 {
     if (!is_sequential(seq))
@@ -55,8 +84,15 @@ ct_status ct_offload_split(ct_module *seq, int nslices, int *sizes)
     if (nslices < 1 || n < nslices)
         return ct_error(CT_EINVAL, "cannot cut %d children into %d slices: every slice needs a child; "
                         "use at most %d slices", n, nslices, n);
+    int64_t *wk = ct_alloc(sizeof *wk * (size_t)n, CT_MEM_OTHER);
+    if (!wk) return CT_ENOMEM;
+    ct_status st = child_weights(seq, wk);
+    if (st != CT_OK) {
+        ct_free(wk);
+        return st;
+    }
     int64_t total = 0;
-    for (int k = 0; k < n; k++) total += ct_module_num_params(seq->kids[k]);
+    for (int k = 0; k < n; k++) total += wk[k];
     /* fairscale's split, to the nearest boundary: a slice closes before a
      * child when the slices so far are then closer to their share of the
      * parameters (cumulative, so rounding does not pile onto the last) than
@@ -65,7 +101,7 @@ ct_status ct_offload_split(ct_module *seq, int nslices, int *sizes)
     int j = 0, cnt = 0;
     int64_t acc = 0;
     for (int k = 0; k < n; k++) {
-        int64_t w = ct_module_num_params(seq->kids[k]);
+        int64_t w = wk[k];
         if (j < nslices - 1 && cnt > 0) {
             double target = (double)total * (j + 1) / nslices;
             int must = n - k == nslices - j - 1; /* the rest are one child per slice */
@@ -78,6 +114,7 @@ ct_status ct_offload_split(ct_module *seq, int nslices, int *sizes)
         cnt++;
     }
     sizes[j++] = cnt;
+    ct_free(wk);
     CT_ASSERT(j == nslices && cnt > 0);
     return CT_OK;
 }
@@ -112,6 +149,59 @@ static ct_status parse_balance(const char *text, int nkids, int **out, int *n)
     return CT_OK;
 }
 
+static int param_index(const ct_strategy *s, const ct_param *p)
+{
+    for (int j = 0; j < s->nparams; j++)
+        if (s->params[j] == p) return j;
+    return -1;
+}
+
+/* Each parameter goes to the slice of the children that use it, or to the
+ * tied group when children of two slices do (a tied weight: one parameter,
+ * two uses; in one slice it simply stays there).  Sets where, eoff, and
+ * every group's pj, n and nlow. */
+static ct_status group_params(ct_strategy *s)
+{
+    offload_t *f = ct__offload(s);
+    int ns = f->ns, np = s->nparams;
+    f->where = ct_alloc(sizeof *f->where * (size_t)(np + 1), CT_MEM_OTHER);
+    f->eoff = ct_alloc(sizeof *f->eoff * (size_t)(np + 1), CT_MEM_OTHER);
+    int *pjs = ct_alloc(sizeof *pjs * (size_t)(np + 1), CT_MEM_OTHER);
+    f->pjs = pjs;
+    if (!f->where || !f->eoff || !pjs) return CT_ENOMEM;
+    for (int j = 0; j < np; j++) f->where[j] = -1;
+    for (int i = 0; i < ns; i++)
+        for (int c = f->sl[i].k0; c < f->sl[i].k1; c++) {
+            ct_param **ps;
+            int n;
+            CT_TRY(ct_module_params(s->model->kids[c], &ps, &n));
+            for (int q = 0; q < n; q++) {
+                int j = param_index(s, ps[q]);
+                CT_ASSERT(j >= 0);
+                f->where[j] = f->where[j] < 0 || f->where[j] == i ? i : ns;
+            }
+            ct_free(ps);
+        }
+    /* pj runs laid end to end in pjs: the slices in order, then the tied group */
+    int at = 0;
+    int low = s->common.param_dtype != CT_F32;
+    for (int g = 0; g <= ns; g++) {
+        offload_slice *sl = g < ns ? &f->sl[g] : &f->tied;
+        sl->pj = pjs + at;
+        for (int j = 0; j < np; j++) {
+            CT_ASSERT(f->where[j] >= 0); /* the sequential has no parameters of its own */
+            if (f->where[j] != g) continue;
+            ct_param *p = s->params[j];
+            pjs[at++] = j;
+            f->eoff[j] = sl->n;
+            sl->n += p->data->numel;
+            if (low && ct__mixed_wants_copy(p)) sl->nlow += p->data->numel;
+        }
+        sl->np = (int)(pjs + at - sl->pj);
+    }
+    return CT_OK;
+}
+
 static ct_status offload_init(ct_strategy *s)
 {
     const offload_opts *O = ct__offload_opts(s);
@@ -127,13 +217,17 @@ static ct_status offload_init(ct_strategy *s)
     if (s->common.grad_accum != 1)
         return ct_error(CT_EINVAL, "offload: grad_accum=%d is not taken; offload splits the batch with "
                         "microbatches=N (--microbatches)", s->common.grad_accum);
-    if (s->common.param_dtype != CT_F32 || s->common.reduce_dtype != CT_F32)
-        return ct_error(CT_EUNSUPPORTED, "offload keeps f32 parameters and reduces f32 gradients; drop "
-                        "param_dtype/reduce_dtype (--mixed) with offload");
-    for (int i = 0; i < s->nparams; i++)
+    if (s->common.reduce_dtype != CT_F32)
+        return ct_error(CT_EUNSUPPORTED, "offload reduces f32 gradients (a slice's are summed in its flat f32 "
+                        "storage); drop reduce_dtype (--grad-compress) with offload");
+    for (int i = 0; i < s->nparams; i++) {
         if (s->params[i]->data->dtype != CT_F32)
             return ct_error(CT_EUNSUPPORTED, "offload: parameter '%s' is %s; offload takes f32 parameters",
                             s->params[i]->name, ct_dtype_name(s->params[i]->data->dtype));
+        if (s->params[i]->compute)
+            return ct_error(CT_ESTATE, "parameter '%s' already has a compute copy: is the model wrapped by "
+                            "another mixed-precision strategy?", s->params[i]->name);
+    }
     offload_t *f = ct_alloc_zeroed(sizeof *f, CT_MEM_OTHER);
     if (!f) return CT_ENOMEM;
     s->priv = f;
@@ -159,31 +253,16 @@ static ct_status offload_init(ct_strategy *s)
         return CT_ENOMEM;
     }
     f->ns = ns;
-    /* Parameters come in model order, a child's all together: a slice's
-     * are a contiguous run of s->params. */
-    int k = 0, p = 0;
+    int k = 0;
     char text[OFF_TEXT_MAX];
     int toff = 0;
     for (int i = 0; i < ns; i++) {
-        offload_slice *sl = &f->sl[i];
-        sl->k0 = k;
-        sl->k1 = k += sizes[i];
-        sl->p0 = p;
-        for (int c = sl->k0; c < sl->k1; c++) {
-            ct_param **ps;
-            int np;
-            CT_TRY(ct_module_params(s->model->kids[c], &ps, &np));
-            for (int j = 0; j < np; j++) {
-                CT_ASSERT(p < s->nparams && s->params[p] == ps[j]);
-                sl->n += s->params[p++]->data->numel;
-            }
-            ct_free(ps);
-        }
-        sl->p1 = p;
+        f->sl[i].k0 = k;
+        f->sl[i].k1 = k += sizes[i];
         if (toff < (int)sizeof text) toff += snprintf(text + toff, sizeof text - (size_t)toff, "%s%d", i ? ":" : "", sizes[i]);
     }
     ct_free(sizes);
-    CT_ASSERT(p == s->nparams);
+    CT_TRY(group_params(s));
     CT_TRY(ct__opts_set_text(s, "balance", text));
     ct_module **mods;
     int nm;
@@ -200,9 +279,16 @@ static ct_status offload_init(ct_strategy *s)
 
 /* ---- the store: layout, first write, budget ---------------------------------- */
 
-static size_t slice_bytes(const offload_t *f, const offload_slice *sl)
+/* Bytes of slice sl in the file: parameters, gradients, optimizer state. */
+static size_t file_bytes(const offload_t *f, const offload_slice *sl)
 {
     return (size_t)sl->n * sizeof(float) * (size_t)(2 + f->nstate);
+}
+
+/* Bytes of slice sl when resident: those and its bf16 compute copies. */
+static size_t mem_bytes(const offload_t *f, const offload_slice *sl)
+{
+    return file_bytes(f, sl) + (size_t)sl->nlow * 2;
 }
 
 static off_t grad_off(const offload_slice *sl) { return sl->off + (off_t)(sl->n * 4); }
@@ -212,32 +298,40 @@ ct_status ct__offload_io(ct_strategy *s, int i, int mask, int op, long *ticket)
 {
     offload_t *f = ct__offload(s);
     offload_slice *sl = &f->sl[i];
-    ct__io_piece p[3];
+    ct__io_piece p[CT__IO_MAX_PIECES];
     int n = 0;
     if (mask & OFF_DATA) p[n++] = (ct__io_piece){sl->data, sl->off, op};
     if (mask & OFF_GRAD) p[n++] = (ct__io_piece){sl->grad, grad_off(sl), op};
     if ((mask & OFF_STATE) && sl->state) p[n++] = (ct__io_piece){sl->state, state_off(sl), op};
+    /* compute copies are made from the data, never stored: memory back, or gone */
+    if ((mask & OFF_LOW) && sl->low)
+        p[n++] = (ct__io_piece){sl->low, 0, op == CT__IO_READ || op == CT__IO_ALLOC ? CT__IO_ALLOC : CT__IO_DROP};
     *ticket = 0;
     return n ? ct__ostore_submit(f->store, p, n, ticket) : CT_OK;
 }
 
-/* Moves slice i's parameters into its storages and writes the slice out:
- * its data, zero gradients and zero optimizer state. */
-static ct_status offload_slice_out(ct_strategy *s, int i)
+/* Moves sl's parameters into its flat storages (made here): their data,
+ * zero gradients and state, and views of the compute copies for those the
+ * mixed-precision policy gives one. */
+static ct_status move_in(ct_strategy *s, offload_slice *sl)
 {
     offload_t *f = ct__offload(s);
-    offload_slice *sl = &f->sl[i];
     size_t b = (size_t)sl->n * 4;
     if (!(sl->data = ct_storage_create(b, CT_MEM_PARAM, 0)) || !(sl->grad = ct_storage_create(b, CT_MEM_GRAD, 1)))
         return CT_ENOMEM;
     if (f->nstate && !(sl->state = ct_storage_create(b * (size_t)f->nstate, CT_MEM_OPTIM, 1))) return CT_ENOMEM;
-    size_t off = 0;
-    for (int j = sl->p0; j < sl->p1; j++) {
-        ct_param *p = s->params[j];
+    if (sl->nlow && !(sl->low = ct_storage_create((size_t)sl->nlow * 2, CT_MEM_PARAM, 0))) return CT_ENOMEM;
+    size_t off = 0, loff = 0;
+    for (int k = 0; k < sl->np; k++) {
+        ct_param *p = s->params[sl->pj[k]];
+        int low = sl->low && ct__mixed_wants_copy(p);
         ct_tensor *d = ct_tensor_on(sl->data, off, CT_F32, p->data->ndim, p->data->shape);
         ct_tensor *g = p->grad ? ct_tensor_on(sl->grad, off, CT_F32, p->data->ndim, p->data->shape) : NULL;
-        if (!d || (p->grad && !g)) {
+        ct_tensor *c = low ? ct_tensor_on(sl->low, loff, CT_BF16, p->data->ndim, p->data->shape) : NULL;
+        if (!d || (p->grad && !g) || (low && !c)) {
             ct_tensor_release(d);
+            ct_tensor_release(g);
+            ct_tensor_release(c);
             return CT_ENOMEM;
         }
         memcpy((char *)ct_storage_ptr(sl->data) + off, ct_tensor_data(p->data), (size_t)p->data->numel * 4);
@@ -245,12 +339,23 @@ static ct_status offload_slice_out(ct_strategy *s, int i)
         ct_tensor_release(p->grad);
         p->data = d;
         p->grad = g;
+        p->compute = c;
         p->grad_stale = 0;
         p->user = f; /* marks the parameter as moved, for fini */
         off += (size_t)p->data->numel * 4;
+        loff += low ? (size_t)p->data->numel * 2 : 0;
     }
+    return CT_OK;
+}
+
+/* Moves slice i's parameters into its storages and writes the slice out:
+ * its data, zero gradients and zero optimizer state. */
+static ct_status offload_slice_out(ct_strategy *s, int i)
+{
+    offload_t *f = ct__offload(s);
+    CT_TRY(move_in(s, &f->sl[i]));
     long t;
-    CT_TRY(ct__offload_io(s, i, OFF_DATA | OFF_GRAD | OFF_STATE, CT__IO_WRITE, &t));
+    CT_TRY(ct__offload_io(s, i, OFF_DATA | OFF_GRAD | OFF_STATE | OFF_LOW, CT__IO_WRITE, &t));
     return ct__ostore_wait(f->store, t);
 }
 
@@ -265,11 +370,15 @@ static ct_status offload_build_optim(ct_strategy *s, const ct_optim_opts *o)
     size_t total = 0, largest = 0;
     for (int i = 0; i < f->ns; i++) {
         f->sl[i].off = (off_t)total;
-        total += slice_bytes(f, &f->sl[i]);
-        if (slice_bytes(f, &f->sl[i]) > largest) largest = slice_bytes(f, &f->sl[i]);
+        total += file_bytes(f, &f->sl[i]);
+        if (mem_bytes(f, &f->sl[i]) > largest) largest = mem_bytes(f, &f->sl[i]);
     }
     CT_TRY(ct__ostore_open(O->store == OFF_STORE_MEMORY, ct_strategy_opt(s, "dir"), total, O->drop_cache, &f->store));
     for (int i = 0; i < f->ns; i++) CT_TRY(offload_slice_out(s, i));
+    if (f->tied.np) { /* resident from here on: counted in fixed below, so in the budget */
+        CT_TRY(move_in(s, &f->tied));
+        ct__offload_cast(s, &f->tied);
+    }
     ct_mem_report r;
     ct_mem_report_get(&r);
     f->fixed = r.resident;
@@ -278,10 +387,11 @@ static ct_status offload_build_optim(ct_strategy *s, const ct_optim_opts *o)
         size_t budget = (size_t)O->max_resident_mb * (size_t)MIB;
         if (f->fixed + largest > budget)
             return ct_error(CT_EINVAL, "offload: the largest slice needs %.2f MiB resident (parameters, "
-                            "gradients and optimizer state) on top of %.2f MiB already resident, over the "
-                            "budget of %d MiB; use more slices (--slices) or raise --max-resident-mb to at "
-                            "least %.0f", (double)largest / MIB, (double)f->fixed / MIB, O->max_resident_mb,
-                            ceil((double)(f->fixed + largest) / MIB));
+                            "gradients and optimizer state) on top of %.2f MiB already resident (%.2f MiB of "
+                            "them for parameters two slices use, which stay), over the budget of %d MiB; use "
+                            "more slices (--slices) or raise --max-resident-mb to at least %.0f",
+                            (double)largest / MIB, (double)f->fixed / MIB, (double)mem_bytes(f, &f->tied) / MIB,
+                            O->max_resident_mb, ceil((double)(f->fixed + largest) / MIB));
         size_t room = (budget - f->fixed) / largest;
         if ((size_t)f->ahead > room) f->ahead = (int)room;
         if (f->ahead < 2 && O->prefetch)
@@ -293,6 +403,50 @@ static ct_status offload_build_optim(ct_strategy *s, const ct_optim_opts *o)
     return CT_OK;
 }
 
+/* Gives slice sl's moved parameters tensors of their own again, with the
+ * data from memory (the tied group) or from the store (zeros when ok is 0). */
+static void move_out(ct_strategy *s, offload_slice *sl, int resident, int *ok)
+{
+    offload_t *f = ct__offload(s);
+    for (int k = 0; k < sl->np; k++) {
+        ct_param *p = s->params[sl->pj[k]];
+        if (p->user != f) continue; /* set-up stopped before it */
+        size_t off = (size_t)f->eoff[sl->pj[k]] * 4;
+        ct_tensor *d = ct_tensor_empty(CT_F32, p->data->ndim, p->data->shape, CT_MEM_PARAM);
+        ct_tensor *g = ct_tensor_create(CT_F32, p->data->ndim, p->data->shape, CT_MEM_GRAD);
+        if (d && resident) {
+            memcpy(ct_tensor_data(d), ct_tensor_data(p->data), (size_t)d->numel * 4);
+        } else if (d && *ok && ct__ostore_rw(f->store, 0, ct_tensor_data(d), (size_t)d->numel * 4,
+                                             sl->off + (off_t)off) != CT_OK) {
+            *ok = 0;
+            ct_tensor_fill(d, 0);
+        } else if (d && !*ok) {
+            ct_tensor_fill(d, 0);
+        }
+        if (d && g) {
+            ct_tensor_release(p->data);
+            ct_tensor_release(p->grad);
+            p->data = d;
+            p->grad = g;
+            p->grad_stale = 0;
+        } else {
+            ct_tensor_release(d);
+            ct_tensor_release(g);
+        }
+        ct_tensor_release(p->compute); /* the unwrapped model computes in f32, as after any strategy */
+        p->compute = NULL;
+        p->user = NULL;
+    }
+}
+
+static void release_slice(offload_slice *sl)
+{
+    ct_storage_release(sl->data);
+    ct_storage_release(sl->grad);
+    ct_storage_release(sl->state);
+    ct_storage_release(sl->low);
+}
+
 static void offload_fini(ct_strategy *s)
 {
     offload_t *f = ct__offload(s);
@@ -301,46 +455,22 @@ static void offload_fini(ct_strategy *s)
     if (f->store && !ok)
         ct_log(CT_LOG_WARN, "offload: the store failed (%s); the unwrapped model's parameters are zeros: load "
                "the last checkpoint", ct_last_error());
-    for (int i = 0; i < f->ns; i++) {
+    for (int i = 0; f->sl && i < f->ns; i++) {
         offload_slice *sl = &f->sl[i];
         if (sl->ar) {
             ct_work_wait(sl->ar);
             ct_work_destroy(sl->ar);
         }
-        size_t off = 0;
-        for (int j = sl->p0; j < sl->p1; j++) {
-            ct_param *p = s->params[j];
-            if (p->user != f) continue; /* set-up stopped before it */
-            ct_tensor *d = ct_tensor_empty(CT_F32, p->data->ndim, p->data->shape, CT_MEM_PARAM);
-            ct_tensor *g = ct_tensor_create(CT_F32, p->data->ndim, p->data->shape, CT_MEM_GRAD);
-            if (d && ok && ct__ostore_rw(f->store, 0, ct_tensor_data(d), (size_t)d->numel * 4,
-                                         sl->off + (off_t)off) != CT_OK) {
-                ok = 0;
-                ct_tensor_fill(d, 0);
-            } else if (d && !ok) {
-                ct_tensor_fill(d, 0);
-            }
-            if (d && g) {
-                ct_tensor_release(p->data);
-                ct_tensor_release(p->grad);
-                p->data = d;
-                p->grad = g;
-                p->grad_stale = 0;
-            } else {
-                ct_tensor_release(d);
-                ct_tensor_release(g);
-            }
-            p->user = NULL;
-            off += (size_t)p->data->numel * 4;
-        }
+        if (sl->pj) move_out(s, sl, 0, &ok);
     }
+    if (f->tied.pj) move_out(s, &f->tied, 1, &ok);
     ct__ostore_close(f->store);
-    for (int i = 0; i < f->ns; i++) {
-        ct_storage_release(f->sl[i].data);
-        ct_storage_release(f->sl[i].grad);
-        ct_storage_release(f->sl[i].state);
-    }
+    for (int i = 0; f->sl && i < f->ns; i++) release_slice(&f->sl[i]);
+    release_slice(&f->tied);
     ct_free(f->sl);
+    ct_free(f->where);
+    ct_free(f->eoff);
+    ct_free(f->pjs);
     ct_free(f->gsq);
     ct_free(f->gmax);
     ct_free(f->bns);
@@ -398,6 +528,18 @@ static void offload_zero_grad(ct_strategy *s)
     f->nscales = 0;
     memset(f->gsq, 0, sizeof *f->gsq * (size_t)s->nparams);
     memset(f->gmax, 0, sizeof *f->gmax * (size_t)s->nparams);
+    for (int k = 0; k < f->tied.np; k++) s->params[f->tied.pj[k]]->grad_stale = 1; /* resident: lazily, as none */
+}
+
+ct_status ct__offload_reduce_tied(ct_strategy *s, int allreduce)
+{
+    offload_t *f = ct__offload(s);
+    if (!f->tied.np) return CT_OK;
+    for (int k = 0; k < f->tied.np; k++) ct_param_grad_sync(s->params[f->tied.pj[k]]);
+    if (allreduce)
+        CT_TRY(ct_group_allreduce(s->g, ct_storage_ptr(f->tied.grad), f->tied.n, CT_F32, CT_OP_SUM, NULL));
+    ct__offload_norms(s, &f->tied);
+    return CT_OK;
 }
 
 /* Gradients kept local under no_sync: reduce them slice by slice now. */
@@ -412,36 +554,39 @@ static ct_status offload_reduce(ct_strategy *s)
         CT_TRY(ct__offload_io(s, i, OFF_GRAD, CT__IO_READ, &t));
         CT_TRY(ct__ostore_wait(f->store, t));
         CT_TRY(ct_group_allreduce(s->g, ct_storage_ptr(sl->grad), sl->n, CT_F32, CT_OP_SUM, NULL));
-        ct__offload_norms(s, i);
+        ct__offload_norms(s, sl);
         CT_TRY(ct__offload_io(s, i, OFF_GRAD, CT__IO_WRITE, &t));
         CT_TRY(ct__ostore_wait(f->store, t));
     }
-    return CT_OK;
+    return ct__offload_reduce_tied(s, 1);
 }
 
 /* ---- state: the normal full state dict, read from and written to the store ---- */
 
-/* Where parameter j's data sits in the file (and its slice). */
-static off_t param_off(ct_strategy *s, int j, offload_slice **slp)
+/* Moves parameter j's data (part OFF_DATA) or its optimizer state buffer b
+ * (OFF_STATE) between buf (f32) and where it lives: the store's file, or
+ * memory for the tied group. */
+static ct_status part_rw(ct_strategy *s, int j, int part, int b, int write, float *buf)
 {
     offload_t *f = ct__offload(s);
-    for (int i = 0; i < f->ns; i++) {
-        offload_slice *sl = &f->sl[i];
-        if (j < sl->p0 || j >= sl->p1) continue;
-        int64_t e = 0;
-        for (int q = sl->p0; q < j; q++) e += s->params[q]->data->numel;
-        *slp = sl;
-        return (off_t)(e * 4);
+    offload_slice *sl = f->where[j] < f->ns ? &f->sl[f->where[j]] : &f->tied;
+    size_t bytes = (size_t)s->params[j]->data->numel * 4;
+    int64_t e = f->eoff[j] + (part == OFF_STATE ? (int64_t)b * sl->n : 0);
+    if (sl == &f->tied) {
+        float *mem = (float *)ct_storage_ptr(part == OFF_STATE ? sl->state : sl->data) + e;
+        memcpy(write ? mem : buf, write ? buf : mem, bytes);
+        return CT_OK;
     }
-    CT_ASSERT(0);
-    return 0;
+    off_t at = (part == OFF_STATE ? state_off(sl) : sl->off) + (off_t)(e * 4);
+    return ct__ostore_rw(f->store, write, buf, bytes, at);
 }
 
-static ct_status add_read(ct_strategy *s, ct_state *out, const char *name, ct_param *p, off_t at)
+static ct_status add_read(ct_strategy *s, ct_state *out, const char *name, int j, int part, int b)
 {
+    ct_param *p = s->params[j];
     ct_tensor *t = ct_tensor_empty(CT_F32, p->data->ndim, p->data->shape, CT_MEM_OTHER);
     if (!t) return CT_ENOMEM;
-    ct_status st = ct__ostore_rw(ct__offload(s)->store, 0, ct_tensor_data(t), (size_t)t->numel * 4, at);
+    ct_status st = part_rw(s, j, part, b, 0, ct_tensor_data(t));
     if (st == CT_OK) st = ct_state_add(out, name, t);
     ct_tensor_release(t);
     return st;
@@ -450,11 +595,7 @@ static ct_status add_read(ct_strategy *s, ct_state *out, const char *name, ct_pa
 static ct_status offload_model_state(ct_strategy *s, ct_state *out)
 {
     ct_status st = ct__offload_flush(s);
-    for (int j = 0; j < s->nparams && st == CT_OK; j++) {
-        offload_slice *sl;
-        off_t o = param_off(s, j, &sl);
-        st = add_read(s, out, s->params[j]->name, s->params[j], sl->off + o);
-    }
+    for (int j = 0; j < s->nparams && st == CT_OK; j++) st = add_read(s, out, s->params[j]->name, j, OFF_DATA, 0);
     for (int i = 0; i < s->nbuffers && st == CT_OK; i++) st = ct_state_add(out, s->buffers[i]->name, s->buffers[i]->data);
     if (st != CT_OK) ct_state_fini(out);
     return st;
@@ -470,11 +611,9 @@ static ct_status offload_optim_state(ct_strategy *s, ct_state *out)
     for (int j = 0; j < s->nparams && st == CT_OK; j++) {
         ct_param *p = s->params[j];
         if (!p->requires_grad) continue;
-        offload_slice *sl;
-        off_t o = param_off(s, j, &sl);
         for (int b = 0; b < f->nstate && st == CT_OK; b++) {
             snprintf(name, sizeof name, "%s.%s", p->name, names[b]);
-            st = add_read(s, out, name, p, state_off(sl) + (off_t)((int64_t)b * sl->n * 4) + o);
+            st = add_read(s, out, name, j, OFF_STATE, b);
         }
     }
     if (st == CT_OK) {
@@ -497,8 +636,9 @@ static const ct_tensor *find(const char *const *names, ct_tensor *const *ts, int
     return NULL;
 }
 
-/* src (f32/bf16/f16, numel elements) as f32 written at `at`. */
-static ct_status write_f32(ct_strategy *s, const ct_tensor *src, int64_t numel, const char *name, off_t at)
+/* src (f32/bf16/f16, numel elements) as f32 into parameter j's part (part_rw). */
+static ct_status write_f32(ct_strategy *s, const ct_tensor *src, int64_t numel, const char *name, int j, int part,
+                           int b)
 {
     if (src->numel != numel)
         return ct_error(CT_EINVAL, "'%s' has %lld elements in the checkpoint but %lld in the model; the "
@@ -515,7 +655,7 @@ static ct_status write_f32(ct_strategy *s, const ct_tensor *src, int64_t numel, 
         st = ct_error(CT_EINVAL, "'%s' is %s in the checkpoint; parameters must be F32, BF16 or F16", name,
                       ct_dtype_name(src->dtype));
     }
-    if (st == CT_OK) st = ct__ostore_rw(ct__offload(s)->store, 1, tmp, (size_t)numel * 4, at);
+    if (st == CT_OK) st = part_rw(s, j, part, b, 1, tmp);
     ct_free(tmp);
     return st;
 }
@@ -542,11 +682,10 @@ static ct_status load_model(ct_strategy *s, const char *const *names, ct_tensor 
                                 ct_dtype_name(src->dtype));
         }
     for (int j = 0; j < s->nparams; j++) {
-        offload_slice *sl;
-        off_t o = param_off(s, j, &sl);
         ct_param *p = s->params[j];
-        CT_TRY(write_f32(s, find(names, ts, n, p->name), p->data->numel, p->name, sl->off + o));
+        CT_TRY(write_f32(s, find(names, ts, n, p->name), p->data->numel, p->name, j, OFF_DATA, 0));
     }
+    ct__offload_cast(s, &ct__offload(s)->tied); /* new master weights: the resident copies follow */
     for (int j = 0; j < s->nbuffers; j++)
         memcpy(ct_tensor_data(s->buffers[j]->data), ct_tensor_data(find(names, ts, n, s->buffers[j]->name)),
                ct_tensor_bytes(s->buffers[j]->data));
@@ -566,8 +705,6 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
         for (int j = 0; j < s->nparams; j++) {
             ct_param *p = s->params[j];
             if (!p->requires_grad) continue;
-            offload_slice *sl;
-            off_t o = param_off(s, j, &sl);
             for (int b = 0; b < f->nstate; b++) {
                 snprintf(name, sizeof name, "%s.%s", p->name, bn[b]);
                 const ct_tensor *src = find(names, ts, n, name);
@@ -575,7 +712,7 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
                     return ct_error(CT_EINVAL, "optimizer state has no '%s' (saved with another optimizer? "
                                     "this run uses %s)", name, ct_optim_name(s->opt));
                 if (pass)
-                    CT_TRY(write_f32(s, src, p->data->numel, name, state_off(sl) + (off_t)((int64_t)b * sl->n * 4) + o));
+                    CT_TRY(write_f32(s, src, p->data->numel, name, j, OFF_STATE, b));
                 else if (src->numel != p->data->numel)
                     return ct_error(CT_EINVAL, "'%s' has %lld elements in the checkpoint but %lld in the model",
                                     name, (long long)src->numel, (long long)p->data->numel);
@@ -605,6 +742,7 @@ const ct__strategy_ops ct__offload_ops = {
     .nopts = (int)(sizeof offload_opt_defs / sizeof offload_opt_defs[0]),
     .opts_size = sizeof(offload_opts),
     .runs_alone = 1,
+    .manages_compute = 1, /* a slice's compute copies exist while it is resident (offload_step.c) */
     .init = offload_init,
     .fini = offload_fini,
     .pre_forward = not_here,

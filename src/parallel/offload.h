@@ -78,16 +78,25 @@ typedef struct {
 } offload_opts;
 enum { OFF_STORE_FILE = 0, OFF_STORE_MEMORY };
 
-/* Parts of a slice (bit masks). */
-enum { OFF_DATA = 1, OFF_GRAD = 2, OFF_STATE = 4 };
+/* Parts of a slice (bit masks).  OFF_LOW: the bf16 compute copies
+ * (param_dtype=bf16), never stored: brought back empty and made from the
+ * data by ct__offload_cast, dropped without writing. */
+enum { OFF_DATA = 1, OFF_GRAD = 2, OFF_STATE = 4, OFF_LOW = 8 };
 
+/* A slice, or the tied group: parameters used by children in two slices
+ * (a tied weight, as the gpt's embedding and head), which stay resident
+ * from wrap to unwrap in flat storages of their own, get the gradient of
+ * every use and are stepped at ct_strategy_step. */
 typedef struct {
-    int k0, k1;          /* children [k0, k1) of the sequential */
-    int p0, p1;          /* parameters [p0, p1) of s->params (model order) */
+    int k0, k1;          /* children [k0, k1) of the sequential (the tied group: none) */
+    int *pj;             /* [np] indices into s->params of its parameters, model order */
+    int np;
     int64_t n;           /* floats of parameters */
+    int64_t nlow;        /* elements with a bf16 compute copy (ct__mixed_wants_copy) */
     ct_storage *data;    /* [n] CT_MEM_PARAM: the parameters' data views */
     ct_storage *grad;    /* [n] CT_MEM_GRAD */
     ct_storage *state;   /* [nstate * n] CT_MEM_OPTIM (NULL when the optimizer has none) */
+    ct_storage *low;     /* [nlow] bf16 CT_MEM_PARAM: the compute copies' views (NULL: none) */
     off_t off;           /* file: data at off, grad after it, state after that */
     ct_work *ar;         /* the gradient allreduce in flight (DDP) */
     int pending;         /* the last optimizer step is still to be applied to this slice */
@@ -96,6 +105,10 @@ typedef struct {
 typedef struct {
     offload_slice *sl;
     int ns;
+    offload_slice tied;  /* parameters used by two slices: resident, never in the store */
+    int *where;          /* [nparams] the slice holding each parameter (ns: the tied group) */
+    int64_t *eoff;       /* [nparams] its element offset in that slice's flat storages */
+    int *pjs;            /* the groups' pj runs, end to end (one allocation) */
     int nstate;          /* optimizer state buffers per element (AdamW 2, SGD momentum 1) */
     ct__ostore *store;
     int ahead;           /* slices resident at once the budget allows: 1, 2 or 3 */
@@ -126,13 +139,20 @@ static inline const offload_opts *ct__offload_opts(const ct_strategy *s) { retur
 /* Queues the pieces of slice i in mask for op (CT__IO_*); *ticket as submit. */
 ct_status ct__offload_io(ct_strategy *s, int i, int mask, int op, long *ticket);
 
-/* Notes the norm terms of resident slice i's gradients (clears stale ones). */
-void ct__offload_norms(ct_strategy *s, int i);
+/* Notes the norm terms of resident slice sl's gradients (clears stale ones). */
+void ct__offload_norms(ct_strategy *s, const offload_slice *sl);
+/* Makes the bf16 compute copies of resident slice sl's parameters from their data. */
+void ct__offload_cast(ct_strategy *s, const offload_slice *sl);
+/* The pending optimizer step (pend_*) on resident slice sl. */
+void ct__offload_update(ct_strategy *s, offload_slice *sl);
 
 ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
                                  const ct_fwd_ctx *ctx, ct_step_out *out);
 ct_status ct__offload_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out);
 ct_status ct__offload_pre_step(ct_strategy *s);
+/* The tied group's gradients are complete (after a backward, or under
+ * reduce): sums them over ranks when allreduce is 1 and notes their norms. */
+ct_status ct__offload_reduce_tied(ct_strategy *s, int allreduce);
 /* Applies the pending optimizer step to every slice that still waits for it
  * (before state is read or written, inference, or unwrapping). */
 ct_status ct__offload_flush(ct_strategy *s);

@@ -14,7 +14,6 @@
 
 #include "offload.h"
 
-static void apply_update(ct_strategy *s, int i);
 static ct_status write_updated(ct_strategy *s, int i, int keep_data);
 
 /* Rows [r0, r0 + n) of t: a view. */
@@ -36,10 +35,11 @@ static ct_status load(ct_strategy *s, int i, int mask, int grad_alloc, long *t)
 }
 
 /* Norm terms of slice i's gradients, exactly as the replicated norm takes them. */
-void ct__offload_norms(ct_strategy *s, int i)
+void ct__offload_norms(ct_strategy *s, const offload_slice *sl)
 {
     offload_t *f = ct__offload(s);
-    for (int j = f->sl[i].p0; j < f->sl[i].p1; j++) {
+    for (int k = 0; k < sl->np; k++) {
+        int j = sl->pj[k];
         ct_param *p = s->params[j];
         ct_param_grad_sync(p);
         if (!p->grad || !p->requires_grad) continue;
@@ -65,10 +65,10 @@ static ct_status finish_slice(ct_strategy *s, int i)
         sl->ar = NULL;
         CT_TRY(st);
     }
-    ct__offload_norms(s, i);
+    ct__offload_norms(s, sl);
     long t;
     CT_TRY(ct__offload_io(s, i, OFF_GRAD, CT__IO_WRITE, &t));
-    return ct__offload_io(s, i, OFF_DATA, CT__IO_DROP, &t);
+    return ct__offload_io(s, i, OFF_DATA | OFF_LOW, CT__IO_DROP, &t);
 }
 
 static void hold_bns(offload_t *f, int mode)
@@ -120,7 +120,7 @@ static void unwind(ct_strategy *s)
             sl->ar = NULL;
         }
         long t;
-        ct__offload_io(s, i, OFF_DATA | OFF_GRAD | OFF_STATE, CT__IO_DROP, &t);
+        ct__offload_io(s, i, OFF_DATA | OFF_GRAD | OFF_STATE | OFF_LOW, CT__IO_DROP, &t);
     }
     ct__ostore_drain(f->store);
     f->grads_zero = 1; /* the failed step's gradients are gone */
@@ -169,24 +169,26 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     /* ---- forward: slice by slice, every micro-batch while it is resident;
      * a slice the last step has not reached yet comes with its gradients and
      * state, is updated, and goes back while it computes ---- */
-    const int all = OFF_DATA | OFF_GRAD | OFF_STATE;
-    if (st == CT_OK) st = load(s, 0, f->sl[0].pending ? all : OFF_DATA, 0, &t);
+    const int all = OFF_DATA | OFF_GRAD | OFF_STATE, use = OFF_DATA | OFF_LOW;
+    if (st == CT_OK) st = load(s, 0, f->sl[0].pending ? all | OFF_LOW : use, 0, &t);
     for (int i = 0; st == CT_OK && i < ns; i++) {
-        const offload_slice *sl = &f->sl[i];
+        offload_slice *sl = &f->sl[i];
         if ((st = ct__ostore_wait(f->store, t)) != CT_OK) break;
-        if (f->ahead >= 2 && i + 1 < ns && (st = load(s, i + 1, f->sl[i + 1].pending ? all : OFF_DATA, 0, &tn)) != CT_OK)
+        if (f->ahead >= 2 && i + 1 < ns &&
+            (st = load(s, i + 1, f->sl[i + 1].pending ? all | OFF_LOW : use, 0, &tn)) != CT_OK)
             break;
         if (sl->pending) {
-            apply_update(s, i);
+            ct__offload_update(s, sl);
             if ((st = write_updated(s, i, 1)) != CT_OK) break;
         }
+        ct__offload_cast(s, sl);
         for (int m = 0; st == CT_OK && m < M; m++) {
             if (ckpt) keep[(size_t)i * (size_t)M + (size_t)m] = ct_tensor_retain(act[m]);
             st = run_slice(s, sl, &act[m], ckpt ? NULL : recs, &cm[m]);
         }
         if (st != CT_OK || i + 1 == ns) break; /* the last slice stays for backward */
-        if ((st = ct__offload_io(s, i, OFF_DATA, CT__IO_DROP, &t)) != CT_OK) break;
-        if (f->ahead < 2 && (st = load(s, i + 1, f->sl[i + 1].pending ? all : OFF_DATA, 0, &tn)) != CT_OK) break;
+        if ((st = ct__offload_io(s, i, use, CT__IO_DROP, &t)) != CT_OK) break;
+        if (f->ahead < 2 && (st = load(s, i + 1, f->sl[i + 1].pending ? all | OFF_LOW : use, 0, &tn)) != CT_OK) break;
         t = tn;
     }
     /* ---- loss: act[m] becomes the scaled gradient of the global mean ---- */
@@ -208,13 +210,16 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     s->stats.forward += t1 - t0;
     /* ---- backward: slices in reverse, gradients written back as they finish ---- */
     int gz = f->grads_zero;
+    if (gz) /* the tied group's gradients: every use adds, the first overwrites */
+        for (int k = 0; k < f->tied.np; k++) s->params[f->tied.pj[k]]->grad_stale = 1;
     if (st == CT_OK) st = load(s, ns - 1, OFF_GRAD, gz, &t);
     for (int i = ns - 1; st == CT_OK && i >= 0; i--) {
         offload_slice *sl = &f->sl[i];
         if ((st = ct__ostore_wait(f->store, t)) != CT_OK) break;
         if (gz)
-            for (int j = sl->p0; j < sl->p1; j++) s->params[j]->grad_stale = 1; /* overwrite, not add */
-        if (f->ahead >= 2 && i > 0 && (st = load(s, i - 1, OFF_DATA | OFF_GRAD, gz, &tn)) != CT_OK) break;
+            for (int k = 0; k < sl->np; k++) s->params[sl->pj[k]]->grad_stale = 1; /* overwrite, not add */
+        if (i + 1 < ns) ct__offload_cast(s, sl); /* loaded again (the last slice kept its copies) */
+        if (f->ahead >= 2 && i > 0 && (st = load(s, i - 1, OFF_DATA | OFF_GRAD | OFF_LOW, gz, &tn)) != CT_OK) break;
         for (int m = 0; st == CT_OK && m < M; m++) {
             if (ckpt) {
                 ct_tensor *x = keep[(size_t)i * (size_t)M + (size_t)m];
@@ -232,15 +237,16 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
             /* Sum over ranks (the loss gradient carries 1/global); with room
              * for three slices it runs while the next slice computes. */
             int async = f->ahead >= 3;
-            for (int j = sl->p0; j < sl->p1; j++) ct_param_grad_sync(s->params[j]);
+            for (int k = 0; k < sl->np; k++) ct_param_grad_sync(s->params[sl->pj[k]]);
             st = ct_group_allreduce(s->g, ct_storage_ptr(sl->grad), sl->n, CT_F32, CT_OP_SUM, async ? &sl->ar : NULL);
         }
         if (st == CT_OK && i + 1 < ns && f->sl[i + 1].ar) st = finish_slice(s, i + 1);
         if (st == CT_OK && !sl->ar) st = finish_slice(s, i);
-        if (st == CT_OK && f->ahead < 2 && i > 0) st = load(s, i - 1, OFF_DATA | OFF_GRAD, gz, &tn);
+        if (st == CT_OK && f->ahead < 2 && i > 0) st = load(s, i - 1, OFF_DATA | OFF_GRAD | OFF_LOW, gz, &tn);
         t = tn;
     }
     if (st == CT_OK && f->sl[0].ar) st = finish_slice(s, 0);
+    if (st == CT_OK) st = ct__offload_reduce_tied(s, dist);
     if (st == CT_OK) st = ct__ostore_drain(f->store);
     s->stats.backward += ct_now() - t1;
     for (int m = 0; act && m < M; m++) ct_tensor_release(act[m]);
@@ -263,13 +269,15 @@ ct_status ct__offload_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ct
     CT_TRY(ct__offload_flush(s));
     long t = 0, tn = 0;
     ct_tensor *a = ct_tensor_retain(x);
-    ct_status st = load(s, 0, OFF_DATA, 0, &t);
+    const int use = OFF_DATA | OFF_LOW;
+    ct_status st = load(s, 0, use, 0, &t);
     for (int i = 0; st == CT_OK && i < f->ns; i++) {
         if ((st = ct__ostore_wait(f->store, t)) != CT_OK) break;
-        if (f->ahead >= 2 && i + 1 < f->ns && (st = load(s, i + 1, OFF_DATA, 0, &tn)) != CT_OK) break;
+        if (f->ahead >= 2 && i + 1 < f->ns && (st = load(s, i + 1, use, 0, &tn)) != CT_OK) break;
+        ct__offload_cast(s, &f->sl[i]);
         if ((st = run_slice(s, &f->sl[i], &a, NULL, ctx)) != CT_OK) break;
-        if ((st = ct__offload_io(s, i, OFF_DATA, CT__IO_DROP, &t)) != CT_OK) break;
-        if (f->ahead < 2 && i + 1 < f->ns && (st = load(s, i + 1, OFF_DATA, 0, &tn)) != CT_OK) break;
+        if ((st = ct__offload_io(s, i, use, CT__IO_DROP, &t)) != CT_OK) break;
+        if (f->ahead < 2 && i + 1 < f->ns && (st = load(s, i + 1, use, 0, &tn)) != CT_OK) break;
         t = tn;
     }
     if (st == CT_OK) st = ct__ostore_drain(f->store);
@@ -286,15 +294,14 @@ ct_status ct__offload_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ct
  * and state in memory): the clip factors apply as ct_scale_grads would, the
  * update is the optimizer's own (ct_adamw_update / ct_sgd_update, bitwise
  * what ct_optim_step does on whole parameters: the updates are per element). */
-static void apply_update(ct_strategy *s, int i)
+void ct__offload_update(ct_strategy *s, offload_slice *sl)
 {
     offload_t *f = ct__offload(s);
-    offload_slice *sl = &f->sl[i];
     const ct_optim_opts *o = &f->pend_o;
     float *state = sl->state ? ct_storage_ptr(sl->state) : NULL;
     int64_t off = 0;
-    for (int j = sl->p0; j < sl->p1; j++) {
-        ct_param *p = s->params[j];
+    for (int k = 0; k < sl->np; k++) {
+        ct_param *p = s->params[sl->pj[k]];
         int64_t n = p->data->numel;
         if (p->requires_grad && p->grad) {
             for (int k = 0; k < f->pend_nscales; k++) ct_scale_grads(&p, 1, f->pend_scales[k]);
@@ -337,7 +344,7 @@ ct_status ct__offload_flush(ct_strategy *s)
     for (int k = 0; st == CT_OK && k < n; k++) {
         if ((st = ct__ostore_wait(f->store, t)) != CT_OK) break;
         if (f->ahead >= 2 && k + 1 < n && (st = load(s, idx[k + 1], all, 0, &tn)) != CT_OK) break;
-        apply_update(s, idx[k]);
+        ct__offload_update(s, &f->sl[idx[k]]);
         if ((st = write_updated(s, idx[k], 0)) != CT_OK) break;
         if (f->ahead < 2 && k + 1 < n && (st = load(s, idx[k + 1], all, 0, &tn)) != CT_OK) break;
         t = tn;
@@ -364,5 +371,16 @@ ct_status ct__offload_pre_step(ct_strategy *s)
     f->pend_nscales = f->nscales;
     f->nscales = 0;
     for (int i = 0; i < f->ns; i++) f->sl[i].pending = 1;
+    /* the tied group is resident: stepped now, its compute copies after it */
+    ct__offload_update(s, &f->tied);
+    ct__offload_cast(s, &f->tied);
     return CT_OK;
+}
+
+void ct__offload_cast(ct_strategy *s, const offload_slice *sl)
+{
+    for (int k = 0; sl->low && k < sl->np; k++) {
+        ct_param *p = s->params[sl->pj[k]];
+        if (p->compute) ct_f32_to_bf16_n(ct_f32(p->data), ct_tensor_data(p->compute), (size_t)p->data->numel);
+    }
 }
