@@ -259,9 +259,13 @@ TEST(offload_resident_stays_under_budget)
     ct_module_destroy(m);
 }
 
-/* A run saved under offload resumes under "none" (and a plain run's state
- * resumes under offload) exactly as if it had not stopped. */
-TEST(offload_state_saves_and_resumes_in_any_strategy)
+typedef ct_module *(*model_fn)(uint64_t seed, float drop);
+typedef double (*step_fn)(ct_strategy *s, int step, float clip);
+
+/* A run saved under offload (options opts; plain: popts) resumes under
+ * "none" (and a plain run's state under offload) exactly as if it had not
+ * stopped. */
+static void check_resume(model_fn model, step_fn step_on, const char *oopts, const char *popts)
 {
     ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
     oo.lr = 0.01;
@@ -269,12 +273,12 @@ TEST(offload_state_saves_and_resumes_in_any_strategy)
     for (int dir = 0; dir < 2; dir++) {
         ct_module *a = model(8, 0.2f), *b = model(99, 0.2f), *c = model(8, 0.2f);
         char opts[512];
-        snprintf(opts, sizeof opts, "slices=3,checkpoint_activation=1,dir=%s", ct_test_tmpdir());
+        snprintf(opts, sizeof opts, "%s,dir=%s", oopts, ct_test_tmpdir());
         const char *ka = kinds[dir][0], *kb = kinds[dir][1];
         ct_strategy *sa, *sb, *sc;
-        ASSERT_OK(ct_strategy_create(ka, a, &oo, NULL, strcmp(ka, "none") ? opts : "", &sa));
-        ASSERT_OK(ct_strategy_create(kb, b, &oo, NULL, strcmp(kb, "none") ? opts : "", &sb));
-        ASSERT_OK(ct_strategy_create("none", c, &oo, NULL, "", &sc)); /* never stops */
+        ASSERT_OK(ct_strategy_create(ka, a, &oo, NULL, strcmp(ka, "none") ? opts : popts, &sa));
+        ASSERT_OK(ct_strategy_create(kb, b, &oo, NULL, strcmp(kb, "none") ? opts : popts, &sb));
+        ASSERT_OK(ct_strategy_create("none", c, &oo, NULL, popts, &sc)); /* never stops */
         for (int step = 0; step < 3; step++) {
             step_on(sa, step, -1);
             step_on(sc, step, -1);
@@ -316,6 +320,11 @@ TEST(offload_state_saves_and_resumes_in_any_strategy)
         ct_module_destroy(b);
         ct_module_destroy(c);
     }
+}
+
+TEST(offload_state_saves_and_resumes_in_any_strategy)
+{
+    check_resume(model, step_on, "slices=3,checkpoint_activation=1", "");
 }
 
 /* Eval through the strategy streams the slices and equals the plain forward. */
@@ -672,5 +681,55 @@ TEST(offload_bf16_equals_plain_bf16)
     ASSERT(!ct_module_find(m, "transformer.h.0.ln_1.weight")->compute); /* norms stay f32 */
     ct_strategy_destroy(s);
     ASSERT(!wte->compute && !fc->compute);
+    ct_module_destroy(m);
+}
+
+/* The gpt's state through a file: the tied weight once, as
+ * transformer.wte.weight, loaded into the resident group (and its compute
+ * copy) or into the store, resumed in either direction. */
+TEST(offload_tied_gpt_state_resumes_in_any_strategy)
+{
+    check_resume(gpt, gpt_step, "slices=3", "");
+    check_resume(gpt, gpt_step, "slices=4,param_dtype=bf16", "param_dtype=bf16");
+}
+
+/* The tied weight is resident from wrap on, so it counts with what is
+ * already resident: in the budget's check, its refusal, and the peak.  A
+ * gpt whose embedding (4096 x 64: 4 MiB with its gradient and AdamW's
+ * moments) outweighs a block (0.8 MiB). */
+TEST(offload_tied_weight_counts_in_the_budget)
+{
+    ct_model_config c = ct_model_config_default(CT_MODEL_GPT);
+    ct_model_config_gpt(&c, 2, 2, 64, GT, 4096);
+    ct_module *m;
+    ASSERT_OK(ct_model_build(&c, 1, &m));
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
+    ct_strategy *s;
+    char opts[512];
+    snprintf(opts, sizeof opts, "slices=4,max_resident_mb=4,dir=%s", ct_test_tmpdir());
+    ASSERT_ERR(ct_strategy_create("offload", m, &oo, NULL, opts, &s), CT_EINVAL, "over the budget of 4 MiB");
+    ASSERT_STR_CONTAINS(ct_last_error(), "(4.00 MiB of them for parameters two slices use");
+    snprintf(opts, sizeof opts, "slices=4,max_resident_mb=6,dir=%s", ct_test_tmpdir());
+    ASSERT_OK(ct_strategy_create("offload", m, &oo, NULL, opts, &s));
+    ct_mem_report r;
+    ct_mem_report_get(&r);
+    ASSERT(r.current[CT_MEM_OPTIM] >= 2u << 20); /* the tied weight's moments stay */
+    ct_mem_reset_peak();
+    for (int step = 0; step < 2; step++) {
+        int64_t sh[2] = {2, GT};
+        ct_tensor *x = ct_tensor_create(CT_I64, 2, sh, CT_MEM_ACT), *y = ct_tensor_create(CT_I64, 2, sh, CT_MEM_ACT);
+        ct_batch b = {x, y, 2, 0};
+        ct_fwd_ctx ctx = {.training = 1, .step = (uint64_t)step};
+        ASSERT_OK(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, NULL));
+        ASSERT_OK(ct_strategy_step(s));
+        ct_strategy_zero_grad(s);
+        ct_tensor_release(x);
+        ct_tensor_release(y);
+    }
+    ct_mem_report_get(&r);
+    if (r.peak_resident > 6u << 20 || r.peak_resident < 4u << 20)
+        ct_test_fail(__FILE__, __LINE__, "peak resident %zu bytes: want the tied 4 MiB and at most the budget 6 MiB",
+                     r.peak_resident);
+    ct_strategy_destroy(s);
     ct_module_destroy(m);
 }

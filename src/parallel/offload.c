@@ -385,13 +385,16 @@ static ct_status offload_build_optim(ct_strategy *s, const ct_optim_opts *o)
     f->ahead = O->prefetch ? 3 : 1;
     if (O->max_resident_mb) {
         size_t budget = (size_t)O->max_resident_mb * (size_t)MIB;
+        char tied[128] = "";
+        if (f->tied.np)
+            snprintf(tied, sizeof tied, " (%.2f MiB of them for parameters two slices use, which stay)",
+                     (double)mem_bytes(f, &f->tied) / MIB);
         if (f->fixed + largest > budget)
             return ct_error(CT_EINVAL, "offload: the largest slice needs %.2f MiB resident (parameters, "
-                            "gradients and optimizer state) on top of %.2f MiB already resident (%.2f MiB of "
-                            "them for parameters two slices use, which stay), over the budget of %d MiB; use "
-                            "more slices (--slices) or raise --max-resident-mb to at least %.0f",
-                            (double)largest / MIB, (double)f->fixed / MIB, (double)mem_bytes(f, &f->tied) / MIB,
-                            O->max_resident_mb, ceil((double)(f->fixed + largest) / MIB));
+                            "gradients and optimizer state) on top of %.2f MiB already resident%s, over the "
+                            "budget of %d MiB; use more slices (--slices) or raise --max-resident-mb to at least %.0f",
+                            (double)largest / MIB, (double)f->fixed / MIB, tied, O->max_resident_mb,
+                            ceil((double)(f->fixed + largest) / MIB));
         size_t room = (budget - f->fixed) / largest;
         if ((size_t)f->ahead > room) f->ahead = (int)room;
         if (f->ahead < 2 && O->prefetch)
