@@ -3,7 +3,8 @@
  * LM head), under every strategy that exists: N ranks equal one process on
  * the whole batch (weights and consolidated optimizer state), with dropout
  * on, several steps, micro-batches, and bf16 mixed precision; FSDP with a
- * unit per block (the tied weight in the root unit).  Before the
+ * unit per block (the tied weight in the root unit); offload with the tied
+ * weight resident beside the streamed slices.  Before the
  * nn counted a shared parameter's uses, DDP and ZeRO-2 failed with
  * "received its gradient twice".
  */
@@ -169,4 +170,13 @@ TEST(gpt_tied_fsdp_equals_one_process)
     vs_single("fsdp", "wrap_kinds=block,sharding=grad_op,grad_accum=2", 3, 1e-5);
     vs_single("fsdp", "wrap_kinds=block+attention,backward_prefetch=post,forward_prefetch=1", 3, 1e-5);
     vs_single("fsdp", "wrap_kinds=block,param_dtype=bf16", 2, 1e-4);
+}
+
+/* Offload with a slice per block or two: the tied weight stays resident on
+ * every rank, its gradient (both uses) allreduced after the last slice. */
+TEST(gpt_tied_offload_equals_one_process)
+{
+    vs_single("offload", "slices=3", 3, 1e-5);
+    vs_single("offload", "slices=5,checkpoint_activation=1,microbatches=2,prefetch=0", 3, 1e-5);
+    vs_single("offload", "slices=3,param_dtype=bf16", 2, 1e-4);
 }
