@@ -140,13 +140,39 @@ TEST(cli_gpt_strategies_match_one_process)
     int rc = RUN(one, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1", dir);
     if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", one);
     double l1 = number_after(one, "final train loss "), v1 = number_after(one, "val loss ");
-    const char *kinds[] = {"ddp", "zero1", "zero2", "fsdp"}; /* fsdp: a unit per block */
-    for (int k = 0; k < 4; k++) {
+    /* fsdp: a unit per block; offload: a slice per child, the tied weight resident */
+    const char *kinds[] = {"ddp", "zero1", "zero2", "fsdp", "offload"};
+    for (int k = 0; k < 5; k++) {
         rc = run_np(2, two, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --strategy %s", dir, kinds[k]);
         if (rc) ct_test_fail(__FILE__, __LINE__, "%s failed:\n%s", kinds[k], two);
         ASSERT_NEAR(number_after(two, "final train loss "), l1, 2e-5);
         ASSERT_NEAR(number_after(two, "val loss "), v1, 2e-4);
     }
+}
+
+/* A gpt checkpoint written by offload (the tied weight once, from its
+ * resident group; the rest read from the store) resumes under ddp on 2
+ * ranks and ends where a run that never stopped does, and under offload
+ * with bf16 compute copies too. */
+TEST(cli_gpt_offload_checkpoint_resumes_under_ddp)
+{
+    static char a[OUT_MAX], b[OUT_MAX];
+    const char *dir = text_dir();
+    char ck[700];
+    snprintf(ck, sizeof ck, "%s/o.safetensors", ct_test_tmpdir());
+    int rc = RUN(a, "train " GPT_FLAGS " --steps 12 --data-dir %s --dropout 0.1 --seed 4", dir);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", a);
+    rc = RUN(b, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --seed 4 --strategy offload --slices 3 "
+             "--save %s", dir, ck);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "offload train failed:\n%s", b);
+    rc = run_np(2, b, "train --steps 12 --resume %s --data-dir %s --threads 1 --log-every 0 --strategy ddp", ck, dir);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "resume under ddp failed:\n%s", b);
+    ASSERT_NEAR(number_after(b, "final train loss "), number_after(a, "final train loss "), 2e-5);
+    ASSERT_NEAR(number_after(b, "val loss "), number_after(a, "val loss "), 2e-4);
+    rc = RUN(b, "train --steps 8 --resume %s --data-dir %s --threads 1 --log-every 0 --strategy offload --mixed bf16",
+             ck, dir);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "resume under offload with bf16 failed:\n%s", b);
+    ASSERT_STR_CONTAINS(b, "final train loss ");
 }
 
 /* Evaluation through a sharded strategy: every forward is collective
