@@ -1,7 +1,8 @@
 /*
  * The offload strategy in one process: offloaded training equals plain
  * training bit for bit (with and without activation checkpointing, with
- * micro-batches, dropout and clipping), the resident bytes stay under the
+ * micro-batches, dropout and clipping; the gpt, whose tied weight two
+ * slices use; bf16 compute copies), the resident bytes stay under the
  * budget for a model several times its size, state saves and resumes in
  * any strategy, the store lives in the offload directory and leaves nothing
  * there, and a full disk or a bad directory is a clear error.

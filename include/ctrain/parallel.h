@@ -193,7 +193,8 @@ void ct_strategy_offload_info(const ct_strategy *s, int *nslices, int *ahead);
 /* Children per slice when offload cuts sequential seq into nslices (room
  * for nslices in sizes): a slice closes once the slices so far hold their
  * share of the parameters, the last takes the rest, every slice has a child
- * (fairscale's OffloadModel split).  CT_EINVAL if seq is not a sequential
+ * (fairscale's OffloadModel split); a parameter several children list (a
+ * tied weight) counts once, at the first.  CT_EINVAL if seq is not a sequential
  * or has fewer children than nslices. */
 ct_status ct_offload_split(ct_module *seq, int nslices, int *sizes);
 /* Fault injection for tests: the n-th offload store read or write from now

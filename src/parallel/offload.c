@@ -8,6 +8,10 @@
  * otherwise.  Parameters become views of their slice's storages (as FSDP's
  * flat parameters are), so layers run unchanged and names stay PyTorch's.
  * Between calls nothing of a slice is resident: state dicts read the file.
+ * A parameter that children of two slices use (a tied weight) cannot live
+ * in two slices' storages: it joins the tied group, resident throughout.
+ * With param_dtype=bf16 a slice's compute copies live in a fourth storage
+ * that is made from the data whenever the slice loads (never stored).
  * The forward/backward/step streaming is in offload_step.c.
  */
 #include <math.h>

@@ -7,7 +7,10 @@
  * computes and writes back the one just used; jobs run in queue order, so
  * at most `ahead` slices hold memory at once (1: no prefetch; 2: the next
  * one loads meanwhile; 3: also a slice's gradient allreduce (DDP) runs
- * while the next slice computes).
+ * while the next slice computes).  The tied group is resident: its
+ * gradients gather both uses during the backward and are reduced after the
+ * last slice; it is stepped in ct__offload_pre_step.  bf16 compute copies
+ * are cast after each load of a slice's data (and after its update).
  */
 #include <math.h>
 #include <string.h>
