@@ -517,7 +517,23 @@ static ct_status row_fsdp(const est_in *in, const char *vals, est_row *row)
  * update is applied there), so the categories peak together: the row takes
  * the largest slices.  Activations without checkpoint_activation are the
  * whole model's records (as none); with it, every slice's input for the
- * whole batch plus one micro-batch's records of the largest slice. */
+ * whole batch plus one micro-batch's records of the largest slice.  A
+ * parameter that children of two slices use (the gpt's tied embedding)
+ * stays resident throughout, with its gradient and state; with
+ * param_dtype=bf16 a slice's compute copies come and go with it. */
+static int last_user(const est_in *in, const ct_param *p)
+{
+    int last = -1;
+    for (int k = 0; k < in->model->nkids; k++) {
+        ct_param **ps;
+        int n;
+        if (ct_module_params(in->model->kids[k], &ps, &n) != CT_OK) return -1;
+        for (int j = 0; j < n; j++) last = ps[j] == p ? k : last;
+        ct_free(ps);
+    }
+    return last;
+}
+
 static ct_status row_offload(const est_in *in, const char *vals, est_row *row)
 {
     char b[256];
@@ -549,15 +565,28 @@ static ct_status row_offload(const est_in *in, const char *vals, est_row *row)
     int64_t rows = in->batch / in->world + (in->batch % in->world != 0);
     int M = (int)optnum(vals, "microbatches", 1), ckpt = optnum(vals, "checkpoint_activation", 0) != 0;
     int64_t mrows = (rows + M - 1) / M;
-    uint64_t largest = 0, bound = 0, maxrec = 0;
+    int mixed = opt16(vals, "param_dtype");
+    uint64_t largest = 0, bound = 0, maxrec = 0, tied = 0, tlow = 0, lowmax = 0;
     for (int k = 0, lo = 0; st == CT_OK && k < ns; lo += sz[k], k++) {
-        uint64_t floats = 0;
+        uint64_t floats = 0, low = 0;
         for (int i = 0; i < in->ntp; i++) {
-            int c = child_of(in, in->tp[i]);
-            if (c >= lo && c < lo + sz[k]) floats += (uint64_t)in->tp[i]->data->numel;
+            const ct_param *p = in->tp[i];
+            int c = child_of(in, p), l = c >= lo && c < lo + sz[k] ? last_user(in, p) : -1;
+            const char *kind = p->owner && p->owner->ops ? p->owner->ops->kind : "";
+            uint64_t lb = mixed && p->data->ndim >= 2 && strcmp(kind, "layernorm") && strcmp(kind, "batchnorm")
+                              ? (uint64_t)p->data->numel * 2 : 0;
+            if (l < 0) continue;
+            if (l >= lo + sz[k]) { /* used by a later slice too: resident */
+                tied += (uint64_t)p->data->numel * 4;
+                tlow += lb;
+            } else {
+                floats += (uint64_t)p->data->numel;
+                low += lb;
+            }
         }
         sp[k] = floats * 4;
         largest = sp[k] > largest ? sp[k] : largest;
+        lowmax = low > lowmax ? low : lowmax;
         int64_t inrow = lo ? outn[lo - 1] : in1, rec = inrow;
         for (int i = lo; i < lo + sz[k]; i++) rec += outn[i];
         if (lo) bound += (uint64_t)(rows * inrow) * 4; /* the first slice's input is the batch itself */
@@ -565,7 +594,9 @@ static ct_status row_offload(const est_in *in, const char *vals, est_row *row)
     }
     int ahead = optnum(vals, "prefetch", 1) != 0 ? (in->world > 1 ? 3 : 2) : 1;
     double mb = optnum(vals, "max_resident_mb", 0); /* "auto" reads as 0 */
-    uint64_t fixed = in->buffer_bytes, per = largest * (uint64_t)(2 + nbufs);
+    /* the tied parameters' data, gradients, state and copies are resident from the start */
+    uint64_t fixed = in->buffer_bytes + tied * (uint64_t)(2 + nbufs) + tlow;
+    uint64_t per = largest * (uint64_t)(2 + nbufs) + lowmax;
     if (st == CT_OK && mb > 0) {
         uint64_t budget = (uint64_t)(mb * 1048576.0);
         if (fixed + per > budget)
@@ -589,11 +620,13 @@ static ct_status row_offload(const est_in *in, const char *vals, est_row *row)
     int full = ahead < 2 ? ahead : 2;
     uint64_t act = 0;
     if (st == CT_OK && ckpt) act = (uint64_t)rows * ((uint64_t)in1 * 4 + 4) + bound + maxrec;
-    else if (st == CT_OK) st = est_activations(in, rows, 1, rows != in->batch, 0, &act);
+    else if (st == CT_OK) st = est_activations(in, rows, 1, rows != in->batch, mixed, &act);
     if (st == CT_OK) {
         uint64_t both = pb[full] * (uint64_t)(2 + nbufs), three = 2 * pb[ahead];
-        take_rank(row, fixed + pb[ahead], pb[ahead], pb[full] * (uint64_t)nbufs, act, 0);
-        uint64_t res = fixed + (both > three ? both : three); /* the categories do not peak together at 3 */
+        uint64_t lows = lowmax * (uint64_t)ahead; /* the compute copies of the slices in memory, at most */
+        take_rank(row, in->buffer_bytes + tied + tlow + pb[ahead] + lows, tied + pb[ahead],
+                  (tied + pb[full]) * (uint64_t)nbufs, act, 0);
+        uint64_t res = fixed + lows + (both > three ? both : three); /* the categories do not peak together at 3 */
         row->resident = res > row->resident ? row->resident : res;
         row->total = row->resident + row->act + row->comm;
     }
