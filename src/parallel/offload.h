@@ -136,6 +136,10 @@ static inline offload_t *ct__offload(const ct_strategy *s) { return s->priv; }
 static inline int ct__offload_ranks(const ct_strategy *s) { return s->g ? ct_group_size(s->g) : 1; }
 static inline const offload_opts *ct__offload_opts(const ct_strategy *s) { return s->kopts; }
 
+/* Where slice sl's gradients and optimizer state start in the file (its data at sl->off). */
+static inline off_t ct__offload_grad_off(const offload_slice *sl) { return sl->off + (off_t)(sl->n * 4); }
+static inline off_t ct__offload_state_off(const offload_slice *sl) { return sl->off + (off_t)(2 * sl->n * 4); }
+
 /* Queues the pieces of slice i in mask for op (CT__IO_*); *ticket as submit. */
 ct_status ct__offload_io(ct_strategy *s, int i, int mask, int op, long *ticket);
 
@@ -150,6 +154,12 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
                                  const ct_fwd_ctx *ctx, ct_step_out *out);
 ct_status ct__offload_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out);
 ct_status ct__offload_pre_step(ct_strategy *s);
+/* The strategy's state entries (offload_state.c): the full state dict out of
+ * the store, and a full state dict into it (everything checked first). */
+ct_status ct__offload_model_state(ct_strategy *s, ct_state *out);
+ct_status ct__offload_optim_state(ct_strategy *s, ct_state *out);
+ct_status ct__offload_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
+                                 int optim);
 /* The tied group's gradients are complete (after a backward, or under
  * reduce): sums them over ranks when allreduce is 1 and notes their norms. */
 ct_status ct__offload_reduce_tied(ct_strategy *s, int allreduce);

@@ -1,0 +1,177 @@
+/*
+ * Offload's checkpoint state: the normal full state dict (PyTorch's names,
+ * a tied weight once, under its first user's name), read from the store's
+ * file (the tied group: from memory) and written back to it, so any other
+ * strategy, ctrain eval or PyTorch loads it and an offloaded run resumes
+ * from any of theirs.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "offload.h"
+
+/* Moves parameter j's data (part OFF_DATA) or its optimizer state buffer b
+ * (OFF_STATE) between buf (f32) and where it lives: the store's file, or
+ * memory for the tied group. */
+static ct_status part_rw(ct_strategy *s, int j, int part, int b, int write, float *buf)
+{
+    offload_t *f = ct__offload(s);
+    offload_slice *sl = f->where[j] < f->ns ? &f->sl[f->where[j]] : &f->tied;
+    size_t bytes = (size_t)s->params[j]->data->numel * 4;
+    int64_t e = f->eoff[j] + (part == OFF_STATE ? (int64_t)b * sl->n : 0);
+    if (sl == &f->tied) {
+        float *mem = (float *)ct_storage_ptr(part == OFF_STATE ? sl->state : sl->data) + e;
+        memcpy(write ? mem : buf, write ? buf : mem, bytes);
+        return CT_OK;
+    }
+    off_t at = (part == OFF_STATE ? ct__offload_state_off(sl) : sl->off) + (off_t)(e * 4);
+    return ct__ostore_rw(f->store, write, buf, bytes, at);
+}
+
+static ct_status add_read(ct_strategy *s, ct_state *out, const char *name, int j, int part, int b)
+{
+    ct_param *p = s->params[j];
+    ct_tensor *t = ct_tensor_empty(CT_F32, p->data->ndim, p->data->shape, CT_MEM_OTHER);
+    if (!t) return CT_ENOMEM;
+    ct_status st = part_rw(s, j, part, b, 0, ct_tensor_data(t));
+    if (st == CT_OK) st = ct_state_add(out, name, t);
+    ct_tensor_release(t);
+    return st;
+}
+
+ct_status ct__offload_model_state(ct_strategy *s, ct_state *out)
+{
+    ct_status st = ct__offload_flush(s);
+    for (int j = 0; j < s->nparams && st == CT_OK; j++) st = add_read(s, out, s->params[j]->name, j, OFF_DATA, 0);
+    for (int i = 0; i < s->nbuffers && st == CT_OK; i++) st = ct_state_add(out, s->buffers[i]->name, s->buffers[i]->data);
+    if (st != CT_OK) ct_state_fini(out);
+    return st;
+}
+
+ct_status ct__offload_optim_state(ct_strategy *s, ct_state *out)
+{
+    offload_t *f = ct__offload(s);
+    const char *names[CT_OPTIM_MAX_STATE];
+    ct_optim_state_names(s->opt, names);
+    char name[512];
+    ct_status st = ct__offload_flush(s);
+    for (int j = 0; j < s->nparams && st == CT_OK; j++) {
+        ct_param *p = s->params[j];
+        if (!p->requires_grad) continue;
+        for (int b = 0; b < f->nstate && st == CT_OK; b++) {
+            snprintf(name, sizeof name, "%s.%s", p->name, names[b]);
+            st = add_read(s, out, name, j, OFF_STATE, b);
+        }
+    }
+    if (st == CT_OK) {
+        ct_tensor *step = ct_tensor_create(CT_I64, 1, (int64_t[]){1}, CT_MEM_OTHER);
+        if (!step) st = CT_ENOMEM;
+        else {
+            ((int64_t *)ct_tensor_data(step))[0] = ct_optim_get_step(s->opt);
+            st = ct_state_add(out, "step", step);
+            ct_tensor_release(step);
+        }
+    }
+    if (st != CT_OK) ct_state_fini(out);
+    return st;
+}
+
+static const ct_tensor *find(const char *const *names, ct_tensor *const *ts, int n, const char *name)
+{
+    for (int i = 0; i < n; i++)
+        if (!strcmp(names[i], name)) return ts[i];
+    return NULL;
+}
+
+/* src (f32/bf16/f16, numel elements) as f32 into parameter j's part (part_rw). */
+static ct_status write_f32(ct_strategy *s, const ct_tensor *src, int64_t numel, const char *name, int j, int part,
+                           int b)
+{
+    if (src->numel != numel)
+        return ct_error(CT_EINVAL, "'%s' has %lld elements in the checkpoint but %lld in the model; the "
+                        "checkpoint is for a different model configuration", name, (long long)src->numel,
+                        (long long)numel);
+    float *tmp = ct_alloc((size_t)numel * 4 + 4, CT_MEM_OTHER);
+    if (!tmp) return CT_ENOMEM;
+    ct_status st = CT_OK;
+    switch (src->dtype) {
+    case CT_F32: memcpy(tmp, ct_tensor_data(src), (size_t)numel * 4); break;
+    case CT_BF16: ct_bf16_to_f32_n(ct_tensor_data(src), tmp, (size_t)numel); break;
+    case CT_F16: ct_f16_to_f32_n(ct_tensor_data(src), tmp, (size_t)numel); break;
+    default:
+        st = ct_error(CT_EINVAL, "'%s' is %s in the checkpoint; parameters must be F32, BF16 or F16", name,
+                      ct_dtype_name(src->dtype));
+    }
+    if (st == CT_OK) st = part_rw(s, j, part, b, 1, tmp);
+    ct_free(tmp);
+    return st;
+}
+
+static ct_status load_model(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (!ct_module_find(s->model, names[i]))
+            return ct_error(CT_EINVAL, "checkpoint tensor '%s' is not in the model (wrong --model, or an "
+                            "optimizer file where the model file belongs?)", names[i]);
+    /* Check everything before writing anything: a bad file leaves the run as it was. */
+    for (int pass = 0; pass < 2; pass++)
+        for (int j = 0; j < (pass ? s->nbuffers : s->nparams); j++) {
+            ct_param *p = pass ? s->buffers[j] : s->params[j];
+            const ct_tensor *src = find(names, ts, n, p->name);
+            if (!src) return ct_error(CT_EINVAL, "checkpoint has no tensor '%s' that the model needs", p->name);
+            if (src->ndim != p->data->ndim || memcmp(src->shape, p->data->shape, sizeof(int64_t) * (size_t)src->ndim)) {
+                char a[64], b[64];
+                return ct_error(CT_EINVAL, "'%s' is %s in the checkpoint but %s in the model", p->name,
+                                ct_shape_str(src, a, sizeof a), ct_shape_str(p->data, b, sizeof b));
+            }
+            if (pass && src->dtype != CT_F32)
+                return ct_error(CT_EINVAL, "buffer '%s' is %s in the checkpoint; buffers load from F32", p->name,
+                                ct_dtype_name(src->dtype));
+        }
+    for (int j = 0; j < s->nparams; j++) {
+        ct_param *p = s->params[j];
+        CT_TRY(write_f32(s, find(names, ts, n, p->name), p->data->numel, p->name, j, OFF_DATA, 0));
+    }
+    ct__offload_cast(s, &ct__offload(s)->tied); /* new master weights: the resident copies follow */
+    for (int j = 0; j < s->nbuffers; j++)
+        memcpy(ct_tensor_data(s->buffers[j]->data), ct_tensor_data(find(names, ts, n, s->buffers[j]->name)),
+               ct_tensor_bytes(s->buffers[j]->data));
+    return CT_OK;
+}
+
+static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n)
+{
+    offload_t *f = ct__offload(s);
+    const ct_tensor *stp = find(names, ts, n, "step");
+    if (!stp || stp->dtype != CT_I64 || stp->numel != 1)
+        return ct_error(CT_EINVAL, "optimizer state has no I64 'step' tensor");
+    const char *bn[CT_OPTIM_MAX_STATE];
+    ct_optim_state_names(s->opt, bn);
+    char name[512];
+    for (int pass = 0; pass < 2; pass++)
+        for (int j = 0; j < s->nparams; j++) {
+            ct_param *p = s->params[j];
+            if (!p->requires_grad) continue;
+            for (int b = 0; b < f->nstate; b++) {
+                snprintf(name, sizeof name, "%s.%s", p->name, bn[b]);
+                const ct_tensor *src = find(names, ts, n, name);
+                if (!src)
+                    return ct_error(CT_EINVAL, "optimizer state has no '%s' (saved with another optimizer? "
+                                    "this run uses %s)", name, ct_optim_name(s->opt));
+                if (pass)
+                    CT_TRY(write_f32(s, src, p->data->numel, name, j, OFF_STATE, b));
+                else if (src->numel != p->data->numel)
+                    return ct_error(CT_EINVAL, "'%s' has %lld elements in the checkpoint but %lld in the model",
+                                    name, (long long)src->numel, (long long)p->data->numel);
+            }
+        }
+    ct_optim_set_step(s->opt, ((const int64_t *)ct_tensor_data(stp))[0]);
+    return CT_OK;
+}
+
+ct_status ct__offload_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
+                                 int optim)
+{
+    CT_TRY(ct__offload_flush(s)); /* the step taken happened before the load */
+    return optim ? load_optim(s, names, ts, n) : load_model(s, names, ts, n);
+}
