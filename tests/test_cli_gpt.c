@@ -199,6 +199,9 @@ TEST(cli_gpt_usage_errors)
         {"sample", "--checkpoint CKPT is required", 2},
         {"sample --checkpoint x --top-k -1", "--top-k -1", 2},
         {"sample --checkpoint /nonexistent.safetensors", "nonexistent", 1},
+        /* offload keeps each slice's parameters apart: the tied head is refused, not trained twice */
+        {"train --model gpt --layers 1 --heads 2 --dim 16 --context 8 --steps 1 --strategy offload --slices 2",
+         "(a tied weight)", 1},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         int rc = RUN(out, "%s", cases[i].args);

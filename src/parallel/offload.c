@@ -82,6 +82,35 @@ ct_status ct_offload_split(ct_module *seq, int nslices, int *sizes)
     return CT_OK;
 }
 
+/* A parameter used by two children of the sequential (a tied weight, such
+ * as the gpt's embedding and head) would live in two slices' flat storages
+ * at once; refuse it with the reason rather than train two copies. */
+static ct_status check_untied(ct_strategy *s)
+{
+    int *child = ct_alloc(sizeof *child * ((size_t)s->nparams + 1), CT_MEM_OTHER);
+    if (!child) return CT_ENOMEM;
+    for (int i = 0; i < s->nparams; i++) child[i] = -1;
+    ct_status st = CT_OK;
+    for (int c = 0; c < s->model->nkids && st == CT_OK; c++) {
+        ct_param **ps;
+        int np;
+        if ((st = ct_module_params(s->model->kids[c], &ps, &np)) != CT_OK) break;
+        for (int j = 0; j < np && st == CT_OK; j++)
+            for (int i = 0; i < s->nparams; i++) {
+                if (s->params[i] != ps[j]) continue;
+                if (child[i] >= 0 && child[i] != c)
+                    st = ct_error(CT_EUNSUPPORTED, "offload: parameter '%s' is used by children %d and %d of the "
+                                  "model (a tied weight); offload streams each slice's parameters on their own and "
+                                  "cannot hold one in two slices: train this model with another strategy",
+                                  ps[j]->name, child[i], c);
+                child[i] = c;
+            }
+        ct_free(ps);
+    }
+    ct_free(child);
+    return st;
+}
+
 static ct_status parse_balance(const char *text, int nkids, int **out, int *n)
 {
     int cap = 1;
@@ -134,6 +163,7 @@ static ct_status offload_init(ct_strategy *s)
         if (s->params[i]->data->dtype != CT_F32)
             return ct_error(CT_EUNSUPPORTED, "offload: parameter '%s' is %s; offload takes f32 parameters",
                             s->params[i]->name, ct_dtype_name(s->params[i]->data->dtype));
+    CT_TRY(check_untied(s));
     offload_t *f = ct_alloc_zeroed(sizeof *f, CT_MEM_OTHER);
     if (!f) return CT_ENOMEM;
     s->priv = f;
