@@ -94,8 +94,9 @@ TEST(cli_gpt_strategies_match_one_process)
     int rc = RUN(one, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1", dir);
     if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", one);
     double l1 = number_after(one, "final train loss "), v1 = number_after(one, "val loss ");
-    const char *kinds[] = {"ddp", "zero1", "zero2", "fsdp"}; /* fsdp: a unit per block */
-    for (int k = 0; k < 4; k++) {
+    /* fsdp: a unit per block; pipe: stages of blocks, the tied weight in the first and the last */
+    const char *kinds[] = {"ddp", "zero1", "zero2", "fsdp", "pipe"};
+    for (int k = 0; k < 5; k++) {
         rc = run_np(2, two, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --strategy %s", dir, kinds[k]);
         if (rc) ct_test_fail(__FILE__, __LINE__, "%s failed:\n%s", kinds[k], two);
         ASSERT_NEAR(number_after(two, "final train loss "), l1, 2e-5);
@@ -121,6 +122,33 @@ TEST(cli_gpt_fsdp_eval_with_uneven_shares)
                     "--strategy fsdp --wrap-min-params 1000 --log-every 0");
     if (rc) ct_test_fail(__FILE__, __LINE__, "fsdp mlp on 3 ranks, one test sample, failed:\n%s", out);
     ASSERT_STR_CONTAINS(out, "/1)"); /* the one sample counted once */
+}
+
+/* A pipelined run's checkpoint (the tied weight saved once, by the first
+ * stage) resumes under ddp and goes on as one process's checkpoint resumed
+ * by one process (the final train loss is the resumed steps' mean). */
+TEST(cli_gpt_pipe_checkpoint_resumes_under_ddp)
+{
+    static char a[OUT_MAX], b[OUT_MAX];
+    const char *dir = text_dir();
+    char ck1[700], ckp[700];
+    snprintf(ck1, sizeof ck1, "%s/o.safetensors", ct_test_tmpdir());
+    snprintf(ckp, sizeof ckp, "%s/p.safetensors", ct_test_tmpdir());
+    int rc = RUN(a, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --seed 5 --save %s", dir, ck1);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", a);
+    rc = run_np(2, b, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --seed 5 --strategy pipe --chunks 3 "
+                "--save %s", dir, ckp);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "pipe failed:\n%s", b);
+    rc = RUN(b, "inspect %s", ckp);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "inspect failed:\n%s", b);
+    ASSERT_STR_CONTAINS(b, "transformer.wte.weight");
+    ASSERT(!strstr(b, "lm_head"));
+    rc = RUN(a, "train --steps 12 --resume %s --data-dir %s --threads 1 --log-every 0", ck1, dir);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "resume failed:\n%s", a);
+    rc = run_np(2, b, "train --steps 12 --resume %s --data-dir %s --threads 1 --log-every 0 --strategy ddp", ckp, dir);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "resume under ddp failed:\n%s", b);
+    ASSERT_NEAR(number_after(b, "final train loss "), number_after(a, "final train loss "), 2e-5);
+    ASSERT_NEAR(number_after(b, "val loss "), number_after(a, "val loss "), 2e-4);
 }
 
 TEST(cli_gpt_trains_on_fortunes)

@@ -258,3 +258,54 @@ TEST(gpt_tied_pipe_with_replicas_equals_one_process)
     vs_single_clip("pipe", "stages=2,chunks=3,schedule=gpipe", 3, 1e-5, 0.5, 1);
     vs_single("pipe", "stages=2,chunks=2,dp=zero1", 3, 1e-5);
 }
+
+/* One process's full state dict (the tied weight once) loads into a
+ * pipeline: both stages' copies take it, and the pipeline goes on as the
+ * process does. */
+TEST(gpt_tied_pipe_loads_full_state_into_every_copy)
+{
+    ct_group *g = ct_group_world();
+    int world = ct_group_size(g);
+    int64_t n = 2 * world + 1;
+    ct_module *pm = gpt(8), *rm = gpt(3); /* other weights: only the load makes them equal */
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
+    oo.lr = 0.01;
+    oo.eps = 1e-4;
+    ct_strategy *ps, *rs;
+    ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, NULL, &rs));
+    double l;
+    gpt_step(rs, 0, n, 1, &l);
+    ASSERT_OK(ct_strategy_step(rs));
+    ct_strategy_zero_grad(rs);
+    ct_state ms, os;
+    ASSERT_OK(ct_strategy_model_state(rs, &ms));
+    ASSERT_OK(ct_strategy_optim_state(rs, &os));
+    ASSERT_OK(ct_strategy_create("pipe", pm, &oo, g, "chunks=2", &ps));
+    ASSERT_OK(ct_strategy_load_state(ps, (const char *const *)ms.names, ms.tensors, ms.n, 0));
+    ASSERT_OK(ct_strategy_load_state(ps, (const char *const *)os.names, os.tensors, os.n, 1));
+    ct_param *w = ct_module_find(pm, "transformer.wte.weight"), *ref = ct_module_find(rm, "transformer.wte.weight");
+    if (w) ASSERT(!memcmp(ct_f32(w->data), ct_f32(ref->data), sizeof(float) * (size_t)ref->data->numel));
+    assert_copies_equal(pm);
+    for (int step = 1; step < 3; step++) {
+        double a, b;
+        gpt_step(ps, step, n, 0, &a);
+        gpt_step(rs, step, n, 1, &b);
+        ASSERT_OK(ct_strategy_step(ps));
+        ASSERT_OK(ct_strategy_step(rs));
+        ct_strategy_zero_grad(ps);
+        ct_strategy_zero_grad(rs);
+    }
+    assert_copies_equal(pm);
+    ct_state a, b;
+    ASSERT_OK(ct_strategy_model_state(ps, &a));
+    ASSERT_OK(ct_strategy_model_state(rs, &b));
+    if (ct_group_rank(g) == 0) ASSERT(state_rel_l2(&a, &b) < 1e-5);
+    ct_state_fini(&a);
+    ct_state_fini(&b);
+    ct_state_fini(&ms);
+    ct_state_fini(&os);
+    ct_strategy_destroy(ps);
+    ct_strategy_destroy(rs);
+    ct_module_destroy(pm);
+    ct_module_destroy(rm);
+}
