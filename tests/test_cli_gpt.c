@@ -251,3 +251,38 @@ TEST(cli_gpt_estimate_matches_training)
             ct_test_fail(__FILE__, __LINE__, "mixed %d: estimated act %g vs measured %g", mixed, a, m);
     }
 }
+
+/* The pipelined gpt's estimate against a 2-rank run (the largest stage's
+ * figures): param and grad exact, the last stage's counting the tied
+ * weight its head uses; optim within its slot table; the activations a
+ * replay of a stage's micro-batch scheduled (0 to 20% high), for both
+ * schedules, a checkpoint mode and bf16. */
+TEST(cli_gpt_estimate_matches_pipe)
+{
+    static char out[OUT_MAX], est[OUT_MAX];
+    const char *dir = text_dir();
+    char metrics[700], cmd[900];
+    const char *extra[] = {"", "--mixed bf16 --strategy-opt chunks=2", "--strategy-opt schedule=gpipe,chunks=8",
+                           "--strategy-opt checkpoint=never,chunks=3"};
+    for (size_t c = 0; c < sizeof extra / sizeof extra[0]; c++) {
+        snprintf(metrics, sizeof metrics, "%s/p%zu.jsonl", ct_test_tmpdir(), c);
+        int rc = run_np(2, out, "train " GPT_FLAGS " --steps 3 --dropout 0.1 --data-dir %s --strategy pipe %s "
+                        "--metrics %s", dir, extra[c], metrics);
+        if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
+        rc = RUN(est, "estimate --model gpt --layers 1 --heads 2 --dim 32 --context 24 --batch 8 --dropout 0.1 "
+                 "--ranks 2 --strategy pipe --json %s", extra[c]);
+        if (rc) ct_test_fail(__FILE__, __LINE__, "estimate failed:\n%s", est);
+        snprintf(cmd, sizeof cmd, "tail -1 %s", metrics);
+        FILE *p = popen(cmd, "r");
+        ASSERT(p);
+        size_t n = fread(out, 1, OUT_MAX - 1, p);
+        out[n] = 0;
+        pclose(p);
+        ASSERT_EQ(json_max(est, "param"), json_max(out, "param"));
+        ASSERT_EQ(json_max(est, "grad"), json_max(out, "grad"));
+        ASSERT_CLOSE(json_max(est, "optim"), json_max(out, "optim"), 0.01, 0);
+        double a = json_max(est, "act"), m = json_max(out, "act");
+        if (!(a >= m && a <= 1.2 * m))
+            ct_test_fail(__FILE__, __LINE__, "'%s': estimated act %g vs measured %g", extra[c], a, m);
+    }
+}
