@@ -8,7 +8,8 @@
  * stage: the other children are taken out of the model and freed, so a
  * rank's parameters, gradients and optimizer state are its stage's alone.
  * Names do not change (ct_module_detach keeps them), so state dicts and
- * dropout streams are the unsplit model's.
+ * dropout streams are the unsplit model's.  A parameter tied across stages
+ * (the GPT's embedding and head) keeps a copy in each: pipe_tied.c.
  *
  * The stage runs inside a replica strategy over the stage's replicas (its
  * data-parallel group): DDP or ZeRO-1 when there are several replicas, so
@@ -192,7 +193,10 @@ static ct_status parse_balance(const char *text, int **out, int *n)
 }
 
 /* fairscale refuses a module that appears twice (its stages would share
- * it): the same module object, or the same parameter, twice in the tree. */
+ * it): the same module object twice in the tree, or two parameters sharing
+ * memory.  One parameter listed by several modules (ct_module_share_param)
+ * is a tied weight, which pipe_tied.c trains across stages;
+ * ct_module_params lists it once. */
 static ct_status check_no_duplicates(ct_module *m)
 {
     ct_module **mods = NULL;
