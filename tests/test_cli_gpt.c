@@ -125,30 +125,43 @@ TEST(cli_gpt_fsdp_eval_with_uneven_shares)
 }
 
 /* A pipelined run's checkpoint (the tied weight saved once, by the first
- * stage) resumes under ddp and goes on as one process's checkpoint resumed
- * by one process (the final train loss is the resumed steps' mean). */
+ * stage: full, sharded and local alike) resumes under ddp and goes on as
+ * one process's checkpoint resumed by one process (the final train loss is
+ * the resumed steps' mean). */
 TEST(cli_gpt_pipe_checkpoint_resumes_under_ddp)
 {
     static char a[OUT_MAX], b[OUT_MAX];
     const char *dir = text_dir();
-    char ck1[700], ckp[700];
+    char ck1[700], ckp[700], what[2000];
     snprintf(ck1, sizeof ck1, "%s/o.safetensors", ct_test_tmpdir());
-    snprintf(ckp, sizeof ckp, "%s/p.safetensors", ct_test_tmpdir());
     int rc = RUN(a, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --seed 5 --save %s", dir, ck1);
     if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", a);
-    rc = run_np(2, b, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --seed 5 --strategy pipe --chunks 3 "
-                "--save %s", dir, ckp);
-    if (rc) ct_test_fail(__FILE__, __LINE__, "pipe failed:\n%s", b);
-    rc = RUN(b, "inspect %s", ckp);
-    if (rc) ct_test_fail(__FILE__, __LINE__, "inspect failed:\n%s", b);
-    ASSERT_STR_CONTAINS(b, "transformer.wte.weight");
-    ASSERT(!strstr(b, "lm_head"));
     rc = RUN(a, "train --steps 12 --resume %s --data-dir %s --threads 1 --log-every 0", ck1, dir);
     if (rc) ct_test_fail(__FILE__, __LINE__, "resume failed:\n%s", a);
-    rc = run_np(2, b, "train --steps 12 --resume %s --data-dir %s --threads 1 --log-every 0 --strategy ddp", ckp, dir);
-    if (rc) ct_test_fail(__FILE__, __LINE__, "resume under ddp failed:\n%s", b);
-    ASSERT_NEAR(number_after(b, "final train loss "), number_after(a, "final train loss "), 2e-5);
-    ASSERT_NEAR(number_after(b, "val loss "), number_after(a, "val loss "), 2e-4);
+    const char *formats[] = {"full", "sharded", "local"};
+    for (int f = 0; f < 3; f++) {
+        snprintf(ckp, sizeof ckp, "%s/p-%s%s", ct_test_tmpdir(), formats[f], f ? "" : ".safetensors");
+        rc = run_np(2, b, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --seed 5 --strategy pipe "
+                    "--chunks 3 --save %s --state-dict %s", dir, ckp, formats[f]);
+        if (rc) ct_test_fail(__FILE__, __LINE__, "pipe (%s) failed:\n%s", formats[f], b);
+        /* the tensors saved: the file's, or the model index's */
+        if (f) snprintf(what, sizeof what, "cat %s/model.safetensors.index.json", ckp);
+        else snprintf(what, sizeof what, "%s/ctrain inspect %s", cli_bin_dir(), ckp);
+        FILE *p = popen(what, "r");
+        ASSERT(p);
+        size_t n = fread(b, 1, OUT_MAX - 1, p);
+        b[n] = 0;
+        pclose(p);
+        ASSERT_STR_CONTAINS(b, "transformer.wte.weight");
+        ASSERT_STR_CONTAINS(b, "transformer.h.0.mlp.c_proj.bias"); /* the last stage's too */
+        ASSERT(!strstr(b, "lm_head"));
+        ASSERT(strstr(strstr(b, "transformer.wte.weight") + 1, "transformer.wte.weight") == NULL); /* once */
+        rc = run_np(2, b, "train --steps 12 --resume %s --data-dir %s --threads 1 --log-every 0 --strategy ddp", ckp,
+                    dir);
+        if (rc) ct_test_fail(__FILE__, __LINE__, "resume (%s) under ddp failed:\n%s", formats[f], b);
+        ASSERT_NEAR(number_after(b, "final train loss "), number_after(a, "final train loss "), 2e-5);
+        ASSERT_NEAR(number_after(b, "val loss "), number_after(a, "val loss "), 2e-4);
+    }
 }
 
 TEST(cli_gpt_trains_on_fortunes)

@@ -475,6 +475,7 @@ const ct__strategy_ops ct__pipe_ops = {
     .model_state = ct__pipe_model_state,
     .optim_state = ct__pipe_optim_state,
     .shard_state = ct__pipe_shard_state,
+    .local_state = ct__pipe_local_state,
     .load_state = ct__pipe_load_state,
     .train_step = ct__pipe_train_step,
     .predict = ct__pipe_predict,

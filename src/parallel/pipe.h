@@ -70,6 +70,7 @@ ct_status ct__pipe_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, 
 ct_status ct__pipe_model_state(ct_strategy *s, ct_state *out);
 ct_status ct__pipe_optim_state(ct_strategy *s, ct_state *out);
 ct_status ct__pipe_shard_state(ct_strategy *s, int optim, ct_state *out);
+ct_status ct__pipe_local_state(ct_strategy *s, int optim, ct_state *out);
 ct_status ct__pipe_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                               int optim);
 
@@ -89,8 +90,9 @@ void ct__pipe_ties_begin(pipe_t *p);
 ct_status ct__pipe_ties_sum(pipe_t *p);
 /* Squared 2-norm of the tied gradients this rank holds but does not count. */
 double ct__pipe_ties_uncounted(const pipe_t *p);
-/* 1 if name is a tied parameter (optim: "<param>.<slot>" of one) that this
- * stage holds but another stage saves. */
+/* 1 if name is a tied parameter (optim: "<param>.<slot>" of one; either
+ * maybe a piece, "...@<offset>") that this stage holds but another stage
+ * saves. */
 int ct__pipe_tie_is_copy(const pipe_t *p, const char *name, int optim);
 
 #endif

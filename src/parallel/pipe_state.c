@@ -109,20 +109,27 @@ static ct_status gather(ct_strategy *s, int optim, ct_state *out)
 ct_status ct__pipe_model_state(ct_strategy *s, ct_state *out) { return gather(s, 0, out); }
 ct_status ct__pipe_optim_state(ct_strategy *s, ct_state *out) { return gather(s, 1, out); }
 
-/* Each stage's share over its replicas (every tensor once), "step" once,
- * a tied parameter from its first holding stage only. */
-ct_status ct__pipe_shard_state(ct_strategy *s, int optim, ct_state *out)
+/* Each stage's share over its replicas (every tensor once; local: the
+ * pieces as they lie, ct_strategy_local_state), "step" once, a tied
+ * parameter from its first holding stage only. */
+static ct_status stage_share(ct_strategy *s, int optim, int local, ct_state *out)
 {
     pipe_t *p = ct__pipe(s);
     ct_state share = {0};
     ct_status st = CT_OK;
-    if (p->stage >= 0) st = ct_strategy_shard_state(p->inner, optim, &share);
+    memset(out, 0, sizeof *out);
+    if (p->stage >= 0)
+        st = local ? ct_strategy_local_state(p->inner, optim, &share) : ct_strategy_shard_state(p->inner, optim, &share);
     for (int i = 0; st == CT_OK && i < share.n; i++)
         if ((p->stage == 0 || strcmp(share.names[i], "step")) && !ct__pipe_tie_is_copy(p, share.names[i], optim))
             st = ct_state_add(out, share.names[i], share.tensors[i]);
     ct_state_fini(&share);
+    if (st != CT_OK) ct_state_fini(out);
     return st;
 }
+
+ct_status ct__pipe_shard_state(ct_strategy *s, int optim, ct_state *out) { return stage_share(s, optim, 0, out); }
+ct_status ct__pipe_local_state(ct_strategy *s, int optim, ct_state *out) { return stage_share(s, optim, 1, out); }
 
 static int known(const pipe_t *p, const char *name, size_t len)
 {

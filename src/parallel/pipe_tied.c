@@ -163,8 +163,11 @@ double ct__pipe_ties_uncounted(const pipe_t *p)
 
 int ct__pipe_tie_is_copy(const pipe_t *p, const char *name, int optim)
 {
-    const char *dot = optim ? strrchr(name, '.') : NULL;
-    size_t len = optim ? (dot ? (size_t)(dot - name) : 0) : strlen(name);
+    const char *at = strchr(name, '@'), *dot = NULL;
+    size_t len = at ? (size_t)(at - name) : strlen(name);
+    for (size_t i = 0; optim && i < len; i++)
+        if (name[i] == '.') dot = name + i;
+    if (optim) len = dot ? (size_t)(dot - name) : 0;
     for (int t = 0; t < p->nties; t++)
         for (int i = 0; !p->ties[t].first && i < p->ties[t].nps; i++)
             if (strlen(p->ties[t].ps[i]->name) == len && !strncmp(p->ties[t].ps[i]->name, name, len)) return 1;
