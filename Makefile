@@ -25,7 +25,7 @@ BENCH_SRC := $(sort $(wildcard bench/*.c))
 
 LIB_OBJ   = $(LIB_SRC:%.c=$(B)/%.o)
 CLI_OBJ   = $(CLI_SRC:%.c=$(B)/%.o)
-TEST_OBJ  = $(TEST_SRC:%.c=$(B)/%.o) $(B)/tests/harness.o $(B)/tests/runner.o
+TEST_OBJ  = $(TEST_SRC:%.c=$(B)/%.o) $(B)/tests/harness.o $(B)/tests/runner.o $(B)/tests/cli_util.o
 MPI_OBJ   = $(MPI_SRC:%.c=$(B)/%.o) $(B)/tests/harness.o
 BENCHES   = $(BENCH_SRC:bench/%.c=$(B)/bench/%)
 DEPS_OK   = $(B)/.deps-ok

@@ -306,7 +306,8 @@ static ct_status row_zero2(const est_in *in, const char *vals, est_row *row)
     return st;
 }
 
-/* The top-level child of the model that holds p. */
+/* The top-level child of the model that holds p (its owner's; a tied
+ * parameter's is its first user's). */
 static int child_of(const est_in *in, const ct_param *p)
 {
     const ct_module *m = p->owner;
@@ -316,14 +317,38 @@ static int child_of(const est_in *in, const ct_param *p)
     return -1;
 }
 
+/* The parameters of the model's top-level children [lo, hi), each once:
+ * what a pipeline stage keeps (a parameter tied across stages, as the
+ * gpt's embedding and head, is in every stage that uses it). */
+static ct_status stage_params(const est_in *in, int lo, int hi, const ct_param **out, int *n)
+{
+    *n = 0;
+    for (int c = lo; c < hi; c++) {
+        ct_param **ps;
+        int np;
+        CT_TRY(ct_module_params(in->model->kids[c], &ps, &np));
+        for (int i = 0; i < np; i++) {
+            int seen = 0;
+            for (int j = 0; j < *n && !seen; j++) seen = out[j] == ps[i];
+            if (!seen) out[(*n)++] = ps[i];
+        }
+        ct_free(ps);
+    }
+    return CT_OK;
+}
+
 /* Pipe (src/parallel/pipe*.c): each stage keeps its children's parameters,
  * gradients and optimizer state (sharded over its replicas with dp=zero1);
- * the largest stage sets the row.  Activations are this estimate's own
- * model of the schedule rather than a replay: a micro-batch's record on a
- * stage is taken as its input plus every child's output; a stage holds
- * `chunks` micro-batches (GPipe) or at most P - k (1F1B), of which the
- * checkpointed ones keep only their input (one at a time is recomputed);
- * plus this rank's batch, and one micro-batch's output in flight (comm). */
+ * the largest stage sets the row.  Activations: one micro-batch through
+ * the stage replayed as est_activations replays a step (what its record
+ * keeps, the peak of its forward and backward), then the schedule: a stage
+ * holds `chunks` micro-batches (GPipe) or at most P - k (1F1B, receiving
+ * one more ahead), each with its received input; the checkpointed ones keep only that (one at a time
+ * is recomputed), and under 1F1B with except_last the last one's record
+ * lives through another's backward; the last stage under GPipe keeps every
+ * micro-batch's loss gradient until its backward, the others receive the
+ * next gradient ahead; plus this rank's batch, and one message in flight
+ * (comm). */
 static ct_status row_pipe(const est_in *in, const char *vals, est_row *row)
 {
     char b[256];
@@ -332,9 +357,9 @@ static ct_status row_pipe(const est_in *in, const char *vals, est_row *row)
     const char *sv = optv(vals, "stages", b, sizeof b);
     if (sv && strcmp(sv, "auto")) P = atoi(sv); /* checked by ct_strategy_check_opts */
     int *bal = ct_alloc(sizeof *bal * (size_t)(n + 1), CT_MEM_OTHER);
-    int64_t *outn = ct_alloc(sizeof *outn * (size_t)(n + 1), CT_MEM_OTHER);
+    const ct_param **sp = ct_alloc(sizeof *sp * (size_t)(in->nparams + 1), CT_MEM_OTHER);
     int64_t *counts = ct_alloc(sizeof *counts * (size_t)(in->ntp + 1), CT_MEM_OTHER);
-    ct_status st = bal && outn && counts ? CT_OK : CT_ENOMEM;
+    ct_status st = bal && sp && counts ? CT_OK : CT_ENOMEM;
     const char *bv = optv(vals, "balance", b, sizeof b);
     int nb = 0;
     for (const char *q = bv; st == CT_OK && q && *q; nb++) {
@@ -347,31 +372,22 @@ static ct_status row_pipe(const est_in *in, const char *vals, est_row *row)
         st = ct_error(CT_EINVAL, "pipe: %d stages do not fit %d ranks and a model of %d layers (balance %s)", P, in->world,
                       n, bv && *bv ? bv : "by parameters");
     if (st == CT_OK && !nb) st = ct_pipe_balance_by_params(m, P, bal);
-    /* per-row numel of each child's output, and of the model's input */
-    int64_t shape[CT_MAX_DIMS], in1 = ct_model_input_numel(&in->cfg);
-    int nd = st == CT_OK ? ct_model_input_shape(&in->cfg, 1, shape) : 0;
-    for (int i = 0; st == CT_OK && i < n; i++) {
-        st = ct_module_out_shape(m->kids[i], nd, shape, &nd, shape);
-        outn[i] = 1;
-        for (int d = 1; d < nd; d++) outn[i] *= shape[d];
-    }
     int R = in->world / (P ? P : 1), chunks = (int)optnum(vals, "chunks", 4), zero1 = 0;
     char dv[32];
     if (optv(vals, "dp", dv, sizeof dv) && !strcmp(dv, "zero1")) zero1 = 1;
-    char sch[32], ck[32];
+    char sch[32], ck[32] = "except_last";
     int gpipe = optv(vals, "schedule", sch, sizeof sch) && !strcmp(sch, "gpipe");
     optv(vals, "checkpoint", ck, sizeof ck);
     int64_t rows = in->batch / (R ? R : 1) + (in->batch % (R ? R : 1) != 0);
     int64_t mrows = (rows + chunks - 1) / chunks, mbs = (rows + mrows - 1) / mrows;
     int mixed = opt16(vals, "param_dtype");
     for (int k = 0, lo = 0; st == CT_OK && k < P; lo += bal[k], k++) {
-        int hi = lo + bal[k];
+        int hi = lo + bal[k], ns = 0;
         uint64_t param = 0, grad = 0;
         int nc = 0;
-        for (int i = 0; i < in->nparams; i++) {
-            const ct_param *p = in->params[i];
-            int c = child_of(in, p);
-            if (c < lo || c >= hi) continue;
+        st = stage_params(in, lo, hi, sp, &ns);
+        for (int i = 0; st == CT_OK && i < ns; i++) {
+            const ct_param *p = sp[i];
             const char *kind = p->owner && p->owner->ops ? p->owner->ops->kind : "";
             param += bytes_of(p);
             if (mixed && p->requires_grad && p->data->ndim >= 2 && strcmp(kind, "layernorm") && strcmp(kind, "batchnorm"))
@@ -383,6 +399,7 @@ static ct_status row_pipe(const est_in *in, const char *vals, est_row *row)
                 grad += (uint64_t)ct_tensor_bytes(p->grad);
             }
         }
+        if (st != CT_OK) break;
         uint64_t optim = optim_bytes(in, counts, nc);
         if (zero1 && R > 1) { /* the ZeRO partition over the stage's replicas: the largest share */
             ct_partition pt;
@@ -397,17 +414,23 @@ static ct_status row_pipe(const est_in *in, const char *vals, est_row *row)
             ct_free(share);
             ct_partition_fini(&pt);
         }
-        int64_t inrow = lo ? outn[lo - 1] : in1, rec = inrow;
-        for (int i = lo; i < hi; i++) rec += outn[i];
-        uint64_t full = (uint64_t)(mrows * rec) * 4, inp = (uint64_t)(mrows * inrow) * 4;
-        int held = gpipe ? (int)mbs : (P - k < mbs ? P - k : (int)mbs);
-        uint64_t act = !strcmp(ck, "never") ? (uint64_t)held * full : (uint64_t)(held - 1) * inp + full;
-        act += (uint64_t)rows * ((uint64_t)in1 * 4 + 4);
-        uint64_t comm = k + 1 < P ? (uint64_t)(mrows * outn[hi - 1] + 1) * 4 : 0;
+        uint64_t kept, peak, inb, outb;
+        st = est_stage_activations(in, lo, hi, mrows, mixed, &kept, &peak, &inb, &outb);
+        if (st != CT_OK) break;
+        int held = gpipe ? (int)mbs : (P - k < mbs ? P - k : (int)mbs), never = !strcmp(ck, "never");
+        uint64_t recv = k ? inb + 4 : 0; /* a received input: its values and the sender's status */
+        /* 1F1B receives the next micro-batch's input ahead; GPipe all of them at once (held) */
+        uint64_t act = peak + (uint64_t)(held + (!gpipe && held < mbs)) * recv + (uint64_t)(held - 1) * (never ? kept : 0);
+        if (!never && !gpipe && !strcmp(ck, "except_last") && held > 1) act += kept;
+        /* the last stage's loss gradients; the others' next gradient received ahead (messages carry a status) */
+        act += k + 1 == P ? (uint64_t)(held - 1) * outb : outb + 8;
+        act += est_batch_bytes(in, rows);
+        uint64_t comm = k + 1 < P ? outb + 4 : 0;
+        if (k && inb + 4 > comm) comm = inb + 4;
         take_rank(row, param, grad, optim, act, comm);
     }
     ct_free(bal);
-    ct_free(outn);
+    ct_free(sp);
     ct_free(counts);
     return st;
 }

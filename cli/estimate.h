@@ -36,5 +36,15 @@ typedef struct {
  * once while a layer runs (its output, input gradient and scratch).  Layer
  * kinds it does not know are assumed to keep their input and output. */
 ct_status est_activations(const est_in *in, int64_t rows, int k, int scaled, int mixed, uint64_t *bytes);
+/* One micro-batch of mrows rows through the model's top-level children
+ * [lo, hi) (a pipeline stage), replayed as est_activations replays a step:
+ * *kept gets the bytes its record holds from its forward to its backward,
+ * *peak the peak of its forward and backward on their own (the next
+ * stage's gradient or the loss's included, the stage's input not),
+ * *in_bytes and *out_bytes the sizes of the stage's input and output. */
+ct_status est_stage_activations(const est_in *in, int lo, int hi, int64_t mrows, int mixed, uint64_t *kept,
+                                uint64_t *peak, uint64_t *in_bytes, uint64_t *out_bytes);
+/* This rank's batch of rows (inputs and targets), as the loaders hold it. */
+uint64_t est_batch_bytes(const est_in *in, int64_t rows);
 
 #endif

@@ -159,31 +159,37 @@ static void leaves(ct_module *m, ct_module **out, int *n)
     out[(*n)++] = m;
 }
 
-ct_status est_activations(const est_in *in, int64_t rows, int k, int scaled, int mixed, uint64_t *bytes)
+/* One micro-batch through the leaves lv[0..n) from an input of shape sh0
+ * (nd0 dims; the input is a view of the batch or a buffer counted by the
+ * caller), forward then backward.  dx0: the first leaf makes an input
+ * gradient (a pipeline stage after the first).  whole: the model's output
+ * and the loss gradient (and its scaled copy when scaled) stay with the
+ * caller to the end; otherwise (a pipeline stage) the output is sent away
+ * after forward and one gradient of its shape (the loss's or the next
+ * stage's) lives through the backward.  *kept: the bytes the micro-batch's
+ * record holds between its forward and its backward; *peak: the peak of
+ * the whole replay. */
+static ct_status replay(const est_in *in, ct_module **lv, int n, int nd0, const int64_t *sh0, int dx0, int whole,
+                        int scaled, int mixed, uint64_t *kept, uint64_t *peak)
 {
-    ct_module **mods = NULL, **lv;
-    int nmods, n = 0;
-    CT_TRY(ct_module_modules(in->model, &mods, &nmods));
-    lv = ct_alloc(sizeof *lv * (size_t)nmods, CT_MEM_OTHER);
-    int64_t(*shapes)[CT_MAX_DIMS] = ct_alloc(sizeof *shapes * (size_t)(nmods + 1), CT_MEM_OTHER);
-    int *nds = ct_alloc(sizeof *nds * (size_t)(nmods + 1), CT_MEM_OTHER);
-    sim s = {.cap = 4 * nmods + 8};
+    int64_t(*shapes)[CT_MAX_DIMS] = ct_alloc(sizeof *shapes * (size_t)(n + 1), CT_MEM_OTHER);
+    int *nds = ct_alloc(sizeof *nds * (size_t)(n + 1), CT_MEM_OTHER);
+    sim s = {.cap = 4 * n + 8};
     s.b = ct_alloc(sizeof *s.b * (size_t)s.cap, CT_MEM_OTHER);
-    int *kin = ct_alloc(sizeof *kin * 3 * (size_t)nmods, CT_MEM_OTHER), *kout = kin + nmods, *ksav = kin + 2 * nmods;
-    rule *rl = ct_alloc(sizeof *rl * (size_t)nmods, CT_MEM_OTHER);
-    ct_status st = lv && shapes && nds && s.b && kin && rl ? CT_OK : CT_ENOMEM;
-    if (st == CT_OK) leaves(in->model, lv, &n);
-
-    /* The first micro-batch is the largest (train_step cuts rows as evenly as they go). */
-    int64_t mrows = rows / k + (rows % k != 0);
-    if (st == CT_OK) nds[0] = ct_model_input_shape(&in->cfg, mrows, shapes[0]);
+    int *kin = ct_alloc(sizeof *kin * 3 * (size_t)(n + 1), CT_MEM_OTHER), *kout = kin + n, *ksav = kin + 2 * n;
+    rule *rl = ct_alloc(sizeof *rl * (size_t)(n + 1), CT_MEM_OTHER);
+    ct_status st = shapes && nds && s.b && kin && rl ? CT_OK : CT_ENOMEM;
+    if (st == CT_OK) {
+        nds[0] = nd0;
+        memcpy(shapes[0], sh0, sizeof shapes[0]);
+    }
     for (int i = 0; st == CT_OK && i < n; i++)
         st = ct_module_out_shape(lv[i], nds[i], shapes[i], &nds[i + 1], shapes[i + 1]);
 
-    /* Forward: buffer -1 is the micro-batch, a view of this rank's batch. */
+    /* Forward: buffer -1 is the micro-batch's input. */
     int x = -1;
     for (int i = 0; st == CT_OK && i < n; i++) {
-        rl[i] = rule_of(in, lv[i], nds[i], shapes[i], nds[i + 1], shapes[i + 1], mixed, i > 0);
+        rl[i] = rule_of(in, lv[i], nds[i], shapes[i], nds[i + 1], shapes[i + 1], mixed, i > 0 || dx0);
         const rule *r = &rl[i];
         int out = x;
         if (r->alias) sim_ref(&s, x);
@@ -198,18 +204,20 @@ ct_status est_activations(const est_in *in, int64_t rows, int k, int scaled, int
         x = out;
     }
     if (st == CT_OK) {
-        /* The logits stay with the caller, and so do the loss gradient and its scaled copy. */
         uint64_t lb = (uint64_t)numel(nds[n], shapes[n]) * 4;
+        *kept = s.alive - (x >= 0 && s.b[x].refs == 1 ? s.b[x].bytes : 0);
+        if (!whole) sim_unref(&s, x); /* sent: the message is a copy (comm) */
+        /* The loss gradient (and its scaled copy), or the next stage's gradient. */
         int g = sim_new(&s, lb);
-        if (scaled) g = sim_new(&s, lb);
+        if (whole && scaled) g = sim_new(&s, lb);
         sim_ref(&s, g);
         sim_peak(&s, 0);
         /* Backward: each layer makes its input gradient (not the first), then its record goes. */
         for (int i = n - 1; i >= 0; i--) {
             const rule *r = &rl[i];
             int dx = -1;
-            if (i > 0 && r->alias) sim_ref(&s, dx = g);
-            else if (i > 0) dx = sim_new(&s, (uint64_t)numel(nds[i], shapes[i]) * 4);
+            if ((i > 0 || dx0) && r->alias) sim_ref(&s, dx = g);
+            else if (i > 0 || dx0) dx = sim_new(&s, (uint64_t)numel(nds[i], shapes[i]) * 4);
             sim_peak(&s, r->bwd_tmp);
             sim_unref(&s, kin[i]);
             sim_unref(&s, kout[i]);
@@ -217,17 +225,60 @@ ct_status est_activations(const est_in *in, int64_t rows, int k, int scaled, int
             sim_unref(&s, g);
             g = dx;
         }
-        /* This rank's whole batch: f32 inputs and i32 targets (src/io/idx.c); the gpt's
-         * i64 tokens and i64 next tokens (src/io/text.c). */
-        if (in->cfg.kind == CT_MODEL_GPT) *bytes = s.peak + (uint64_t)rows * (uint64_t)in->cfg.context * 16;
-        else *bytes = s.peak + (uint64_t)rows * ((uint64_t)ct_model_input_numel(&in->cfg) * 4 + 4);
+        *peak = s.peak;
     }
-    ct_free(mods);
-    ct_free(lv);
     ct_free(shapes);
     ct_free(nds);
     ct_free(s.b);
     ct_free(kin);
     ct_free(rl);
+    return st;
+}
+
+/* This rank's whole batch of rows: f32 inputs and i32 targets (src/io/idx.c);
+ * the gpt's i64 tokens and i64 next tokens (src/io/text.c). */
+uint64_t est_batch_bytes(const est_in *in, int64_t rows)
+{
+    if (in->cfg.kind == CT_MODEL_GPT) return (uint64_t)rows * (uint64_t)in->cfg.context * 16;
+    return (uint64_t)rows * ((uint64_t)ct_model_input_numel(&in->cfg) * 4 + 4);
+}
+
+ct_status est_activations(const est_in *in, int64_t rows, int k, int scaled, int mixed, uint64_t *bytes)
+{
+    ct_module **mods = NULL, **lv;
+    int nmods, n = 0;
+    CT_TRY(ct_module_modules(in->model, &mods, &nmods));
+    lv = ct_alloc(sizeof *lv * (size_t)nmods, CT_MEM_OTHER);
+    ct_status st = lv ? CT_OK : CT_ENOMEM;
+    if (st == CT_OK) leaves(in->model, lv, &n);
+    /* The first micro-batch is the largest (train_step cuts rows as evenly as they go). */
+    int64_t mrows = rows / k + (rows % k != 0), sh0[CT_MAX_DIMS] = {0};
+    int nd0 = ct_model_input_shape(&in->cfg, mrows, sh0);
+    uint64_t kept, peak = 0;
+    if (st == CT_OK) st = replay(in, lv, n, nd0, sh0, 0, 1, scaled, mixed, &kept, &peak);
+    if (st == CT_OK) *bytes = peak + est_batch_bytes(in, rows);
+    ct_free(mods);
+    ct_free(lv);
+    return st;
+}
+
+ct_status est_stage_activations(const est_in *in, int lo, int hi, int64_t mrows, int mixed, uint64_t *kept,
+                                uint64_t *peak, uint64_t *in_bytes, uint64_t *out_bytes)
+{
+    ct_module **mods = NULL, **lv;
+    int nmods, n = 0;
+    CT_TRY(ct_module_modules(in->model, &mods, &nmods));
+    lv = ct_alloc(sizeof *lv * (size_t)nmods, CT_MEM_OTHER);
+    ct_status st = lv ? CT_OK : CT_ENOMEM;
+    int64_t sh[CT_MAX_DIMS] = {0};
+    int nd = ct_model_input_shape(&in->cfg, mrows, sh);
+    for (int i = 0; st == CT_OK && i < lo; i++) st = ct_module_out_shape(in->model->kids[i], nd, sh, &nd, sh);
+    *in_bytes = (uint64_t)numel(nd, sh) * 4;
+    for (int i = lo; st == CT_OK && i < hi; i++) leaves(in->model->kids[i], lv, &n);
+    if (st == CT_OK) st = replay(in, lv, n, nd, sh, lo > 0, 0, 0, mixed, kept, peak);
+    for (int i = lo; st == CT_OK && i < hi; i++) st = ct_module_out_shape(in->model->kids[i], nd, sh, &nd, sh);
+    *out_bytes = (uint64_t)numel(nd, sh) * 4;
+    ct_free(mods);
+    ct_free(lv);
     return st;
 }

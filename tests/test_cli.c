@@ -12,83 +12,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "test.h"
-
-#define OUT_MAX (1 << 16)
-
-/* Directory holding the ctrain binary (the test binary's "../"). */
-static const char *bin_dir(void)
-{
-    static char dir[1024];
-    if (!*dir) {
-        char exe[1000];
-        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-        ASSERT(n > 0);
-        exe[n] = 0;
-        snprintf(dir, sizeof dir, "%s/..", dirname(exe));
-    }
-    return dir;
-}
+#include "cli_util.h"
 
 /* Runs "ctrain ARGS" (or, with np > 0, under mpirun) through sh with
  * stderr joined to stdout; returns the exit code, output in out. */
-static int run_np(int np, char *out, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int run_np(int np, char *out, const char *fmt, ...)
-{
-    char args[4096], cmd[8192];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(args, sizeof args, fmt, ap);
-    va_end(ap);
-    if (np > 0)
-        snprintf(cmd, sizeof cmd,
-                 "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe --bind-to none "
-                 "-np %d %s/ctrain %s 2>&1", np, bin_dir(), args);
-    else
-        snprintf(cmd, sizeof cmd, "%s/ctrain %s 2>&1", bin_dir(), args);
-    FILE *p = popen(cmd, "r");
-    ASSERT(p != NULL);
-    size_t n = fread(out, 1, OUT_MAX - 1, p);
-    out[n] = 0;
-    int st = pclose(p);
-    ASSERT(WIFEXITED(st));
-    return WEXITSTATUS(st);
-}
-
-#define RUN(out, ...) run_np(0, out, __VA_ARGS__)
-
-static int count_lines(const char *s)
-{
-    int n = 0;
-    for (; *s; s++) n += *s == '\n';
-    return n;
-}
-
-static int occurrences(const char *s, const char *needle)
-{
-    int n = 0;
-    for (const char *p = s; (p = strstr(p, needle)); p += strlen(needle)) n++;
-    return n;
-}
-
-/* The number after "key" in s (e.g. "final train loss "). */
-static double number_after(const char *s, const char *key)
-{
-    const char *p = strstr(s, key);
-    if (!p) ct_test_fail(__FILE__, __LINE__, "no '%s' in output:\n%s", key, s);
-    return atof(p + strlen(key));
-}
-
-/* The rest of the line after key. */
-static void line_after(const char *s, const char *key, char *buf, size_t n)
-{
-    const char *p = strstr(s, key);
-    if (!p) ct_test_fail(__FILE__, __LINE__, "no '%s' in output:\n%s", key, s);
-    p += strlen(key);
-    size_t len = strcspn(p, "\n");
-    snprintf(buf, n, "%.*s", (int)(len < n ? len : n - 1), p);
-}
-
 /* A small, fast run: the first 2000 training samples, 1 BLAS thread. */
 #define SMALL "--model mlp --limit-train 2000 --limit-test 1000 --threads 1"
 
@@ -293,24 +220,6 @@ TEST(cli_train_eval_inspect)
     ASSERT_STR_CONTAINS(out, "ctrain.hidden = 256,128");
     ASSERT_STR_CONTAINS(out, "ctrain.step = 250");
     ASSERT_STR_CONTAINS(out, "ctrain.optim = adamw");
-}
-
-/* Loads two safetensors files and requires the same names and identical bytes. */
-static void same_files(const char *a, const char *b)
-{
-    ct_safetensors *x, *y;
-    ASSERT_OK(ct_safetensors_load(a, &x));
-    ASSERT_OK(ct_safetensors_load(b, &y));
-    ASSERT_EQ(ct_safetensors_count(x), ct_safetensors_count(y));
-    for (int i = 0; i < ct_safetensors_count(x); i++) {
-        const ct_tensor *tx = ct_safetensors_tensor(x, i), *ty = ct_safetensors_tensor(y, i);
-        ASSERT(!strcmp(ct_safetensors_name(x, i), ct_safetensors_name(y, i)));
-        ASSERT(ct_tensor_same_shape(tx, ty));
-        if (memcmp(ct_tensor_data(tx), ct_tensor_data(ty), ct_tensor_bytes(tx)))
-            ct_test_fail(__FILE__, __LINE__, "%s differs between %s and %s", ct_safetensors_name(x, i), a, b);
-    }
-    ct_safetensors_destroy(x);
-    ct_safetensors_destroy(y);
 }
 
 /* K steps + save + resume K more == 2K straight steps, bit for bit: the
@@ -631,19 +540,6 @@ TEST(cli_ddp_usage_errors)
 
 /* ---- ctrain estimate ------------------------------------------------------ */
 
-/* The largest value of "key": over the objects of a JSON line (every rank's
- * memory in a summary, or one estimate row). */
-static double json_max(const char *line, const char *key)
-{
-    char pat[64];
-    snprintf(pat, sizeof pat, "\"%s\":", key);
-    double best = -1;
-    for (const char *p = line; (p = strstr(p, pat)); p += strlen(pat))
-        if (atof(p + strlen(pat)) > best) best = atof(p + strlen(pat));
-    if (best < 0) ct_test_fail(__FILE__, __LINE__, "no %s in: %s", pat, line);
-    return best;
-}
-
 #define EST_MODEL "--model mlp --hidden 512,512,512"
 #define EST_RUN "--steps 5 --limit-train 2000 --limit-test 200 --threads 1 --log-every 0"
 
@@ -802,7 +698,7 @@ static int torch_available(char *scripts, size_t n)
     if (system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
         SKIP("/usr/bin/python3 cannot import torch");
     }
-    snprintf(scripts, n, "%s/../scripts", bin_dir());
+    snprintf(scripts, n, "%s/../scripts", cli_bin_dir());
     char probe[1200];
     snprintf(probe, sizeof probe, "%s/st_check.py", scripts);
     if (access(probe, R_OK) != 0) {

@@ -11,55 +11,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "test.h"
-
-#define OUT_MAX (1 << 16)
-
-static const char *bin_dir(void)
-{
-    static char dir[1024];
-    if (!*dir) {
-        char exe[1000];
-        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-        ASSERT(n > 0);
-        exe[n] = 0;
-        snprintf(dir, sizeof dir, "%s/..", dirname(exe));
-    }
-    return dir;
-}
+#include "cli_util.h"
 
 /* "ctrain ARGS" (under mpirun -np np when np > 0), stderr joined; exit code, output in out. */
-static int run_np(int np, char *out, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int run_np(int np, char *out, const char *fmt, ...)
-{
-    char args[4096], cmd[8192];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(args, sizeof args, fmt, ap);
-    va_end(ap);
-    if (np > 0)
-        snprintf(cmd, sizeof cmd, "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe "
-                 "--bind-to none -np %d %s/ctrain %s 2>&1", np, bin_dir(), args);
-    else
-        snprintf(cmd, sizeof cmd, "%s/ctrain %s 2>&1", bin_dir(), args);
-    FILE *p = popen(cmd, "r");
-    ASSERT(p != NULL);
-    size_t n = fread(out, 1, OUT_MAX - 1, p);
-    out[n] = 0;
-    int st = pclose(p);
-    ASSERT(WIFEXITED(st));
-    return WEXITSTATUS(st);
-}
-
-#define RUN(out, ...) run_np(0, out, __VA_ARGS__)
-
-static double number_after(const char *s, const char *key)
-{
-    const char *p = strstr(s, key);
-    if (!p) ct_test_fail(__FILE__, __LINE__, "no '%s' in output:\n%s", key, s);
-    return atof(p + strlen(key));
-}
-
 #define LINE "the quick brown fox jumps over the lazy dog\n"
 
 /* A folder with one text file of LINE repeated (13 KB), and a .dat file
@@ -140,9 +94,10 @@ TEST(cli_gpt_strategies_match_one_process)
     int rc = RUN(one, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1", dir);
     if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", one);
     double l1 = number_after(one, "final train loss "), v1 = number_after(one, "val loss ");
-    /* fsdp: a unit per block; offload: a slice per child, the tied weight resident */
-    const char *kinds[] = {"ddp", "zero1", "zero2", "fsdp", "offload"};
-    for (int k = 0; k < 5; k++) {
+    /* fsdp: a unit per block; pipe: stages of blocks, the tied weight in the first and the last;
+     * offload: a slice per child, the tied weight resident */
+    const char *kinds[] = {"ddp", "zero1", "zero2", "fsdp", "pipe", "offload"};
+    for (int k = 0; k < 6; k++) {
         rc = run_np(2, two, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --strategy %s", dir, kinds[k]);
         if (rc) ct_test_fail(__FILE__, __LINE__, "%s failed:\n%s", kinds[k], two);
         ASSERT_NEAR(number_after(two, "final train loss "), l1, 2e-5);
@@ -193,6 +148,46 @@ TEST(cli_gpt_fsdp_eval_with_uneven_shares)
                     "--strategy fsdp --wrap-min-params 1000 --log-every 0");
     if (rc) ct_test_fail(__FILE__, __LINE__, "fsdp mlp on 3 ranks, one test sample, failed:\n%s", out);
     ASSERT_STR_CONTAINS(out, "/1)"); /* the one sample counted once */
+}
+
+/* A pipelined run's checkpoint (the tied weight saved once, by the first
+ * stage: full, sharded and local alike) resumes under ddp and goes on as
+ * one process's checkpoint resumed by one process (the final train loss is
+ * the resumed steps' mean). */
+TEST(cli_gpt_pipe_checkpoint_resumes_under_ddp)
+{
+    static char a[OUT_MAX], b[OUT_MAX];
+    const char *dir = text_dir();
+    char ck1[700], ckp[700], what[2000];
+    snprintf(ck1, sizeof ck1, "%s/o.safetensors", ct_test_tmpdir());
+    int rc = RUN(a, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --seed 5 --save %s", dir, ck1);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", a);
+    rc = RUN(a, "train --steps 12 --resume %s --data-dir %s --threads 1 --log-every 0", ck1, dir);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "resume failed:\n%s", a);
+    const char *formats[] = {"full", "sharded", "local"};
+    for (int f = 0; f < 3; f++) {
+        snprintf(ckp, sizeof ckp, "%s/p-%s%s", ct_test_tmpdir(), formats[f], f ? "" : ".safetensors");
+        rc = run_np(2, b, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --seed 5 --strategy pipe "
+                    "--chunks 3 --save %s --state-dict %s", dir, ckp, formats[f]);
+        if (rc) ct_test_fail(__FILE__, __LINE__, "pipe (%s) failed:\n%s", formats[f], b);
+        /* the tensors saved: the file's, or the model index's */
+        if (f) snprintf(what, sizeof what, "cat %s/model.safetensors.index.json", ckp);
+        else snprintf(what, sizeof what, "%s/ctrain inspect %s", cli_bin_dir(), ckp);
+        FILE *p = popen(what, "r");
+        ASSERT(p);
+        size_t n = fread(b, 1, OUT_MAX - 1, p);
+        b[n] = 0;
+        pclose(p);
+        ASSERT_STR_CONTAINS(b, "transformer.wte.weight");
+        ASSERT_STR_CONTAINS(b, "transformer.h.0.mlp.c_proj.bias"); /* the last stage's too */
+        ASSERT(!strstr(b, "lm_head"));
+        ASSERT(strstr(strstr(b, "transformer.wte.weight") + 1, "transformer.wte.weight") == NULL); /* once */
+        rc = run_np(2, b, "train --steps 12 --resume %s --data-dir %s --threads 1 --log-every 0 --strategy ddp", ckp,
+                    dir);
+        if (rc) ct_test_fail(__FILE__, __LINE__, "resume (%s) under ddp failed:\n%s", formats[f], b);
+        ASSERT_NEAR(number_after(b, "final train loss "), number_after(a, "final train loss "), 2e-5);
+        ASSERT_NEAR(number_after(b, "val loss "), number_after(a, "val loss "), 2e-4);
+    }
 }
 
 TEST(cli_gpt_trains_on_fortunes)
@@ -290,5 +285,40 @@ TEST(cli_gpt_estimate_matches_training)
         /* Errs high, never low: a block's records go at once in the replay, one by one in ctrain. */
         if (!(a >= m && a <= 1.2 * m))
             ct_test_fail(__FILE__, __LINE__, "mixed %d: estimated act %g vs measured %g", mixed, a, m);
+    }
+}
+
+/* The pipelined gpt's estimate against a 2-rank run (the largest stage's
+ * figures): param and grad exact, the last stage's counting the tied
+ * weight its head uses; optim within its slot table; the activations a
+ * replay of a stage's micro-batch scheduled (0 to 20% high), for both
+ * schedules, a checkpoint mode and bf16. */
+TEST(cli_gpt_estimate_matches_pipe)
+{
+    static char out[OUT_MAX], est[OUT_MAX];
+    const char *dir = text_dir();
+    char metrics[700], cmd[900];
+    const char *extra[] = {"", "--mixed bf16 --strategy-opt chunks=2", "--strategy-opt schedule=gpipe,chunks=8",
+                           "--strategy-opt checkpoint=never,chunks=3"};
+    for (size_t c = 0; c < sizeof extra / sizeof extra[0]; c++) {
+        snprintf(metrics, sizeof metrics, "%s/p%zu.jsonl", ct_test_tmpdir(), c);
+        int rc = run_np(2, out, "train " GPT_FLAGS " --steps 3 --dropout 0.1 --data-dir %s --strategy pipe %s "
+                        "--metrics %s", dir, extra[c], metrics);
+        if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
+        rc = RUN(est, "estimate --model gpt --layers 1 --heads 2 --dim 32 --context 24 --batch 8 --dropout 0.1 "
+                 "--ranks 2 --strategy pipe --json %s", extra[c]);
+        if (rc) ct_test_fail(__FILE__, __LINE__, "estimate failed:\n%s", est);
+        snprintf(cmd, sizeof cmd, "tail -1 %s", metrics);
+        FILE *p = popen(cmd, "r");
+        ASSERT(p);
+        size_t n = fread(out, 1, OUT_MAX - 1, p);
+        out[n] = 0;
+        pclose(p);
+        ASSERT_EQ(json_max(est, "param"), json_max(out, "param"));
+        ASSERT_EQ(json_max(est, "grad"), json_max(out, "grad"));
+        ASSERT_CLOSE(json_max(est, "optim"), json_max(out, "optim"), 0.01, 0);
+        double a = json_max(est, "act"), m = json_max(out, "act");
+        if (!(a >= m && a <= 1.2 * m))
+            ct_test_fail(__FILE__, __LINE__, "'%s': estimated act %g vs measured %g", extra[c], a, m);
     }
 }

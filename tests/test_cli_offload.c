@@ -17,73 +17,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "test.h"
-
-#define OUT_MAX (1 << 16)
-
-static const char *bin_dir(void)
-{
-    static char dir[1024];
-    if (!*dir) {
-        char exe[1000];
-        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-        ASSERT(n > 0);
-        exe[n] = 0;
-        snprintf(dir, sizeof dir, "%s/..", dirname(exe));
-    }
-    return dir;
-}
+#include "cli_util.h"
 
 /* "PREFIX ctrain ARGS" through sh (np > 0: under mpirun), stderr joined; the exit code. */
-static int run_sh(int np, const char *prefix, char *out, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static int run_sh(int np, const char *prefix, char *out, const char *fmt, ...)
-{
-    char args[4096], cmd[8192];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(args, sizeof args, fmt, ap);
-    va_end(ap);
-    if (np > 0)
-        snprintf(cmd, sizeof cmd,
-                 "%s OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe --bind-to none "
-                 "-np %d %s/ctrain %s 2>&1", prefix, np, bin_dir(), args);
-    else
-        snprintf(cmd, sizeof cmd, "%s %s/ctrain %s 2>&1", prefix, bin_dir(), args);
-    FILE *p = popen(cmd, "r");
-    ASSERT(p != NULL);
-    size_t n = fread(out, 1, OUT_MAX - 1, p);
-    out[n] = 0;
-    int st = pclose(p);
-    ASSERT(WIFEXITED(st));
-    return WEXITSTATUS(st);
-}
-
-#define RUN(out, ...) run_sh(0, "", out, __VA_ARGS__)
-
-static double number_after(const char *s, const char *key)
-{
-    const char *p = strstr(s, key);
-    if (!p) ct_test_fail(__FILE__, __LINE__, "no '%s' in output:\n%s", key, s);
-    return atof(p + strlen(key));
-}
-
-static void same_files(const char *a, const char *b)
-{
-    ct_safetensors *x, *y;
-    ASSERT_OK(ct_safetensors_load(a, &x));
-    ASSERT_OK(ct_safetensors_load(b, &y));
-    ASSERT_EQ(ct_safetensors_count(x), ct_safetensors_count(y));
-    for (int i = 0; i < ct_safetensors_count(x); i++) {
-        const ct_tensor *tx = ct_safetensors_tensor(x, i), *ty = ct_safetensors_tensor(y, i);
-        ASSERT(!strcmp(ct_safetensors_name(x, i), ct_safetensors_name(y, i)));
-        ASSERT(ct_tensor_same_shape(tx, ty));
-        if (memcmp(ct_tensor_data(tx), ct_tensor_data(ty), ct_tensor_bytes(tx)))
-            ct_test_fail(__FILE__, __LINE__, "%s differs between %s and %s", ct_safetensors_name(x, i), a, b);
-    }
-    ct_safetensors_destroy(x);
-    ct_safetensors_destroy(y);
-}
-
 static int count_entries(const char *dir)
 {
     DIR *d = opendir(dir);
@@ -218,7 +154,7 @@ TEST(cli_offload_dir_left_empty_on_signals)
         ASSERT(pid >= 0);
         if (pid == 0) {
             char bin[2048];
-            snprintf(bin, sizeof bin, "%s/ctrain", bin_dir());
+            snprintf(bin, sizeof bin, "%s/ctrain", cli_bin_dir());
             freopen("/dev/null", "w", stdout);
             freopen("/dev/null", "w", stderr);
             execl(bin, bin, "train", "--model", "mlp", "--hidden", "64,32", "--limit-train", "1000", "--threads", "1",
@@ -284,18 +220,6 @@ TEST(cli_offload_full_disk_and_bad_dir_keep_checkpoint)
     ASSERT_EQ(code, 1);
     ASSERT_STR_CONTAINS(out, "No such file or directory; create it or pass --offload-dir");
     same_files(ck, copy);
-}
-
-/* The largest value of "key" over the objects of a JSON line. */
-static double json_max(const char *line, const char *key)
-{
-    char pat[64];
-    snprintf(pat, sizeof pat, "\"%s\":", key);
-    double best = -1;
-    for (const char *p = line; (p = strstr(p, pat)); p += strlen(pat))
-        if (atof(p + strlen(pat)) > best) best = atof(p + strlen(pat));
-    if (best < 0) ct_test_fail(__FILE__, __LINE__, "no %s in: %s", pat, line);
-    return best;
 }
 
 /* `ctrain estimate`'s offload row against the memory report of a run:

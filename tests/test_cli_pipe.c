@@ -11,54 +11,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "test.h"
-
-#define OUT_MAX (1 << 16)
-
-static const char *bin_dir(void)
-{
-    static char dir[1024];
-    if (!*dir) {
-        char exe[1000];
-        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-        ASSERT(n > 0);
-        exe[n] = 0;
-        snprintf(dir, sizeof dir, "%s/..", dirname(exe));
-    }
-    return dir;
-}
+#include "cli_util.h"
 
 /* "ctrain ARGS" under mpirun -np np (np 0: alone), stderr joined; the exit code. */
-static int run_np(int np, char *out, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int run_np(int np, char *out, const char *fmt, ...)
-{
-    char args[4096], cmd[8192];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(args, sizeof args, fmt, ap);
-    va_end(ap);
-    if (np > 0)
-        snprintf(cmd, sizeof cmd,
-                 "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe --bind-to none "
-                 "-np %d %s/ctrain %s 2>&1", np, bin_dir(), args);
-    else
-        snprintf(cmd, sizeof cmd, "%s/ctrain %s 2>&1", bin_dir(), args);
-    FILE *p = popen(cmd, "r");
-    ASSERT(p != NULL);
-    size_t n = fread(out, 1, OUT_MAX - 1, p);
-    out[n] = 0;
-    int st = pclose(p);
-    ASSERT(WIFEXITED(st));
-    return WEXITSTATUS(st);
-}
-
-static double number_after(const char *s, const char *key)
-{
-    const char *p = strstr(s, key);
-    if (!p) ct_test_fail(__FILE__, __LINE__, "no '%s' in output:\n%s", key, s);
-    return atof(p + strlen(key));
-}
-
 /* Every tensor of checkpoint a equals b's within tol. */
 static void same_tensors(const char *a, const char *b, double tol)
 {

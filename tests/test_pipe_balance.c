@@ -63,3 +63,21 @@ TEST(pipe_balance_by_params_and_by_time)
     ct_tensor_release(x);
     ct_module_destroy(m);
 }
+
+/* The gpt's head counts the weight it shares with the token embedding
+ * (where it is used, as each stage holding it keeps a copy): children
+ * [2080, 872, 872, 16, 2048] balance 2:3 (2952 | 2936); a head counted as
+ * weightless would give 1:4 (2080 | 1760). */
+TEST(pipe_balance_counts_the_tied_head)
+{
+    ct_model_config c = ct_model_config_default(CT_MODEL_GPT);
+    ct_model_config_gpt(&c, 2, 2, 8, 4, 256);
+    ct_module *m;
+    ASSERT_OK(ct_model_build(&c, 1, &m));
+    ASSERT_EQ(m->nkids, 5);
+    ASSERT_EQ(ct_module_num_params(m->kids[4]), 256 * 8);
+    int b[2];
+    ASSERT_OK(ct_pipe_balance_by_params(m, 2, b));
+    ASSERT(b[0] == 2 && b[1] == 3);
+    ct_module_destroy(m);
+}

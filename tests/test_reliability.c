@@ -16,22 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "test.h"
-
-#define OUT_MAX (1 << 16)
-
-static const char *bin_dir(void)
-{
-    static char dir[1024];
-    if (!*dir) {
-        char exe[1000];
-        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-        ASSERT(n > 0);
-        exe[n] = 0;
-        snprintf(dir, sizeof dir, "%s/..", dirname(exe));
-    }
-    return dir;
-}
+#include "cli_util.h"
 
 /* How a run ended: exit code, or -signal when killed. */
 typedef struct {
@@ -51,9 +36,9 @@ static int run_cmd(const run_env *env, char *out, const char *fmt, ...)
     va_end(ap);
     if (!strncmp(args, "mpirun ", 7)) /* "mpirun ... -np 1 CTRAIN args : ...": CTRAIN is build/ctrain */
         snprintf(cmd, sizeof cmd, "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 CTRAIN=%s/ctrain; "
-                 "exec mpirun --oversubscribe --bind-to none %s 2>&1", bin_dir(), args + 7);
+                 "exec mpirun --oversubscribe --bind-to none %s 2>&1", cli_bin_dir(), args + 7);
     else
-        snprintf(cmd, sizeof cmd, "exec %s/ctrain %s 2>&1", bin_dir(), args);
+        snprintf(cmd, sizeof cmd, "exec %s/ctrain %s 2>&1", cli_bin_dir(), args);
     int fd[2];
     ASSERT_EQ(pipe(fd), 0);
     pid_t pid = fork();
@@ -85,6 +70,8 @@ static int run_cmd(const run_env *env, char *out, const char *fmt, ...)
     return WIFEXITED(st) ? WEXITSTATUS(st) : -WTERMSIG(st);
 }
 
+/* this file's RUN reports signals (-SIG), which the kill loop needs */
+#undef RUN
 #define RUN(out, ...) run_cmd(NULL, out, __VA_ARGS__)
 
 /* Writes an IDX file: magic 0x0803 (images n x 28 x 28) or 0x0801 (labels). */
@@ -119,13 +106,6 @@ static const char *tiny_data(void)
 
 /* A tiny, fast run (the format string takes tiny_data() first). */
 #define TINY "--model mlp --hidden 16 --data-dir %s --threads 1 --batch 32 --log-every 0"
-
-static int occurrences_of(const char *s, const char *needle)
-{
-    int n = 0;
-    for (const char *p = s; (p = strstr(p, needle)); p += strlen(needle)) n++;
-    return n;
-}
 
 static char *path_in(const char *name)
 {
@@ -526,18 +506,18 @@ TEST(rel_metrics_on_resume_has_each_step_once)
 TEST(rel_collective_fingerprints_name_the_mismatch)
 {
     static char out[OUT_MAX];
-    int rc = RUN(out, "mpirun -x CTRAIN_DEBUG=collectives -np 2 %s/tests/fp_prog kinds", bin_dir());
+    int rc = RUN(out, "mpirun -x CTRAIN_DEBUG=collectives -np 2 %s/tests/fp_prog kinds", cli_bin_dir());
     ASSERT(rc != 0);
     ASSERT_STR_CONTAINS(out, "collective mismatch on group world: rank 0 called allreduce(F32, 16 elements, SUM) #2 "
                              "but rank 1 called broadcast(F32, 16 elements, root 0) #2");
     /* Asked for on rank 0 only: still on for all (agreed at start-up), so the count mismatch is found. */
     rc = RUN(out, "mpirun -np 1 -x CTRAIN_DEBUG=collectives %s/tests/fp_prog count : -np 2 %s/tests/fp_prog count",
-             bin_dir(), bin_dir());
+             cli_bin_dir(), cli_bin_dir());
     ASSERT(rc != 0);
     ASSERT_STR_CONTAINS(out, "rank 0 called allreduce(F32, 16 elements, SUM) #2 but rank 1 called allreduce(F32, "
                              "32 elements, SUM) #2");
-    ASSERT_EQ(RUN(out, "mpirun -x CTRAIN_DEBUG=collectives -np 3 %s/tests/fp_prog same", bin_dir()), 0);
-    ASSERT_EQ(occurrences_of(out, "done, fingerprints on"), 3);
+    ASSERT_EQ(RUN(out, "mpirun -x CTRAIN_DEBUG=collectives -np 3 %s/tests/fp_prog same", cli_bin_dir()), 0);
+    ASSERT_EQ(occurrences(out, "done, fingerprints on"), 3);
     ASSERT_EQ(RUN(out, "mpirun -np 2 $CTRAIN train " TINY " --steps 4 --strategy zero2 --debug-collectives",
                   tiny_data()), 0);
     ASSERT_STR_CONTAINS(out, "trained 4 steps");

@@ -11,7 +11,9 @@
  *   "zero1", "zero2"  ZeRO: optimizer state (and gradients) sharded
  *   "pipe"  pipeline parallelism: a sequential cut into stages, one per
  *           rank, micro-batches flowing through them (GPipe or 1F1B), with
- *           data-parallel replicas of the pipeline when ranks allow
+ *           data-parallel replicas of the pipeline when ranks allow; a
+ *           parameter tied across stages trains as one (gradients summed
+ *           over its copies, counted and saved once)
  *   "offload"  fairscale's OffloadModel: a sequential cut into slices whose
  *           parameters, gradients and optimizer state live in a file on
  *           local disk; only the slices in use are in memory, the next one
@@ -104,7 +106,8 @@ ct_status ct_fsdp_plan(ct_module *model, const char *opts, ct_fsdp_unit *units, 
  * CT_EINVAL if n < nstages. */
 ct_status ct_pipe_balance_weights(const double *w, int n, int nstages, int *balance);
 /* balance for sequential seq by its children's parameter counts (fairscale's
- * balance_by_size).  CT_EINVAL if seq is not a sequential or has fewer
+ * balance_by_size); a parameter shared by several children (a tied weight)
+ * counts in each, as each stage using it keeps a copy.  CT_EINVAL if seq is not a sequential or has fewer
  * children than nstages. */
 ct_status ct_pipe_balance_by_params(ct_module *seq, int nstages, int *balance);
 /* balance by measured time: runs every child's forward and backward on

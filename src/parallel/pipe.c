@@ -8,7 +8,8 @@
  * stage: the other children are taken out of the model and freed, so a
  * rank's parameters, gradients and optimizer state are its stage's alone.
  * Names do not change (ct_module_detach keeps them), so state dicts and
- * dropout streams are the unsplit model's.
+ * dropout streams are the unsplit model's.  A parameter tied across stages
+ * (the GPT's embedding and head) keeps a copy in each: pipe_tied.c.
  *
  * The stage runs inside a replica strategy over the stage's replicas (its
  * data-parallel group): DDP or ZeRO-1 when there are several replicas, so
@@ -192,7 +193,10 @@ static ct_status parse_balance(const char *text, int **out, int *n)
 }
 
 /* fairscale refuses a module that appears twice (its stages would share
- * it): the same module object, or the same parameter, twice in the tree. */
+ * it): the same module object twice in the tree, or two parameters sharing
+ * memory.  One parameter listed by several modules (ct_module_share_param)
+ * is a tied weight, which pipe_tied.c trains across stages;
+ * ct_module_params lists it once. */
 static ct_status check_no_duplicates(ct_module *m)
 {
     ct_module **mods = NULL;
@@ -241,6 +245,7 @@ static void pipe_fini(ct_strategy *s)
     s->opt = NULL; /* the replica strategy's, freed with it */
     ct_group_destroy(p->pg);
     ct_group_destroy(p->rg);
+    ct__pipe_ties_fini(p);
     for (int i = 0; i < p->nnames; i++) ct_free(p->names[i]);
     ct_free(p->names);
     ct_free(p->balance);
@@ -315,6 +320,7 @@ static ct_status pipe_init(ct_strategy *s)
     s->priv = p;
     CT_TRY(plan(s, p));
     CT_TRY(keep_names(p, s));
+    CT_TRY(ct__pipe_ties_init(s, p)); /* while every stage's children are here */
     CT_TRY(ct_group_split(s->g, p->stage >= 0 ? p->replica : CT_GROUP_NONE, p->stage, &p->pg));
     CT_TRY(ct_group_split(s->g, p->stage >= 0 ? p->stage : CT_GROUP_NONE, p->replica, &p->rg));
     /* Keep this stage's children; the others' memory goes (from the end, so indices hold). */
@@ -326,6 +332,7 @@ static ct_status pipe_init(ct_strategy *s)
     s->nparams = s->nbuffers = 0;
     CT_TRY(ct_module_params(s->model, &s->params, &s->nparams));
     CT_TRY(ct_module_buffers(s->model, &s->buffers, &s->nbuffers));
+    ct__pipe_ties_adopt(s, p);
     /* Batchnorms: held during recomputes (a recompute is not another batch),
      * deferred to one update per step if asked. */
     ct_module **mods;
@@ -375,13 +382,15 @@ static ct_status spans_ranks(ct_strategy *s)
 }
 
 /* The norm over every stage: each stage's term from its replica strategy
- * (whatever it shards), one replica's terms combined over the group in rank
- * order, so every rank, sitting out or not, gets the same number. */
+ * (whatever it shards) less the tied copies another stage counts, one
+ * replica's terms combined over the group in rank order, so every rank,
+ * sitting out or not, gets the same number. */
 static ct_status pipe_grad_norm(ct_strategy *s, double norm_type, double *norm)
 {
     pipe_t *p = ct__pipe(s);
     double term = 0;
     if (p->stage >= 0) CT_TRY(ct__strategy_norm_term(p->inner, norm_type, &term));
+    if (p->stage >= 0 && !isinf(norm_type)) term = fmax(0.0, term - ct__pipe_ties_uncounted(p));
     if (p->stage < 0 || p->replica != 0) term = 0;
     int size = ct_group_size(s->g);
     double *all = ct_alloc(sizeof *all * (size_t)size, CT_MEM_COMM);
@@ -404,7 +413,11 @@ static void pipe_scale_grads(ct_strategy *s, float k)
     else ct_scale_grads(in->params, in->nparams, k);
 }
 
-static void pipe_zero_grad(ct_strategy *s) { ct_strategy_zero_grad(ct__pipe(s)->inner); }
+static void pipe_zero_grad(ct_strategy *s)
+{
+    ct_strategy_zero_grad(ct__pipe(s)->inner);
+    ct__pipe(s)->ties_summed = 0;
+}
 static ct_status pipe_reduce(ct_strategy *s) { return ct_strategy_reduce(ct__pipe(s)->inner); }
 
 static ct_status pipe_pre_step(ct_strategy *s)
@@ -462,6 +475,7 @@ const ct__strategy_ops ct__pipe_ops = {
     .model_state = ct__pipe_model_state,
     .optim_state = ct__pipe_optim_state,
     .shard_state = ct__pipe_shard_state,
+    .local_state = ct__pipe_local_state,
     .load_state = ct__pipe_load_state,
     .train_step = ct__pipe_train_step,
     .predict = ct__pipe_predict,

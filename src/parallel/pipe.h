@@ -29,6 +29,18 @@ typedef struct {
     int64_t row_numel;
 } pipe_shape;
 
+/* Parameters that several stages hold (one ct_param in several children of
+ * the unsplit model: the GPT's token embedding and its tied LM head), for
+ * one set of stages holding them.  Each copy gets the sum of every copy's
+ * gradient before clipping and the step (Megatron's embedding allreduce),
+ * so the copies, equal at start and updated alike, stay equal. */
+typedef struct {
+    ct_group *g;    /* this replica's ranks of those stages, in stage order; NULL: not one of them */
+    ct_param **ps;  /* the parameters, as this stage holds them, in model order */
+    int nps;
+    int first;      /* this stage is the first holder: it counts them in the norm and saves them */
+} pipe_tie;
+
 typedef struct {
     int nstages, stage;    /* stage -1: this rank sits out (more ranks than stages x replicas) */
     int replicas, replica;
@@ -41,6 +53,9 @@ typedef struct {
     int nbns;
     char **names;          /* every parameter and buffer name of the whole model */
     int nnames;
+    pipe_tie *ties;        /* one per set of stages holding tied parameters */
+    int nties;
+    int ties_summed;       /* the tied gradients hold sums since the last zero_grad */
     /* boundary shapes, agreed for the input row shape in key (see pipe_sched.c) */
     int have_shapes;
     pipe_shape key, in, out;
@@ -55,7 +70,29 @@ ct_status ct__pipe_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, 
 ct_status ct__pipe_model_state(ct_strategy *s, ct_state *out);
 ct_status ct__pipe_optim_state(ct_strategy *s, ct_state *out);
 ct_status ct__pipe_shard_state(ct_strategy *s, int optim, ct_state *out);
+ct_status ct__pipe_local_state(ct_strategy *s, int optim, ct_state *out);
 ct_status ct__pipe_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                               int optim);
+
+/* pipe_tied.c.  Finds the tied parameters in the unsplit model (before
+ * the other stages' children are freed) and splits their groups:
+ * collective over s->g. */
+ct_status ct__pipe_ties_init(ct_strategy *s, pipe_t *p);
+/* After the other children are freed: a tied parameter whose owner went
+ * with them is owned by the module of this stage that lists it. */
+void ct__pipe_ties_adopt(ct_strategy *s, pipe_t *p);
+void ct__pipe_ties_fini(pipe_t *p);
+/* Before a step's backwards: copies that already hold a sum (a second
+ * train step without zero_grad) keep it on the first holder only, so the
+ * next sum counts it once. */
+void ct__pipe_ties_begin(pipe_t *p);
+/* After a step's backwards: each tied gradient summed over its holders. */
+ct_status ct__pipe_ties_sum(pipe_t *p);
+/* Squared 2-norm of the tied gradients this rank holds but does not count. */
+double ct__pipe_ties_uncounted(const pipe_t *p);
+/* 1 if name is a tied parameter (optim: "<param>.<slot>" of one; either
+ * maybe a piece, "...@<offset>") that this stage holds but another stage
+ * saves. */
+int ct__pipe_tie_is_copy(const pipe_t *p, const char *name, int optim);
 
 #endif

@@ -531,7 +531,10 @@ ct_status ct__pipe_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss
     int64_t nrows;
     CT_TRY(agree(&r, b->x, &nrows));
     r.global = b->global_rows ? b->global_rows : nrows * p->replicas;
+    ct__pipe_ties_begin(p);
     ct_status st = run(&r, nrows, ((const pipe_opts *)s->kopts)->chunks);
+    /* The tied copies' sum, after the replicas' average, before any clip or step. */
+    if (st == CT_OK) st = ct__pipe_ties_sum(p);
     merge_stats(s, &r);
     /* deferred batchnorm: one update from the step's micro-batches */
     for (int i = 0; ((const pipe_opts *)s->kopts)->deferred_batch_norm && i < p->nbns; i++) {

@@ -3,8 +3,10 @@
  * replica strategy (whatever that shards), and the full state dict is
  * assembled on rank 0 from the first replica's stages, in stage order, with
  * the model's own names: a pipelined run saves the file any strategy, any
- * stage count or PyTorch loads.  Loading takes the full set on every rank
- * and gives each stage the tensors of its layers.
+ * stage count or PyTorch loads (a parameter tied across stages once, from
+ * the first stage holding it).  Loading takes the full set on every rank
+ * and gives each stage the tensors of its layers, so every copy of a tied
+ * parameter gets the one saved tensor.
  */
 #include <stdio.h>
 #include <string.h>
@@ -43,8 +45,17 @@ static ct_status send_state(ct_group *g, int peer, const ct_state *st)
     return s;
 }
 
-/* Receives what send_state sent from peer, appending to out (skipping "step" if skip_step). */
-static ct_status recv_state(ct_group *g, int peer, int skip_step, ct_state *out)
+static int has_name(const ct_state *st, const char *name)
+{
+    for (int i = 0; i < st->n; i++)
+        if (!strcmp(st->names[i], name)) return 1;
+    return 0;
+}
+
+/* Receives what send_state sent from peer, appending to out the names out
+ * does not have yet: "step" is stage 0's, a tied parameter (and its state)
+ * the first holding stage's. */
+static ct_status recv_state(ct_group *g, int peer, ct_state *out)
 {
     int64_t head[2];
     CT_TRY(ct_group_recv(g, head, 2, CT_I64, peer, TAG_STATE, NULL));
@@ -62,7 +73,7 @@ static ct_status recv_state(ct_group *g, int peer, int skip_step, ct_state *out)
         ct_tensor *t = ct_tensor_empty((ct_dtype)mi[0], (int)mi[1], shape, CT_MEM_COMM);
         if (!t) s = CT_ENOMEM;
         if (s == CT_OK && t->numel) s = ct_group_recv(g, ct_tensor_data(t), t->numel, t->dtype, peer, TAG_STATE, NULL);
-        if (s == CT_OK && !(skip_step && !strcmp(name, "step"))) s = ct_state_add(out, name, t);
+        if (s == CT_OK && !has_name(out, name)) s = ct_state_add(out, name, t);
         ct_tensor_release(t);
         name += strlen(name) + 1;
     }
@@ -87,7 +98,7 @@ static ct_status gather(ct_strategy *s, int optim, ct_state *out)
     int rank = ct_group_rank(s->g);
     if (rank == 0) {
         *out = mine;
-        for (int k = 1; st == CT_OK && k < p->nstages; k++) st = recv_state(s->g, k, optim, out);
+        for (int k = 1; st == CT_OK && k < p->nstages; k++) st = recv_state(s->g, k, out);
     } else {
         if (p->replica == 0 && p->stage > 0) st = send_state(s->g, 0, &mine);
         ct_state_fini(&mine);
@@ -98,18 +109,27 @@ static ct_status gather(ct_strategy *s, int optim, ct_state *out)
 ct_status ct__pipe_model_state(ct_strategy *s, ct_state *out) { return gather(s, 0, out); }
 ct_status ct__pipe_optim_state(ct_strategy *s, ct_state *out) { return gather(s, 1, out); }
 
-/* Each stage's share over its replicas (every tensor once), "step" once. */
-ct_status ct__pipe_shard_state(ct_strategy *s, int optim, ct_state *out)
+/* Each stage's share over its replicas (every tensor once; local: the
+ * pieces as they lie, ct_strategy_local_state), "step" once, a tied
+ * parameter from its first holding stage only. */
+static ct_status stage_share(ct_strategy *s, int optim, int local, ct_state *out)
 {
     pipe_t *p = ct__pipe(s);
     ct_state share = {0};
     ct_status st = CT_OK;
-    if (p->stage >= 0) st = ct_strategy_shard_state(p->inner, optim, &share);
+    memset(out, 0, sizeof *out);
+    if (p->stage >= 0)
+        st = local ? ct_strategy_local_state(p->inner, optim, &share) : ct_strategy_shard_state(p->inner, optim, &share);
     for (int i = 0; st == CT_OK && i < share.n; i++)
-        if (p->stage == 0 || strcmp(share.names[i], "step")) st = ct_state_add(out, share.names[i], share.tensors[i]);
+        if ((p->stage == 0 || strcmp(share.names[i], "step")) && !ct__pipe_tie_is_copy(p, share.names[i], optim))
+            st = ct_state_add(out, share.names[i], share.tensors[i]);
     ct_state_fini(&share);
+    if (st != CT_OK) ct_state_fini(out);
     return st;
 }
+
+ct_status ct__pipe_shard_state(ct_strategy *s, int optim, ct_state *out) { return stage_share(s, optim, 0, out); }
+ct_status ct__pipe_local_state(ct_strategy *s, int optim, ct_state *out) { return stage_share(s, optim, 1, out); }
 
 static int known(const pipe_t *p, const char *name, size_t len)
 {

@@ -56,10 +56,14 @@ static ct_tensor *seq_rows(ct_tensor *t, int64_t r0, int64_t n)
     return ct_tensor_view(t, r0 * CTX, 2, (int64_t[]){n, CTX});
 }
 
-static void gpt_step(ct_strategy *s, int step, int64_t n, int rank, int world, double *loss)
+/* One train step on this rank's slice (ct_strategy_data_rank: a pipeline's
+ * ranks share one) of the global batch, or on all of it (whole). */
+static void gpt_step(ct_strategy *s, int step, int64_t n, int whole, double *loss)
 {
     ct_tensor *x, *y;
     batch(step, n, &x, &y);
+    int rank = 0, world = 1;
+    if (!whole) ct_strategy_data_rank(s, &rank, &world);
     int64_t q = n / world, rem = n % world;
     int64_t first = rank * q + (rank < rem ? rank : rem), count = q + (rank < rem);
     ct_batch b = {seq_rows(x, first, count), seq_rows(y, first, count), n, first};
@@ -73,8 +77,42 @@ static void gpt_step(ct_strategy *s, int step, int64_t n, int rank, int world, d
     ct_tensor_release(y);
 }
 
-/* kind over the world vs "none" on the whole batch; tol on weights and optimizer state. */
-static void vs_single(const char *kind, const char *opts, int steps, double tol)
+/* Every rank's copy of the tied weight (a pipeline's first and last stages
+ * hold one each; other strategies, rank 0 included, one whole) is the same,
+ * bit for bit: each rank that holds it sends its first and last values and
+ * a checksum. */
+static void assert_copies_equal(ct_module *m)
+{
+    ct_group *g = ct_group_world();
+    int world = ct_group_size(g);
+    ct_param *p = ct_module_find(m, "transformer.wte.weight");
+    double mine[4] = {0, 0, 0, 0}, all[4 * 8];
+    ASSERT(world <= 8);
+    if (p && p->data->numel) {
+        const float *v = ct_f32(p->data);
+        mine[0] = 1;
+        mine[1] = v[0];
+        mine[2] = v[p->data->numel - 1];
+        for (int64_t i = 0; i < p->data->numel; i++) mine[3] += (double)v[i] * (double)(i % 7 + 1);
+    }
+    ASSERT_OK(ct_group_allgather(g, mine, all, (int64_t)sizeof mine, CT_U8, NULL));
+    int holders = 0, ref = -1;
+    for (int r = 0; r < world; r++) {
+        if (all[4 * r] == 0) continue;
+        holders++;
+        if (ref < 0) ref = r;
+        for (int k = 1; k < 4; k++)
+            if (all[4 * r + k] != all[4 * ref + k])
+                ct_test_fail(__FILE__, __LINE__, "rank %d's copy of the tied weight differs from rank %d's (%.9g vs %.9g)",
+                             r, ref, all[4 * r + k], all[4 * ref + k]);
+    }
+    ASSERT(holders >= 1);
+}
+
+/* kind over the world vs "none" on the whole batch; tol on weights,
+ * optimizer state and (clip > 0) the gradient norm each step, whose
+ * gradients add up accum train steps (no zero_grad between them). */
+static void vs_single_clip(const char *kind, const char *opts, int steps, double tol, double clip, int accum)
 {
     ct_group *g = ct_group_world();
     int rank = ct_group_rank(g), world = ct_group_size(g);
@@ -94,8 +132,19 @@ static void vs_single(const char *kind, const char *opts, int steps, double tol)
     ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, ropts, &rs));
     double l0 = 0, l1 = 0;
     for (int step = 0; step < steps; step++) {
-        gpt_step(ds, step, n, rank, world, &l0);
-        gpt_step(rs, step, n, 0, 1, &l1);
+        float n0 = 0, n1 = 0;
+        for (int a = 0; a < accum; a++) {
+            gpt_step(ds, step * accum + a, n, 0, &l0);
+            gpt_step(rs, step * accum + a, n, 1, &l1);
+        }
+        if (clip > 0) {
+            ASSERT_OK(ct_strategy_clip_grad_norm(ds, (float)clip, 2.0, &n0));
+            ASSERT_OK(ct_strategy_clip_grad_norm(rs, (float)clip, 2.0, &n1));
+        }
+        if (clip > 0 && !(fabs((double)n0 - n1) <= tol * n1))
+            ct_test_fail(__FILE__, __LINE__, "%s (%s) step %d: gradient norm %.8g, one process %.8g", kind,
+                         opts ? opts : "", step, (double)n0, (double)n1);
+        if (clip > 0) ASSERT(n1 > clip); /* the clip bites */
         ASSERT_OK(ct_strategy_step(ds));
         ASSERT_OK(ct_strategy_step(rs));
         ct_strategy_zero_grad(ds);
@@ -120,7 +169,9 @@ static void vs_single(const char *kind, const char *opts, int steps, double tol)
     ct_state_fini(&a);
     ct_state_fini(&b);
     ASSERT_OK(ct_strategy_summon_full_params(ds, 0, 0)); /* fsdp: the parameters whole again for a look */
-    ASSERT(ct_f32(ct_module_find(dm, "transformer.wte.weight")->data)[5] != w0); /* it trained */
+    ct_param *after = ct_module_find(dm, "transformer.wte.weight"); /* pipe: only on the stages holding it */
+    if (after) ASSERT(ct_f32(after->data)[5] != w0); /* it trained */
+    assert_copies_equal(dm);
     ASSERT_OK(ct_strategy_release_full_params(ds));
     ASSERT_OK(ct_strategy_optim_state(ds, &a));
     ASSERT_OK(ct_strategy_optim_state(rs, &b));
@@ -135,6 +186,11 @@ static void vs_single(const char *kind, const char *opts, int steps, double tol)
     ct_strategy_destroy(rs);
     ct_module_destroy(dm);
     ct_module_destroy(rm);
+}
+
+static void vs_single(const char *kind, const char *opts, int steps, double tol)
+{
+    vs_single_clip(kind, opts, steps, tol, 0, 1);
 }
 
 TEST(gpt_tied_ddp_equals_one_process)
@@ -179,4 +235,87 @@ TEST(gpt_tied_offload_equals_one_process)
     vs_single("offload", "slices=3", 3, 1e-5);
     vs_single("offload", "slices=5,checkpoint_activation=1,microbatches=2,prefetch=0", 3, 1e-5);
     vs_single("offload", "slices=3,param_dtype=bf16", 2, 1e-4);
+}
+
+/* The pipeline holds the tied weight twice, in the first stage (the
+ * embedding) and the last (the head), on different ranks: each copy gets
+ * the sum of both gradients, so both train as the one parameter of one
+ * process does.  Stages = the world (2, 3 or 4), both schedules, every
+ * checkpoint mode, uneven micro-batches. */
+TEST(gpt_tied_pipe_equals_one_process)
+{
+    vs_single("pipe", NULL, 3, 1e-5);
+    vs_single("pipe", "schedule=gpipe,checkpoint=always,chunks=3", 3, 1e-5);
+    vs_single("pipe", "schedule=1f1b,checkpoint=never,chunks=2", 3, 1e-5);
+    vs_single("pipe", "schedule=gpipe,checkpoint=except_last,chunks=4", 2, 1e-5);
+    vs_single("pipe", "param_dtype=bf16", 2, 1e-4);
+}
+
+/* Clipping counts the tied weight once (its two copies hold the same
+ * gradient); two train steps without zero_grad between them add each
+ * use's gradient once (the second adds to copies that hold sums). */
+TEST(gpt_tied_pipe_clips_as_one_process)
+{
+    vs_single_clip("pipe", NULL, 3, 1e-5, 0.5, 1);
+    vs_single_clip("pipe", "schedule=gpipe,chunks=3", 2, 1e-5, 0.5, 2);
+}
+
+/* Two stages whatever the world: 2 ranks one pipeline, 3 ranks one and a
+ * rank sitting out, 4 ranks two replicas of it (pipe x DDP, pipe x ZeRO-1). */
+TEST(gpt_tied_pipe_with_replicas_equals_one_process)
+{
+    vs_single("pipe", "stages=2,chunks=2,bucket_cap_mb=0.001", 3, 1e-5);
+    vs_single_clip("pipe", "stages=2,chunks=3,schedule=gpipe", 3, 1e-5, 0.5, 1);
+    vs_single("pipe", "stages=2,chunks=2,dp=zero1", 3, 1e-5);
+}
+
+/* One process's full state dict (the tied weight once) loads into a
+ * pipeline: both stages' copies take it, and the pipeline goes on as the
+ * process does. */
+TEST(gpt_tied_pipe_loads_full_state_into_every_copy)
+{
+    ct_group *g = ct_group_world();
+    int world = ct_group_size(g);
+    int64_t n = 2 * world + 1;
+    ct_module *pm = gpt(8), *rm = gpt(3); /* other weights: only the load makes them equal */
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
+    oo.lr = 0.01;
+    oo.eps = 1e-4;
+    ct_strategy *ps, *rs;
+    ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, NULL, &rs));
+    double l;
+    gpt_step(rs, 0, n, 1, &l);
+    ASSERT_OK(ct_strategy_step(rs));
+    ct_strategy_zero_grad(rs);
+    ct_state ms, os;
+    ASSERT_OK(ct_strategy_model_state(rs, &ms));
+    ASSERT_OK(ct_strategy_optim_state(rs, &os));
+    ASSERT_OK(ct_strategy_create("pipe", pm, &oo, g, "chunks=2", &ps));
+    ASSERT_OK(ct_strategy_load_state(ps, (const char *const *)ms.names, ms.tensors, ms.n, 0));
+    ASSERT_OK(ct_strategy_load_state(ps, (const char *const *)os.names, os.tensors, os.n, 1));
+    ct_param *w = ct_module_find(pm, "transformer.wte.weight"), *ref = ct_module_find(rm, "transformer.wte.weight");
+    if (w) ASSERT(!memcmp(ct_f32(w->data), ct_f32(ref->data), sizeof(float) * (size_t)ref->data->numel));
+    assert_copies_equal(pm);
+    for (int step = 1; step < 3; step++) {
+        double a, b;
+        gpt_step(ps, step, n, 0, &a);
+        gpt_step(rs, step, n, 1, &b);
+        ASSERT_OK(ct_strategy_step(ps));
+        ASSERT_OK(ct_strategy_step(rs));
+        ct_strategy_zero_grad(ps);
+        ct_strategy_zero_grad(rs);
+    }
+    assert_copies_equal(pm);
+    ct_state a, b;
+    ASSERT_OK(ct_strategy_model_state(ps, &a));
+    ASSERT_OK(ct_strategy_model_state(rs, &b));
+    if (ct_group_rank(g) == 0) ASSERT(state_rel_l2(&a, &b) < 1e-5);
+    ct_state_fini(&a);
+    ct_state_fini(&b);
+    ct_state_fini(&ms);
+    ct_state_fini(&os);
+    ct_strategy_destroy(ps);
+    ct_strategy_destroy(rs);
+    ct_module_destroy(pm);
+    ct_module_destroy(rm);
 }

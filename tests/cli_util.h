@@ -1,0 +1,29 @@
+/* Helpers the tests of the ctrain program share: run it (alone or under
+ * mpirun, with a shell prefix), and read numbers, lines and JSON fields
+ * out of what it printed, and compare checkpoint files. */
+#ifndef CTRAIN_TESTS_CLI_UTIL_H
+#define CTRAIN_TESTS_CLI_UTIL_H
+
+#include "test.h"
+
+#define OUT_MAX (1 << 16)
+
+/* Directory holding the ctrain binary (the test binary's "../"). */
+const char *cli_bin_dir(void);
+/* Runs "PREFIX ctrain ARGS" through sh (np > 0: under mpirun -np np) with
+ * stderr joined to stdout into out (OUT_MAX bytes); returns the exit code. */
+int run_sh(int np, const char *prefix, char *out, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+#define run_np(np, out, ...) run_sh(np, "", out, __VA_ARGS__)
+#define RUN(out, ...) run_sh(0, "", out, __VA_ARGS__)
+int count_lines(const char *s);
+int occurrences(const char *s, const char *needle);
+/* The number after "key" in s (e.g. "final train loss "); fails the test if absent. */
+double number_after(const char *s, const char *key);
+/* The rest of the line after key into buf. */
+void line_after(const char *s, const char *key, char *buf, size_t n);
+/* The largest value of "key": in a JSON line (one per rank in a summary). */
+double json_max(const char *line, const char *key);
+/* Two safetensors files (or sharded directories) hold the same tensors bit for bit. */
+void same_files(const char *a, const char *b);
+
+#endif
