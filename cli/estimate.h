@@ -27,6 +27,22 @@ typedef struct {
     ct_module **bwd;        /* modules with trainable parameters, in the order backward reaches them */
 } est_in;
 
+/* Bytes per rank; each column is its own maximum over ranks, and resident
+ * (param + grad + optim) and total (all five) the largest rank's sums. */
+typedef struct {
+    uint64_t param, grad, optim, act, comm, resident, total;
+} est_row;
+
+/* Every strategy's row (estimate_rows.c), in the order of ct_strategy_list();
+ * max_ranks 0: any. */
+typedef struct {
+    const char *kind;
+    int max_ranks;
+    ct_status (*row)(const est_in *in, const char *vals, est_row *row);
+} est_kind;
+extern const est_kind est_kinds[];
+extern const int est_nkinds;
+
 /* Peak bytes of the activation category over one training step of a rank
  * holding rows samples, cut into k micro-batches (the first, largest, one
  * sets the peak), with the loss gradient scaled (a copy: scaled != 0 when
