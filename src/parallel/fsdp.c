@@ -670,19 +670,7 @@ static void fsdp_fini(ct_strategy *s)
                     if (!p->data || p->data->storage != fl->full) continue; /* set-up stopped before it */
                     ct_tensor *d = full ? ct_tensor_clone(p->data, CT_MEM_PARAM)
                                         : ct_tensor_create(CT_F32, p->data->ndim, p->data->shape, CT_MEM_PARAM);
-                    ct_tensor *g = ct_tensor_create(CT_F32, p->data->ndim, p->data->shape, CT_MEM_GRAD);
-                    if (d && g) {
-                        ct_tensor_release(p->data);
-                        ct_tensor_release(p->grad);
-                        p->data = d;
-                        p->grad = g;
-                        p->grad_stale = 0;
-                    } else {
-                        ct_tensor_release(d);
-                        ct_tensor_release(g);
-                    }
-                    ct_tensor_release(p->compute);
-                    p->compute = NULL;
+                    ct__param_take(p, d, ct_tensor_create(CT_F32, p->data->ndim, p->data->shape, CT_MEM_GRAD));
                 }
                 if (fl->ag) ct_work_wait(fl->ag), ct_work_destroy(fl->ag);
                 ct_storage_release(fl->full);

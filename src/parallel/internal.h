@@ -172,6 +172,10 @@ ct_status ct__replicated_local_state(ct_strategy *s, int optim, ct_state *out);
  * *had_pieces says whether there were any (else out is left empty). */
 ct_status ct__assemble_pieces(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                               ct_state *out, int *had_pieces);
+/* Gives p the tensors d and g as its own data and gradient and drops its
+ * compute copy: what a strategy's unwrap does to a parameter it re-pointed.
+ * With either NULL (out of memory) p keeps what it had and both are released. */
+void ct__param_take(ct_param *p, ct_tensor *d, ct_tensor *g);
 /* Elements [off, off + count) of src (f32, bf16 or f16) into f32 dst. */
 ct_status ct__load_range(float *dst, const ct_tensor *src, int64_t off, int64_t count, const char *name);
 /* Loads a model state: every name must be a parameter or buffer of the

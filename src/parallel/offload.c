@@ -428,18 +428,7 @@ static void move_out(ct_strategy *s, offload_slice *sl, int resident, int *ok)
         } else if (d && !*ok) {
             ct_tensor_fill(d, 0);
         }
-        if (d && g) {
-            ct_tensor_release(p->data);
-            ct_tensor_release(p->grad);
-            p->data = d;
-            p->grad = g;
-            p->grad_stale = 0;
-        } else {
-            ct_tensor_release(d);
-            ct_tensor_release(g);
-        }
-        ct_tensor_release(p->compute); /* the unwrapped model computes in f32, as after any strategy */
-        p->compute = NULL;
+        ct__param_take(p, d, g);
         p->user = NULL;
     }
 }

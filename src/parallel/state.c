@@ -349,3 +349,19 @@ ct_status ct__assemble_pieces(ct_strategy *s, const char *const *names, ct_tenso
     if (st != CT_OK) ct_state_fini(out);
     return st;
 }
+
+void ct__param_take(ct_param *p, ct_tensor *d, ct_tensor *g)
+{
+    if (d && g) {
+        ct_tensor_release(p->data);
+        ct_tensor_release(p->grad);
+        p->data = d;
+        p->grad = g;
+        p->grad_stale = 0;
+    } else {
+        ct_tensor_release(d);
+        ct_tensor_release(g);
+    }
+    ct_tensor_release(p->compute); /* the unwrapped model computes in f32, as after any strategy */
+    p->compute = NULL;
+}
