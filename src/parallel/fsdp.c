@@ -299,11 +299,10 @@ static void record(int *order, int *n, int *seen, int idx)
 
 static ct_status unit_hook(ct_module *m, ct_hook_kind kind, void *ud)
 {
-    ct_strategy *s = ud;
+    (void)m;
+    fsdp_unit *u = ud;
+    ct_strategy *s = u->s;
     fsdp_t *f = ct__fsdp_of(s);
-    fsdp_unit *u = NULL;
-    for (int i = 0; i < f->nu && !u; i++)
-        if (f->u[i].m == m) u = &f->u[i];
     int idx = (int)(u - f->u);
     switch (kind) {
     case CT_HOOK_PRE_FORWARD:
@@ -633,9 +632,10 @@ static ct_status setup(ct_strategy *s)
                     if (f->u[i].fl[k].p[j] == s->params[q]) z->tp[z->ntp++] = s->params[q];
     static const ct_hook_kind kinds[4] = {CT_HOOK_PRE_FORWARD, CT_HOOK_POST_FORWARD, CT_HOOK_PRE_BACKWARD,
                                           CT_HOOK_POST_BACKWARD};
+    for (int i = 0; i < f->nu; i++) f->u[i].s = s;
     for (int i = 0; i < f->nu; i++)
         for (int k = 0; k < 4; k++)
-            if (!(f->u[i].h[k] = ct_module_add_hook(f->u[i].m, kinds[k], unit_hook, s))) return CT_ENOMEM;
+            if (!(f->u[i].h[k] = ct_module_add_hook(f->u[i].m, kinds[k], unit_hook, &f->u[i]))) return CT_ENOMEM;
     ct_mem_trim();
     return CT_OK;
 }

@@ -64,6 +64,7 @@ typedef struct {
     int seen_fwd, seen_bwd;
     double t_ag, t_rs;     /* when its gather and its reduce started (step statistics, trace) */
     ct_hook *h[4];
+    ct_strategy *s;        /* its strategy: the hooks get the unit itself */
 } fsdp_unit;
 
 typedef struct {
