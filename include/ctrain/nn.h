@@ -105,6 +105,9 @@ struct ct_module {
     uint64_t rng_stream;   /* from fqn: dropout stream */
     ct_hook *hooks;        /* pre/post forward and backward hooks */
     int transparent;       /* wrapper whose child takes its place in names */
+    int emit_bf16;         /* set by the parent before each forward: the output feeds only a
+                              layer that casts it to bf16, so the module may return it as BF16
+                              (rounded as ct_f32_to_bf16_n: the same numbers, one pass less) */
 };
 
 /* Per-call activation record: any number of saved tensors (retained; add

@@ -266,8 +266,9 @@ static ct_status attn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
 {
     const attn_impl *A = m->impl;
     CT_TRY(check_kids(m));
-    if (in->dtype != CT_F32)
-        return ct_error(CT_EINVAL, "attention '%s': input is %s; it takes F32", nm(m), ct_dtype_name(in->dtype));
+    if (in->dtype != CT_F32 && in->dtype != CT_BF16) /* BF16 from a norm that emits it (ct__takes_bf16) */
+        return ct_error(CT_EINVAL, "attention '%s': input is %s; it takes F32 or BF16", nm(m),
+                        ct_dtype_name(in->dtype));
     CT_TRY(check_input(m, in->ndim, in->shape));
     int64_t B = in->shape[0], T = in->shape[1], H = A->heads;
     int bf16;

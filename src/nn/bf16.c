@@ -49,3 +49,17 @@ ct_tensor *ct__tensor_bf16(ct_tensor *t)
     if (h) ct_f32_to_bf16_n(ct_f32(t), ct_tensor_data(h), (size_t)t->numel);
     return h;
 }
+
+int ct__takes_bf16(const ct_module *m)
+{
+    /* A kind whose forward hands its input straight to its first child. */
+    static const char *const first_kid[] = {"attention", "sequential"};
+    for (int depth = 0; m && depth < 8; depth++) {
+        if (!strcmp(m->ops->kind, "linear")) return m->nparams > 0 && m->params[0]->compute != NULL;
+        int pass = 0;
+        for (size_t i = 0; i < sizeof first_kid / sizeof *first_kid; i++) pass |= !strcmp(m->ops->kind, first_kid[i]);
+        if (!pass || m->nkids == 0) return 0;
+        m = m->kids[0];
+    }
+    return 0;
+}

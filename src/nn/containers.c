@@ -28,6 +28,7 @@ static ct_status seq_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
     for (int i = 0; i < m->nkids; i++) {
         ct_tensor *y;
         ct_record *kr = NULL;
+        m->kids[i]->emit_bf16 = i + 1 < m->nkids ? ct__takes_bf16(m->kids[i + 1]) : m->emit_bf16;
         ct_status s = ct_module_forward(m->kids[i], x, &y, rec ? &kr : NULL, ctx);
         ct_tensor_release(x);
         if (s == CT_OK && rec && ct_record_add_kid(rec, kr) != CT_OK) {

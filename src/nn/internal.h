@@ -31,6 +31,11 @@ ct_status ct__param_bf16(const ct_param *p, const uint16_t **w, uint16_t **tmp);
  * its F32 data (CT_MEM_ACT). */
 ct_tensor *ct__tensor_bf16(ct_tensor *t);
 
+/* 1 if m's forward casts its input to bf16 before anything reads it (a
+ * linear, or a container whose first layer is one, whose weight has a bf16
+ * compute copy): its producer may then emit BF16 (ct_module.emit_bf16). */
+int ct__takes_bf16(const ct_module *m);
+
 /* Branch-free expf and erff that compilers vectorise (libm's are calls per
  * element: 20% of a GPT step went to erff and expf).  ct__expf: Cephes'
  * range reduction and polynomial, within 2 ulp of expf on [-87, 88] (inputs

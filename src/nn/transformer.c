@@ -65,6 +65,8 @@ static ct_status branch_forward(ct_module *m, int a, ct_tensor *x, ct_tensor **o
                                 const ct_fwd_ctx *ctx)
 {
     ct_tensor *u = NULL, *v = NULL;
+    m->kids[a]->emit_bf16 = ct__takes_bf16(m->kids[a + 1]); /* the norm's output feeds only the branch */
+    m->kids[a + 1]->emit_bf16 = 0;                          /* the residual sum is f32 */
     CT_TRY(kid_forward(m, a, x, &u, rec, ctx));
     ct_status st = kid_forward(m, a + 1, u, &v, rec, ctx);
     ct_tensor_release(u);
