@@ -202,6 +202,73 @@ TEST(bf16_linear_reads_the_compute_copy)
     ct_module_destroy(m);
 }
 
+/* emit_bf16 (set by a parent whose next layer casts to bf16 anyway) makes a
+ * bf16 linear store its output as bf16: the f32 output rounded, nothing else.
+ * Without a compute copy the layer computes in f32 and keeps f32. */
+TEST(bf16_linear_emits_bf16_when_asked)
+{
+    ct_module *m = ct_linear_create(70, 33, 1);
+    rand_params(m, 5);
+    ct_tensor *x = rand_tensor(2, (int64_t[]){9, 70}, 6, -1.0f, 1.0f);
+    ct_tensor *y32, *yb, *yf;
+    ASSERT_OK(ct_module_forward(m, x, &yf, NULL, NULL));
+    set_compute(m->params[0]);
+    ASSERT_OK(ct_module_forward(m, x, &y32, NULL, NULL));
+    m->emit_bf16 = 1;
+    ASSERT_OK(ct_module_forward(m, x, &yb, NULL, NULL));
+    ASSERT(y32->dtype == CT_F32 && yb->dtype == CT_BF16 && yb->numel == y32->numel);
+    const uint16_t *h = ct_tensor_data(yb);
+    for (int64_t i = 0; i < yb->numel; i++) ASSERT(h[i] == ct_f32_to_bf16(ct_f32(y32)[i]));
+    ct_tensor_release(yb);
+    drop_compute(m->params[0]);
+    ASSERT_OK(ct_module_forward(m, x, &yb, NULL, NULL));
+    ASSERT(yb->dtype == CT_F32);
+    assert_same_bits(yb, yf, "f32 layer asked to emit bf16");
+    ct_tensor_release(yb);
+    ct_tensor_release(yf);
+    ct_tensor_release(y32);
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
+/* A sequential asks a layer to emit bf16 only when the next one casts to
+ * bf16: the result and the gradients are bit for bit those of f32 hand-offs. */
+TEST(bf16_sequential_hands_bf16_to_a_bf16_linear)
+{
+    ct_module *s = ct_sequential_create();
+    ASSERT_OK(ct_module_add(s, "a", ct_linear_create(12, 20, 1)));
+    ASSERT_OK(ct_module_add(s, "b", ct_linear_create(20, 7, 1)));
+    rand_params(s, 8);
+    ct_tensor *x = rand_tensor(2, (int64_t[]){6, 12}, 9, -1.0f, 1.0f);
+    ct_tensor *dy = rand_tensor(2, (int64_t[]){6, 7}, 10, -1.0f, 1.0f);
+    ct_param *wa = s->kids[0]->params[0], *wb = s->kids[1]->params[0];
+    ct_tensor *y[2], *dx[2], *g[2];
+    for (int run = 0; run < 2; run++) {
+        /* run 0: only a computes in bf16 (b takes f32); run 1: b too, so a emits bf16 */
+        set_compute(wa);
+        if (run) set_compute(wb);
+        ct_record *r;
+        ASSERT_OK(ct_module_forward(s, x, &y[run], &r, NULL));
+        ASSERT(s->kids[0]->emit_bf16 == run);
+        ct_module_zero_grad(s);
+        ASSERT_OK(ct_module_backward(s, dy, &dx[run], r));
+        g[run] = ct_tensor_clone(wa->grad, CT_MEM_OTHER);
+        drop_compute(wa);
+        if (run) drop_compute(wb);
+    }
+    /* a's output rounds the same whether a or b does it, so a's gradient and dx agree bit for bit */
+    assert_same_bits(g[0], g[1], "a's weight gradient");
+    assert_same_bits(dx[0], dx[1], "input gradient");
+    for (int i = 0; i < 2; i++) {
+        ct_tensor_release(y[i]);
+        ct_tensor_release(dx[i]);
+        ct_tensor_release(g[i]);
+    }
+    ct_tensor_release(x);
+    ct_tensor_release(dy);
+    ct_module_destroy(s);
+}
+
 TEST(bf16_compute_copy_must_match)
 {
     ct_module *m = ct_linear_create(8, 4, 1);

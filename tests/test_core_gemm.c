@@ -207,6 +207,65 @@ TEST(core_gemm_bf16_really_rounds)
                      "from the f32 one: it did not run in bf16", to_rounded, to_exact);
 }
 
+/* C = op(A) op(B) + bias (ct_gemm_f32_bias on each engine, ct_gemm_bf16_bias
+ * into f32 and into bf16 C) against a double reference; C padding survives,
+ * no bias adds nothing, and k = 0 leaves the bias alone in C. */
+static void check_bias(int eng, int c_bf16, int ta, int tb, int m, int n, int k, int with_bias)
+{
+    static const ct_gemm_engine e[] = {CT_GEMM_OPENBLAS, CT_GEMM_ONEDNN, CT_GEMM_AUTO};
+    int lda = (ta ? m : k) + 1, ldb = (tb ? k : n) + 2, ldc = n + 3;
+    size_t na = (size_t)(ta ? k : m) * lda, nb = (size_t)(tb ? n : k) * ldb, nc = (size_t)m * ldc;
+    float *a = malloc(4 * na + 4), *b = malloc(4 * nb + 4), *c = malloc(4 * nc), *bias = malloc(4 * (size_t)n);
+    uint16_t *ah = malloc(2 * na + 2), *bh = malloc(2 * nb + 2), *ch = malloc(2 * nc);
+    ASSERT(a && b && c && bias && ah && bh && ch);
+    for (size_t i = 0; i < na; i++) a[i] = rnd();
+    for (size_t i = 0; i < nb; i++) b[i] = rnd();
+    for (int j = 0; j < n; j++) bias[j] = 4.0f * rnd();
+    for (size_t i = 0; i < nc; i++) c[i] = NAN, ch[i] = 0x7fc0;
+    for (int i = 0; i < m; i++)
+        for (int j = n; j < ldc; j++) c[i * ldc + j] = 12345.0f, ch[i * ldc + j] = 0x1234;
+    ct_f32_to_bf16_n(a, ah, na);
+    ct_f32_to_bf16_n(b, bh, nb);
+    const float *bz = with_bias ? bias : NULL;
+    if (eng == ENG_BF16)
+        ASSERT_OK(ct_gemm_bf16_bias(ta, tb, m, n, k, ah, lda, bh, ldb, bz, c_bf16 ? (void *)ch : c, c_bf16, ldc));
+    else
+        ASSERT_OK(ct_gemm_f32_bias(e[eng], ta, tb, m, n, k, a, lda, b, ldb, bz, c, ldc));
+    for (int i = 0; i < m; i++) {
+        for (int j = 0; j < n; j++) {
+            double s = bz ? bz[j] : 0.0, mag = fabs(s);
+            for (int p = 0; p < k; p++) {
+                double x = ta ? a[p * lda + i] : a[i * lda + p], y = tb ? b[j * ldb + p] : b[p * ldb + j];
+                if (eng == ENG_BF16) x = bf16_round((float)x), y = bf16_round((float)y);
+                s += x * y;
+                mag += fabs(x * y);
+            }
+            double got = c_bf16 ? ct_bf16_to_f32(ch[i * ldc + j]) : c[i * ldc + j];
+            /* f32 accumulation, and for bf16 C one rounding to 8 significant bits */
+            double tol = (k + 2) * 0x1p-24 * mag + (c_bf16 ? 0x1p-8 * fabs(s) : 0.0) + 1e-30;
+            if (!(fabs(got - s) <= tol))
+                ct_test_fail(__FILE__, __LINE__, "%s%s bias=%d ta=%d tb=%d m=%d n=%d k=%d: C[%d][%d] = %.9g, "
+                             "want %.9g (tol %.3g)", eng_name[eng], c_bf16 ? " into bf16" : "", with_bias, ta, tb,
+                             m, n, k, i, j, got, s, tol);
+        }
+        for (int j = n; j < ldc; j++)
+            ASSERT(c_bf16 ? ch[i * ldc + j] == 0x1234 : c[i * ldc + j] == 12345.0f);
+    }
+    free(a), free(b), free(c), free(bias), free(ah), free(bh), free(ch);
+}
+
+TEST(core_gemm_bias)
+{
+    ct_blas_set_threads(1);
+    static const int shapes[][3] = {{1, 1, 1}, {7, 5, 9}, {64, 130, 66}, {200, 40, 33}, {9, 6, 0}};
+    for (int eng = ENG_BLAS; eng <= ENG_BF16; eng++)
+        for (int cb = 0; cb <= (eng == ENG_BF16); cb++)
+            for (int s = 0; s < 5; s++)
+                for (int t = 0; t < 4; t++)
+                    for (int wb = 0; wb < 2; wb++)
+                        check_bias(eng, cb, t & 1, t >> 1, shapes[s][0], shapes[s][1], shapes[s][2], wb);
+}
+
 TEST(core_gemm_degenerate)
 {
     float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, 0, 0, 1, 1, 1};

@@ -244,6 +244,15 @@ ct_status ct_gemm_f32(ct_gemm_engine engine, int trans_a, int trans_b, int m, in
 ct_status ct_gemm_bf16(int trans_a, int trans_b, int m, int n, int k, float alpha,
                        const uint16_t *a, int lda, const uint16_t *b, int ldb, float beta,
                        float *c, int ldc);
+/* C = op(A) op(B) + bias, bias a row of n floats added to every row of C (NULL: none); C is
+ * written as f32, or as bf16 (rounded as ct_f32_to_bf16) when c_bf16.  One oneDNN pass. */
+ct_status ct_gemm_bf16_bias(int trans_a, int trans_b, int m, int n, int k, const uint16_t *a, int lda,
+                            const uint16_t *b, int ldb, const float *bias, void *c, int c_bf16, int ldc);
+/* f32 C = op(A) op(B) + bias (as ct_gemm_bf16_bias) through engine; oneDNN adds the bias in
+ * the product, OpenBLAS onto rows first set to it. */
+ct_status ct_gemm_f32_bias(ct_gemm_engine engine, int trans_a, int trans_b, int m, int n, int k,
+                           const float *a, int lda, const float *b, int ldb, const float *bias, float *c,
+                           int ldc);
 /* The engine CT_GEMM_AUTO picks for an f32 product of this shape. */
 ct_gemm_engine ct_gemm_f32_engine(int trans_a, int trans_b, int m, int n, int k);
 /* oneDNN's kernel name for a dense product ("brg:avx512_core_bf16") into buf, creating it if needed. */

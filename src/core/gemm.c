@@ -31,13 +31,14 @@
 
 typedef struct {
     int bf16, ta, tb, m, n, k, lda, ldb, ldc, nthr;
+    int bias, c_bf16; /* a bias row added to C; C stored as bf16 */
     float alpha, beta;
 } gemm_key;
 
 typedef struct {
     gemm_key key;
     dnnl_primitive_t prim;
-    dnnl_memory_t a, b, c;
+    dnnl_memory_t a, b, c, bias;
     dnnl_primitive_desc_t pd;
     const char *impl; /* oneDNN's implementation name, owned by pd */
 } gemm_entry;
@@ -71,6 +72,7 @@ static void entry_fini(gemm_entry *e)
     dnnl_memory_destroy(e->a);
     dnnl_memory_destroy(e->b);
     dnnl_memory_destroy(e->c);
+    dnnl_memory_destroy(e->bias);
     dnnl_primitive_destroy(e->prim);
     dnnl_primitive_desc_destroy(e->pd);
 }
@@ -91,9 +93,10 @@ static ct_status setup_engine(void)
 
 static void describe(const gemm_key *k, char *buf, size_t n)
 {
-    snprintf(buf, n, "%s %c%c m=%d n=%d k=%d lda=%d ldb=%d ldc=%d alpha=%g beta=%g threads=%d",
+    snprintf(buf, n, "%s %c%c m=%d n=%d k=%d lda=%d ldb=%d ldc=%d alpha=%g beta=%g%s%s threads=%d",
              k->bf16 ? "bf16" : "f32", k->ta ? 'T' : 'N', k->tb ? 'T' : 'N', k->m, k->n,
-             k->k, k->lda, k->ldb, k->ldc, (double)k->alpha, (double)k->beta, k->nthr);
+             k->k, k->lda, k->ldb, k->ldc, (double)k->alpha, (double)k->beta, k->bias ? " bias" : "",
+             k->c_bf16 ? " C bf16" : "", k->nthr);
 }
 
 /* Builds the primitive and its memory objects for key (under cache_lock). */
@@ -105,16 +108,19 @@ static ct_status entry_init(gemm_entry *e, const gemm_key *k)
     /* Row-major op(A) [m, k]: element (i, p) at i*lda + p, or p*lda + i when transposed. */
     dnnl_dims_t ad = {k->m, k->k}, as = {k->ta ? 1 : k->lda, k->ta ? k->lda : 1};
     dnnl_dims_t bd = {k->k, k->n}, bs = {k->tb ? 1 : k->ldb, k->tb ? k->ldb : 1};
-    dnnl_dims_t cd = {k->m, k->n}, cs = {k->ldc, 1};
-    dnnl_memory_desc_t amd, bmd, cmd;
+    dnnl_dims_t cd = {k->m, k->n}, cs = {k->ldc, 1}, zd = {1, k->n}, zs = {k->n, 1};
+    dnnl_memory_desc_t amd, bmd, cmd, zmd;
     dnnl_matmul_desc_t md;
     dnnl_primitive_attr_t attr = NULL;
     dnnl_post_ops_t po = NULL;
     const char *step = "memory descriptors";
     dnnl_status_t s = dnnl_memory_desc_init_by_strides(&amd, 2, ad, in, as);
     if (s == dnnl_success) s = dnnl_memory_desc_init_by_strides(&bmd, 2, bd, in, bs);
-    if (s == dnnl_success) s = dnnl_memory_desc_init_by_strides(&cmd, 2, cd, dnnl_f32, cs);
-    if (s == dnnl_success) step = "matmul descriptor", s = dnnl_matmul_desc_init(&md, &amd, &bmd, NULL, &cmd);
+    if (s == dnnl_success)
+        s = dnnl_memory_desc_init_by_strides(&cmd, 2, cd, k->c_bf16 ? dnnl_bf16 : dnnl_f32, cs);
+    if (s == dnnl_success) s = dnnl_memory_desc_init_by_strides(&zmd, 2, zd, dnnl_f32, zs);
+    if (s == dnnl_success)
+        step = "matmul descriptor", s = dnnl_matmul_desc_init(&md, &amd, &bmd, k->bias ? &zmd : NULL, &cmd);
     if (s == dnnl_success) step = "attributes", s = dnnl_primitive_attr_create(&attr);
     if (s == dnnl_success && k->alpha != 1.0f)
         s = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &k->alpha);
@@ -129,6 +135,7 @@ static ct_status entry_init(gemm_entry *e, const gemm_key *k)
     if (s == dnnl_success) step = "memory objects", s = dnnl_memory_create(&e->a, &amd, engine, DNNL_MEMORY_NONE);
     if (s == dnnl_success) s = dnnl_memory_create(&e->b, &bmd, engine, DNNL_MEMORY_NONE);
     if (s == dnnl_success) s = dnnl_memory_create(&e->c, &cmd, engine, DNNL_MEMORY_NONE);
+    if (s == dnnl_success && k->bias) s = dnnl_memory_create(&e->bias, &zmd, engine, DNNL_MEMORY_NONE);
     if (s == dnnl_success && dnnl_primitive_desc_query(e->pd, dnnl_query_impl_info_str, 0, &e->impl) != dnnl_success)
         e->impl = "?";
     dnnl_post_ops_destroy(po);
@@ -179,7 +186,7 @@ static ct_status lookup(const gemm_key *k, gemm_entry **out)
 
 static gemm_key make_key(int bf16, int ta, int tb, int m, int n, int k, float alpha,
                          int lda, int ldb, float beta, int ldc)
-{
+{ /* bias and c_bf16 start 0: the callers that want them set them */
     gemm_key key;
     memset(&key, 0, sizeof key); /* no padding garbage: keys compare with memcmp */
     key.bf16 = bf16;
@@ -210,14 +217,16 @@ static ct_status check_args(const char *fn, int ta, int tb, int m, int n, int k,
     return CT_OK;
 }
 
-/* Runs primitive e on a, b, c (under cache_lock). */
-static ct_status execute(gemm_entry *e, const void *a, const void *b, float *c)
+/* Runs primitive e on a, b, c and the bias row (if e has one) (under cache_lock). */
+static ct_status execute(gemm_entry *e, const void *a, const void *b, void *c, const float *bias)
 {
     dnnl_status_t s = dnnl_memory_set_data_handle(e->a, (void *)a);
     if (s == dnnl_success) s = dnnl_memory_set_data_handle(e->b, (void *)b);
     if (s == dnnl_success) s = dnnl_memory_set_data_handle(e->c, c);
-    dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, e->a}, {DNNL_ARG_WEIGHTS, e->b}, {DNNL_ARG_DST, e->c}};
-    if (s == dnnl_success) s = dnnl_primitive_execute(e->prim, stream, 3, args);
+    if (s == dnnl_success && e->bias) s = dnnl_memory_set_data_handle(e->bias, (void *)bias);
+    dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, e->a}, {DNNL_ARG_WEIGHTS, e->b}, {DNNL_ARG_DST, e->c},
+                               {DNNL_ARG_BIAS, e->bias}};
+    if (s == dnnl_success) s = dnnl_primitive_execute(e->prim, stream, e->bias ? 4 : 3, args);
     if (s == dnnl_success) s = dnnl_stream_wait(stream);
     if (s != dnnl_success) {
         char d[192];
@@ -270,7 +279,7 @@ static ct_status by_panels(const gemm_key *key, const void *a, const void *b, fl
     for (int i0 = 0; i0 < key->m; i0 += PANEL) {
         int last = key->m - i0 <= PANEL, rows = last ? pk[1].m : PANEL;
         const char *ap = (const char *)a + (key->ta ? (size_t)i0 : (size_t)i0 * key->lda) * esz;
-        CT_TRY(execute(last ? e[1] : e[0], ap, b, panel_buf));
+        CT_TRY(execute(last ? e[1] : e[0], ap, b, panel_buf, NULL));
         float beta = key->beta;
         for (int r = 0; r < rows; r++) {
             float *restrict cr = c + (size_t)(i0 + r) * key->ldc;
@@ -284,33 +293,40 @@ static ct_status by_panels(const gemm_key *key, const void *a, const void *b, fl
     return CT_OK;
 }
 
-/* oneDNN matmul of f32 (bf16 = 0) or bf16 operands into f32 C.  *ran is
+/* oneDNN matmul of f32 (bf16 = 0) or bf16 operands into C, f32 or (c_bf16,
+ * then beta is 0) bf16, plus the bias row when bias is not NULL.  *ran is
  * set once C may have changed (a failure before that leaves C as it was). */
 static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, int k, float alpha,
-                             const void *a, int lda, const void *b, int ldb, float beta, float *c,
-                             int ldc, int *ran)
+                             const void *a, int lda, const void *b, int ldb, const float *bias, float beta,
+                             void *c, int c_bf16, int ldc, int *ran)
 {
     *ran = 0;
     CT_TRY(check_args(bf16 ? "gemm_bf16" : "gemm_f32", trans_a, trans_b, m, n, k, lda, ldb, ldc));
     if (m == 0 || n == 0) return CT_OK;
-    if (k == 0) { /* oneDNN rejects empty reductions; the answer is beta*C */
+    if (k == 0) { /* oneDNN rejects empty reductions; the answer is bias + beta*C */
         for (int i = 0; i < m; i++)
-            for (int j = 0; j < n; j++)
-                c[(size_t)i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[(size_t)i * ldc + j];
+            for (int j = 0; j < n; j++) {
+                size_t at = (size_t)i * ldc + j;
+                float v = bias ? bias[j] : 0.0f;
+                if (c_bf16) ((uint16_t *)c)[at] = ct_f32_to_bf16(v);
+                else ((float *)c)[at] = beta == 0.0f ? v : v + beta * ((float *)c)[at];
+            }
         return CT_OK;
     }
     gemm_key key = make_key(bf16, trans_a, trans_b, m, n, k, alpha, lda, ldb, beta, ldc);
+    key.bias = bias != NULL;
+    key.c_bf16 = c_bf16 != 0;
     if (omp_get_max_threads() != key.nthr) omp_set_num_threads(key.nthr);
     pthread_mutex_lock(&cache_lock);
     ct_status st;
-    if (beta != 0.0f && k <= PANEL_MAX_K && m > PANEL && (int64_t)m * n >= PANEL_MIN_C) {
+    if (beta != 0.0f && !bias && k <= PANEL_MAX_K && m > PANEL && (int64_t)m * n >= PANEL_MIN_C) {
         st = by_panels(&key, a, b, c, ran);
     } else {
         gemm_entry *e;
         st = lookup(&key, &e);
         if (st == CT_OK) {
             *ran = 1;
-            st = execute(e, a, b, c);
+            st = execute(e, a, b, c, bias);
         }
     }
     pthread_mutex_unlock(&cache_lock);
@@ -401,8 +417,8 @@ ct_status ct_gemm_f32(ct_gemm_engine engine, int trans_a, int trans_b, int m, in
     if (auto_) engine = ct_gemm_f32_engine(trans_a, trans_b, m, n, k);
     if (engine == CT_GEMM_ONEDNN) {
         int ran;
-        ct_status s = onednn_gemm(0, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
-                                  &ran);
+        ct_status s = onednn_gemm(0, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, NULL, beta, c, 0,
+                                  ldc, &ran);
         if (s == CT_OK || !auto_ || ran) return s;
         /* Set-up failed and C is untouched: OpenBLAS gives the same f32
          * answer, so carry on there, and say so once. */
@@ -421,7 +437,34 @@ ct_status ct_gemm_bf16(int trans_a, int trans_b, int m, int n, int k, float alph
                        float *c, int ldc)
 {
     int ran;
-    return onednn_gemm(1, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, &ran);
+    return onednn_gemm(1, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, NULL, beta, c, 0, ldc, &ran);
+}
+
+ct_status ct_gemm_bf16_bias(int trans_a, int trans_b, int m, int n, int k, const uint16_t *a, int lda,
+                            const uint16_t *b, int ldb, const float *bias, void *c, int c_bf16, int ldc)
+{
+    int ran;
+    return onednn_gemm(1, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, bias, 0.0f, c, c_bf16, ldc, &ran);
+}
+
+ct_status ct_gemm_f32_bias(ct_gemm_engine engine, int trans_a, int trans_b, int m, int n, int k,
+                           const float *a, int lda, const float *b, int ldb, const float *bias, float *c,
+                           int ldc)
+{
+    CT_TRY(check_args("gemm_f32", trans_a, trans_b, m, n, k, lda, ldb, ldc));
+    int auto_ = engine == CT_GEMM_AUTO;
+    if (auto_) engine = ct_gemm_f32_engine(trans_a, trans_b, m, n, k);
+    if (engine == CT_GEMM_ONEDNN && bias) {
+        int ran;
+        ct_status s = onednn_gemm(0, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, bias, 0.0f, c, 0, ldc,
+                                  &ran);
+        if (s == CT_OK || !auto_ || ran) return s;
+        engine = CT_GEMM_AUTO; /* ct_gemm_f32 below tells of the failure and stays on OpenBLAS */
+    }
+    if (!bias) return ct_gemm_f32(engine, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+    /* No bias in OpenBLAS: rows start as the bias and the product adds onto them. */
+    for (int i = 0; i < m; i++) memcpy(c + (size_t)i * ldc, bias, (size_t)n * sizeof *c);
+    return ct_gemm_f32(engine, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, ldc);
 }
 
 ct_status ct_gemm_onednn_impl(int bf16, int trans_a, int trans_b, int m, int n, int k, float beta,

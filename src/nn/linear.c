@@ -14,8 +14,12 @@
  * - bf16, when the weight has a bf16 compute copy or the input is bf16: x is
  *   cast to bf16 once and that copy is what the record keeps (half the
  *   memory of f32 x); dy is cast in backward; the products run on oneDNN
- *   with f32 accumulation.  y, dx and dW stay f32, and dW accumulates into
- *   the f32 p->grad as in the f32 path.  The bias is f32 throughout.
+ *   with f32 accumulation.  y, dx and dW stay f32 (y is stored as bf16 when
+ *   emit_bf16 says its consumer would cast it anyway), and dW accumulates
+ *   into the f32 p->grad as in the f32 path.  The bias is f32 throughout;
+ *   its gradient is summed in the pass that casts dy.
+ * The forward product adds the bias itself (oneDNN's bias argument; OpenBLAS
+ * gets rows preset to it), so y is written once, not preset and re-read.
  */
 #include <limits.h>
 
@@ -56,18 +60,13 @@ static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct
     int64_t shape[CT_MAX_DIMS];
     for (int i = 0; i < in->ndim; i++) shape[i] = in->shape[i];
     shape[in->ndim - 1] = L->out;
-    ct_tensor *y = ct_tensor_empty(CT_F32, in->ndim, shape, CT_MEM_ACT);
+    /* A consumer that casts to bf16 anyway gets the product rounded to bf16 as it is stored. */
+    int emit = bf16 && m->emit_bf16;
+    ct_tensor *y = ct_tensor_empty(emit ? CT_BF16 : CT_F32, in->ndim, shape, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
 
-    float *yd = ct_f32(y);
-    float beta = 0.0f;
-    if (L->bias) {
-        /* Rows start as the bias and the product adds onto them: one pass less than adding after. */
-        const float *b = ct_f32(m->params[1]->data);
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t j = 0; j < L->out; j++) yd[r * L->out + j] = b[j];
-        beta = 1.0f;
-    }
+    /* The bias goes into the product itself: no pass over the rows before or after. */
+    const float *bias = L->bias ? ct_f32(m->params[1]->data) : NULL;
     ct_status s;
     ct_tensor *x = in;
     if (bf16) {
@@ -76,13 +75,13 @@ static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct
         x = ct__tensor_bf16(in);
         s = x ? ct__param_bf16(W, &w, &wtmp) : CT_ENOMEM;
         if (s == CT_OK)
-            s = ct_gemm_bf16(0, 1, (int)rows, (int)L->out, (int)L->in, 1.0f, ct_tensor_data(x),
-                             (int)L->in, w, (int)L->in, beta, yd, (int)L->out);
+            s = ct_gemm_bf16_bias(0, 1, (int)rows, (int)L->out, (int)L->in, ct_tensor_data(x), (int)L->in, w,
+                                  (int)L->in, bias, ct_tensor_data(y), emit, (int)L->out);
         ct_free(wtmp);
     } else {
         x = ct_tensor_retain(in);
-        s = ct_gemm_f32(CT_GEMM_AUTO, 0, 1, (int)rows, (int)L->out, (int)L->in, 1.0f, ct_f32(in),
-                        (int)L->in, ct_f32(W->data), (int)L->in, beta, yd, (int)L->out);
+        s = ct_gemm_f32_bias(CT_GEMM_AUTO, 0, 1, (int)rows, (int)L->out, (int)L->in, ct_f32(in), (int)L->in,
+                             ct_f32(W->data), (int)L->in, bias, ct_f32(y), (int)L->out);
     }
     if (s != CT_OK) {
         ct_tensor_release(x);
@@ -120,12 +119,19 @@ static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
     ct_tensor *dx = NULL;
     if (din && !(dx = ct_tensor_empty(CT_F32, x->ndim, x->shape, CT_MEM_ACT))) return CT_ENOMEM;
     ct_status s = CT_OK;
+    ct_param *B = L->bias ? m->params[1] : NULL;
+    float *gb = NULL;
+    if (B && B->requires_grad && B->grad) {
+        ct_param_grad_sync(B); /* small: clearing it costs nothing */
+        gb = ct_f32(B->grad);
+    }
     if (bf16 && (want_dw || dx)) {
         uint16_t *dyh = ct_alloc((size_t)dout->numel * sizeof *dyh, CT_MEM_ACT);
         const uint16_t *w = NULL;
         uint16_t *wtmp = NULL;
         if (!dyh) s = CT_ENOMEM;
-        else ct_f32_to_bf16_n(dy, dyh, (size_t)dout->numel);
+        else ct__bf16_rows_colsum(dy, dyh, rows, L->out, gb); /* one read of dy for both */
+        gb = NULL;
         /* A gradient marked zero is overwritten (beta 0): no clearing pass and
          * no read of the old values. */
         if (s == CT_OK && want_dw)
@@ -151,15 +157,9 @@ static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
         ct_tensor_release(dx);
         return s;
     }
-    if (L->bias) {
-        ct_param *B = m->params[1];
-        if (B->requires_grad && B->grad) {
-            ct_param_grad_sync(B); /* small: clearing it costs nothing */
-            float *gb = ct_f32(B->grad);
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t j = 0; j < L->out; j++) gb[j] += dy[r * L->out + j];
-        }
-    }
+    if (gb)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < L->out; j++) gb[j] += dy[r * L->out + j];
     if (din) *din = dx;
     return CT_OK;
 }
