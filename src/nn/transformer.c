@@ -38,10 +38,20 @@ static ct_status kid_backward(ct_module *m, int k, ct_tensor *dy, ct_tensor **di
     return ct_module_backward(m->kids[k], dy, din, kr);
 }
 
-/* a + b into a new tensor of a's shape. */
-static ct_tensor *add(const ct_tensor *a, const ct_tensor *b)
+/* Only this reference sees t's memory, so t may be overwritten. */
+static int sole_owner(const ct_tensor *t)
 {
-    ct_tensor *o = ct_tensor_empty(CT_F32, a->ndim, a->shape, CT_MEM_ACT);
+    return t->dtype == CT_F32 && __atomic_load_n(&t->refcount, __ATOMIC_ACQUIRE) == 1 &&
+           __atomic_load_n(&t->storage->refcount, __ATOMIC_ACQUIRE) == 1 && t->storage->owns &&
+           !t->storage->window;
+}
+
+/* a + b as a new reference: into b when nothing else holds b (a branch's
+ * fresh output or gradient: no allocation, one stream less), else a new
+ * tensor of a's shape. */
+static ct_tensor *add(const ct_tensor *a, ct_tensor *b)
+{
+    ct_tensor *o = sole_owner(b) ? ct_tensor_retain(b) : ct_tensor_empty(CT_F32, a->ndim, a->shape, CT_MEM_ACT);
     if (!o) return NULL;
     const float *x = ct_f32(a), *y = ct_f32(b);
     float *z = ct_f32(o);
