@@ -50,19 +50,6 @@ ct_tensor *ct__tensor_bf16(ct_tensor *t)
     return h;
 }
 
-void ct__bf16_rows_colsum(const float *x, uint16_t *y, int64_t rows, int64_t cols, float *colsum)
-{
-    if (!colsum) {
-        ct_f32_to_bf16_n(x, y, (size_t)(rows * cols));
-        return;
-    }
-    for (int64_t r = 0; r < rows; r++) { /* a row is cast and summed while it is in L1 */
-        const float *xr = x + r * cols;
-        ct_f32_to_bf16_n(xr, y + r * cols, (size_t)cols);
-        for (int64_t j = 0; j < cols; j++) colsum[j] += xr[j];
-    }
-}
-
 int ct__takes_bf16(const ct_module *m)
 {
     /* A kind whose forward hands its input straight to its first child. */

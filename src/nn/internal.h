@@ -31,10 +31,6 @@ ct_status ct__param_bf16(const ct_param *p, const uint16_t **w, uint16_t **tmp);
  * its F32 data (CT_MEM_ACT). */
 ct_tensor *ct__tensor_bf16(ct_tensor *t);
 
-/* y = bf16 cast of x [rows, cols] and, when colsum is not NULL, colsum[j] +=
- * sum over rows of x[., j] (a bias gradient), in one read of x. */
-void ct__bf16_rows_colsum(const float *x, uint16_t *y, int64_t rows, int64_t cols, float *colsum);
-
 /* 1 if m's forward casts its input to bf16 before anything reads it (a
  * linear, or a container whose first layer is one, whose weight has a bf16
  * compute copy): its producer may then emit BF16 (ct_module.emit_bf16). */
