@@ -374,7 +374,8 @@ static void softmax_tile(const dims *d, int64_t r, float *s, const uint8_t *mask
         for (int64_t t = 0; t <= r; t++) {
             __m512i pw = pair_words(_mm512_mul_ps(_mm512_loadu_ps(s0 + TILE * t), inv0),
                                     _mm512_mul_ps(_mm512_loadu_ps(s1 + TILE * t), inv1));
-            _mm512_storeu_si512(rec + l / 2 * w + TILE * t, pw);
+            /* Streamed past the caches: backward reads it long after, from memory anyway. */
+            _mm512_stream_si512((void *)(rec + l / 2 * w + TILE * t), pw);
             __m512 p0 = lo_f32(pw), p1 = hi_f32(pw); /* the bf16 P, as y and backward see it */
             if (mask) {
                 __mmask16 k0 = i < d->T ? kept(mask + l * d->T, t, d->T) : 0;
@@ -407,6 +408,7 @@ ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, con
 {
     int64_t B = a->B, H = a->H, D = a->D, T = a->T, hd = D / H, Tp = round16(T);
     dims d = {T, Tp, hd, Tp / TILE, 1.0f / sqrtf((float)hd), mask ? 1.0f / (1.0f - a->attn_p) : 1.0f};
+    CT_ASSERT((uintptr_t)P % 64 == 0); /* streaming stores */
     /* q rows, k trans, v pairs; scores, dropped P and y of one tile. */
     size_t pk = (size_t)(Tp * hd), nw = 3 * pk / 2 + (size_t)(TILE * Tp) * 3 / 2 + (size_t)(TILE * hd);
     word *ws = ct_alloc(nw * sizeof(word), CT_MEM_ACT);
@@ -440,6 +442,7 @@ ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, con
                 store_y(&d, r, ys, y_bf16 ? (void *)((uint16_t *)y + b * T * D + h * hd) : (void *)((float *)y + b * T * D + h * hd), D, y_bf16);
             }
         }
+    _mm_sfence();
     ct_free(ws);
     return CT_OK;
 }

@@ -48,8 +48,9 @@ typedef struct {
 int ct__attn_bf16_usable(int64_t hd);
 /* 32-bit words of P the forward keeps per (sample, head) (its layout: attn_bf16.c). */
 int64_t ct__attn_bf16_pwords(int64_t T);
-/* -> P (B*H*ct__attn_bf16_pwords(T) words, all written) and y [B, T, D],
- * F32 or, if y_bf16, BF16 rounded as ct_f32_to_bf16. */
+/* -> P (B*H*ct__attn_bf16_pwords(T) words, all written; 64-byte aligned, as
+ * ct_alloc's blocks are) and y [B, T, D], F32 or, if y_bf16, BF16 rounded as
+ * ct_f32_to_bf16. */
 ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, const uint8_t *mask, uint16_t *P,
                                 void *y, int y_bf16);
 /* dy [B, T, D] f32 -> dqkv [B, T, 3D] f32, every element written. */
