@@ -433,6 +433,9 @@ ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, con
                 if (more) {
                     int64_t i1 = TILE * (r + 1) < T ? TILE * (r + 1) : T;
                     for (int k = 0; k < 3; k++) fetch_rows(nq + k * D, 3 * D * 2, TILE * r, i1, hd * 2, 0);
+                    int64_t ny = b * T * D + (h + 1 < H ? (h + 1) * hd : T * D);
+                    if (y_bf16) fetch_rows((uint16_t *)y + ny, D * 2, TILE * r, i1, hd * 2, 1);
+                    else fetch_rows((float *)y + ny, D * 4, TILE * r, i1, hd * 4, 1);
                 }
                 /* S = q k^T over key tiles 0..r (rows past T are zeros in qn). */
                 tile_product(w, hd / 2, (const word *)qn + TILE * r * hd / 2, hd / 2, 1, kt, Tp, s, Tp, TILE);
@@ -449,12 +452,22 @@ ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, con
 
 /* ---- backward ---------------------------------------------------------- */
 
-/* Through dropout and softmax for tile r: from dP [16][Tp] f32 (overwritten)
- * and the record's P, dS = P (dP' - rowsum(P dP')) * scale with dP' = dP *
- * keep where kept, 0 elsewhere; writes dS as bf16 rows ds [16][Tp] (for dq)
- * and as pair words dsi, and Pd as pair words pdi (for dk and dv; both
- * [Tp/2][Tp], this tile's rows).  mask: the tile's first row of keep-bytes. */
-static void grad_tile(const dims *d, int64_t r, float *dP, const word *rec, const uint8_t *mask, uint16_t *ds,
+/* The lanes of key tile t row i of tile r takes dP from: seen, and kept by
+ * the dropout (mask: the tile's first row of keep-bytes); none past T. */
+static inline __mmask16 grad_lanes(const dims *d, int64_t r, int64_t i, int64_t t, const uint8_t *mask)
+{
+    if (i >= d->T) return 0;
+    __mmask16 v = seen(i, t, d->T);
+    return mask ? v & kept(mask + (i - TILE * r) * d->T, t, d->T) : v;
+}
+
+/* Through dropout and softmax for tile r: from dP [16][Tp] f32 and the
+ * record's P, dS = P (dP' - rowsum(P dP')) * scale with dP' = dP * keep on
+ * grad_lanes, 0 elsewhere (so nothing right of the diagonal reaches dS, not
+ * even a NaN); writes dS as bf16 rows ds [16][Tp] (for dq) and as pair
+ * words dsi, and Pd as pair words pdi (for dk and dv; both [Tp/2][Tp], this
+ * tile's rows). */
+static void grad_tile(const dims *d, int64_t r, const float *dP, const word *rec, const uint8_t *mask, uint16_t *ds,
                       word *dsi, word *pdi)
 {
     int64_t w = TILE * (r + 1);
@@ -462,35 +475,28 @@ static void grad_tile(const dims *d, int64_t r, float *dP, const word *rec, cons
     for (int64_t l = 0; l < TILE; l += 2) {
         int64_t i = TILE * r + l;
         const word *pr = rec + l / 2 * w;
-        float *g0 = dP + l * d->Tp, *g1 = g0 + d->Tp;
+        const float *g0 = dP + l * d->Tp, *g1 = g0 + d->Tp;
         __m512 dot0 = _mm512_setzero_ps(), dot1 = dot0;
-        /* dP' in place, and the row sums (P is 0 right of the diagonal and past T). */
         for (int64_t t = 0; t <= r; t++) {
-            __mmask16 v0 = i < d->T ? seen(i, t, d->T) : 0, v1 = i + 1 < d->T ? seen(i + 1, t, d->T) : 0;
-            if (mask && v0) v0 &= kept(mask + l * d->T, t, d->T);
-            if (mask && v1) v1 &= kept(mask + (l + 1) * d->T, t, d->T);
             __m512i pw = _mm512_loadu_si512(pr + TILE * t);
-            __m512 a = _mm512_maskz_mul_ps(v0, _mm512_loadu_ps(g0 + TILE * t), keep);
-            __m512 b = _mm512_maskz_mul_ps(v1, _mm512_loadu_ps(g1 + TILE * t), keep);
-            _mm512_storeu_ps(g0 + TILE * t, a);
-            _mm512_storeu_ps(g1 + TILE * t, b);
+            __m512 a = _mm512_maskz_mul_ps(grad_lanes(d, r, i, t, mask), _mm512_loadu_ps(g0 + TILE * t), keep);
+            __m512 b = _mm512_maskz_mul_ps(grad_lanes(d, r, i + 1, t, mask), _mm512_loadu_ps(g1 + TILE * t), keep);
             dot0 = _mm512_fmadd_ps(lo_f32(pw), a, dot0);
             dot1 = _mm512_fmadd_ps(hi_f32(pw), b, dot1);
         }
         __m512 rs0 = _mm512_set1_ps(_mm512_reduce_add_ps(dot0)), rs1 = _mm512_set1_ps(_mm512_reduce_add_ps(dot1));
         for (int64_t t = 0; t <= r; t++) {
+            __mmask16 k0 = grad_lanes(d, r, i, t, mask), k1 = grad_lanes(d, r, i + 1, t, mask);
             __m512i pw = _mm512_loadu_si512(pr + TILE * t);
             __m512 p0 = lo_f32(pw), p1 = hi_f32(pw);
-            __m512 s0 = _mm512_mul_ps(_mm512_mul_ps(p0, sc), _mm512_sub_ps(_mm512_loadu_ps(g0 + TILE * t), rs0));
-            __m512 s1 = _mm512_mul_ps(_mm512_mul_ps(p1, sc), _mm512_sub_ps(_mm512_loadu_ps(g1 + TILE * t), rs1));
+            __m512 a = _mm512_maskz_mul_ps(k0, _mm512_loadu_ps(g0 + TILE * t), keep);
+            __m512 b = _mm512_maskz_mul_ps(k1, _mm512_loadu_ps(g1 + TILE * t), keep);
+            __m512 s0 = _mm512_mul_ps(_mm512_mul_ps(p0, sc), _mm512_sub_ps(a, rs0));
+            __m512 s1 = _mm512_mul_ps(_mm512_mul_ps(p1, sc), _mm512_sub_ps(b, rs1));
             store_row(ds + l * d->Tp + TILE * t, s0);
             store_row(ds + (l + 1) * d->Tp + TILE * t, s1);
             _mm512_storeu_si512(dsi + (TILE / 2 * r + l / 2) * d->Tp + TILE * t, pair_words(s0, s1));
-            if (mask) {
-                __mmask16 k0 = i < d->T ? kept(mask + l * d->T, t, d->T) : 0;
-                __mmask16 k1 = i + 1 < d->T ? kept(mask + (l + 1) * d->T, t, d->T) : 0;
-                pw = pair_words(_mm512_maskz_mul_ps(k0, p0, keep), _mm512_maskz_mul_ps(k1, p1, keep));
-            }
+            if (mask) pw = pair_words(_mm512_maskz_mul_ps(k0, p0, keep), _mm512_maskz_mul_ps(k1, p1, keep));
             _mm512_storeu_si512(pdi + (TILE / 2 * r + l / 2) * d->Tp + TILE * t, pw);
         }
     }
