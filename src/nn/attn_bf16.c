@@ -289,16 +289,46 @@ static void pack_trans(const uint16_t *x, int64_t ld, int64_t T, int64_t Tp, int
 
 /* The big tensors (qkv, dy, P, dqkv: megabytes a layer) stream through once,
  * a head at a time, in short strided runs the hardware prefetcher barely
- * starts on: each tile asks for its share of the next head's rows, so they
- * arrive while this head computes. */
-static void fetch_rows(const void *p, int64_t ld, int64_t i0, int64_t i1, int64_t bytes, int write)
+ * starts on.  So each head asks for the next head's rows, a few at a time
+ * between its steps (hundreds of lines at once only stall on the miss
+ * buffers), row by row across the next head's tensors: a plan of streams of
+ * T rows and a cursor through them. */
+typedef struct {
+    struct {
+        const char *p;
+        int64_t ld, lines;
+        int write;
+    } s[8];
+    int n;
+    int64_t rows, row, step; /* rows of every stream; the cursor; rows a call asks for */
+} fetch_plan;
+
+/* A stream of the plan's rows, bytes each, ld bytes apart. */
+static void plan_add(fetch_plan *f, const void *p, int64_t ld, int64_t bytes, int write)
 {
-    for (int64_t i = i0; i < i1; i++)
-        for (int64_t c = 0; c < bytes; c += 64) {
-            const char *a = (const char *)p + i * ld + c;
-            if (write) _m_prefetchw((void *)a);
-            else _mm_prefetch(a, _MM_HINT_T0);
-        }
+    f->s[f->n].p = p;
+    f->s[f->n].ld = ld;
+    f->s[f->n].lines = (bytes + 63) / 64;
+    f->s[f->n].write = write;
+    f->n++;
+}
+
+/* A block of bytes as a stream of the plan's rows. */
+static void plan_add_block(fetch_plan *f, const void *p, int64_t bytes)
+{
+    int64_t ld = (bytes + f->rows - 1) / f->rows;
+    plan_add(f, p, ld, ld, 0);
+}
+
+static void fetch_some(fetch_plan *f)
+{
+    for (int64_t end = f->row + f->step; f->row < end && f->row < f->rows; f->row++)
+        for (int k = 0; k < f->n; k++)
+            for (int64_t c = 0; c < f->s[k].lines; c++) {
+                const char *a = f->s[k].p + f->row * f->s[k].ld + 64 * c;
+                if (f->s[k].write) _m_prefetchw((void *)a);
+                else _mm_prefetch(a, _MM_HINT_T0);
+            }
 }
 
 /* ---- forward ----------------------------------------------------------- */
@@ -423,21 +453,21 @@ ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, con
             const uint16_t *q = qkv + b * T * 3 * D + h * hd;
             const uint8_t *mk = mask ? mask + (b * H + h) * T * T : NULL;
             word *rec = (word *)(void *)P + (b * H + h) * pw;
-            int more = b * H + h + 1 < B * H; /* the next head's q is hd columns on, or the next sample's first */
-            const uint16_t *nq = h + 1 < H ? q + hd : q + T * 3 * D - (H - 1) * hd;
+            /* The next head's q, k, v and y rows: hd columns on, or the next sample's first. */
+            fetch_plan f = {.rows = b * H + h + 1 < B * H ? T : 0, .step = TILE};
+            if (f.rows) {
+                int64_t nx = h + 1 < H ? hd : T * 3 * D - (H - 1) * hd, ny = b * T * D + (h + 1 < H ? (h + 1) * hd : T * D);
+                int64_t ye = y_bf16 ? 2 : 4;
+                for (int k = 0; k < 3; k++) plan_add(&f, q + nx + k * D, 3 * D * 2, hd * 2, 0);
+                plan_add(&f, (char *)y + ny * ye, D * ye, hd * ye, 1);
+            }
             pack_rows(q, 3 * D, T, Tp, hd, qn);
             pack_trans(q + D, 3 * D, T, Tp, hd, kt);
             pack_pairs(q + 2 * D, 3 * D, T, Tp, hd, vp);
             for (int64_t r = 0; r < d.nt; r++) {
                 int64_t rows = T - TILE * r < TILE ? T - TILE * r : TILE, w = TILE * (r + 1);
-                if (more) {
-                    int64_t i1 = TILE * (r + 1) < T ? TILE * (r + 1) : T;
-                    for (int k = 0; k < 3; k++) fetch_rows(nq + k * D, 3 * D * 2, TILE * r, i1, hd * 2, 0);
-                    int64_t ny = b * T * D + (h + 1 < H ? (h + 1) * hd : T * D);
-                    if (y_bf16) fetch_rows((uint16_t *)y + ny, D * 2, TILE * r, i1, hd * 2, 1);
-                    else fetch_rows((float *)y + ny, D * 4, TILE * r, i1, hd * 4, 1);
-                }
                 /* S = q k^T over key tiles 0..r (rows past T are zeros in qn). */
+                fetch_some(&f);
                 tile_product(w, hd / 2, (const word *)qn + TILE * r * hd / 2, hd / 2, 1, kt, Tp, s, Tp, TILE);
                 softmax_tile(&d, r, s, mk ? mk + TILE * r * T : NULL, rec + tile_off(r), pd);
                 /* y = Pd v over keys 0..w: the bf16 rows of pd as pair words. */
@@ -524,8 +554,15 @@ ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, co
             const uint8_t *mk = mask ? mask + (b * H + h) * T * T : NULL;
             const word *rec = (const word *)(const void *)P + (b * H + h) * pw;
             float *dq = dqkv + b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
-            int more = b * H + h + 1 < B * H;
-            int64_t nx = h + 1 < H ? hd : T * 3 * D - (H - 1) * hd, ny = h + 1 < H ? hd : T * D - (H - 1) * hd;
+            /* The next head's operands in the order it reads them, then its outputs. */
+            fetch_plan f = {.rows = b * H + h + 1 < B * H ? T : 0, .step = (T + 5 * d.nt - 1) / (5 * d.nt)};
+            if (f.rows) {
+                int64_t nx = h + 1 < H ? hd : T * 3 * D - (H - 1) * hd, ny = h + 1 < H ? hd : T * D - (H - 1) * hd;
+                plan_add(&f, g + ny, D * 4, hd * 4, 0);
+                for (int k = 0; k < 3; k++) plan_add(&f, q + nx + k * D, 3 * D * 2, hd * 2, 0);
+                plan_add_block(&f, rec + pw, 4 * pw);
+                for (int k = 0; k < 3; k++) plan_add(&f, dq + nx + k * D, 3 * D * 4, hd * 4, 1);
+            }
             pack_rows_f32(g, D, T, Tp, hd, dyn);
             pack_pairs_f32(g, D, T, Tp, hd, dyp);
             pack_pairs(q + D, 3 * D, T, Tp, hd, kp);
@@ -533,25 +570,21 @@ ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, co
             pack_trans(q + 2 * D, 3 * D, T, Tp, hd, vt);
             for (int64_t r = 0; r < d.nt; r++) {
                 int64_t rows = T - TILE * r < TILE ? T - TILE * r : TILE, w = TILE * (r + 1);
-                if (more) {
-                    int64_t i1 = TILE * (r + 1) < T ? TILE * (r + 1) : T;
-                    for (int k = 0; k < 3; k++) {
-                        fetch_rows(q + nx + k * D, 3 * D * 2, TILE * r, i1, hd * 2, 0);
-                        fetch_rows(dq + nx + k * D, 3 * D * 4, TILE * r, i1, hd * 4, 1);
-                    }
-                    fetch_rows(g + ny, D * 4, TILE * r, i1, hd * 4, 0);
-                    fetch_rows(rec + pw + tile_off(r), 0, 0, 1, 4 * 8 * w, 0);
-                }
                 /* dPd = dy v^T, then dS; dq = dS k. */
+                fetch_some(&f);
                 tile_product(w, hd / 2, (const word *)dyn + TILE * r * hd / 2, hd / 2, 1, vt, Tp, dP, Tp, TILE);
+                fetch_some(&f);
                 grad_tile(&d, r, dP, rec + tile_off(r), mk ? mk + TILE * r * T : NULL, ds, dsi, pdi);
+                fetch_some(&f);
                 tile_product(hd, w / 2, (const word *)ds, Tp / 2, 1, kp, hd, dq + TILE * r * 3 * D, 3 * D, rows);
             }
             /* Key tile c: dv = Pd^T dy and dk = dS^T q over rows i >= 16c. */
             for (int64_t c = 0; c < d.nt; c++) {
                 int64_t rows = T - TILE * c < TILE ? T - TILE * c : TILE, p0 = TILE / 2 * c;
+                fetch_some(&f);
                 tile_product(hd, W - p0, pdi + p0 * Tp + TILE * c, 1, Tp, dyp + p0 * hd, hd, dv + TILE * c * 3 * D,
                              3 * D, rows);
+                fetch_some(&f);
                 tile_product(hd, W - p0, dsi + p0 * Tp + TILE * c, 1, Tp, qp + p0 * hd, hd, dk + TILE * c * 3 * D,
                              3 * D, rows);
             }
