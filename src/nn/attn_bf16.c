@@ -23,8 +23,13 @@
  * halves give each row's P back in f32 with one shift or mask, and the words
  * are the broadcast operand of dv = Pd^T dy as they stand.
  *
- * Every bf16 cast rounds as ct_f32_to_bf16 (not VCVTNEPS2BF16, which
- * flushes subnormals), so a BF16 y is what c_proj's own cast would make.
+ * The record streams past the caches (the backward reads it long after);
+ * everything else that crosses memory (qkv, dy, y, dqkv) is asked for a
+ * head ahead (fetch_plan).
+ *
+ * A BF16 y rounds as ct_f32_to_bf16, so it is what c_proj's own cast would
+ * make; the operands between the products round with VCVTNE2PS2BF16, which
+ * differs from it only in flushing subnormals, as VDPBF16PS reads them.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -77,9 +82,7 @@ static inline __m512i bf16_exact(__m512 x)
     return _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
 }
 
-/* The operands between the products round with VCVTNE2PS2BF16: to nearest
- * even as ct_f32_to_bf16, but subnormals become 0, as VDPBF16PS reads them
- * anyway.  Two rows of 16 -> 16 pair words (the even row in the low halves). */
+/* Two rows of 16 -> 16 pair words (the even row in the low halves). */
 static inline __m512i pair_words(__m512 even, __m512 odd)
 {
     static const uint16_t zip[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
@@ -88,7 +91,10 @@ static inline __m512i pair_words(__m512 even, __m512 odd)
 }
 
 /* 16 lanes as 16 bf16 to memory. */
-static inline void store_row(uint16_t *p, __m512 x) { _mm256_storeu_si256((void *)p, (__m256i)_mm512_cvtneps_pbh(x)); }
+static inline void store_row(uint16_t *p, __m512 x)
+{
+    _mm256_storeu_si256((void *)p, (__m256i)_mm512_cvtneps_pbh(x));
+}
 
 static inline __m512 lo_f32(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
 static inline __m512 hi_f32(__m512i w)
@@ -96,8 +102,9 @@ static inline __m512 hi_f32(__m512i w)
     return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-/* exp(x) for x <= 0 on 16 lanes, within 5e-5 relative: enough for P, which
- * is kept in bf16 (2^-9), at half the cost of ct__expf's polynomial.
+/* exp(x) on 16 lanes, within 5e-5 relative for x <= 0 (the lanes softmax
+ * keeps): enough for P, which is kept in bf16 (2^-9), at half the cost of
+ * ct__expf's polynomial.
  * exp(x) = 2^n e^r with |r| <= ln2/2, e^r by its Taylor series to r^4;
  * VSCALEFPS makes 2^n, gradually underflowing to 0 far below. */
 static inline __m512 exp16(__m512 x)
@@ -279,7 +286,8 @@ static void pack_trans(const uint16_t *x, int64_t ld, int64_t T, int64_t Tp, int
             __mmask16 lanes = first(hp - p0);
             __m512i r[16];
             for (int l = 0; l < TILE; l++)
-                r[l] = j0 + l < T ? _mm512_maskz_loadu_epi32(lanes, x + (j0 + l) * ld + 2 * p0) : _mm512_setzero_si512();
+                r[l] = j0 + l < T ? _mm512_maskz_loadu_epi32(lanes, x + (j0 + l) * ld + 2 * p0)
+                                  : _mm512_setzero_si512();
             transpose16(r);
             for (int64_t p = 0; p < TILE && p0 + p < hp; p++) _mm512_storeu_si512(out + (p0 + p) * Tp + j0, r[p]);
         }
@@ -306,6 +314,7 @@ typedef struct {
 /* A stream of the plan's rows, bytes each, ld bytes apart. */
 static void plan_add(fetch_plan *f, const void *p, int64_t ld, int64_t bytes, int write)
 {
+    CT_ASSERT(f->n < (int)(sizeof f->s / sizeof f->s[0]));
     f->s[f->n].p = p;
     f->s[f->n].ld = ld;
     f->s[f->n].lines = (bytes + 63) / 64;
@@ -353,7 +362,8 @@ typedef struct {
             e[k] = op(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88),                                  \
                       _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xdd));                                 \
         for (int k = 0; k < 2; k++) /* lane L: row 8k + L twice, then row 8k + 4 + L twice */              \
-            e[k] = op(_mm512_shuffle_ps(e[2 * k], e[2 * k + 1], 0x44), _mm512_shuffle_ps(e[2 * k], e[2 * k + 1], 0xee)); \
+            e[k] = op(_mm512_shuffle_ps(e[2 * k], e[2 * k + 1], 0x44),                                     \
+                      _mm512_shuffle_ps(e[2 * k], e[2 * k + 1], 0xee));                                    \
         /* lane L, element j: row 4j + L */                                                                \
         __m512 f = op(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xdd));            \
         return _mm512_permutexvar_ps(_mm512_loadu_si512(order), f);                                        \
@@ -379,7 +389,8 @@ static void softmax_tile(const dims *d, int64_t r, float *s, const uint8_t *mask
         left[l] = i < d->T ? 0xffff : 0;
         v[l] = _mm512_set1_ps(-INFINITY);
         for (int64_t t = 0; t <= r; t++)
-            v[l] = _mm512_mask_max_ps(v[l], t < r ? left[l] : diag[l], v[l], _mm512_loadu_ps(s + l * d->Tp + TILE * t));
+            v[l] = _mm512_mask_max_ps(v[l], t < r ? left[l] : diag[l], v[l],
+                                      _mm512_loadu_ps(s + l * d->Tp + TILE * t));
     }
     /* exp(scale * (s - max)) in place (a row past T: max -inf, no lanes). */
     _mm512_storeu_ps(off, _mm512_mul_ps(rows_max(v), _mm512_set1_ps(-d->scale)));
@@ -396,7 +407,8 @@ static void softmax_tile(const dims *d, int64_t r, float *s, const uint8_t *mask
     }
     /* A row past T sums to 0 and normalises to zeros. */
     __m512 sum = rows_sum(v);
-    _mm512_storeu_ps(inv, _mm512_maskz_div_ps(_mm512_cmpneq_ps_mask(sum, _mm512_setzero_ps()), _mm512_set1_ps(1.0f), sum));
+    __mmask16 some = _mm512_cmpneq_ps_mask(sum, _mm512_setzero_ps());
+    _mm512_storeu_ps(inv, _mm512_maskz_div_ps(some, _mm512_set1_ps(1.0f), sum));
     for (int64_t l = 0; l < TILE; l += 2) {
         int64_t i = TILE * r + l;
         float *s0 = s + l * d->Tp, *s1 = s0 + d->Tp;
@@ -456,8 +468,8 @@ ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, con
             /* The next head's q, k, v and y rows: hd columns on, or the next sample's first. */
             fetch_plan f = {.rows = b * H + h + 1 < B * H ? T : 0, .step = TILE};
             if (f.rows) {
-                int64_t nx = h + 1 < H ? hd : T * 3 * D - (H - 1) * hd, ny = b * T * D + (h + 1 < H ? (h + 1) * hd : T * D);
-                int64_t ye = y_bf16 ? 2 : 4;
+                int64_t nx = h + 1 < H ? hd : T * 3 * D - (H - 1) * hd, ye = y_bf16 ? 2 : 4;
+                int64_t ny = b * T * D + (h + 1 < H ? (h + 1) * hd : T * D);
                 for (int k = 0; k < 3; k++) plan_add(&f, q + nx + k * D, 3 * D * 2, hd * 2, 0);
                 plan_add(&f, (char *)y + ny * ye, D * ye, hd * ye, 1);
             }
@@ -472,7 +484,8 @@ ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, con
                 softmax_tile(&d, r, s, mk ? mk + TILE * r * T : NULL, rec + tile_off(r), pd);
                 /* y = Pd v over keys 0..w: the bf16 rows of pd as pair words. */
                 tile_product(hd, w / 2, (const word *)pd, Tp / 2, 1, vp, hd, ys, hd, rows);
-                store_y(&d, r, ys, y_bf16 ? (void *)((uint16_t *)y + b * T * D + h * hd) : (void *)((float *)y + b * T * D + h * hd), D, y_bf16);
+                int64_t yo = b * T * D + h * hd;
+                store_y(&d, r, ys, y_bf16 ? (void *)((uint16_t *)y + yo) : (void *)((float *)y + yo), D, y_bf16);
             }
         }
     _mm_sfence();
@@ -497,8 +510,8 @@ static inline __mmask16 grad_lanes(const dims *d, int64_t r, int64_t i, int64_t 
  * even a NaN); writes dS as bf16 rows ds [16][Tp] (for dq) and as pair
  * words dsi, and Pd as pair words pdi (for dk and dv; both [Tp/2][Tp], this
  * tile's rows). */
-static void grad_tile(const dims *d, int64_t r, const float *dP, const word *rec, const uint8_t *mask, uint16_t *ds,
-                      word *dsi, word *pdi)
+static void grad_tile(const dims *d, int64_t r, const float *dP, const word *rec, const uint8_t *mask,
+                      uint16_t *ds, word *dsi, word *pdi)
 {
     int64_t w = TILE * (r + 1);
     __m512 sc = _mm512_set1_ps(d->scale), keep = _mm512_set1_ps(d->keep);
@@ -510,11 +523,13 @@ static void grad_tile(const dims *d, int64_t r, const float *dP, const word *rec
         for (int64_t t = 0; t <= r; t++) {
             __m512i pw = _mm512_loadu_si512(pr + TILE * t);
             __m512 a = _mm512_maskz_mul_ps(grad_lanes(d, r, i, t, mask), _mm512_loadu_ps(g0 + TILE * t), keep);
-            __m512 b = _mm512_maskz_mul_ps(grad_lanes(d, r, i + 1, t, mask), _mm512_loadu_ps(g1 + TILE * t), keep);
+            __m512 b = _mm512_maskz_mul_ps(grad_lanes(d, r, i + 1, t, mask), _mm512_loadu_ps(g1 + TILE * t),
+                                           keep);
             dot0 = _mm512_fmadd_ps(lo_f32(pw), a, dot0);
             dot1 = _mm512_fmadd_ps(hi_f32(pw), b, dot1);
         }
-        __m512 rs0 = _mm512_set1_ps(_mm512_reduce_add_ps(dot0)), rs1 = _mm512_set1_ps(_mm512_reduce_add_ps(dot1));
+        __m512 rs0 = _mm512_set1_ps(_mm512_reduce_add_ps(dot0));
+        __m512 rs1 = _mm512_set1_ps(_mm512_reduce_add_ps(dot1));
         for (int64_t t = 0; t <= r; t++) {
             __mmask16 k0 = grad_lanes(d, r, i, t, mask), k1 = grad_lanes(d, r, i + 1, t, mask);
             __m512i pw = _mm512_loadu_si512(pr + TILE * t);
@@ -557,7 +572,8 @@ ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, co
             /* The next head's operands in the order it reads them, then its outputs. */
             fetch_plan f = {.rows = b * H + h + 1 < B * H ? T : 0, .step = (T + 5 * d.nt - 1) / (5 * d.nt)};
             if (f.rows) {
-                int64_t nx = h + 1 < H ? hd : T * 3 * D - (H - 1) * hd, ny = h + 1 < H ? hd : T * D - (H - 1) * hd;
+                int64_t nx = h + 1 < H ? hd : T * 3 * D - (H - 1) * hd;
+                int64_t ny = h + 1 < H ? hd : T * D - (H - 1) * hd;
                 plan_add(&f, g + ny, D * 4, hd * 4, 0);
                 for (int k = 0; k < 3; k++) plan_add(&f, q + nx + k * D, 3 * D * 2, hd * 2, 0);
                 plan_add_block(&f, rec + pw, 4 * pw);
