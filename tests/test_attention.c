@@ -158,6 +158,49 @@ TEST(attention_bf16_head_widths)
     check(1, 40, 24, 2, 0.0f);  /* hd 12: no kernel, portable both times */
 }
 
+/* The input c_proj keeps (its record's first saved tensor) after one forward. */
+static ct_tensor *c_proj_input(ct_module *m, ct_tensor *x)
+{
+    ct_fwd_ctx ctx = train_ctx();
+    ct_tensor *y;
+    ct_record *rec;
+    ASSERT_OK(ct_module_forward(m, x, &y, &rec, &ctx));
+    ASSERT(rec->nkids == 3);
+    ct_tensor *in = ct_tensor_clone(ct_record_saved(rec->kids[1], 0), CT_MEM_ACT);
+    ct_tensor_release(y);
+    ct_record_destroy(rec);
+    return in;
+}
+
+/* When c_proj computes in bf16 the kernels hand it y as BF16, which must be
+ * ct_f32_to_bf16 of the f32 y they give a c_proj that computes in f32. */
+TEST(attention_bf16_y_rounds_as_c_proj_would)
+{
+    need_kernels();
+    ct_module *m = ct_attention_create(64, 2, 0.0f, 0.0f);
+    ASSERT(m);
+    ct_param **ps;
+    int n;
+    ASSERT_OK(ct_module_params(m, &ps, &n));
+    for (int i = 0; i < n; i++) rand_fill(ps[i]->data, 60 + (uint64_t)i, -0.5f, 0.5f);
+    ct_free(ps);
+    ct_tensor *x = rand_tensor(3, (int64_t[]){2, 37, 64}, 61, -1.5f, 1.5f);
+    set_bf16(m, 1);
+    ct_tensor *yh = c_proj_input(m, x);
+    ct_param *w = m->kids[1]->params[0];
+    ct_tensor_release(w->compute); /* c_proj in f32: y stays F32 */
+    w->compute = NULL;
+    ct_tensor *yf = c_proj_input(m, x);
+    ASSERT(yh->dtype == CT_BF16 && yf->dtype == CT_F32 && yh->numel == yf->numel);
+    for (int64_t i = 0; i < yf->numel; i++)
+        ASSERT_EQ(((uint16_t *)ct_tensor_data(yh))[i], ct_f32_to_bf16(ct_f32(yf)[i]));
+    set_bf16(m, 0);
+    ct_tensor_release(yh);
+    ct_tensor_release(yf);
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
 TEST(attention_bf16_dropout)
 {
     need_kernels();

@@ -142,8 +142,8 @@ static ct_status mm(prec p, int ta, int tb, int64_t M, int64_t N, int64_t K, flo
 }
 
 /* Rows per block of the portable path: a block's products stop at its last
- * row's keys (64 of 128 rows skips a quarter of the work for two more
- * oneDNN calls of ~0.6 us each). */
+ * row's keys (blocks of 64 of 128 rows skip a quarter of the work for a few
+ * more oneDNN calls of ~0.6 us each). */
 #define PB 64
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -168,7 +168,8 @@ static void drop_row(const float *P, const uint8_t *mrow, float keep, int64_t n,
     if (bf16) ct_f32_to_bf16_n(o, out, (size_t)n);
 }
 
-/* Row n of the record's P block as f32 (a pointer into it when it is f32). */
+/* Row i of a block of the record's P (w wide) as f32: a pointer into it when
+ * it is f32, else widened into tmp. */
 static const float *p_row(prec pr, const char *blk, int64_t i, int64_t w, float *tmp)
 {
     if (!pr.bf16) return (const float *)(const void *)blk + i * w;
@@ -288,7 +289,8 @@ static ct_status portable_backward(const core_dims *c, const ct_tensor *qkv, con
             for (int64_t j0 = 0; j0 < T && st == CT_OK; j0 += PB) {
                 int64_t n = min64(PB, T - j0), K = T - j0;
                 size_t at = (size_t)(j0 * T + j0) * es;
-                st = mm(pr, 1, 0, n, hd, K, 1.0f, Pd + at, T, g + (size_t)(j0 * D) * es, D, dv + j0 * 3 * D, 3 * D);
+                st = mm(pr, 1, 0, n, hd, K, 1.0f, Pd + at, T, g + (size_t)(j0 * D) * es, D, dv + j0 * 3 * D,
+                        3 * D);
                 if (st == CT_OK)
                     st = mm(pr, 1, 0, n, hd, K, 1.0f, dS + at, T, q + (size_t)(j0 * 3 * D) * es, 3 * D,
                             dk + j0 * 3 * D, 3 * D);
