@@ -126,15 +126,16 @@ static rule rule_of(const est_in *in, const ct_module *m, int nd, const int64_t 
         /* transformer.c + attention.c, per block of rows BT, width D, H heads, T positions:
          * ln_1 and ln_2 keep their inputs (x here, h below) and 8 bytes a row; c_attn,
          * c_proj, c_fc and the MLP's c_proj keep their inputs (bf16 under mixed); the
-         * attention keeps qkv (bf16 under mixed) and P [B,H,T,T]; gelu keeps its input;
+         * attention keeps what ct_attention_saved_bytes says; gelu keeps its input;
          * the dropouts keep byte masks. */
         const ct_model_config *c = &in->cfg;
         uint64_t BT = ni / (uint64_t)c->dim, D = (uint64_t)c->dim, B = BT / (uint64_t)(nd > 1 ? ish[1] : 1);
-        uint64_t T = (uint64_t)(nd > 1 ? ish[1] : 1), HTT = B * (uint64_t)c->heads * T * T, lin = mixed ? 2 : 4;
+        uint64_t T = (uint64_t)(nd > 1 ? ish[1] : 1), lin = mixed ? 2 : 4;
         int drop = c->dropout > 0;
         r.keep_in = 1;
-        r.saved = 2 * BT * 8 + BT * D * lin /* ln_1 out, c_attn's input */ + 3 * BT * D * lin /* qkv */ +
-                  HTT * 4 + (drop ? HTT : 0) + BT * D * lin /* c_proj's input */ + (drop ? BT * D : 0) +
+        r.saved = 2 * BT * 8 + BT * D * lin /* ln_1 out, c_attn's input */ +
+                  (uint64_t)ct_attention_saved_bytes((int64_t)B, (int64_t)T, (int64_t)D, (int)c->heads, mixed, drop) +
+                  BT * D * lin /* c_proj's input */ + (drop ? BT * D : 0) +
                   BT * D * 4 /* h */ + BT * D * lin /* c_fc's input */ + 4 * BT * D * 4 /* gelu's input */ +
                   4 * BT * D * lin /* mlp c_proj's input */ + (drop ? BT * D : 0);
         r.fwd_tmp = 3 * BT * D * 4 + T * T * 8; /* qkv in f32 before its cast, per-head scratch */

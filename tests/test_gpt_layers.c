@@ -39,6 +39,24 @@ TEST(fd_attention)
     }
 }
 
+/* The f32 core goes in blocks of 64 query rows, each against the keys up to
+ * its last row: one row, and a second block of 6 rows past the first. */
+TEST(fd_attention_row_blocks)
+{
+    int64_t Ts[] = {1, 70};
+    for (int i = 0; i < 2; i++)
+        for (int drop = 0; drop <= 1; drop++) {
+            ct_fwd_ctx ctx = train_ctx();
+            ct_module *m = ct_attention_create(8, 2, drop ? 0.2f : 0.0f, 0.0f);
+            ASSERT(m);
+            rand_all(m, 21, 0.5f);
+            ct_tensor *x = rand_tensor(3, (int64_t[]){1, Ts[i], 8}, 22, -1.0f, 1.0f);
+            ASSERT_FD(fd_check(m, x, &ctx, FD_H, FD_RTOL, FD_ATOL, 23));
+            ct_tensor_release(x);
+            ct_module_destroy(m);
+        }
+}
+
 TEST(fd_transformer_block)
 {
     ct_fwd_ctx ctx = train_ctx();

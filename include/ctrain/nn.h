@@ -341,6 +341,11 @@ ct_module *ct_checkpoint_create(ct_module *inner);
  * run in bf16 when c_attn's weight has a bf16 compute copy.  heads must
  * divide dim. */
 ct_module *ct_attention_create(int64_t dim, int heads, float attn_p, float resid_p);
+/* Bytes an attention forward with a record keeps for an input [batch, T,
+ * dim] besides its children's records: qkv (bf16 when bf16, i.e. c_attn's
+ * weight has a bf16 compute copy), the probabilities and, if dropout (attn_p
+ * > 0 in training), their keep-mask.  For memory estimates. */
+int64_t ct_attention_saved_bytes(int64_t batch, int64_t T, int64_t dim, int heads, int bf16, int dropout);
 /* Pre-LN transformer block, [B,T,dim] -> [B,T,dim]: h = x + attn(ln_1(x)),
  * out = h + mlp(ln_2(h)); children ln_1, attn (ct_attention_create with
  * dropout for both), ln_2 (LayerNorm eps 1e-5) and mlp, a sequential of

@@ -7,14 +7,23 @@
  * parameters are "attn.c_attn.weight" ... as in nanoGPT's state_dict, and
  * strategies see them as ordinary linear layers.
  *
- * The core between the projections runs per (sample, head) as matrix
- * products on strided views of qkv [B, T, 3D] (q, k, v of head h are columns
- * h*hd, D + h*hd, 2D + h*hd, each hd wide, row stride 3D), so nothing is
- * transposed or copied into head-major layout.  The record keeps qkv (or its
- * bf16 cast), the probabilities P [B, H, T, T] before dropout, and the
- * dropout mask.  When c_attn's weight has a bf16 compute copy (mixed
- * precision) the four products of the core run in bf16 too (oneDNN, f32
- * accumulation) and qkv is kept as bf16; softmax and its gradient stay f32.
+ * The core between the projections (q k^T, the causal softmax, dropout, P v
+ * and their gradients) runs per (sample, head) on views of qkv [B, T, 3D]
+ * (q, k, v of head h are columns h*hd, D + h*hd, 2D + h*hd, each hd wide, row
+ * stride 3D) and never computes the masked half: query rows go in blocks,
+ * each against the keys up to its last row only.  Two paths:
+ * - bf16 (c_attn's weight has a bf16 compute copy), on CPUs with AVX512_BF16
+ *   and hd a multiple of 16: the kernels of attn_bf16.c, 16-row tiles with
+ *   every step fused, no library call (a oneDNN call costs as much as one of
+ *   these small products).  They write y as BF16 when c_proj casts its input
+ *   to bf16 anyway.
+ * - portable (f32; bf16 elsewhere, or with CTRAIN_ATTN_PORTABLE=1, which the
+ *   tests use to hold the two against each other): blocks of PB rows through
+ *   ct_gemm_f32 / ct_gemm_bf16, softmax and its gradient in f32 between.
+ * The record keeps qkv (or its bf16 cast), P before dropout in the products'
+ * precision (bf16 P is what P v multiplies, and what the gradient of the
+ * softmax reads back, widened), lower blocks only, and the dropout's mask.
+ * With dropout the dropped bf16 P is rne(P_bf16 * 1/(1-p)) on both paths.
  *
  * Attention dropout draws element (h, i, j) of sample b from the Philox
  * stream keyed by (seed, step, this module's stream) at counter (sample0 + b,
@@ -23,6 +32,7 @@
  */
 #include <limits.h>
 #include <math.h>
+#include <stdlib.h>
 
 #include "internal.h"
 
@@ -105,19 +115,19 @@ static float lane_max(const float *x, int64_t n)
     return m;
 }
 
-static void causal_softmax(float *s, int64_t T)
+/* Softmax of score row r over its first n entries (the positions row n-1
+ * sees), in place; zeros in [n, w). */
+static void softmax_row(float *r, int64_t n, int64_t w)
 {
-    for (int64_t i = 0; i < T; i++) {
-        float *r = s + i * T, mx = lane_max(r, i + 1);
-        for (int64_t j = 0; j <= i; j++) r[j] = ct__expf(r[j] - mx);
-        float inv = 1.0f / lane_sum(r, i + 1);
-        for (int64_t j = 0; j <= i; j++) r[j] *= inv;
-        for (int64_t j = i + 1; j < T; j++) r[j] = 0.0f;
-    }
+    float mx = lane_max(r, n);
+    for (int64_t j = 0; j < n; j++) r[j] = ct__expf(r[j] - mx);
+    float inv = 1.0f / lane_sum(r, n);
+    for (int64_t j = 0; j < n; j++) r[j] *= inv;
+    for (int64_t j = n; j < w; j++) r[j] = 0.0f;
 }
 
-/* Products of the core on either precision: operands are f32 pointers or
- * bf16 bits; the product's output is f32. */
+/* Products of the portable path on either precision: operands are f32
+ * pointers or bf16 bits; the product's output is f32. */
 typedef struct {
     int bf16;
 } prec;
@@ -131,115 +141,162 @@ static ct_status mm(prec p, int ta, int tb, int64_t M, int64_t N, int64_t K, flo
                        (int)ldc);
 }
 
-/* The dropped probabilities of one (sample, head): pd = P * keep / (1 - p),
- * as f32 or bf16 into out; f32 scratch of n floats for the bf16 case (the
- * vectorised cast wants an f32 array). */
-static void dropped(const float *P, const uint8_t *mask, float p, int64_t n, int bf16, void *out, float *scratch)
+/* Rows per block of the portable path: a block's products stop at its last
+ * row's keys (blocks of 64 of 128 rows skip a quarter of the work for a few
+ * more oneDNN calls of ~0.6 us each). */
+#define PB 64
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Elements of P per (sample, head) in the portable layout: the rows of row
+ * block i0 (min(PB, T - i0) of them) are min(T, i0 + PB) wide, blocks one
+ * after another. */
+static int64_t portable_pnumel(int64_t T)
 {
-    const float *src = P;
-    if (mask) {
-        float scale = 1.0f / (1.0f - p), *o = bf16 ? scratch : out;
-        for (int64_t i = 0; i < n; i++) o[i] = mask[i] ? P[i] * scale : 0.0f;
-        src = o;
-    }
-    if (bf16) ct_f32_to_bf16_n(src, out, (size_t)n);
-    else if (src != out) memcpy(out, src, sizeof(float) * (size_t)n);
+    int64_t n = 0;
+    for (int64_t i0 = 0; i0 < T; i0 += PB) n += (min64(T, i0 + PB) - i0) * min64(T, i0 + PB);
+    return n;
 }
 
-/* qkv [B, T, 3D] (f32 or bf16) -> y [B, T, D]; P [B, H, T, T] receives the
- * probabilities; mask (or NULL) the keep-bytes of the attention dropout. */
-static ct_status core_forward(const attn_impl *A, const ct_tensor *qkv, ct_tensor *P, const uint8_t *mask,
-                              ct_tensor *y)
+/* The dropped probabilities of n entries of one row into out (f32, or bf16
+ * bits when bf16; f32 P is then the bf16 P widened, so pd = rne(P*keep) as
+ * the kernel makes it): P * keep where kept, 0 elsewhere; tmp holds n f32. */
+static void drop_row(const float *P, const uint8_t *mrow, float keep, int64_t n, int bf16, void *out, float *tmp)
 {
-    int64_t B = qkv->shape[0], T = qkv->shape[1], D = A->dim, H = A->heads, hd = D / H;
+    float *o = bf16 ? tmp : out;
+    for (int64_t j = 0; j < n; j++) o[j] = mrow[j] ? P[j] * keep : 0.0f;
+    if (bf16) ct_f32_to_bf16_n(o, out, (size_t)n);
+}
+
+/* Row i of a block of the record's P (w wide) as f32: a pointer into it when
+ * it is f32, else widened into tmp. */
+static const float *p_row(prec pr, const char *blk, int64_t i, int64_t w, float *tmp)
+{
+    if (!pr.bf16) return (const float *)(const void *)blk + i * w;
+    ct_bf16_to_f32_n((const uint16_t *)(const void *)blk + i * w, tmp, (size_t)w);
+    return tmp;
+}
+
+typedef struct {
+    int64_t B, T, D, H, hd;
+    float scale, keep;
+    const uint8_t *mask; /* [B, H, T, T] keep-bytes or NULL */
+} core_dims;
+
+static core_dims dims_of(const attn_impl *A, const ct_tensor *qkv, const uint8_t *mask)
+{
+    int64_t hd = A->dim / A->heads;
+    return (core_dims){qkv->shape[0], qkv->shape[1], A->dim, A->heads, hd, 1.0f / sqrtf((float)hd),
+                       mask ? 1.0f / (1.0f - A->attn_p) : 1.0f, mask};
+}
+
+/* Portable: qkv [B, T, 3D] (f32 or bf16) -> y [B, T, D] f32; P (in qkv's
+ * precision, portable_pnumel(T) per (sample, head)) receives the
+ * probabilities. */
+static ct_status portable_forward(const core_dims *c, const ct_tensor *qkv, ct_tensor *P, float *y)
+{
+    int64_t T = c->T, D = c->D, hd = c->hd, pn = portable_pnumel(T);
     prec pr = {qkv->dtype == CT_BF16};
     size_t es = pr.bf16 ? 2 : 4;
     const char *base = ct_tensor_data(qkv);
-    float *Pd = ct_f32(P), *yd = ct_f32(y);
-    void *tmp = ct_alloc((size_t)(T * T) * (es + sizeof(float)), CT_MEM_ACT);
+    /* f32 scores of a row block (bf16: P is cast from them), its dropped P, an f32 row. */
+    char *tmp = ct_alloc((size_t)(PB * T) * (4 + es) + (size_t)T * 4, CT_MEM_ACT);
     if (!tmp) return CT_ENOMEM;
-    float *scratch = (float *)((char *)tmp + (size_t)(T * T) * es);
-    float scale = 1.0f / sqrtf((float)hd);
+    float *sc = (float *)(void *)tmp, *row = sc + PB * T;
+    char *pd = (char *)(row + T);
     ct_status st = CT_OK;
-    for (int64_t b = 0; b < B && st == CT_OK; b++)
-        for (int64_t h = 0; h < H && st == CT_OK; h++) {
+    for (int64_t b = 0; b < c->B && st == CT_OK; b++)
+        for (int64_t h = 0; h < c->H && st == CT_OK; h++) {
             const char *q = base + ((size_t)(b * T * 3 * D + h * hd)) * es;
             const char *k = q + (size_t)D * es, *v = q + (size_t)(2 * D) * es;
-            float *S = Pd + (b * H + h) * T * T;
-            st = mm(pr, 0, 1, T, T, hd, scale, q, 3 * D, k, 3 * D, S, T);
-            if (st != CT_OK) break;
-            causal_softmax(S, T);
-            const void *pv = S;
-            if (pr.bf16 || mask) {
-                dropped(S, mask ? mask + (b * H + h) * T * T : NULL, A->attn_p, T * T, pr.bf16, tmp, scratch);
-                pv = tmp;
+            const uint8_t *mk = c->mask ? c->mask + (b * c->H + h) * T * T : NULL;
+            char *blk = (char *)ct_tensor_data(P) + (size_t)((b * c->H + h) * pn) * es;
+            for (int64_t i0 = 0; i0 < T && st == CT_OK; i0 += PB) {
+                int64_t m = min64(PB, T - i0), w = i0 + m;
+                float *S = pr.bf16 ? sc : (float *)(void *)blk;
+                st = mm(pr, 0, 1, m, w, hd, c->scale, q + (size_t)(i0 * 3 * D) * es, 3 * D, k, 3 * D, S, w);
+                if (st != CT_OK) break;
+                for (int64_t l = 0; l < m; l++) softmax_row(S + l * w, i0 + l + 1, w);
+                if (pr.bf16) ct_f32_to_bf16_n(S, (uint16_t *)(void *)blk, (size_t)(m * w));
+                const void *pv = blk;
+                if (mk) {
+                    for (int64_t l = 0; l < m; l++)
+                        drop_row(p_row(pr, blk, l, w, row), mk + (i0 + l) * T, c->keep, w, pr.bf16,
+                                 pd + (size_t)(l * w) * es, sc + l * w);
+                    pv = pd;
+                }
+                st = mm(pr, 0, 0, m, hd, w, 1.0f, pv, w, v, 3 * D, y + (b * T + i0) * D + h * hd, D);
+                blk += (size_t)(m * w) * es;
             }
-            st = mm(pr, 0, 0, T, hd, T, 1.0f, pv, T, v, 3 * D, yd + b * T * D + h * hd, D);
         }
     ct_free(tmp);
     return st;
 }
 
-/* dy [B, T, D] -> dqkv [B, T, 3D] (every element written). */
-static ct_status core_backward(const attn_impl *A, const ct_tensor *qkv, const ct_tensor *P, const uint8_t *mask,
-                               const ct_tensor *dy, ct_tensor *dqkv)
+/* Portable: dy [B, T, D] (f32, or its bf16 cast) -> dqkv [B, T, 3D] (every
+ * element written). */
+static ct_status portable_backward(const core_dims *c, const ct_tensor *qkv, const ct_tensor *P, const void *dy,
+                                   float *dqkv)
 {
-    int64_t B = qkv->shape[0], T = qkv->shape[1], D = A->dim, H = A->heads, hd = D / H;
+    int64_t T = c->T, D = c->D, hd = c->hd, pn = portable_pnumel(T);
+    float keep = c->keep, scale = c->scale; /* locals: stores through float pointers cannot change them */
     prec pr = {qkv->dtype == CT_BF16};
     size_t es = pr.bf16 ? 2 : 4;
-    const char *base = ct_tensor_data(qkv);
-    const float *Pd = ct_f32(P);
-    float *dq_all = ct_f32(dqkv);
-    /* bf16: dy cast once; per head the dropped P and dS in bf16. */
-    uint16_t *dyh = pr.bf16 ? ct_alloc((size_t)dy->numel * 2, CT_MEM_ACT) : NULL;
-    void *pdrop = ct_alloc((size_t)(T * T) * (es + sizeof(float)), CT_MEM_ACT);
-    float *dP = ct_alloc((size_t)(T * T) * sizeof(float), CT_MEM_ACT);
-    uint16_t *dSh = pr.bf16 ? ct_alloc((size_t)(T * T) * 2, CT_MEM_ACT) : NULL;
+    const char *base = ct_tensor_data(qkv), *dyb = dy;
+    /* dS and Pd [T, T] in the products' precision (row blocks' widths only),
+     * bf16: dP of a row block in f32 (f32: dP becomes dS in place), two f32 rows. */
+    char *tmp = ct_alloc((size_t)(T * T) * 2 * es + (size_t)(PB * T + 2 * T) * 4, CT_MEM_ACT);
+    if (!tmp) return CT_ENOMEM;
+    char *dS = tmp, *Pd = tmp + (size_t)(T * T) * es;
+    float *dP = (float *)(void *)(Pd + (size_t)(T * T) * es), *row = dP + PB * T, *row2 = row + T;
     ct_status st = CT_OK;
-    if (!pdrop || !dP || (pr.bf16 && (!dyh || !dSh))) st = CT_ENOMEM;
-    if (st == CT_OK && pr.bf16) ct_f32_to_bf16_n(ct_f32(dy), dyh, (size_t)dy->numel);
-    const char *dyb = pr.bf16 ? (const char *)dyh : (const char *)ct_f32(dy);
-    float scale = 1.0f / sqrtf((float)hd), keep = mask ? 1.0f / (1.0f - A->attn_p) : 1.0f;
-    for (int64_t b = 0; b < B && st == CT_OK; b++)
-        for (int64_t h = 0; h < H && st == CT_OK; h++) {
+    for (int64_t b = 0; b < c->B && st == CT_OK; b++)
+        for (int64_t h = 0; h < c->H && st == CT_OK; h++) {
             const char *q = base + ((size_t)(b * T * 3 * D + h * hd)) * es;
             const char *k = q + (size_t)D * es, *v = q + (size_t)(2 * D) * es;
             const char *g = dyb + (size_t)(b * T * D + h * hd) * es;
-            const float *Pb = Pd + (b * H + h) * T * T;
-            const uint8_t *mk = mask ? mask + (b * H + h) * T * T : NULL;
-            float *dq = dq_all + b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
-            const void *pv = Pb;
-            if (pr.bf16 || mk) {
-                dropped(Pb, mk, A->attn_p, T * T, pr.bf16, pdrop, (float *)((char *)pdrop + (size_t)(T * T) * es));
-                pv = pdrop;
+            const uint8_t *mk = c->mask ? c->mask + (b * c->H + h) * T * T : NULL;
+            const char *blk = (const char *)ct_tensor_data(P) + (size_t)((b * c->H + h) * pn) * es;
+            float *dq = dqkv + b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
+            for (int64_t i0 = 0; i0 < T && st == CT_OK; i0 += PB) {
+                int64_t m = min64(PB, T - i0), w = i0 + m;
+                /* dPd = dy v^T; through dropout and softmax: dS = P (dP - rowsum(P dP)) * scale. */
+                int64_t ldp = pr.bf16 ? w : T;
+                float *dPb = pr.bf16 ? dP : (float *)(void *)dS + i0 * T;
+                st = mm(pr, 0, 1, m, w, hd, 1.0f, g + (size_t)(i0 * D) * es, D, v, 3 * D, dPb, ldp);
+                if (st != CT_OK) break;
+                for (int64_t l = 0; l < m; l++) {
+                    int64_t i = i0 + l;
+                    const float *p = p_row(pr, blk, l, w, row);
+                    float *r = dPb + l * ldp;
+                    char *pdo = Pd + (size_t)(i * T) * es;
+                    if (mk) {
+                        for (int64_t j = 0; j <= i; j++) r[j] = mk[i * T + j] ? r[j] * keep : 0.0f;
+                        drop_row(p, mk + i * T, keep, w, pr.bf16, pdo, row2);
+                    } else {
+                        memcpy(pdo, blk + (size_t)(l * w) * es, (size_t)w * es);
+                    }
+                    float dot = lane_dot(p, r, i + 1);
+                    for (int64_t j = 0; j <= i; j++) r[j] = p[j] * (r[j] - dot) * scale;
+                    for (int64_t j = i + 1; j < w; j++) r[j] = 0.0f;
+                    if (pr.bf16) ct_f32_to_bf16_n(r, (uint16_t *)(void *)(dS + (size_t)(i * T) * es), (size_t)w);
+                }
+                /* dq = dS k */
+                st = mm(pr, 0, 0, m, hd, w, 1.0f, dS + (size_t)(i0 * T) * es, T, k, 3 * D, dq + i0 * 3 * D, 3 * D);
+                blk += (size_t)(m * w) * es;
             }
-            /* dv = Pdrop^T dy; dPdrop = dy v^T */
-            st = mm(pr, 1, 0, T, hd, T, 1.0f, pv, T, g, D, dv, 3 * D);
-            if (st == CT_OK) st = mm(pr, 0, 1, T, T, hd, 1.0f, g, D, v, 3 * D, dP, T);
-            if (st != CT_OK) break;
-            /* Through dropout and softmax: dS = P (dP - rowsum(P dP)), times the score scale. */
-            for (int64_t i = 0; i < T; i++) {
-                float *r = dP + i * T;
-                const float *pr_ = Pb + i * T;
-                if (mk)
-                    for (int64_t j = 0; j <= i; j++) r[j] = mk[i * T + j] ? r[j] * keep : 0.0f;
-                float dot = lane_dot(pr_, r, i + 1);
-                for (int64_t j = 0; j <= i; j++) r[j] = pr_[j] * (r[j] - dot) * scale;
-                for (int64_t j = i + 1; j < T; j++) r[j] = 0.0f;
+            /* Column block j0: dv = Pd^T dy, dk = dS^T q over rows i >= j0. */
+            for (int64_t j0 = 0; j0 < T && st == CT_OK; j0 += PB) {
+                int64_t n = min64(PB, T - j0), K = T - j0;
+                size_t at = (size_t)(j0 * T + j0) * es;
+                st = mm(pr, 1, 0, n, hd, K, 1.0f, Pd + at, T, g + (size_t)(j0 * D) * es, D, dv + j0 * 3 * D,
+                        3 * D);
+                if (st == CT_OK)
+                    st = mm(pr, 1, 0, n, hd, K, 1.0f, dS + at, T, q + (size_t)(j0 * 3 * D) * es, 3 * D,
+                            dk + j0 * 3 * D, 3 * D);
             }
-            const void *ds = dP;
-            if (pr.bf16) {
-                ct_f32_to_bf16_n(dP, dSh, (size_t)(T * T));
-                ds = dSh;
-            }
-            /* dq = dS k; dk = dS^T q */
-            st = mm(pr, 0, 0, T, hd, T, 1.0f, ds, T, k, 3 * D, dq, 3 * D);
-            if (st == CT_OK) st = mm(pr, 1, 0, T, hd, T, 1.0f, ds, T, q, 3 * D, dk, 3 * D);
         }
-    ct_free(dyh);
-    ct_free(pdrop);
-    ct_free(dP);
-    ct_free(dSh);
+    ct_free(tmp);
     return st;
 }
 
@@ -260,7 +317,53 @@ static void draw_mask(const ct_module *m, const ct_fwd_ctx *ctx, int64_t B, int6
     }
 }
 
-/* Saves: 0 qkv (f32 or bf16), 1 P, 2 mask (when dropout is active). */
+/* 1 when the AVX512_BF16 kernels run this bf16 core: the CPU has them, the
+ * head width suits them and CTRAIN_ATTN_PORTABLE is unset (tests set it to
+ * hold the kernels against the portable path). */
+static int use_kernels(const attn_impl *A)
+{
+    const char *e = getenv("CTRAIN_ATTN_PORTABLE");
+    return ct__attn_bf16_usable(A->dim / A->heads) && !(e && *e && strcmp(e, "0"));
+}
+
+/* The core: qkv -> P (allocated here) and y (allocated here: BF16 when the
+ * kernels run and c_proj casts its input to bf16 anyway, else F32). */
+static ct_status core_forward(const ct_module *m, const ct_tensor *qkv, const uint8_t *mask, int kern,
+                              ct_tensor **P, ct_tensor **y)
+{
+    const attn_impl *A = m->impl;
+    core_dims c = dims_of(A, qkv, mask);
+    int y_bf16 = kern && ct__takes_bf16(m->kids[K_C_PROJ]);
+    int64_t ps[3] = {c.B, c.H, kern ? 2 * ct__attn_bf16_pwords(c.T) : portable_pnumel(c.T)};
+    int64_t ys[3] = {c.B, c.T, c.D};
+    *P = ct_tensor_empty(kern ? CT_BF16 : qkv->dtype, 3, ps, CT_MEM_ACT);
+    *y = ct_tensor_empty(y_bf16 ? CT_BF16 : CT_F32, 3, ys, CT_MEM_ACT);
+    if (!*P || !*y) return CT_ENOMEM;
+    if (!kern) return portable_forward(&c, qkv, *P, ct_f32(*y));
+    ct__attn_dims d = {c.B, c.T, c.D, c.H, A->attn_p};
+    return ct__attn_bf16_forward(&d, ct_tensor_data(qkv), mask, ct_tensor_data(*P), ct_tensor_data(*y), y_bf16);
+}
+
+/* dy [B, T, D] f32 -> dqkv [B, T, 3D] f32 on the path forward took. */
+static ct_status core_backward(const attn_impl *A, const ct_tensor *qkv, const ct_tensor *P, const uint8_t *mask,
+                               int kern, const ct_tensor *dy, ct_tensor *dqkv)
+{
+    core_dims c = dims_of(A, qkv, mask);
+    if (kern) {
+        ct__attn_dims d = {c.B, c.T, c.D, c.H, A->attn_p};
+        return ct__attn_bf16_backward(&d, ct_tensor_data(qkv), mask, ct_tensor_data(P), ct_f32(dy), ct_f32(dqkv));
+    }
+    if (qkv->dtype != CT_BF16) return portable_backward(&c, qkv, P, ct_f32(dy), ct_f32(dqkv));
+    uint16_t *dyh = ct_alloc((size_t)dy->numel * 2, CT_MEM_ACT); /* dy cast once for every head */
+    if (!dyh) return CT_ENOMEM;
+    ct_f32_to_bf16_n(ct_f32(dy), dyh, (size_t)dy->numel);
+    ct_status st = portable_backward(&c, qkv, P, dyh, ct_f32(dqkv));
+    ct_free(dyh);
+    return st;
+}
+
+/* Saves: 0 qkv (f32 or bf16), 1 P, 2 mask (when dropout is active);
+ * ival[0] dropout on, ival[1] the kernels ran. */
 static ct_status attn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
                               const ct_fwd_ctx *ctx)
 {
@@ -280,18 +383,18 @@ static ct_status attn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     if (st != CT_OK) return st;
     qkv = bf16 ? ct__tensor_bf16(qkv32) : ct_tensor_retain(qkv32);
     ct_tensor_release(qkv32);
-    int64_t ps[4] = {B, H, T, T};
-    P = ct_tensor_empty(CT_F32, 4, ps, CT_MEM_ACT);
-    int drop = ctx->training && A->attn_p > 0;
-    if (drop) mask = ct_tensor_empty(CT_U8, 4, ps, CT_MEM_ACT);
-    y = ct_tensor_empty(CT_F32, 3, in->shape, CT_MEM_ACT);
-    if (!qkv || !P || !y || (drop && !mask)) st = CT_ENOMEM;
+    int drop = ctx->training && A->attn_p > 0, kern = bf16 && use_kernels(A);
+    if (drop) mask = ct_tensor_empty(CT_U8, 4, (int64_t[]){B, H, T, T}, CT_MEM_ACT);
+    if (!qkv || (drop && !mask)) st = CT_ENOMEM;
     if (st == CT_OK && drop) draw_mask(m, ctx, B, H * T * T, ct_tensor_data(mask));
-    if (st == CT_OK) st = core_forward(A, qkv, P, drop ? ct_tensor_data(mask) : NULL, y);
+    if (st == CT_OK) st = core_forward(m, qkv, drop ? ct_tensor_data(mask) : NULL, kern, &P, &y);
     if (st == CT_OK && rec &&
         (ct_record_save(rec, qkv) < 0 || ct_record_save(rec, P) < 0 || (drop && ct_record_save(rec, mask) < 0)))
         st = CT_ENOMEM;
-    if (rec) rec->ival[0] = drop;
+    if (rec) {
+        rec->ival[0] = drop;
+        rec->ival[1] = kern;
+    }
     ct_tensor_release(qkv);
     ct_tensor_release(P);
     ct_tensor_release(mask);
@@ -338,7 +441,7 @@ static ct_status attn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     const ct_tensor *qkv = ct_record_saved(rec, 0), *P = ct_record_saved(rec, 1);
     const uint8_t *mask = rec->ival[0] ? ct_tensor_data(ct_record_saved(rec, 2)) : NULL;
     ct_tensor *dqkv = ct_tensor_empty(CT_F32, 3, qkv->shape, CT_MEM_ACT);
-    st = dqkv ? core_backward(A, qkv, P, mask, g, dqkv) : CT_ENOMEM;
+    st = dqkv ? core_backward(A, qkv, P, mask, (int)rec->ival[1], g, dqkv) : CT_ENOMEM;
     ct_tensor_release(g);
     ct_record *kr = rec->kids[K_C_ATTN];
     rec->kids[K_C_ATTN] = NULL;
@@ -350,6 +453,13 @@ static ct_status attn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     st = ct_module_backward(m->kids[K_C_ATTN], dqkv, din, kr);
     ct_tensor_release(dqkv);
     return st;
+}
+
+int64_t ct_attention_saved_bytes(int64_t batch, int64_t T, int64_t dim, int heads, int bf16, int dropout)
+{
+    attn_impl A = {dim, heads, 0.0f};
+    int64_t es = bf16 ? 2 : 4, P = bf16 && use_kernels(&A) ? 4 * ct__attn_bf16_pwords(T) : es * portable_pnumel(T);
+    return batch * T * 3 * dim * es + batch * heads * (P + (dropout ? T * T : 0));
 }
 
 static ct_status attn_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,

@@ -36,6 +36,27 @@ ct_tensor *ct__tensor_bf16(ct_tensor *t);
  * compute copy): its producer may then emit BF16 (ct_module.emit_bf16). */
 int ct__takes_bf16(const ct_module *m);
 
+/* The causal attention core's AVX512_BF16 kernels (attn_bf16.c; attention.c
+ * holds the layer and the portable path).  qkv [B, T, 3D] bf16; mask the
+ * dropout's keep-bytes [B, H, T, T] or NULL (then attn_p is not read). */
+typedef struct {
+    int64_t B, T, D, H;
+    float attn_p;
+} ct__attn_dims;
+
+/* 1 when the CPU has AVX512_BF16 and the head width hd is a multiple of 16. */
+int ct__attn_bf16_usable(int64_t hd);
+/* 32-bit words of P the forward keeps per (sample, head) (its layout: attn_bf16.c). */
+int64_t ct__attn_bf16_pwords(int64_t T);
+/* -> P (B*H*ct__attn_bf16_pwords(T) words, all written; 64-byte aligned, as
+ * ct_alloc's blocks are) and y [B, T, D], F32 or, if y_bf16, BF16 rounded as
+ * ct_f32_to_bf16. */
+ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, const uint8_t *mask, uint16_t *P,
+                                void *y, int y_bf16);
+/* dy [B, T, D] f32 -> dqkv [B, T, 3D] f32, every element written. */
+ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, const uint8_t *mask,
+                                 const uint16_t *P, const float *dy, float *dqkv);
+
 /* Branch-free expf and erff that compilers vectorise (libm's are calls per
  * element: 20% of a GPT step went to erff and expf).  ct__expf: Cephes'
  * range reduction and polynomial, within 2 ulp of expf on [-87, 88] (inputs
