@@ -378,6 +378,7 @@ static ct_status attn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     CT_TRY(ct__param_compute(m->kids[K_C_ATTN], m->kids[K_C_ATTN]->params[0], &bf16));
     ct_record *kr = NULL;
     ct_tensor *qkv32 = NULL, *qkv = NULL, *P = NULL, *mask = NULL, *y = NULL, *z = NULL;
+    m->kids[K_C_ATTN]->emit_bf16 = bf16; /* the bf16 core casts qkv first: c_attn may store it so */
     ct_status st = ct_module_forward(m->kids[K_C_ATTN], in, &qkv32, rec ? &kr : NULL, ctx);
     if (st == CT_OK && rec && (st = ct_record_add_kid(rec, kr)) != CT_OK) ct_record_destroy(kr);
     if (st != CT_OK) return st;
