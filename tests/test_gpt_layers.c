@@ -332,3 +332,163 @@ TEST(nn_share_param_and_dotted_names)
     ct_module_destroy(root);
     ct_module_destroy(c);
 }
+
+/* ---- the elementwise layers' fast paths ------------------------------------ */
+
+/* Row sums in 8 double lanes, the last n % 8 first, then the lanes: the
+ * layernorm's order, written one row at a time as the layer once was. */
+static double lanes_sum(const float *x, int64_t n, double mu, int sq)
+{
+    double a[8] = {0}, s = 0.0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) a[j] += sq ? ((double)x[i + j] - mu) * ((double)x[i + j] - mu) : x[i + j];
+    for (; i < n; i++) s += sq ? ((double)x[i] - mu) * ((double)x[i] - mu) : x[i];
+    for (int j = 0; j < 8; j++) s += a[j];
+    return s;
+}
+
+/* The layernorm, forward and backward, one row at a time (the layer works on
+ * several rows side by side and fuses the backward's loops: the numbers
+ * must not move by a bit). */
+static void ln_rowwise(const float *x, const float *w, const float *b, const float *dy, int64_t R, int64_t D,
+                       float eps, float *y, float *mean, float *rstd, float *dx, float *gw, float *gb)
+{
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * D, *dyr = dy + r * D;
+        double mu = lanes_sum(xr, D, 0, 0) / (double)D, ss = lanes_sum(xr, D, mu, 1);
+        float rs = (float)(1.0 / sqrt(ss / (double)D + (double)eps)), m = (float)mu;
+        mean[r] = m;
+        rstd[r] = rs;
+        for (int64_t i = 0; i < D; i++) y[r * D + i] = (xr[i] - m) * rs * w[i] + b[i];
+        double ag[8] = {0}, agx[8] = {0}, sg = 0.0, sgx = 0.0;
+        int64_t i0 = 0;
+        for (; i0 + 8 <= D; i0 += 8)
+            for (int j = 0; j < 8; j++) {
+                float g = dyr[i0 + j] * w[i0 + j];
+                ag[j] += g;
+                agx[j] += g * (xr[i0 + j] - m) * rs;
+            }
+        for (int64_t i = i0; i < D; i++) {
+            float g = dyr[i] * w[i];
+            sg += g;
+            sgx += g * (xr[i] - m) * rs;
+        }
+        for (int j = 0; j < 8; j++) {
+            sg += ag[j];
+            sgx += agx[j];
+        }
+        float mg = (float)(sg / (double)D), mgx = (float)(sgx / (double)D);
+        for (int64_t i = 0; i < D; i++) {
+            gw[i] += dyr[i] * (xr[i] - m) * rs;
+            gb[i] += dyr[i];
+            dx[r * D + i] = rs * (dyr[i] * w[i] - mg - (xr[i] - m) * rs * mgx);
+        }
+    }
+}
+
+static int same_floats(const float *a, const float *b, int64_t n) { return !memcmp(a, b, (size_t)n * sizeof *a); }
+
+/* Widths around the 8 lanes and row counts around the rows done side by
+ * side; the gradients accumulate onto what is there. */
+TEST(layernorm_matches_the_row_at_a_time_loops)
+{
+    const int64_t dims[] = {1, 5, 8, 13, 128, 131}, rows[] = {1, 3, 4, 5, 11};
+    for (size_t a = 0; a < sizeof dims / sizeof *dims; a++)
+        for (size_t c = 0; c < sizeof rows / sizeof *rows; c++) {
+            int64_t D = dims[a], R = rows[c], n = R * D;
+            ct_module *m = ct_layernorm_create(D, 1e-5f);
+            rand_all(m, 30 + (uint64_t)D, 1.0f);
+            ct_tensor *x = rand_tensor(2, (int64_t[]){R, D}, 31 + (uint64_t)n, -2.0f, 3.0f);
+            ct_tensor *dy = rand_tensor(2, (int64_t[]){R, D}, 32 + (uint64_t)n, -1.0f, 1.0f);
+            for (int k = 0; k < 2; k++) rand_fill(m->params[k]->grad, 33 + (uint64_t)k, -1.0f, 1.0f);
+            float *y = ct_alloc((size_t)(2 * n + 2 * R + 2 * D) * sizeof *y, CT_MEM_OTHER);
+            float *dx = y + n, *mean = dx + n, *rstd = mean + R, *gw = rstd + R, *gb = gw + D;
+            memcpy(gw, ct_f32(m->params[0]->grad), (size_t)D * sizeof *gw);
+            memcpy(gb, ct_f32(m->params[1]->grad), (size_t)D * sizeof *gb);
+            ln_rowwise(ct_f32(x), ct_f32(m->params[0]->data), ct_f32(m->params[1]->data), ct_f32(dy), R, D, 1e-5f, y,
+                       mean, rstd, dx, gw, gb);
+            ct_fwd_ctx ctx = train_ctx();
+            ct_tensor *out, *din;
+            ct_record *rec;
+            ASSERT_OK(ct_module_forward(m, x, &out, &rec, &ctx));
+            ASSERT(same_floats(ct_f32(out), y, n));
+            ASSERT(same_floats(ct_f32(ct_record_saved(rec, 1)), mean, R));
+            ASSERT(same_floats(ct_f32(ct_record_saved(rec, 2)), rstd, R));
+            ASSERT_OK(ct_module_backward(m, dy, &din, rec));
+            if (!same_floats(ct_f32(din), dx, n) || !same_floats(ct_f32(m->params[0]->grad), gw, D) ||
+                !same_floats(ct_f32(m->params[1]->grad), gb, D))
+                ct_test_fail(__FILE__, __LINE__, "%lld rows of %lld: the backward differs", (long long)R, (long long)D);
+            ct_free(y);
+            ct_tensor_release(din);
+            ct_tensor_release(out);
+            ct_tensor_release(dy);
+            ct_tensor_release(x);
+            ct_module_destroy(m);
+        }
+}
+
+/* Rows with a mean far above their spread: the double statistics are right
+ * (mean to float rounding, 1/std to 1e-6; f32 sums of 1000 values near 10^4
+ * would be off by ~1e-2 in the mean), so the outputs are off only by the
+ * float rounding of the mean (1/2 ulp of 10^4 = 5e-4, times 1/std). */
+TEST(layernorm_large_mean_rows_stay_accurate)
+{
+    int64_t R = 5, D = 1000;
+    ct_module *m = ct_layernorm_create(D, 1e-5f);
+    ct_tensor *x = rand_tensor(2, (int64_t[]){R, D}, 34, -1.0f, 1.0f), *y;
+    for (int64_t i = 0; i < R * D; i++) ct_f32(x)[i] += 1e4f;
+    ct_record *rec;
+    ct_fwd_ctx ctx = train_ctx();
+    ASSERT_OK(ct_module_forward(m, x, &y, &rec, &ctx));
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = ct_f32(x) + r * D;
+        double mu = 0, var = 0;
+        for (int64_t i = 0; i < D; i++) mu += xr[i];
+        mu /= (double)D;
+        for (int64_t i = 0; i < D; i++) var += (xr[i] - mu) * (xr[i] - mu);
+        var /= (double)D;
+        double rs = 1.0 / sqrt(var + 1e-5);
+        ASSERT(ct_f32(ct_record_saved(rec, 1))[r] == (float)mu);
+        ASSERT_CLOSE(ct_f32(ct_record_saved(rec, 2))[r], rs, 1e-6, 0.0);
+        for (int64_t i = 0; i < D; i++) ASSERT_NEAR(ct_f32(y)[r * D + i], (xr[i] - mu) * rs, 5e-4 * rs + 1e-6);
+    }
+    ct_record_destroy(rec);
+    ct_tensor_release(y);
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
+/* Without a weight gradient, or without an input gradient, the backward
+ * still gives the rest exactly as the full one does. */
+TEST(layernorm_backward_with_parts_left_out)
+{
+    int64_t R = 6, D = 37;
+    ct_module *m = ct_layernorm_create(D, 1e-5f);
+    rand_all(m, 35, 1.0f);
+    ct_tensor *x = rand_tensor(2, (int64_t[]){R, D}, 36, -2.0f, 2.0f), *dy = rand_tensor(2, (int64_t[]){R, D}, 37, -1.0f, 1.0f);
+    ct_fwd_ctx ctx = train_ctx();
+    ct_tensor *y, *dx[3] = {NULL, NULL, NULL}, *gw[3], *gb[3];
+    for (int k = 0; k < 3; k++) {
+        ct_record *rec;
+        ct_module_zero_grad(m);
+        m->params[0]->requires_grad = k != 1;
+        ASSERT_OK(ct_module_forward(m, x, &y, &rec, &ctx));
+        ASSERT_OK(ct_module_backward(m, dy, k == 2 ? NULL : &dx[k], rec));
+        gw[k] = ct_tensor_clone(m->params[0]->grad, CT_MEM_OTHER);
+        gb[k] = ct_tensor_clone(m->params[1]->grad, CT_MEM_OTHER);
+        ct_tensor_release(y);
+    }
+    ASSERT(same_floats(ct_f32(dx[0]), ct_f32(dx[1]), R * D));
+    for (int64_t i = 0; i < D; i++) ASSERT_EQ(ct_f32(gw[1])[i], 0.0f); /* frozen: untouched */
+    ASSERT(same_floats(ct_f32(gw[0]), ct_f32(gw[2]), D));
+    for (int k = 1; k < 3; k++) ASSERT(same_floats(ct_f32(gb[0]), ct_f32(gb[k]), D));
+    for (int k = 0; k < 3; k++) {
+        ct_tensor_release(dx[k]);
+        ct_tensor_release(gw[k]);
+        ct_tensor_release(gb[k]);
+    }
+    ct_tensor_release(dy);
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
