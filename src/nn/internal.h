@@ -82,6 +82,16 @@ static inline float ct__erff(float x)
     return p / q;
 }
 
+/* ct_f32_to_bf16_n, for layers that emit BF16 (ct_module.emit_bf16): they
+ * make their f32 outputs a chunk at a time into a small buffer that stays in
+ * L1 and cast it with this.  Bit for bit ct_f32_to_bf16_n, but where the CPU
+ * has AVX512-BF16 one VCVTNEPS2BF16 per 16 values: the integer recipe cost
+ * GELU as much as the f32 write and the separate cast pass it replaces. */
+void ct__bf16_from_f32(const float *in, uint16_t *out, size_t n);
+
+/* Chunk of the emitters' buffer (floats): 2 KiB. */
+enum { CT__EMIT_CHUNK = 512 };
+
 /* A tensor header of this shape with no storage (dtype F32), so an out_shape
  * op can run the checks and messages (ct_shape_str) its forward uses on a
  * shape alone.  Its data must never be read: ct_tensor_data would fail. */

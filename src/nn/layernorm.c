@@ -2,7 +2,10 @@
  * Layer normalisation over the last dim with an elementwise affine weight
  * and bias (PyTorch's nn.LayerNorm(dim, eps)).  The record keeps the input
  * and each row's mean and 1/std; statistics are summed in double so long
- * rows with a large mean stay accurate.
+ * rows with a large mean stay accurate.  When its emit_bf16 is set the
+ * output is BF16, each value rounded as ct_f32_to_bf16 rounds the f32 one
+ * (the consumer casts to bf16 anyway) through an L1 chunk, so the f32
+ * output never goes to memory; the record and gradients stay f32.
  *
  * Speed: a row is 128 values in the GPT, so its double sums in 8 vector
  * lanes are chains of dependent adds (latency, not bandwidth, bounded the
@@ -73,17 +76,35 @@ static inline __attribute__((always_inline)) void row_stats(const float *x, int6
     }
 }
 
-/* y = (x - mu) rs w + b for nr rows. */
+/* y = (x - mu) rs w + b for nr rows, as F32, or as BF16 bits through an L1
+ * chunk (ct__bf16_from_f32): the nr rows in one when they fit, else each
+ * row in pieces. */
 static inline __attribute__((always_inline)) void row_out(const float *restrict x, int64_t D, int nr,
                                                           const float *mu, const float *rs,
                                                           const float *restrict w, const float *restrict b,
-                                                          float *restrict y)
+                                                          float *restrict y, uint16_t *yh)
 {
+    if (!yh) {
+        for (int k = 0; k < nr; k++)
+            for (int64_t i = 0; i < D; i++) y[k * D + i] = (x[k * D + i] - mu[k]) * rs[k] * w[i] + b[i];
+        return;
+    }
+    float buf[CT__EMIT_CHUNK];
+    if (nr * D <= CT__EMIT_CHUNK) {
+        for (int k = 0; k < nr; k++)
+            for (int64_t i = 0; i < D; i++) buf[k * D + i] = (x[k * D + i] - mu[k]) * rs[k] * w[i] + b[i];
+        ct__bf16_from_f32(buf, yh, (size_t)(nr * D));
+        return;
+    }
     for (int k = 0; k < nr; k++)
-        for (int64_t i = 0; i < D; i++) y[k * D + i] = (x[k * D + i] - mu[k]) * rs[k] * w[i] + b[i];
+        for (int64_t c = 0; c < D; c += CT__EMIT_CHUNK) {
+            int64_t n = D - c < CT__EMIT_CHUNK ? D - c : CT__EMIT_CHUNK;
+            for (int64_t i = 0; i < n; i++) buf[i] = (x[k * D + c + i] - mu[k]) * rs[k] * w[c + i] + b[c + i];
+            ct__bf16_from_f32(buf, yh + k * D + c, (size_t)n);
+        }
 }
 
-/* x [rows, D] -> y [rows, D]; saves x, mean [rows], rstd [rows]. */
+/* x [rows, D] -> y [rows, D] (F32, or BF16 with emit_bf16); saves x, mean [rows], rstd [rows]. */
 static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
                             const ct_fwd_ctx *ctx)
 {
@@ -95,7 +116,8 @@ static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
                         "check the normalised size", nm(m), ct_dtype_name(in->dtype),
                         ct_shape_str(in, sh, sizeof sh), (long long)L->dim);
     int64_t D = L->dim, rows = in->numel / D;
-    ct_tensor *y = ct_tensor_empty(CT_F32, in->ndim, in->shape, CT_MEM_ACT); /* written in full */
+    int bf16 = m->emit_bf16;
+    ct_tensor *y = ct_tensor_empty(bf16 ? CT_BF16 : CT_F32, in->ndim, in->shape, CT_MEM_ACT); /* written in full */
     ct_tensor *mean = rec ? ct_tensor_empty(CT_F32, 1, &rows, CT_MEM_ACT) : NULL;
     ct_tensor *rstd = rec ? ct_tensor_empty(CT_F32, 1, &rows, CT_MEM_ACT) : NULL;
     /* The record holds its own references to mean and rstd (released below). */
@@ -107,14 +129,15 @@ static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
         return CT_ENOMEM;
     }
     const float *x = ct_f32(in), *w = ct_f32(m->params[0]->data), *b = ct_f32(m->params[1]->data);
-    float *yd = ct_f32(y);
+    float *yd = bf16 ? NULL : ct_f32(y);
+    uint16_t *yh = bf16 ? ct_tensor_data(y) : NULL;
     float *mu = mean ? ct_f32(mean) : NULL, *rs = rstd ? ct_f32(rstd) : NULL;
     double eps = (double)L->eps;
     int64_t r = 0;
     for (; r + RB <= rows; r += RB) {
         float bm[RB], br[RB];
         row_stats(x + r * D, D, RB, eps, bm, br);
-        row_out(x + r * D, D, RB, bm, br, w, b, yd + r * D);
+        row_out(x + r * D, D, RB, bm, br, w, b, yd ? yd + r * D : NULL, yh ? yh + r * D : NULL);
         for (int k = 0; mu && k < RB; k++) {
             mu[r + k] = bm[k];
             rs[r + k] = br[k];
@@ -123,7 +146,7 @@ static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
     for (; r < rows; r++) {
         float bm, br;
         row_stats(x + r * D, D, 1, eps, &bm, &br);
-        row_out(x + r * D, D, 1, &bm, &br, w, b, yd + r * D);
+        row_out(x + r * D, D, 1, &bm, &br, w, b, yd ? yd + r * D : NULL, yh ? yh + r * D : NULL);
         if (mu) {
             mu[r] = bm;
             rs[r] = br;
