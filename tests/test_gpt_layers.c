@@ -1,6 +1,7 @@
 /* The GPT's layers: finite-difference checks of attention, the block, the
  * embeddings and a whole tiny GPT; the causal mask; the tied head's gradient
  * as the sum of its two uses, with one grad-ready per backward. */
+#include "nn/internal.h" /* ct__expf, ct__erff, ct__expf_libm */
 #include "test_layers.h"
 
 /* Random values for every parameter under m (zero biases would hide bugs). */
@@ -491,4 +492,113 @@ TEST(layernorm_backward_with_parts_left_out)
     ct_tensor_release(dy);
     ct_tensor_release(x);
     ct_module_destroy(m);
+}
+
+/* Distance of got from exact in units of the last place of exact's float. */
+static double ulps(float got, double exact)
+{
+    float r = fabsf((float)exact);
+    return fabs((double)got - exact) / ((double)nextafterf(r, INFINITY) - r);
+}
+
+/* The vectorisable exp and erf of internal.h against double libm, on a
+ * sweep of float bit patterns: ct__expf within 2 ulp on [-87, 88], ct__erff
+ * within 4.5e-7 (GELU's accuracy rests on both). */
+TEST(fast_expf_and_erff_are_accurate)
+{
+    double we = 0, wf = 0;
+    for (uint64_t u = 0; u < (1ull << 32); u += 4093) {
+        uint32_t b = (uint32_t)u;
+        float x;
+        memcpy(&x, &b, sizeof x);
+        if (x >= -87.0f && x <= 88.0f) we = fmax(we, ulps(ct__expf(x), exp((double)x)));
+        if (fabsf(x) <= 10.0f) wf = fmax(wf, fabs((double)ct__erff(x) - erf((double)x)));
+    }
+    if (!(we <= 2.0 && wf <= 4.5e-7)) ct_test_fail(__FILE__, __LINE__, "expf %g ulp, erff %g", we, wf);
+}
+
+/* The cross-entropy's exp is libm's expf bit for bit where it is used (|x|
+ * below 88): glibc's algorithm for FMA CPUs, whose values every loss so far
+ * was made of. */
+TEST(cross_entropy_exp_is_libms_expf)
+{
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("fma")) SKIP("glibc's expf without FMA rounds its steps apart");
+    for (uint64_t u = 0; u < 0x42b00000u; u += 61)
+        for (int s = 0; s < 2; s++) {
+            uint32_t b = (uint32_t)u | (s ? 0x80000000u : 0);
+            float x, got, want;
+            memcpy(&x, &b, sizeof x);
+            got = ct__expf_libm(x);
+            want = expf(x);
+            if (memcmp(&got, &want, sizeof got))
+                ct_test_fail(__FILE__, __LINE__, "exp(%a): %a, libm %a", (double)x, (double)got, (double)want);
+        }
+}
+
+/* The cross-entropy as it was written before (libm's expf, one serial double
+ * sum per row): the layer must agree to an ulp (its sum goes in 8 double
+ * lanes, which may round the last bit of the double differently). */
+static float ce_rowwise(const float *z, const int64_t *t, int64_t R, int64_t C, float *d)
+{
+    int64_t count = 0;
+    for (int64_t r = 0; r < R; r++) count += t[r] != -100;
+    double total = 0.0, inv = count ? 1.0 / (double)count : 0.0;
+    for (int64_t r = 0; r < R; r++) {
+        float *dr = d + r * C;
+        const float *zr = z + r * C;
+        memset(dr, 0, (size_t)C * sizeof *dr);
+        if (t[r] == -100) continue;
+        float mx = zr[0];
+        for (int64_t j = 1; j < C; j++) mx = zr[j] > mx ? zr[j] : mx;
+        double se = 0.0;
+        for (int64_t j = 0; j < C; j++) se += dr[j] = expf(zr[j] - mx);
+        total += log(se) - (double)(zr[t[r]] - mx);
+        float scale = (float)(inv / se);
+        for (int64_t j = 0; j < C; j++) dr[j] *= scale;
+        dr[t[r]] -= (float)inv;
+    }
+    return (float)(total * inv);
+}
+
+/* Odd widths around the 8- and 16-value lanes, and rows whose logits are
+ * far apart (+-80: libm's special cases), just under 88 apart (the
+ * vectorised exp at the end of its range), all equal, or ignored. */
+TEST(cross_entropy_extreme_rows_and_odd_widths)
+{
+    const int64_t widths[] = {1, 7, 16, 17, 256, 300};
+    enum { R = 7 };
+    for (size_t a = 0; a < sizeof widths / sizeof *widths; a++) {
+        int64_t C = widths[a], t[R];
+        ct_tensor *z = rand_tensor(2, (int64_t[]){R, C}, 40 + (uint64_t)C, -4.0f, 4.0f);
+        ct_tensor *tg = ct_tensor_create(CT_I64, 1, (int64_t[]){R}, CT_MEM_ACT);
+        float *zp = ct_f32(z);
+        for (int64_t j = 0; j < C; j++) {
+            zp[1 * C + j] = j % 2 ? 80.0f : -80.0f;
+            zp[2 * C + j] = -43.9f + 87.7f * (float)j / (float)(C > 1 ? C - 1 : 1);
+            zp[3 * C + j] = 2.5f;
+            zp[5 * C + j] = j == 0 ? 80.0f : -80.0f;
+        }
+        for (int64_t r = 0; r < R; r++) t[r] = (r * 5 + 3) % C;
+        t[4] = -100;
+        t[5] = 0;
+        memcpy(ct_tensor_data(tg), t, sizeof t);
+        float loss, want_loss, *want = ct_alloc((size_t)(R * C) * sizeof *want, CT_MEM_OTHER);
+        ct_tensor *d;
+        ASSERT_OK(ct_cross_entropy(z, tg, -100, &loss, &d));
+        want_loss = ce_rowwise(zp, t, R, C, want);
+        ASSERT(ulps(loss, want_loss) <= 1.0);
+        for (int64_t i = 0; i < R * C; i++)
+            if (!(ct_f32(d)[i] == want[i] || ulps(ct_f32(d)[i], want[i]) <= 1.0))
+                ct_test_fail(__FILE__, __LINE__, "C %lld, element %lld: %a vs %a", (long long)C, (long long)i,
+                             (double)ct_f32(d)[i], (double)want[i]);
+        for (int64_t j = 0; j < C; j++) ASSERT(ct_f32(d)[4 * C + j] == 0.0f); /* the ignored row */
+        float loss2;
+        ASSERT_OK(ct_cross_entropy(z, tg, -100, &loss2, NULL));
+        ASSERT(loss2 == loss);
+        ct_free(want);
+        ct_tensor_release(d);
+        ct_tensor_release(tg);
+        ct_tensor_release(z);
+    }
 }
