@@ -517,6 +517,55 @@ TEST(fast_expf_and_erff_are_accurate)
     if (!(we <= 2.0 && wf <= 4.5e-7)) ct_test_fail(__FILE__, __LINE__, "expf %g ulp, erff %g", we, wf);
 }
 
+/* GELU's forward and backward are x Phi(x) and dy (Phi(x) + x phi(x))
+ * written with ct__erff and ct__expf, bit for bit, whatever lanes the layer
+ * runs them in (AVX-512: ct__erff16 and ct__expf16, also compared with the
+ * scalar forms over a sweep of float bit patterns). */
+TEST(gelu_lanes_match_the_scalar_formula)
+{
+#if defined(__AVX512F__)
+    for (uint64_t u = 0; u < (1ull << 32); u += 16 * 257) {
+        float x[16], e[16], f[16];
+        for (int l = 0; l < 16; l++) {
+            uint32_t b = (uint32_t)(u + (uint64_t)l * 257);
+            memcpy(&x[l], &b, sizeof b);
+        }
+        _mm512_storeu_ps(e, ct__expf16(_mm512_loadu_ps(x)));
+        _mm512_storeu_ps(f, ct__erff16(_mm512_loadu_ps(x)));
+        for (int l = 0; l < 16; l++) {
+            float a = ct__expf(x[l]), b = ct__erff(x[l]);
+            if (!(memcmp(&a, &e[l], 4) == 0 || (a != a && e[l] != e[l])) ||
+                !(memcmp(&b, &f[l], 4) == 0 || (b != b && f[l] != f[l])))
+                ct_test_fail(__FILE__, __LINE__, "at %a: exp %a vs %a, erf %a vs %a", (double)x[l], (double)e[l],
+                             (double)a, (double)f[l], (double)b);
+        }
+    }
+#endif
+    int64_t n = 1003;
+    ct_module *m = ct_gelu_create();
+    ct_tensor *x = rand_tensor(1, &n, 38, -7.0f, 7.0f), *dy = rand_tensor(1, &n, 39, -2.0f, 2.0f), *y, *dx;
+    const float odd[] = {0.0f, -0.0f, 1e-39f, -1e-30f, INFINITY, -INFINITY, 30.0f, -30.0f};
+    for (int i = 0; i < 8; i++) ct_f32(x)[100 * i + 3] = odd[i];
+    ct_record *rec;
+    ct_fwd_ctx ctx = train_ctx();
+    ASSERT_OK(ct_module_forward(m, x, &y, &rec, &ctx));
+    ASSERT_OK(ct_module_backward(m, dy, &dx, rec));
+    for (int64_t i = 0; i < n; i++) {
+        float v = ct_f32(x)[i], want = 0.5f * v * (1.0f + ct__erff(v * (float)M_SQRT1_2));
+        float cdf = 0.5f * (1.0f + ct__erff(v * (float)M_SQRT1_2)), pdf = 0.3989422804014327f * ct__expf(-0.5f * v * v);
+        float gw = ct_f32(dy)[i] * (cdf + v * pdf), got = ct_f32(y)[i], gg = ct_f32(dx)[i];
+        if (!(memcmp(&got, &want, 4) == 0 || (got != got && want != want)) ||
+            !(memcmp(&gg, &gw, 4) == 0 || (gg != gg && gw != gw)))
+            ct_test_fail(__FILE__, __LINE__, "gelu(%a) = %a, want %a; grad %a, want %a", (double)v, (double)got,
+                         (double)want, (double)gg, (double)gw);
+    }
+    ct_tensor_release(dx);
+    ct_tensor_release(y);
+    ct_tensor_release(dy);
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
 /* The cross-entropy's exp is libm's expf bit for bit where it is used (|x|
  * below 88): glibc's algorithm for FMA CPUs, whose values every loss so far
  * was made of. */
