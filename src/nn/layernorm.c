@@ -28,18 +28,15 @@ static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : 
 
 /* Eight lanes as GCC/Clang vectors: the compiler's own vectoriser did not
  * keep the RB rows' accumulators apart.  Operations are lane-wise and not
- * contracted (-std=c11), so each lane rounds as the scalar code would. */
+ * contracted (-std=c11), so each lane rounds as the scalar code would.
+ * Loads are macros through an unaligned type (as the intrinsics headers
+ * do): a function returning a vector would change the ABI where the build
+ * has no AVX. */
 typedef float v8f __attribute__((vector_size(32)));
+typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
 typedef double v8d __attribute__((vector_size(64)));
-
-static inline v8f load8(const float *p)
-{
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline v8d load8d(const float *p) { return __builtin_convertvector(load8(p), v8d); }
+#define LOAD8(p) (*(const v8f_u *)(const void *)(p))
+#define LOAD8D(p) __builtin_convertvector(LOAD8(p), v8d)
 
 /* Means and 1/std of the nr (<= RB) rows at x [nr, D]: per row, sum in 8
  * double lanes (element i in lane i % 8, the last D % 8 elements summed
@@ -54,7 +51,7 @@ static inline __attribute__((always_inline)) void row_stats(const float *x, int6
     double m[RB];
     for (int k = 0; k < nr; k++) a[k] = (v8d){0};
     for (int64_t i = 0; i < D8; i += 8)
-        for (int k = 0; k < nr; k++) a[k] += load8d(x + k * D + i);
+        for (int k = 0; k < nr; k++) a[k] += LOAD8D(x + k * D + i);
     for (int k = 0; k < nr; k++) {
         double s = 0.0;
         for (int64_t i = D8; i < D; i++) s += x[k * D + i];
@@ -64,7 +61,7 @@ static inline __attribute__((always_inline)) void row_stats(const float *x, int6
     }
     for (int64_t i = 0; i < D8; i += 8)
         for (int k = 0; k < nr; k++) {
-            v8d d = load8d(x + k * D + i) - m[k];
+            v8d d = LOAD8D(x + k * D + i) - m[k];
             a[k] += d * d;
         }
     for (int k = 0; k < nr; k++) {
@@ -171,9 +168,9 @@ static inline __attribute__((always_inline)) void row_back(const float *x, const
     v8d ag[RB], agx[RB];
     for (int k = 0; k < nr; k++) ag[k] = agx[k] = (v8d){0};
     for (int64_t i = 0; i < D8; i += 8) {
-        v8f wv = load8(w + i), gwv = load8(gw + i), gbv = load8(gb + i);
+        v8f wv = LOAD8(w + i), gwv = LOAD8(gw + i), gbv = LOAD8(gb + i);
         for (int k = 0; k < nr; k++) {
-            v8f d = load8(dy + k * D + i), xm = load8(x + k * D + i) - mu[k], g = d * wv;
+            v8f d = LOAD8(dy + k * D + i), xm = LOAD8(x + k * D + i) - mu[k], g = d * wv;
             gwv += d * xm * rs[k];
             gbv += d;
             ag[k] += __builtin_convertvector(g, v8d);
