@@ -70,11 +70,10 @@ static ct_status drop_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
         for (int64_t j0 = 0; j0 < len; j0 += 256) {
             int64_t n = len - j0 < 256 ? len - j0 : 256, i0 = r * len + j0;
             ct_rng_uniform(&g, u, (size_t)n);
-            for (int64_t j = 0; j < n; j++) {
-                int keep = u[j] >= p;
-                yd[i0 + j] = keep ? x[i0 + j] * scale : 0.0f;
-                if (mk) mk[i0 + j] = (uint8_t)keep;
-            }
+            /* Two loops, so each vectorises (the test inside one did not). */
+            for (int64_t j = 0; j < n; j++) yd[i0 + j] = u[j] >= p ? x[i0 + j] * scale : 0.0f;
+            if (mk)
+                for (int64_t j = 0; j < n; j++) mk[i0 + j] = (uint8_t)(u[j] >= p);
         }
     }
     *out = y;
