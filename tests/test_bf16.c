@@ -16,6 +16,7 @@
  * (and the summed distance to the rounded reference must be far below the
  * distance to the exact one), so bf16 cannot fall back unnoticed.
  */
+#include "nn/internal.h" /* ct__bf16_from_f32 */
 #include "test_layers.h"
 
 #define U_BF16 0x1p-8
@@ -505,4 +506,126 @@ TEST(bf16_mlp_loss_close_to_f32)
     ct_tensor_release(x);
     ct_tensor_release(t);
     ct_module_destroy(seq);
+}
+
+/* ---- layers that emit BF16 (ct_module.emit_bf16) ---------------------------- */
+
+/* The emitters' cast is ct_f32_to_bf16_n bit for bit: over a sweep of bit
+ * patterns (every exponent, both signs) fed in chunks of uneven lengths, and
+ * over chunks of normal values holding a subnormal, a zero or a nan in each
+ * lane (VCVTNEPS2BF16 flushes subnormals, so such a chunk must be cast the
+ * exact way; a nan must not hide a subnormal in its lane or another). */
+TEST(bf16_emit_cast_is_ct_f32_to_bf16_n)
+{
+    enum { N = 4096 };
+    float *v = ct_alloc(N * sizeof *v, CT_MEM_OTHER);
+    uint16_t *got = ct_alloc(N * sizeof *got, CT_MEM_OTHER), *want = ct_alloc(N * sizeof *want, CT_MEM_OTHER);
+    ASSERT(v && got && want);
+    uint64_t u = 0, len = 1;
+    while (u < (1ull << 32)) {
+        for (int i = 0; i < N; i++, u += 1021) {
+            uint32_t b = (uint32_t)u;
+            memcpy(&v[i], &b, sizeof b);
+        }
+        for (size_t off = 0; off < N; off += len, len = len % 700 + 37) {
+            size_t n = off + len <= N ? len : N - off;
+            ct__bf16_from_f32(v + off, got + off, n);
+        }
+        ct_f32_to_bf16_n(v, want, N);
+        for (int i = 0; i < N; i++)
+            if (got[i] != want[i])
+                ct_test_fail(__FILE__, __LINE__, "bits %08x: %04x, want %04x", (unsigned)(u - (uint64_t)(N - i) * 1021),
+                             got[i], want[i]);
+    }
+    const uint32_t odd[] = {0x00000001, 0x007fffff, 0x80400000, 0x00000000, 0x80000000, 0x7fc00000, 0xffa00001, 0x7f800000};
+    for (int a = 0; a < 8; a++)
+        for (int b = 0; b < 8; b++)
+            for (int p = 0; p < 48; p++) {
+                for (int i = 0; i < 48; i++) v[i] = 1.0f + (float)i / 64.0f;
+                memcpy(&v[p], &odd[a], 4);
+                memcpy(&v[(p * 7 + 3) % 48], &odd[b], 4); /* another lane */
+                memcpy(&v[(p + 16) % 48], &odd[b], 4);    /* the same lane, the next 16 */
+                ct__bf16_from_f32(v, got, 48);
+                ct_f32_to_bf16_n(v, want, 48);
+                ASSERT(!memcmp(got, want, 48 * sizeof *got));
+            }
+    ct_free(v);
+    ct_free(got);
+    ct_free(want);
+}
+
+/* Forward with emit_bf16 set and with it clear; the BF16 output must be the
+ * cast of the F32 one exactly, and the two records must give the same
+ * gradients (dy is f32 either way). */
+static void check_emit(ct_module *m, ct_tensor *x, const char *what)
+{
+    ct_fwd_ctx ctx = train_ctx();
+    ct_tensor *y[2], *dx[2], *g[2][2] = {{NULL, NULL}, {NULL, NULL}};
+    ct_record *rec[2];
+    for (int e = 0; e < 2; e++) {
+        m->emit_bf16 = e;
+        ASSERT_OK(ct_module_forward(m, x, &y[e], &rec[e], &ctx));
+    }
+    m->emit_bf16 = 0;
+    ASSERT_EQ(y[0]->dtype, CT_F32);
+    if (y[1]->dtype != CT_BF16) ct_test_fail(__FILE__, __LINE__, "%s: emits %s", what, ct_dtype_name(y[1]->dtype));
+    ASSERT_EQ(y[1]->ndim, y[0]->ndim);
+    for (int d = 0; d < y[0]->ndim; d++) ASSERT_EQ(y[1]->shape[d], y[0]->shape[d]);
+    uint16_t *want = ct_alloc((size_t)y[0]->numel * sizeof *want, CT_MEM_OTHER);
+    ct_f32_to_bf16_n(ct_f32(y[0]), want, (size_t)y[0]->numel);
+    const uint16_t *got = ct_tensor_data(y[1]);
+    for (int64_t i = 0; i < y[0]->numel; i++)
+        if (got[i] != want[i])
+            ct_test_fail(__FILE__, __LINE__, "%s: element %lld is %04x, the cast of %a is %04x", what, (long long)i,
+                         got[i], (double)ct_f32(y[0])[i], want[i]);
+    ct_free(want);
+    ct_tensor *dy = rand_tensor(x->ndim, x->shape, 99, -1.0f, 1.0f);
+    for (int e = 0; e < 2; e++) {
+        ct_module_zero_grad(m);
+        ASSERT_OK(ct_module_backward(m, dy, &dx[e], rec[e]));
+        for (int k = 0; k < m->nparams; k++) g[e][k] = ct_tensor_clone(m->params[k]->grad, CT_MEM_OTHER);
+    }
+    ASSERT(!memcmp(ct_f32(dx[0]), ct_f32(dx[1]), (size_t)x->numel * sizeof(float)));
+    for (int k = 0; k < m->nparams; k++)
+        ASSERT(!memcmp(ct_f32(g[0][k]), ct_f32(g[1][k]), (size_t)g[0][k]->numel * sizeof(float)));
+    for (int e = 0; e < 2; e++) {
+        ct_tensor_release(y[e]);
+        ct_tensor_release(dx[e]);
+        for (int k = 0; k < 2; k++) ct_tensor_release(g[e][k]);
+    }
+    ct_tensor_release(dy);
+}
+
+/* Odd widths (not multiples of 16 or of the emitters' 512-value chunk), and
+ * values whose outputs are subnormal, zero, nan or infinite. */
+TEST(bf16_layernorm_and_gelu_emit_the_cast_of_their_output)
+{
+    const int64_t dims[] = {1, 7, 16, 37, 129, 600}, rows[] = {1, 3, 5};
+    char what[64];
+    for (size_t a = 0; a < sizeof dims / sizeof *dims; a++)
+        for (size_t b = 0; b < sizeof rows / sizeof *rows; b++) {
+            int64_t D = dims[a], R = rows[b];
+            ct_module *ln = ct_layernorm_create(D, 1e-5f);
+            rand_params(ln, 70 + (uint64_t)D);
+            float *w = ct_f32(ln->params[0]->data), *bias = ct_f32(ln->params[1]->data);
+            w[0] = 1e-39f; /* subnormal outputs in column 0 */
+            if (D > 2) bias[2] = 0.0f, w[2] = 0.0f; /* zeros in column 2 */
+            ct_tensor *x = rand_tensor(2, (int64_t[]){R, D}, 80 + (uint64_t)(D * R), -3.0f, 3.0f);
+            if (R > 1 && D > 1) ct_f32(x)[D + 1] = NAN; /* a nan row */
+            snprintf(what, sizeof what, "layernorm %lld x %lld", (long long)R, (long long)D);
+            check_emit(ln, x, what);
+            ct_tensor_release(x);
+            ct_module_destroy(ln);
+        }
+    const int64_t ns[] = {1, 15, 16, 17, 513, 1100};
+    const float odd[] = {0.0f, -0.0f, 1e-39f, -3e-39f, 1e-30f, NAN, -INFINITY, INFINITY, -20.0f, 7.0f};
+    for (size_t a = 0; a < sizeof ns / sizeof *ns; a++) {
+        ct_module *g = ct_gelu_create();
+        ct_tensor *x = rand_tensor(1, &ns[a], 90 + (uint64_t)ns[a], -4.0f, 4.0f);
+        for (int64_t i = 0; i < ns[a]; i += 7) ct_f32(x)[i] = odd[(i / 7) % 10];
+        snprintf(what, sizeof what, "gelu %lld", (long long)ns[a]);
+        check_emit(g, x, what);
+        ct_tensor_release(x);
+        ct_module_destroy(g);
+    }
 }

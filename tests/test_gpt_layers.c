@@ -1,6 +1,7 @@
 /* The GPT's layers: finite-difference checks of attention, the block, the
  * embeddings and a whole tiny GPT; the causal mask; the tied head's gradient
  * as the sum of its two uses, with one grad-ready per backward. */
+#include "nn/internal.h" /* ct__expf, ct__erff, ct__expf_libm */
 #include "test_layers.h"
 
 /* Random values for every parameter under m (zero biases would hide bugs). */
@@ -349,4 +350,322 @@ TEST(nn_share_param_and_dotted_names)
     ct_tensor_release(x);
     ct_module_destroy(root);
     ct_module_destroy(c);
+}
+
+/* ---- the elementwise layers' fast paths ------------------------------------ */
+
+/* Row sums in 8 double lanes, the last n % 8 first, then the lanes: the
+ * layernorm's order, written one row at a time as the layer once was. */
+static double lanes_sum(const float *x, int64_t n, double mu, int sq)
+{
+    double a[8] = {0}, s = 0.0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) a[j] += sq ? ((double)x[i + j] - mu) * ((double)x[i + j] - mu) : x[i + j];
+    for (; i < n; i++) s += sq ? ((double)x[i] - mu) * ((double)x[i] - mu) : x[i];
+    for (int j = 0; j < 8; j++) s += a[j];
+    return s;
+}
+
+/* The layernorm, forward and backward, one row at a time (the layer works on
+ * several rows side by side and fuses the backward's loops: the numbers
+ * must not move by a bit). */
+static void ln_rowwise(const float *x, const float *w, const float *b, const float *dy, int64_t R, int64_t D,
+                       float eps, float *y, float *mean, float *rstd, float *dx, float *gw, float *gb)
+{
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * D, *dyr = dy + r * D;
+        double mu = lanes_sum(xr, D, 0, 0) / (double)D, ss = lanes_sum(xr, D, mu, 1);
+        float rs = (float)(1.0 / sqrt(ss / (double)D + (double)eps)), m = (float)mu;
+        mean[r] = m;
+        rstd[r] = rs;
+        for (int64_t i = 0; i < D; i++) y[r * D + i] = (xr[i] - m) * rs * w[i] + b[i];
+        double ag[8] = {0}, agx[8] = {0}, sg = 0.0, sgx = 0.0;
+        int64_t i0 = 0;
+        for (; i0 + 8 <= D; i0 += 8)
+            for (int j = 0; j < 8; j++) {
+                float g = dyr[i0 + j] * w[i0 + j];
+                ag[j] += g;
+                agx[j] += g * (xr[i0 + j] - m) * rs;
+            }
+        for (int64_t i = i0; i < D; i++) {
+            float g = dyr[i] * w[i];
+            sg += g;
+            sgx += g * (xr[i] - m) * rs;
+        }
+        for (int j = 0; j < 8; j++) {
+            sg += ag[j];
+            sgx += agx[j];
+        }
+        float mg = (float)(sg / (double)D), mgx = (float)(sgx / (double)D);
+        for (int64_t i = 0; i < D; i++) {
+            gw[i] += dyr[i] * (xr[i] - m) * rs;
+            gb[i] += dyr[i];
+            dx[r * D + i] = rs * (dyr[i] * w[i] - mg - (xr[i] - m) * rs * mgx);
+        }
+    }
+}
+
+static int same_floats(const float *a, const float *b, int64_t n) { return !memcmp(a, b, (size_t)n * sizeof *a); }
+
+/* Widths around the 8 lanes and row counts around the rows done side by
+ * side; the gradients accumulate onto what is there. */
+TEST(layernorm_matches_the_row_at_a_time_loops)
+{
+    const int64_t dims[] = {1, 5, 8, 13, 128, 131}, rows[] = {1, 3, 4, 5, 11};
+    for (size_t a = 0; a < sizeof dims / sizeof *dims; a++)
+        for (size_t c = 0; c < sizeof rows / sizeof *rows; c++) {
+            int64_t D = dims[a], R = rows[c], n = R * D;
+            ct_module *m = ct_layernorm_create(D, 1e-5f);
+            rand_all(m, 30 + (uint64_t)D, 1.0f);
+            ct_tensor *x = rand_tensor(2, (int64_t[]){R, D}, 31 + (uint64_t)n, -2.0f, 3.0f);
+            ct_tensor *dy = rand_tensor(2, (int64_t[]){R, D}, 32 + (uint64_t)n, -1.0f, 1.0f);
+            for (int k = 0; k < 2; k++) rand_fill(m->params[k]->grad, 33 + (uint64_t)k, -1.0f, 1.0f);
+            float *y = ct_alloc((size_t)(2 * n + 2 * R + 2 * D) * sizeof *y, CT_MEM_OTHER);
+            float *dx = y + n, *mean = dx + n, *rstd = mean + R, *gw = rstd + R, *gb = gw + D;
+            memcpy(gw, ct_f32(m->params[0]->grad), (size_t)D * sizeof *gw);
+            memcpy(gb, ct_f32(m->params[1]->grad), (size_t)D * sizeof *gb);
+            ln_rowwise(ct_f32(x), ct_f32(m->params[0]->data), ct_f32(m->params[1]->data), ct_f32(dy), R, D, 1e-5f, y,
+                       mean, rstd, dx, gw, gb);
+            ct_fwd_ctx ctx = train_ctx();
+            ct_tensor *out, *din;
+            ct_record *rec;
+            ASSERT_OK(ct_module_forward(m, x, &out, &rec, &ctx));
+            ASSERT(same_floats(ct_f32(out), y, n));
+            ASSERT(same_floats(ct_f32(ct_record_saved(rec, 1)), mean, R));
+            ASSERT(same_floats(ct_f32(ct_record_saved(rec, 2)), rstd, R));
+            ASSERT_OK(ct_module_backward(m, dy, &din, rec));
+            if (!same_floats(ct_f32(din), dx, n) || !same_floats(ct_f32(m->params[0]->grad), gw, D) ||
+                !same_floats(ct_f32(m->params[1]->grad), gb, D))
+                ct_test_fail(__FILE__, __LINE__, "%lld rows of %lld: the backward differs", (long long)R, (long long)D);
+            ct_free(y);
+            ct_tensor_release(din);
+            ct_tensor_release(out);
+            ct_tensor_release(dy);
+            ct_tensor_release(x);
+            ct_module_destroy(m);
+        }
+}
+
+/* Rows with a mean far above their spread: the double statistics are right
+ * (mean to float rounding, 1/std to 1e-6; f32 sums of 1000 values near 10^4
+ * would be off by ~1e-2 in the mean), so the outputs are off only by the
+ * float rounding of the mean (1/2 ulp of 10^4 = 5e-4, times 1/std). */
+TEST(layernorm_large_mean_rows_stay_accurate)
+{
+    int64_t R = 5, D = 1000;
+    ct_module *m = ct_layernorm_create(D, 1e-5f);
+    ct_tensor *x = rand_tensor(2, (int64_t[]){R, D}, 34, -1.0f, 1.0f), *y;
+    for (int64_t i = 0; i < R * D; i++) ct_f32(x)[i] += 1e4f;
+    ct_record *rec;
+    ct_fwd_ctx ctx = train_ctx();
+    ASSERT_OK(ct_module_forward(m, x, &y, &rec, &ctx));
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = ct_f32(x) + r * D;
+        double mu = 0, var = 0;
+        for (int64_t i = 0; i < D; i++) mu += xr[i];
+        mu /= (double)D;
+        for (int64_t i = 0; i < D; i++) var += (xr[i] - mu) * (xr[i] - mu);
+        var /= (double)D;
+        double rs = 1.0 / sqrt(var + 1e-5);
+        ASSERT(ct_f32(ct_record_saved(rec, 1))[r] == (float)mu);
+        ASSERT_CLOSE(ct_f32(ct_record_saved(rec, 2))[r], rs, 1e-6, 0.0);
+        for (int64_t i = 0; i < D; i++) ASSERT_NEAR(ct_f32(y)[r * D + i], (xr[i] - mu) * rs, 5e-4 * rs + 1e-6);
+    }
+    ct_record_destroy(rec);
+    ct_tensor_release(y);
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
+/* Without a weight gradient, or without an input gradient, the backward
+ * still gives the rest exactly as the full one does. */
+TEST(layernorm_backward_with_parts_left_out)
+{
+    int64_t R = 6, D = 37;
+    ct_module *m = ct_layernorm_create(D, 1e-5f);
+    rand_all(m, 35, 1.0f);
+    ct_tensor *x = rand_tensor(2, (int64_t[]){R, D}, 36, -2.0f, 2.0f), *dy = rand_tensor(2, (int64_t[]){R, D}, 37, -1.0f, 1.0f);
+    ct_fwd_ctx ctx = train_ctx();
+    ct_tensor *y, *dx[3] = {NULL, NULL, NULL}, *gw[3], *gb[3];
+    for (int k = 0; k < 3; k++) {
+        ct_record *rec;
+        ct_module_zero_grad(m);
+        m->params[0]->requires_grad = k != 1;
+        ASSERT_OK(ct_module_forward(m, x, &y, &rec, &ctx));
+        ASSERT_OK(ct_module_backward(m, dy, k == 2 ? NULL : &dx[k], rec));
+        gw[k] = ct_tensor_clone(m->params[0]->grad, CT_MEM_OTHER);
+        gb[k] = ct_tensor_clone(m->params[1]->grad, CT_MEM_OTHER);
+        ct_tensor_release(y);
+    }
+    ASSERT(same_floats(ct_f32(dx[0]), ct_f32(dx[1]), R * D));
+    for (int64_t i = 0; i < D; i++) ASSERT_EQ(ct_f32(gw[1])[i], 0.0f); /* frozen: untouched */
+    ASSERT(same_floats(ct_f32(gw[0]), ct_f32(gw[2]), D));
+    for (int k = 1; k < 3; k++) ASSERT(same_floats(ct_f32(gb[0]), ct_f32(gb[k]), D));
+    for (int k = 0; k < 3; k++) {
+        ct_tensor_release(dx[k]);
+        ct_tensor_release(gw[k]);
+        ct_tensor_release(gb[k]);
+    }
+    ct_tensor_release(dy);
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
+/* Distance of got from exact in units of the last place of exact's float. */
+static double ulps(float got, double exact)
+{
+    float r = fabsf((float)exact);
+    return fabs((double)got - exact) / ((double)nextafterf(r, INFINITY) - r);
+}
+
+/* The vectorisable exp and erf of internal.h against double libm, on a
+ * sweep of float bit patterns: ct__expf within 2 ulp on [-87, 88], ct__erff
+ * within 4.5e-7 (GELU's accuracy rests on both). */
+TEST(fast_expf_and_erff_are_accurate)
+{
+    double we = 0, wf = 0;
+    for (uint64_t u = 0; u < (1ull << 32); u += 4093) {
+        uint32_t b = (uint32_t)u;
+        float x;
+        memcpy(&x, &b, sizeof x);
+        if (x >= -87.0f && x <= 88.0f) we = fmax(we, ulps(ct__expf(x), exp((double)x)));
+        if (fabsf(x) <= 10.0f) wf = fmax(wf, fabs((double)ct__erff(x) - erf((double)x)));
+    }
+    if (!(we <= 2.0 && wf <= 4.5e-7)) ct_test_fail(__FILE__, __LINE__, "expf %g ulp, erff %g", we, wf);
+}
+
+/* GELU's forward and backward are x Phi(x) and dy (Phi(x) + x phi(x))
+ * written with ct__erff and ct__expf, bit for bit, whatever lanes the layer
+ * runs them in (AVX-512: ct__erff16 and ct__expf16, also compared with the
+ * scalar forms over a sweep of float bit patterns). */
+TEST(gelu_lanes_match_the_scalar_formula)
+{
+#if defined(__AVX512F__)
+    for (uint64_t u = 0; u < (1ull << 32); u += 16 * 257) {
+        float x[16], e[16], f[16];
+        for (int l = 0; l < 16; l++) {
+            uint32_t b = (uint32_t)(u + (uint64_t)l * 257);
+            memcpy(&x[l], &b, sizeof b);
+        }
+        _mm512_storeu_ps(e, ct__expf16(_mm512_loadu_ps(x)));
+        _mm512_storeu_ps(f, ct__erff16(_mm512_loadu_ps(x)));
+        for (int l = 0; l < 16; l++) {
+            float a = ct__expf(x[l]), b = ct__erff(x[l]);
+            if (!(memcmp(&a, &e[l], 4) == 0 || (a != a && e[l] != e[l])) ||
+                !(memcmp(&b, &f[l], 4) == 0 || (b != b && f[l] != f[l])))
+                ct_test_fail(__FILE__, __LINE__, "at %a: exp %a vs %a, erf %a vs %a", (double)x[l], (double)e[l],
+                             (double)a, (double)f[l], (double)b);
+        }
+    }
+#endif
+    int64_t n = 1003;
+    ct_module *m = ct_gelu_create();
+    ct_tensor *x = rand_tensor(1, &n, 38, -7.0f, 7.0f), *dy = rand_tensor(1, &n, 39, -2.0f, 2.0f), *y, *dx;
+    const float odd[] = {0.0f, -0.0f, 1e-39f, -1e-30f, INFINITY, -INFINITY, 30.0f, -30.0f};
+    for (int i = 0; i < 8; i++) ct_f32(x)[100 * i + 3] = odd[i];
+    ct_record *rec;
+    ct_fwd_ctx ctx = train_ctx();
+    ASSERT_OK(ct_module_forward(m, x, &y, &rec, &ctx));
+    ASSERT_OK(ct_module_backward(m, dy, &dx, rec));
+    for (int64_t i = 0; i < n; i++) {
+        float v = ct_f32(x)[i], want = 0.5f * v * (1.0f + ct__erff(v * (float)M_SQRT1_2));
+        float cdf = 0.5f * (1.0f + ct__erff(v * (float)M_SQRT1_2)), pdf = 0.3989422804014327f * ct__expf(-0.5f * v * v);
+        float gw = ct_f32(dy)[i] * (cdf + v * pdf), got = ct_f32(y)[i], gg = ct_f32(dx)[i];
+        if (!(memcmp(&got, &want, 4) == 0 || (got != got && want != want)) ||
+            !(memcmp(&gg, &gw, 4) == 0 || (gg != gg && gw != gw)))
+            ct_test_fail(__FILE__, __LINE__, "gelu(%a) = %a, want %a; grad %a, want %a", (double)v, (double)got,
+                         (double)want, (double)gg, (double)gw);
+    }
+    ct_tensor_release(dx);
+    ct_tensor_release(y);
+    ct_tensor_release(dy);
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
+/* The cross-entropy's exp is libm's expf bit for bit where it is used (|x|
+ * below 88): glibc's algorithm for FMA CPUs, whose values every loss so far
+ * was made of. */
+TEST(cross_entropy_exp_is_libms_expf)
+{
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("fma")) SKIP("glibc's expf without FMA rounds its steps apart");
+    for (uint64_t u = 0; u < 0x42b00000u; u += 61)
+        for (int s = 0; s < 2; s++) {
+            uint32_t b = (uint32_t)u | (s ? 0x80000000u : 0);
+            float x, got, want;
+            memcpy(&x, &b, sizeof x);
+            got = ct__expf_libm(x);
+            want = expf(x);
+            if (memcmp(&got, &want, sizeof got))
+                ct_test_fail(__FILE__, __LINE__, "exp(%a): %a, libm %a", (double)x, (double)got, (double)want);
+        }
+}
+
+/* The cross-entropy as it was written before (libm's expf, one serial double
+ * sum per row): the layer must agree to an ulp (its sum goes in 8 double
+ * lanes, which may round the last bit of the double differently). */
+static float ce_rowwise(const float *z, const int64_t *t, int64_t R, int64_t C, float *d)
+{
+    int64_t count = 0;
+    for (int64_t r = 0; r < R; r++) count += t[r] != -100;
+    double total = 0.0, inv = count ? 1.0 / (double)count : 0.0;
+    for (int64_t r = 0; r < R; r++) {
+        float *dr = d + r * C;
+        const float *zr = z + r * C;
+        memset(dr, 0, (size_t)C * sizeof *dr);
+        if (t[r] == -100) continue;
+        float mx = zr[0];
+        for (int64_t j = 1; j < C; j++) mx = zr[j] > mx ? zr[j] : mx;
+        double se = 0.0;
+        for (int64_t j = 0; j < C; j++) se += dr[j] = expf(zr[j] - mx);
+        total += log(se) - (double)(zr[t[r]] - mx);
+        float scale = (float)(inv / se);
+        for (int64_t j = 0; j < C; j++) dr[j] *= scale;
+        dr[t[r]] -= (float)inv;
+    }
+    return (float)(total * inv);
+}
+
+/* Odd widths around the 8- and 16-value lanes, and rows whose logits are
+ * far apart (+-80: libm's special cases), just under 88 apart (the
+ * vectorised exp at the end of its range), all equal, or ignored. */
+TEST(cross_entropy_extreme_rows_and_odd_widths)
+{
+    const int64_t widths[] = {1, 7, 16, 17, 256, 300};
+    enum { R = 7 };
+    for (size_t a = 0; a < sizeof widths / sizeof *widths; a++) {
+        int64_t C = widths[a], t[R];
+        ct_tensor *z = rand_tensor(2, (int64_t[]){R, C}, 40 + (uint64_t)C, -4.0f, 4.0f);
+        ct_tensor *tg = ct_tensor_create(CT_I64, 1, (int64_t[]){R}, CT_MEM_ACT);
+        float *zp = ct_f32(z);
+        for (int64_t j = 0; j < C; j++) {
+            zp[1 * C + j] = j % 2 ? 80.0f : -80.0f;
+            zp[2 * C + j] = -43.9f + 87.7f * (float)j / (float)(C > 1 ? C - 1 : 1);
+            zp[3 * C + j] = 2.5f;
+            zp[5 * C + j] = j == 0 ? 80.0f : -80.0f;
+        }
+        for (int64_t r = 0; r < R; r++) t[r] = (r * 5 + 3) % C;
+        t[4] = -100;
+        t[5] = 0;
+        memcpy(ct_tensor_data(tg), t, sizeof t);
+        float loss, want_loss, *want = ct_alloc((size_t)(R * C) * sizeof *want, CT_MEM_OTHER);
+        ct_tensor *d;
+        ASSERT_OK(ct_cross_entropy(z, tg, -100, &loss, &d));
+        want_loss = ce_rowwise(zp, t, R, C, want);
+        ASSERT(ulps(loss, want_loss) <= 1.0);
+        for (int64_t i = 0; i < R * C; i++)
+            if (!(ct_f32(d)[i] == want[i] || ulps(ct_f32(d)[i], want[i]) <= 1.0))
+                ct_test_fail(__FILE__, __LINE__, "C %lld, element %lld: %a vs %a", (long long)C, (long long)i,
+                             (double)ct_f32(d)[i], (double)want[i]);
+        for (int64_t j = 0; j < C; j++) ASSERT(ct_f32(d)[4 * C + j] == 0.0f); /* the ignored row */
+        float loss2;
+        ASSERT_OK(ct_cross_entropy(z, tg, -100, &loss2, NULL));
+        ASSERT(loss2 == loss);
+        ct_free(want);
+        ct_tensor_release(d);
+        ct_tensor_release(tg);
+        ct_tensor_release(z);
+    }
 }

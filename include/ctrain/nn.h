@@ -286,7 +286,9 @@ ct_module *ct_tanh_create(void);
 ct_module *ct_layernorm_create(int64_t dim, float eps);
 /* Input i32 or i64 indices [...]; output [..., dim]; weight [num, dim]. */
 ct_module *ct_embedding_create(int64_t num, int64_t dim);
-/* Zeroes with probability p and scales by 1/(1-p) in training; identity otherwise. */
+/* Zeroes with probability p and scales by 1/(1-p) in training; identity otherwise
+ * (p = 0 or not training), which returns its input, and backward its output
+ * gradient, as new references: no copy. */
 ct_module *ct_dropout_create(float p);
 /* x[N,Cin,H,W] (F32 or BF16) -> [N,Cout,Ho,Wo]; weight [Cout,Cin,k,k], bias [Cout]. */
 ct_module *ct_conv2d_create(int64_t cin, int64_t cout, int k, int stride, int pad, int bias);

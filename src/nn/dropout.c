@@ -11,6 +11,12 @@
  * batch would; a recompute in backward (ct_checkpoint_create) or a restart
  * draws the same mask; and steps, modules and rows draw independent ones.
  * The record keeps the mask as one byte per element.
+ *
+ * As the identity (p = 0, or not training) the layer costs nothing: forward
+ * returns another reference to its input and backward another reference to
+ * the output gradient.  That is safe because no one writes into a module's
+ * output or input gradient in place (see activation.c); flatten aliases its
+ * input the same way.
  */
 #include "ctrain/nn.h"
 
@@ -28,7 +34,7 @@ static uint64_t mix64(uint64_t z) /* splitmix64 finaliser */
     return z ^ (z >> 31);
 }
 
-/* x -> y (same shape); saves the u8 keep-mask in training, nothing otherwise. */
+/* x -> y (same shape); saves the u8 keep-mask in training with p > 0, nothing otherwise. */
 static ct_status drop_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
                               const ct_fwd_ctx *ctx)
 {
@@ -36,16 +42,13 @@ static ct_status drop_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     if (in->dtype != CT_F32)
         return ct_error(CT_EINVAL, "dropout '%s': input is %s but the layer takes F32", nm(m),
                         ct_dtype_name(in->dtype));
-    /* A copy even as the identity: outputs never alias inputs. */
     if (!ctx->training || D->p == 0.0f) {
-        ct_tensor *y = ct_tensor_clone(in, CT_MEM_ACT);
-        if (!y) return CT_ENOMEM;
         if (rec) rec->ival[0] = 0; /* no mask: backward passes the gradient through */
-        *out = y;
+        *out = ct_tensor_retain(in);
         return CT_OK;
     }
-    ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
-    ct_tensor *mask = rec ? ct_tensor_create(CT_U8, in->ndim, in->shape, CT_MEM_ACT) : NULL;
+    ct_tensor *y = ct_tensor_empty(CT_F32, in->ndim, in->shape, CT_MEM_ACT); /* both written in full */
+    ct_tensor *mask = rec ? ct_tensor_empty(CT_U8, in->ndim, in->shape, CT_MEM_ACT) : NULL;
     int saved = mask ? ct_record_save(rec, mask) : 0;
     ct_tensor_release(mask); /* the record holds it now */
     if (!y || (rec && (!mask || saved < 0))) {
@@ -67,11 +70,10 @@ static ct_status drop_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
         for (int64_t j0 = 0; j0 < len; j0 += 256) {
             int64_t n = len - j0 < 256 ? len - j0 : 256, i0 = r * len + j0;
             ct_rng_uniform(&g, u, (size_t)n);
-            for (int64_t j = 0; j < n; j++) {
-                int keep = u[j] >= p;
-                yd[i0 + j] = keep ? x[i0 + j] * scale : 0.0f;
-                if (mk) mk[i0 + j] = (uint8_t)keep;
-            }
+            /* Two loops, so each vectorises (the test inside one did not). */
+            for (int64_t j = 0; j < n; j++) yd[i0 + j] = u[j] >= p ? x[i0 + j] * scale : 0.0f;
+            if (mk)
+                for (int64_t j = 0; j < n; j++) mk[i0 + j] = (uint8_t)(u[j] >= p);
         }
     }
     *out = y;
@@ -89,17 +91,17 @@ static ct_status drop_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
                         mask ? ct_shape_str(mask, b, sizeof b) : "(F32)");
     }
     if (!din) return CT_OK;
-    ct_tensor *dx = ct_tensor_create(CT_F32, dout->ndim, dout->shape, CT_MEM_ACT);
+    if (!mask) {
+        *din = ct_tensor_retain(dout);
+        return CT_OK;
+    }
+    ct_tensor *dx = ct_tensor_empty(CT_F32, dout->ndim, dout->shape, CT_MEM_ACT); /* written in full */
     if (!dx) return CT_ENOMEM;
     const float *dy = ct_f32(dout);
+    const uint8_t *mk = ct_tensor_data(mask);
     float *g = ct_f32(dx);
-    if (!mask) {
-        for (int64_t i = 0; i < dout->numel; i++) g[i] = dy[i];
-    } else {
-        const uint8_t *mk = ct_tensor_data(mask);
-        float scale = 1.0f / (1.0f - D->p);
-        for (int64_t i = 0; i < dout->numel; i++) g[i] = mk[i] ? dy[i] * scale : 0.0f;
-    }
+    float scale = 1.0f / (1.0f - D->p);
+    for (int64_t i = 0; i < dout->numel; i++) g[i] = mk[i] ? dy[i] * scale : 0.0f;
     *din = dx;
     return CT_OK;
 }

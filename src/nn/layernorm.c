@@ -2,7 +2,16 @@
  * Layer normalisation over the last dim with an elementwise affine weight
  * and bias (PyTorch's nn.LayerNorm(dim, eps)).  The record keeps the input
  * and each row's mean and 1/std; statistics are summed in double so long
- * rows with a large mean stay accurate.
+ * rows with a large mean stay accurate.  When its emit_bf16 is set the
+ * output is BF16, each value rounded as ct_f32_to_bf16 rounds the f32 one
+ * (the consumer casts to bf16 anyway) through an L1 chunk, so the f32
+ * output never goes to memory; the record and gradients stay f32.
+ *
+ * Speed: a row is 128 values in the GPT, so its double sums in 8 vector
+ * lanes are chains of dependent adds (latency, not bandwidth, bounded the
+ * layer).  Forward and backward therefore work on RB rows side by side, each
+ * row summed in exactly the order a row alone would be, and backward makes
+ * dx, dweight and dbias in one pass over x and dy plus one over dx.
  */
 #include <math.h>
 
@@ -13,35 +22,86 @@ typedef struct {
     float eps;
 } ln_impl;
 
+enum { RB = 4 }; /* rows processed side by side */
+
 static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
 
-/* Row statistics in double, in 8 lanes the compiler turns into vector adds
- * (one running sum was a serial chain of double adds: 7% of a GPT step). */
-static double sum_f64(const float *x, int64_t n)
+/* Eight lanes as GCC/Clang vectors: the compiler's own vectoriser did not
+ * keep the RB rows' accumulators apart.  Operations are lane-wise and not
+ * contracted (-std=c11), so each lane rounds as the scalar code would.
+ * Loads are macros through an unaligned type (as the intrinsics headers
+ * do): a function returning a vector would change the ABI where the build
+ * has no AVX. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef double v8d __attribute__((vector_size(64)));
+#define LOAD8(p) (*(const v8f_u *)(const void *)(p))
+#define LOAD8D(p) __builtin_convertvector(LOAD8(p), v8d)
+
+/* Means and 1/std of the nr (<= RB) rows at x [nr, D]: per row, sum in 8
+ * double lanes (element i in lane i % 8, the last D % 8 elements summed
+ * first outside them, then the lanes in order), mean, then the sum of
+ * squared deviations the same way.  nr is a constant where this is inlined,
+ * so the RB rows' accumulators stay in registers. */
+static inline __attribute__((always_inline)) void row_stats(const float *x, int64_t D, int nr, double eps,
+                                                            float *mu, float *rs)
 {
-    double a[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) a[j] += x[i + j];
-    double s = 0;
-    for (; i < n; i++) s += x[i];
-    for (int j = 0; j < 8; j++) s += a[j];
-    return s;
+    const int64_t D8 = D & ~(int64_t)7;
+    v8d a[RB];
+    double m[RB];
+    for (int k = 0; k < nr; k++) a[k] = (v8d){0};
+    for (int64_t i = 0; i < D8; i += 8)
+        for (int k = 0; k < nr; k++) a[k] += LOAD8D(x + k * D + i);
+    for (int k = 0; k < nr; k++) {
+        double s = 0.0;
+        for (int64_t i = D8; i < D; i++) s += x[k * D + i];
+        for (int j = 0; j < 8; j++) s += a[k][j];
+        m[k] = s / (double)D;
+        a[k] = (v8d){0};
+    }
+    for (int64_t i = 0; i < D8; i += 8)
+        for (int k = 0; k < nr; k++) {
+            v8d d = LOAD8D(x + k * D + i) - m[k];
+            a[k] += d * d;
+        }
+    for (int k = 0; k < nr; k++) {
+        double s = 0.0;
+        for (int64_t i = D8; i < D; i++) s += ((double)x[k * D + i] - m[k]) * ((double)x[k * D + i] - m[k]);
+        for (int j = 0; j < 8; j++) s += a[k][j];
+        rs[k] = (float)(1.0 / sqrt(s / (double)D + eps));
+        mu[k] = (float)m[k];
+    }
 }
 
-static double sum_sq_dev_f64(const float *x, int64_t n, double mu)
+/* y = (x - mu) rs w + b for nr rows, as F32, or as BF16 bits through an L1
+ * chunk (ct__bf16_from_f32): the nr rows in one when they fit, else each
+ * row in pieces. */
+static inline __attribute__((always_inline)) void row_out(const float *restrict x, int64_t D, int nr,
+                                                          const float *mu, const float *rs,
+                                                          const float *restrict w, const float *restrict b,
+                                                          float *restrict y, uint16_t *yh)
 {
-    double a[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) a[j] += ((double)x[i + j] - mu) * ((double)x[i + j] - mu);
-    double s = 0;
-    for (; i < n; i++) s += ((double)x[i] - mu) * ((double)x[i] - mu);
-    for (int j = 0; j < 8; j++) s += a[j];
-    return s;
+    if (!yh) {
+        for (int k = 0; k < nr; k++)
+            for (int64_t i = 0; i < D; i++) y[k * D + i] = (x[k * D + i] - mu[k]) * rs[k] * w[i] + b[i];
+        return;
+    }
+    float buf[CT__EMIT_CHUNK];
+    if (nr * D <= CT__EMIT_CHUNK) {
+        for (int k = 0; k < nr; k++)
+            for (int64_t i = 0; i < D; i++) buf[k * D + i] = (x[k * D + i] - mu[k]) * rs[k] * w[i] + b[i];
+        ct__bf16_from_f32(buf, yh, (size_t)(nr * D));
+        return;
+    }
+    for (int k = 0; k < nr; k++)
+        for (int64_t c = 0; c < D; c += CT__EMIT_CHUNK) {
+            int64_t n = D - c < CT__EMIT_CHUNK ? D - c : CT__EMIT_CHUNK;
+            for (int64_t i = 0; i < n; i++) buf[i] = (x[k * D + c + i] - mu[k]) * rs[k] * w[c + i] + b[c + i];
+            ct__bf16_from_f32(buf, yh + k * D + c, (size_t)n);
+        }
 }
 
-/* x [rows, D] -> y [rows, D]; saves x, mean [rows], rstd [rows]. */
+/* x [rows, D] -> y [rows, D] (F32, or BF16 with emit_bf16); saves x, mean [rows], rstd [rows]. */
 static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
                             const ct_fwd_ctx *ctx)
 {
@@ -53,9 +113,10 @@ static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
                         "check the normalised size", nm(m), ct_dtype_name(in->dtype),
                         ct_shape_str(in, sh, sizeof sh), (long long)L->dim);
     int64_t D = L->dim, rows = in->numel / D;
-    ct_tensor *y = ct_tensor_empty(CT_F32, in->ndim, in->shape, CT_MEM_ACT); /* written in full */
-    ct_tensor *mean = rec ? ct_tensor_create1(rows, CT_MEM_ACT) : NULL;
-    ct_tensor *rstd = rec ? ct_tensor_create1(rows, CT_MEM_ACT) : NULL;
+    int bf16 = m->emit_bf16;
+    ct_tensor *y = ct_tensor_empty(bf16 ? CT_BF16 : CT_F32, in->ndim, in->shape, CT_MEM_ACT); /* written in full */
+    ct_tensor *mean = rec ? ct_tensor_empty(CT_F32, 1, &rows, CT_MEM_ACT) : NULL;
+    ct_tensor *rstd = rec ? ct_tensor_empty(CT_F32, 1, &rows, CT_MEM_ACT) : NULL;
     /* The record holds its own references to mean and rstd (released below). */
     if (!y || (rec && (!mean || !rstd || ct_record_save(rec, in) < 0 ||
                        ct_record_save(rec, mean) < 0 || ct_record_save(rec, rstd) < 0))) {
@@ -65,23 +126,78 @@ static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
         return CT_ENOMEM;
     }
     const float *x = ct_f32(in), *w = ct_f32(m->params[0]->data), *b = ct_f32(m->params[1]->data);
-    float *yd = ct_f32(y);
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * D;
-        float *yr = yd + r * D;
-        double mu = sum_f64(xr, D) / (double)D, ss = sum_sq_dev_f64(xr, D, mu);
-        float rs = (float)(1.0 / sqrt(ss / (double)D + (double)L->eps));
-        float muf = (float)mu;
-        for (int64_t i = 0; i < D; i++) yr[i] = (xr[i] - muf) * rs * w[i] + b[i];
-        if (rec) {
-            ct_f32(mean)[r] = muf;
-            ct_f32(rstd)[r] = rs;
+    float *yd = bf16 ? NULL : ct_f32(y);
+    uint16_t *yh = bf16 ? ct_tensor_data(y) : NULL;
+    float *mu = mean ? ct_f32(mean) : NULL, *rs = rstd ? ct_f32(rstd) : NULL;
+    double eps = (double)L->eps;
+    int64_t r = 0;
+    for (; r + RB <= rows; r += RB) {
+        float bm[RB], br[RB];
+        row_stats(x + r * D, D, RB, eps, bm, br);
+        row_out(x + r * D, D, RB, bm, br, w, b, yd ? yd + r * D : NULL, yh ? yh + r * D : NULL);
+        for (int k = 0; mu && k < RB; k++) {
+            mu[r + k] = bm[k];
+            rs[r + k] = br[k];
+        }
+    }
+    for (; r < rows; r++) {
+        float bm, br;
+        row_stats(x + r * D, D, 1, eps, &bm, &br);
+        row_out(x + r * D, D, 1, &bm, &br, w, b, yd ? yd + r * D : NULL, yh ? yh + r * D : NULL);
+        if (mu) {
+            mu[r] = bm;
+            rs[r] = br;
         }
     }
     ct_tensor_release(mean);
     ct_tensor_release(rstd);
     *out = y;
     return CT_OK;
+}
+
+/* Backward of nr rows: gw += dy xhat, gb += dy (row after row, as a row
+ * alone would add them) and, in the same pass, the row sums of g = dy w and
+ * g xhat in 8 double lanes (ordered as row_stats orders them); then
+ * dx = rs (g - mean(g) - xhat mean(g xhat)).  xhat is (x - mu) rs wherever
+ * it is used, as the unfused loops had it. */
+static inline __attribute__((always_inline)) void row_back(const float *x, const float *dy, int64_t D, int nr,
+                                                           const float *mu, const float *rs, const float *w,
+                                                           float *gw, float *gb, float *dx)
+{
+    const int64_t D8 = D & ~(int64_t)7;
+    v8d ag[RB], agx[RB];
+    for (int k = 0; k < nr; k++) ag[k] = agx[k] = (v8d){0};
+    for (int64_t i = 0; i < D8; i += 8) {
+        v8f wv = LOAD8(w + i), gwv = LOAD8(gw + i), gbv = LOAD8(gb + i);
+        for (int k = 0; k < nr; k++) {
+            v8f d = LOAD8(dy + k * D + i), xm = LOAD8(x + k * D + i) - mu[k], g = d * wv;
+            gwv += d * xm * rs[k];
+            gbv += d;
+            ag[k] += __builtin_convertvector(g, v8d);
+            agx[k] += __builtin_convertvector(g * xm * rs[k], v8d);
+        }
+        memcpy(gw + i, &gwv, sizeof gwv);
+        memcpy(gb + i, &gbv, sizeof gbv);
+    }
+    for (int k = 0; k < nr; k++) {
+        const float *xr = x + k * D, *dyr = dy + k * D;
+        float m = mu[k], r = rs[k];
+        double sg = 0.0, sgx = 0.0;
+        for (int64_t i = D8; i < D; i++) {
+            float g = dyr[i] * w[i];
+            gw[i] += dyr[i] * (xr[i] - m) * r;
+            gb[i] += dyr[i];
+            sg += g;
+            sgx += g * (xr[i] - m) * r;
+        }
+        for (int j = 0; j < 8; j++) {
+            sg += ag[k][j];
+            sgx += agx[k][j];
+        }
+        float mg = (float)(sg / (double)D), mgx = (float)(sgx / (double)D);
+        float *dxr = dx + k * D;
+        for (int64_t i = 0; i < D; i++) dxr[i] = r * (dyr[i] * w[i] - mg - (xr[i] - m) * r * mgx);
+    }
 }
 
 /* dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w;
@@ -96,43 +212,31 @@ static ct_status ln_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
                         nm(m), ct_shape_str(dout, a, sizeof a), ct_shape_str(xt, b, sizeof b));
     }
     int64_t D = L->dim, rows = xt->numel / D;
-    ct_tensor *dx = NULL;
-    if (din && !(dx = ct_tensor_empty(CT_F32, xt->ndim, xt->shape, CT_MEM_ACT))) return CT_ENOMEM; /* written in full */
-    const float *x = ct_f32(xt), *dy = ct_f32(dout), *w = ct_f32(m->params[0]->data);
-    const float *mean = ct_f32(ct_record_saved(rec, 1)), *rstd = ct_f32(ct_record_saved(rec, 2));
     ct_param *W = m->params[0], *B = m->params[1];
     float *gw = W->requires_grad && W->grad ? ct_f32(W->grad) : NULL;
     float *gb = B->requires_grad && B->grad ? ct_f32(B->grad) : NULL;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * D, *dyr = dy + r * D;
-        float mu = mean[r], rs = rstd[r];
-        if (gw)
-            for (int64_t i = 0; i < D; i++) gw[i] += dyr[i] * (xr[i] - mu) * rs;
-        if (gb)
-            for (int64_t i = 0; i < D; i++) gb[i] += dyr[i];
-        if (!dx) continue;
-        double sg = 0.0, sgx = 0.0, ag[8] = {0}, agx[8] = {0};
-        int64_t i0 = 0;
-        for (; i0 + 8 <= D; i0 += 8) /* 8 lanes, as sum_f64 */
-            for (int j = 0; j < 8; j++) {
-                float g = dyr[i0 + j] * w[i0 + j];
-                ag[j] += g;
-                agx[j] += g * (xr[i0 + j] - mu) * rs;
-            }
-        for (int64_t i = i0; i < D; i++) {
-            float g = dyr[i] * w[i];
-            sg += g;
-            sgx += g * (xr[i] - mu) * rs;
+    ct_tensor *dx = NULL;
+    if (din && !(dx = ct_tensor_empty(CT_F32, xt->ndim, xt->shape, CT_MEM_ACT))) return CT_ENOMEM; /* written in full */
+    /* One fused loop for every case: what is not wanted goes to scratch. */
+    float *scratch = NULL;
+    if (!gw || !gb || !dx) {
+        if (!(scratch = ct_alloc((size_t)(2 + RB) * (size_t)D * sizeof *scratch, CT_MEM_ACT))) {
+            ct_tensor_release(dx);
+            return CT_ENOMEM;
         }
-        for (int j = 0; j < 8; j++) {
-            sg += ag[j];
-            sgx += agx[j];
-        }
-        float mg = (float)(sg / (double)D), mgx = (float)(sgx / (double)D);
-        float *dxr = ct_f32(dx) + r * D;
-        for (int64_t i = 0; i < D; i++)
-            dxr[i] = rs * (dyr[i] * w[i] - mg - (xr[i] - mu) * rs * mgx);
+        memset(scratch, 0, (size_t)2 * (size_t)D * sizeof *scratch);
     }
+    if (!gw) gw = scratch;
+    if (!gb) gb = scratch + D;
+    const float *x = ct_f32(xt), *dy = ct_f32(dout), *w = ct_f32(W->data);
+    const float *mean = ct_f32(ct_record_saved(rec, 1)), *rstd = ct_f32(ct_record_saved(rec, 2));
+    float *dxd = dx ? ct_f32(dx) : NULL;
+    int64_t r = 0;
+    for (; r + RB <= rows; r += RB)
+        row_back(x + r * D, dy + r * D, D, RB, mean + r, rstd + r, w, gw, gb, dxd ? dxd + r * D : scratch + 2 * D);
+    for (; r < rows; r++)
+        row_back(x + r * D, dy + r * D, D, 1, mean + r, rstd + r, w, gw, gb, dxd ? dxd + r * D : scratch + 2 * D);
+    ct_free(scratch);
     if (din) *din = dx;
     return CT_OK;
 }
