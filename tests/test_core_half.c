@@ -359,23 +359,23 @@ TEST(core_bf16_batch_matches_scalar)
     }
 }
 
-/* ct_f32_to_bf16_rows against the scalar cast, a transpose and column sums
- * taken down the rows in order (bit for bit; a nan sum only has to be nan), on shapes around the 16x16
- * tiles, with specials mixed in, each output on or off; nothing is written
- * past any output. */
-TEST(core_bf16_rows_cast_transpose_colsum)
+/* ct_f32_to_bf16_rows against the scalar cast and column sums taken down
+ * the rows in order (bit for bit; a nan sum only has to be nan), on odd and
+ * vector-sized shapes with specials mixed in, each output on or off; nothing
+ * is written past either output. */
+TEST(core_bf16_rows_cast_and_colsum)
 {
-    static const int dims[] = {1, 3, 15, 16, 17, 31, 32, 33, 48, 70};
+    static const int dims[] = {1, 3, 15, 16, 17, 33, 70};
     enum { ND = sizeof dims / sizeof dims[0] };
     uint64_t st = 7;
     for (int a = 0; a < ND; a++)
         for (int b = 0; b < ND; b++)
-            for (int want = 1; want < 8; want++) {
+            for (int want = 1; want < 4; want++) {
                 int rows = dims[a], cols = dims[b], n = rows * cols;
                 float *x = malloc(sizeof(float) * (size_t)n), *cs = malloc(sizeof(float) * (size_t)(cols + 1));
                 float *ref = malloc(sizeof(float) * (size_t)cols);
-                uint16_t *y = malloc(2 * (size_t)(n + 1)), *yt = malloc(2 * (size_t)(n + 1));
-                ASSERT(x && cs && ref && y && yt);
+                uint16_t *y = malloc(2 * (size_t)(n + 1));
+                ASSERT(x && cs && ref && y);
                 for (int i = 0; i < n; i++) {
                     uint32_t r = (uint32_t)splitmix(&st);
                     /* mostly ordinary values; now and then a nan, an inf or a subnormal */
@@ -386,23 +386,19 @@ TEST(core_bf16_rows_cast_transpose_colsum)
                 }
                 for (int j = 0; j < cols; j++) cs[j] = ref[j] = (float)j * 0.5f;
                 cs[cols] = 42.0f;
-                y[n] = yt[n] = 0xbeef;
+                y[n] = 0xbeef;
                 for (int r = 0; r < rows; r++)
                     for (int j = 0; j < cols; j++) ref[j] += x[r * cols + j];
-                ct_f32_to_bf16_rows(x, rows, cols, want & 1 ? y : NULL, want & 2 ? yt : NULL, want & 4 ? cs : NULL);
-                ASSERT(y[n] == 0xbeef && yt[n] == 0xbeef && cs[cols] == 42.0f);
-                for (int r = 0; r < rows; r++)
-                    for (int j = 0; j < cols; j++) {
-                        uint16_t h = ct_f32_to_bf16(x[r * cols + j]);
-                        if ((want & 1 && y[r * cols + j] != h) || (want & 2 && yt[j * rows + r] != h))
-                            ct_test_fail(__FILE__, __LINE__, "%dx%d: element (%d, %d): cast %04x, transposed %04x, "
-                                         "want %04x", rows, cols, r, j, (unsigned)y[r * cols + j],
-                                         (unsigned)yt[j * rows + r], (unsigned)h);
-                    }
-                for (int j = 0; j < cols && (want & 4); j++)
+                ct_f32_to_bf16_rows(x, rows, cols, want & 1 ? y : NULL, want & 2 ? cs : NULL);
+                ASSERT(y[n] == 0xbeef && cs[cols] == 42.0f);
+                for (int i = 0; i < n && (want & 1); i++)
+                    if (y[i] != ct_f32_to_bf16(x[i]))
+                        ct_test_fail(__FILE__, __LINE__, "%dx%d: element %d: cast %04x, want %04x", rows, cols, i,
+                                     (unsigned)y[i], (unsigned)ct_f32_to_bf16(x[i]));
+                for (int j = 0; j < cols && (want & 2); j++)
                     if (memcmp(&cs[j], &ref[j], sizeof(float)) && !(isnan(cs[j]) && isnan(ref[j])))
                         ct_test_fail(__FILE__, __LINE__, "%dx%d: column %d sums to %.9g, want %.9g", rows, cols, j,
                                      (double)cs[j], (double)ref[j]);
-                free(x), free(cs), free(ref), free(y), free(yt);
+                free(x), free(cs), free(ref), free(y);
             }
 }

@@ -193,10 +193,10 @@ uint16_t ct_f32_to_f16(float f);
 float ct_f16_to_f32(uint16_t h);
 void ct_f32_to_bf16_n(const float *in, uint16_t *out, size_t n);
 void ct_bf16_to_f32_n(const uint16_t *in, float *out, size_t n);
-/* One read of x [rows, cols] (row-major): y = its bf16 cast (NULL: skipped), yt = the cast
- * transposed, [cols, rows] (NULL: skipped), colsum[j] += the sum of column j taken down the
- * rows in order (NULL: skipped).  For a gradient: its bf16 copies and its bias gradient. */
-void ct_f32_to_bf16_rows(const float *x, int64_t rows, int64_t cols, uint16_t *y, uint16_t *yt, float *colsum);
+/* One read of x [rows, cols] (row-major): y = its bf16 cast (NULL: skipped) and colsum[j] +=
+ * the sum of column j taken down the rows in order (NULL: skipped); a gradient's bf16 copy
+ * and its bias gradient together. */
+void ct_f32_to_bf16_rows(const float *x, int64_t rows, int64_t cols, uint16_t *y, float *colsum);
 void ct_f32_to_f16_n(const float *in, uint16_t *out, size_t n);
 void ct_f16_to_f32_n(const uint16_t *in, float *out, size_t n);
 

@@ -118,80 +118,13 @@ __attribute__((target("avx512f"))) static size_t bf16_to_f32_avx512(const uint16
     return i;
 }
 
-/* Transposes the 16x16 matrix of 32-bit lanes r[0..15] (rows) in place. */
-__attribute__((target("avx512f"))) static inline void transpose16(__m512i r[16])
+void ct_f32_to_bf16_rows(const float *x, int64_t rows, int64_t cols, uint16_t *y, float *colsum)
 {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int h = 0; h < 16; h += 8)
-        for (int i = 0; i < 4; i++) {
-            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
-            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
-        }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    }
-}
-
-/* Full 16x16 tiles of ct_f32_to_bf16_rows, column strip by column strip
- * (each column's sum then runs down the rows in order, as the scalar form's
- * does); returns the columns done (a multiple of 16; rows up to a multiple
- * of 16 within them). */
-__attribute__((target("avx512f"))) static int64_t rows_avx512(const float *x, int64_t rows, int64_t cols,
-                                                              uint16_t *y, uint16_t *yt, float *colsum)
-{
-    int64_t c0 = 0, rfull = rows & ~(int64_t)15;
-    for (; c0 + 16 <= cols; c0 += 16) {
-        __m512 acc = colsum ? _mm512_loadu_ps(colsum + c0) : _mm512_setzero_ps();
-        for (int64_t r0 = 0; r0 < rfull; r0 += 16) {
-            __m512i r[16];
-            for (int i = 0; i < 16; i++) {
-                __m512 v = _mm512_loadu_ps(x + (r0 + i) * cols + c0);
-                acc = _mm512_add_ps(acc, v);
-                r[i] = bf16_lanes(_mm512_castps_si512(v));
-                if (y) _mm256_storeu_si256((__m256i *)(void *)(y + (r0 + i) * cols + c0), _mm512_cvtepi32_epi16(r[i]));
-            }
-            if (!yt) continue;
-            transpose16(r);
-            for (int j = 0; j < 16; j++)
-                _mm256_storeu_si256((__m256i *)(void *)(yt + (c0 + j) * rows + r0), _mm512_cvtepi32_epi16(r[j]));
-        }
-        for (int64_t r = rfull; r < rows && colsum; r++) /* the rows past the tiles, in order */
-            acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + r * cols + c0));
-        if (colsum) _mm512_storeu_ps(colsum + c0, acc);
-        for (int64_t r = rfull; r < rows; r++)
-            for (int64_t j = c0; j < c0 + 16; j++) {
-                uint16_t h = ct_f32_to_bf16(x[r * cols + j]);
-                if (y) y[r * cols + j] = h;
-                if (yt) yt[j * rows + r] = h;
-            }
-    }
-    return c0;
-}
-
-void ct_f32_to_bf16_rows(const float *x, int64_t rows, int64_t cols, uint16_t *y, uint16_t *yt, float *colsum)
-{
-    int64_t c0 = have_avx512() ? rows_avx512(x, rows, cols, y, yt, colsum) : 0;
-    for (int64_t j = c0; j < cols; j++) {
-        float s = colsum ? colsum[j] : 0.0f;
-        for (int64_t r = 0; r < rows; r++) {
-            float v = x[r * cols + j];
-            uint16_t h = ct_f32_to_bf16(v);
-            s += v;
-            if (y) y[r * cols + j] = h;
-            if (yt) yt[j * rows + r] = h;
-        }
-        if (colsum) colsum[j] = s;
+    for (int64_t r = 0; r < rows; r++) { /* a row is cast and summed while it is in L1 */
+        const float *xr = x + r * cols;
+        if (y) ct_f32_to_bf16_n(xr, y + r * cols, (size_t)cols);
+        if (colsum)
+            for (int64_t j = 0; j < cols; j++) colsum[j] += xr[j];
     }
 }
 

@@ -126,20 +126,16 @@ static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
         gb = ct_f32(B->grad);
     }
     if (bf16 && (want_dw || dx)) {
-        /* dy in bf16 as dx's product reads it, and transposed as dW's does: oneDNN
-         * ran dW = dy^T x with a transposed operand at 55-75% of the plain
-         * product's speed (brg:avx512_core_bf16, 384..512 x 128 x 4096). */
-        uint16_t *dyh = dx ? ct_alloc((size_t)dout->numel * sizeof *dyh, CT_MEM_ACT) : NULL;
-        uint16_t *dyt = want_dw ? ct_alloc((size_t)dout->numel * sizeof *dyt, CT_MEM_ACT) : NULL;
+        uint16_t *dyh = ct_alloc((size_t)dout->numel * sizeof *dyh, CT_MEM_ACT);
         const uint16_t *w = NULL;
         uint16_t *wtmp = NULL;
-        if ((dx && !dyh) || (want_dw && !dyt)) s = CT_ENOMEM;
-        else ct_f32_to_bf16_rows(dy, rows, L->out, dyh, dyt, gb); /* one read of dy for all three */
+        if (!dyh) s = CT_ENOMEM;
+        else ct_f32_to_bf16_rows(dy, rows, L->out, dyh, gb); /* one read of dy for both */
         gb = NULL;
         /* A gradient marked zero is overwritten (beta 0): no clearing pass and
          * no read of the old values. */
         if (s == CT_OK && want_dw)
-            s = ct_gemm_bf16(0, 0, (int)L->out, (int)L->in, (int)rows, 1.0f, dyt, (int)rows, ct_tensor_data(x),
+            s = ct_gemm_bf16(1, 0, (int)L->out, (int)L->in, (int)rows, 1.0f, dyh, (int)L->out, ct_tensor_data(x),
                              (int)L->in, ct_param_grad_beta(W), ct_f32(W->grad), (int)L->in);
         if (s == CT_OK && dx) s = ct__param_bf16(W, &w, &wtmp);
         if (s == CT_OK && dx)
@@ -147,7 +143,6 @@ static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
                              (int)L->in, 0.0f, ct_f32(dx), (int)L->in);
         ct_free(wtmp);
         ct_free(dyh);
-        ct_free(dyt);
     } else {
         if (want_dw)
             s = ct_gemm_f32(CT_GEMM_AUTO, 1, 0, (int)L->out, (int)L->in, (int)rows, 1.0f, dy,
