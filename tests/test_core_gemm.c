@@ -130,6 +130,17 @@ TEST(core_gemm_accumulate_by_panels)
         }
 }
 
+/* A bf16 A^T B with m > n goes as (B^T A)^T through a scratch (src/core/gemm.c):
+ * padded C, beta 0, 1 and -0.5, alpha 2; and m > n past the scratch's limit. */
+TEST(core_gemm_bf16_wide_first_swapped)
+{
+    ct_blas_set_threads(1);
+    check(ENG_BF16, 1, 0, 300, 70, 500, 3, 1.0f, 0.0f);
+    check(ENG_BF16, 1, 0, 257, 128, 300, 0, 1.0f, 1.0f);
+    check(ENG_BF16, 1, 0, 130, 129, 64, 5, 2.0f, -0.5f);
+    check(ENG_BF16, 1, 0, 2100, 130, 20, 1, 1.0f, 1.0f);
+}
+
 /* Two threads (from ct_blas_set_threads) must still give right answers, and
  * the same as one thread for the same key shape. */
 TEST(core_gemm_threads)
