@@ -249,19 +249,25 @@ static ct_status execute(gemm_entry *e, const void *a, const void *b, void *c, c
 #define PANEL_MAX_K 256
 #define PANEL_MIN_C (1 << 19)
 
-static float *panel_buf; /* PANEL x panel_n floats, under cache_lock */
-static int panel_n;
+static float *scratch_buf; /* product scratch of by_panels and swapped, under cache_lock */
+static int64_t scratch_n;
+
+/* scratch_buf with room for n floats. */
+static ct_status scratch(int64_t n)
+{
+    if (scratch_n >= n) return CT_OK;
+    float *p = ct_alloc((size_t)n * sizeof *p, CT_MEM_OTHER);
+    if (!p) return CT_ENOMEM;
+    ct_free(scratch_buf);
+    scratch_buf = p;
+    scratch_n = n;
+    return CT_OK;
+}
 
 /* C = alpha A B + beta C by panels; *ran is set once C may have changed. */
 static ct_status by_panels(const gemm_key *key, const void *a, const void *b, float *c, int *ran)
 {
-    if (panel_n < key->n) {
-        float *p = ct_alloc((size_t)PANEL * key->n * sizeof *p, CT_MEM_OTHER);
-        if (!p) return CT_ENOMEM;
-        ct_free(panel_buf);
-        panel_buf = p;
-        panel_n = key->n;
-    }
+    CT_TRY(scratch((int64_t)PANEL * key->n));
     /* Both panel primitives (full and last) exist before C is touched, so a
      * set-up failure leaves C as it was. */
     gemm_key pk[2] = {*key, *key};
@@ -279,11 +285,11 @@ static ct_status by_panels(const gemm_key *key, const void *a, const void *b, fl
     for (int i0 = 0; i0 < key->m; i0 += PANEL) {
         int last = key->m - i0 <= PANEL, rows = last ? pk[1].m : PANEL;
         const char *ap = (const char *)a + (key->ta ? (size_t)i0 : (size_t)i0 * key->lda) * esz;
-        CT_TRY(execute(last ? e[1] : e[0], ap, b, panel_buf, NULL));
+        CT_TRY(execute(last ? e[1] : e[0], ap, b, scratch_buf, NULL));
         float beta = key->beta;
         for (int r = 0; r < rows; r++) {
             float *restrict cr = c + (size_t)(i0 + r) * key->ldc;
-            const float *restrict pr = panel_buf + (size_t)r * key->n;
+            const float *restrict pr = scratch_buf + (size_t)r * key->n;
             if (beta == 1.0f)
                 for (int j = 0; j < key->n; j++) cr[j] += pr[j];
             else
@@ -301,30 +307,20 @@ static ct_status by_panels(const gemm_key *key, const void *a, const void *b, fl
  * transposed itself ran a reference kernel at 0.1 GFLOP/s. */
 #define SWAP_MAX_C (1 << 18)
 
-static float *swap_buf; /* under cache_lock */
-static int64_t swap_n;
-
 /* C = alpha A^T B + beta C through B^T A; *ran as by_panels. */
 static ct_status swapped(const gemm_key *key, const void *a, const void *b, float *c, int *ran)
 {
-    int64_t need = (int64_t)key->m * key->n;
-    if (swap_n < need) {
-        float *p = ct_alloc((size_t)need * sizeof *p, CT_MEM_OTHER);
-        if (!p) return CT_ENOMEM;
-        ct_free(swap_buf);
-        swap_buf = p;
-        swap_n = need;
-    }
+    CT_TRY(scratch((int64_t)key->m * key->n));
     gemm_key t = *key;
     t.m = key->n, t.n = key->m, t.lda = key->ldb, t.ldb = key->lda, t.ldc = key->m, t.beta = 0.0f;
     gemm_entry *e;
     CT_TRY(lookup(&t, &e));
     *ran = 1;
-    CT_TRY(execute(e, b, a, swap_buf, NULL));
+    CT_TRY(execute(e, b, a, scratch_buf, NULL));
     float beta = key->beta;
     for (int i = 0; i < key->m; i++) { /* row i of C is column i of the swapped product */
         float *restrict cr = c + (size_t)i * key->ldc;
-        const float *restrict col = swap_buf + i;
+        const float *restrict col = scratch_buf + i;
         if (beta == 0.0f)
             for (int j = 0; j < key->n; j++) cr[j] = col[(size_t)j * key->m];
         else
@@ -533,12 +529,9 @@ void ct_gemm_cache_clear(void)
     ct_free(cache);
     cache = NULL;
     ncache = cache_cap = 0;
-    ct_free(panel_buf);
-    panel_buf = NULL;
-    panel_n = 0;
-    ct_free(swap_buf);
-    swap_buf = NULL;
-    swap_n = 0;
+    ct_free(scratch_buf);
+    scratch_buf = NULL;
+    scratch_n = 0;
     if (stream) dnnl_stream_destroy(stream);
     if (engine) dnnl_engine_destroy(engine);
     stream = NULL;

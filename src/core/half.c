@@ -6,12 +6,15 @@
  * The bulk bf16 conversions are on the hot path of bf16 compute (every
  * product casts its f32 operand) and of 16-bit communication, so on CPUs
  * with AVX-512 they run the same integer recipe 16 lanes at a time (chosen
- * at run time; the library may be built for other CPUs).  Not VCVTNEPS2BF16:
- * it flushes subnormal inputs to zero, and these must stay bit-identical to
- * the scalar form.
+ * at run time; the library may be built for other CPUs).  Where the CPU
+ * has AVX512_BF16, f32 -> bf16 is one VCVTNEPS2BF16 per 16 values, which
+ * rounds the same (nearest even, nan made quiet) but flushes subnormal
+ * inputs to zero: a vector holding one is cast the integer way, so every
+ * result stays bit-identical to the scalar form.
  */
 #include "ctrain/core.h"
 
+#include <float.h>
 #include <immintrin.h>
 #include <string.h>
 
@@ -128,9 +131,38 @@ void ct_f32_to_bf16_rows(const float *x, int64_t rows, int64_t cols, uint16_t *y
     }
 }
 
+/* Asked once, like have_avx512. */
+static int have_avx512_bf16(void)
+{
+    static int have = -1;
+    int h = __atomic_load_n(&have, __ATOMIC_RELAXED);
+    if (h < 0) {
+        __builtin_cpu_init();
+        h = __builtin_cpu_supports("avx512bf16") != 0;
+        __atomic_store_n(&have, h, __ATOMIC_RELAXED);
+    }
+    return h;
+}
+
+__attribute__((target("avx512f,avx512bf16"))) static size_t f32_to_bf16_vcvt(const float *in, uint16_t *out,
+                                                                            size_t n)
+{
+    const __m512 tiny = _mm512_set1_ps(FLT_MIN), zero = _mm512_setzero_ps();
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 f = _mm512_loadu_ps(in + i), a = _mm512_abs_ps(f);
+        __m256i h = (__m256i)_mm512_cvtneps_pbh(f);
+        /* a nan compares false both ways, so only true subnormals take the integer way */
+        if (_mm512_cmp_ps_mask(a, tiny, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a, zero, _CMP_NEQ_OQ))
+            h = _mm512_cvtepi32_epi16(bf16_lanes(_mm512_castps_si512(f)));
+        _mm256_storeu_si256((__m256i *)(void *)(out + i), h);
+    }
+    return i;
+}
+
 void ct_f32_to_bf16_n(const float *in, uint16_t *out, size_t n)
 {
-    size_t i = have_avx512() ? f32_to_bf16_avx512(in, out, n) : 0;
+    size_t i = have_avx512_bf16() ? f32_to_bf16_vcvt(in, out, n) : have_avx512() ? f32_to_bf16_avx512(in, out, n) : 0;
     for (; i < n; i++) out[i] = ct_f32_to_bf16(in[i]);
 }
 void ct_bf16_to_f32_n(const uint16_t *in, float *out, size_t n)

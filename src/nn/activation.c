@@ -100,7 +100,7 @@ static ct_status act_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
             for (int64_t c = 0; c < n; c += CT__EMIT_CHUNK) {
                 int64_t k = n - c < CT__EMIT_CHUNK ? n - c : CT__EMIT_CHUNK;
                 gelu_n(x + c, buf, k);
-                ct__bf16_from_f32(buf, yh + c, (size_t)k);
+                ct_f32_to_bf16_n(buf, yh + c, (size_t)k);
             }
         } else {
             gelu_n(x, yd, n);

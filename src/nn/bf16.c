@@ -1,10 +1,8 @@
 /*
  * Helpers of the bf16 compute path shared by linear, conv2d and embedding
  * (see internal.h): checking a parameter's compute copy and casting
- * operands to bf16; and the cast of layers that emit BF16 themselves.
+ * operands to bf16; and which layers take bf16 input (emit_bf16).
  */
-#include <float.h>
-#include <immintrin.h>
 #include <string.h>
 
 #include "internal.h"
@@ -64,41 +62,4 @@ int ct__takes_bf16(const ct_module *m)
         m = m->kids[0];
     }
     return 0;
-}
-
-/* Asked once; modules may run on several threads, hence the atomic. */
-static int have_vcvt(void)
-{
-    static int have = -1;
-    int h = __atomic_load_n(&have, __ATOMIC_RELAXED);
-    if (h < 0) {
-        __builtin_cpu_init();
-        h = __builtin_cpu_supports("avx512bf16") != 0;
-        __atomic_store_n(&have, h, __ATOMIC_RELAXED);
-    }
-    return h;
-}
-
-/* VCVTNEPS2BF16 rounds as ct_f32_to_bf16 (nearest even, nan made quiet)
- * except that it flushes subnormal inputs to zero.  So the smallest |x| is
- * tracked alongside (MINPS keeps lo when x is a nan, so a nan cannot hide a
- * subnormal), and a chunk holding a subnormal or a zero answers 0: the
- * caller casts it the exact way.  Else the number of values done (a
- * multiple of 16). */
-__attribute__((target("avx512f,avx512bf16"))) static size_t vcvt_chunk(const float *in, uint16_t *out, size_t n)
-{
-    __m512 lo = _mm512_set1_ps(1.0f);
-    size_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512 f = _mm512_loadu_ps(in + i);
-        _mm256_storeu_si256((__m256i *)(void *)(out + i), (__m256i)_mm512_cvtneps_pbh(f));
-        lo = _mm512_min_ps(_mm512_abs_ps(f), lo);
-    }
-    return _mm512_cmp_ps_mask(lo, _mm512_set1_ps(FLT_MIN), _CMP_LT_OQ) ? 0 : i;
-}
-
-void ct__bf16_from_f32(const float *in, uint16_t *out, size_t n)
-{
-    size_t i = have_vcvt() ? vcvt_chunk(in, out, n) : 0;
-    ct_f32_to_bf16_n(in + i, out + i, n - i);
 }

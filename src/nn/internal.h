@@ -149,14 +149,9 @@ static inline __m512 ct__erff16(__m512 x)
 }
 #endif
 
-/* ct_f32_to_bf16_n, for layers that emit BF16 (ct_module.emit_bf16): they
- * make their f32 outputs a chunk at a time into a small buffer that stays in
- * L1 and cast it with this.  Bit for bit ct_f32_to_bf16_n, but where the CPU
- * has AVX512-BF16 one VCVTNEPS2BF16 per 16 values: the integer recipe cost
- * GELU as much as the f32 write and the separate cast pass it replaces. */
-void ct__bf16_from_f32(const float *in, uint16_t *out, size_t n);
-
-/* Chunk of the emitters' buffer (floats): 2 KiB. */
+/* Chunk of the buffer in which layers that emit BF16 (ct_module.emit_bf16)
+ * make their f32 outputs, to cast them with ct_f32_to_bf16_n while in L1
+ * (floats): 2 KiB. */
 enum { CT__EMIT_CHUNK = 512 };
 
 /* The bits of 2^(i/32) minus i << 47, i < 32: adding k << 47 to entry k % 32

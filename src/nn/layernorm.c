@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) void row_stats(const float *x, int6
 }
 
 /* y = (x - mu) rs w + b for nr rows, as F32, or as BF16 bits through an L1
- * chunk (ct__bf16_from_f32): the nr rows in one when they fit, else each
+ * chunk (ct_f32_to_bf16_n): the nr rows in one when they fit, else each
  * row in pieces. */
 static inline __attribute__((always_inline)) void row_out(const float *restrict x, int64_t D, int nr,
                                                           const float *mu, const float *rs,
@@ -90,14 +90,14 @@ static inline __attribute__((always_inline)) void row_out(const float *restrict 
     if (nr * D <= CT__EMIT_CHUNK) {
         for (int k = 0; k < nr; k++)
             for (int64_t i = 0; i < D; i++) buf[k * D + i] = (x[k * D + i] - mu[k]) * rs[k] * w[i] + b[i];
-        ct__bf16_from_f32(buf, yh, (size_t)(nr * D));
+        ct_f32_to_bf16_n(buf, yh, (size_t)(nr * D));
         return;
     }
     for (int k = 0; k < nr; k++)
         for (int64_t c = 0; c < D; c += CT__EMIT_CHUNK) {
             int64_t n = D - c < CT__EMIT_CHUNK ? D - c : CT__EMIT_CHUNK;
             for (int64_t i = 0; i < n; i++) buf[i] = (x[k * D + c + i] - mu[k]) * rs[k] * w[c + i] + b[c + i];
-            ct__bf16_from_f32(buf, yh + k * D + c, (size_t)n);
+            ct_f32_to_bf16_n(buf, yh + k * D + c, (size_t)n);
         }
 }
 
