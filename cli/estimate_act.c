@@ -108,7 +108,9 @@ static rule rule_of(const est_in *in, const ct_module *m, int nd, const int64_t 
         r.bwd_tmp = col + chunk + (bf16 ? (need_dx ? (uint64_t)K * ld * 4 : 0) + (uint64_t)cout * ld * 2 : 0);
     } else if (!strcmp(k, "relu") || !strcmp(k, "tanh")) { /* activation.c: the output */
         r.keep_out = 1;
-    } else if (!strcmp(k, "gelu") || !strcmp(k, "embedding")) {
+    } else if (!strcmp(k, "gelu")) { /* activation.c: gelu'(x), f32, the input's size */
+        r.saved = ni * 4;
+    } else if (!strcmp(k, "embedding")) {
         r.keep_in = 1;
     } else if (!strcmp(k, "dropout")) { /* dropout.c: a u8 keep-mask in training */
         if (in->cfg.dropout > 0) r.saved = ni;
@@ -126,7 +128,7 @@ static rule rule_of(const est_in *in, const ct_module *m, int nd, const int64_t 
         /* transformer.c + attention.c, per block of rows BT, width D, H heads, T positions:
          * ln_1 and ln_2 keep their inputs (x here, h below) and 8 bytes a row; c_attn,
          * c_proj, c_fc and the MLP's c_proj keep their inputs (bf16 under mixed); the
-         * attention keeps what ct_attention_saved_bytes says; gelu keeps its input;
+         * attention keeps what ct_attention_saved_bytes says; gelu keeps gelu'(x);
          * the dropouts keep byte masks. */
         const ct_model_config *c = &in->cfg;
         uint64_t BT = ni / (uint64_t)c->dim, D = (uint64_t)c->dim, B = BT / (uint64_t)(nd > 1 ? ish[1] : 1);
@@ -136,10 +138,11 @@ static rule rule_of(const est_in *in, const ct_module *m, int nd, const int64_t 
         r.saved = 2 * BT * 8 + BT * D * lin /* ln_1 out, c_attn's input */ +
                   (uint64_t)ct_attention_saved_bytes((int64_t)B, (int64_t)T, (int64_t)D, (int)c->heads, mixed, drop) +
                   BT * D * lin /* c_proj's input */ + (drop ? BT * D : 0) +
-                  BT * D * 4 /* h */ + BT * D * lin /* c_fc's input */ + 4 * BT * D * 4 /* gelu's input */ +
+                  BT * D * 4 /* h */ + BT * D * lin /* c_fc's input */ + 4 * BT * D * 4 /* gelu'(x) */ +
                   4 * BT * D * lin /* mlp c_proj's input */ + (drop ? BT * D : 0);
         r.fwd_tmp = 3 * BT * D * 4 + T * T * 8; /* qkv in f32 before its cast, per-head scratch */
-        r.bwd_tmp = 3 * BT * D * 4 + 4 * BT * D * 4 + 2 * BT * D * 4 + T * T * 12; /* dqkv, d(gelu), branch grads */
+        /* dqkv, d(gelu), branch grads; f32: under mixed the first two may be bf16, so an upper bound */
+        r.bwd_tmp = 3 * BT * D * 4 + 4 * BT * D * 4 + 2 * BT * D * 4 + T * T * 12;
     } else if (!strcmp(k, "batchnorm")) { /* mean and rstd per channel */
         r.keep_in = 1;
         r.saved = (nd > 1 ? (uint64_t)ish[1] : 1) * 8;

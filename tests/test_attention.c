@@ -6,6 +6,7 @@
  * path itself is held to finite differences in test_gpt_layers.c. */
 #include <stdlib.h>
 
+#include "nn/internal.h" /* the kernels, ct__grad_bf16_* */
 #include "test_layers.h"
 
 typedef struct {
@@ -208,4 +209,48 @@ TEST(attention_bf16_dropout)
     check(2, 33, 64, 2, 0.2f);
     check(3, 70, 64, 4, 0.1f);
     need_kernels();
+}
+
+/* With a bf16 c_attn the kernels' backward hands it dqkv as bf16 with column
+ * sums: every element is ct_f32_to_bf16 of the f32 dqkv they give otherwise,
+ * and the sums are the f32 dqkv's columns summed row after row, as c_attn's
+ * own pass would; with and without dropout, T not a multiple of 16. */
+TEST(attention_bf16_hands_c_attn_a_bf16_gradient)
+{
+    need_kernels();
+    for (int drop = 0; drop < 2; drop++) {
+        int64_t B = 2, T = 37, D = 64, H = 2;
+        ct__attn_dims d = {B, T, D, H, drop ? 0.25f : 0.0f};
+        ct_tensor *q32 = rand_tensor(3, (int64_t[]){B, T, 3 * D}, 70, -1.5f, 1.5f);
+        ct_tensor *dy = rand_tensor(3, (int64_t[]){B, T, D}, 71, -1.0f, 1.0f);
+        ct_tensor *qkv = ct_tensor_empty(CT_BF16, 3, q32->shape, CT_MEM_ACT);
+        ct_tensor *P = ct_tensor_empty(CT_BF16, 1, (int64_t[]){B * H * 2 * ct__attn_bf16_pwords(T)}, CT_MEM_ACT);
+        ct_tensor *y = ct_tensor_empty(CT_F32, 3, dy->shape, CT_MEM_ACT);
+        ct_tensor *f = ct_tensor_empty(CT_F32, 3, q32->shape, CT_MEM_ACT), *g = ct__grad_bf16_create(3, q32->shape);
+        uint8_t *mask = drop ? malloc((size_t)(B * H * T * T)) : NULL;
+        ASSERT(qkv && P && y && f && g && (!drop || mask));
+        for (int64_t i = 0; mask && i < B * H * T * T; i++) mask[i] = (uint8_t)((i * 7 + i / 5) % 4 != 0);
+        ct_f32_to_bf16_n(ct_f32(q32), ct_tensor_data(qkv), (size_t)q32->numel);
+        ASSERT_OK(ct__attn_bf16_forward(&d, ct_tensor_data(qkv), mask, ct_tensor_data(P), ct_f32(y), 0));
+        ASSERT_OK(ct__attn_bf16_backward(&d, ct_tensor_data(qkv), mask, ct_tensor_data(P), ct_f32(dy), ct_f32(f), NULL));
+        float *sum = ct__grad_bf16_colsum(g);
+        ASSERT(sum);
+        ASSERT_OK(ct__attn_bf16_backward(&d, ct_tensor_data(qkv), mask, ct_tensor_data(P), ct_f32(dy),
+                                         ct_tensor_data(g), sum));
+        const float *fv = ct_f32(f);
+        for (int64_t i = 0; i < f->numel; i++) ASSERT_EQ(((uint16_t *)ct_tensor_data(g))[i], ct_f32_to_bf16(fv[i]));
+        for (int64_t j = 0; j < 3 * D; j++) {
+            float want = 0.0f;
+            for (int64_t r = 0; r < B * T; r++) want += fv[r * 3 * D + j];
+            ASSERT(sum[j] == want);
+        }
+        free(mask);
+        ct_tensor_release(q32);
+        ct_tensor_release(dy);
+        ct_tensor_release(qkv);
+        ct_tensor_release(P);
+        ct_tensor_release(y);
+        ct_tensor_release(f);
+        ct_tensor_release(g);
+    }
 }

@@ -16,6 +16,7 @@
  * (and the summed distance to the rounded reference must be far below the
  * distance to the exact one), so bf16 cannot fall back unnoticed.
  */
+#include "nn/internal.h" /* ct__grad_bf16_* */
 #include "test_layers.h"
 
 #define U_BF16 0x1p-8
@@ -232,31 +233,43 @@ TEST(bf16_linear_emits_bf16_when_asked)
 }
 
 /* A sequential asks a layer to emit bf16 only when the next one casts to
- * bf16: the result and the gradients are bit for bit those of f32 hand-offs. */
+ * bf16: the output and the gradients are bit for bit those of the same
+ * layers run one by one with f32 hand-offs. */
 TEST(bf16_sequential_hands_bf16_to_a_bf16_linear)
 {
     ct_module *s = ct_sequential_create();
     ASSERT_OK(ct_module_add(s, "a", ct_linear_create(12, 20, 1)));
     ASSERT_OK(ct_module_add(s, "b", ct_linear_create(20, 7, 1)));
-    rand_params(s, 8);
+    ct_module *a = s->kids[0], *b = s->kids[1];
+    rand_params(a, 8);
+    rand_params(b, 7);
+    set_compute(a->params[0]);
+    set_compute(b->params[0]);
     ct_tensor *x = rand_tensor(2, (int64_t[]){6, 12}, 9, -1.0f, 1.0f);
     ct_tensor *dy = rand_tensor(2, (int64_t[]){6, 7}, 10, -1.0f, 1.0f);
-    ct_param *wa = s->kids[0]->params[0], *wb = s->kids[1]->params[0];
     ct_tensor *y[2], *dx[2], *g[2];
     for (int run = 0; run < 2; run++) {
-        /* run 0: only a computes in bf16 (b takes f32); run 1: b too, so a emits bf16 */
-        set_compute(wa);
-        if (run) set_compute(wb);
-        ct_record *r;
-        ASSERT_OK(ct_module_forward(s, x, &y[run], &r, NULL));
-        ASSERT(s->kids[0]->emit_bf16 == run);
         ct_module_zero_grad(s);
-        ASSERT_OK(ct_module_backward(s, dy, &dx[run], r));
-        g[run] = ct_tensor_clone(wa->grad, CT_MEM_OTHER);
-        drop_compute(wa);
-        if (run) drop_compute(wb);
+        if (run == 0) { /* the sequential: a emits bf16 */
+            ct_record *r;
+            ASSERT_OK(ct_module_forward(s, x, &y[0], &r, NULL));
+            ASSERT(a->emit_bf16 == 1);
+            ASSERT_OK(ct_module_backward(s, dy, &dx[0], r));
+        } else { /* one by one, f32 between them */
+            ct_record *ra, *rb;
+            ct_tensor *h, *dh;
+            a->emit_bf16 = b->emit_bf16 = 0;
+            ASSERT_OK(ct_module_forward(a, x, &h, &ra, NULL));
+            ASSERT(h->dtype == CT_F32);
+            ASSERT_OK(ct_module_forward(b, h, &y[1], &rb, NULL));
+            ASSERT_OK(ct_module_backward(b, dy, &dh, rb));
+            ASSERT_OK(ct_module_backward(a, dh, &dx[1], ra));
+            ct_tensor_release(h);
+            ct_tensor_release(dh);
+        }
+        g[run] = ct_tensor_clone(a->params[0]->grad, CT_MEM_OTHER);
     }
-    /* a's output rounds the same whether a or b does it, so a's gradient and dx agree bit for bit */
+    assert_same_bits(y[0], y[1], "output");
     assert_same_bits(g[0], g[1], "a's weight gradient");
     assert_same_bits(dx[0], dx[1], "input gradient");
     for (int i = 0; i < 2; i++) {
@@ -264,9 +277,112 @@ TEST(bf16_sequential_hands_bf16_to_a_bf16_linear)
         ct_tensor_release(dx[i]);
         ct_tensor_release(g[i]);
     }
+    drop_compute(a->params[0]);
+    drop_compute(b->params[0]);
     ct_tensor_release(x);
     ct_tensor_release(dy);
     ct_module_destroy(s);
+}
+
+/* GELU hands a bf16 c_fc its gradient as bf16 with column sums
+ * (emit_bf16_grad): c_fc's gradients and the input gradient are bit for bit
+ * those of the f32 hand-off, over two accumulated steps (the bias gradient
+ * adds the rows' sum once per step either way). */
+TEST(bf16_gelu_hands_a_bf16_linear_its_gradient)
+{
+    ct_module *s = ct_sequential_create();
+    ASSERT_OK(ct_module_add(s, "a", ct_linear_create(12, 40, 1)));
+    ASSERT_OK(ct_module_add(s, "gelu", ct_gelu_create()));
+    ASSERT_OK(ct_module_add(s, "b", ct_linear_create(40, 7, 1)));
+    ct_module *a = s->kids[0], *gelu = s->kids[1], *b = s->kids[2];
+    rand_params(a, 18);
+    rand_params(b, 17);
+    set_compute(a->params[0]);
+    set_compute(b->params[0]);
+    ct_tensor *x = rand_tensor(3, (int64_t[]){3, 5, 12}, 19, -2.0f, 2.0f);
+    ct_tensor *dy = rand_tensor(3, (int64_t[]){3, 5, 7}, 20, -1.0f, 1.0f);
+    ct_tensor *dx[2], *gw[2], *gb[2];
+    for (int run = 0; run < 2; run++) {
+        /* run 0: the sequential (GELU emits); run 1: layer by layer, f32 hand-offs */
+        ct_module_zero_grad(s);
+        for (int step = 0; step < 2; step++) {
+            ct_tensor_release(step ? dx[run] : NULL);
+            if (run == 0) {
+                ct_record *r;
+                ct_tensor *y;
+                ASSERT_OK(ct_module_forward(s, x, &y, &r, NULL));
+                ASSERT_OK(ct_module_backward(s, dy, &dx[run], r));
+                ASSERT(gelu->emit_bf16_grad == 1);
+                ct_tensor_release(y);
+                continue;
+            }
+            ct_record *ra, *rg, *rb;
+            ct_tensor *h, *u, *y, *du, *dh;
+            gelu->emit_bf16_grad = 0;
+            a->emit_bf16 = gelu->emit_bf16 = b->emit_bf16 = 0;
+            ASSERT_OK(ct_module_forward(a, x, &h, &ra, NULL));
+            ASSERT_OK(ct_module_forward(gelu, h, &u, &rg, NULL));
+            ASSERT_OK(ct_module_forward(b, u, &y, &rb, NULL));
+            ASSERT_OK(ct_module_backward(b, dy, &du, rb));
+            ASSERT_OK(ct_module_backward(gelu, du, &dh, rg));
+            ASSERT(dh->dtype == CT_F32);
+            ASSERT_OK(ct_module_backward(a, dh, &dx[run], ra));
+            ct_tensor_release(h);
+            ct_tensor_release(u);
+            ct_tensor_release(y);
+            ct_tensor_release(du);
+            ct_tensor_release(dh);
+        }
+        gw[run] = ct_tensor_clone(a->params[0]->grad, CT_MEM_OTHER);
+        gb[run] = ct_tensor_clone(a->params[1]->grad, CT_MEM_OTHER);
+    }
+    assert_same_bits(gw[0], gw[1], "c_fc's weight gradient");
+    assert_same_bits(gb[0], gb[1], "c_fc's bias gradient");
+    assert_same_bits(dx[0], dx[1], "input gradient");
+    for (int i = 0; i < 2; i++) {
+        ct_tensor_release(dx[i]);
+        ct_tensor_release(gw[i]);
+        ct_tensor_release(gb[i]);
+    }
+    drop_compute(a->params[0]);
+    drop_compute(b->params[0]);
+    ct_tensor_release(x);
+    ct_tensor_release(dy);
+    ct_module_destroy(s);
+}
+
+/* A bf16 gradient with column sums: puts of any length, across rows, cast
+ * as ct_f32_to_bf16 and summed per column in row order; no other tensor
+ * passes for one. */
+TEST(bf16_gradient_with_column_sums)
+{
+    int64_t shape[3] = {3, 5, 7}, n = 3 * 5 * 7;
+    ct_tensor *g = ct__grad_bf16_create(3, shape);
+    ASSERT(g && g->dtype == CT_BF16 && g->numel == n);
+    float *sum = ct__grad_bf16_colsum(g);
+    ASSERT(sum);
+    for (int j = 0; j < 7; j++) ASSERT(sum[j] == 0.0f);
+    ct_tensor *src = rand_tensor(3, shape, 21, -3.0f, 3.0f);
+    const float *x = ct_f32(src);
+    int64_t pieces[] = {1, 6, 13, 0, 2, 40, 33}, at = 0; /* 95 + the rest */
+    for (size_t i = 0; i < sizeof pieces / sizeof *pieces; i++) {
+        ct__grad_bf16_put(g, at, x + at, pieces[i]);
+        at += pieces[i];
+    }
+    ct__grad_bf16_put(g, at, x + at, n - at);
+    float want[7] = {0};
+    for (int64_t r = 0; r < n / 7; r++)
+        for (int j = 0; j < 7; j++) want[j] += x[r * 7 + j];
+    for (int j = 0; j < 7; j++) ASSERT(sum[j] == want[j]);
+    for (int64_t i = 0; i < n; i++) ASSERT_EQ(((uint16_t *)ct_tensor_data(g))[i], ct_f32_to_bf16(x[i]));
+    ct_tensor *plain = ct_tensor_empty(CT_BF16, 3, shape, CT_MEM_ACT);
+    ASSERT(!ct__grad_bf16_colsum(plain) && !ct__grad_bf16_colsum(src));
+    ct_tensor *view = ct_tensor_on(g->storage, 0, CT_BF16, 1, (int64_t[]){7});
+    ASSERT(!ct__grad_bf16_colsum(view));
+    ct_tensor_release(view);
+    ct_tensor_release(plain);
+    ct_tensor_release(src);
+    ct_tensor_release(g);
 }
 
 TEST(bf16_compute_copy_must_match)

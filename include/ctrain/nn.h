@@ -108,6 +108,9 @@ struct ct_module {
     int emit_bf16;         /* set by the parent before each forward: the output feeds only a
                               layer that casts it to bf16, so the module may return it as BF16
                               (rounded as ct_f32_to_bf16_n: the same numbers, one pass less) */
+    int emit_bf16_grad;    /* set by the parent before each backward: the input gradient feeds
+                              only a bf16 linear, so the module may return it as BF16 with its
+                              column sums (see nn/internal.h: the same numbers, two passes less) */
 };
 
 /* Per-call activation record: any number of saved tensors (retained; add

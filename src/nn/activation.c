@@ -3,12 +3,16 @@
  * default; erf and exp by the vectorisable ct__erff/ct__expf) and tanh.
  * ReLU and tanh save their output, whose derivative they can be written in;
  * the next layer usually holds that tensor anyway, so the record costs no
- * extra memory.  GELU needs its input.  Outputs are new tensors; the saved
- * ones are shared by reference, so nobody may write into a module's output
- * in place.  GELU returns BF16 when its emit_bf16 is set (its consumer casts
- * to bf16 anyway): values are made a chunk at a time in L1 and cast there,
- * so the f32 output is never written to memory nor read back; the record is
- * still the f32 input and the gradients stay f32.
+ * extra memory.  GELU saves its derivative gelu'(x), made in the forward
+ * pass from the erf it computes anyway: backward is then one multiply, not
+ * erf and exp again, and the record is as large as the input it replaces.
+ * Outputs are new tensors; the saved ones are shared by reference, so
+ * nobody may write into a module's output in place.
+ * GELU returns BF16 when its emit_bf16 is set (its consumer casts to bf16
+ * anyway), and its input gradient as BF16 with column sums when
+ * emit_bf16_grad is set (a bf16 linear consumes it, ct__grad_bf16): values
+ * are made a chunk at a time in L1 and cast there, so the f32 values are
+ * never written to memory nor read back.
  */
 #include <math.h>
 
@@ -28,33 +32,19 @@ static act_kind kind_of(const ct_module *m)
 /* x Phi(x) with the exact erf. */
 static inline float gelu(float x) { return 0.5f * x * (1.0f + ct__erff(x * (float)M_SQRT1_2)); }
 
-/* dy d/dx x Phi(x) = dy (Phi(x) + x phi(x)). */
-static inline float gelu_grad(float x, float dy)
+/* d/dx x Phi(x) = Phi(x) + x phi(x). */
+static inline float gelu_deriv(float x)
 {
     const float inv_sqrt_2pi = 0.3989422804014327f;
     float cdf = 0.5f * (1.0f + ct__erff(x * (float)M_SQRT1_2));
     float pdf = inv_sqrt_2pi * ct__expf(-0.5f * x * x);
-    return dy * (cdf + x * pdf);
+    return cdf + x * pdf;
 }
 
-/* y[i] = gelu(x[i]), i < n; 16 lanes at a time where AVX-512 is there (the
- * same operations as gelu, see ct__erff16). */
-static void gelu_n(const float *restrict x, float *restrict y, int64_t n)
-{
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), r2 = _mm512_set1_ps((float)M_SQRT1_2);
-    for (; i + 16 <= n; i += 16) {
-        __m512 v = _mm512_loadu_ps(x + i);
-        __m512 e = ct__erff16(_mm512_mul_ps(v, r2));
-        _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(half, v), _mm512_add_ps(one, e)));
-    }
-#endif
-    for (; i < n; i++) y[i] = gelu(x[i]);
-}
-
-/* g[i] = gelu_grad(x[i], dy[i]), i < n, likewise. */
-static void gelu_grad_n(const float *restrict x, const float *restrict dy, float *restrict g, int64_t n)
+/* y[i] = gelu(x[i]) and, if d, d[i] = gelu'(x[i]), i < n; 16 lanes at a
+ * time where AVX-512 is there (the same operations as gelu and gelu_deriv,
+ * see ct__erff16). */
+static void gelu_n(const float *restrict x, float *restrict y, float *restrict d, int64_t n)
 {
     int64_t i = 0;
 #if defined(__AVX512F__)
@@ -62,13 +52,50 @@ static void gelu_grad_n(const float *restrict x, const float *restrict dy, float
     const __m512 mhalf = _mm512_set1_ps(-0.5f), c = _mm512_set1_ps(0.3989422804014327f);
     for (; i + 16 <= n; i += 16) {
         __m512 v = _mm512_loadu_ps(x + i);
-        __m512 cdf = _mm512_mul_ps(half, _mm512_add_ps(one, ct__erff16(_mm512_mul_ps(v, r2))));
-        __m512 pdf = _mm512_mul_ps(c, ct__expf16(_mm512_mul_ps(_mm512_mul_ps(mhalf, v), v)));
-        __m512 d = _mm512_add_ps(cdf, _mm512_mul_ps(v, pdf));
-        _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_loadu_ps(dy + i), d));
+        __m512 e1 = _mm512_add_ps(one, ct__erff16(_mm512_mul_ps(v, r2)));
+        _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(half, v), e1));
+        if (d) {
+            __m512 pdf = _mm512_mul_ps(c, ct__expf16(_mm512_mul_ps(_mm512_mul_ps(mhalf, v), v)));
+            _mm512_storeu_ps(d + i, _mm512_add_ps(_mm512_mul_ps(half, e1), _mm512_mul_ps(v, pdf)));
+        }
     }
 #endif
-    for (; i < n; i++) g[i] = gelu_grad(x[i], dy[i]);
+    for (; i < n; i++) {
+        y[i] = gelu(x[i]);
+        if (d) d[i] = gelu_deriv(x[i]);
+    }
+}
+
+/* GELU's forward: y (F32, or BF16 when emitting) and, if d, gelu'(x) into d. */
+static void gelu_forward(const float *x, ct_tensor *y, float *d, int64_t n)
+{
+    if (y->dtype != CT_BF16) {
+        gelu_n(x, ct_f32(y), d, n);
+        return;
+    }
+    uint16_t *yh = ct_tensor_data(y);
+    float buf[CT__EMIT_CHUNK];
+    for (int64_t c = 0; c < n; c += CT__EMIT_CHUNK) {
+        int64_t k = n - c < CT__EMIT_CHUNK ? n - c : CT__EMIT_CHUNK;
+        gelu_n(x + c, buf, d ? d + c : NULL, k);
+        ct_f32_to_bf16_n(buf, yh + c, (size_t)k);
+    }
+}
+
+/* g = dy * d, i < n: into F32 g, or through L1 into a bf16 gradient with column sums. */
+static void gelu_backward(const float *restrict d, const float *restrict dy, ct_tensor *g, int64_t n)
+{
+    if (g->dtype != CT_BF16) {
+        float *restrict gd = ct_f32(g);
+        for (int64_t i = 0; i < n; i++) gd[i] = dy[i] * d[i];
+        return;
+    }
+    float buf[CT__EMIT_CHUNK];
+    for (int64_t c = 0; c < n; c += CT__EMIT_CHUNK) {
+        int64_t k = n - c < CT__EMIT_CHUNK ? n - c : CT__EMIT_CHUNK;
+        for (int64_t i = 0; i < k; i++) buf[i] = dy[c + i] * d[c + i];
+        ct__grad_bf16_put(g, c, buf, k);
+    }
 }
 
 static ct_status act_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
@@ -81,11 +108,14 @@ static ct_status act_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
     act_kind kind = kind_of(m);
     int bf16 = kind == ACT_GELU && m->emit_bf16;
     ct_tensor *y = ct_tensor_empty(bf16 ? CT_BF16 : CT_F32, in->ndim, in->shape, CT_MEM_ACT); /* written in full */
-    if (!y) return CT_ENOMEM;
-    if (rec && ct_record_save(rec, kind == ACT_GELU ? in : y) < 0) {
+    ct_tensor *d = NULL; /* GELU's record: gelu'(x) */
+    if (y && rec && kind == ACT_GELU) d = ct_tensor_empty(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
+    if (!y || (rec && kind == ACT_GELU && !d) || (rec && ct_record_save(rec, kind == ACT_GELU ? d : y) < 0)) {
+        ct_tensor_release(d);
         ct_tensor_release(y);
         return CT_ENOMEM;
     }
+    ct_tensor_release(d); /* the record holds it */
     const float *restrict x = ct_f32(in);
     float *restrict yd = bf16 ? NULL : ct_f32(y);
     int64_t n = in->numel;
@@ -94,17 +124,7 @@ static ct_status act_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
         for (int64_t i = 0; i < n; i++) yd[i] = x[i] > 0.0f ? x[i] : 0.0f;
         break;
     case ACT_GELU:
-        if (bf16) {
-            uint16_t *yh = ct_tensor_data(y);
-            float buf[CT__EMIT_CHUNK];
-            for (int64_t c = 0; c < n; c += CT__EMIT_CHUNK) {
-                int64_t k = n - c < CT__EMIT_CHUNK ? n - c : CT__EMIT_CHUNK;
-                gelu_n(x + c, buf, k);
-                ct_f32_to_bf16_n(buf, yh + c, (size_t)k);
-            }
-        } else {
-            gelu_n(x, yd, n);
-        }
+        gelu_forward(x, y, d ? ct_f32(d) : NULL, n);
         break;
     case ACT_TANH:
         for (int64_t i = 0; i < n; i++) yd[i] = tanhf(x[i]);
@@ -116,25 +136,27 @@ static ct_status act_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
 
 static ct_status act_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
-    const ct_tensor *s = ct_record_saved(rec, 0); /* relu, tanh: output; gelu: input */
-    if (!ct_tensor_same_shape(dout, s)) {
+    const ct_tensor *s = ct_record_saved(rec, 0); /* relu, tanh: output; gelu: gelu'(input) */
+    if (!ct_tensor_same_shape(dout, s) || dout->dtype != CT_F32) {
         char a[64], b[64];
-        return ct_error(CT_EINVAL, "%s '%s': output gradient %s does not match the output %s",
-                        m->ops->kind, nm(m), ct_shape_str(dout, a, sizeof a),
+        return ct_error(CT_EINVAL, "%s '%s': output gradient %s %s does not match the output %s (F32)",
+                        m->ops->kind, nm(m), ct_dtype_name(dout->dtype), ct_shape_str(dout, a, sizeof a),
                         ct_shape_str(s, b, sizeof b));
     }
     if (!din) return CT_OK; /* no parameters: nothing else to do */
-    ct_tensor *dx = ct_tensor_empty(CT_F32, s->ndim, s->shape, CT_MEM_ACT); /* written in full */
+    act_kind kind = kind_of(m);
+    ct_tensor *dx = kind == ACT_GELU && m->emit_bf16_grad ? ct__grad_bf16_create(s->ndim, s->shape)
+                                                          : ct_tensor_empty(CT_F32, s->ndim, s->shape, CT_MEM_ACT);
     if (!dx) return CT_ENOMEM;
     const float *restrict v = ct_f32(s), *restrict dy = ct_f32(dout);
-    float *restrict g = ct_f32(dx);
+    float *restrict g = dx->dtype == CT_F32 ? ct_f32(dx) : NULL;
     int64_t n = s->numel;
-    switch (kind_of(m)) {
+    switch (kind) {
     case ACT_RELU:
         for (int64_t i = 0; i < n; i++) g[i] = v[i] > 0.0f ? dy[i] : 0.0f;
         break;
     case ACT_GELU:
-        gelu_grad_n(v, dy, g, n);
+        gelu_backward(v, dy, dx, n);
         break;
     case ACT_TANH:
         for (int64_t i = 0; i < n; i++) g[i] = dy[i] * (1.0f - v[i] * v[i]);

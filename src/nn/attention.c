@@ -344,14 +344,16 @@ static ct_status core_forward(const ct_module *m, const ct_tensor *qkv, const ui
     return ct__attn_bf16_forward(&d, ct_tensor_data(qkv), mask, ct_tensor_data(*P), ct_tensor_data(*y), y_bf16);
 }
 
-/* dy [B, T, D] f32 -> dqkv [B, T, 3D] f32 on the path forward took. */
+/* dy [B, T, D] f32 -> dqkv [B, T, 3D] on the path forward took: f32, or
+ * from the kernels a bf16 gradient with column sums (ct__grad_bf16). */
 static ct_status core_backward(const attn_impl *A, const ct_tensor *qkv, const ct_tensor *P, const uint8_t *mask,
                                int kern, const ct_tensor *dy, ct_tensor *dqkv)
 {
     core_dims c = dims_of(A, qkv, mask);
     if (kern) {
         ct__attn_dims d = {c.B, c.T, c.D, c.H, A->attn_p};
-        return ct__attn_bf16_backward(&d, ct_tensor_data(qkv), mask, ct_tensor_data(P), ct_f32(dy), ct_f32(dqkv));
+        return ct__attn_bf16_backward(&d, ct_tensor_data(qkv), mask, ct_tensor_data(P), ct_f32(dy),
+                                      ct_tensor_data(dqkv), ct__grad_bf16_colsum(dqkv));
     }
     if (qkv->dtype != CT_BF16) return portable_backward(&c, qkv, P, ct_f32(dy), ct_f32(dqkv));
     uint16_t *dyh = ct_alloc((size_t)dy->numel * 2, CT_MEM_ACT); /* dy cast once for every head */
@@ -441,10 +443,12 @@ static ct_status attn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     }
     const ct_tensor *qkv = ct_record_saved(rec, 0), *P = ct_record_saved(rec, 1);
     const uint8_t *mask = rec->ival[0] ? ct_tensor_data(ct_record_saved(rec, 2)) : NULL;
-    ct_tensor *dqkv = ct_tensor_empty(CT_F32, 3, qkv->shape, CT_MEM_ACT);
-    st = dqkv ? core_backward(A, qkv, P, mask, (int)rec->ival[1], g, dqkv) : CT_ENOMEM;
-    ct_tensor_release(g);
     ct_record *kr = rec->kids[K_C_ATTN];
+    /* The kernels hand a bf16 c_attn its gradient as bf16 with column sums. */
+    int kern = (int)rec->ival[1], emit = kern && ct__takes_bf16_grad(m->kids[K_C_ATTN], kr);
+    ct_tensor *dqkv = emit ? ct__grad_bf16_create(3, qkv->shape) : ct_tensor_empty(CT_F32, 3, qkv->shape, CT_MEM_ACT);
+    st = dqkv ? core_backward(A, qkv, P, mask, kern, g, dqkv) : CT_ENOMEM;
+    ct_tensor_release(g);
     rec->kids[K_C_ATTN] = NULL;
     if (st != CT_OK) {
         ct_record_destroy(kr);

@@ -547,20 +547,52 @@ static void grad_tile(const dims *d, int64_t r, const float *dP, const word *rec
     }
 }
 
+/* Rows [0, rows) of a gradient tile gt [rows][hd] f32 into bf16 out (row
+ * stride ld), rounded as ct_f32_to_bf16, and added to the column sums cs
+ * row after row: the order of c_attn's own pass over dqkv. */
+static void put_grad(const float *gt, int64_t rows, int64_t hd, uint16_t *out, int64_t ld, float *cs)
+{
+    for (int64_t c = 0; c < hd; c += TILE) {
+        __m512 sum = _mm512_loadu_ps(cs + c);
+        for (int64_t l = 0; l < rows; l++) {
+            __m512 v = _mm512_loadu_ps(gt + l * hd + c);
+            _mm256_storeu_si256((void *)(out + l * ld + c), _mm512_cvtepi32_epi16(bf16_exact(v)));
+            sum = _mm512_add_ps(sum, v);
+        }
+        _mm512_storeu_ps(cs + c, sum);
+    }
+}
+
+/* One gradient tile of rows x hd: straight into f32 dqkv (row stride ld),
+ * or through gt into bf16 dqkv and the column sums cs. */
+static void grad_product(int64_t kp, const word *a, ptrdiff_t as, ptrdiff_t ps, const word *b, int64_t hd,
+                         void *out, int64_t ld, int64_t rows, float *gt, float *cs)
+{
+    if (!cs) {
+        tile_product(hd, kp, a, as, ps, b, hd, out, ld, rows);
+        return;
+    }
+    tile_product(hd, kp, a, as, ps, b, hd, gt, hd, rows);
+    put_grad(gt, rows, hd, out, ld, cs);
+}
+
 ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, const uint8_t *mask,
-                                 const uint16_t *P, const float *dy, float *dqkv)
+                                 const uint16_t *P, const float *dy, void *dqkv, float *colsum)
 {
     int64_t B = a->B, H = a->H, D = a->D, T = a->T, hd = D / H, Tp = round16(T), W = Tp / 2;
     dims d = {T, Tp, hd, Tp / TILE, 1.0f / sqrtf((float)hd), mask ? 1.0f / (1.0f - a->attn_p) : 1.0f};
-    /* dy rows; dy, k, q pairs; v trans; dS and Pd pair words; dP and dS rows of one tile. */
+    int64_t ge = colsum ? 2 : 4; /* bytes of a dqkv element */
+    /* dy rows; dy, k, q pairs; v trans; dS and Pd pair words; dP and dS rows
+     * of one tile; a gradient tile on its way to bf16. */
     size_t pk = (size_t)(Tp * hd) / 2, sq = (size_t)(W * Tp);
-    size_t nw = 5 * pk + 2 * sq + (size_t)(TILE * Tp) + (size_t)(TILE * Tp) / 2;
+    size_t nw = 5 * pk + 2 * sq + (size_t)(TILE * Tp) + (size_t)(TILE * Tp) / 2 + (size_t)(TILE * hd);
     word *ws = ct_alloc(nw * sizeof(word), CT_MEM_ACT);
     if (!ws) return CT_ENOMEM;
     uint16_t *dyn = (uint16_t *)ws;
     word *dyp = ws + pk, *kp = dyp + pk, *qp = kp + pk, *vt = qp + pk, *dsi = vt + pk, *pdi = dsi + sq;
     float *dP = (float *)(pdi + sq);
     uint16_t *ds = (uint16_t *)(dP + TILE * Tp);
+    float *gt = (float *)(void *)(ds + TILE * Tp);
     int64_t pw = ct__attn_bf16_pwords(T);
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++) {
@@ -568,7 +600,8 @@ ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, co
             const float *g = dy + b * T * D + h * hd;
             const uint8_t *mk = mask ? mask + (b * H + h) * T * T : NULL;
             const word *rec = (const word *)(const void *)P + (b * H + h) * pw;
-            float *dq = dqkv + b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
+            char *dq = (char *)dqkv + (b * T * 3 * D + h * hd) * ge, *dk = dq + D * ge, *dv = dq + 2 * D * ge;
+            float *csq = colsum ? colsum + h * hd : NULL, *csk = colsum ? csq + D : NULL, *csv = colsum ? csq + 2 * D : NULL;
             /* The next head's operands in the order it reads them, then its outputs. */
             fetch_plan f = {.rows = b * H + h + 1 < B * H ? T : 0, .step = (T + 5 * d.nt - 1) / (5 * d.nt)};
             if (f.rows) {
@@ -577,7 +610,7 @@ ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, co
                 plan_add(&f, g + ny, D * 4, hd * 4, 0);
                 for (int k = 0; k < 3; k++) plan_add(&f, q + nx + k * D, 3 * D * 2, hd * 2, 0);
                 plan_add_block(&f, rec + pw, 4 * pw);
-                for (int k = 0; k < 3; k++) plan_add(&f, dq + nx + k * D, 3 * D * 4, hd * 4, 1);
+                for (int k = 0; k < 3; k++) plan_add(&f, dq + (nx + k * D) * ge, 3 * D * ge, hd * ge, 1);
             }
             pack_rows_f32(g, D, T, Tp, hd, dyn);
             pack_pairs_f32(g, D, T, Tp, hd, dyp);
@@ -592,17 +625,17 @@ ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, co
                 fetch_some(&f);
                 grad_tile(&d, r, dP, rec + tile_off(r), mk ? mk + TILE * r * T : NULL, ds, dsi, pdi);
                 fetch_some(&f);
-                tile_product(hd, w / 2, (const word *)ds, Tp / 2, 1, kp, hd, dq + TILE * r * 3 * D, 3 * D, rows);
+                grad_product(w / 2, (const word *)ds, Tp / 2, 1, kp, hd, dq + TILE * r * 3 * D * ge, 3 * D, rows, gt, csq);
             }
             /* Key tile c: dv = Pd^T dy and dk = dS^T q over rows i >= 16c. */
             for (int64_t c = 0; c < d.nt; c++) {
                 int64_t rows = T - TILE * c < TILE ? T - TILE * c : TILE, p0 = TILE / 2 * c;
                 fetch_some(&f);
-                tile_product(hd, W - p0, pdi + p0 * Tp + TILE * c, 1, Tp, dyp + p0 * hd, hd, dv + TILE * c * 3 * D,
-                             3 * D, rows);
+                grad_product(W - p0, pdi + p0 * Tp + TILE * c, 1, Tp, dyp + p0 * hd, hd, dv + TILE * c * 3 * D * ge,
+                             3 * D, rows, gt, csv);
                 fetch_some(&f);
-                tile_product(hd, W - p0, dsi + p0 * Tp + TILE * c, 1, Tp, qp + p0 * hd, hd, dk + TILE * c * 3 * D,
-                             3 * D, rows);
+                grad_product(W - p0, dsi + p0 * Tp + TILE * c, 1, Tp, qp + p0 * hd, hd, dk + TILE * c * 3 * D * ge,
+                             3 * D, rows, gt, csk);
             }
         }
     ct_free(ws);

@@ -1,7 +1,9 @@
 /*
  * Helpers of the bf16 compute path shared by linear, conv2d and embedding
  * (see internal.h): checking a parameter's compute copy and casting
- * operands to bf16; and which layers take bf16 input (emit_bf16).
+ * operands to bf16; which layers take bf16 input (emit_bf16) or a bf16
+ * output gradient (emit_bf16_grad); and such gradients with their column
+ * sums.
  */
 #include <string.h>
 
@@ -62,4 +64,66 @@ int ct__takes_bf16(const ct_module *m)
         m = m->kids[0];
     }
     return 0;
+}
+
+/* The head in front of a gradient's column sums; the values follow the sums
+ * at a 64-byte boundary. */
+typedef struct {
+    uint64_t magic;
+    int64_t cols, numel;
+} grad_head;
+
+#define GRAD_MAGIC 0x63746772616462ull /* "ctgradb" */
+
+static size_t grad_values_at(int64_t cols)
+{
+    return (sizeof(grad_head) + (size_t)cols * sizeof(float) + 63) & ~(size_t)63;
+}
+
+ct_tensor *ct__grad_bf16_create(int ndim, const int64_t *shape)
+{
+    int64_t numel = 1, cols = ndim ? shape[ndim - 1] : 1;
+    for (int i = 0; i < ndim; i++) numel *= shape[i];
+    size_t at = grad_values_at(cols);
+    ct_storage *st = ct_storage_create(at + (size_t)numel * sizeof(uint16_t), CT_MEM_ACT, 0);
+    if (!st) return NULL;
+    grad_head *h = ct_storage_ptr(st);
+    *h = (grad_head){GRAD_MAGIC, cols, numel};
+    memset(h + 1, 0, (size_t)cols * sizeof(float));
+    ct_tensor *g = ct_tensor_on(st, at, CT_BF16, ndim, shape);
+    ct_storage_release(st); /* the view holds it */
+    return g;
+}
+
+float *ct__grad_bf16_colsum(const ct_tensor *g)
+{
+    if (g->dtype != CT_BF16 || !g->storage || g->storage->window) return NULL;
+    int64_t cols = g->ndim ? g->shape[g->ndim - 1] : 1;
+    grad_head *h = ct_storage_ptr(g->storage);
+    if (!h || g->storage->bytes < sizeof *h || g->offset != grad_values_at(cols) || h->magic != GRAD_MAGIC ||
+        h->cols != cols || h->numel != g->numel)
+        return NULL;
+    return (float *)(void *)(h + 1);
+}
+
+void ct__grad_bf16_put(ct_tensor *g, int64_t at, const float *x, int64_t n)
+{
+    float *sum = ct__grad_bf16_colsum(g);
+    uint16_t *y = ct_tensor_data(g);
+    int64_t cols = g->ndim ? g->shape[g->ndim - 1] : 1;
+    ct_f32_to_bf16_n(x, y + at, (size_t)n);
+    for (int64_t j = at % cols; n > 0;) { /* a row's piece at a time */
+        int64_t k = cols - j < n ? cols - j : n;
+        float *restrict s = sum + j;
+        for (int64_t i = 0; i < k; i++) s[i] += x[i];
+        x += k;
+        n -= k;
+        j = 0;
+    }
+}
+
+int ct__takes_bf16_grad(const ct_module *m, const ct_record *r)
+{
+    return m && r && r->m == m && !strcmp(m->ops->kind, "linear") && r->nsaved > 0 && r->saved[0] &&
+           r->saved[0]->dtype == CT_BF16;
 }

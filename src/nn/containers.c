@@ -54,6 +54,7 @@ static ct_status seq_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
         rec->kids[i] = NULL; /* consumed by the child's backward */
         int need = i > 0 || din;
         ct_tensor *gin = NULL;
+        m->kids[i]->emit_bf16_grad = i > 0 ? ct__takes_bf16_grad(m->kids[i - 1], rec->kids[i - 1]) : m->emit_bf16_grad;
         ct_status s = ct_module_backward(m->kids[i], g, need ? &gin : NULL, kr);
         ct_tensor_release(g);
         if (s != CT_OK) return s;

@@ -39,6 +39,25 @@ ct_tensor *ct__tensor_bf16(ct_tensor *t);
  * compute copy): its producer may then emit BF16 (ct_module.emit_bf16). */
 int ct__takes_bf16(const ct_module *m);
 
+/* Input gradients in bf16 (ct_module.emit_bf16_grad).  A bf16 linear casts
+ * its output gradient to bf16 and sums its columns for the bias gradient; a
+ * producer that knows this (GELU, the attention core) hands it both at once:
+ * a BF16 tensor whose storage also holds the f32 column sums (the last dim,
+ * over all rows, from 0, in row order: the sums of the values before
+ * rounding, which the linear cannot get back from the bf16 ones).
+ * ct__grad_bf16_create makes one (sums 0); ct__grad_bf16_put casts n values
+ * starting at flat index at into it and adds them to the sums, so puts in
+ * increasing row order sum as the linear's own pass would;
+ * ct__grad_bf16_colsum returns the sums, or NULL for any other tensor. */
+ct_tensor *ct__grad_bf16_create(int ndim, const int64_t *shape);
+void ct__grad_bf16_put(ct_tensor *g, int64_t at, const float *x, int64_t n);
+float *ct__grad_bf16_colsum(const ct_tensor *g);
+
+/* 1 if m, whose forward made record r, takes its output gradient as bf16
+ * with column sums (a linear whose forward took the bf16 path): its
+ * producer may then emit it so (ct_module.emit_bf16_grad). */
+int ct__takes_bf16_grad(const ct_module *m, const ct_record *r);
+
 /* The causal attention core's AVX512_BF16 kernels (attn_bf16.c; attention.c
  * holds the layer and the portable path).  qkv [B, T, 3D] bf16; mask the
  * dropout's keep-bytes [B, H, T, T] or NULL (then attn_p is not read). */
@@ -56,9 +75,11 @@ int64_t ct__attn_bf16_pwords(int64_t T);
  * ct_f32_to_bf16. */
 ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, const uint8_t *mask, uint16_t *P,
                                 void *y, int y_bf16);
-/* dy [B, T, D] f32 -> dqkv [B, T, 3D] f32, every element written. */
+/* dy [B, T, D] f32 -> dqkv [B, T, 3D], every element written: f32, or with
+ * colsum bf16 rounded as ct_f32_to_bf16, its columns summed into colsum [3D]
+ * in row order (a gradient of ct__grad_bf16_create's). */
 ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, const uint8_t *mask,
-                                 const uint16_t *P, const float *dy, float *dqkv);
+                                 const uint16_t *P, const float *dy, void *dqkv, float *colsum);
 
 /* Branch-free expf and erff that compilers vectorise (libm's are calls per
  * element: 20% of a GPT step went to erff and expf).  ct__expf: Cephes'

@@ -17,7 +17,9 @@
  *   with f32 accumulation.  y, dx and dW stay f32 (y is stored as bf16 when
  *   emit_bf16 says its consumer would cast it anyway), and dW accumulates
  *   into the f32 p->grad as in the f32 path.  The bias is f32 throughout;
- *   its gradient is summed in the pass that casts dy.
+ *   its gradient is summed in the pass that casts dy, or by the layer that
+ *   made dy, when it hands dy over as bf16 (emit_bf16_grad: GELU, the
+ *   attention core), and added to the bias's gradient once.
  * The forward product adds the bias itself (oneDNN's bias argument; OpenBLAS
  * gets rows preset to it), so y is written once, not preset and re-read.
  */
@@ -98,23 +100,24 @@ static ct_status linear_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct
     return CT_OK;
 }
 
-/* dy [rows, out] F32: dW += dy^T x, db += sum_rows dy, dx = dy W (F32, only
- * if din).  The bf16 path is taken when forward saved a bf16 x. */
+/* dy [rows, out] F32 (or, on the bf16 path, BF16 with its column sums:
+ * ct__grad_bf16): dW += dy^T x, db += sum_rows dy, dx = dy W (F32, only if
+ * din).  The bf16 path is taken when forward saved a bf16 x. */
 static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
 {
     const linear_impl *L = m->impl;
     ct_tensor *x = ct_record_saved(rec, 0);
     int64_t rows = x->numel / L->in;
-    if (dout->dtype != CT_F32 || dout->numel != rows * L->out) {
+    int bf16 = x->dtype == CT_BF16;
+    const float *dsum = bf16 ? ct__grad_bf16_colsum(dout) : NULL; /* dy came as bf16 and sums */
+    if ((dout->dtype != CT_F32 && !dsum) || dout->numel != rows * L->out) {
         char a[64];
         return ct_error(CT_EINVAL, "linear '%s': output gradient %s %s does not match the output "
                         "of %lld rows x %lld (F32)", nm(m), ct_dtype_name(dout->dtype),
                         ct_shape_str(dout, a, sizeof a), (long long)rows, (long long)L->out);
     }
-    const float *dy = ct_f32(dout);
     ct_param *W = m->params[0];
     int want_dw = W->requires_grad && W->grad != NULL;
-    int bf16 = x->dtype == CT_BF16;
     if (bf16) CT_TRY(ct__param_compute(m, W, &(int){0}));
     ct_tensor *dx = NULL;
     if (din && !(dx = ct_tensor_empty(CT_F32, x->ndim, x->shape, CT_MEM_ACT))) return CT_ENOMEM;
@@ -125,25 +128,38 @@ static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
         ct_param_grad_sync(B); /* small: clearing it costs nothing */
         gb = ct_f32(B->grad);
     }
-    if (bf16 && (want_dw || dx)) {
-        uint16_t *dyh = ct_alloc((size_t)dout->numel * sizeof *dyh, CT_MEM_ACT);
-        const uint16_t *w = NULL;
+    if (bf16) {
+        /* dy in bf16 and its column sums, made here from f32 dy in one read
+         * unless the producer made them. */
+        uint16_t *dyh = NULL;
+        float *sum = NULL;
+        const uint16_t *w = NULL, *dyb = dsum ? ct_tensor_data(dout) : NULL;
         uint16_t *wtmp = NULL;
-        if (!dyh) s = CT_ENOMEM;
-        else ct_f32_to_bf16_rows(dy, rows, L->out, dyh, gb); /* one read of dy for both */
-        gb = NULL;
+        if (!dsum && (want_dw || dx || gb)) {
+            dyh = ct_alloc((size_t)dout->numel * sizeof *dyh, CT_MEM_ACT);
+            sum = gb ? ct_alloc_zeroed((size_t)L->out * sizeof *sum, CT_MEM_ACT) : NULL;
+            if (!dyh || (gb && !sum)) s = CT_ENOMEM;
+            else ct_f32_to_bf16_rows(ct_f32(dout), rows, L->out, dyh, sum);
+            dyb = dyh;
+            dsum = sum;
+        }
+        /* The rows' sum is added once, as PyTorch adds a bias's gradient. */
+        if (s == CT_OK && gb)
+            for (int64_t j = 0; j < L->out; j++) gb[j] += dsum[j];
         /* A gradient marked zero is overwritten (beta 0): no clearing pass and
          * no read of the old values. */
         if (s == CT_OK && want_dw)
-            s = ct_gemm_bf16(1, 0, (int)L->out, (int)L->in, (int)rows, 1.0f, dyh, (int)L->out, ct_tensor_data(x),
+            s = ct_gemm_bf16(1, 0, (int)L->out, (int)L->in, (int)rows, 1.0f, dyb, (int)L->out, ct_tensor_data(x),
                              (int)L->in, ct_param_grad_beta(W), ct_f32(W->grad), (int)L->in);
         if (s == CT_OK && dx) s = ct__param_bf16(W, &w, &wtmp);
         if (s == CT_OK && dx)
-            s = ct_gemm_bf16(0, 0, (int)rows, (int)L->in, (int)L->out, 1.0f, dyh, (int)L->out, w,
+            s = ct_gemm_bf16(0, 0, (int)rows, (int)L->in, (int)L->out, 1.0f, dyb, (int)L->out, w,
                              (int)L->in, 0.0f, ct_f32(dx), (int)L->in);
         ct_free(wtmp);
+        ct_free(sum);
         ct_free(dyh);
     } else {
+        const float *dy = ct_f32(dout);
         if (want_dw)
             s = ct_gemm_f32(CT_GEMM_AUTO, 1, 0, (int)L->out, (int)L->in, (int)rows, 1.0f, dy,
                             (int)L->out, ct_f32(x), (int)L->in, ct_param_grad_beta(W),
@@ -151,14 +167,14 @@ static ct_status linear_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
         if (s == CT_OK && dx)
             s = ct_gemm_f32(CT_GEMM_AUTO, 0, 0, (int)rows, (int)L->in, (int)L->out, 1.0f, dy,
                             (int)L->out, ct_f32(W->data), (int)L->in, 0.0f, ct_f32(dx), (int)L->in);
+        if (s == CT_OK && gb)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t j = 0; j < L->out; j++) gb[j] += dy[r * L->out + j];
     }
     if (s != CT_OK) {
         ct_tensor_release(dx);
         return s;
     }
-    if (gb)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t j = 0; j < L->out; j++) gb[j] += dy[r * L->out + j];
     if (din) *din = dx;
     return CT_OK;
 }

@@ -96,6 +96,8 @@ static ct_status branch_forward(ct_module *m, int a, ct_tensor *x, ct_tensor **o
 static ct_status branch_backward(ct_module *m, int a, ct_tensor *dout, ct_tensor **dx, ct_record *rec)
 {
     ct_tensor *du = NULL, *dxb = NULL;
+    m->kids[a + 1]->emit_bf16_grad = 0; /* the norm's backward takes f32 */
+    m->kids[a]->emit_bf16_grad = 0;     /* so does the residual sum */
     CT_TRY(kid_backward(m, a + 1, dout, &du, rec));
     ct_status st = du ? kid_backward(m, a, du, &dxb, rec) : ct_error(CT_EUNSUPPORTED, "block '%s': '%s' gives "
                                                                     "no input gradient", nm(m), m->kids[a + 1]->fqn);
