@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "core/internal.h" /* ct__rng_path */
 #include "test.h"
 
 /* Philox4x32-10 known answers: counter (4 words), key (2 words), expected
@@ -88,6 +89,99 @@ TEST(core_rng_reproducible_and_sliceable)
     r2.offset = 777;
     ct_rng_uniform(&r2, b, N - 777);
     ASSERT(!memcmp(a + 777, b, (N - 777) * sizeof(float)));
+}
+
+/* Word i of stream (seed, stream) straight from the Philox block it sits in,
+ * as the float ct_rng_uniform makes of it: the reference its vector paths
+ * must match bit for bit. */
+static float reference_uniform(uint64_t seed, uint64_t stream, uint64_t i)
+{
+    uint64_t blk = i >> 2;
+    uint32_t ctr[4] = {(uint32_t)blk, (uint32_t)(blk >> 32), (uint32_t)stream, (uint32_t)(stream >> 32)}, w[4];
+    ct_philox4x32(seed, ctr, w);
+    return (float)(w[i & 3] >> 8) * (1.0f / 16777216.0f);
+}
+
+/* Draws n words at offset off and fails on the first that differs from the
+ * reference, on a write past the n-th, or on the offset not advancing by n. */
+static void check_draw(uint64_t seed, uint64_t stream, uint64_t off, size_t n, float *buf)
+{
+    const float canary = -1.0f;
+    ct_rng r;
+    ct_rng_init(&r, seed, stream);
+    r.offset = off;
+    for (size_t i = 0; i < n + 17; i++) buf[i] = canary;
+    ct_rng_uniform(&r, buf, n);
+    for (size_t i = 0; i < n; i++) {
+        float want = reference_uniform(seed, stream, off + i);
+        if (memcmp(&buf[i], &want, sizeof want))
+            ct_test_fail(__FILE__, __LINE__, "%s path: seed %llx stream %llx offset %llu n %zu: word %zu is %.9g, want %.9g",
+                         ct__rng_path(), (unsigned long long)seed, (unsigned long long)stream,
+                         (unsigned long long)off, n, i, (double)buf[i], (double)want);
+    }
+    for (size_t i = n; i < n + 17; i++)
+        if (buf[i] != canary)
+            ct_test_fail(__FILE__, __LINE__, "%s path: offset %llu n %zu wrote word %zu", ct__rng_path(),
+                         (unsigned long long)off, n, i);
+    ASSERT_EQ(r.offset, off + n);
+}
+
+/* The path ct_rng_uniform takes after CTRAIN_RNG_ISA=isa (NULL: unset) must
+ * be want, and give the reference's floats for every offset within and
+ * across blocks and vectors (16 words at AVX-512, 8 at AVX2, 8 vectors at a
+ * time), every short count, long ones, and an offset about to wrap at 2^64. */
+static void check_path(const char *isa, const char *want, int cpu_has)
+{
+    if (!cpu_has) SKIP("this CPU lacks %s", want);
+    if (isa) setenv("CTRAIN_RNG_ISA", isa, 1);
+    else unsetenv("CTRAIN_RNG_ISA");
+    ASSERT(!strcmp(ct__rng_path(), want));
+    enum { MAXN = 4099 };
+    float *buf = malloc((MAXN + 17) * sizeof *buf);
+    ASSERT(buf != NULL);
+    const uint64_t seeds[] = {0, 1, 0xdeadbeefcafef00dull, UINT64_MAX};
+    const uint64_t streams[] = {0, 7, (uint64_t)5 << 32 | 3, UINT64_MAX};
+    const uint64_t offs[] = {0, 1, 2, 3, 4, 5, 6, 7, 9, 13, 15, 16, 17, 30, 31, 63, 64, 65, 127, 128, 129,
+                             1000003, (uint64_t)1 << 34 | 2, UINT64_MAX - 200, UINT64_MAX - 2};
+    const size_t longs[] = {127, 128, 129, 255, 256, 257, 511, 1000, 1024, 4096, MAXN};
+    for (size_t a = 0; a < sizeof seeds / sizeof seeds[0]; a++)
+        for (size_t b = 0; b < sizeof streams / sizeof streams[0]; b++)
+            for (size_t o = 0; o < sizeof offs / sizeof offs[0]; o++) {
+                for (size_t n = 0; n <= 100; n++) check_draw(seeds[a], streams[b], offs[o], n, buf);
+                for (size_t k = 0; k < sizeof longs / sizeof longs[0]; k++)
+                    check_draw(seeds[a], streams[b], offs[o], longs[k], buf);
+            }
+    /* Draws one after another, of every length up to 70, carry on the stream. */
+    ct_rng r;
+    ct_rng_init(&r, 42, 9);
+    for (size_t n = 0, at = 0; n <= 70; at += n, n++) {
+        ct_rng_uniform(&r, buf, n);
+        for (size_t i = 0; i < n; i++) {
+            float want = reference_uniform(42, 9, at + i);
+            if (memcmp(&buf[i], &want, sizeof want))
+                ct_test_fail(__FILE__, __LINE__, "%s path: the draw of %zu at %zu differs at word %zu",
+                             ct__rng_path(), n, at, i);
+        }
+    }
+    free(buf);
+}
+
+TEST(core_rng_uniform_widest_path_matches_philox)
+{
+    __builtin_cpu_init();
+    int avx512 = __builtin_cpu_supports("avx512f"), avx2 = __builtin_cpu_supports("avx2");
+    check_path(NULL, avx512 ? "avx512" : avx2 ? "avx2" : "portable", 1);
+}
+
+TEST(core_rng_uniform_avx2_path_matches_philox)
+{
+    __builtin_cpu_init();
+    check_path("avx2", "avx2", __builtin_cpu_supports("avx2"));
+}
+
+TEST(core_rng_uniform_portable_path_matches_philox)
+{
+    check_path("portable", "portable", 1);
 }
 
 TEST(core_rng_streams_and_seeds_differ)
