@@ -1,9 +1,10 @@
 /*
  * Internals of the ctrain program, shared by its files: exit codes, the
- * option parser (args.c), printing from rank 0 only (output.c), data
- * loading (data.c), evaluation on a test set (evaluate.c), checkpoints and
- * their optimizer sidecars (checkpoint.c, sharded.c), progress display (progress.c),
- * and the commands (train.c, eval.c, inspect.c, estimate.c, sample.c).  Like any user of ctrain,
+ * option parser (args.c) and the gpt's shape flags (gpt_flags.c), printing
+ * from rank 0 only (output.c), data loading (data.c), evaluation on a test
+ * set (evaluate.c), checkpoints and their optimizer sidecars (checkpoint.c,
+ * sharded.c), progress display (progress.c), and the commands (train.c,
+ * eval.c, inspect.c, estimate.c, sample.c).  Like any user of ctrain,
  * the program sees only the public headers.
  */
 #ifndef CTRAIN_CLI_H
@@ -57,6 +58,28 @@ ct_status cli_agree_options(ct_group *g, const char *what, const cli_opt *opts, 
 void cli_print_help(FILE *f, const char *usage, const cli_opt *opts, int nopts, const char *epilog);
 /* The option called name (for checking .given), or NULL. */
 cli_opt *cli_find(cli_opt *opts, int nopts, const char *name);
+
+/* ---- the gpt's shape flags (gpt_flags.c): train and estimate ---------- */
+
+/* --layers, --heads, --dim, --context and --vocab, as parsed. */
+typedef struct {
+    int64_t layers, heads, dim, context, vocab;
+} cli_gpt_shape;
+
+#define CLI_GPT_SHAPE_NOPTS 5
+/* The flags' names, for messages that name them all. */
+#define CLI_GPT_SHAPE_FLAGS "--layers, --heads, --dim, --context and --vocab"
+
+/* The default gpt's shape (ct_model_config_default). */
+cli_gpt_shape cli_gpt_shape_default(void);
+/* The flags' table entries over s into t (room for CLI_GPT_SHAPE_NOPTS); returns their number. */
+int cli_gpt_shape_opts(cli_gpt_shape *s, cli_opt *t);
+/* 1 if any of the flags was given in t (parsed by cli_parse). */
+int cli_gpt_shape_given(cli_opt *t, int n);
+/* Sets cfg's gpt shape from s (ct_model_config_gpt; checks nothing). */
+void cli_gpt_shape_apply(const cli_gpt_shape *s, ct_model_config *cfg);
+/* CT_OK when s makes a valid gpt, else CT_EINVAL with the cause in ct_last_error. */
+ct_status cli_gpt_shape_check(const cli_gpt_shape *s);
 
 /* ---- output (output.c) ------------------------------------------------- */
 

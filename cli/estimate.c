@@ -14,7 +14,7 @@
 typedef struct {
     const char *model, *hidden, *optim, *mixed, *grad_compress, *strategy, *strategy_opt;
     int64_t kernel, ranks, batch, grad_accum;
-    int64_t layers, heads, dim, context, vocab; /* gpt */
+    cli_gpt_shape gpt;
     double dropout, momentum;
     int json, has_kernel;
 } est_opts;
@@ -42,11 +42,7 @@ static int table(est_opts *o, cli_opt *t)
     OPT("--hidden", OPT_STR, &o->hidden, "LIST", "layer sizes (mlp 256,128; cnn conv channels then fc: 16,32,128)");
     OPT("--kernel", OPT_INT, &o->kernel, "K", "cnn: conv kernel size, odd (3)");
     OPT("--dropout", OPT_NUM, &o->dropout, "P", "mlp: dropout after every hidden layer; gpt: nanoGPT's dropout (0)");
-    OPT("--layers", OPT_INT, &o->layers, "L", "gpt: transformer blocks (4)");
-    OPT("--heads", OPT_INT, &o->heads, "H", "gpt: attention heads (4)");
-    OPT("--dim", OPT_INT, &o->dim, "D", "gpt: width (256)");
-    OPT("--context", OPT_INT, &o->context, "T", "gpt: tokens per sequence (128)");
-    OPT("--vocab", OPT_INT, &o->vocab, "V", "gpt: vocabulary (256)");
+    n += cli_gpt_shape_opts(&o->gpt, t + n);
     OPT("--ranks", OPT_INT, &o->ranks, "N", "number of ranks (required)");
     OPT("--batch", OPT_INT, &o->batch, "B", "global batch size, split across ranks (64)");
     OPT("--optim", OPT_STR, &o->optim, "NAME", "sgd or adamw (adamw)");
@@ -122,12 +118,7 @@ static int parse(int argc, char **argv, est_opts *o, int *help, char *err, size_
     o->mixed = "none";
     o->grad_compress = "none";
     o->grad_accum = 1;
-    ct_model_config gd = ct_model_config_default(CT_MODEL_GPT);
-    o->layers = gd.layers;
-    o->heads = gd.heads;
-    o->dim = gd.dim;
-    o->context = gd.context;
-    o->vocab = gd.vocab;
+    o->gpt = cli_gpt_shape_default();
     cli_opt t[MAXOPT];
     int n = table(o, t), npos;
     const char *pos[1];
@@ -152,14 +143,8 @@ static int parse(int argc, char **argv, est_opts *o, int *help, char *err, size_
             return BAD("%s: %s", o->has_kernel ? "--kernel" : "--hidden", ct_last_error());
     }
     if (GIVEN("--dropout") && kind == CT_MODEL_CNN) return BAD("--dropout applies to --model mlp and gpt only");
-    if ((GIVEN("--layers") || GIVEN("--heads") || GIVEN("--dim") || GIVEN("--context") || GIVEN("--vocab")) &&
-        kind != CT_MODEL_GPT)
-        return BAD("--layers, --heads, --dim, --context and --vocab apply to --model gpt only");
-    if (kind == CT_MODEL_GPT) {
-        ct_model_config c = ct_model_config_default(kind);
-        ct_model_config_gpt(&c, o->layers, o->heads, o->dim, o->context, o->vocab);
-        if (ct_model_config_validate(&c) != CT_OK) return BAD("%s", ct_last_error());
-    }
+    if (cli_gpt_shape_given(t, n) && kind != CT_MODEL_GPT) return BAD(CLI_GPT_SHAPE_FLAGS " apply to --model gpt only");
+    if (kind == CT_MODEL_GPT && cli_gpt_shape_check(&o->gpt) != CT_OK) return BAD("%s", ct_last_error());
     if (GIVEN("--dropout") && !(o->dropout >= 0 && o->dropout < 1)) return BAD("--dropout %g must be in [0, 1)", o->dropout);
     ct_optim_kind ok;
     if (ct_optim_parse(o->optim, &ok)) return BAD("unknown optimizer '%s' for --optim; choose sgd or adamw", o->optim);
@@ -221,7 +206,7 @@ static ct_status build_input(const est_opts *o, est_in *in)
     if (o->hidden) CT_TRY(ct_model_config_parse_hidden(&in->cfg, o->hidden));
     if (o->has_kernel) in->cfg.kernel = o->kernel < 0 || o->kernel > 99 ? 0 : (int)o->kernel;
     in->cfg.dropout = (float)o->dropout;
-    if (kind == CT_MODEL_GPT) ct_model_config_gpt(&in->cfg, o->layers, o->heads, o->dim, o->context, o->vocab);
+    if (kind == CT_MODEL_GPT) cli_gpt_shape_apply(&o->gpt, &in->cfg);
     CT_TRY(ct_model_config_validate(&in->cfg));
     in->world = (int)o->ranks;
     in->batch = o->batch;

@@ -68,7 +68,7 @@ static ct_status choose_config(trainer *t)
     if (o->has_hidden) CT_TRY(ct_model_config_parse_hidden(&t->cfg, o->hidden));
     if (o->has_kernel) t->cfg.kernel = (int)o->kernel;
     if (o->has_dropout) t->cfg.dropout = (float)o->dropout;
-    if (kind == CT_MODEL_GPT) ct_model_config_gpt(&t->cfg, o->layers, o->heads, o->dim, o->context, o->vocab);
+    if (kind == CT_MODEL_GPT) cli_gpt_shape_apply(&o->gpt, &t->cfg);
     return ct_model_config_validate(&t->cfg);
 }
 

@@ -27,8 +27,8 @@ typedef struct {
     /* pipe: stages, children per stage, micro-batches, schedule, checkpoint mode */
     int64_t stages, chunks;
     const char *balance, *pipe_schedule, *pipe_checkpoint;
-    int64_t layers, heads, dim, context, vocab;  /* gpt */
-    int has_gpt_shape;                           /* any of those given */
+    cli_gpt_shape gpt;
+    int has_gpt_shape; /* any of gpt's flags given */
     /* offload: slices, micro-batches, the store's directory, the resident budget */
     int64_t slices, microbatches, max_resident_mb;
     const char *offload_dir;

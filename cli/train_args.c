@@ -44,11 +44,8 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--hidden", OPT_STR, &o->hidden, "LIST", "layer sizes (mlp 256,128; cnn conv channels then fc: 16,32,128)");
     OPT("--kernel", OPT_INT, &o->kernel, "K", "cnn: conv kernel size, odd (3)");
     OPT("--dropout", OPT_NUM, &o->dropout, "P", "mlp: dropout after every hidden layer (0)");
-    OPT("--layers", OPT_INT, &o->layers, "L", "gpt: transformer blocks (4)");
-    OPT("--heads", OPT_INT, &o->heads, "H", "gpt: attention heads per block (4)");
-    OPT("--dim", OPT_INT, &o->dim, "D", "gpt: model width, a multiple of --heads (256)");
-    OPT("--context", OPT_INT, &o->context, "T", "gpt: tokens per sequence (128)");
-    OPT("--vocab", OPT_INT, &o->vocab, "V", "gpt: vocabulary size (256: bytes)");
+    CT_ASSERT(n + CLI_GPT_SHAPE_NOPTS <= MAXOPT);
+    n += cli_gpt_shape_opts(&o->gpt, t + n);
     OPT("--data", OPT_STR, &o->data, "NAME", "data set: fashion-mnist (mlp, cnn) or fortunes (gpt: byte-level text)");
     OPT("--data-dir", OPT_STR, &o->data_dir, "DIR", "where the data files are (" CT_FASHION_MNIST_DIR "; "
         "fortunes: " CT_FORTUNES_DIR ", or any folder of text files)");
@@ -132,12 +129,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
 {
     memset(o, 0, sizeof *o);
     o->data = NULL; /* fashion-mnist, or fortunes for the gpt (train_data_default) */
-    ct_model_config gd = ct_model_config_default(CT_MODEL_GPT);
-    o->layers = gd.layers;
-    o->heads = gd.heads;
-    o->dim = gd.dim;
-    o->context = gd.context;
-    o->vocab = gd.vocab;
+    o->gpt = cli_gpt_shape_default();
     o->batch = 64;
     o->optim = "adamw";
     o->schedule = "constant";
@@ -186,8 +178,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     const char *fsdp_flag = GIVEN("--sharding") ? "--sharding" : GIVEN("--wrap-min-params") ? "--wrap-min-params"
                           : GIVEN("--prefetch") ? "--prefetch" : GIVEN("--limit-all-gathers") ? "--limit-all-gathers"
                           : NULL;
-    o->has_gpt_shape = GIVEN("--layers") || GIVEN("--heads") || GIVEN("--dim") || GIVEN("--context") ||
-                       GIVEN("--vocab");
+    o->has_gpt_shape = cli_gpt_shape_given(t, n);
 #undef GIVEN
 
     if (has_epochs && has_steps) return BAD("--epochs and --steps are both given; give one of them");
@@ -214,13 +205,10 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
         return BAD("--dropout %g must be in [0, 1)", o->dropout);
     if (o->has_dropout && o->has_model && kind == CT_MODEL_CNN) return BAD("--dropout applies to --model mlp and gpt only");
     if (o->has_gpt_shape && (!o->has_model || kind != CT_MODEL_GPT))
-        return BAD("--layers, --heads, --dim, --context and --vocab apply to --model gpt only%s",
+        return BAD(CLI_GPT_SHAPE_FLAGS " apply to --model gpt only%s",
                    o->has_model ? "" : " (on --init/--resume the checkpoint's shape is used: drop them)");
-    if (o->has_model && kind == CT_MODEL_GPT) {
-        ct_model_config c = ct_model_config_default(kind);
-        ct_model_config_gpt(&c, o->layers, o->heads, o->dim, o->context, o->vocab);
-        if (ct_model_config_validate(&c) != CT_OK) return BAD("%s", ct_last_error());
-    }
+    if (o->has_model && kind == CT_MODEL_GPT && cli_gpt_shape_check(&o->gpt) != CT_OK)
+        return BAD("%s", ct_last_error());
     if (o->data && strcmp(o->data, "fashion-mnist") && strcmp(o->data, "fortunes"))
         return BAD("unknown data set '%s' for --data; this ctrain knows: fashion-mnist, fortunes", o->data);
     if (o->data && o->has_model && (kind == CT_MODEL_GPT) != !strcmp(o->data, "fortunes"))

@@ -75,26 +75,12 @@ static int start_mpi(allgather_op *o)
 
 _Atomic uint64_t ct__allgather_two_level_runs;
 
+/* Agrees on count, dtype and where recv lies; in place may differ by rank. */
 static int start_two_level(allgather_op *o)
 {
-    ct_work *w = &o->w;
-    int64_t h = 0; /* private memory: "all private" and "all shared" both agree */
-    if (o->ref.a) {
-        struct {
-            uint64_t kind, id, off;
-            int64_t count;
-            int32_t dt, pad;
-        } k;
-        memset(&k, 0, sizeof k);
-        k.kind = CT__KIND_ALLGATHER;
-        k.id = ct__shm_alloc_id(&o->ref);
-        k.off = o->ref.off;
-        k.count = o->count;
-        k.dt = (int32_t)o->dt;
-        h = (int64_t)(ct_hash64(&k, sizeof k) >> 2);
-    }
+    int64_t h = ct__args_hash(CT__KIND_ALLGATHER, &o->ref, o->count, o->dt, 0, 0);
     o->phase = PH_HAGREE;
-    return ct__hash_agree_start(w, o->h, h, "MPI_Iallreduce (agreeing on an all-gather's arguments)");
+    return ct__hash_agree_start(&o->w, o->h, h, "MPI_Iallreduce (agreeing on an all-gather's arguments)");
 }
 
 static int two_level_progress(allgather_op *o)
@@ -264,14 +250,10 @@ ct_status ct_group_allgather(ct_group *g, const void *send, void *recv, int64_t 
     if (two_level && ref.a && g->leaders && count > 0 && (int64_t)g->size * count <= INT_MAX) {
         /* the leader's layout of node blocks, made here so that running out
          * of memory fails before anything is sent */
-        o->counts = ct_alloc((size_t)g->nnodes * sizeof(int), CT_MEM_OTHER);
-        o->displs = ct_alloc((size_t)g->nnodes * sizeof(int), CT_MEM_OTHER);
-        o->pos = ct_alloc((size_t)g->size * sizeof(int64_t), CT_MEM_OTHER);
-        if (o->counts && o->displs && o->pos) {
-            o->rank_order = ct__node_layout(g, count, o->counts, o->displs, o->pos) == 1;
-            if (!o->rank_order) o->pack = ct_alloc(block * (size_t)g->size, CT_MEM_COMM);
-        }
-        if (!o->counts || !o->displs || !o->pos || (!o->rank_order && !o->pack)) {
+        int layout = ct__node_layout(g, count, &o->counts, &o->displs, &o->pos);
+        o->rank_order = layout == 1;
+        if (layout == 0) o->pack = ct_alloc(block * (size_t)g->size, CT_MEM_COMM);
+        if (layout < 0 || (layout == 0 && !o->pack)) {
             ct__work_destroy(&o->w);
             return ct_error(CT_ENOMEM, "allgather: out of memory for the two-level layout");
         }

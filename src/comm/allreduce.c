@@ -73,31 +73,13 @@ static int start_mpi(allreduce_op *o)
 
 /* ---- two-level ---------------------------------------------------------- */
 
-static int64_t args_hash(const allreduce_op *o)
-{
-    struct {
-        uint64_t id, off;
-        int64_t count;
-        int32_t dt, op;
-    } k;
-    memset(&k, 0, sizeof k);
-    k.id = ct__shm_alloc_id(&o->ref);
-    k.off = o->ref.a ? o->ref.off : 0;
-    k.count = o->count;
-    k.dt = (int32_t)o->dt;
-    k.op = (int32_t)o->op;
-    return (int64_t)(ct_hash64(&k, sizeof k) >> 2);
-}
-
 _Atomic uint64_t ct__allreduce_two_level_runs;
 
 static int start_two_level(allreduce_op *o)
 {
-    ct_work *w = &o->w;
-    /* 0 for private memory, so "all private" and "all shared" both agree. */
-    int64_t h = o->ref.a ? args_hash(o) : 0;
+    int64_t h = ct__args_hash(CT__KIND_ALLREDUCE, &o->ref, o->count, o->dt, (int)o->op, 0);
     o->phase = PH_HAGREE;
-    return ct__hash_agree_start(w, o->h, h, "MPI_Iallreduce (agreeing on an allreduce's arguments)");
+    return ct__hash_agree_start(&o->w, o->h, h, "MPI_Iallreduce (agreeing on an allreduce's arguments)");
 }
 
 static int two_level_progress(allreduce_op *o)

@@ -4,8 +4,28 @@
  * tensor forms of the collectives.
  */
 #include <limits.h>
+#include <string.h>
 
 #include "internal.h"
+
+int64_t ct__args_hash(int kind, const ct__shm_ref *ref, int64_t count, ct_dtype dt, int op, int inplace)
+{
+    if (!ref->a) return 0;
+    struct {
+        uint64_t kind, id, off;
+        int64_t count;
+        int32_t dt, op, inplace, pad;
+    } k;
+    memset(&k, 0, sizeof k); /* the padding too: the hash reads every byte */
+    k.kind = (uint64_t)kind;
+    k.id = ct__shm_alloc_id(ref);
+    k.off = ref->off;
+    k.count = count;
+    k.dt = (int32_t)dt;
+    k.op = op;
+    k.inplace = inplace;
+    return (int64_t)(ct_hash64(&k, sizeof k) >> 2);
+}
 
 int ct__hash_agree_start(ct_work *w, int64_t h[2], int64_t hash, const char *what)
 {

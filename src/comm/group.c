@@ -192,9 +192,13 @@ ct_status ct__group_setup(ct_group *g, MPI_Comm comm)
     return s;
 }
 
-int ct__node_layout(const ct_group *g, int64_t count, int *cnt, int *dsp, int64_t *pos)
+int ct__node_layout(const ct_group *g, int64_t count, int **cntp, int **dspp, int64_t **posp)
 {
-    if ((int64_t)g->size * count > INT_MAX) return -1;
+    CT_ASSERT((int64_t)g->size * count <= INT_MAX);
+    int *cnt = *cntp = ct_alloc((size_t)g->nnodes * sizeof(int), CT_MEM_OTHER);
+    int *dsp = *dspp = ct_alloc((size_t)g->nnodes * sizeof(int), CT_MEM_OTHER);
+    int64_t *pos = *posp = ct_alloc((size_t)g->size * sizeof(int64_t), CT_MEM_OTHER);
+    if (!cnt || !dsp || !pos) return -1;
     int rank_order = 1;
     for (int n = 0; n < g->nnodes; n++) cnt[n] = 0;
     for (int r = 0; r < g->size; r++) {
@@ -206,13 +210,11 @@ int ct__node_layout(const ct_group *g, int64_t count, int *cnt, int *dsp, int64_
         dsp[n] = at;
         at += cnt[n];
     }
-    if (pos) {
-        int next[g->nnodes];
-        for (int n = 0; n < g->nnodes; n++) next[n] = dsp[n];
-        for (int r = 0; r < g->size; r++) {
-            pos[r] = next[g->node_of[r]];
-            next[g->node_of[r]] += (int)count;
-        }
+    int next[g->nnodes];
+    for (int n = 0; n < g->nnodes; n++) next[n] = dsp[n];
+    for (int r = 0; r < g->size; r++) {
+        pos[r] = next[g->node_of[r]];
+        next[g->node_of[r]] += (int)count;
     }
     return rank_order;
 }

@@ -236,14 +236,15 @@ extern _Atomic uint64_t ct__allreduce_two_level_runs;
 extern _Atomic uint64_t ct__reduce_scatter_two_level_runs;
 extern _Atomic uint64_t ct__allgather_two_level_runs;
 
-/* Where node blocks go in a two-level collective over g (spanning nodes):
- * for each node n, cnt[n] = count * (ranks on n) and dsp[n] its offset in
- * a node-major layout (node 0's ranks in rank order, then node 1's, ...);
- * pos[r] (if not NULL) the element offset of rank r's block in it.  Returns
- * 1 when that layout is rank order (every node's ranks are contiguous in
- * g: the buffer's own layout), 0 when it is not, -1 when size*count passes
- * INT_MAX (MPI's counts are ints; the arrays are then unset). */
-int ct__node_layout(const ct_group *g, int64_t count, int *cnt, int *dsp, int64_t *pos);
+/* Where node blocks go in a two-level collective over g (spanning nodes;
+ * size*count at most INT_MAX, as MPI's counts are ints), in new arrays (the
+ * caller frees them with ct_free, also on failure): for each node n,
+ * (*cnt)[n] = count * (ranks on n) and (*dsp)[n] its offset in a node-major
+ * layout (node 0's ranks in rank order, then node 1's, ...); (*pos)[r] the
+ * element offset of rank r's block in it.  Returns 1 when that layout is
+ * rank order (every node's ranks are contiguous in g: the buffer's own
+ * layout), 0 when it is not, -1 when out of memory. */
+int ct__node_layout(const ct_group *g, int64_t count, int **cnt, int **dsp, int64_t **pos);
 
 /* ---- args.c ------------------------------------------------------------ */
 
@@ -297,6 +298,11 @@ int ct__shm_active(const ct_group *g);
 int ct__shm_node_active(const ct_group *g);
 /* The allocation's number (the same on every rank of its group), 0 if private. */
 uint64_t ct__shm_alloc_id(const ct__shm_ref *ref);
+/* (args.c) What a two-level collective agrees on (ct__hash_agree_start): a
+ * hash of kind (CT__KIND_*), where ref lies, count, dt, op and inplace
+ * (pass 0 for those a kind does not compare), or 0 when ref is private
+ * memory, so that "all private" and "all shared" both agree. */
+int64_t ct__args_hash(int kind, const ct__shm_ref *ref, int64_t count, ct_dtype dt, int op, int inplace);
 /* Caller's thread: where buf..buf+bytes lies among g's shared allocations
  * (on a group spanning nodes: among its node's windows, offsets in g->node).
  * CT_EINVAL naming `what` if it starts in one and runs past its end. */

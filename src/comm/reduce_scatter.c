@@ -82,28 +82,12 @@ static int is_float(ct_dtype dt) { return dt == CT_F32 || dt == CT_BF16 || dt ==
 
 _Atomic uint64_t ct__reduce_scatter_two_level_runs;
 
+/* Agrees on count, dtype, op, where send lies and in place (on all ranks or none). */
 static int start_two_level(redscat_op *o)
 {
-    ct_work *w = &o->w;
-    int64_t h = 0; /* private memory: "all private" and "all shared" both agree */
-    if (o->ref.a) {
-        struct {
-            uint64_t kind, id, off;
-            int64_t count;
-            int32_t dt, op, inplace, pad;
-        } k;
-        memset(&k, 0, sizeof k);
-        k.kind = CT__KIND_REDUCE_SCATTER;
-        k.id = ct__shm_alloc_id(&o->ref);
-        k.off = o->ref.off;
-        k.count = o->count;
-        k.dt = (int32_t)o->dt;
-        k.op = (int32_t)o->op;
-        k.inplace = o->inplace;
-        h = (int64_t)(ct_hash64(&k, sizeof k) >> 2);
-    }
+    int64_t h = ct__args_hash(CT__KIND_REDUCE_SCATTER, &o->ref, o->count, o->dt, (int)o->op, o->inplace);
     o->phase = PH_HAGREE;
-    return ct__hash_agree_start(w, o->h, h, "MPI_Iallreduce (agreeing on a reduce-scatter's arguments)");
+    return ct__hash_agree_start(&o->w, o->h, h, "MPI_Iallreduce (agreeing on a reduce-scatter's arguments)");
 }
 
 static int two_level_progress(redscat_op *o)
@@ -258,15 +242,12 @@ ct_status ct_group_reduce_scatter(ct_group *g, const void *send, void *recv, int
         (int64_t)g->size * count <= INT_MAX) {
         /* the leader's buffers, made here so that running out of memory
          * fails before anything is sent */
-        o->counts = ct_alloc((size_t)g->nnodes * sizeof(int), CT_MEM_OTHER);
-        o->displs = ct_alloc((size_t)g->nnodes * sizeof(int), CT_MEM_OTHER);
-        o->pos = ct_alloc((size_t)g->size * sizeof(int64_t), CT_MEM_OTHER);
-        o->sums = ct_alloc(block * (size_t)g->size, CT_MEM_COMM);
-        if (!o->counts || !o->displs || !o->pos || !o->sums) {
+        int layout = ct__node_layout(g, count, &o->counts, &o->displs, &o->pos);
+        o->sums = layout < 0 ? NULL : ct_alloc(block * (size_t)g->size, CT_MEM_COMM);
+        if (!o->sums) {
             ct__work_destroy(&o->w);
             return ct_error(CT_ENOMEM, "reduce_scatter: out of memory for the two-level sums");
         }
-        ct__node_layout(g, count, o->counts, o->displs, o->pos);
     }
     o->agree = agree;
     o->two_level = two_level;

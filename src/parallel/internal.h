@@ -178,6 +178,16 @@ ct_status ct__assemble_pieces(ct_strategy *s, const char *const *names, ct_tenso
 void ct__param_take(ct_param *p, ct_tensor *d, ct_tensor *g);
 /* Elements [off, off + count) of src (f32, bf16 or f16) into f32 dst. */
 ct_status ct__load_range(float *dst, const ct_tensor *src, int64_t off, int64_t count, const char *name);
+/* All of src (f32, bf16 or f16) into f32 dst of n elements; CT_EINVAL naming
+ * name when src does not have n elements. */
+ct_status ct__load_whole(float *dst, int64_t n, const ct_tensor *src, const char *name);
+/* Appends "step" (I64 [1], the optimizer's step count) to out. */
+ct_status ct__state_add_step(ct_strategy *s, ct_state *out);
+/* The first tensor of ts called name, or NULL. */
+const ct_tensor *ct__state_find(const char *const *names, ct_tensor *const *ts, int n, const char *name);
+/* The value of the state's "step" tensor into *step; CT_EINVAL when there is
+ * no I64 [1] tensor of that name. */
+ct_status ct__state_step(const char *const *names, ct_tensor *const *ts, int n, int64_t *step);
 /* Loads a model state: every name must be a parameter or buffer of the
  * model, every parameter and buffer present with its shape; put copies
  * src (same numel) into wherever p's values live. */

@@ -63,45 +63,18 @@ ct_status ct__offload_optim_state(ct_strategy *s, ct_state *out)
             st = add_read(s, out, name, j, OFF_STATE, b);
         }
     }
-    if (st == CT_OK) {
-        ct_tensor *step = ct_tensor_create(CT_I64, 1, (int64_t[]){1}, CT_MEM_OTHER);
-        if (!step) st = CT_ENOMEM;
-        else {
-            ((int64_t *)ct_tensor_data(step))[0] = ct_optim_get_step(s->opt);
-            st = ct_state_add(out, "step", step);
-            ct_tensor_release(step);
-        }
-    }
+    if (st == CT_OK) st = ct__state_add_step(s, out);
     if (st != CT_OK) ct_state_fini(out);
     return st;
-}
-
-static const ct_tensor *find(const char *const *names, ct_tensor *const *ts, int n, const char *name)
-{
-    for (int i = 0; i < n; i++)
-        if (!strcmp(names[i], name)) return ts[i];
-    return NULL;
 }
 
 /* src (f32/bf16/f16, numel elements) as f32 into parameter j's part (part_rw). */
 static ct_status write_f32(ct_strategy *s, const ct_tensor *src, int64_t numel, const char *name, int j, int part,
                            int b)
 {
-    if (src->numel != numel)
-        return ct_error(CT_EINVAL, "'%s' has %lld elements in the checkpoint but %lld in the model; the "
-                        "checkpoint is for a different model configuration", name, (long long)src->numel,
-                        (long long)numel);
     float *tmp = ct_alloc((size_t)numel * 4 + 4, CT_MEM_OTHER);
     if (!tmp) return CT_ENOMEM;
-    ct_status st = CT_OK;
-    switch (src->dtype) {
-    case CT_F32: memcpy(tmp, ct_tensor_data(src), (size_t)numel * 4); break;
-    case CT_BF16: ct_bf16_to_f32_n(ct_tensor_data(src), tmp, (size_t)numel); break;
-    case CT_F16: ct_f16_to_f32_n(ct_tensor_data(src), tmp, (size_t)numel); break;
-    default:
-        st = ct_error(CT_EINVAL, "'%s' is %s in the checkpoint; parameters must be F32, BF16 or F16", name,
-                      ct_dtype_name(src->dtype));
-    }
+    ct_status st = ct__load_whole(tmp, numel, src, name);
     if (st == CT_OK) st = part_rw(s, j, part, b, 1, tmp);
     ct_free(tmp);
     return st;
@@ -117,7 +90,7 @@ static ct_status load_model(ct_strategy *s, const char *const *names, ct_tensor 
     for (int pass = 0; pass < 2; pass++)
         for (int j = 0; j < (pass ? s->nbuffers : s->nparams); j++) {
             ct_param *p = pass ? s->buffers[j] : s->params[j];
-            const ct_tensor *src = find(names, ts, n, p->name);
+            const ct_tensor *src = ct__state_find(names, ts, n, p->name);
             if (!src) return ct_error(CT_EINVAL, "checkpoint has no tensor '%s' that the model needs", p->name);
             if (src->ndim != p->data->ndim || memcmp(src->shape, p->data->shape, sizeof(int64_t) * (size_t)src->ndim)) {
                 char a[64], b[64];
@@ -130,21 +103,22 @@ static ct_status load_model(ct_strategy *s, const char *const *names, ct_tensor 
         }
     for (int j = 0; j < s->nparams; j++) {
         ct_param *p = s->params[j];
-        CT_TRY(write_f32(s, find(names, ts, n, p->name), p->data->numel, p->name, j, OFF_DATA, 0));
+        CT_TRY(write_f32(s, ct__state_find(names, ts, n, p->name), p->data->numel, p->name, j, OFF_DATA, 0));
     }
     ct__offload_cast(s, &ct__offload(s)->tied); /* new master weights: the resident copies follow */
-    for (int j = 0; j < s->nbuffers; j++)
-        memcpy(ct_tensor_data(s->buffers[j]->data), ct_tensor_data(find(names, ts, n, s->buffers[j]->name)),
-               ct_tensor_bytes(s->buffers[j]->data));
+    for (int j = 0; j < s->nbuffers; j++) {
+        ct_param *p = s->buffers[j];
+        memcpy(ct_tensor_data(p->data), ct_tensor_data(ct__state_find(names, ts, n, p->name)),
+               ct_tensor_bytes(p->data));
+    }
     return CT_OK;
 }
 
 static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n)
 {
     offload_t *f = ct__offload(s);
-    const ct_tensor *stp = find(names, ts, n, "step");
-    if (!stp || stp->dtype != CT_I64 || stp->numel != 1)
-        return ct_error(CT_EINVAL, "optimizer state has no I64 'step' tensor");
+    int64_t step;
+    CT_TRY(ct__state_step(names, ts, n, &step));
     const char *bn[CT_OPTIM_MAX_STATE];
     ct_optim_state_names(s->opt, bn);
     char name[512];
@@ -154,7 +128,7 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
             if (!p->requires_grad) continue;
             for (int b = 0; b < f->nstate; b++) {
                 snprintf(name, sizeof name, "%s.%s", p->name, bn[b]);
-                const ct_tensor *src = find(names, ts, n, name);
+                const ct_tensor *src = ct__state_find(names, ts, n, name);
                 if (!src)
                     return ct_error(CT_EINVAL, "optimizer state has no '%s' (saved with another optimizer? "
                                     "this run uses %s)", name, ct_optim_name(s->opt));
@@ -165,7 +139,7 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
                                     name, (long long)src->numel, (long long)p->data->numel);
             }
         }
-    ct_optim_set_step(s->opt, ((const int64_t *)ct_tensor_data(stp))[0]);
+    ct_optim_set_step(s->opt, step);
     return CT_OK;
 }
 

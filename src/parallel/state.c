@@ -103,17 +103,35 @@ ct_status ct__replicated_optim_state(ct_strategy *s, ct_state *out)
             ct_tensor_release(t);
         }
     }
-    if (st == CT_OK) {
-        ct_tensor *step = ct_tensor_create(CT_I64, 1, (int64_t[]){1}, CT_MEM_OTHER);
-        if (!step) st = CT_ENOMEM;
-        else {
-            ((int64_t *)ct_tensor_data(step))[0] = ct_optim_get_step(s->opt);
-            st = ct_state_add(out, "step", step);
-            ct_tensor_release(step);
-        }
-    }
+    if (st == CT_OK) st = ct__state_add_step(s, out);
     if (st != CT_OK) ct_state_fini(out);
     return st;
+}
+
+ct_status ct__state_add_step(ct_strategy *s, ct_state *out)
+{
+    ct_tensor *step = ct_tensor_create(CT_I64, 1, (int64_t[]){1}, CT_MEM_OTHER);
+    if (!step) return CT_ENOMEM;
+    ((int64_t *)ct_tensor_data(step))[0] = ct_optim_get_step(s->opt);
+    ct_status st = ct_state_add(out, "step", step);
+    ct_tensor_release(step);
+    return st;
+}
+
+const ct_tensor *ct__state_find(const char *const *names, ct_tensor *const *ts, int n, const char *name)
+{
+    for (int i = 0; i < n; i++)
+        if (!strcmp(names[i], name)) return ts[i];
+    return NULL;
+}
+
+ct_status ct__state_step(const char *const *names, ct_tensor *const *ts, int n, int64_t *step)
+{
+    const ct_tensor *t = ct__state_find(names, ts, n, "step");
+    if (!t || t->dtype != CT_I64 || t->numel != 1)
+        return ct_error(CT_EINVAL, "optimizer state has no I64 'step' tensor");
+    *step = ((const int64_t *)ct_tensor_data(t))[0];
+    return CT_OK;
 }
 
 ct_status ct__load_range(float *dst, const ct_tensor *src, int64_t off, int64_t count, const char *name)
@@ -129,8 +147,7 @@ ct_status ct__load_range(float *dst, const ct_tensor *src, int64_t off, int64_t 
     return CT_OK;
 }
 
-/* Copies src (f32, bf16 or f16) into the f32 destination of n elements. */
-static ct_status load_into(float *dst, int64_t n, const ct_tensor *src, const char *name)
+ct_status ct__load_whole(float *dst, int64_t n, const ct_tensor *src, const char *name)
 {
     if (src->numel != n)
         return ct_error(CT_EINVAL, "'%s' has %lld elements in the checkpoint but %lld in the model; "
@@ -142,7 +159,7 @@ static ct_status load_into(float *dst, int64_t n, const ct_tensor *src, const ch
 static ct_status put_whole(ct_strategy *s, ct_param *p, const ct_tensor *src)
 {
     (void)s;
-    return load_into(ct_f32(p->data), p->data->numel, src, p->name);
+    return ct__load_whole(ct_f32(p->data), p->data->numel, src, p->name);
 }
 
 ct_status ct__load_model_with(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
@@ -162,9 +179,7 @@ ct_status ct__load_model_with(ct_strategy *s, const char *const *names, ct_tenso
         ct_param **ps = pass ? s->buffers : s->params;
         int np = pass ? s->nbuffers : s->nparams;
         for (int j = 0; j < np; j++) {
-            const ct_tensor *src = NULL;
-            for (int i = 0; i < n && !src; i++)
-                if (!strcmp(names[i], ps[j]->name)) src = ts[i];
+            const ct_tensor *src = ct__state_find(names, ts, n, ps[j]->name);
             if (!src)
                 return ct_error(CT_EINVAL, "checkpoint has no tensor '%s' that the model needs", ps[j]->name);
             if (src->ndim != ps[j]->data->ndim ||
@@ -196,13 +211,11 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
         if (nb < 0) return nb;
         for (int b = 0; b < nb; b++) {
             snprintf(name, sizeof name, "%s.%s", sl->name, bn[b]);
-            const ct_tensor *src = NULL;
-            for (int i = 0; i < n && !src; i++)
-                if (!strcmp(names[i], name)) src = ts[i];
+            const ct_tensor *src = ct__state_find(names, ts, n, name);
             if (!src)
                 return ct_error(CT_EINVAL, "optimizer state has no '%s' (saved with another optimizer? "
                                 "this run uses %s)", name, ct_optim_name(s->opt));
-            CT_TRY(load_into(bufs[b], sl->n, src, name));
+            CT_TRY(ct__load_whole(bufs[b], sl->n, src, name));
         }
     }
     ct_optim_set_step(s->opt, step);

@@ -286,16 +286,6 @@ ct_status ct__zero_gather(ct_strategy *s, int i, int b, int root, ct_tensor **ou
     return st;
 }
 
-static ct_status add_step(ct_strategy *s, ct_state *out)
-{
-    ct_tensor *step = ct_tensor_create(CT_I64, 1, (int64_t[]){1}, CT_MEM_OTHER);
-    if (!step) return CT_ENOMEM;
-    ((int64_t *)ct_tensor_data(step))[0] = ct_optim_get_step(s->opt);
-    ct_status st = ct_state_add(out, "step", step);
-    ct_tensor_release(step);
-    return st;
-}
-
 /* Every parameter's state on root(i) (0: consolidated; the owner of its
  * first range: sharded), "step" on rank 0. */
 static ct_status collect(ct_strategy *s, int sharded, ct_state *out)
@@ -317,7 +307,7 @@ static ct_status collect(ct_strategy *s, int sharded, ct_state *out)
             ct_tensor_release(t);
         }
     }
-    if (st == CT_OK && ct_group_rank(s->g) == 0) st = add_step(s, out);
+    if (st == CT_OK && ct_group_rank(s->g) == 0) st = ct__state_add_step(s, out);
     if (st != CT_OK) ct_state_fini(out);
     return st;
 }
@@ -377,25 +367,17 @@ ct_status ct__zero_local_state(ct_strategy *s, int optim, ct_state *out)
         if (ct__zero_index(z, s->params[i]) < 0) st = ct_state_add(out, s->params[i]->name, s->params[i]->data);
     for (int i = 0; st == CT_OK && rank == 0 && !optim && i < s->nbuffers; i++)
         st = ct_state_add(out, s->buffers[i]->name, s->buffers[i]->data);
-    if (st == CT_OK && optim && rank == 0) st = add_step(s, out);
+    if (st == CT_OK && optim && rank == 0) st = ct__state_add_step(s, out);
     if (st != CT_OK) ct_state_fini(out);
     return st;
-}
-
-static const ct_tensor *find(const char *const *names, ct_tensor *const *ts, int n, const char *name)
-{
-    for (int i = 0; i < n; i++)
-        if (!strcmp(names[i], name)) return ts[i];
-    return NULL;
 }
 
 /* Owned ranges out of full tensors: a checkpoint of any world size loads. */
 static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n)
 {
     ct__zero *z = ct__zero_of(s);
-    const ct_tensor *step = find(names, ts, n, "step");
-    if (!step || step->dtype != CT_I64 || step->numel != 1)
-        return ct_error(CT_EINVAL, "optimizer state has no I64 'step' tensor");
+    int64_t step;
+    CT_TRY(ct__state_step(names, ts, n, &step));
     const char *bn[CT_OPTIM_MAX_STATE];
     int nb = ct_optim_state_names(s->opt, bn);
     char name[512];
@@ -408,7 +390,7 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
         if (got < 0) return got;
         for (int b = 0; b < nb; b++) {
             snprintf(name, sizeof name, "%s.%s", p->name, bn[b]);
-            const ct_tensor *src = find(names, ts, n, name);
+            const ct_tensor *src = ct__state_find(names, ts, n, name);
             if (!src)
                 return ct_error(CT_EINVAL, "optimizer state has no '%s' (saved with another optimizer? this run "
                                 "uses %s)", name, ct_optim_name(s->opt));
@@ -418,7 +400,7 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
             memcpy(bufs[b], (const float *)ct_tensor_data(src) + x->offset, (size_t)x->count * sizeof(float));
         }
     }
-    ct_optim_set_step(s->opt, ((const int64_t *)ct_tensor_data(step))[0]);
+    ct_optim_set_step(s->opt, step);
     return CT_OK;
 }
 

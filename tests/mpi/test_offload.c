@@ -5,58 +5,9 @@
  * must match one process with the whole batch, with dropout, activation
  * checkpointing, micro-batches and clipping, and the state must load back.
  */
-#include "../test.h"
+#include "train_util.h"
 
-#define IN 12
-#define NCLS 5
-
-static ct_module *model(uint64_t seed)
-{
-    ct_module *m = ct_sequential_create();
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(IN, 16, 1)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
-    ASSERT_OK(ct_module_add(m, NULL, ct_dropout_create(0.25f)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(16, 24, 1)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_relu_create()));
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(24, 16, 1)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(16, NCLS, 1)));
-    ct_module_init_params(m, seed);
-    return m;
-}
-
-static ct_tensor *rows(ct_tensor *t, int64_t start, int64_t count)
-{
-    int64_t shape[CT_MAX_DIMS];
-    memcpy(shape, t->shape, sizeof shape);
-    shape[0] = count;
-    return ct_tensor_view(t, start * (t->numel / t->shape[0]), t->ndim, shape);
-}
-
-/* One step on this rank's rows of an n-row global batch ("none": all of it). */
-static void step_on(ct_strategy *s, int step, int64_t n, double clip, float *norm)
-{
-    ct_tensor *x = ct_tensor_create2(n, IN, CT_MEM_ACT), *y = ct_tensor_create(CT_I32, 1, &n, CT_MEM_ACT);
-    ct_rng r;
-    ct_rng_init(&r, 99, (uint64_t)step);
-    ct_rng_normal(&r, ct_f32(x), (size_t)(n * IN), 0, 1);
-    for (int64_t i = 0; i < n; i++) ((int32_t *)ct_tensor_data(y))[i] = (int32_t)((i * 3 + step) % NCLS);
-    int dr, ds;
-    ct_strategy_data_rank(s, &dr, &ds);
-    if (!strcmp(ct_strategy_kind(s), "none")) dr = 0, ds = 1;
-    int64_t lo = n * dr / ds, hi = n * (dr + 1) / ds;
-    ct_tensor *xs = rows(x, lo, hi - lo), *ys = rows(y, lo, hi - lo);
-    ct_batch b = {.x = xs, .y = ys, .global_rows = n, .sample0 = lo};
-    ct_fwd_ctx ctx = {.training = 1, .seed = 7, .step = (uint64_t)step};
-    ct_strategy_zero_grad(s);
-    ASSERT_OK(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, NULL));
-    if (clip > 0) ASSERT_OK(ct_strategy_clip_grad_norm(s, (float)clip, 2.0, norm));
-    ASSERT_OK(ct_strategy_step(s));
-    ct_tensor_release(xs);
-    ct_tensor_release(ys);
-    ct_tensor_release(x);
-    ct_tensor_release(y);
-}
+static ct_module *model(uint64_t seed) { return mlp8(seed, 24); }
 
 static void assert_states_close(ct_strategy *a, ct_strategy *b, int optim, double tol)
 {
@@ -85,8 +36,8 @@ static void offload_vs_single(const char *opts, int64_t n, double clip)
     ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, NULL, &rs));
     for (int step = 0; step < 4; step++) {
         float on = 0, rn = 0;
-        step_on(os, step, n, clip, &on);
-        step_on(rs, step, n, clip, &rn);
+        step_on_data_rank(os, step, n, clip, &on, NULL);
+        step_on_data_rank(rs, step, n, clip, &rn, NULL);
         if (clip > 0) ASSERT_CLOSE(on, rn, 1e-5, 1e-6);
     }
     assert_states_close(os, rs, 0, 2e-5);

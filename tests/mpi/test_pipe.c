@@ -6,65 +6,17 @@
  * error must be an error on every rank.  1F1B's activation peak per stage
  * stays within stages x one micro-batch while GPipe's grows with chunks.
  */
-#include <math.h>
+#include "train_util.h"
 
-#include "../test.h"
+/* The model every test pipelines (8 children, dropout in one). */
+static ct_module *model(uint64_t seed) { return mlp8(seed, 16); }
 
-#define IN 12
-#define NCLS 5
-
-/* 8 children with dropout: Linear, Tanh, Dropout, Linear, ReLU, Linear, Tanh, Linear. */
-static ct_module *model(uint64_t seed)
-{
-    ct_module *m = ct_sequential_create();
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(IN, 16, 1)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
-    ASSERT_OK(ct_module_add(m, NULL, ct_dropout_create(0.25f)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(16, 16, 1)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_relu_create()));
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(16, 16, 1)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(16, NCLS, 1)));
-    ct_module_init_params(m, seed);
-    return m;
-}
-
-static void global_batch(int step, int64_t n, ct_tensor **x, ct_tensor **y)
-{
-    *x = ct_tensor_create2(n, IN, CT_MEM_ACT);
-    *y = ct_tensor_create(CT_I32, 1, &n, CT_MEM_ACT);
-    ct_rng r;
-    ct_rng_init(&r, 99, (uint64_t)step);
-    ct_rng_normal(&r, ct_f32(*x), (size_t)(n * IN), 0, 1);
-    for (int64_t i = 0; i < n; i++) ((int32_t *)ct_tensor_data(*y))[i] = (int32_t)((i * 3 + step) % NCLS);
-}
-
-static ct_tensor *rows(ct_tensor *t, int64_t start, int64_t count)
-{
-    int64_t shape[CT_MAX_DIMS];
-    memcpy(shape, t->shape, sizeof shape);
-    shape[0] = count;
-    return ct_tensor_view(t, start * (t->numel / t->shape[0]), t->ndim, shape);
-}
-
-/* One step of s on this rank's slice (ct_strategy_data_rank) of the global
- * batch; *loss gets the loss summed over the group's ranks / rows. */
+/* One step of s on this rank's slice (step_on_data_rank) of global_batch2;
+ * *loss gets the loss summed over the group's ranks / rows. */
 static void step_on(ct_strategy *s, int step, int64_t n, double clip, float *norm, double *loss)
 {
-    ct_tensor *x, *y;
-    global_batch(step, n, &x, &y);
-    int dr, ds;
-    ct_strategy_data_rank(s, &dr, &ds);
-    if (!strcmp(ct_strategy_kind(s), "none")) dr = 0, ds = 1; /* the reference: the whole batch */
-    int64_t lo = n * dr / ds, hi = n * (dr + 1) / ds;
-    ct_tensor *xs = rows(x, lo, hi - lo), *ys = rows(y, lo, hi - lo);
-    ct_batch b = {.x = xs, .y = ys, .global_rows = n, .sample0 = lo};
-    ct_fwd_ctx ctx = {.training = 1, .seed = 7, .step = (uint64_t)step};
     ct_step_out out;
-    ct_strategy_zero_grad(s);
-    ASSERT_OK(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, &out));
-    if (clip > 0) ASSERT_OK(ct_strategy_clip_grad_norm(s, (float)clip, 2.0, norm));
-    ASSERT_OK(ct_strategy_step(s));
+    step_on_data_rank(s, step, n, clip, norm, &out);
     double v[2] = {out.loss_sum, (double)out.rows}, all[2 * 8];
     ct_group *g = ct_strategy_group(s);
     int size = ct_group_size(g);
@@ -77,10 +29,6 @@ static void step_on(ct_strategy *s, int step, int64_t n, double clip, float *nor
     }
     if (!strcmp(ct_strategy_kind(s), "none")) ls = v[0], rs = v[1]; /* every rank trains the whole batch */
     *loss = ls / rs;
-    ct_tensor_release(xs);
-    ct_tensor_release(ys);
-    ct_tensor_release(x);
-    ct_tensor_release(y);
 }
 
 /* The pipelined state (gathered on rank 0) equals the reference model's. */
@@ -132,7 +80,7 @@ static void pipe_vs_single(const char *opts, int64_t n, double clip)
     assert_state_matches(ps, rm, 2e-5);
     /* inference through the pipeline: the last stage holds the logits */
     ct_tensor *x, *y, *pz = NULL, *rz = NULL;
-    global_batch(100, n, &x, &y);
+    global_batch2(100, n, &x, &y);
     ct_fwd_ctx ctx = {.training = 0};
     ASSERT_OK(ct_strategy_predict(ps, x, &ctx, &pz));
     ASSERT_OK(ct_strategy_predict(rs, x, &ctx, &rz));
@@ -286,7 +234,7 @@ TEST(pipe_validation_errors)
     ct_strategy *s;
     ASSERT_OK(ct_strategy_create("pipe", bad, &o, NULL, "stages=2", &s));
     ct_tensor *x, *y;
-    global_batch(0, 6, &x, &y);
+    global_batch2(0, 6, &x, &y);
     ct_batch b = {.x = x, .y = y, .global_rows = 6};
     ct_fwd_ctx ctx = {.training = 1};
     ct_step_out out;
@@ -324,7 +272,7 @@ TEST(pipe_failure_mid_step_reaches_every_stage)
     ct_strategy *s;
     ASSERT_OK(ct_strategy_create("pipe", m, &o, NULL, "chunks=3,schedule=1f1b", &s));
     ct_tensor *x, *y;
-    global_batch(0, 9, &x, &y);
+    global_batch2(0, 9, &x, &y);
     ct_batch b = {.x = x, .y = y, .global_rows = 9};
     ct_fwd_ctx ctx = {.training = 1};
     ct_step_out out;
@@ -355,7 +303,7 @@ static size_t act_peak(const char *schedule, int chunks, int64_t mb_rows)
     snprintf(opts, sizeof opts, "schedule=%s,chunks=%d,checkpoint=never", schedule, chunks);
     ASSERT_OK(ct_strategy_create("pipe", m, &o, NULL, opts, &s));
     ct_tensor *x, *y;
-    global_batch(0, mb_rows * chunks, &x, &y);
+    global_batch2(0, mb_rows * chunks, &x, &y);
     ct_batch b = {.x = x, .y = y, .global_rows = mb_rows * chunks};
     ct_fwd_ctx ctx = {.training = 1};
     ct_step_out out;

@@ -1,15 +1,19 @@
 /* See train_util.h. */
 #include "train_util.h"
 
-void global_batch(int step, int64_t n, ct_tensor **x, ct_tensor **y)
+/* Inputs normal from (seed, step), targets (i * mul + step) % NCLS. */
+static void batch_of(uint64_t seed, int mul, int step, int64_t n, ct_tensor **x, ct_tensor **y)
 {
     *x = ct_tensor_create2(n, IN, CT_MEM_ACT);
     *y = ct_tensor_create(CT_I32, 1, &n, CT_MEM_ACT);
     ct_rng r;
-    ct_rng_init(&r, 1234, (uint64_t)step);
+    ct_rng_init(&r, seed, (uint64_t)step);
     ct_rng_normal(&r, ct_f32(*x), (size_t)(n * IN), 0, 1);
-    for (int64_t i = 0; i < n; i++) ((int32_t *)ct_tensor_data(*y))[i] = (int32_t)((i * 7 + step) % NCLS);
+    for (int64_t i = 0; i < n; i++) ((int32_t *)ct_tensor_data(*y))[i] = (int32_t)((i * mul + step) % NCLS);
 }
+
+void global_batch(int step, int64_t n, ct_tensor **x, ct_tensor **y) { batch_of(1234, 7, step, n, x, y); }
+void global_batch2(int step, int64_t n, ct_tensor **x, ct_tensor **y) { batch_of(99, 3, step, n, x, y); }
 
 ct_tensor *rows(ct_tensor *t, int64_t start, int64_t count)
 {
@@ -63,6 +67,42 @@ void step_on_slice(ct_strategy *s, int step, int64_t n, int rank, int world, ct_
     ct_tensor_release(y);
 }
 
+void step_on_data_rank(ct_strategy *s, int step, int64_t n, double clip, float *norm, ct_step_out *out)
+{
+    ct_tensor *x, *y;
+    global_batch2(step, n, &x, &y);
+    int dr, ds;
+    ct_strategy_data_rank(s, &dr, &ds);
+    if (!strcmp(ct_strategy_kind(s), "none")) dr = 0, ds = 1; /* the reference: the whole batch */
+    int64_t lo = n * dr / ds, hi = n * (dr + 1) / ds;
+    ct_tensor *xs = rows(x, lo, hi - lo), *ys = rows(y, lo, hi - lo);
+    ct_batch b = {.x = xs, .y = ys, .global_rows = n, .sample0 = lo};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 7, .step = (uint64_t)step};
+    ct_strategy_zero_grad(s);
+    ASSERT_OK(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, out));
+    if (clip > 0) ASSERT_OK(ct_strategy_clip_grad_norm(s, (float)clip, 2.0, norm));
+    ASSERT_OK(ct_strategy_step(s));
+    ct_tensor_release(xs);
+    ct_tensor_release(ys);
+    ct_tensor_release(x);
+    ct_tensor_release(y);
+}
+
+ct_module *mlp8(uint64_t seed, int64_t mid)
+{
+    ct_module *m = ct_sequential_create();
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(IN, 16, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_dropout_create(0.25f)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(16, mid, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_relu_create()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(mid, 16, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(16, NCLS, 1)));
+    ct_module_init_params(m, seed);
+    return m;
+}
+
 double state_rel_l2(const ct_state *a, const ct_state *b)
 {
     double num = 0, den = 0;
@@ -86,7 +126,6 @@ double state_rel_l2(const ct_state *a, const ct_state *b)
     }
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
-
 
 static ct_status twice_fwd(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
                            const ct_fwd_ctx *ctx)

@@ -1,6 +1,7 @@
 /* Helpers the multi-rank training tests share: a deterministic global
  * batch per step, row views, the sampler's split of rows over ranks, one
- * train step over a rank's slice, and comparisons of models and states. */
+ * train step over a rank's slice, a small sequential model for the pipe
+ * and offload tests, and comparisons of models and states. */
 #ifndef CTRAIN_TESTS_TRAIN_UTIL_H
 #define CTRAIN_TESTS_TRAIN_UTIL_H
 
@@ -14,6 +15,9 @@
 
 /* Global batch of a step: [n, IN] inputs and [n] targets, the same on every rank. */
 void global_batch(int step, int64_t n, ct_tensor **x, ct_tensor **y);
+/* Another global batch of a step (other inputs and targets, the same on
+ * every rank): the one step_on_data_rank trains on. */
+void global_batch2(int step, int64_t n, ct_tensor **x, ct_tensor **y);
 /* Rows [start, start + count) of t as a view. */
 ct_tensor *rows(ct_tensor *t, int64_t start, int64_t count);
 /* SGD (lr 0.1, momentum 0.9) or AdamW (lr 0.01). */
@@ -25,6 +29,15 @@ void assert_params_close(ct_module *a, ct_module *b, double tol);
 void slice(int64_t n, int rank, int world, int64_t *first, int64_t *count);
 /* One train step over this rank's slice of the global batch of `step`. */
 void step_on_slice(ct_strategy *s, int step, int64_t n, int rank, int world, ct_step_out *out);
+/* One optimizer step of s (zero_grad, train step, with clip > 0 clipping to
+ * clip with the norm into *norm, step) on its rows (ct_strategy_data_rank;
+ * "none": all) of global_batch2 of `step`; out (may be NULL) gets the train
+ * step's result. */
+void step_on_data_rank(ct_strategy *s, int step, int64_t n, double clip, float *norm, ct_step_out *out);
+/* 8 children with dropout, one stage or slice each: Linear(IN, 16), Tanh,
+ * Dropout(0.25), Linear(16, mid), ReLU, Linear(mid, 16), Tanh, Linear(16, NCLS);
+ * weights from seed. */
+ct_module *mlp8(uint64_t seed, int64_t mid);
 /* Relative L2 distance of two states over the names of a (on rank 0 only
  * for a sharded strategy); tensors of b missing from a fail. */
 double state_rel_l2(const ct_state *a, const ct_state *b);
