@@ -141,6 +141,18 @@ TEST(core_gemm_bf16_wide_first_swapped)
     check(ENG_BF16, 1, 0, 2100, 130, 20, 1, 1.0f, 1.0f);
 }
 
+/* A bf16 A^T B over k >= 1024 (a weight gradient) copies A^T first (src/core/gemm.c):
+ * m and k off the 16x16 blocks, m below one block, padded A and C, beta 0, 1
+ * and -0.5, alpha 2, and m > n, where the swapped product copies B^T. */
+TEST(core_gemm_bf16_long_reduction_transposed)
+{
+    ct_blas_set_threads(1);
+    check(ENG_BF16, 1, 0, 17, 40, 1024, 3, 1.0f, 0.0f);
+    check(ENG_BF16, 1, 0, 128, 384, 1100, 0, 1.0f, 1.0f);
+    check(ENG_BF16, 1, 0, 5, 3, 2048, 1, 2.0f, -0.5f);
+    check(ENG_BF16, 1, 0, 96, 33, 1037, 5, 1.0f, 1.0f); /* swapped: B^T is the copy */
+}
+
 /* Two threads (from ct_blas_set_threads) must still give right answers, and
  * the same as one thread for the same key shape. */
 TEST(core_gemm_threads)
