@@ -401,14 +401,19 @@ static ct_status swapped(const gemm_key *key, const void *a, const void *b, floa
         CT_TRY(execute(e, b, a, scratch_buf, NULL));
     }
     float beta = key->beta;
-    for (int i = 0; i < key->m; i++) { /* row i of C is column i of the swapped product */
-        float *restrict cr = c + (size_t)i * key->ldc;
-        const float *restrict col = scratch_buf + i;
-        if (beta == 0.0f)
-            for (int j = 0; j < key->n; j++) cr[j] = col[(size_t)j * key->m];
-        else
-            for (int j = 0; j < key->n; j++) cr[j] = col[(size_t)j * key->m] + beta * cr[j];
-    }
+    /* Row i of C is column i of the swapped product; 16x16 tiles, so the 16
+     * lines of the scratch a tile reads stay in L1 across its rows. */
+    for (int i0 = 0; i0 < key->m; i0 += 16)
+        for (int j0 = 0; j0 < key->n; j0 += 16)
+            for (int i = i0; i < i0 + 16 && i < key->m; i++) {
+                float *restrict cr = c + (size_t)i * key->ldc;
+                const float *restrict col = scratch_buf + i;
+                int j1 = j0 + 16 < key->n ? j0 + 16 : key->n;
+                if (beta == 0.0f)
+                    for (int j = j0; j < j1; j++) cr[j] = col[(size_t)j * key->m];
+                else
+                    for (int j = j0; j < j1; j++) cr[j] = col[(size_t)j * key->m] + beta * cr[j];
+            }
     return CT_OK;
 }
 
