@@ -82,12 +82,27 @@ static inline __m512i bf16_exact(__m512 x)
     return _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
 }
 
-/* Two rows of 16 -> 16 pair words (the even row in the low halves). */
-static inline __m512i pair_words(__m512 even, __m512 odd)
+/* Two rows of 16 bf16 (the even one in the low half) -> 16 pair words. */
+static inline __m512i zip_words(__m512i rows)
 {
     static const uint16_t zip[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    return _mm512_permutexvar_epi16(_mm512_loadu_si512(zip), (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(zip), rows);
+}
+
+/* Two rows of 16 -> 16 pair words (the even row in the low halves). */
+static inline __m512i pair_words(__m512 even, __m512 odd)
+{
+    return zip_words((__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
+/* pair_words, also storing the two rows as bf16 at re and ro: one rounding for both layouts. */
+static inline __m512i rows_and_pairs(__m512 even, __m512 odd, uint16_t *re, uint16_t *ro)
+{
+    __m512i b = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
+    _mm256_storeu_si256((void *)re, _mm512_castsi512_si256(b));
+    _mm256_storeu_si256((void *)ro, _mm512_extracti64x4_epi64(b, 1));
+    return zip_words(b);
 }
 
 /* 16 lanes as 16 bf16 to memory. */
@@ -414,19 +429,20 @@ static void softmax_tile(const dims *d, int64_t r, float *s, const uint8_t *mask
         float *s0 = s + l * d->Tp, *s1 = s0 + d->Tp;
         __m512 inv0 = _mm512_set1_ps(inv[l]), inv1 = _mm512_set1_ps(inv[l + 1]);
         for (int64_t t = 0; t <= r; t++) {
-            __m512i pw = pair_words(_mm512_mul_ps(_mm512_loadu_ps(s0 + TILE * t), inv0),
-                                    _mm512_mul_ps(_mm512_loadu_ps(s1 + TILE * t), inv1));
+            uint16_t *pd0 = pd + l * d->Tp + TILE * t, *pd1 = pd0 + d->Tp;
+            __m512 q0 = _mm512_mul_ps(_mm512_loadu_ps(s0 + TILE * t), inv0);
+            __m512 q1 = _mm512_mul_ps(_mm512_loadu_ps(s1 + TILE * t), inv1);
+            /* Without dropout Pd is P: its rows come from the same rounding. */
+            __m512i pw = mask ? pair_words(q0, q1) : rows_and_pairs(q0, q1, pd0, pd1);
             /* Streamed past the caches: backward reads it long after, from memory anyway. */
             _mm512_stream_si512((void *)(rec + l / 2 * w + TILE * t), pw);
-            __m512 p0 = lo_f32(pw), p1 = hi_f32(pw); /* the bf16 P, as y and backward see it */
             if (mask) {
+                __m512 p0 = lo_f32(pw), p1 = hi_f32(pw); /* the bf16 P, as y and backward see it */
                 __mmask16 k0 = i < d->T ? kept(mask + l * d->T, t, d->T) : 0;
                 __mmask16 k1 = i + 1 < d->T ? kept(mask + (l + 1) * d->T, t, d->T) : 0;
-                p0 = _mm512_maskz_mul_ps(k0, p0, keep);
-                p1 = _mm512_maskz_mul_ps(k1, p1, keep);
+                store_row(pd0, _mm512_maskz_mul_ps(k0, p0, keep));
+                store_row(pd1, _mm512_maskz_mul_ps(k1, p1, keep));
             }
-            store_row(pd + l * d->Tp + TILE * t, p0);
-            store_row(pd + (l + 1) * d->Tp + TILE * t, p1);
         }
     }
 }
@@ -496,12 +512,13 @@ ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, con
 /* ---- backward ---------------------------------------------------------- */
 
 /* The lanes of key tile t row i of tile r takes dP from: seen, and kept by
- * the dropout (mask: the tile's first row of keep-bytes); none past T. */
-static inline __mmask16 grad_lanes(const dims *d, int64_t r, int64_t i, int64_t t, const uint8_t *mask)
+ * the dropout (mask: the tile's first row of keep-bytes); none past T.
+ * full and diag: seen's lanes of row i left of and on the diagonal. */
+static inline __mmask16 grad_lanes(const dims *d, int64_t r, int64_t i, int64_t t, __mmask16 full, __mmask16 diag,
+                                   const uint8_t *mask)
 {
-    if (i >= d->T) return 0;
-    __mmask16 v = seen(i, t, d->T);
-    return mask ? v & kept(mask + (i - TILE * r) * d->T, t, d->T) : v;
+    __mmask16 v = t < r ? full : diag;
+    return mask && v ? v & kept(mask + (i - TILE * r) * d->T, t, d->T) : v;
 }
 
 /* Through dropout and softmax for tile r: from dP [16][Tp] f32 and the
@@ -509,40 +526,50 @@ static inline __mmask16 grad_lanes(const dims *d, int64_t r, int64_t i, int64_t 
  * grad_lanes, 0 elsewhere (so nothing right of the diagonal reaches dS, not
  * even a NaN); writes dS as bf16 rows ds [16][Tp] (for dq) and as pair
  * words dsi, and Pd as pair words pdi (for dk and dv; both [Tp/2][Tp], this
- * tile's rows). */
-static void grad_tile(const dims *d, int64_t r, const float *dP, const word *rec, const uint8_t *mask,
-                      uint16_t *ds, word *dsi, word *pdi)
+ * tile's rows).  With dropout the first pass leaves dP' in dP for the second. */
+static void grad_tile(const dims *d, int64_t r, float *dP, const word *rec, const uint8_t *mask, uint16_t *ds,
+                      word *dsi, word *pdi)
 {
     int64_t w = TILE * (r + 1);
     __m512 sc = _mm512_set1_ps(d->scale), keep = _mm512_set1_ps(d->keep);
     for (int64_t l = 0; l < TILE; l += 2) {
         int64_t i = TILE * r + l;
+        __mmask16 f0 = i < d->T ? 0xffff : 0, f1 = i + 1 < d->T ? 0xffff : 0;
+        __mmask16 dg0 = f0 ? seen(i, r, d->T) : 0, dg1 = f1 ? seen(i + 1, r, d->T) : 0;
         const word *pr = rec + l / 2 * w;
-        const float *g0 = dP + l * d->Tp, *g1 = g0 + d->Tp;
+        float *g0 = dP + l * d->Tp, *g1 = g0 + d->Tp;
         __m512 dot0 = _mm512_setzero_ps(), dot1 = dot0;
         for (int64_t t = 0; t <= r; t++) {
             __m512i pw = _mm512_loadu_si512(pr + TILE * t);
-            __m512 a = _mm512_maskz_mul_ps(grad_lanes(d, r, i, t, mask), _mm512_loadu_ps(g0 + TILE * t), keep);
-            __m512 b = _mm512_maskz_mul_ps(grad_lanes(d, r, i + 1, t, mask), _mm512_loadu_ps(g1 + TILE * t),
-                                           keep);
+            __mmask16 k0 = grad_lanes(d, r, i, t, f0, dg0, mask), k1 = grad_lanes(d, r, i + 1, t, f1, dg1, mask);
+            __m512 a = _mm512_maskz_mul_ps(k0, _mm512_loadu_ps(g0 + TILE * t), keep);
+            __m512 b = _mm512_maskz_mul_ps(k1, _mm512_loadu_ps(g1 + TILE * t), keep);
+            if (mask) {
+                _mm512_storeu_ps(g0 + TILE * t, a);
+                _mm512_storeu_ps(g1 + TILE * t, b);
+            }
             dot0 = _mm512_fmadd_ps(lo_f32(pw), a, dot0);
             dot1 = _mm512_fmadd_ps(hi_f32(pw), b, dot1);
         }
         __m512 rs0 = _mm512_set1_ps(_mm512_reduce_add_ps(dot0));
         __m512 rs1 = _mm512_set1_ps(_mm512_reduce_add_ps(dot1));
         for (int64_t t = 0; t <= r; t++) {
-            __mmask16 k0 = grad_lanes(d, r, i, t, mask), k1 = grad_lanes(d, r, i + 1, t, mask);
+            __mmask16 k0 = t < r ? f0 : dg0, k1 = t < r ? f1 : dg1; /* no dropout: dP' = dP on these */
             __m512i pw = _mm512_loadu_si512(pr + TILE * t);
             __m512 p0 = lo_f32(pw), p1 = hi_f32(pw);
-            __m512 a = _mm512_maskz_mul_ps(k0, _mm512_loadu_ps(g0 + TILE * t), keep);
-            __m512 b = _mm512_maskz_mul_ps(k1, _mm512_loadu_ps(g1 + TILE * t), keep);
+            __m512 a = mask ? _mm512_loadu_ps(g0 + TILE * t) : _mm512_maskz_loadu_ps(k0, g0 + TILE * t);
+            __m512 b = mask ? _mm512_loadu_ps(g1 + TILE * t) : _mm512_maskz_loadu_ps(k1, g1 + TILE * t);
             __m512 s0 = _mm512_mul_ps(_mm512_mul_ps(p0, sc), _mm512_sub_ps(a, rs0));
             __m512 s1 = _mm512_mul_ps(_mm512_mul_ps(p1, sc), _mm512_sub_ps(b, rs1));
-            store_row(ds + l * d->Tp + TILE * t, s0);
-            store_row(ds + (l + 1) * d->Tp + TILE * t, s1);
-            _mm512_storeu_si512(dsi + (TILE / 2 * r + l / 2) * d->Tp + TILE * t, pair_words(s0, s1));
-            if (mask) pw = pair_words(_mm512_maskz_mul_ps(k0, p0, keep), _mm512_maskz_mul_ps(k1, p1, keep));
-            _mm512_storeu_si512(pdi + (TILE / 2 * r + l / 2) * d->Tp + TILE * t, pw);
+            int64_t o = (TILE / 2 * r + l / 2) * d->Tp + TILE * t; /* this pair's words in dsi, pdi */
+            uint16_t *d0 = ds + l * d->Tp + TILE * t;
+            _mm512_storeu_si512(dsi + o, rows_and_pairs(s0, s1, d0, d0 + d->Tp));
+            if (mask) {
+                k0 = grad_lanes(d, r, i, t, f0, dg0, mask);
+                k1 = grad_lanes(d, r, i + 1, t, f1, dg1, mask);
+                pw = pair_words(_mm512_maskz_mul_ps(k0, p0, keep), _mm512_maskz_mul_ps(k1, p1, keep));
+            }
+            _mm512_storeu_si512(pdi + o, pw);
         }
     }
 }
