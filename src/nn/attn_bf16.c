@@ -344,15 +344,22 @@ static void plan_add_block(fetch_plan *f, const void *p, int64_t bytes)
     plan_add(f, p, ld, ld, 0);
 }
 
+/* The plan's next step rows, stream after stream (few instructions a line:
+ * this runs for every line the kernels touch). */
 static void fetch_some(fetch_plan *f)
 {
-    for (int64_t end = f->row + f->step; f->row < end && f->row < f->rows; f->row++)
-        for (int k = 0; k < f->n; k++)
-            for (int64_t c = 0; c < f->s[k].lines; c++) {
-                const char *a = f->s[k].p + f->row * f->s[k].ld + 64 * c;
-                if (f->s[k].write) _m_prefetchw((void *)a);
-                else _mm_prefetch(a, _MM_HINT_T0);
-            }
+    int64_t n = f->rows - f->row < f->step ? f->rows - f->row : f->step;
+    for (int k = 0; k < f->n; k++) {
+        const char *a = f->s[k].p + f->row * f->s[k].ld, *end = a + n * f->s[k].ld;
+        int64_t ld = f->s[k].ld, bytes = 64 * f->s[k].lines;
+        if (f->s[k].write)
+            for (; a < end; a += ld)
+                for (int64_t c = 0; c < bytes; c += 64) _m_prefetchw((void *)(a + c));
+        else
+            for (; a < end; a += ld)
+                for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(a + c, _MM_HINT_T0);
+    }
+    f->row += n;
 }
 
 /* ---- forward ----------------------------------------------------------- */
