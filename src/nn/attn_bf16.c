@@ -234,14 +234,6 @@ static void pack_rows(const uint16_t *x, int64_t ld, int64_t T, int64_t Tp, int6
         }
 }
 
-/* rows from f32 x. */
-static void pack_rows_f32(const float *x, int64_t ld, int64_t T, int64_t Tp, int64_t hd, uint16_t *out)
-{
-    for (int64_t i = 0; i < Tp; i++)
-        for (int64_t c = 0; c < hd; c += TILE)
-            store_row(out + i * hd + c, i < T ? _mm512_loadu_ps(x + i * ld + c) : _mm512_setzero_ps());
-}
-
 /* pairs: word (x[2i][d], x[2i+1][d]) at out[i*hd + d]. */
 static void pack_pairs(const uint16_t *x, int64_t ld, int64_t T, int64_t Tp, int64_t hd, word *out)
 {
@@ -254,14 +246,16 @@ static void pack_pairs(const uint16_t *x, int64_t ld, int64_t T, int64_t Tp, int
         }
 }
 
-/* pairs from f32 x. */
-static void pack_pairs_f32(const float *x, int64_t ld, int64_t T, int64_t Tp, int64_t hd, word *out)
+/* rows and pairs at once from f32 x (one rounding for both). */
+static void pack_rows_pairs_f32(const float *x, int64_t ld, int64_t T, int64_t Tp, int64_t hd, uint16_t *rows,
+                                word *pairs)
 {
     for (int64_t i = 0; i < Tp; i += 2)
         for (int64_t d = 0; d < hd; d += TILE) {
             __m512 e = i < T ? _mm512_loadu_ps(x + i * ld + d) : _mm512_setzero_ps();
             __m512 o = i + 1 < T ? _mm512_loadu_ps(x + (i + 1) * ld + d) : _mm512_setzero_ps();
-            _mm512_storeu_si512(out + i / 2 * hd + d, pair_words(e, o));
+            uint16_t *re = rows + i * hd + d;
+            _mm512_storeu_si512(pairs + i / 2 * hd + d, rows_and_pairs(e, o, re, re + hd));
         }
 }
 
@@ -646,8 +640,7 @@ ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, co
                 plan_add_block(&f, rec + pw, 4 * pw);
                 for (int k = 0; k < 3; k++) plan_add(&f, dq + (nx + k * D) * ge, 3 * D * ge, hd * ge, 1);
             }
-            pack_rows_f32(g, D, T, Tp, hd, dyn);
-            pack_pairs_f32(g, D, T, Tp, hd, dyp);
+            pack_rows_pairs_f32(g, D, T, Tp, hd, dyn, dyp);
             pack_pairs(q + D, 3 * D, T, Tp, hd, kp);
             pack_pairs(q, 3 * D, T, Tp, hd, qp);
             pack_trans(q + 2 * D, 3 * D, T, Tp, hd, vt);
