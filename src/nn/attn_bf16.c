@@ -200,23 +200,33 @@ static void block2(int64_t kp, const word *a, ptrdiff_t as, ptrdiff_t ps, const 
     block(2, kp, a, as, ps, b, ldb, c, ldc);
 }
 
+/* Which p of a tile's product are zero words of A (right of the causal
+ * diagonal) in a whole block of MR rows, and so skipped: none; the last
+ * MR/2 for the first block (A: P or dS rows of a diagonal tile, p along
+ * keys); the first MR/2 for the second (A: their pair words, m along keys,
+ * p along query pairs from the tile's own). */
+enum { FULL, TRIM_END, TRIM_START };
+
 /* A tile of 16 rows and ncol columns (a multiple of 16) in register blocks
  * of MR rows by two vectors (16 accumulators: more would spill); only the
  * first mrows rows of C are stored. */
 static void tile_product(int64_t ncol, int64_t kp, const word *a, ptrdiff_t as, ptrdiff_t ps, const word *b,
-                         ptrdiff_t ldb, float *c, ptrdiff_t ldc, int64_t mrows)
+                         ptrdiff_t ldb, float *c, ptrdiff_t ldc, int64_t mrows, int trim)
 {
     float part[MR * 2 * TILE];
-    for (int64_t m0 = 0; m0 < TILE && m0 < mrows; m0 += MR)
+    for (int64_t m0 = 0; m0 < TILE && m0 < mrows; m0 += MR) {
+        int64_t p0 = trim == TRIM_START && m0 ? MR / 2 : 0, p1 = trim == TRIM_END && !m0 ? kp - MR / 2 : kp;
+        const word *am = a + m0 * as + p0 * ps;
         for (int64_t n0 = 0; n0 < ncol; n0 += 2 * TILE) {
             int two = ncol - n0 >= 2 * TILE, whole = mrows - m0 >= MR;
             float *cm = whole ? c + m0 * ldc + n0 : part;
             ptrdiff_t ld = whole ? ldc : 2 * TILE;
-            if (two) block2(kp, a + m0 * as, as, ps, b + n0, ldb, cm, ld);
-            else block1(kp, a + m0 * as, as, ps, b + n0, ldb, cm, ld);
+            if (two) block2(p1 - p0, am, as, ps, b + n0 + p0 * ldb, ldb, cm, ld);
+            else block1(p1 - p0, am, as, ps, b + n0 + p0 * ldb, ldb, cm, ld);
             for (int64_t m = 0; !whole && m < mrows - m0; m++)
                 memcpy(c + (m0 + m) * ldc + n0, part + m * 2 * TILE, sizeof(float) * (size_t)(two ? 2 : 1) * TILE);
         }
+    }
 }
 
 /* ---- packing ----------------------------------------------------------- */
@@ -497,10 +507,10 @@ ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, con
                 int64_t rows = T - TILE * r < TILE ? T - TILE * r : TILE, w = TILE * (r + 1);
                 /* S = q k^T over key tiles 0..r (rows past T are zeros in qn). */
                 fetch_some(&f);
-                tile_product(w, hd / 2, (const word *)qn + TILE * r * hd / 2, hd / 2, 1, kt, Tp, s, Tp, TILE);
+                tile_product(w, hd / 2, (const word *)qn + TILE * r * hd / 2, hd / 2, 1, kt, Tp, s, Tp, TILE, FULL);
                 softmax_tile(&d, r, s, mk ? mk + TILE * r * T : NULL, rec + tile_off(r), pd);
                 /* y = Pd v over keys 0..w: the bf16 rows of pd as pair words. */
-                tile_product(hd, w / 2, (const word *)pd, Tp / 2, 1, vp, hd, ys, hd, rows);
+                tile_product(hd, w / 2, (const word *)pd, Tp / 2, 1, vp, hd, ys, hd, rows, TRIM_END);
                 int64_t yo = b * T * D + h * hd;
                 store_y(&d, r, ys, y_bf16 ? (void *)((uint16_t *)y + yo) : (void *)((float *)y + yo), D, y_bf16);
             }
@@ -594,13 +604,13 @@ static void put_grad(const float *gt, int64_t rows, int64_t hd, uint16_t *out, i
 /* One gradient tile of rows x hd: straight into f32 dqkv (row stride ld),
  * or through gt into bf16 dqkv and the column sums cs. */
 static void grad_product(int64_t kp, const word *a, ptrdiff_t as, ptrdiff_t ps, const word *b, int64_t hd,
-                         void *out, int64_t ld, int64_t rows, float *gt, float *cs)
+                         void *out, int64_t ld, int64_t rows, int trim, float *gt, float *cs)
 {
     if (!cs) {
-        tile_product(hd, kp, a, as, ps, b, hd, out, ld, rows);
+        tile_product(hd, kp, a, as, ps, b, hd, out, ld, rows, trim);
         return;
     }
-    tile_product(hd, kp, a, as, ps, b, hd, gt, hd, rows);
+    tile_product(hd, kp, a, as, ps, b, hd, gt, hd, rows, trim);
     put_grad(gt, rows, hd, out, ld, cs);
 }
 
@@ -648,21 +658,22 @@ ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, co
                 int64_t rows = T - TILE * r < TILE ? T - TILE * r : TILE, w = TILE * (r + 1);
                 /* dPd = dy v^T, then dS; dq = dS k. */
                 fetch_some(&f);
-                tile_product(w, hd / 2, (const word *)dyn + TILE * r * hd / 2, hd / 2, 1, vt, Tp, dP, Tp, TILE);
+                tile_product(w, hd / 2, (const word *)dyn + TILE * r * hd / 2, hd / 2, 1, vt, Tp, dP, Tp, TILE, FULL);
                 fetch_some(&f);
                 grad_tile(&d, r, dP, rec + tile_off(r), mk ? mk + TILE * r * T : NULL, ds, dsi, pdi);
                 fetch_some(&f);
-                grad_product(w / 2, (const word *)ds, Tp / 2, 1, kp, hd, dq + TILE * r * 3 * D * ge, 3 * D, rows, gt, csq);
+                grad_product(w / 2, (const word *)ds, Tp / 2, 1, kp, hd, dq + TILE * r * 3 * D * ge, 3 * D, rows,
+                             TRIM_END, gt, csq);
             }
             /* Key tile c: dv = Pd^T dy and dk = dS^T q over rows i >= 16c. */
             for (int64_t c = 0; c < d.nt; c++) {
                 int64_t rows = T - TILE * c < TILE ? T - TILE * c : TILE, p0 = TILE / 2 * c;
                 fetch_some(&f);
                 grad_product(W - p0, pdi + p0 * Tp + TILE * c, 1, Tp, dyp + p0 * hd, hd, dv + TILE * c * 3 * D * ge,
-                             3 * D, rows, gt, csv);
+                             3 * D, rows, TRIM_START, gt, csv);
                 fetch_some(&f);
                 grad_product(W - p0, dsi + p0 * Tp + TILE * c, 1, Tp, qp + p0 * hd, hd, dk + TILE * c * 3 * D * ge,
-                             3 * D, rows, gt, csk);
+                             3 * D, rows, TRIM_START, gt, csk);
             }
         }
     ct_free(ws);
