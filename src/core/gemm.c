@@ -29,6 +29,7 @@
 #include <strings.h>
 
 #include "ctrain/core.h"
+#include "internal.h"
 
 typedef struct {
     int bf16, ta, tb, m, n, k, lda, ldb, ldc, nthr;
@@ -251,19 +252,22 @@ static ct_status execute(gemm_entry *e, const void *a, const void *b, void *c, c
 #define PANEL_MIN_C (1 << 19)
 
 static float *scratch_buf; /* product scratch of by_panels and swapped, under cache_lock */
-static int64_t scratch_n;
+static size_t scratch_bytes;
 
-/* scratch_buf with room for n floats. */
-static ct_status scratch(int64_t n)
+/* *buf (of *have bytes) with room for bytes, its old contents dropped. */
+static ct_status grow(void **buf, size_t *have, size_t bytes)
 {
-    if (scratch_n >= n) return CT_OK;
-    float *p = ct_alloc((size_t)n * sizeof *p, CT_MEM_OTHER);
+    if (*have >= bytes) return CT_OK;
+    void *p = ct_alloc(bytes, CT_MEM_OTHER);
     if (!p) return CT_ENOMEM;
-    ct_free(scratch_buf);
-    scratch_buf = p;
-    scratch_n = n;
+    ct_free(*buf);
+    *buf = p;
+    *have = bytes;
     return CT_OK;
 }
+
+/* scratch_buf with room for n floats. */
+static ct_status scratch(int64_t n) { return grow((void **)&scratch_buf, &scratch_bytes, (size_t)n * sizeof(float)); }
 
 /* C = alpha A B + beta C by panels; *ran is set once C may have changed. */
 static ct_status by_panels(const gemm_key *key, const void *a, const void *b, float *c, int *ran)
@@ -308,7 +312,7 @@ static ct_status by_panels(const gemm_key *key, const void *a, const void *b, fl
 #define TRANS_MIN_K 1024
 
 static uint16_t *trans_buf; /* A^T for tn_product, under cache_lock */
-static int64_t trans_n;
+static size_t trans_bytes;
 
 /* The 16x16 block at s (row stride ls) transposed into d (row stride ld). */
 __attribute__((target("avx2"))) static void tr16(const uint16_t *s, int64_t ls, uint16_t *d, int64_t ld)
@@ -341,13 +345,7 @@ __attribute__((target("avx2"))) static void tr16(const uint16_t *s, int64_t ls, 
  * a time so each row of d gets whole 64-byte lines; edges one by one. */
 static void transpose_bf16(const uint16_t *s, int64_t ls, int64_t k, int64_t m, uint16_t *d, int64_t ld)
 {
-    static int have = -1; /* asked once */
-    int vec = __atomic_load_n(&have, __ATOMIC_RELAXED);
-    if (vec < 0) {
-        __builtin_cpu_init();
-        vec = __builtin_cpu_supports("avx2") != 0;
-        __atomic_store_n(&have, vec, __ATOMIC_RELAXED);
-    }
+    int vec = ct__cpu_has(CT__CPU_AVX2);
     int64_t m16 = vec ? m / 16 * 16 : 0, k16 = vec ? k / 16 * 16 : 0;
     for (int64_t j = 0; j < m16; j += 16)
         for (int64_t p = 0; p < k16; p += 16) tr16(s + p * ls + j, ls, d + j * ld + p, ld);
@@ -360,14 +358,8 @@ static void transpose_bf16(const uint16_t *s, int64_t ls, int64_t k, int64_t m, 
  * a few cache sets); *ran as by_panels. */
 static ct_status tn_product(const gemm_key *key, const void *a, const void *b, void *c, const float *bias, int *ran)
 {
-    int64_t ld = ((int64_t)key->k + 31) / 32 * 32 + 32, need = ld * key->m;
-    if (trans_n < need) {
-        uint16_t *p = ct_alloc((size_t)need * sizeof *p, CT_MEM_OTHER);
-        if (!p) return CT_ENOMEM;
-        ct_free(trans_buf);
-        trans_buf = p;
-        trans_n = need;
-    }
+    int64_t ld = ((int64_t)key->k + 31) / 32 * 32 + 32;
+    CT_TRY(grow((void **)&trans_buf, &trans_bytes, (size_t)(ld * key->m) * sizeof *trans_buf));
     gemm_key t = *key;
     t.ta = 0;
     t.lda = (int)ld;
@@ -621,19 +613,13 @@ void ct_gemm_cache_clear(void)
     ncache = cache_cap = 0;
     ct_free(scratch_buf);
     scratch_buf = NULL;
-    scratch_n = 0;
+    scratch_bytes = 0;
     ct_free(trans_buf);
     trans_buf = NULL;
-    trans_n = 0;
+    trans_bytes = 0;
     if (stream) dnnl_stream_destroy(stream);
     if (engine) dnnl_engine_destroy(engine);
     stream = NULL;
     engine = NULL;
     pthread_mutex_unlock(&cache_lock);
-}
-
-int ct_cpu_has_avx512_bf16(void)
-{
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16");
 }

@@ -13,6 +13,7 @@
  * result stays bit-identical to the scalar form.
  */
 #include "ctrain/core.h"
+#include "internal.h"
 
 #include <float.h>
 #include <immintrin.h>
@@ -72,19 +73,6 @@ float ct_f16_to_f32(uint16_t h)
     return float_of(bits);
 }
 
-/* Asked once; the comm thread converts too, hence the atomic. */
-static int have_avx512(void)
-{
-    static int have = -1;
-    int h = __atomic_load_n(&have, __ATOMIC_RELAXED);
-    if (h < 0) {
-        __builtin_cpu_init();
-        h = __builtin_cpu_supports("avx512f") != 0;
-        __atomic_store_n(&have, h, __ATOMIC_RELAXED);
-    }
-    return h;
-}
-
 /* ct_f32_to_bf16 on 16 lanes, each result in the low half of its 32-bit
  * lane: x + 0x7fff + lsb, high half; nan -> high half | quiet bit. */
 __attribute__((target("avx512f"))) static inline __m512i bf16_lanes(__m512i x)
@@ -131,19 +119,6 @@ void ct_f32_to_bf16_rows(const float *x, int64_t rows, int64_t cols, uint16_t *y
     }
 }
 
-/* Asked once, like have_avx512. */
-static int have_avx512_bf16(void)
-{
-    static int have = -1;
-    int h = __atomic_load_n(&have, __ATOMIC_RELAXED);
-    if (h < 0) {
-        __builtin_cpu_init();
-        h = __builtin_cpu_supports("avx512bf16") != 0;
-        __atomic_store_n(&have, h, __ATOMIC_RELAXED);
-    }
-    return h;
-}
-
 __attribute__((target("avx512f,avx512bf16"))) static size_t f32_to_bf16_vcvt(const float *in, uint16_t *out,
                                                                             size_t n)
 {
@@ -162,12 +137,12 @@ __attribute__((target("avx512f,avx512bf16"))) static size_t f32_to_bf16_vcvt(con
 
 void ct_f32_to_bf16_n(const float *in, uint16_t *out, size_t n)
 {
-    size_t i = have_avx512_bf16() ? f32_to_bf16_vcvt(in, out, n) : have_avx512() ? f32_to_bf16_avx512(in, out, n) : 0;
+    size_t i = ct__cpu_has(CT__CPU_AVX512BF16) ? f32_to_bf16_vcvt(in, out, n) : ct__cpu_has(CT__CPU_AVX512F) ? f32_to_bf16_avx512(in, out, n) : 0;
     for (; i < n; i++) out[i] = ct_f32_to_bf16(in[i]);
 }
 void ct_bf16_to_f32_n(const uint16_t *in, float *out, size_t n)
 {
-    size_t i = have_avx512() ? bf16_to_f32_avx512(in, out, n) : 0;
+    size_t i = ct__cpu_has(CT__CPU_AVX512F) ? bf16_to_f32_avx512(in, out, n) : 0;
     for (; i < n; i++) out[i] = ct_bf16_to_f32(in[i]);
 }
 void ct_f32_to_f16_n(const float *in, uint16_t *out, size_t n)

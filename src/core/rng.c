@@ -116,8 +116,7 @@ static const struct rng_path *rng_path(void)
     static int chosen = -1;
     int c = __atomic_load_n(&chosen, __ATOMIC_RELAXED);
     if (c < 0) {
-        __builtin_cpu_init();
-        c = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+        c = ct__cpu_has(CT__CPU_AVX512F) ? 2 : ct__cpu_has(CT__CPU_AVX2) ? 1 : 0;
         const char *e = getenv("CTRAIN_RNG_ISA");
         for (int i = 0; e && i < c; i++)
             if (!strcmp(e, paths[i].name)) c = i;

@@ -56,16 +56,7 @@ int64_t ct__attn_bf16_pwords(int64_t T)
 
 static int64_t tile_off(int64_t r) { return 64 * r * (r + 1); }
 
-int ct__attn_bf16_usable(int64_t hd)
-{
-    static int have = -1;
-    int h = __atomic_load_n(&have, __ATOMIC_RELAXED);
-    if (h < 0) {
-        h = ct_cpu_has_avx512_bf16();
-        __atomic_store_n(&have, h, __ATOMIC_RELAXED);
-    }
-    return h && hd % TILE == 0;
-}
+int ct__attn_bf16_usable(int64_t hd) { return ct_cpu_has_avx512_bf16() && hd % TILE == 0; }
 
 /* ---- conversions ------------------------------------------------------- */
 
