@@ -131,9 +131,6 @@ int ct_optim_state(ct_optim *opt, int i, float **bufs, const char **names);
  * with no slots, so a rank that owns nothing names what others hold. */
 int ct_optim_state_names(const ct_optim *opt, const char **names);
 
-/* Sum of squares (in double) of the gradients of every slot, skipping
- * NULL grads: a sharded strategy's local part of the global grad norm. */
-double ct_optim_grad_sq_sum(ct_optim *opt);
 /* Multiplies the gradients of every slot by scale. */
 void ct_optim_scale_grads(ct_optim *opt, float scale);
 
@@ -146,6 +143,29 @@ void ct_adamw_update(float *p, const float *g, float *m, float *v, int64_t n,
                      const ct_optim_opts *o, int64_t step);
 
 /* ---- gradient clipping ------------------------------------------------- */
+
+/* A gradient norm being accumulated: the sum of squares (norm_type 2) or the
+ * largest magnitude (infinity) of every element added, in double, NaN
+ * propagating.  Every strategy's norm is one of these over the pieces it
+ * holds, combined across ranks (whole tensors add their own sum first, so a
+ * norm over whole gradients matches ct_grad_sq_sum bit for bit). */
+typedef struct {
+    double v;
+    int inf; /* 1: infinity norm (max), 0: 2-norm (sum of squares) */
+} ct_norm_acc;
+/* An empty accumulator for norm_type 2 or infinity. */
+ct_norm_acc ct_norm_acc_init(double norm_type);
+/* Adds n f32 gradient elements. */
+void ct_norm_acc_f32(ct_norm_acc *a, const float *g, int64_t n);
+/* Adds a whole gradient tensor (f32, bf16 or f16). */
+void ct_norm_acc_tensor(ct_norm_acc *a, const ct_tensor *g);
+/* Adds another accumulator's value (a rank's, a shard group's, a slice's). */
+void ct_norm_acc_add(ct_norm_acc *a, double v);
+/* The norm: sqrt of the sum of squares, or the maximum. */
+double ct_norm_acc_norm(const ct_norm_acc *a);
+/* Adds the gradients of every slot of opt (NULL grads skipped): a sharded
+ * strategy's local part of the global norm. */
+void ct_optim_grad_norm_acc(ct_optim *opt, ct_norm_acc *a);
 
 /* Sum of squares (in double) of every gradient element under params;
  * params with a NULL grad are skipped.  Grads may be f32, bf16 or f16. */

@@ -77,12 +77,54 @@ static void scale_tensor(ct_tensor *t, float scale)
     }
 }
 
+static double max_abs_f32(const float *x, int64_t n)
+{
+    double m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double a = fabs((double)x[i]);
+        if (a > m || isnan(a)) m = a;
+    }
+    return m;
+}
+
+static double max_abs_16(const ct_tensor *t)
+{
+    const uint16_t *h = ct_tensor_data(t);
+    double m = 0;
+    for (int64_t i = 0; i < t->numel; i++) {
+        double a = fabs((double)(t->dtype == CT_BF16 ? ct_bf16_to_f32(h[i]) : ct_f16_to_f32(h[i])));
+        if (a > m || isnan(a)) m = a;
+    }
+    return m;
+}
+
+ct_norm_acc ct_norm_acc_init(double norm_type) { return (ct_norm_acc){0.0, isinf(norm_type) != 0}; }
+
+void ct_norm_acc_add(ct_norm_acc *a, double v)
+{
+    if (!a->inf) a->v += v;
+    else if (v > a->v || isnan(v)) a->v = v;
+}
+
+void ct_norm_acc_f32(ct_norm_acc *a, const float *g, int64_t n)
+{
+    ct_norm_acc_add(a, a->inf ? max_abs_f32(g, n) : sq_sum_f32(g, n));
+}
+
+void ct_norm_acc_tensor(ct_norm_acc *a, const ct_tensor *g)
+{
+    if (g->dtype == CT_F32) ct_norm_acc_f32(a, ct_tensor_data(g), g->numel);
+    else ct_norm_acc_add(a, a->inf ? max_abs_16(g) : sq_sum_tensor(g));
+}
+
+double ct_norm_acc_norm(const ct_norm_acc *a) { return a->inf ? a->v : sqrt(a->v); }
+
 double ct_grad_sq_sum(ct_param **params, int n)
 {
-    double s = 0;
+    ct_norm_acc a = ct_norm_acc_init(2.0);
     for (int i = 0; i < n; i++)
-        if (params[i] && params[i]->grad) s += sq_sum_tensor(params[i]->grad);
-    return s;
+        if (params[i] && params[i]->grad) ct_norm_acc_tensor(&a, params[i]->grad);
+    return a.v;
 }
 
 float ct_clip_coef(double total_norm, double max_norm)
@@ -111,14 +153,12 @@ ct_status ct_clip_grad_norm(ct_param **params, int n, float max_norm, float *nor
     return CT_OK;
 }
 
-double ct_optim_grad_sq_sum(ct_optim *opt)
+void ct_optim_grad_norm_acc(ct_optim *opt, ct_norm_acc *a)
 {
-    double s = 0;
     for (int i = 0; i < ct_optim_num_slots(opt); i++) {
         const ct_optim_slot *sl = ct_optim_slot_at(opt, i);
-        if (sl->grad) s += sq_sum_f32(sl->grad, sl->n);
+        if (sl->grad) ct_norm_acc_f32(a, sl->grad, sl->n);
     }
-    return s;
 }
 
 void ct_optim_scale_grads(ct_optim *opt, float scale)

@@ -11,31 +11,20 @@
 
 #include "fsdp.h"
 
-ct_status ct__fsdp_grad_norm(ct_strategy *s, double norm_type, double *norm)
+/* Each shard group's pieces, combined over that group (a hybrid's replicas
+ * hold the same pieces: they are counted once). */
+ct_status ct__fsdp_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     fsdp_t *f = ct__fsdp_of(s);
-    int inf = isinf(norm_type);
-    double total = 0;
     for (int g = 0; g < f->ngroups; g++) {
-        double acc = 0;
+        ct_norm_acc part = ct_norm_acc_init(acc->inf ? INFINITY : 2.0);
         for (int i = 0; i < f->nu; i++) {
             if (f->u[i].gi != g) continue;
-            for (int k = 0; k < f->u[i].nfl; k++) {
-                const fsdp_flat *fl = &f->u[i].fl[k];
-                for (int64_t j = 0; j < fl->shard; j++) {
-                    double a = fabs((double)fl->gshard[j]);
-                    if (!inf) acc += a * a;
-                    else if (a > acc || isnan(a)) acc = a;
-                }
-            }
+            for (int k = 0; k < f->u[i].nfl; k++) ct_norm_acc_f32(&part, f->u[i].fl[k].gshard, f->u[i].fl[k].shard);
         }
-        float v = (float)acc;
-        if (ct_group_size(f->groups[g]) > 1)
-            CT_TRY(ct_group_allreduce(f->groups[g], &v, 1, CT_F32, inf ? CT_OP_MAX : CT_OP_SUM, NULL));
-        if (!inf) total += v;
-        else if (v > total || isnan(v)) total = v;
+        CT_TRY(ct__norm_combine(f->groups[g], &part));
+        ct_norm_acc_add(acc, part.v);
     }
-    *norm = inf ? total : sqrt(total);
     return CT_OK;
 }
 

@@ -56,7 +56,9 @@ typedef struct {
     /* Per-strategy entries; NULL takes the replicated default (whole,
      * synchronised gradients and parameters on every rank). */
     ct_status (*build_optim)(ct_strategy *s, const ct_optim_opts *o);
-    ct_status (*grad_norm)(ct_strategy *s, double norm_type, double *norm);
+    /* Adds the norm terms of every gradient s trains, combined across the
+     * ranks that shard them (ct__norm_combine), to acc. */
+    ct_status (*grad_norm)(ct_strategy *s, ct_norm_acc *acc);
     void (*scale_grads)(ct_strategy *s, float k);
     ct_status (*reduce)(ct_strategy *s); /* synchronise accumulated gradients now */
     ct_status (*pre_step)(ct_strategy *s);
@@ -120,9 +122,12 @@ extern const ct__strategy_ops ct__offload_ops;
  * each stage's backward through its replica strategy with this. */
 ct_status ct__strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale,
                                    ct_tensor **din);
-/* Squared 2-norm (norm_type 2) or max-abs (infinity) of the gradients of s's
- * trainable parameters, whatever s shards: the stage term of a pipeline's norm. */
-ct_status ct__strategy_norm_term(ct_strategy *s, double norm_type, double *term);
+/* Adds the norm terms of the gradients of s's trainable parameters, whatever
+ * s shards, to acc: the stage term of a pipeline's norm. */
+ct_status ct__strategy_norm_acc(ct_strategy *s, ct_norm_acc *acc);
+/* Every rank of g's accumulated value, folded in rank order into a (the
+ * same double on every rank, never rounded to float on the way). */
+ct_status ct__norm_combine(ct_group *g, ct_norm_acc *a);
 
 /* DDP's options and entries, for the strategies built on its buckets
  * (ZeRO-1 keeps DDP's gradient path and shards only the optimizer). */

@@ -481,20 +481,13 @@ static ct_status not_here(ct_strategy *s)
                     "backward through ct_strategy_train_step (inference: ct_strategy_predict)");
 }
 
-static ct_status offload_grad_norm(ct_strategy *s, double norm_type, double *norm)
+/* The terms each slice left when its gradients were final, added in
+ * parameter order as the replicated norm adds them: bitwise equal. */
+static ct_status offload_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     offload_t *f = ct__offload(s);
-    double acc = 0; /* the same order and rule as the replicated norm: bitwise equal */
-    for (int i = 0; i < s->nparams; i++) {
-        if (!s->params[i]->requires_grad || !s->params[i]->grad) continue;
-        if (isinf(norm_type)) {
-            double a = f->gmax[i];
-            if (a > acc || isnan(a)) acc = a;
-        } else {
-            acc += f->gsq[i];
-        }
-    }
-    *norm = isinf(norm_type) ? acc : sqrt(acc);
+    for (int i = 0; i < s->nparams; i++)
+        if (s->params[i]->requires_grad && s->params[i]->grad) ct_norm_acc_add(acc, acc->inf ? f->gmax[i] : f->gsq[i]);
     return CT_OK;
 }
 
@@ -511,7 +504,7 @@ static void offload_scale_grads(ct_strategy *s, float k)
     }
     for (int i = 0; i < s->nparams; i++) {
         f->gsq[i] *= (double)k * (double)k;
-        f->gmax[i] *= fabsf(k);
+        f->gmax[i] = (double)((float)f->gmax[i] * fabsf(k)); /* as the scaled f32 gradients' max */
     }
 }
 

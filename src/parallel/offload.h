@@ -115,7 +115,7 @@ typedef struct {
     size_t fixed;        /* resident bytes outside the slices (buffers, small state) */
     int grads_zero;      /* zero_grad since the last backward: the next one overwrites */
     double *gsq;         /* [nparams] squared 2-norm of each parameter's gradient */
-    float *gmax;         /* [nparams] max |g| */
+    double *gmax;        /* [nparams] max |g| */
     float scales[8];     /* clip factors pending for the next step, in order */
     int nscales;
     /* The optimizer step ct_strategy_step took, applied to each slice when

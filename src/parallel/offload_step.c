@@ -46,14 +46,11 @@ void ct__offload_norms(ct_strategy *s, const offload_slice *sl)
         ct_param *p = s->params[j];
         ct_param_grad_sync(p);
         if (!p->grad || !p->requires_grad) continue;
-        f->gsq[j] = ct_grad_sq_sum(&p, 1);
-        const float *g = ct_f32(p->grad);
-        float mx = 0;
-        for (int64_t e = 0; e < p->grad->numel; e++) {
-            float a = fabsf(g[e]);
-            if (a > mx || isnan(a)) mx = a;
-        }
-        f->gmax[j] = mx;
+        ct_norm_acc sq = ct_norm_acc_init(2.0), mx = ct_norm_acc_init(INFINITY);
+        ct_norm_acc_tensor(&sq, p->grad);
+        ct_norm_acc_tensor(&mx, p->grad);
+        f->gsq[j] = sq.v;
+        f->gmax[j] = mx.v;
     }
 }
 

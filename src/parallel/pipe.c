@@ -385,25 +385,16 @@ static ct_status spans_ranks(ct_strategy *s)
  * (whatever it shards) less the tied copies another stage counts, one
  * replica's terms combined over the group in rank order, so every rank,
  * sitting out or not, gets the same number. */
-static ct_status pipe_grad_norm(ct_strategy *s, double norm_type, double *norm)
+static ct_status pipe_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     pipe_t *p = ct__pipe(s);
-    double term = 0;
-    if (p->stage >= 0) CT_TRY(ct__strategy_norm_term(p->inner, norm_type, &term));
-    if (p->stage >= 0 && !isinf(norm_type)) term = fmax(0.0, term - ct__pipe_ties_uncounted(p));
-    if (p->stage < 0 || p->replica != 0) term = 0;
-    int size = ct_group_size(s->g);
-    double *all = ct_alloc(sizeof *all * (size_t)size, CT_MEM_COMM);
-    if (!all) return CT_ENOMEM;
-    ct_status st = ct_group_allgather(s->g, &term, all, (int64_t)sizeof term, CT_U8, NULL);
-    double acc = 0;
-    for (int r = 0; st == CT_OK && r < size; r++) {
-        if (isinf(norm_type)) acc = all[r] > acc || isnan(all[r]) ? all[r] : acc;
-        else acc += all[r];
-    }
-    ct_free(all);
-    *norm = isinf(norm_type) ? acc : sqrt(acc);
-    return st;
+    ct_norm_acc term = ct_norm_acc_init(acc->inf ? INFINITY : 2.0);
+    if (p->stage >= 0) CT_TRY(ct__strategy_norm_acc(p->inner, &term));
+    if (p->stage >= 0 && !term.inf) term.v = fmax(0.0, term.v - ct__pipe_ties_uncounted(p));
+    if (p->stage < 0 || p->replica != 0) term.v = 0;
+    CT_TRY(ct__norm_combine(s->g, &term));
+    ct_norm_acc_add(acc, term.v);
+    return CT_OK;
 }
 
 static void pipe_scale_grads(ct_strategy *s, float k)

@@ -276,33 +276,35 @@ static void sync_grads(ct_strategy *s)
     for (int i = 0; i < s->nparams; i++) ct_param_grad_sync(s->params[i]);
 }
 
-static ct_status replicated_norm(ct_strategy *s, double norm_type, double *norm)
+/* Every rank holds the whole gradients (synchronised): no combination. */
+static ct_status replicated_norm(ct_strategy *s, ct_norm_acc *acc)
 {
-    double acc = 0;
     for (int i = 0; i < s->nparams; i++) {
         ct_param *p = s->params[i];
-        if (!p->grad || !p->requires_grad) continue;
-        if (isinf(norm_type)) {
-            const float *gp = ct_f32(p->grad);
-            for (int64_t j = 0; j < p->grad->numel; j++) {
-                double a = fabs((double)gp[j]);
-                if (a > acc || isnan(a)) acc = a;
-            }
-        } else {
-            acc += ct_grad_sq_sum(&p, 1);
-        }
+        if (p->grad && p->requires_grad) ct_norm_acc_tensor(acc, p->grad);
     }
-    *norm = isinf(norm_type) ? acc : sqrt(acc);
     return CT_OK;
 }
 
-ct_status ct__strategy_norm_term(ct_strategy *s, double norm_type, double *term)
+ct_status ct__norm_combine(ct_group *g, ct_norm_acc *a)
+{
+    int size = g ? ct_group_size(g) : 1;
+    if (size == 1) return CT_OK;
+    double *all = ct_alloc(sizeof *all * (size_t)size, CT_MEM_COMM);
+    if (!all) return CT_ENOMEM;
+    ct_status st = ct_group_allgather(g, &a->v, all, (int64_t)sizeof a->v, CT_U8, NULL);
+    if (st == CT_OK) {
+        a->v = 0;
+        for (int r = 0; r < size; r++) ct_norm_acc_add(a, all[r]);
+    }
+    ct_free(all);
+    return st;
+}
+
+ct_status ct__strategy_norm_acc(ct_strategy *s, ct_norm_acc *acc)
 {
     sync_grads(s);
-    double n = 0;
-    CT_TRY(s->ops->grad_norm ? s->ops->grad_norm(s, norm_type, &n) : replicated_norm(s, norm_type, &n));
-    *term = isinf(norm_type) ? n : n * n;
-    return CT_OK;
+    return s->ops->grad_norm ? s->ops->grad_norm(s, acc) : replicated_norm(s, acc);
 }
 
 ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm)
@@ -311,9 +313,9 @@ ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm
         return ct_error(CT_EINVAL, "clip: max_norm must be >= 0 (got %g)", (double)max_norm);
     if (norm_type != 2.0 && !isinf(norm_type))
         return ct_error(CT_EINVAL, "clip: norm_type %g is not supported; use 2 or infinity", norm_type);
-    sync_grads(s);
-    double total = 0;
-    CT_TRY(s->ops->grad_norm ? s->ops->grad_norm(s, norm_type, &total) : replicated_norm(s, norm_type, &total));
+    ct_norm_acc acc = ct_norm_acc_init(norm_type);
+    CT_TRY(ct__strategy_norm_acc(s, &acc));
+    double total = ct_norm_acc_norm(&acc);
     if (norm) *norm = (float)total;
     float coef = ct_clip_coef(total, max_norm);
     if (coef < 1.0f) {

@@ -341,20 +341,14 @@ static ct_status zero2_reduce(ct_strategy *s)
 }
 
 /* The global norm: each rank's owned ranges (the reduced gradients live
- * there only), combined over the group. */
-static ct_status zero2_grad_norm(ct_strategy *s, double norm_type, double *norm)
+ * there only, and the optimizer's slots are exactly those), combined over
+ * the group. */
+static ct_status zero2_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
-    ct__zero *z = ct__zero_of(s);
-    int inf = norm_type != 2.0;
-    double acc = 0;
-    for (int64_t j = 0; j < z->nshard; j++) {
-        double a = fabs((double)z->gshard[j]);
-        if (inf) acc = a > acc || isnan(a) ? a : acc;
-        else acc += a * a;
-    }
-    float v = (float)acc;
-    CT_TRY(ct_group_allreduce(s->g, &v, 1, CT_F32, inf ? CT_OP_MAX : CT_OP_SUM, NULL));
-    *norm = inf ? (double)v : sqrt((double)v);
+    ct_norm_acc mine = ct_norm_acc_init(acc->inf ? INFINITY : 2.0);
+    ct_optim_grad_norm_acc(s->opt, &mine);
+    CT_TRY(ct__norm_combine(s->g, &mine));
+    ct_norm_acc_add(acc, mine.v);
     return CT_OK;
 }
 

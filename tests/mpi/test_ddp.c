@@ -9,6 +9,7 @@
 #include <math.h>
 
 #include "train_util.h"
+#include "parallel/internal.h"
 
 /* ---- small custom module kinds for the edge cases --------------------- */
 
@@ -297,6 +298,32 @@ TEST(ddp_train_step_micro_batches_equal_one_process)
     ct_strategy_destroy(rs);
     ct_module_destroy(dm);
     ct_module_destroy(rm);
+}
+
+/* Every strategy's norm is one accumulator combined by ct__norm_combine:
+ * rank terms too close to tell apart in float stay apart (no rounding to
+ * float on the way, which zero2 and fsdp once did), every rank gets the same
+ * double, and a NaN on any rank reaches every rank. */
+TEST(norm_combine_keeps_double_and_nan)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    ct_norm_acc a = ct_norm_acc_init(2.0);
+    ct_norm_acc_add(&a, 1.0 + 1e-12 * (rank + 1));
+    ASSERT_OK(ct__norm_combine(g, &a));
+    double want = 0;
+    for (int r = 0; r < world; r++) want += 1.0 + 1e-12 * (r + 1);
+    ASSERT_EQ(a.v, want);
+    ASSERT((float)a.v == (float)world); /* the difference is below float's resolution */
+    ASSERT_EQ(ct_norm_acc_norm(&a), sqrt(want));
+    ct_norm_acc m = ct_norm_acc_init(INFINITY);
+    ct_norm_acc_add(&m, 2.0 + 1e-12 * rank);
+    ASSERT_OK(ct__norm_combine(g, &m));
+    ASSERT_EQ(m.v, 2.0 + 1e-12 * (world - 1));
+    ct_norm_acc nan = ct_norm_acc_init(INFINITY);
+    ct_norm_acc_add(&nan, rank == world - 1 ? NAN : 1.0);
+    ASSERT_OK(ct__norm_combine(g, &nan));
+    ASSERT(isnan(nan.v));
 }
 
 TEST(ddp_clip_grad_norm_is_the_global_norm)
