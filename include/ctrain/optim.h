@@ -134,6 +134,15 @@ int ct_optim_state_names(const ct_optim *opt, const char **names);
 /* Multiplies the gradients of every slot by scale. */
 void ct_optim_scale_grads(ct_optim *opt, float scale);
 
+/* One update of a caller-owned range (a strategy that keeps parameters,
+ * gradients and state itself: offload's slices) by o's rule, bitwise what
+ * ct_optim_step does to a slot: state holds ct_optim_state_names' buffers
+ * of n floats each (zeroed before the first update), step is the range's
+ * 1-based step count after this update.  The one place an update rule is
+ * chosen by kind: a new optimizer is added here and in its state names. */
+void ct_optim_update_range(const ct_optim_opts *o, float *data, const float *grad, float *const *state,
+                           int64_t n, int64_t step);
+
 /* Raw updates (one range), as PyTorch computes them.  buf may be NULL when
  * momentum is 0; first_step: buf is set to the gradient instead of being
  * decayed (PyTorch's "buffer is None").  step is 1-based. */

@@ -394,6 +394,20 @@ int ct_optim_state(ct_optim *opt, int i, float **bufs, const char **names)
     return opt->nbufs;
 }
 
+void ct_optim_update_range(const ct_optim_opts *o, float *data, const float *grad, float *const *state,
+                           int64_t n, int64_t step)
+{
+    switch (o->kind) {
+    case CT_OPT_ADAMW:
+        ct_adamw_update(data, grad, state[0], state[1], n, o, step);
+        return;
+    case CT_OPT_SGD:
+        ct_sgd_update(data, grad, state_bufs(o) ? state[0] : NULL, n, o, step == 1);
+        return;
+    }
+    CT_ASSERT(!"ct_optim_validate accepts only known optimizer kinds");
+}
+
 ct_status ct_optim_step(ct_optim *opt)
 {
     CT_ASSERT(opt);
@@ -405,15 +419,9 @@ ct_status ct_optim_step(ct_optim *opt)
     for (int i = 0; i < opt->nslots; i++) {
         slot_t *sl = &opt->slots[i];
         if (!sl->s.grad) continue;
-        int64_t n = sl->s.n;
-        if (opt->o.kind == CT_OPT_ADAMW) {
-            ct_adamw_update(sl->s.data, sl->s.grad, slot_buf(opt, sl, 0), slot_buf(opt, sl, 1), n,
-                            &opt->o, sl->step + 1);
-        } else {
-            ct_sgd_update(sl->s.data, sl->s.grad, opt->nbufs ? slot_buf(opt, sl, 0) : NULL, n,
-                          &opt->o, sl->step == 0);
-        }
-        sl->step++;
+        float *bufs[CT_OPTIM_MAX_STATE] = {NULL};
+        for (int b = 0; b < opt->nbufs; b++) bufs[b] = slot_buf(opt, sl, b);
+        ct_optim_update_range(&opt->o, sl->s.data, sl->s.grad, bufs, sl->s.n, ++sl->step);
     }
     opt->step++;
     return CT_OK;

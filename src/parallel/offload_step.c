@@ -292,8 +292,8 @@ ct_status ct__offload_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ct
 
 /* The pending optimizer step on resident slice i (parameters, gradients
  * and state in memory): the clip factors apply as ct_scale_grads would, the
- * update is the optimizer's own (ct_adamw_update / ct_sgd_update, bitwise
- * what ct_optim_step does on whole parameters: the updates are per element). */
+ * update is the optimizer's own (ct_optim_update_range, bitwise what
+ * ct_optim_step does on whole parameters: the updates are per element). */
 void ct__offload_update(ct_strategy *s, offload_slice *sl)
 {
     offload_t *f = ct__offload(s);
@@ -305,10 +305,9 @@ void ct__offload_update(ct_strategy *s, offload_slice *sl)
         int64_t n = p->data->numel;
         if (p->requires_grad && p->grad) {
             for (int k = 0; k < f->pend_nscales; k++) ct_scale_grads(&p, 1, f->pend_scales[k]);
-            if (o->kind == CT_OPT_ADAMW)
-                ct_adamw_update(ct_f32(p->data), ct_f32(p->grad), state + off, state + sl->n + off, n, o, f->pend_step);
-            else
-                ct_sgd_update(ct_f32(p->data), ct_f32(p->grad), state ? state + off : NULL, n, o, f->pend_step == 1);
+            float *bufs[CT_OPTIM_MAX_STATE] = {NULL};
+            for (int b = 0; state && b < f->nstate; b++) bufs[b] = state + (int64_t)b * sl->n + off;
+            ct_optim_update_range(o, ct_f32(p->data), ct_f32(p->grad), bufs, n, f->pend_step);
         }
         off += n;
     }
