@@ -214,9 +214,10 @@ static ct_status launch(ct_strategy *s, bucket_t *b)
     void *buf = ct_tensor_data(b->buf);
     b->t_start = ct_now();
     b->t_end = 0;
-    if (dt == CT_BF16) ct_f32_to_bf16_n(buf, b->wire, (size_t)b->numel);
-    if (dt == CT_F16) ct_f32_to_f16_n(buf, b->wire, (size_t)b->numel);
-    if (dt != CT_F32) buf = b->wire;
+    if (dt != CT_F32) {
+        ct__wire_pack(dt, buf, b->wire, b->numel);
+        buf = b->wire;
+    }
     ct_work_destroy(b->work);
     b->work = NULL;
     /* A sum: gradients were already scaled by 1/world (ct__ddp_grad_scale). */
@@ -525,8 +526,8 @@ ct_status ct__ddp_post_backward(ct_strategy *s)
         double end = bk->t_end > 0 ? bk->t_end : t1;
         comm += end - bk->t_start;
         ct_trace_event("allreduce", "comm", bk->t_start, end, 1);
-        if ((ct_dtype)s->common.reduce_dtype == CT_BF16) ct_bf16_to_f32_n(bk->wire, ct_tensor_data(bk->buf), (size_t)bk->numel);
-        if ((ct_dtype)s->common.reduce_dtype == CT_F16) ct_f16_to_f32_n(bk->wire, ct_tensor_data(bk->buf), (size_t)bk->numel);
+        if ((ct_dtype)s->common.reduce_dtype != CT_F32)
+            ct__wire_unpack((ct_dtype)s->common.reduce_dtype, bk->wire, ct_tensor_data(bk->buf), bk->numel, 0);
     }
     if (d->nb) ct_trace_event("wait for allreduce", "comm", t0, t1, 0);
     s->stats.comm_wait += t1 - t0;

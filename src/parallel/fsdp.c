@@ -180,22 +180,20 @@ static void free_grads(fsdp_unit *u)
 static ct_status start_reduce(ct_strategy *s, fsdp_unit *u)
 {
     ct_dtype dt = (ct_dtype)s->common.reduce_dtype;
-    size_t es = ct_dtype_size(dt);
     for (int k = 0; k < u->nfl; k++) {
         fsdp_flat *fl = &u->fl[k];
         for (int j = 0; j < fl->n; j++) ct_param_grad_sync(fl->p[j]); /* unused parameters: zeros */
         float *g = ct_storage_ptr(fl->gfull);
         const void *src = g;
         if (dt != CT_F32) {
-            if (!(fl->wire = ct_alloc((size_t)padded(u, fl) * es + 64, CT_MEM_COMM))) return CT_ENOMEM;
-            if (dt == CT_BF16) ct_f32_to_bf16_n(g, fl->wire, (size_t)padded(u, fl));
-            else ct_f32_to_f16_n(g, fl->wire, (size_t)padded(u, fl));
+            if (!(fl->wire = ct__wire_alloc(dt, padded(u, fl)))) return CT_ENOMEM;
+            ct__wire_pack(dt, g, fl->wire, padded(u, fl));
             src = fl->wire;
         }
         if (u->ns == 1) continue; /* the piece is the whole flat */
         void *dst;
         if (dt == CT_F32 && fl->gzero) dst = fl->gshard; /* straight in: nothing to add to */
-        else if (!(dst = fl->rsbuf = ct_alloc((size_t)fl->shard * es + 64, CT_MEM_COMM))) return CT_ENOMEM;
+        else if (!(dst = fl->rsbuf = ct__wire_alloc(dt, fl->shard))) return CT_ENOMEM;
         /* a sum: the loss gradient was scaled by 1/world (grad_scale) */
         CT_TRY(ct_group_reduce_scatter(u->sg, src, dst, fl->shard, dt, CT_OP_SUM, &fl->rs));
     }
@@ -224,23 +222,7 @@ static ct_status finish_reduce(ct_strategy *s, fsdp_unit *u)
         void *r = u->ns > 1 ? (fl->rsbuf ? fl->rsbuf : (void *)fl->gshard)
                             : (fl->wire ? fl->wire : ct_storage_ptr(fl->gfull));
         if (st == CT_OK && u->rg) st = ct_group_allreduce(u->rg, r, fl->shard, dt, CT_OP_SUM, NULL);
-        if (st == CT_OK && r != fl->gshard) {
-            float *g = fl->gshard;
-            if (dt == CT_F32) {
-                const float *x = r;
-                if (fl->gzero) memcpy(g, x, (size_t)fl->shard * sizeof(float));
-                else for (int64_t i = 0; i < fl->shard; i++) g[i] += x[i];
-            } else {
-                float tmp[256];
-                for (int64_t i = 0; i < fl->shard; i += 256) {
-                    size_t c = (size_t)(fl->shard - i < 256 ? fl->shard - i : 256);
-                    if (dt == CT_BF16) ct_bf16_to_f32_n((const uint16_t *)r + i, tmp, c);
-                    else ct_f16_to_f32_n((const uint16_t *)r + i, tmp, c);
-                    if (fl->gzero) memcpy(g + i, tmp, c * sizeof(float));
-                    else for (size_t j = 0; j < c; j++) g[i + (int64_t)j] += tmp[j];
-                }
-            }
-        }
+        if (st == CT_OK && r != fl->gshard) ct__wire_unpack(dt, r, fl->gshard, fl->shard, !fl->gzero);
         fl->gzero = 0;
         ct_free(fl->rsbuf);
         ct_free(fl->wire);

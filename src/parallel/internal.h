@@ -200,6 +200,14 @@ typedef ct_status (*ct__load_fn)(ct_strategy *s, ct_param *p, const ct_tensor *s
 ct_status ct__load_model_with(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                               ct__load_fn put);
 
+/* Gradients on the wire (wire.c): n f32 values as dt for a collective
+ * (ct__wire_alloc: room for n of dt, CT_MEM_COMM, freed with ct_free), and
+ * the reduced values back into f32 dst, overwriting or (add) adding.  dt is
+ * the strategy's reduce_dtype: f32, bf16 or f16. */
+void *ct__wire_alloc(ct_dtype dt, int64_t n);
+void ct__wire_pack(ct_dtype dt, const float *src, void *dst, int64_t n);
+void ct__wire_unpack(ct_dtype dt, const void *src, float *dst, int64_t n, int add);
+
 /* Mixed precision (mixed.c): compute copies of the parameters in
  * common.param_dtype, made at wrap and refreshed after every step and load;
  * no-ops for f32. */

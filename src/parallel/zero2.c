@@ -79,10 +79,9 @@ static ct_status finish_oldest(ct_strategy *s)
         z->red[k] = NULL;
         const ct_part_range *x = &z->pt.ranges[k];
         if (z->goff[k] < 0) continue;
-        float *g = z->gshard + z->goff[k];
-        if (!z->wire[i]) memcpy(g, (const float *)ct_tensor_data(p->grad) + x->offset, (size_t)x->count * 4);
-        else if (s->common.reduce_dtype == CT_BF16) ct_bf16_to_f32_n(z->wire[i] + x->offset, g, (size_t)x->count);
-        else ct_f16_to_f32_n(z->wire[i] + x->offset, g, (size_t)x->count);
+        ct_dtype dt = z->wire[i] ? (ct_dtype)s->common.reduce_dtype : CT_F32;
+        const char *r = z->wire[i] ? (const char *)z->wire[i] : (const char *)ct_tensor_data(p->grad);
+        ct__wire_unpack(dt, r + (size_t)x->offset * ct_dtype_size(dt), z->gshard + z->goff[k], x->count, 0);
     }
     double end = z->t_start[i];
     for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++)
@@ -126,9 +125,8 @@ static ct_status grad_to_owners(ct_param *p, void *ud)
     ct_dtype dt = (ct_dtype)s->common.reduce_dtype;
     void *buf = ct_tensor_data(p->grad);
     if (dt != CT_F32) {
-        if (!(z->wire[i] = ct_alloc((size_t)p->grad->numel * 2, CT_MEM_COMM))) return CT_ENOMEM;
-        if (dt == CT_BF16) ct_f32_to_bf16_n(buf, z->wire[i], (size_t)p->grad->numel);
-        else ct_f32_to_f16_n(buf, z->wire[i], (size_t)p->grad->numel);
+        if (!(z->wire[i] = ct__wire_alloc(dt, p->grad->numel))) return CT_ENOMEM;
+        ct__wire_pack(dt, buf, z->wire[i], p->grad->numel);
         buf = z->wire[i];
     }
     size_t es = ct_dtype_size(dt);

@@ -134,6 +134,63 @@ TEST(ddp_many_small_buckets_rebuilt_after_first_step)
                   2e-5, 3);
 }
 
+/* The rebuild is visible in the layout: with one bucket, the gradients lie
+ * end to end in the order they became ready in the first backward (a hook of
+ * the test's records it), which differs from the wrap's reverse model order
+ * (a linear's weight is ready before its bias).  Without rebuild_buckets the
+ * wrap's layout stays. */
+static int ready_order[64], nready_seen;
+static ct_status note_ready(ct_param *p, void *ud)
+{
+    (void)p;
+    if (nready_seen < 64) ready_order[nready_seen++] = (int)(intptr_t)ud;
+    return CT_OK;
+}
+
+static int laid_in_order(ct_param **ps, const int *order, int n)
+{
+    for (int k = 0; k + 1 < n; k++)
+        if ((float *)ct_tensor_data(ps[order[k + 1]]->grad) !=
+            (float *)ct_tensor_data(ps[order[k]]->grad) + ps[order[k]]->grad->numel)
+            return 0;
+    return 1;
+}
+
+TEST(ddp_buckets_rebuilt_in_gradient_ready_order)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    for (int rebuild = 0; rebuild < 2; rebuild++) {
+        ct_module *m = model(BIGGER, 3);
+        ct_param **ps;
+        int np;
+        ASSERT_OK(ct_module_params(m, &ps, &np));
+        ASSERT(np <= 64);
+        ct_hook *h[64];
+        for (int i = 0; i < np; i++) ASSERT((h[i] = ct_param_add_hook(ps[i], note_ready, (void *)(intptr_t)i)));
+        ct_optim_opts oo = optim_for(CT_OPT_SGD);
+        ct_strategy *s;
+        ASSERT_OK(ct_strategy_create("ddp", m, &oo, g, rebuild ? "rebuild_buckets=1" : "rebuild_buckets=0", &s));
+        int reverse[64];
+        for (int i = 0; i < np; i++) reverse[i] = np - 1 - i;
+        ASSERT(laid_in_order(ps, reverse, np)); /* the wrap's layout */
+        nready_seen = 0;
+        ct_step_out o;
+        step_on_slice(s, 0, 4 * world, rank, world, &o);
+        ASSERT_EQ(nready_seen, np);
+        ASSERT(memcmp(ready_order, reverse, sizeof(int) * (size_t)np) != 0); /* the test can tell them apart */
+        ASSERT_OK(ct_strategy_step(s));
+        ct_strategy_zero_grad(s); /* the rebuild happens here */
+        step_on_slice(s, 1, 4 * world, rank, world, &o);
+        ASSERT_EQ(laid_in_order(ps, ready_order, np), rebuild);
+        ASSERT_EQ(laid_in_order(ps, reverse, np), !rebuild);
+        ct_strategy_destroy(s);
+        for (int i = 0; i < np; i++) ct_hook_remove(h[i]);
+        ct_free(ps);
+        ct_module_destroy(m);
+    }
+}
+
 TEST(ddp_bf16_and_f16_compression_close_to_f32)
 {
     ddp_vs_single(PLAIN, CT_OPT_SGD, "reduce_dtype=bf16", 2e-2, 3);
@@ -324,6 +381,59 @@ TEST(norm_combine_keeps_double_and_nan)
     ct_norm_acc_add(&nan, rank == world - 1 ? NAN : 1.0);
     ASSERT_OK(ct__norm_combine(g, &nan));
     ASSERT(isnan(nan.v));
+}
+
+/* The reduced gradients a strategy steps from carry the wire's precision:
+ * every value bf16 (low 16 bits zero) or f16 (round-trips) exactly, where
+ * f32 reduces leave values that are not.  So ignoring reduce_dtype, in any
+ * strategy that reduces gradients, fails here (a closeness test cannot tell). */
+static int64_t count_on_wire(const float *g, int64_t n, ct_dtype dt)
+{
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, &g[i], 4);
+        k += dt == CT_BF16 ? !(bits & 0xffff) : ct_f16_to_f32(ct_f32_to_f16(g[i])) == g[i];
+    }
+    return k;
+}
+
+TEST(reduce_dtype_reaches_ddp_zero2_and_fsdp)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    const char *kinds[] = {"ddp", "zero1", "zero2", "fsdp"};
+    const char *extra[] = {"", "", "", ",wrap_kinds=linear"};
+    const ct_dtype dts[] = {CT_F32, CT_BF16, CT_F16};
+    for (int k = 0; k < 4; k++)
+        for (int d = 0; d < 3; d++) {
+            char opts[128];
+            snprintf(opts, sizeof opts, "reduce_dtype=%s%s", ct_dtype_name(dts[d]), extra[k]);
+            for (char *c = opts; *c; c++) *c = (char)(*c >= 'A' && *c <= 'Z' ? *c - 'A' + 'a' : *c);
+            ct_module *m = model(PLAIN, 13);
+            ct_optim_opts oo = optim_for(CT_OPT_SGD);
+            ct_strategy *s;
+            ASSERT_OK(ct_strategy_create(kinds[k], m, &oo, g, opts, &s));
+            ct_step_out o;
+            step_on_slice(s, 0, 6 * world + 1, rank, world, &o);
+            ct_optim *opt = ct_strategy_optim(s);
+            int64_t n = 0, bf = 0, h = 0;
+            for (int i = 0; i < ct_optim_num_slots(opt); i++) {
+                const ct_optim_slot *sl = ct_optim_slot_at(opt, i);
+                if (!sl->grad) continue;
+                n += sl->n;
+                bf += count_on_wire(sl->grad, sl->n, CT_BF16);
+                h += count_on_wire(sl->grad, sl->n, CT_F16);
+            }
+            int64_t tot[3] = {n, bf, h};
+            ASSERT_OK(ct_group_allreduce(g, tot, 3, CT_I64, CT_OP_SUM, NULL));
+            ASSERT(tot[0] > 100);
+            if (dts[d] == CT_BF16) ASSERT_EQ(tot[1], tot[0]);
+            if (dts[d] == CT_F16) ASSERT_EQ(tot[2], tot[0]);
+            if (dts[d] == CT_F32) ASSERT(tot[1] < tot[0] / 2 && tot[2] < tot[0] / 2);
+            ct_strategy_destroy(s);
+            ct_module_destroy(m);
+        }
 }
 
 TEST(ddp_clip_grad_norm_is_the_global_norm)
