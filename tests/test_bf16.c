@@ -745,3 +745,43 @@ TEST(bf16_layernorm_and_gelu_emit_the_cast_of_their_output)
         ct_module_destroy(g);
     }
 }
+
+/* Mixed precision asks a layer what it is (CT_MOD_KEEP_F32), never its kind
+ * name: a custom norm layer with a 2-D weight that says so keeps f32, the
+ * same layer without the flag gets a bf16 compute copy, and the library's
+ * own norm layers say so too. */
+static ct_status ident_fwd(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec, const ct_fwd_ctx *ctx)
+{
+    (void)m, (void)rec, (void)ctx;
+    *out = ct_tensor_retain(in);
+    return CT_OK;
+}
+static ct_status ident_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
+{
+    (void)m, (void)rec;
+    if (din) *din = ct_tensor_retain(dout);
+    return CT_OK;
+}
+
+TEST(bf16_policy_asks_layers_not_kind_names)
+{
+    static const ct_module_ops norm_ops = {"my_rmsnorm", ident_fwd, ident_bwd, NULL, 0, ct_module_out_shape_same,
+                                           CT_MOD_KEEP_F32};
+    static const ct_module_ops plain_ops = {"my_rmsnorm", ident_fwd, ident_bwd, NULL, 0, ct_module_out_shape_same, 0};
+    for (int keep = 0; keep < 2; keep++) {
+        ct_module *m = ct_sequential_create();
+        ct_module *n = ct_module_create(keep ? &norm_ops : &plain_ops, NULL);
+        int64_t shape[2] = {4, 4};
+        ASSERT(ct_module_add_param(n, "weight", 2, shape));
+        ASSERT_OK(ct_module_add(m, NULL, n));
+        ASSERT_OK(ct_module_add(m, NULL, ct_layernorm_create(4, 1e-5f)));
+        ct_optim_opts oo = ct_optim_defaults(CT_OPT_SGD);
+        ct_strategy *s;
+        ASSERT_OK(ct_strategy_create("none", m, &oo, NULL, "param_dtype=bf16", &s));
+        ASSERT_EQ(n->params[0]->compute == NULL, keep);
+        ASSERT(ct_module_is(m->kids[1], CT_MOD_KEEP_F32));
+        ASSERT(ct_module_is(m, CT_MOD_SEQUENTIAL));
+        ct_strategy_destroy(s);
+        ct_module_destroy(m);
+    }
+}

@@ -88,7 +88,21 @@ typedef struct {
      * CT_MAX_DIMS, no negative dim). */
     ct_status (*out_shape)(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
                            int64_t *out_shape);
+    /* What the kind is (CT_MOD_* bits), for policies outside src/nn that must
+     * never ask by kind name (mixed precision, pipelines, offload). */
+    unsigned flags;
 } ct_module_ops;
+
+/* ct_module_ops.flags: */
+enum {
+    CT_MOD_KEEP_F32 = 1u << 0,      /* its parameters stay f32 under mixed precision (norm layers) */
+    CT_MOD_RUNNING_STATS = 1u << 1, /* training forward updates running statistics (batchnorm): a
+                                       recompute must not update them twice */
+    CT_MOD_SEQUENTIAL = 1u << 2,    /* runs its children in order, each on the last one's output:
+                                       can be cut into pipeline stages or offload slices */
+};
+/* 1 if m's kind has every bit of flags (0 for a NULL m). */
+int ct_module_is(const ct_module *m, unsigned flags);
 
 struct ct_module {
     const ct_module_ops *ops;

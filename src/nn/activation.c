@@ -166,9 +166,9 @@ static ct_status act_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
     return CT_OK;
 }
 
-static const ct_module_ops relu_ops = {"relu", act_forward, act_backward, NULL, 0, ct_module_out_shape_same};
-static const ct_module_ops gelu_ops = {"gelu", act_forward, act_backward, NULL, 0, ct_module_out_shape_same};
-static const ct_module_ops tanh_ops = {"tanh", act_forward, act_backward, NULL, 0, ct_module_out_shape_same};
+static const ct_module_ops relu_ops = {"relu", act_forward, act_backward, NULL, 0, ct_module_out_shape_same, 0};
+static const ct_module_ops gelu_ops = {"gelu", act_forward, act_backward, NULL, 0, ct_module_out_shape_same, 0};
+static const ct_module_ops tanh_ops = {"tanh", act_forward, act_backward, NULL, 0, ct_module_out_shape_same, 0};
 
 /* Activations have no state: the ops table says which one a module is. */
 ct_module *ct_relu_create(void) { return ct_module_create(&relu_ops, NULL); }

@@ -478,7 +478,7 @@ static ct_status attn_out_shape(ct_module *m, int ndim, const int64_t *in_shape,
 static void attn_destroy(ct_module *m) { ct_free(m->impl); }
 
 static const ct_module_ops attn_ops = {"attention", attn_forward, attn_backward, attn_destroy, 0,
-                                       attn_out_shape};
+                                       attn_out_shape, 0};
 
 ct_module *ct_attention_create(int64_t dim, int heads, float attn_p, float resid_p)
 {

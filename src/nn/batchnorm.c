@@ -216,7 +216,8 @@ static ct_status bn_out_shape(ct_module *m, int ndim, const int64_t *in_shape, i
     return ct_module_out_shape_same(m, ndim, in_shape, out_ndim, out_shape);
 }
 
-static const ct_module_ops bn_ops = {"batchnorm", bn_forward, bn_backward, bn_destroy, 0, bn_out_shape};
+static const ct_module_ops bn_ops = {"batchnorm", bn_forward, bn_backward, bn_destroy, 0, bn_out_shape,
+                                   CT_MOD_KEEP_F32 | CT_MOD_RUNNING_STATS};
 
 ct_module *ct_batchnorm_create(int64_t c, float eps, float momentum)
 {

@@ -355,7 +355,7 @@ static ct_status conv_out_shape(ct_module *m, int ndim, const int64_t *in_shape,
 }
 
 static const ct_module_ops conv_ops = {"conv2d", conv_forward, conv_backward, conv_destroy, 0,
-                                       conv_out_shape};
+                                       conv_out_shape, 0};
 
 ct_module *ct_conv2d_create(int64_t cin, int64_t cout, int k, int stride, int pad, int bias)
 {
@@ -490,7 +490,7 @@ static ct_status pool_out_shape(ct_module *m, int ndim, const int64_t *in_shape,
 }
 
 static const ct_module_ops pool_ops = {"maxpool2d", pool_forward, pool_backward, pool_destroy, 0,
-                                       pool_out_shape};
+                                       pool_out_shape, 0};
 
 ct_module *ct_maxpool2d_create(int k, int stride)
 {

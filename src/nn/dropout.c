@@ -109,7 +109,7 @@ static ct_status drop_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
 static void drop_destroy(ct_module *m) { ct_free(m->impl); }
 
 static const ct_module_ops drop_ops = {"dropout", drop_forward, drop_backward, drop_destroy, 0,
-                                       ct_module_out_shape_same};
+                                       ct_module_out_shape_same, 0};
 
 ct_module *ct_dropout_create(float p)
 {

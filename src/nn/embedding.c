@@ -108,7 +108,7 @@ static ct_status emb_out_shape(ct_module *m, int ndim, const int64_t *in_shape, 
 }
 
 static const ct_module_ops emb_ops = {"embedding", emb_forward, emb_backward, emb_destroy, 0,
-                                      emb_out_shape};
+                                      emb_out_shape, 0};
 
 ct_module *ct_embedding_create(int64_t num, int64_t dim)
 {

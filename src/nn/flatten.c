@@ -69,6 +69,6 @@ static ct_status flat_out_shape(ct_module *m, int ndim, const int64_t *in_shape,
     return CT_OK;
 }
 
-static const ct_module_ops flat_ops = {"flatten", flat_forward, flat_backward, NULL, 0, flat_out_shape};
+static const ct_module_ops flat_ops = {"flatten", flat_forward, flat_backward, NULL, 0, flat_out_shape, 0};
 
 ct_module *ct_flatten_create(void) { return ct_module_create(&flat_ops, NULL); }

@@ -256,7 +256,8 @@ static ct_status ln_out_shape(ct_module *m, int ndim, const int64_t *in_shape, i
     return ct_module_out_shape_same(m, ndim, in_shape, out_ndim, out_shape);
 }
 
-static const ct_module_ops ln_ops = {"layernorm", ln_forward, ln_backward, ln_destroy, 0, ln_out_shape};
+static const ct_module_ops ln_ops = {"layernorm", ln_forward, ln_backward, ln_destroy, 0, ln_out_shape,
+                                   CT_MOD_KEEP_F32};
 
 ct_module *ct_layernorm_create(int64_t dim, float eps)
 {

@@ -203,7 +203,7 @@ static ct_status linear_out_shape(ct_module *m, int ndim, const int64_t *in_shap
 }
 
 static const ct_module_ops linear_ops = {"linear", linear_forward, linear_backward, linear_destroy, 1,
-                                         linear_out_shape};
+                                         linear_out_shape, 0};
 
 ct_module *ct_linear_create(int64_t in, int64_t out, int bias)
 {

@@ -284,6 +284,8 @@ ct_status ct_module_out_shape_same(ct_module *m, int ndim, const int64_t *in_sha
 
 /* ---- building ---------------------------------------------------------- */
 
+int ct_module_is(const ct_module *m, unsigned flags) { return m && m->ops && (m->ops->flags & flags) == flags; }
+
 ct_module *ct_module_create(const ct_module_ops *ops, void *impl)
 {
     CT_ASSERT(ops && ops->forward && ops->backward && ops->kind);

@@ -154,7 +154,7 @@ static ct_status block_out_shape(ct_module *m, int ndim, const int64_t *in_shape
     return ct_module_out_shape_same(m, ndim, in_shape, out_ndim, out_shape);
 }
 
-static const ct_module_ops block_ops = {"block", block_forward, block_backward, NULL, 0, block_out_shape};
+static const ct_module_ops block_ops = {"block", block_forward, block_backward, NULL, 0, block_out_shape, 0};
 
 ct_module *ct_transformer_block_create(int64_t dim, int heads, float dropout)
 {
@@ -270,7 +270,7 @@ static ct_status tokpos_out_shape(ct_module *m, int ndim, const int64_t *in_shap
 static void tokpos_destroy(ct_module *m) { ct_free(m->impl); }
 
 static const ct_module_ops tokpos_ops = {"tokpos_embedding", tokpos_forward, tokpos_backward, tokpos_destroy, 0,
-                                         tokpos_out_shape};
+                                         tokpos_out_shape, 0};
 
 ct_module *ct_tokpos_embedding_create(int64_t vocab, int64_t context, int64_t dim, float dropout)
 {

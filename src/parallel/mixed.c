@@ -17,8 +17,7 @@
 int ct__mixed_wants_copy(const ct_param *p)
 {
     if (!p->requires_grad || p->data->ndim < 2 || p->data->dtype != CT_F32) return 0;
-    const char *kind = p->owner && p->owner->ops ? p->owner->ops->kind : "";
-    return strcmp(kind, "layernorm") && strcmp(kind, "batchnorm");
+    return !ct_module_is(p->owner, CT_MOD_KEEP_F32);
 }
 
 ct_status ct__mixed_init(ct_strategy *s)

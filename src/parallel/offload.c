@@ -48,7 +48,7 @@ static const ct__opt_def offload_opt_defs[] = {
 
 /* ---- slices ----------------------------------------------------------------- */
 
-static int is_sequential(const ct_module *m) { return m && !strcmp(m->ops->kind, "sequential"); }
+static int is_sequential(const ct_module *m) { return ct_module_is(m, CT_MOD_SEQUENTIAL); }
 
 /* w[k]: elements of the parameters child k lists that no earlier child (nor
  * seq itself) does, so a tied weight counts once, where it first appears. */
@@ -273,7 +273,7 @@ static ct_status offload_init(ct_strategy *s)
     CT_TRY(ct_module_modules(s->model, &mods, &nm));
     f->bns = mods; /* reused in place: batchnorms packed at the front */
     for (int i = 0; i < nm; i++)
-        if (!strcmp(mods[i]->ops->kind, "batchnorm")) f->bns[f->nbns++] = mods[i];
+        if (ct_module_is(mods[i], CT_MOD_RUNNING_STATS)) f->bns[f->nbns++] = mods[i];
     if (ct__offload_ranks(s) > 1) {
         CT_TRY(ct_group_check(s->g, ct__check_same_model(s)));
         CT_TRY(ct__broadcast_state(s, 0));

@@ -93,7 +93,7 @@ ct_status ct_pipe_balance_weights(const double *w, int n, int nstages, int *bala
 
 static ct_status need_sequential(const ct_module *seq, int nstages)
 {
-    if (!seq || strcmp(seq->ops->kind, "sequential"))
+    if (!ct_module_is(seq, CT_MOD_SEQUENTIAL))
         return ct_error(CT_EINVAL, "pipe needs a sequential model (its children are what stages hold); got %s",
                         seq ? seq->ops->kind : "NULL");
     if (seq->nkids < nstages)
@@ -258,7 +258,7 @@ static ct_status plan(ct_strategy *s, pipe_t *p)
 {
     const pipe_opts *o = O(s);
     ct_module *m = s->model;
-    if (strcmp(m->ops->kind, "sequential"))
+    if (!ct_module_is(m, CT_MOD_SEQUENTIAL))
         return ct_error(CT_EINVAL, "pipe needs a sequential model (its children are what stages hold); got %s",
                         m->ops->kind);
     if (s->common.grad_accum != 1)
@@ -344,7 +344,7 @@ static ct_status pipe_init(ct_strategy *s)
     }
     ct_status st = CT_OK;
     for (int i = 0; i < nm && st == CT_OK; i++)
-        if (!strcmp(mods[i]->ops->kind, "batchnorm")) {
+        if (ct_module_is(mods[i], CT_MOD_RUNNING_STATS)) {
             p->bns[p->nbns++] = mods[i];
             if (O(s)->deferred_batch_norm) st = ct_batchnorm_set_mode(mods[i], CT_BN_DEFER);
         }
