@@ -277,6 +277,16 @@ ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct
  * PyTorch's DDP does).  DDP folds the 1/world of the average into dout, so
  * under no_sync the local gradients read as 1/world of their plain sum. */
 ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec);
+/* Backward from dout times scale instead of the strategy's own factor (the
+ * caller already scaled the loss: a pipeline stage, a micro-batch loop of
+ * your own), with the strategy's hooks; *din (din != NULL) gets the input
+ * gradient.  Consumes rec. */
+ct_status ct_strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale,
+                                  ct_tensor **din);
+/* The strategy's work before a forward that does not go through
+ * ct_strategy_forward (a pipeline stage running its module by micro-batch):
+ * DDP's buffer broadcast, ZeRO's parameter refresh. */
+ct_status ct_strategy_pre_forward(ct_strategy *s);
 /* While on, backward only accumulates locally (gradient accumulation); the
  * first backward after turning it off synchronises the accumulated sum. */
 void ct_strategy_set_no_sync(ct_strategy *s, int on);
@@ -290,6 +300,12 @@ ct_status ct_strategy_reduce(ct_strategy *s);
  * INFINITY.  *norm (may be NULL) gets the norm before clipping; the same on
  * every rank.  CT_EINVAL for a negative or NaN max_norm or another norm_type. */
 ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm);
+/* The parts of clipping, for composing strategies and clipping rules of your
+ * own: adds the norm terms of every gradient s trains, combined over the
+ * ranks that shard them (the same value on every rank), to acc; and
+ * multiplies every gradient s holds by k. */
+ct_status ct_strategy_grad_norm_acc(ct_strategy *s, ct_norm_acc *acc);
+void ct_strategy_scale_grads(ct_strategy *s, float k);
 /* Optimizer step on the synchronised gradients (with the schedule's
  * learning rate if one is set), then whatever the strategy does after it
  * (mixed precision: refresh the compute copies). */

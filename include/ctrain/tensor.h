@@ -9,10 +9,12 @@
  * Storage can leave and come back, and every view follows, because a view
  * reads its storage's pointer at each ct_tensor_data call instead of keeping
  * a copy: FSDP frees a flat parameter after use and brings it back before
- * the next (ct_storage_free_data / ct_storage_alloc_data), and a strategy
- * moves a parameter into a flat buffer with ct_storage_repoint without
- * touching the tensors that view it.  A released storage's views have no
- * data (ct_tensor_data returns NULL) until it is allocated again.
+ * the next (ct_storage_free_data / ct_storage_alloc_data).  The strategies
+ * own parameter bytes through one flat layer (src/parallel/flat.c), which
+ * gives each parameter views of a group's storage; ct_storage_repoint
+ * moves a storage of your own into a larger buffer without touching the
+ * tensors that view it.  A released storage's views have no data
+ * (ct_tensor_data returns NULL) until it is allocated again.
  */
 #ifndef CTRAIN_TENSOR_H
 #define CTRAIN_TENSOR_H

@@ -4,9 +4,10 @@
  * At wrap: the model is checked to be the same on every rank, parameters
  * and buffers are broadcast from rank 0, and trainable parameters are put
  * into buckets in reverse order (the last layers' gradients are ready
- * first), a small first bucket and then bucket_cap_mb.  Every gradient
- * becomes a view into its bucket's flat buffer, so a bucket is allreduced
- * where the gradients already are: no copy.
+ * first), a small first bucket and then bucket_cap_mb.  A bucket is a flat
+ * (flat.c) with only a gradient part, over shared memory: every gradient
+ * becomes a view into it, so a bucket is allreduced where the gradients
+ * already are: no copy.
  *
  * During backward the grad-ready hook of each parameter counts down its
  * bucket; when a bucket's last gradient is ready its allreduce starts on the
@@ -19,7 +20,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "flat.h"
 
 const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS] = {
     {"bucket_cap_mb", CT__OPT_NUM, offsetof(ct__ddp_opts, bucket_cap_mb), "25",
@@ -38,23 +39,19 @@ const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS] = {
 static const ct__ddp_opts *O(const ct_strategy *s) { return s->kopts; }
 
 typedef struct {
-    ct_tensor *buf;   /* f32 [numel] over mem: the gradients' storage */
+    ct__flat fl;      /* the members' gradients end to end, over mem */
     float *mem;       /* from ct_group_alloc_shared: reduced in place without copies on one node */
     uint16_t *wire;   /* 16-bit copy for compressed allreduce (shared too), or NULL */
-    int64_t numel;
-    int nmembers;
     int pending;      /* gradients not yet ready in this backward */
     ct_work *work;
     double t_start;
     double t_end;     /* set by the completion callback (comm thread) */
-    int index;
 } bucket_t;
 
 typedef struct {
     ct_param **tp;    /* trainable parameters, model order */
     int ntp;
     int *bucket_of;   /* [ntp] */
-    int64_t *offset;  /* [ntp] element offset in the bucket */
     char *ready;      /* [ntp] ready in this backward */
     int *ready_order; /* [ntp] first synchronised backward's order */
     int nready;
@@ -85,7 +82,7 @@ static void release_buckets(ct_group *g, bucket_t *b, int nb)
     for (int i = 0; i < nb; i++) {
         if (b[i].work) ct_work_wait(b[i].work);
         ct_work_destroy(b[i].work);
-        ct_tensor_release(b[i].buf);
+        ct__flat_fini(&b[i].fl);
         ct_group_free_shared(g, b[i].mem);
         ct_group_free_shared(g, b[i].wire);
     }
@@ -127,63 +124,45 @@ static ct_status build_buckets(ct_strategy *s, const int *order, int keep_values
     int nb;
     if ((st = ct_bucket_assign(bytes, keys, n, limits, 2, of, &nb))) goto out;
     bucket_t *nbk = ct_alloc_zeroed(sizeof *nbk * (size_t)(nb ? nb : 1), CT_MEM_OTHER);
-    if (!nbk) {
+    ct_param **members = ct_alloc(sizeof *members * (size_t)(n ? n : 1), CT_MEM_OTHER);
+    if (!nbk || !members) {
+        ct_free(nbk);
+        ct_free(members);
         st = CT_ENOMEM;
         goto out;
-    }
-    for (int k = 0; k < n; k++) {
-        int p = order[k], b = of[k];
-        d->bucket_of[p] = b;
-        d->offset[p] = nbk[b].numel;
-        nbk[b].numel += d->tp[p]->data->numel;
-        nbk[b].nmembers++;
     }
     /* Bucket memory comes from the group's shared-memory windows when all
      * ranks share a node, so the allreduce sums straight out of every rank's
      * bucket (no copies through MPI); same layout on every rank. */
     for (int b = 0; b < nb && st == CT_OK; b++) {
-        nbk[b].index = b;
-        st = ct_group_alloc_shared(s->g, (size_t)nbk[b].numel * 4, CT_MEM_GRAD, (void **)&nbk[b].mem);
-        if (st == CT_OK && !(nbk[b].buf = ct_tensor_wrap(CT_F32, 1, &nbk[b].numel, nbk[b].mem)))
-            st = CT_ENOMEM;
+        int m = 0;
+        for (int k = 0; k < n; k++)
+            if (of[k] == b) members[m++] = d->tp[order[k]];
+        st = ct__flat_init(&nbk[b].fl, members, m, 1, 0, 0);
+        if (st == CT_OK)
+            st = ct_group_alloc_shared(s->g, (size_t)nbk[b].fl.numel * 4, CT_MEM_GRAD, (void **)&nbk[b].mem);
+        if (st == CT_OK) st = ct__flat_storage(&nbk[b].fl, CT__FL_GRAD, CT_MEM_GRAD, 1, 0, nbk[b].mem);
         if (st == CT_OK && (ct_dtype)s->common.reduce_dtype != CT_F32)
-            st = ct_group_alloc_shared(s->g, (size_t)nbk[b].numel * 2, CT_MEM_COMM, (void **)&nbk[b].wire);
+            st = ct_group_alloc_shared(s->g, (size_t)nbk[b].fl.numel * 2, CT_MEM_COMM, (void **)&nbk[b].wire);
+    }
+    ct_free(members);
+    /* Re-point gradients: views into the new buffers, values kept.  The old
+     * tensors stay until every bucket is pointed, so running out of memory
+     * leaves the old buckets in place (found by the allocation walk). */
+    int pointed = 0;
+    while (st == CT_OK && pointed < nb) {
+        st = ct__flat_point(&nbk[pointed].fl, CT__FL_BIT(CT__FL_GRAD), keep_values);
+        if (st == CT_OK) pointed++;
     }
     if (st != CT_OK) {
+        while (pointed > 0) ct__flat_rollback(&nbk[--pointed].fl);
         release_buckets(s->g, nbk, nb);
         goto out;
     }
-    /* Re-point gradients: views into the new buffers, values kept.  Every
-     * view is made before any gradient moves, so running out of memory
-     * leaves the old buckets in place (found by the allocation walk). */
-    ct_tensor **views = ct_alloc_zeroed(sizeof *views * (size_t)(n ? n : 1), CT_MEM_OTHER);
-    for (int p = 0; views && p < n; p++) {
-        ct_param *pa = d->tp[p];
-        views[p] = ct_tensor_view(nbk[d->bucket_of[p]].buf, d->offset[p], pa->data->ndim, pa->data->shape);
-        if (!views[p]) {
-            for (int q = 0; q < p; q++) ct_tensor_release(views[q]);
-            ct_free(views);
-            views = NULL;
-        }
+    for (int b = 0; b < nb; b++) {
+        ct__flat_commit(&nbk[b].fl);
+        for (int j = 0; j < nbk[b].fl.n; j++) d->bucket_of[index_of(nbk[b].fl.p[j])] = b;
     }
-    if (!views) {
-        release_buckets(s->g, nbk, nb);
-        st = CT_ENOMEM;
-        goto out;
-    }
-    for (int p = 0; p < n; p++) {
-        ct_param *pa = d->tp[p];
-        ct_tensor *v = views[p];
-        if (keep_values) {
-            ct_param_grad_sync(pa);
-            memcpy(ct_tensor_data(v), ct_tensor_data(pa->grad), ct_tensor_bytes(v));
-        } else {
-            CT_ASSERT(pa->grad_stale);
-        }
-        ct_tensor_release(pa->grad);
-        pa->grad = v;
-    }
-    ct_free(views);
     free_buckets(s);
     d->b = nbk;
     d->nb = nb;
@@ -209,19 +188,18 @@ static ct_status launch(ct_strategy *s, bucket_t *b)
     ct_dtype dt = (ct_dtype)s->common.reduce_dtype;
     /* Only with find_unused_parameters can a member have got no gradient and
      * still be only marked zero; every module that ran has synced its own. */
-    for (int i = 0; d->ran && i < d->ntp; i++)
-        if (d->bucket_of[i] == b->index) ct_param_grad_sync(d->tp[i]);
-    void *buf = ct_tensor_data(b->buf);
+    for (int j = 0; d->ran && j < b->fl.n; j++) ct_param_grad_sync(b->fl.p[j]);
+    void *buf = b->mem;
     b->t_start = ct_now();
     b->t_end = 0;
     if (dt != CT_F32) {
-        ct__wire_pack(dt, buf, b->wire, b->numel);
+        ct__wire_pack(dt, buf, b->wire, b->fl.numel);
         buf = b->wire;
     }
     ct_work_destroy(b->work);
     b->work = NULL;
     /* A sum: gradients were already scaled by 1/world (ct__ddp_grad_scale). */
-    CT_TRY(ct_group_allreduce(s->g, buf, b->numel, dt, CT_OP_SUM, &b->work));
+    CT_TRY(ct_group_allreduce(s->g, buf, b->fl.numel, dt, CT_OP_SUM, &b->work));
     return ct_work_on_complete(b->work, on_allreduce_done, b);
 }
 
@@ -323,13 +301,12 @@ ct_status ct__ddp_init(ct_strategy *s)
     size_t nn = (size_t)(n ? n : 1);
     d->tp = ct_alloc_zeroed(sizeof *d->tp * nn, CT_MEM_OTHER);
     d->bucket_of = ct_alloc_zeroed(sizeof *d->bucket_of * nn, CT_MEM_OTHER);
-    d->offset = ct_alloc_zeroed(sizeof *d->offset * nn, CT_MEM_OTHER);
     d->ready = ct_alloc_zeroed(nn, CT_MEM_OTHER);
     d->ready_order = ct_alloc_zeroed(sizeof *d->ready_order * nn, CT_MEM_OTHER);
     d->grad_hooks = ct_alloc_zeroed(sizeof *d->grad_hooks * nn, CT_MEM_OTHER);
     int *order = ct_alloc_zeroed(sizeof *order * nn, CT_MEM_OTHER);
     ct_status st = CT_OK;
-    if (!d->tp || !d->bucket_of || !d->offset || !d->ready || !d->ready_order || !d->grad_hooks || !order) {
+    if (!d->tp || !d->bucket_of || !d->ready || !d->ready_order || !d->grad_hooks || !order) {
         st = CT_ENOMEM;
         goto fail;
     }
@@ -369,24 +346,17 @@ void ct__ddp_fini(ct_strategy *s)
     for (int i = 0; i < d->nb; i++)
         if (d->b[i].work) ct_work_wait(d->b[i].work);
     /* Give every parameter a gradient of its own again (before the buckets go). */
+    for (int b = 0; b < d->nb; b++) ct__flat_unpoint(&d->b[b].fl, NULL, NULL);
     for (int i = 0; d->tp && i < d->ntp; i++) {
         ct_param *p = d->tp[i];
         if (!p) continue; /* init failed before filling the table (found by the allocation walk) */
         if (d->grad_hooks) ct_hook_remove(d->grad_hooks[i]);
-        if (p->grad) { /* every trainable gradient is a view into a bucket */
-            ct_tensor *own = ct_tensor_clone(p->grad, CT_MEM_GRAD);
-            if (own) {
-                ct_tensor_release(p->grad);
-                p->grad = own;
-            }
-        }
         p->user = NULL;
     }
     for (int i = 0; d->fwd_hooks && i < d->nmods; i++) ct_hook_remove(d->fwd_hooks[i]);
     free_buckets(s);
     ct_free(d->tp);
     ct_free(d->bucket_of);
-    ct_free(d->offset);
     ct_free(d->ready);
     ct_free(d->ready_order);
     ct_free(d->grad_hooks);
@@ -463,7 +433,7 @@ ct_status ct__ddp_pre_backward(ct_strategy *s)
     }
     if (rebuild_due(s)) CT_TRY(rebuild(s, 1));
     memset(d->ready, 0, (size_t)d->ntp);
-    for (int b = 0; b < d->nb; b++) d->b[b].pending = d->b[b].nmembers;
+    for (int b = 0; b < d->nb; b++) d->b[b].pending = d->b[b].fl.n;
     d->next_launch = 0;
     if (d->synced_steps == 0) d->nready = 0;
     if (d->ran) {
@@ -527,7 +497,7 @@ ct_status ct__ddp_post_backward(ct_strategy *s)
         comm += end - bk->t_start;
         ct_trace_event("allreduce", "comm", bk->t_start, end, 1);
         if ((ct_dtype)s->common.reduce_dtype != CT_F32)
-            ct__wire_unpack((ct_dtype)s->common.reduce_dtype, bk->wire, ct_tensor_data(bk->buf), bk->numel, 0);
+            ct__wire_unpack((ct_dtype)s->common.reduce_dtype, bk->wire, bk->mem, bk->fl.numel, 0);
     }
     if (d->nb) ct_trace_event("wait for allreduce", "comm", t0, t1, 0);
     s->stats.comm_wait += t1 - t0;
@@ -545,12 +515,16 @@ const ct__strategy_ops ct__ddp_ops = {
     .opts = ct__ddp_opt_defs,
     .nopts = (int)(sizeof ct__ddp_opt_defs / sizeof ct__ddp_opt_defs[0]),
     .opts_size = sizeof(ct__ddp_opts),
-    .init = ct__ddp_init,
-    .fini = ct__ddp_fini,
-    .pre_forward = ct__ddp_pre_forward,
-    .pre_backward = ct__ddp_pre_backward,
-    .post_backward = ct__ddp_post_backward,
-    .grad_scale = ct__ddp_grad_scale,
-    .zero_grad = ct__ddp_zero_grad,
-    .reduce = ct__ddp_reduce,
+    .place = {
+        .init = ct__ddp_init,
+        .fini = ct__ddp_fini,
+    },
+    .sync = {
+        .pre_forward = ct__ddp_pre_forward,
+        .pre_backward = ct__ddp_pre_backward,
+        .post_backward = ct__ddp_post_backward,
+        .grad_scale = ct__ddp_grad_scale,
+        .zero_grad = ct__ddp_zero_grad,
+        .reduce = ct__ddp_reduce,
+    },
 };

@@ -60,7 +60,7 @@ static const ct__opt_def fsdp_opt_defs[] = {
 static const fsdp_opts *O(const ct_strategy *s) { return s->kopts; }
 fsdp_t *ct__fsdp_of(ct_strategy *s) { return s->priv; }
 
-static int64_t padded(const fsdp_unit *u, const fsdp_flat *fl) { return fl->shard * u->ns; }
+static int64_t padded(const fsdp_unit *u, const fsdp_flat *fl) { return fl->flat.shard * u->ns; }
 
 /* ---- gather and free ------------------------------------------------------ */
 
@@ -71,18 +71,18 @@ static ct_status start_gather(ct_strategy *s, fsdp_unit *u)
     for (int k = 0; k < u->nfl; k++) {
         fsdp_flat *fl = &u->fl[k];
         if (fl->low) {
-            CT_TRY(ct_storage_alloc_data(fl->lowst, 0));
-            uint16_t *dst = ct_storage_ptr(fl->lowst);
+            CT_TRY(ct_storage_alloc_data(fl->flat.st[CT__FL_LOW], 0));
+            uint16_t *dst = ct_storage_ptr(fl->flat.st[CT__FL_LOW]);
             if (u->ns == 1) {
-                ct_f32_to_bf16_n(fl->master, dst, (size_t)fl->shard);
+                ct_f32_to_bf16_n(fl->master, dst, (size_t)fl->flat.shard);
                 continue;
             }
-            if (!fl->send && !(fl->send = ct_alloc((size_t)fl->shard * 2 + 64, CT_MEM_COMM))) return CT_ENOMEM;
-            ct_f32_to_bf16_n(fl->master, fl->send, (size_t)fl->shard);
-            CT_TRY(ct_group_allgather(u->sg, fl->send, dst, fl->shard, CT_BF16, &fl->ag));
+            if (!fl->send && !(fl->send = ct_alloc((size_t)fl->flat.shard * 2 + 64, CT_MEM_COMM))) return CT_ENOMEM;
+            ct_f32_to_bf16_n(fl->master, fl->send, (size_t)fl->flat.shard);
+            CT_TRY(ct_group_allgather(u->sg, fl->send, dst, fl->flat.shard, CT_BF16, &fl->ag));
         } else if (u->ns > 1) {
-            CT_TRY(ct_storage_alloc_data(fl->full, 0));
-            CT_TRY(ct_group_allgather(u->sg, fl->master, ct_storage_ptr(fl->full), fl->shard, CT_F32, &fl->ag));
+            CT_TRY(ct_storage_alloc_data(fl->flat.st[CT__FL_DATA], 0));
+            CT_TRY(ct_group_allgather(u->sg, fl->master, ct_storage_ptr(fl->flat.st[CT__FL_DATA]), fl->flat.shard, CT_F32, &fl->ag));
         }
     }
     u->state = UNIT_GATHERING;
@@ -121,8 +121,8 @@ static void free_params(fsdp_unit *u)
     if (u->state != UNIT_FULL || u->summoned) return;
     for (int k = 0; k < u->nfl; k++) {
         fsdp_flat *fl = &u->fl[k];
-        if (fl->low) ct_storage_free_data(fl->lowst);
-        else if (u->ns > 1) ct_storage_free_data(fl->full);
+        if (fl->low) ct_storage_free_data(fl->flat.st[CT__FL_LOW]);
+        else if (u->ns > 1) ct_storage_free_data(fl->flat.st[CT__FL_DATA]);
     }
     u->state = UNIT_SHARDED;
 }
@@ -157,10 +157,10 @@ static ct_status alloc_grads(fsdp_unit *u)
     if (u->grads) return CT_OK;
     for (int k = 0; k < u->nfl; k++) {
         fsdp_flat *fl = &u->fl[k];
-        CT_TRY(ct_storage_alloc_data(fl->gfull, 0));
-        float *g = ct_storage_ptr(fl->gfull);
-        memset(g + fl->numel, 0, (size_t)(padded(u, fl) - fl->numel) * sizeof(float));
-        for (int j = 0; j < fl->n; j++) fl->p[j]->grad_stale = 1; /* new memory: the layers overwrite it */
+        CT_TRY(ct_storage_alloc_data(fl->flat.st[CT__FL_GRAD], 0));
+        float *g = ct_storage_ptr(fl->flat.st[CT__FL_GRAD]);
+        memset(g + fl->flat.numel, 0, (size_t)(padded(u, fl) - fl->flat.numel) * sizeof(float));
+        for (int j = 0; j < fl->flat.n; j++) fl->flat.p[j]->grad_stale = 1; /* new memory: the layers overwrite it */
     }
     u->grads = 1;
     return CT_OK;
@@ -170,8 +170,8 @@ static void free_grads(fsdp_unit *u)
 {
     for (int k = 0; k < u->nfl; k++) {
         fsdp_flat *fl = &u->fl[k];
-        ct_storage_free_data(fl->gfull);
-        for (int j = 0; j < fl->n; j++) fl->p[j]->grad_stale = 1;
+        ct_storage_free_data(fl->flat.st[CT__FL_GRAD]);
+        for (int j = 0; j < fl->flat.n; j++) fl->flat.p[j]->grad_stale = 1;
     }
     u->grads = 0;
 }
@@ -182,8 +182,8 @@ static ct_status start_reduce(ct_strategy *s, fsdp_unit *u)
     ct_dtype dt = (ct_dtype)s->common.reduce_dtype;
     for (int k = 0; k < u->nfl; k++) {
         fsdp_flat *fl = &u->fl[k];
-        for (int j = 0; j < fl->n; j++) ct_param_grad_sync(fl->p[j]); /* unused parameters: zeros */
-        float *g = ct_storage_ptr(fl->gfull);
+        for (int j = 0; j < fl->flat.n; j++) ct_param_grad_sync(fl->flat.p[j]); /* unused parameters: zeros */
+        float *g = ct_storage_ptr(fl->flat.st[CT__FL_GRAD]);
         const void *src = g;
         if (dt != CT_F32) {
             if (!(fl->wire = ct__wire_alloc(dt, padded(u, fl)))) return CT_ENOMEM;
@@ -193,14 +193,14 @@ static ct_status start_reduce(ct_strategy *s, fsdp_unit *u)
         if (u->ns == 1) continue; /* the piece is the whole flat */
         void *dst;
         if (dt == CT_F32 && fl->gzero) dst = fl->gshard; /* straight in: nothing to add to */
-        else if (!(dst = fl->rsbuf = ct__wire_alloc(dt, fl->shard))) return CT_ENOMEM;
+        else if (!(dst = fl->rsbuf = ct__wire_alloc(dt, fl->flat.shard))) return CT_ENOMEM;
         /* a sum: the loss gradient was scaled by 1/world (grad_scale) */
-        CT_TRY(ct_group_reduce_scatter(u->sg, src, dst, fl->shard, dt, CT_OP_SUM, &fl->rs));
+        CT_TRY(ct_group_reduce_scatter(u->sg, src, dst, fl->flat.shard, dt, CT_OP_SUM, &fl->rs));
     }
     u->reducing = 1;
     u->t_rs = ct_now();
     fsdp_t *f = ct__fsdp_of(s);
-    f->fifo[f->nfifo++] = (int)(u - f->u);
+    ct__inflight_push(&f->q, (int)(u - f->u), 0);
     return CT_OK;
 }
 
@@ -220,9 +220,9 @@ static ct_status finish_reduce(ct_strategy *s, fsdp_unit *u)
             fl->rs = NULL;
         }
         void *r = u->ns > 1 ? (fl->rsbuf ? fl->rsbuf : (void *)fl->gshard)
-                            : (fl->wire ? fl->wire : ct_storage_ptr(fl->gfull));
-        if (st == CT_OK && u->rg) st = ct_group_allreduce(u->rg, r, fl->shard, dt, CT_OP_SUM, NULL);
-        if (st == CT_OK && r != fl->gshard) ct__wire_unpack(dt, r, fl->gshard, fl->shard, !fl->gzero);
+                            : (fl->wire ? fl->wire : ct_storage_ptr(fl->flat.st[CT__FL_GRAD]));
+        if (st == CT_OK && u->rg) st = ct_group_allreduce(u->rg, r, fl->flat.shard, dt, CT_OP_SUM, NULL);
+        if (st == CT_OK && r != fl->gshard) ct__wire_unpack(dt, r, fl->gshard, fl->flat.shard, !fl->gzero);
         fl->gzero = 0;
         ct_free(fl->rsbuf);
         ct_free(fl->wire);
@@ -242,9 +242,7 @@ static ct_status finish_reduce(ct_strategy *s, fsdp_unit *u)
 static ct_status finish_queued(ct_strategy *s, int q)
 {
     fsdp_t *f = ct__fsdp_of(s);
-    int i = f->fifo[q];
-    memmove(f->fifo + q, f->fifo + q + 1, sizeof *f->fifo * (size_t)(--f->nfifo - q));
-    return finish_reduce(s, &f->u[i]);
+    return finish_reduce(s, &f->u[ct__inflight_take(&f->q, q)]);
 }
 
 static ct_status finish_oldest(ct_strategy *s) { return finish_queued(s, 0); }
@@ -255,15 +253,14 @@ static ct_status finish_oldest(ct_strategy *s) { return finish_queued(s, 0); }
 static ct_status finish_unit(ct_strategy *s, fsdp_unit *u)
 {
     fsdp_t *f = ct__fsdp_of(s);
-    for (int q = 0; q < f->nfifo; q++)
-        if (&f->u[f->fifo[q]] == u) return finish_queued(s, q);
-    return CT_OK;
+    int q = ct__inflight_find(&f->q, (int)(u - f->u));
+    return q >= 0 ? finish_queued(s, q) : CT_OK;
 }
 
 static ct_status finish_all(ct_strategy *s)
 {
     ct_status st = CT_OK;
-    while (ct__fsdp_of(s)->nfifo) {
+    while (ct__fsdp_of(s)->q.n) {
         ct_status w = finish_oldest(s);
         if (st == CT_OK) st = w;
     }
@@ -307,7 +304,7 @@ static ct_status unit_hook(ct_module *m, ct_hook_kind kind, void *ud)
             CT_TRY(start_reduce(s, u));
             /* two units' gradients in flight at most: the older one has had
              * a whole unit's backward to finish */
-            while (f->nfifo > 1) CT_TRY(finish_oldest(s));
+            while (f->q.n > 1) CT_TRY(finish_oldest(s));
         }
         free_params(u);
         if (O(s)->backward_prefetch == FSDP_PREFETCH_POST) CT_TRY(prefetch(s, f->bwd_order, f->nbwd, u));
@@ -357,13 +354,13 @@ static void fsdp_zero_grad(ct_strategy *s)
 
 /* Pieces no backward reached since zero_grad step with zero gradients (as
  * DDP's do). */
-static ct_status fsdp_pre_step(ct_strategy *s)
+static ct_status zero_untouched_pieces(ct_strategy *s)
 {
     fsdp_t *f = ct__fsdp_of(s);
     CT_TRY(finish_all(s));
     for (int i = 0; i < f->nu; i++)
         for (int k = 0; k < f->u[i].nfl; k++)
-            if (f->u[i].fl[k].gzero) memset(f->u[i].fl[k].gshard, 0, (size_t)f->u[i].fl[k].shard * sizeof(float));
+            if (f->u[i].fl[k].gzero) memset(f->u[i].fl[k].gshard, 0, (size_t)f->u[i].fl[k].flat.shard * sizeof(float));
     return CT_OK;
 }
 
@@ -381,9 +378,14 @@ ct_status ct__fsdp_reshard_all(ct_strategy *s)
     return st;
 }
 
-/* Parameters gathered before the step are stale now (a root kept after an
- * evaluation's forward, say). */
-static ct_status fsdp_post_step(ct_strategy *s) { return ct__fsdp_reshard_all(s); }
+/* The pieces step; parameters gathered before the step are stale after it
+ * (a root kept after an evaluation's forward, say). */
+static ct_status fsdp_step(ct_strategy *s)
+{
+    CT_TRY(zero_untouched_pieces(s));
+    CT_TRY(ct_optim_step(s->opt));
+    return ct__fsdp_reshard_all(s);
+}
 
 /* The optimizer over this rank's pieces, one slot per piece of a
  * parameter, recorded in ZeRO's terms (s->ext) so its checkpoint code
@@ -420,8 +422,8 @@ static ct_status fsdp_build_optim(ct_strategy *s, const ct_optim_opts *oo)
         int j = -1;
         for (int a = 0; a < f->nu && j < 0; a++)
             for (int k = 0; k < f->u[a].nfl && j < 0; k++)
-                for (int q = 0; q < f->u[a].fl[k].n; q++)
-                    if (f->u[a].fl[k].p[q] == p) {
+                for (int q = 0; q < f->u[a].fl[k].flat.n; q++)
+                    if (f->u[a].fl[k].flat.p[q] == p) {
                         u = &f->u[a], fl = &u->fl[k], j = q;
                         break;
                     }
@@ -436,7 +438,7 @@ static ct_status fsdp_build_optim(ct_strategy *s, const ct_optim_opts *oo)
             z->pt.load[x->owner] += x->count;
             z->slot[k] = -1;
             if (x->owner != u->srank || !x->count) continue;
-            int64_t at = fl->off[j] + x->offset - (int64_t)u->srank * fl->shard; /* in the piece */
+            int64_t at = fl->flat.off[j] + x->offset - (int64_t)u->srank * fl->flat.shard; /* in the piece */
             z->slot[k] = nslots;
             sl[nslots++] = (ct_optim_slot){fl->master + at, fl->gshard + at, x->count, p->name, x->offset};
         }
@@ -450,79 +452,41 @@ static ct_status fsdp_build_optim(ct_strategy *s, const ct_optim_opts *oo)
  * its gradient, and storages the parameters' tensors become views of. */
 static ct_status setup_flat(fsdp_unit *u, fsdp_flat *fl)
 {
-    int64_t *numel = ct_alloc(sizeof *numel * (size_t)fl->n, CT_MEM_OTHER);
+    ct__flat *fa = &fl->flat;
+    int64_t *numel = ct_alloc(sizeof *numel * (size_t)fa->n, CT_MEM_OTHER);
     if (!numel) return CT_ENOMEM;
-    for (int j = 0; j < fl->n; j++) numel[j] = fl->p[j]->data->numel;
-    ct_status st = ct_partition_init(&fl->pt, numel, fl->n, u->ns, 1);
+    for (int j = 0; j < fa->n; j++) numel[j] = fa->p[j]->data->numel;
+    ct_status st = ct_partition_init(&fl->pt, numel, fa->n, u->ns, 1);
     ct_free(numel);
     CT_TRY(st);
-    fl->shard = (fl->numel + u->ns - 1) / u->ns;
-    size_t pb = (size_t)(fl->shard * u->ns) * sizeof(float);
-    fl->master = ct_alloc_zeroed((size_t)fl->shard * sizeof(float) + 64, CT_MEM_PARAM);
-    fl->gshard = ct_alloc_zeroed((size_t)fl->shard * sizeof(float) + 64, CT_MEM_GRAD);
+    ct__flat_shard(fa, u->ns, u->srank);
+    fl->master = ct_alloc_zeroed((size_t)fa->shard * sizeof(float) + 64, CT_MEM_PARAM);
+    fl->gshard = ct_alloc_zeroed((size_t)fa->shard * sizeof(float) + 64, CT_MEM_GRAD);
     if (!fl->master || !fl->gshard) return CT_ENOMEM;
     fl->gzero = 1;
-    int64_t lo = (int64_t)u->srank * fl->shard;
-    for (int j = 0; j < fl->n; j++) { /* this rank's piece of each parameter */
-        const float *src = ct_f32(fl->p[j]->data);
-        int64_t a = fl->off[j], b = a + fl->p[j]->data->numel;
-        int64_t x = a > lo ? a : lo, y = b < lo + fl->shard ? b : lo + fl->shard;
+    int64_t lo = (int64_t)u->srank * fa->shard;
+    for (int j = 0; j < fa->n; j++) { /* this rank's piece of each parameter */
+        const float *src = ct_f32(fa->p[j]->data);
+        int64_t a = fa->off[j], b = a + fa->p[j]->data->numel;
+        int64_t x = a > lo ? a : lo, y = b < lo + fa->shard ? b : lo + fa->shard;
         if (x < y) memcpy(fl->master + (x - lo), src + (x - a), (size_t)(y - x) * sizeof(float));
     }
-    fl->full = u->ns == 1 ? ct_storage_wrap(fl->master, pb) : ct_storage_create(pb, CT_MEM_PARAM, 0);
-    fl->gfull = ct_storage_create(pb, CT_MEM_GRAD, 0);
-    if (fl->low) fl->lowst = ct_storage_create(pb / 2, CT_MEM_PARAM, 0);
-    if (!fl->full || !fl->gfull || (fl->low && !fl->lowst)) return CT_ENOMEM;
-    if (u->ns > 1) CT_TRY(ct_storage_free_data(fl->full));
-    CT_TRY(ct_storage_free_data(fl->gfull));
-    if (fl->low) CT_TRY(ct_storage_free_data(fl->lowst));
-    if (!(fl->old = ct_alloc_zeroed(sizeof *fl->old * (size_t)(2 * fl->n), CT_MEM_OTHER))) return CT_ENOMEM;
-    for (int j = 0; j < fl->n; j++) {
-        ct_param *p = fl->p[j];
-        const ct_tensor *d = p->data;
-        ct_tensor *nd = ct_tensor_on(fl->full, (size_t)fl->off[j] * 4, CT_F32, d->ndim, d->shape);
-        ct_tensor *ng = ct_tensor_on(fl->gfull, (size_t)fl->off[j] * 4, CT_F32, d->ndim, d->shape);
-        ct_tensor *nc = fl->low ? ct_tensor_on(fl->lowst, (size_t)fl->off[j] * 2, CT_BF16, d->ndim, d->shape) : NULL;
-        if (!nd || !ng || (fl->low && !nc)) {
-            ct_tensor_release(nd);
-            ct_tensor_release(ng);
-            ct_tensor_release(nc);
-            return CT_ENOMEM;
-        }
-        fl->old[2 * j] = p->data; /* released once every rank is set up */
-        fl->old[2 * j + 1] = p->grad;
-        p->data = nd;
-        p->grad = ng;
-        p->compute = nc;
-        p->grad_stale = 1;
-    }
-    return CT_OK;
+    /* every part absent until the unit computes; with one shard the data is the master itself */
+    CT_TRY(ct__flat_storage(fa, CT__FL_DATA, CT_MEM_PARAM, 0, 0, u->ns == 1 ? fl->master : NULL));
+    CT_TRY(ct__flat_storage(fa, CT__FL_GRAD, CT_MEM_GRAD, 0, 0, NULL));
+    if (fl->low) CT_TRY(ct__flat_storage(fa, CT__FL_LOW, CT_MEM_PARAM, 0, 0, NULL));
+    unsigned parts = CT__FL_BIT(CT__FL_DATA) | CT__FL_BIT(CT__FL_GRAD) | (fl->low ? CT__FL_BIT(CT__FL_LOW) : 0);
+    return ct__flat_point(fa, parts, 0);
 }
 
-/* Set-up done everywhere: the parameters' own tensors go (keep: they come
- * back, and the views go, after a failed set-up). */
+/* Once set-up is over on every rank: the parameters' own tensors go (keep
+ * 0), or come back because set-up failed somewhere (keep 1). */
 static void settle_old(fsdp_t *f, int keep)
 {
     for (int i = 0; f->u && i < f->nu; i++)
         for (int k = 0; k < f->u[i].nfl; k++) {
-            fsdp_flat *fl = &f->u[i].fl[k];
-            for (int j = 0; fl->old && j < fl->n; j++) {
-                if (!fl->old[2 * j]) continue;
-                ct_param *p = fl->p[j];
-                if (keep) {
-                    ct_tensor *view[3] = {p->data, p->grad, p->compute};
-                    p->data = fl->old[2 * j];
-                    p->grad = fl->old[2 * j + 1];
-                    p->compute = NULL;
-                    p->grad_stale = 0;
-                    for (int v = 0; v < 3; v++) ct_tensor_release(view[v]);
-                } else {
-                    ct_tensor_release(fl->old[2 * j]);
-                    ct_tensor_release(fl->old[2 * j + 1]);
-                }
-            }
-            ct_free(fl->old);
-            fl->old = NULL;
+            if (keep) ct__flat_rollback(&f->u[i].fl[k].flat);
+            else ct__flat_commit(&f->u[i].fl[k].flat);
         }
 }
 
@@ -602,16 +566,16 @@ static ct_status setup(ct_strategy *s)
     size_t nu = (size_t)f->nu + 1;
     f->fwd_order = ct_alloc(sizeof *f->fwd_order * nu, CT_MEM_OTHER);
     f->bwd_order = ct_alloc(sizeof *f->bwd_order * nu, CT_MEM_OTHER);
-    f->fifo = ct_alloc(sizeof *f->fifo * nu, CT_MEM_OTHER);
     z->tp = ct_alloc(sizeof *z->tp * ((size_t)s->nparams + 1), CT_MEM_OTHER);
-    if (!f->fwd_order || !f->bwd_order || !f->fifo || !z->tp) return CT_ENOMEM;
+    if (!f->fwd_order || !f->bwd_order || !z->tp) return CT_ENOMEM;
+    CT_TRY(ct__inflight_init(&f->q, f->nu));
     for (int i = 0; i < f->nu; i++)
         for (int k = 0; k < f->u[i].nfl; k++) CT_TRY(setup_flat(&f->u[i], &f->u[i].fl[k]));
     for (int q = 0; q < s->nparams; q++) /* the flattened parameters, in model order */
         for (int i = 0; i < f->nu; i++)
             for (int k = 0; k < f->u[i].nfl; k++)
-                for (int j = 0; j < f->u[i].fl[k].n; j++)
-                    if (f->u[i].fl[k].p[j] == s->params[q]) z->tp[z->ntp++] = s->params[q];
+                for (int j = 0; j < f->u[i].fl[k].flat.n; j++)
+                    if (f->u[i].fl[k].flat.p[j] == s->params[q]) z->tp[z->ntp++] = s->params[q];
     static const ct_hook_kind kinds[4] = {CT_HOOK_PRE_FORWARD, CT_HOOK_POST_FORWARD, CT_HOOK_PRE_BACKWARD,
                                           CT_HOOK_POST_BACKWARD};
     for (int i = 0; i < f->nu; i++) f->u[i].s = s;
@@ -641,23 +605,16 @@ static void fsdp_fini(ct_strategy *s)
     if (f) {
         finish_all(s);
         if (!f->ready) settle_old(f, 1); /* set-up failed: the parameters as they were */
+        /* the one unwrap: every parameter leaves with its full values (zeros if the gather failed) */
         int full = f->ready && ct__fsdp_summon(s, 0, 0) == CT_OK;
         for (int i = 0; f->u && i < f->nu; i++) {
             fsdp_unit *u = &f->u[i];
             for (int k = 0; k < 4; k++) ct_hook_remove(u->h[k]);
             for (int k = 0; k < u->nfl; k++) {
                 fsdp_flat *fl = &u->fl[k];
-                for (int j = 0; fl->p && j < fl->n; j++) {
-                    ct_param *p = fl->p[j];
-                    if (!p->data || p->data->storage != fl->full) continue; /* set-up stopped before it */
-                    ct_tensor *d = full ? ct_tensor_clone(p->data, CT_MEM_PARAM)
-                                        : ct_tensor_create(CT_F32, p->data->ndim, p->data->shape, CT_MEM_PARAM);
-                    ct__param_take(p, d, ct_tensor_create(CT_F32, p->data->ndim, p->data->shape, CT_MEM_GRAD));
-                }
+                if (!full && ct__flat_resident(&fl->flat, CT__FL_DATA) && u->ns > 1) ct__flat_evict(&fl->flat, CT__FL_DATA);
+                ct__flat_unpoint(&fl->flat, NULL, NULL);
                 if (fl->ag) ct_work_wait(fl->ag), ct_work_destroy(fl->ag);
-                ct_storage_release(fl->full);
-                ct_storage_release(fl->gfull);
-                ct_storage_release(fl->lowst);
                 ct_free(fl->master);
                 ct_free(fl->gshard);
                 ct_free(fl->send);
@@ -668,7 +625,7 @@ static void fsdp_fini(ct_strategy *s)
         for (int i = f->nown - 1; i >= 0; i--) ct_group_destroy(f->own[i]);
         ct_free(f->fwd_order);
         ct_free(f->bwd_order);
-        ct_free(f->fifo);
+        ct__inflight_fini(&f->q);
         ct_free(f);
         s->priv = NULL;
     }
@@ -699,9 +656,9 @@ ct_status ct__fsdp_summon(ct_strategy *s, int writeback, int rank0_only)
         if (u->state == UNIT_GATHERING) CT_TRY(finish_gather(s, u));
         for (int k = 0; k < u->nfl && u->ns > 1; k++) {
             fsdp_flat *fl = &u->fl[k];
-            CT_TRY(ct_storage_alloc_data(fl->full, 0));
-            CT_TRY(ct_group_allgather(u->sg, fl->master, ct_storage_ptr(fl->full), fl->shard, CT_F32, NULL));
-            if (rank0_only && ct_group_rank(s->g) != 0) CT_TRY(ct_storage_free_data(fl->full));
+            CT_TRY(ct_storage_alloc_data(fl->flat.st[CT__FL_DATA], 0));
+            CT_TRY(ct_group_allgather(u->sg, fl->master, ct_storage_ptr(fl->flat.st[CT__FL_DATA]), fl->flat.shard, CT_F32, NULL));
+            if (rank0_only && ct_group_rank(s->g) != 0) CT_TRY(ct_storage_free_data(fl->flat.st[CT__FL_DATA]));
         }
         u->summoned = 1;
         u->summon_writeback = writeback;
@@ -717,15 +674,15 @@ ct_status ct__fsdp_release(ct_strategy *s)
         if (!u->summoned) continue;
         for (int k = 0; k < u->nfl && u->ns > 1; k++) {
             fsdp_flat *fl = &u->fl[k];
-            if (u->summon_writeback && ct_storage_has_data(fl->full))
-                memcpy(fl->master, (float *)ct_storage_ptr(fl->full) + (int64_t)u->srank * fl->shard,
-                       (size_t)fl->shard * sizeof(float));
+            if (u->summon_writeback && ct_storage_has_data(fl->flat.st[CT__FL_DATA]))
+                memcpy(fl->master, (float *)ct_storage_ptr(fl->flat.st[CT__FL_DATA]) + (int64_t)u->srank * fl->flat.shard,
+                       (size_t)fl->flat.shard * sizeof(float));
         }
         u->summoned = 0;
         u->summon_writeback = 0;
         u->state = UNIT_FULL; /* free everything, whatever was gathered before */
         free_params(u);
-        for (int k = 0; k < u->nfl && u->ns > 1; k++) ct_storage_free_data(u->fl[k].full);
+        for (int k = 0; k < u->nfl && u->ns > 1; k++) ct_storage_free_data(u->fl[k].flat.st[CT__FL_DATA]);
     }
     return CT_OK;
 }
@@ -736,23 +693,28 @@ const ct__strategy_ops ct__fsdp_ops = {
     .nopts = (int)(sizeof fsdp_opt_defs / sizeof fsdp_opt_defs[0]),
     .opts_size = sizeof(fsdp_opts),
     .manages_compute = 1,
-    .init = fsdp_init,
-    .fini = fsdp_fini,
-    .post_backward = fsdp_post_backward,
-    .grad_scale = fsdp_grad_scale,
-    .build_optim = fsdp_build_optim,
-    .grad_norm = ct__fsdp_grad_norm,
-    .scale_grads = ct__fsdp_scale_grads,
-    .reduce = fsdp_reduce,
-    .pre_step = fsdp_pre_step,
-    .post_step = fsdp_post_step,
-    .partition = ct__zero_partition,
-    .summon = ct__fsdp_summon,
-    .release = ct__fsdp_release,
-    .zero_grad = fsdp_zero_grad,
-    .model_state = ct__fsdp_model_state,
-    .optim_state = ct__zero_optim_state,
-    .shard_state = ct__fsdp_shard_state,
-    .local_state = ct__zero_local_state,
-    .load_state = ct__fsdp_load_state,
+    .place = {
+        .init = fsdp_init,
+        .fini = fsdp_fini,
+        .build_optim = fsdp_build_optim,
+        .partition = ct__zero_partition,
+        .summon = ct__fsdp_summon,
+        .release = ct__fsdp_release,
+    },
+    .sync = {
+        .post_backward = fsdp_post_backward,
+        .grad_scale = fsdp_grad_scale,
+        .grad_norm = ct__fsdp_grad_norm,
+        .scale_grads = ct__fsdp_scale_grads,
+        .reduce = fsdp_reduce,
+        .step = fsdp_step,
+        .zero_grad = fsdp_zero_grad,
+    },
+    .state = {
+        .model = ct__fsdp_model_state,
+        .optim = ct__zero_optim_state,
+        .shard = ct__fsdp_shard_state,
+        .local = ct__zero_local_state,
+        .load = ct__fsdp_load_state,
+    },
 };

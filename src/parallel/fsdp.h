@@ -4,6 +4,7 @@
 #ifndef CTRAIN_PARALLEL_FSDP_H
 #define CTRAIN_PARALLEL_FSDP_H
 
+#include "flat.h"
 #include "zero.h"
 
 enum { FSDP_FULL_SHARD, FSDP_SHARD_GRAD_OP, FSDP_NO_SHARD, FSDP_HYBRID };
@@ -20,27 +21,21 @@ typedef struct {
 } fsdp_opts;
 
 /* One flat parameter: the unit's parameters of one dtype class laid end to
- * end, padded to ns * shard elements; this rank keeps elements
- * [rank * shard, (rank + 1) * shard) of it in master. */
+ * end (a flat of flat.c: its data, grad and low parts hold memory only while
+ * the unit computes), padded to ns * shard elements; this rank keeps
+ * elements [rank * shard, (rank + 1) * shard) of it in master. */
 typedef struct {
-    ct_param **p;
-    int n;
-    int64_t *off;          /* [n] element offset of p[j] in the flat */
-    int64_t numel, shard;  /* numel <= ns * shard */
+    ct__flat flat;         /* the layout, the storages behind the views (DATA wraps master when
+                              ns == 1), the staged pointing until set-up is done on every rank */
     int low;               /* gathered in bf16 into the compute copies (mixed precision) */
     ct_partition pt;       /* the flat's pieces over the shard group (split) */
     float *master;         /* [shard] f32 parameters (what the optimizer steps) */
     float *gshard;         /* [shard] reduced gradients */
     int gzero;             /* gshard is logically zero: the next reduce overwrites it */
-    ct_storage *full;      /* [ns * shard] f32, behind p[j]->data; wraps master when ns == 1 */
-    ct_storage *lowst;     /* [ns * shard] bf16, behind p[j]->compute (low) */
-    ct_storage *gfull;     /* [ns * shard] f32, behind p[j]->grad */
     uint16_t *send;        /* bf16 copy of master for the gather (low) */
     void *wire;            /* gradients in reduce_dtype when it is not f32 */
     void *rsbuf;           /* reduce-scatter result when not straight into gshard */
     ct_work *ag, *rs;
-    ct_tensor **old;       /* [2n] the parameters' own data and grad tensors until set-up is done on
-                              every rank, so a failed set-up gives them back untouched */
 } fsdp_flat;
 
 enum { UNIT_SHARDED, UNIT_GATHERING, UNIT_FULL };
@@ -77,7 +72,7 @@ typedef struct {
     int *fwd_order, nfwd;  /* units in the order the first step ran them */
     int *bwd_order, nbwd;
     int recorded;
-    int *fifo, nfifo;      /* units whose reduce is in flight, oldest first */
+    ct__inflight q;        /* units whose reduce is in flight, oldest first */
     int ready;             /* set up on every rank: fini may gather */
 } fsdp_t;
 

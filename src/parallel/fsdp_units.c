@@ -68,8 +68,7 @@ void ct__fsdp_free_units(fsdp_t *f)
 {
     for (int i = 0; f->u && i < f->nu; i++)
         for (int k = 0; k < f->u[i].nfl; k++) {
-            ct_free(f->u[i].fl[k].p);
-            ct_free(f->u[i].fl[k].off);
+            ct__flat_fini(&f->u[i].fl[k].flat);
         }
     ct_free(f->u);
     f->u = NULL;
@@ -168,21 +167,28 @@ ct_status ct__fsdp_build_units(ct_strategy *s, fsdp_t *f)
                 fl->low = low;
             }
             if (pass == 0) {
-                fl->n++;
+                fl->flat.n++;
                 continue;
             }
-            if (!fl->p) {
-                fl->p = ct_alloc(sizeof *fl->p * (size_t)fl->n, CT_MEM_OTHER);
-                fl->off = ct_alloc(sizeof *fl->off * (size_t)fl->n, CT_MEM_OTHER);
-                fl->n = 0; /* counts the entries filled from here */
-                if (!fl->p || !fl->off) {
+            if (!fl->flat.p) { /* the list first; ct__flat_init lays it out below */
+                fl->flat.p = ct_alloc(sizeof *fl->flat.p * (size_t)fl->flat.n, CT_MEM_OTHER);
+                fl->flat.n = 0; /* counts the entries filled from here */
+                if (!fl->flat.p) {
                     st = CT_ENOMEM;
                     break;
                 }
             }
-            fl->p[fl->n] = p;
-            fl->off[fl->n++] = fl->numel;
-            fl->numel += p->data->numel;
+            fl->flat.p[fl->flat.n++] = p;
+        }
+    /* one shard until the caller knows the shard groups (ct__flat_shard) */
+    for (int i = 0; st == CT_OK && i < f->nu; i++)
+        for (int k = 0; st == CT_OK && k < f->u[i].nfl; k++) {
+            fsdp_flat *fl = &f->u[i].fl[k];
+            ct_param **list = fl->flat.p;
+            int n = fl->flat.n;
+            fl->flat.p = NULL;
+            st = ct__flat_init(&fl->flat, list, n, 1, 0, fl->low);
+            ct_free(list);
         }
 out:
     ct_free(mods);
@@ -213,7 +219,7 @@ ct_status ct_fsdp_plan(ct_module *model, const char *opts, ct_fsdp_unit *units, 
         memset(u, 0, sizeof *u);
         u->is_root = f.u[i].is_root;
         u->replicated = f.u[i].ignored;
-        for (int k = 0; k < f.u[i].nfl; k++) *(f.u[i].fl[k].low ? &u->low : &u->numel) = f.u[i].fl[k].numel;
+        for (int k = 0; k < f.u[i].nfl; k++) *(f.u[i].fl[k].low ? &u->low : &u->numel) = f.u[i].fl[k].flat.numel;
     }
     if (st == CT_OK) *n = f.nu;
     ct__fsdp_free_units(&f);

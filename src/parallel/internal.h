@@ -33,6 +33,57 @@ typedef struct {
     int reduce_dtype; /* ct_dtype: CT_F32, CT_BF16, CT_F16 */
 } ct__common;
 
+/* A strategy's entries, split by concern.  Every entry may be left NULL in
+ * a kind's table: ct_strategy_create fills it with the replicated default
+ * (whole, synchronised gradients and parameters on every rank) in the
+ * strategy's own copy (s->vt), so no caller ever tests for NULL.  A
+ * strategy's kind is asked by name (ct_strategy_kind), never by comparing
+ * tables. */
+
+/* Placement: where the parameters live, and the optimizer over them. */
+typedef struct {
+    ct_status (*init)(ct_strategy *s); /* sets up s->priv; collective for distributed strategies */
+    void (*fini)(ct_strategy *s);
+    ct_status (*build_optim)(ct_strategy *s, const ct_optim_opts *o); /* default: every trainable param */
+    const ct_partition *(*partition)(const ct_strategy *s);          /* sharded strategies; default NULL */
+    ct_status (*summon)(ct_strategy *s, int writeback, int rank0_only); /* full parameters out */
+    ct_status (*release)(ct_strategy *s);
+    void (*data_rank)(const ct_strategy *s, int *rank, int *size); /* default: group rank and size */
+} ct__place_ops;
+
+/* Synchronisation: the work around forward, backward and the step. */
+typedef struct {
+    ct_status (*pre_forward)(ct_strategy *s);
+    ct_status (*pre_backward)(ct_strategy *s);
+    ct_status (*post_backward)(ct_strategy *s);
+    float (*grad_scale)(ct_strategy *s); /* factor on the loss gradient; default 1 */
+    ct_status (*reduce)(ct_strategy *s); /* synchronise accumulated gradients now */
+    /* Adds the norm terms of every gradient s trains, combined across the
+     * ranks that shard them (ct__norm_combine), to acc. */
+    ct_status (*grad_norm)(ct_strategy *s, ct_norm_acc *acc);
+    void (*scale_grads)(ct_strategy *s, float k);
+    /* The optimizer step and the strategy's work around it (default: the
+     * optimizer, then the mixed-precision copies refreshed). */
+    ct_status (*step)(ct_strategy *s);
+    void (*zero_grad)(ct_strategy *s);
+    /* The whole train step, after ct_strategy_train_step's validation, with
+     * *out zeroed (default: grad_accum micro-batches; pipe: chunks through
+     * stages; offload: slices through the store). */
+    ct_status (*train_step)(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+                            const ct_fwd_ctx *ctx, ct_step_out *out);
+    /* Inference over the whole model (default: pre_forward, the model's forward). */
+    ct_status (*predict)(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out);
+} ct__sync_ops;
+
+/* State I/O: checkpoints out (full, balanced shards, local pieces) and in. */
+typedef struct {
+    ct_status (*model)(ct_strategy *s, ct_state *out);
+    ct_status (*optim)(ct_strategy *s, ct_state *out);
+    ct_status (*shard)(ct_strategy *s, int optim, ct_state *out);
+    ct_status (*local)(ct_strategy *s, int optim, ct_state *out);
+    ct_status (*load)(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
+} ct__state_ops;
+
 typedef struct {
     const char *kind;
     const ct__opt_def *opts; /* the kind's own keys */
@@ -41,51 +92,17 @@ typedef struct {
                                      starts the kind's (offsets from s->kopts too) */
     int nbase_opts;
     size_t opts_size;        /* bytes of the kind's options struct (s->kopts) */
-    int refreshes_compute;   /* refreshes mixed-precision copies itself (params arrive late) */
-    int manages_compute;     /* makes and keeps the compute copies itself (FSDP gathers them) */
+    int manages_compute;     /* makes and keeps the mixed-precision copies itself (FSDP gathers
+                                them, offload makes them with a slice) */
     int runs_alone;          /* works without ct_comm_init (no group: one process of its own) */
-    /* Sets up s->priv; collective for distributed strategies. */
-    ct_status (*init)(ct_strategy *s);
-    void (*fini)(ct_strategy *s);
-    /* Before the model's forward / backward, and after backward (sync). */
-    ct_status (*pre_forward)(ct_strategy *s);
-    ct_status (*pre_backward)(ct_strategy *s);
-    ct_status (*post_backward)(ct_strategy *s);
-    /* Factor ct_strategy_backward applies to the loss gradient (NULL: 1). */
-    float (*grad_scale)(ct_strategy *s);
-    /* Per-strategy entries; NULL takes the replicated default (whole,
-     * synchronised gradients and parameters on every rank). */
-    ct_status (*build_optim)(ct_strategy *s, const ct_optim_opts *o);
-    /* Adds the norm terms of every gradient s trains, combined across the
-     * ranks that shard them (ct__norm_combine), to acc. */
-    ct_status (*grad_norm)(ct_strategy *s, ct_norm_acc *acc);
-    void (*scale_grads)(ct_strategy *s, float k);
-    ct_status (*reduce)(ct_strategy *s); /* synchronise accumulated gradients now */
-    ct_status (*pre_step)(ct_strategy *s);
-    ct_status (*post_step)(ct_strategy *s);
-    const ct_partition *(*partition)(const ct_strategy *s); /* sharded strategies */
-    ct_status (*summon)(ct_strategy *s, int writeback, int rank0_only); /* full parameters out */
-    ct_status (*release)(ct_strategy *s);
-    void (*zero_grad)(ct_strategy *s);
-    ct_status (*model_state)(ct_strategy *s, ct_state *out);
-    ct_status (*optim_state)(ct_strategy *s, ct_state *out);
-    ct_status (*shard_state)(ct_strategy *s, int optim, ct_state *out);
-    ct_status (*local_state)(ct_strategy *s, int optim, ct_state *out);
-    ct_status (*load_state)(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
-                            int optim);
-    /* A strategy that owns the whole step (pipe: chunks flow through stages)
-     * instead of the default grad_accum micro-batches; called after
-     * ct_strategy_train_step's validation, with *out zeroed. */
-    ct_status (*train_step)(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
-                            const ct_fwd_ctx *ctx, ct_step_out *out);
-    /* Inference over the whole model (ct_strategy_predict); NULL: the model's forward. */
-    ct_status (*predict)(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out);
-    /* Which slice of the global batch this rank takes (NULL: group rank and size). */
-    void (*data_rank)(const ct_strategy *s, int *rank, int *size);
+    ct__place_ops place;
+    ct__sync_ops sync;
+    ct__state_ops state;
 } ct__strategy_ops;
 
 struct ct_strategy {
-    const ct__strategy_ops *ops;
+    const ct__strategy_ops *ops; /* &vt */
+    ct__strategy_ops vt;         /* the kind's table with the defaults filled in */
     ct_module *model;
     ct_optim *opt;
     ct_group *g;
@@ -116,15 +133,10 @@ extern const ct__strategy_ops ct__fsdp_ops;
 extern const ct__strategy_ops ct__pipe_ops;
 extern const ct__strategy_ops ct__offload_ops;
 
-/* Backward of s's model from dout times scale with s's hooks (pre_backward,
- * post_backward: DDP's buckets, ZeRO's reduces), timed into s->stats; *din
- * (din != NULL) gets the input gradient.  Consumes rec.  The pipeline runs
- * each stage's backward through its replica strategy with this. */
-ct_status ct__strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale,
-                                   ct_tensor **din);
-/* Adds the norm terms of the gradients of s's trainable parameters, whatever
- * s shards, to acc: the stage term of a pipeline's norm. */
-ct_status ct__strategy_norm_acc(ct_strategy *s, ct_norm_acc *acc);
+/* Fills every NULL entry of vt with the replicated default (replicated.c). */
+void ct__strategy_fill(ct__strategy_ops *vt);
+/* 1 if s's train step is its own (pipe, offload), not the default grad_accum loop. */
+int ct__strategy_owns_micro_batches(const ct_strategy *s);
 /* Every rank of g's accumulated value, folded in rank order into a (the
  * same double on every rank, never rounded to float on the way). */
 ct_status ct__norm_combine(ct_group *g, ct_norm_acc *a);
@@ -199,6 +211,22 @@ ct_status ct__state_step(const char *const *names, ct_tensor *const *ts, int n, 
 typedef ct_status (*ct__load_fn)(ct_strategy *s, ct_param *p, const ct_tensor *src);
 ct_status ct__load_model_with(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                               ct__load_fn put);
+
+/* Reduces in flight (inflight.c), oldest first, with their bytes: ids are
+ * indices (a parameter's, a unit's), each at most once, at most cap. */
+typedef struct {
+    int *id;
+    size_t *bytes;
+    int head, n, cap;
+    size_t total;  /* bytes of every entry */
+} ct__inflight;
+ct_status ct__inflight_init(ct__inflight *q, int cap);
+void ct__inflight_fini(ct__inflight *q);
+void ct__inflight_push(ct__inflight *q, int id, size_t bytes);
+/* Removes the entry at place pos (0: the oldest) and returns its id. */
+int ct__inflight_take(ct__inflight *q, int pos);
+/* The place of id in the queue, or -1. */
+int ct__inflight_find(const ct__inflight *q, int id);
 
 /* Gradients on the wire (wire.c): n f32 values as dt for a collective
  * (ct__wire_alloc: room for n of dt, CT_MEM_COMM, freed with ct_free), and

@@ -186,24 +186,28 @@ static ct_status group_params(ct_strategy *s)
             }
             ct_free(ps);
         }
-    /* pj runs laid end to end in pjs: the slices in order, then the tied group */
+    /* pj runs laid end to end in pjs: the slices in order, then the tied group;
+     * each group's parameters laid out as a flat */
     int at = 0;
     int low = s->common.param_dtype != CT_F32;
-    for (int g = 0; g <= ns; g++) {
+    ct_param **ps = ct_alloc(sizeof *ps * (size_t)(np + 1), CT_MEM_OTHER);
+    if (!ps) return CT_ENOMEM;
+    ct_status st = CT_OK;
+    for (int g = 0; g <= ns && st == CT_OK; g++) {
         offload_slice *sl = g < ns ? &f->sl[g] : &f->tied;
         sl->pj = pjs + at;
         for (int j = 0; j < np; j++) {
             CT_ASSERT(f->where[j] >= 0); /* the sequential has no parameters of its own */
             if (f->where[j] != g) continue;
-            ct_param *p = s->params[j];
+            ps[at - (int)(sl->pj - pjs)] = s->params[j];
             pjs[at++] = j;
-            f->eoff[j] = sl->n;
-            sl->n += p->data->numel;
-            if (low && ct__mixed_wants_copy(p)) sl->nlow += p->data->numel;
         }
         sl->np = (int)(pjs + at - sl->pj);
+        st = ct__flat_init(&sl->flat, ps, sl->np, 1, 0, low);
+        for (int k = 0; st == CT_OK && k < sl->np; k++) f->eoff[sl->pj[k]] = sl->flat.off[k];
     }
-    return CT_OK;
+    ct_free(ps);
+    return st;
 }
 
 static ct_status offload_init(ct_strategy *s)
@@ -286,13 +290,13 @@ static ct_status offload_init(ct_strategy *s)
 /* Bytes of slice sl in the file: parameters, gradients, optimizer state. */
 static size_t file_bytes(const offload_t *f, const offload_slice *sl)
 {
-    return (size_t)sl->n * sizeof(float) * (size_t)(2 + f->nstate);
+    return (size_t)sl->flat.numel * sizeof(float) * (size_t)(2 + f->nstate);
 }
 
 /* Bytes of slice sl when resident: those and its bf16 compute copies. */
 static size_t mem_bytes(const offload_t *f, const offload_slice *sl)
 {
-    return file_bytes(f, sl) + (size_t)sl->nlow * 2;
+    return file_bytes(f, sl) + (size_t)sl->flat.nlow * 2;
 }
 
 
@@ -302,12 +306,12 @@ ct_status ct__offload_io(ct_strategy *s, int i, int mask, int op, long *ticket)
     offload_slice *sl = &f->sl[i];
     ct__io_piece p[CT__IO_MAX_PIECES];
     int n = 0;
-    if (mask & OFF_DATA) p[n++] = (ct__io_piece){sl->data, sl->off, op};
-    if (mask & OFF_GRAD) p[n++] = (ct__io_piece){sl->grad, ct__offload_grad_off(sl), op};
+    if (mask & OFF_DATA) p[n++] = (ct__io_piece){sl->flat.st[CT__FL_DATA], sl->off, op};
+    if (mask & OFF_GRAD) p[n++] = (ct__io_piece){sl->flat.st[CT__FL_GRAD], ct__offload_grad_off(sl), op};
     if ((mask & OFF_STATE) && sl->state) p[n++] = (ct__io_piece){sl->state, ct__offload_state_off(sl), op};
     /* compute copies are made from the data, never stored: memory back, or gone */
-    if ((mask & OFF_LOW) && sl->low)
-        p[n++] = (ct__io_piece){sl->low, 0, op == CT__IO_READ || op == CT__IO_ALLOC ? CT__IO_ALLOC : CT__IO_DROP};
+    if ((mask & OFF_LOW) && sl->flat.st[CT__FL_LOW])
+        p[n++] = (ct__io_piece){sl->flat.st[CT__FL_LOW], 0, op == CT__IO_READ || op == CT__IO_ALLOC ? CT__IO_ALLOC : CT__IO_DROP};
     *ticket = 0;
     return n ? ct__ostore_submit(f->store, p, n, ticket) : CT_OK;
 }
@@ -318,35 +322,17 @@ ct_status ct__offload_io(ct_strategy *s, int i, int mask, int op, long *ticket)
 static ct_status move_in(ct_strategy *s, offload_slice *sl)
 {
     offload_t *f = ct__offload(s);
-    size_t b = (size_t)sl->n * 4;
-    if (!(sl->data = ct_storage_create(b, CT_MEM_PARAM, 0)) || !(sl->grad = ct_storage_create(b, CT_MEM_GRAD, 1)))
+    ct__flat *fl = &sl->flat;
+    CT_TRY(ct__flat_storage(fl, CT__FL_DATA, CT_MEM_PARAM, 1, 0, NULL));
+    CT_TRY(ct__flat_storage(fl, CT__FL_GRAD, CT_MEM_GRAD, 1, 1, NULL));
+    if (fl->nlow) CT_TRY(ct__flat_storage(fl, CT__FL_LOW, CT_MEM_PARAM, 1, 0, NULL));
+    if (f->nstate && !(sl->state = ct_storage_create((size_t)fl->numel * 4 * (size_t)f->nstate, CT_MEM_OPTIM, 1)))
         return CT_ENOMEM;
-    if (f->nstate && !(sl->state = ct_storage_create(b * (size_t)f->nstate, CT_MEM_OPTIM, 1))) return CT_ENOMEM;
-    if (sl->nlow && !(sl->low = ct_storage_create((size_t)sl->nlow * 2, CT_MEM_PARAM, 0))) return CT_ENOMEM;
-    size_t off = 0, loff = 0;
-    for (int k = 0; k < sl->np; k++) {
-        ct_param *p = s->params[sl->pj[k]];
-        int low = sl->low && ct__mixed_wants_copy(p);
-        ct_tensor *d = ct_tensor_on(sl->data, off, CT_F32, p->data->ndim, p->data->shape);
-        ct_tensor *g = p->grad ? ct_tensor_on(sl->grad, off, CT_F32, p->data->ndim, p->data->shape) : NULL;
-        ct_tensor *c = low ? ct_tensor_on(sl->low, loff, CT_BF16, p->data->ndim, p->data->shape) : NULL;
-        if (!d || (p->grad && !g) || (low && !c)) {
-            ct_tensor_release(d);
-            ct_tensor_release(g);
-            ct_tensor_release(c);
-            return CT_ENOMEM;
-        }
-        memcpy((char *)ct_storage_ptr(sl->data) + off, ct_tensor_data(p->data), (size_t)p->data->numel * 4);
-        ct_tensor_release(p->data);
-        ct_tensor_release(p->grad);
-        p->data = d;
-        p->grad = g;
-        p->compute = c;
-        p->grad_stale = 0;
-        p->user = f; /* marks the parameter as moved, for fini */
-        off += (size_t)p->data->numel * 4;
-        loff += low ? (size_t)p->data->numel * 2 : 0;
-    }
+    CT_TRY(ct__flat_point(fl, CT__FL_BIT(CT__FL_DATA) | CT__FL_BIT(CT__FL_LOW), 1));
+    ct__flat_commit(fl);
+    CT_TRY(ct__flat_point(fl, CT__FL_BIT(CT__FL_GRAD), 0));
+    ct__flat_commit(fl);
+    for (int k = 0; k < fl->n; k++) fl->p[k]->grad_stale = 0; /* zeroed storage */
     return CT_OK;
 }
 
@@ -408,37 +394,40 @@ static ct_status offload_build_optim(ct_strategy *s, const ct_optim_opts *o)
     return CT_OK;
 }
 
-/* Gives slice sl's moved parameters tensors of their own again, with the
- * data from memory (the tied group) or from the store (zeros when ok is 0). */
-static void move_out(ct_strategy *s, offload_slice *sl, int resident, int *ok)
+/* Reads parameter j of a slice not in memory from the store; after a
+ * failed read, zeros without reading again. */
+typedef struct {
+    offload_t *f;
+    const offload_slice *sl;
+    int *ok;
+} fetch_ctx;
+
+static ct_status fetch_from_store(void *ud, int j, float *dst)
 {
-    offload_t *f = ct__offload(s);
-    for (int k = 0; k < sl->np; k++) {
-        ct_param *p = s->params[sl->pj[k]];
-        if (p->user != f) continue; /* set-up stopped before it */
-        size_t off = (size_t)f->eoff[sl->pj[k]] * 4;
-        ct_tensor *d = ct_tensor_empty(CT_F32, p->data->ndim, p->data->shape, CT_MEM_PARAM);
-        ct_tensor *g = ct_tensor_create(CT_F32, p->data->ndim, p->data->shape, CT_MEM_GRAD);
-        if (d && resident) {
-            memcpy(ct_tensor_data(d), ct_tensor_data(p->data), (size_t)d->numel * 4);
-        } else if (d && *ok && ct__ostore_rw(f->store, 0, ct_tensor_data(d), (size_t)d->numel * 4,
-                                             sl->off + (off_t)off) != CT_OK) {
-            *ok = 0;
-            ct_tensor_fill(d, 0);
-        } else if (d && !*ok) {
-            ct_tensor_fill(d, 0);
-        }
-        ct__param_take(p, d, g);
-        p->user = NULL;
+    fetch_ctx *c = ud;
+    size_t bytes = (size_t)c->sl->flat.p[j]->data->numel * 4;
+    if (!*c->ok) {
+        memset(dst, 0, bytes);
+        return CT_OK;
     }
+    ct_status st = ct__ostore_rw(c->f->store, 0, dst, bytes, c->sl->off + (off_t)(c->sl->flat.off[j] * 4));
+    if (st != CT_OK) *c->ok = 0;
+    return st;
+}
+
+/* Gives slice sl's moved parameters tensors of their own again, with the
+ * data from memory (the tied group) or from the store (zeros once a read
+ * failed: *ok 0). */
+static void move_out(ct_strategy *s, offload_slice *sl, int *ok)
+{
+    fetch_ctx c = {ct__offload(s), sl, ok};
+    ct__flat_unpoint(&sl->flat, fetch_from_store, &c);
 }
 
 static void release_slice(offload_slice *sl)
 {
-    ct_storage_release(sl->data);
-    ct_storage_release(sl->grad);
+    ct__flat_fini(&sl->flat);
     ct_storage_release(sl->state);
-    ct_storage_release(sl->low);
 }
 
 static void offload_fini(ct_strategy *s)
@@ -455,9 +444,9 @@ static void offload_fini(ct_strategy *s)
             ct_work_wait(sl->ar);
             ct_work_destroy(sl->ar);
         }
-        if (sl->pj) move_out(s, sl, 0, &ok);
+        if (sl->pj) move_out(s, sl, &ok);
     }
-    if (f->tied.pj) move_out(s, &f->tied, 1, &ok);
+    if (f->tied.pj) move_out(s, &f->tied, &ok);
     ct__ostore_close(f->store);
     for (int i = 0; f->sl && i < f->ns; i++) release_slice(&f->sl[i]);
     release_slice(&f->tied);
@@ -524,7 +513,7 @@ ct_status ct__offload_reduce_tied(ct_strategy *s, int allreduce)
     if (!f->tied.np) return CT_OK;
     for (int k = 0; k < f->tied.np; k++) ct_param_grad_sync(s->params[f->tied.pj[k]]);
     if (allreduce)
-        CT_TRY(ct_group_allreduce(s->g, ct_storage_ptr(f->tied.grad), f->tied.n, CT_F32, CT_OP_SUM, NULL));
+        CT_TRY(ct_group_allreduce(s->g, ct_storage_ptr(f->tied.flat.st[CT__FL_GRAD]), f->tied.flat.numel, CT_F32, CT_OP_SUM, NULL));
     ct__offload_norms(s, &f->tied);
     return CT_OK;
 }
@@ -540,7 +529,7 @@ static ct_status offload_reduce(ct_strategy *s)
         long t;
         CT_TRY(ct__offload_io(s, i, OFF_GRAD, CT__IO_READ, &t));
         CT_TRY(ct__ostore_wait(f->store, t));
-        CT_TRY(ct_group_allreduce(s->g, ct_storage_ptr(sl->grad), sl->n, CT_F32, CT_OP_SUM, NULL));
+        CT_TRY(ct_group_allreduce(s->g, ct_storage_ptr(sl->flat.st[CT__FL_GRAD]), sl->flat.numel, CT_F32, CT_OP_SUM, NULL));
         ct__offload_norms(s, sl);
         CT_TRY(ct__offload_io(s, i, OFF_GRAD, CT__IO_WRITE, &t));
         CT_TRY(ct__ostore_wait(f->store, t));
@@ -548,9 +537,17 @@ static ct_status offload_reduce(ct_strategy *s)
     return ct__offload_reduce_tied(s, 1);
 }
 
+/* The step is recorded and applied slice by slice later (offload_step.c);
+ * the slot-less optimizer counts it. */
+static ct_status offload_step(ct_strategy *s)
+{
+    CT_TRY(ct__offload_pre_step(s));
+    return ct_optim_step(s->opt);
+}
+
 void ct_strategy_offload_info(const ct_strategy *s, int *nslices, int *ahead)
 {
-    const offload_t *f = s->ops == &ct__offload_ops ? ct__offload(s) : NULL;
+    const offload_t *f = !strcmp(ct_strategy_kind(s), "offload") ? ct__offload(s) : NULL;
     *nslices = f ? f->ns : 0;
     *ahead = f ? f->ahead : 0;
 }
@@ -562,19 +559,25 @@ const ct__strategy_ops ct__offload_ops = {
     .opts_size = sizeof(offload_opts),
     .runs_alone = 1,
     .manages_compute = 1, /* a slice's compute copies exist while it is resident (offload_step.c) */
-    .init = offload_init,
-    .fini = offload_fini,
-    .pre_forward = not_here,
-    .pre_backward = not_here,
-    .build_optim = offload_build_optim,
-    .grad_norm = offload_grad_norm,
-    .scale_grads = offload_scale_grads,
-    .reduce = offload_reduce,
-    .pre_step = ct__offload_pre_step,
-    .zero_grad = offload_zero_grad,
-    .model_state = ct__offload_model_state,
-    .optim_state = ct__offload_optim_state,
-    .load_state = ct__offload_load_state,
-    .train_step = ct__offload_train_step,
-    .predict = ct__offload_predict,
+    .place = {
+        .init = offload_init,
+        .fini = offload_fini,
+        .build_optim = offload_build_optim,
+    },
+    .sync = {
+        .pre_forward = not_here,
+        .pre_backward = not_here,
+        .grad_norm = offload_grad_norm,
+        .scale_grads = offload_scale_grads,
+        .reduce = offload_reduce,
+        .step = offload_step,
+        .zero_grad = offload_zero_grad,
+        .train_step = ct__offload_train_step,
+        .predict = ct__offload_predict,
+    },
+    .state = {
+        .model = ct__offload_model_state,
+        .optim = ct__offload_optim_state,
+        .load = ct__offload_load_state,
+    },
 };

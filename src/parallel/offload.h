@@ -6,7 +6,7 @@
 
 #include <sys/types.h>
 
-#include "internal.h"
+#include "flat.h"
 
 /* ---- the store: a back end and one I/O thread ----------------------------- */
 
@@ -91,12 +91,9 @@ typedef struct {
     int k0, k1;          /* children [k0, k1) of the sequential (the tied group: none) */
     int *pj;             /* [np] indices into s->params of its parameters, model order */
     int np;
-    int64_t n;           /* floats of parameters */
-    int64_t nlow;        /* elements with a bf16 compute copy (ct__mixed_wants_copy) */
-    ct_storage *data;    /* [n] CT_MEM_PARAM: the parameters' data views */
-    ct_storage *grad;    /* [n] CT_MEM_GRAD */
-    ct_storage *state;   /* [nstate * n] CT_MEM_OPTIM (NULL when the optimizer has none) */
-    ct_storage *low;     /* [nlow] bf16 CT_MEM_PARAM: the compute copies' views (NULL: none) */
+    ct__flat flat;       /* those parameters end to end (flat.c): data, grad and low parts, resident
+                            while the slice is, in the store (data, grad) or dropped (low) otherwise */
+    ct_storage *state;   /* [nstate * flat.numel] CT_MEM_OPTIM (NULL when the optimizer has none) */
     off_t off;           /* file: data at off, grad after it, state after that */
     ct_work *ar;         /* the gradient allreduce in flight (DDP) */
     int pending;         /* the last optimizer step is still to be applied to this slice */
@@ -137,8 +134,8 @@ static inline int ct__offload_ranks(const ct_strategy *s) { return s->g ? ct_gro
 static inline const offload_opts *ct__offload_opts(const ct_strategy *s) { return s->kopts; }
 
 /* Where slice sl's gradients and optimizer state start in the file (its data at sl->off). */
-static inline off_t ct__offload_grad_off(const offload_slice *sl) { return sl->off + (off_t)(sl->n * 4); }
-static inline off_t ct__offload_state_off(const offload_slice *sl) { return sl->off + (off_t)(2 * sl->n * 4); }
+static inline off_t ct__offload_grad_off(const offload_slice *sl) { return sl->off + (off_t)(sl->flat.numel * 4); }
+static inline off_t ct__offload_state_off(const offload_slice *sl) { return sl->off + (off_t)(2 * sl->flat.numel * 4); }
 
 /* Queues the pieces of slice i in mask for op (CT__IO_*); *ticket as submit. */
 ct_status ct__offload_io(ct_strategy *s, int i, int mask, int op, long *ticket);

@@ -18,9 +18,9 @@ static ct_status part_rw(ct_strategy *s, int j, int part, int b, int write, floa
     offload_t *f = ct__offload(s);
     offload_slice *sl = f->where[j] < f->ns ? &f->sl[f->where[j]] : &f->tied;
     size_t bytes = (size_t)s->params[j]->data->numel * 4;
-    int64_t e = f->eoff[j] + (part == OFF_STATE ? (int64_t)b * sl->n : 0);
+    int64_t e = f->eoff[j] + (part == OFF_STATE ? (int64_t)b * sl->flat.numel : 0);
     if (sl == &f->tied) {
-        float *mem = (float *)ct_storage_ptr(part == OFF_STATE ? sl->state : sl->data) + e;
+        float *mem = (float *)ct_storage_ptr(part == OFF_STATE ? sl->state : sl->flat.st[CT__FL_DATA]) + e;
         memcpy(write ? mem : buf, write ? buf : mem, bytes);
         return CT_OK;
     }

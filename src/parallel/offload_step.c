@@ -238,7 +238,7 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
              * for three slices it runs while the next slice computes. */
             int async = f->ahead >= 3;
             for (int k = 0; k < sl->np; k++) ct_param_grad_sync(s->params[sl->pj[k]]);
-            st = ct_group_allreduce(s->g, ct_storage_ptr(sl->grad), sl->n, CT_F32, CT_OP_SUM, async ? &sl->ar : NULL);
+            st = ct_group_allreduce(s->g, ct_storage_ptr(sl->flat.st[CT__FL_GRAD]), sl->flat.numel, CT_F32, CT_OP_SUM, async ? &sl->ar : NULL);
         }
         if (st == CT_OK && i + 1 < ns && f->sl[i + 1].ar) st = finish_slice(s, i + 1);
         if (st == CT_OK && !sl->ar) st = finish_slice(s, i);
@@ -306,7 +306,7 @@ void ct__offload_update(ct_strategy *s, offload_slice *sl)
         if (p->requires_grad && p->grad) {
             for (int k = 0; k < f->pend_nscales; k++) ct_scale_grads(&p, 1, f->pend_scales[k]);
             float *bufs[CT_OPTIM_MAX_STATE] = {NULL};
-            for (int b = 0; state && b < f->nstate; b++) bufs[b] = state + (int64_t)b * sl->n + off;
+            for (int b = 0; state && b < f->nstate; b++) bufs[b] = state + (int64_t)b * sl->flat.numel + off;
             ct_optim_update_range(o, ct_f32(p->data), ct_f32(p->grad), bufs, n, f->pend_step);
         }
         off += n;
@@ -378,7 +378,7 @@ ct_status ct__offload_pre_step(ct_strategy *s)
 
 void ct__offload_cast(ct_strategy *s, const offload_slice *sl)
 {
-    for (int k = 0; sl->low && k < sl->np; k++) {
+    for (int k = 0; sl->flat.st[CT__FL_LOW] && k < sl->np; k++) {
         ct_param *p = s->params[sl->pj[k]];
         if (p->compute) ct_f32_to_bf16_n(ct_f32(p->data), ct_tensor_data(p->compute), (size_t)p->data->numel);
     }

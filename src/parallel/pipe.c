@@ -389,7 +389,7 @@ static ct_status pipe_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     pipe_t *p = ct__pipe(s);
     ct_norm_acc term = ct_norm_acc_init(acc->inf ? INFINITY : 2.0);
-    if (p->stage >= 0) CT_TRY(ct__strategy_norm_acc(p->inner, &term));
+    if (p->stage >= 0) CT_TRY(ct_strategy_grad_norm_acc(p->inner, &term));
     if (p->stage >= 0 && !term.inf) term.v = fmax(0.0, term.v - ct__pipe_ties_uncounted(p));
     if (p->stage < 0 || p->replica != 0) term.v = 0;
     CT_TRY(ct__norm_combine(s->g, &term));
@@ -397,12 +397,7 @@ static ct_status pipe_grad_norm(ct_strategy *s, ct_norm_acc *acc)
     return CT_OK;
 }
 
-static void pipe_scale_grads(ct_strategy *s, float k)
-{
-    ct_strategy *in = ct__pipe(s)->inner;
-    if (in->ops->scale_grads) in->ops->scale_grads(in, k);
-    else ct_scale_grads(in->params, in->nparams, k);
-}
+static void pipe_scale_grads(ct_strategy *s, float k) { ct_strategy_scale_grads(ct__pipe(s)->inner, k); }
 
 static void pipe_zero_grad(ct_strategy *s)
 {
@@ -411,18 +406,9 @@ static void pipe_zero_grad(ct_strategy *s)
 }
 static ct_status pipe_reduce(ct_strategy *s) { return ct_strategy_reduce(ct__pipe(s)->inner); }
 
-static ct_status pipe_pre_step(ct_strategy *s)
-{
-    ct_strategy *in = ct__pipe(s)->inner;
-    return in->ops->pre_step ? in->ops->pre_step(in) : CT_OK;
-}
-
-static ct_status pipe_post_step(ct_strategy *s)
-{
-    ct_strategy *in = ct__pipe(s)->inner;
-    CT_TRY(in->ops->post_step ? in->ops->post_step(in) : CT_OK);
-    return in->ops->refreshes_compute ? CT_OK : ct__mixed_refresh(in);
-}
+/* The replica strategy steps the optimizer both share (the pipeline set its
+ * learning rate). */
+static ct_status pipe_step(ct_strategy *s) { return ct_strategy_step(ct__pipe(s)->inner); }
 
 static const ct_partition *pipe_partition(const ct_strategy *s)
 {
@@ -438,7 +424,7 @@ static void pipe_data_rank(const ct_strategy *s, int *rank, int *size)
 
 void ct_strategy_pipe_stage(const ct_strategy *s, int *stage, int *nstages)
 {
-    const pipe_t *p = s->ops == &ct__pipe_ops ? ct__pipe(s) : NULL;
+    const pipe_t *p = !strcmp(ct_strategy_kind(s), "pipe") ? ct__pipe(s) : NULL;
     *stage = p ? p->stage : 0;
     *nstages = p ? p->nstages : 1;
 }
@@ -450,25 +436,29 @@ const ct__strategy_ops ct__pipe_ops = {
     .base_opts = ct__ddp_opt_defs,
     .nbase_opts = CT__DDP_NOPTS,
     .opts_size = sizeof(pipe_opts),
-    .refreshes_compute = 1,
-    .init = pipe_init,
-    .fini = pipe_fini,
-    .pre_forward = spans_ranks,
-    .pre_backward = spans_ranks,
-    .build_optim = pipe_build_optim,
-    .grad_norm = pipe_grad_norm,
-    .scale_grads = pipe_scale_grads,
-    .reduce = pipe_reduce,
-    .pre_step = pipe_pre_step,
-    .post_step = pipe_post_step,
-    .partition = pipe_partition,
-    .zero_grad = pipe_zero_grad,
-    .model_state = ct__pipe_model_state,
-    .optim_state = ct__pipe_optim_state,
-    .shard_state = ct__pipe_shard_state,
-    .local_state = ct__pipe_local_state,
-    .load_state = ct__pipe_load_state,
-    .train_step = ct__pipe_train_step,
-    .predict = ct__pipe_predict,
-    .data_rank = pipe_data_rank,
+    .place = {
+        .init = pipe_init,
+        .fini = pipe_fini,
+        .build_optim = pipe_build_optim,
+        .partition = pipe_partition,
+        .data_rank = pipe_data_rank,
+    },
+    .sync = {
+        .pre_forward = spans_ranks,
+        .pre_backward = spans_ranks,
+        .grad_norm = pipe_grad_norm,
+        .scale_grads = pipe_scale_grads,
+        .reduce = pipe_reduce,
+        .step = pipe_step,
+        .zero_grad = pipe_zero_grad,
+        .train_step = ct__pipe_train_step,
+        .predict = ct__pipe_predict,
+    },
+    .state = {
+        .model = ct__pipe_model_state,
+        .optim = ct__pipe_optim_state,
+        .shard = ct__pipe_shard_state,
+        .local = ct__pipe_local_state,
+        .load = ct__pipe_load_state,
+    },
 };

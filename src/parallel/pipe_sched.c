@@ -324,7 +324,7 @@ static void backward(run_t *r, int j, int final, int next)
         }
         ct_strategy *in = p->inner;
         in->no_sync = !final; /* the replicas reduce once, after the last micro-batch */
-        if (st == CT_OK) st = ct__strategy_backward_ex(in, dout, b->rec, 1.0f, k > 0 ? &din : NULL);
+        if (st == CT_OK) st = ct_strategy_backward_ex(in, dout, b->rec, 1.0f, k > 0 ? &din : NULL);
         else ct_record_destroy(b->rec);
         b->rec = NULL;
         in->no_sync = 0;
@@ -470,8 +470,8 @@ static ct_status run(run_t *r, int64_t nrows, int chunks)
     for (int j = 0; k > 0 && j < ahead; j++) post_recv(r, &r->mb[j].fin, k - 1, TAG_FWD(j), r->mb[j].n * p->in.row_numel);
     if (k < P - 1 && nb && border) post_recv(r, &r->mb[border[0]].bin, k + 1, TAG_BWD(border[0]), r->mb[border[0]].n * p->out.row_numel);
     /* The replica strategy's before-forward work (ZeRO-1: parameters refreshed; DDP: buffers broadcast). */
-    if (r->train && p->inner->ops->pre_forward) {
-        ct_status st = p->inner->ops->pre_forward(p->inner);
+    if (r->train) {
+        ct_status st = ct_strategy_pre_forward(p->inner);
         if (st != CT_OK) fail(r, st);
     }
     for (int i = 0, bi = 0; i < nops; i++) {

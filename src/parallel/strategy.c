@@ -1,8 +1,8 @@
 /*
- * The strategy interface: dispatch to the strategy's own entries, with the
- * replicated defaults (whole synchronised gradients on every rank) where a
- * strategy has none; the train step with its micro-batches; timing; the
- * learning rate.  "none" is the strategy with no entries at all.
+ * The strategy interface: creation (the kind's table copied with the
+ * replicated defaults of replicated.c filled in), dispatch to the entries,
+ * validation of a train step, timing, clipping and the learning rate.
+ * "none" is the strategy with no entries of its own.
  */
 #include <math.h>
 #include <stdio.h>
@@ -52,14 +52,6 @@ ct_status ct_strategy_check_opts(const char *kind, const char *opts, char *buf, 
     return st;
 }
 
-/* Whole-parameter optimizer over every trainable parameter: what a rank
- * that holds the whole model owns. */
-static ct_status build_whole_optim(ct_strategy *s, const ct_optim_opts *o)
-{
-    s->opt = ct_optim_create(o, s->params, s->nparams);
-    return s->opt ? CT_OK : ct_last_status(); /* CT_ENOMEM stays CT_ENOMEM (found by the allocation walk) */
-}
-
 ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_opts *optim,
                              ct_group *g, const char *opts, ct_strategy **out)
 {
@@ -75,14 +67,16 @@ ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_
     ct_strategy *s = ct_alloc_zeroed(sizeof *s, CT_MEM_OTHER);
     if (!s) return CT_ENOMEM;
     memset(s, 0, sizeof *s);
-    s->ops = ops;
+    s->vt = *ops;
+    ct__strategy_fill(&s->vt);
+    s->ops = &s->vt;
     s->model = model;
     s->g = g;
     ct_status st = ct__opts_parse(s, opts);
     if (st == CT_OK) st = ct_module_params(model, &s->params, &s->nparams);
     if (st == CT_OK) st = ct_module_buffers(model, &s->buffers, &s->nbuffers);
-    if (st == CT_OK && ops->init) st = ops->init(s);
-    if (st == CT_OK) st = ops->build_optim ? ops->build_optim(s, optim) : build_whole_optim(s, optim);
+    if (st == CT_OK) st = s->vt.place.init(s);
+    if (st == CT_OK) st = s->vt.place.build_optim(s, optim);
     if (st == CT_OK && !ops->manages_compute) st = ct__mixed_init(s);
     if (st != CT_OK) {
         ct_strategy_destroy(s);
@@ -96,7 +90,7 @@ void ct_strategy_destroy(ct_strategy *s)
 {
     if (!s) return;
     ct__mixed_fini(s);
-    if ((s->priv || s->ext) && s->ops->fini) s->ops->fini(s);
+    if (s->priv || s->ext) s->vt.place.fini(s);
     ct_optim_destroy(s->opt);
     ct__opts_free(s);
     ct_free(s->params);
@@ -107,7 +101,7 @@ void ct_strategy_destroy(ct_strategy *s)
 const char *ct_strategy_kind(const ct_strategy *s) { return s->ops->kind; }
 const ct_partition *ct_strategy_partition(const ct_strategy *s)
 {
-    return s->ops->partition ? s->ops->partition(s) : NULL;
+    return s->vt.place.partition(s);
 }
 ct_module *ct_strategy_model(const ct_strategy *s) { return s->model; }
 ct_optim *ct_strategy_optim(const ct_strategy *s) { return s->opt; }
@@ -117,7 +111,7 @@ void ct_strategy_set_no_sync(ct_strategy *s, int on) { s->no_sync = on; }
 
 ct_status ct_strategy_reduce(ct_strategy *s)
 {
-    return s->ops->reduce ? s->ops->reduce(s) : CT_OK;
+    return s->vt.sync.reduce(s);
 }
 
 /* ---- forward and backward ------------------------------------------------ */
@@ -126,7 +120,7 @@ ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct
                               const ct_fwd_ctx *ctx)
 {
     double t0 = ct_now();
-    if (s->ops->pre_forward) CT_TRY(s->ops->pre_forward(s));
+    CT_TRY(s->vt.sync.pre_forward(s));
     ct_status st = ct_module_forward(s->model, in, out, rec, ctx);
     double t1 = ct_now();
     s->stats.forward += t1 - t0;
@@ -137,11 +131,12 @@ ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct
 /* Backward from dout times scale.  Backward is linear in dout, so scaling
  * it scales every gradient: the mean over ranks and micro-batches costs
  * one pass over the loss gradient instead of one over all gradients. */
-ct_status ct__strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale,
-                                   ct_tensor **din)
+ct_status ct_strategy_pre_forward(ct_strategy *s) { return s->vt.sync.pre_forward(s); }
+
+ct_status ct_strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale, ct_tensor **din)
 {
     double t0 = ct_now();
-    ct_status st = s->ops->pre_backward ? s->ops->pre_backward(s) : CT_OK;
+    ct_status st = s->vt.sync.pre_backward(s);
     if (st != CT_OK) {
         ct_record_destroy(rec);
         return st;
@@ -165,13 +160,13 @@ ct_status ct__strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *r
     double t1 = ct_now();
     s->stats.backward += t1 - t0;
     ct_trace_event("backward", "step", t0, t1, 0);
-    if (st == CT_OK && s->ops->post_backward) st = s->ops->post_backward(s);
+    if (st == CT_OK) st = s->vt.sync.post_backward(s);
     return st;
 }
 
 ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
 {
-    return ct__strategy_backward_ex(s, dout, rec, s->ops->grad_scale ? s->ops->grad_scale(s) : 1.0f, NULL);
+    return ct_strategy_backward_ex(s, dout, rec, s->vt.sync.grad_scale(s), NULL);
 }
 
 ct_status ct_loss_cross_entropy(ct_tensor *out, ct_tensor *target, void *ud, float *loss, ct_tensor **dout)
@@ -180,48 +175,11 @@ ct_status ct_loss_cross_entropy(ct_tensor *out, ct_tensor *target, void *ud, flo
     return ct_cross_entropy(out, target, -100, loss, dout);
 }
 
-/* Rows [r0, r0 + n) of t: a view (rows are contiguous). */
-static ct_tensor *rows(ct_tensor *t, int64_t r0, int64_t n)
-{
-    int64_t shape[CT_MAX_DIMS];
-    memcpy(shape, t->shape, sizeof shape);
-    shape[0] = n;
-    return ct_tensor_view(t, r0 * (t->numel / t->shape[0]), t->ndim, shape);
-}
-
-static ct_status micro_step(ct_strategy *s, const ct_batch *b, int64_t r0, int64_t n, int64_t global,
-                            ct_loss_fn loss, void *ud, ct_fwd_ctx ctx, ct_step_out *out)
-{
-    ct_tensor *x = rows(b->x, r0, n), *y = rows(b->y, r0, n), *z = NULL, *dz = NULL;
-    ct_record *rec = NULL;
-    float l = 0;
-    ctx.sample0 = b->sample0 + r0;
-    ct_status st = x && y ? CT_OK : CT_ENOMEM;
-    if (st == CT_OK) st = ct_strategy_forward(s, x, &z, &rec, &ctx);
-    if (st == CT_OK) st = loss(z, y, ud, &l, &dz);
-    if (st == CT_OK) {
-        if (!s->joined) {
-            out->loss_sum += (double)l * (double)n;
-            out->rows += n;
-        }
-        /* d(global mean)/d(micro-batch mean) = n / global; the reduction sums.  A joined rank's shadow
-         * rows are not in the global batch: its backward runs (the collectives in it must) with 0. */
-        st = ct__strategy_backward_ex(s, dz, rec, s->joined ? 0.0f : (float)((double)n / (double)global), NULL);
-        rec = NULL;
-    }
-    ct_record_destroy(rec);
-    ct_tensor_release(x);
-    ct_tensor_release(y);
-    ct_tensor_release(z);
-    ct_tensor_release(dz);
-    return st;
-}
-
 ct_status ct_strategy_join(ct_strategy *s, int64_t rows, int64_t *global_rows, int *active)
 {
     if (rows < 0) return ct_error(CT_EINVAL, "join: rows is %lld; give 0 or more", (long long)rows);
     int64_t v[2] = {rows, rows > 0};
-    if (s->g && s->ops != &none_ops) CT_TRY(ct_group_allreduce(s->g, v, 2, CT_I64, CT_OP_SUM, NULL)); /* none: alone */
+    if (s->g && strcmp(s->vt.kind, "none")) CT_TRY(ct_group_allreduce(s->g, v, 2, CT_I64, CT_OP_SUM, NULL)); /* none: alone */
     *global_rows = v[0];
     *active = (int)v[1];
     return CT_OK;
@@ -237,7 +195,7 @@ ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     if (!b || !b->x || !b->y || !loss || !ctx)
         return ct_error(CT_EINVAL, "train step needs a batch (x and y), a loss and a context");
     int64_t nrows = b->x->ndim ? b->x->shape[0] : 0;
-    int k = s->ops->train_step ? 1 : s->common.grad_accum;
+    int k = ct__strategy_owns_micro_batches(s) ? 1 : s->common.grad_accum;
     if (b->y->ndim == 0 || b->y->shape[0] != nrows)
         return ct_error(CT_EINVAL, "train step: x has %lld rows but y has %lld; they must match",
                         (long long)nrows, (long long)(b->y->ndim ? b->y->shape[0] : 0));
@@ -249,21 +207,7 @@ ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     if (global < nrows && !s->joined)
         return ct_error(CT_EINVAL, "train step: global_rows %lld is fewer than this rank's %lld rows",
                         (long long)global, (long long)nrows);
-    if (s->ops->train_step) {
-        ct_status st = s->ops->train_step(s, b, loss, ud, ctx, &local);
-        if (out) *out = local;
-        return st;
-    }
-    ct_fwd_ctx c = *ctx;
-    int64_t r0 = 0;
-    ct_status st = CT_OK;
-    for (int m = 0; m < k && st == CT_OK; m++) {
-        int64_t n = nrows / k + (m < nrows % k); /* as even as rows allow */
-        ct_strategy_set_no_sync(s, m + 1 < k);
-        st = micro_step(s, b, r0, n, global, loss, ud, c, &local);
-        r0 += n;
-    }
-    ct_strategy_set_no_sync(s, 0);
+    ct_status st = s->vt.sync.train_step(s, b, loss, ud, ctx, &local);
     if (out) *out = local;
     return st;
 }
@@ -274,16 +218,6 @@ ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
 static void sync_grads(ct_strategy *s)
 {
     for (int i = 0; i < s->nparams; i++) ct_param_grad_sync(s->params[i]);
-}
-
-/* Every rank holds the whole gradients (synchronised): no combination. */
-static ct_status replicated_norm(ct_strategy *s, ct_norm_acc *acc)
-{
-    for (int i = 0; i < s->nparams; i++) {
-        ct_param *p = s->params[i];
-        if (p->grad && p->requires_grad) ct_norm_acc_tensor(acc, p->grad);
-    }
-    return CT_OK;
 }
 
 ct_status ct__norm_combine(ct_group *g, ct_norm_acc *a)
@@ -301,11 +235,13 @@ ct_status ct__norm_combine(ct_group *g, ct_norm_acc *a)
     return st;
 }
 
-ct_status ct__strategy_norm_acc(ct_strategy *s, ct_norm_acc *acc)
+ct_status ct_strategy_grad_norm_acc(ct_strategy *s, ct_norm_acc *acc)
 {
     sync_grads(s);
-    return s->ops->grad_norm ? s->ops->grad_norm(s, acc) : replicated_norm(s, acc);
+    return s->vt.sync.grad_norm(s, acc);
 }
+
+void ct_strategy_scale_grads(ct_strategy *s, float k) { s->vt.sync.scale_grads(s, k); }
 
 ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm)
 {
@@ -314,14 +250,11 @@ ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm
     if (norm_type != 2.0 && !isinf(norm_type))
         return ct_error(CT_EINVAL, "clip: norm_type %g is not supported; use 2 or infinity", norm_type);
     ct_norm_acc acc = ct_norm_acc_init(norm_type);
-    CT_TRY(ct__strategy_norm_acc(s, &acc));
+    CT_TRY(ct_strategy_grad_norm_acc(s, &acc));
     double total = ct_norm_acc_norm(&acc);
     if (norm) *norm = (float)total;
     float coef = ct_clip_coef(total, max_norm);
-    if (coef < 1.0f) {
-        if (s->ops->scale_grads) s->ops->scale_grads(s, coef);
-        else ct_scale_grads(s->params, s->nparams, coef);
-    }
+    if (coef < 1.0f) s->vt.sync.scale_grads(s, coef);
     return CT_OK;
 }
 
@@ -350,10 +283,7 @@ ct_status ct_strategy_step(ct_strategy *s)
     double t0 = ct_now();
     sync_grads(s);
     if (s->has_sched) ct_optim_set_lr(s->opt, ct_lr_at(&s->sched, ct_optim_get_step(s->opt)));
-    ct_status st = s->ops->pre_step ? s->ops->pre_step(s) : CT_OK;
-    if (st == CT_OK) st = ct_optim_step(s->opt);
-    if (st == CT_OK && s->ops->post_step) st = s->ops->post_step(s);
-    if (st == CT_OK && !s->ops->refreshes_compute && !s->ops->manages_compute) st = ct__mixed_refresh(s);
+    ct_status st = s->vt.sync.step(s);
     double t1 = ct_now();
     ct_trace_event("optimizer", "step", t0, t1, 0);
     s->stats.optimizer += t1 - t0;
@@ -369,31 +299,18 @@ ct_status ct_strategy_step(ct_strategy *s)
     return st;
 }
 
-/* Lazy: the next backward overwrites the gradients instead of adding to
- * zeros, which saves a write and a read of all gradient memory per step. */
-void ct_strategy_zero_grad(ct_strategy *s)
-{
-    if (s->ops->zero_grad) s->ops->zero_grad(s);
-    else ct_module_zero_grad_lazy(s->model);
-}
+void ct_strategy_zero_grad(ct_strategy *s) { s->vt.sync.zero_grad(s); }
 
 ct_status ct_strategy_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out)
 {
     *out = NULL;
     if (!x || !ctx) return ct_error(CT_EINVAL, "predict needs an input and a context");
-    if (s->ops->predict) return s->ops->predict(s, x, ctx, out);
-    if (s->ops->pre_forward) CT_TRY(s->ops->pre_forward(s));
-    return ct_module_forward(s->model, x, out, NULL, ctx);
+    return s->vt.sync.predict(s, x, ctx, out);
 }
 
 void ct_strategy_data_rank(const ct_strategy *s, int *rank, int *size)
 {
-    if (s->ops->data_rank) {
-        s->ops->data_rank(s, rank, size);
-        return;
-    }
-    *rank = s->g ? ct_group_rank(s->g) : 0; /* no group: a process of its own */
-    *size = s->g ? ct_group_size(s->g) : 1;
+    s->vt.place.data_rank(s, rank, size);
 }
 
 ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all)
@@ -409,12 +326,12 @@ ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all)
 
 ct_status ct_strategy_summon_full_params(ct_strategy *s, int writeback, int rank0_only)
 {
-    return s->ops->summon ? s->ops->summon(s, writeback, rank0_only) : CT_OK;
+    return s->vt.place.summon(s, writeback, rank0_only);
 }
 
 ct_status ct_strategy_release_full_params(ct_strategy *s)
 {
-    return s->ops->release ? s->ops->release(s) : CT_OK;
+    return s->vt.place.release(s);
 }
 
 /* ---- state ----------------------------------------------------------------- */
@@ -422,25 +339,25 @@ ct_status ct_strategy_release_full_params(ct_strategy *s)
 ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out)
 {
     memset(out, 0, sizeof *out);
-    return s->ops->model_state ? s->ops->model_state(s, out) : ct__replicated_model_state(s, out);
+    return s->vt.state.model(s, out);
 }
 
 ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out)
 {
     memset(out, 0, sizeof *out);
-    return s->ops->optim_state ? s->ops->optim_state(s, out) : ct__replicated_optim_state(s, out);
+    return s->vt.state.optim(s, out);
 }
 
 ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out)
 {
     memset(out, 0, sizeof *out);
-    return s->ops->shard_state ? s->ops->shard_state(s, optim, out) : ct__replicated_shard_state(s, optim, out);
+    return s->vt.state.shard(s, optim, out);
 }
 
 ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out)
 {
     memset(out, 0, sizeof *out);
-    return s->ops->local_state ? s->ops->local_state(s, optim, out) : ct__replicated_local_state(s, optim, out);
+    return s->vt.state.local(s, optim, out);
 }
 
 ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
@@ -454,8 +371,7 @@ ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names, ct_te
         tensors = whole.tensors;
         n = whole.n;
     }
-    ct_status st = s->ops->load_state ? s->ops->load_state(s, names, tensors, n, optim)
-                                      : ct__replicated_load_state(s, names, tensors, n, optim);
+    ct_status st = s->vt.state.load(s, names, tensors, n, optim);
     ct_state_fini(&whole);
     CT_TRY(st);
     /* New master weights: the compute copies follow. */

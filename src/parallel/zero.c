@@ -230,14 +230,14 @@ static ct_status zero_build_optim(ct_strategy *s, const ct_optim_opts *oo)
     return s->opt ? CT_OK : ct_last_status();
 }
 
-/* Before the optimizer writes the owned ranges: the last broadcasts are
- * done (forward hooks waited for all but unused modules' parameters). */
-ct_status ct__zero_pre_step(ct_strategy *s) { return ct__zero_wait_all(s); }
-
-/* Each owner sends its updated ranges; nobody waits here. */
-ct_status ct__zero_post_step(ct_strategy *s)
+/* Before the optimizer writes the owned ranges the last broadcasts are done
+ * (forward hooks waited for all but unused modules' parameters); after it,
+ * each owner sends its updated ranges and nobody waits here. */
+ct_status ct__zero_step(ct_strategy *s)
 {
     ct__zero *z = ct__zero_of(s);
+    CT_TRY(ct__zero_wait_all(s));
+    CT_TRY(ct_optim_step(s->opt));
     z->stepped = 1;
     if (ct_group_size(s->g) == 1) return ct__mixed_refresh(s);
     for (int k = 0; k < z->pt.n; k++) {
@@ -423,23 +423,21 @@ const ct__strategy_ops ct__zero1_ops = {
     .base_opts = ct__ddp_opt_defs,
     .nbase_opts = CT__DDP_NOPTS,
     .opts_size = sizeof(zero1_opts),
-    .refreshes_compute = 1,
-    .init = zero1_init,
-    .fini = zero1_fini,
-    .pre_forward = zero1_pre_forward,
-    .pre_backward = ct__ddp_pre_backward,
-    .post_backward = ct__ddp_post_backward,
-    .grad_scale = ct__ddp_grad_scale,
-    .zero_grad = ct__ddp_zero_grad,
-    .reduce = ct__ddp_reduce,
-    .build_optim = zero_build_optim,
-    .pre_step = ct__zero_pre_step,
-    .post_step = ct__zero_post_step,
-    .partition = ct__zero_partition,
-    .model_state = ct__zero_model_state,
-    .optim_state = ct__zero_optim_state,
-    .shard_state = ct__zero_shard_state,
-    .local_state = ct__zero_local_state,
-    .load_state = ct__zero_load_state,
+    .place = {
+        .init = zero1_init,
+        .fini = zero1_fini,
+        .build_optim = zero_build_optim,
+        .partition = ct__zero_partition,
+    },
+    .sync = {
+        .pre_forward = zero1_pre_forward,
+        .pre_backward = ct__ddp_pre_backward,
+        .post_backward = ct__ddp_post_backward,
+        .grad_scale = ct__ddp_grad_scale,
+        .zero_grad = ct__ddp_zero_grad,
+        .reduce = ct__ddp_reduce,
+        .step = ct__zero_step,
+    },
+    .state = CT__ZERO_STATE_OPS,
 };
 

@@ -3,7 +3,7 @@
 #ifndef CTRAIN_PARALLEL_ZERO_H
 #define CTRAIN_PARALLEL_ZERO_H
 
-#include "internal.h"
+#include "flat.h"
 
 typedef struct {
     ct_param **tp;      /* trainable parameters, model order (DDP's indices) */
@@ -28,9 +28,10 @@ typedef struct {
     char *ready;        /* [ntp] reduced in this backward */
     ct_work **red;      /* [pt.n] reduce of the range to its owner */
     uint16_t **wire;    /* [ntp] 16-bit copy on the wire (reduce_dtype bf16/f16), or NULL */
-    int *fifo;          /* [ntp] parameters in flight, oldest first */
-    int fifo_head, fifo_len;
-    size_t inflight, limit; /* bytes of gradients in flight, and the bound */
+    ct__inflight q;     /* parameters whose reduces are in flight, with their gradient bytes */
+    ct__flat *gflat;    /* [ntp] zero2: each gradient a flat of its own (flat.c), resident from its
+                           module's backward until its reduce to the owners is done */
+    size_t limit;       /* bound on q.total before a module's backward (reduce_buffer_mb) */
     int nready;
     double *t_start;    /* [ntp] when the parameter's reduces started */
     double *t_end;      /* [pt.n] when the range's reduce completed (comm thread) */
@@ -61,9 +62,17 @@ ct_status ct__zero_core_init(ct_strategy *s, int split);
 void ct__zero_core_fini(ct_strategy *s);
 /* Follows parameters frozen or unfrozen since the last step; *changed says whether any were. */
 ct_status ct__zero_refresh_trainable(ct_strategy *s, int auto_refresh, int warn, int *changed);
-ct_status ct__zero_pre_step(ct_strategy *s);
-ct_status ct__zero_post_step(ct_strategy *s);
+/* The step: the last broadcasts done, the optimizer over the owned ranges,
+ * then each owner starts sending its updated ranges (nobody waits here). */
+ct_status ct__zero_step(ct_strategy *s);
 const ct_partition *ct__zero_partition(const ct_strategy *s);
+/* ZeRO-1's and ZeRO-2's state entries: the parameters whole on every rank,
+ * the optimizer state in the owners' ranges. */
+#define CT__ZERO_STATE_OPS                                                                         \
+    {                                                                                              \
+        .model = ct__zero_model_state, .optim = ct__zero_optim_state, .shard = ct__zero_shard_state, \
+        .local = ct__zero_local_state, .load = ct__zero_load_state,                                \
+    }
 /* Parameter i's optimizer buffer b (b < 0: its data) as a full tensor on
  * rank root of its group, *out NULL elsewhere (collective over the group). */
 ct_status ct__zero_gather(ct_strategy *s, int i, int b, int root, ct_tensor **out);

@@ -66,9 +66,7 @@ static ct_status zero2_build_optim(ct_strategy *s, const ct_optim_opts *oo)
 static ct_status finish_oldest(ct_strategy *s)
 {
     ct__zero *z = ct__zero_of(s);
-    int i = z->fifo[z->fifo_head];
-    z->fifo_head = (z->fifo_head + 1) % z->ntp;
-    z->fifo_len--;
+    int i = ct__inflight_take(&z->q, 0);
     ct_param *p = z->tp[i];
     ct_status st = CT_OK;
     for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++) {
@@ -90,15 +88,14 @@ static ct_status finish_oldest(ct_strategy *s)
     ct_trace_event("reduce to owners", "comm", z->t_start[i], end, 1);
     ct_free(z->wire[i]);
     z->wire[i] = NULL;
-    z->inflight -= ct_tensor_bytes(p->grad);
-    ct_storage_free_data(p->grad->storage);
+    ct__flat_evict(&z->gflat[i], CT__FL_GRAD);
     p->grad_stale = 1;
     return st;
 }
 
 static void zero2_drain(ct_strategy *s)
 {
-    while (ct__zero_of(s)->fifo_len) finish_oldest(s);
+    while (ct__zero_of(s)->q.n) finish_oldest(s);
 }
 
 static void on_reduced(ct_work *w, ct_status status, void *arg)
@@ -140,9 +137,7 @@ static ct_status grad_to_owners(ct_param *p, void *ud)
                                &z->red[k]));
         CT_TRY(ct_work_on_complete(z->red[k], on_reduced, &z->t_end[k]));
     }
-    z->fifo[(z->fifo_head + z->fifo_len) % z->ntp] = i;
-    z->fifo_len++;
-    z->inflight += ct_tensor_bytes(p->grad);
+    ct__inflight_push(&z->q, i, ct_tensor_bytes(p->grad));
     return CT_OK;
 }
 
@@ -158,7 +153,7 @@ static ct_status grads_needed(ct_module *m, ct_hook_kind kind, void *ud)
         if (m->params[j]->requires_grad && !ct_tensor_data(m->params[j]->grad))
             need += ct_tensor_bytes(m->params[j]->grad);
     double t0 = ct_now();
-    while (z->fifo_len && z->inflight + need > z->limit) CT_TRY(finish_oldest(s));
+    while (z->q.n && z->q.total + need > z->limit) CT_TRY(finish_oldest(s));
     double t1 = ct_now();
     if (t1 - t0 > 1e-6) {
         z->t_room += t1 - t0;
@@ -167,7 +162,7 @@ static ct_status grads_needed(ct_module *m, ct_hook_kind kind, void *ud)
     for (int j = 0; j < m->nparams; j++) {
         ct_param *p = m->params[j];
         if (!p->requires_grad || ct_tensor_data(p->grad)) continue;
-        CT_TRY(ct_storage_alloc_data(p->grad->storage, 0));
+        CT_TRY(ct__flat_fill(&z->gflat[ct__zero_index(z, p)], CT__FL_GRAD, 0));
         p->grad_stale = 1; /* the memory is new: the layer overwrites it */
     }
     return CT_OK;
@@ -186,11 +181,11 @@ static ct_status zero2_init(ct_strategy *s)
     z->ready = ct_alloc_zeroed(nt, CT_MEM_OTHER);
     z->red = ct_alloc_zeroed(sizeof *z->red * nr, CT_MEM_OTHER);
     z->wire = ct_alloc_zeroed(sizeof *z->wire * nt, CT_MEM_OTHER);
-    z->fifo = ct_alloc_zeroed(sizeof *z->fifo * nt, CT_MEM_OTHER);
     z->t_start = ct_alloc_zeroed(sizeof *z->t_start * nt, CT_MEM_OTHER);
     z->t_end = ct_alloc_zeroed(sizeof *z->t_end * nr, CT_MEM_OTHER);
-    if (!z->grad_hooks || !z->goff || !z->ready || !z->red || !z->wire || !z->fifo || !z->t_start || !z->t_end)
+    if (!z->grad_hooks || !z->goff || !z->ready || !z->red || !z->wire || !z->t_start || !z->t_end)
         return CT_ENOMEM;
+    CT_TRY(ct__inflight_init(&z->q, z->ntp));
     z->limit = (size_t)(o->reduce_buffer_mb * 1048576.0);
     int rank = ct_group_rank(s->g);
     for (int k = 0; k < z->pt.n; k++) {
@@ -198,6 +193,7 @@ static ct_status zero2_init(ct_strategy *s)
         if (z->goff[k] >= 0) z->nshard += z->pt.ranges[k].count;
     }
     if (!(z->gshard = ct_alloc_zeroed((size_t)z->nshard * sizeof(float) + 64, CT_MEM_GRAD))) return CT_ENOMEM;
+    if (!(z->gflat = ct_alloc_zeroed(sizeof *z->gflat * nt, CT_MEM_OTHER))) return CT_ENOMEM;
     for (int i = 0; i < z->ntp; i++) {
         ct_param *p = z->tp[i];
         const ct_storage *gs = p->grad ? p->grad->storage : NULL;
@@ -206,8 +202,11 @@ static ct_status zero2_init(ct_strategy *s)
                             "wrapped by another strategy?)", p->name);
         if (!(z->grad_hooks[i] = ct_param_add_hook(p, grad_to_owners, s))) return CT_ENOMEM;
         /* materialised by its module's backward, freed once reduced */
-        CT_TRY(ct_storage_free_data(p->grad->storage));
-        p->grad_stale = 1;
+        ct__flat *fl = &z->gflat[i];
+        CT_TRY(ct__flat_init(fl, &p, 1, 1, 0, 0));
+        CT_TRY(ct__flat_storage(fl, CT__FL_GRAD, CT_MEM_GRAD, 0, 0, NULL));
+        CT_TRY(ct__flat_point(fl, CT__FL_BIT(CT__FL_GRAD), 0));
+        ct__flat_commit(fl);
     }
     ct_module **mods = NULL;
     int nmods = 0;
@@ -238,21 +237,26 @@ static void zero2_fini(ct_strategy *s)
             ct_hook_remove(z->grad_hooks[i]);
             /* every parameter leaves with a gradient of its own again */
             ct_param *p = z->tp[i];
-            if (p->grad && !ct_tensor_data(p->grad) && ct_storage_alloc_data(p->grad->storage, 1) == CT_OK) {
+            ct__flat *fl = z->gflat ? &z->gflat[i] : NULL;
+            if (!fl || !fl->pointed) continue; /* set-up stopped before it */
+            if (!ct_tensor_data(p->grad) && ct__flat_fill(fl, CT__FL_GRAD, 1) == CT_OK) {
                 p->grad_stale = 0;
                 for (int k = z->first[i]; z->gshard && k < z->pt.n && z->pt.ranges[k].param == i; k++)
                     if (z->goff[k] >= 0) /* the reduced values this rank holds */
                         memcpy((float *)ct_tensor_data(p->grad) + z->pt.ranges[k].offset, z->gshard + z->goff[k],
                                (size_t)z->pt.ranges[k].count * sizeof(float));
             }
+            ct__flat_unpoint(fl, NULL, NULL);
         }
+        for (int i = 0; z->gflat && i < z->ntp; i++) ct__flat_fini(&z->gflat[i]);
+        ct_free(z->gflat);
         ct_free(z->grad_hooks);
         ct_free(z->gshard);
         ct_free(z->goff);
         ct_free(z->ready);
         ct_free(z->red);
         ct_free(z->wire);
-        ct_free(z->fifo);
+        ct__inflight_fini(&z->q);
         ct_free(z->t_start);
         ct_free(z->t_end);
     }
@@ -298,7 +302,7 @@ static ct_status zero2_post_backward(ct_strategy *s)
                       "it with requires_grad = 0 otherwise)", z->tp[i]->name);
     }
     double t0 = ct_now();
-    while (z->fifo_len) {
+    while (z->q.n) {
         ct_status w = finish_oldest(s);
         if (st == CT_OK) st = w;
     }
@@ -327,7 +331,7 @@ static ct_status zero2_reduce(ct_strategy *s)
         ct_param *p = z->tp[i];
         if (!z->trainable[i]) continue;
         if (!ct_tensor_data(p->grad)) { /* no backward wrote it: a zero gradient */
-            st = ct_storage_alloc_data(p->grad->storage, 0);
+            st = ct__flat_fill(&z->gflat[i], CT__FL_GRAD, 0);
             p->grad_stale = 1;
         }
         ct_param_grad_sync(p);
@@ -361,23 +365,21 @@ const ct__strategy_ops ct__zero2_ops = {
     .opts = zero2_opt_defs,
     .nopts = (int)(sizeof zero2_opt_defs / sizeof zero2_opt_defs[0]),
     .opts_size = sizeof(zero2_opts),
-    .refreshes_compute = 1,
-    .init = zero2_init,
-    .fini = zero2_fini,
-    .pre_forward = zero2_pre_forward,
-    .pre_backward = zero2_pre_backward,
-    .post_backward = zero2_post_backward,
-    .reduce = zero2_reduce,
-    .grad_scale = ct__ddp_grad_scale,
-    .build_optim = zero2_build_optim,
-    .grad_norm = zero2_grad_norm,
-    .scale_grads = zero2_scale_grads,
-    .pre_step = ct__zero_pre_step,
-    .post_step = ct__zero_post_step,
-    .partition = ct__zero_partition,
-    .model_state = ct__zero_model_state,
-    .optim_state = ct__zero_optim_state,
-    .shard_state = ct__zero_shard_state,
-    .local_state = ct__zero_local_state,
-    .load_state = ct__zero_load_state,
+    .place = {
+        .init = zero2_init,
+        .fini = zero2_fini,
+        .build_optim = zero2_build_optim,
+        .partition = ct__zero_partition,
+    },
+    .sync = {
+        .pre_forward = zero2_pre_forward,
+        .pre_backward = zero2_pre_backward,
+        .post_backward = zero2_post_backward,
+        .reduce = zero2_reduce,
+        .grad_scale = ct__ddp_grad_scale,
+        .grad_norm = zero2_grad_norm,
+        .scale_grads = zero2_scale_grads,
+        .step = ct__zero_step,
+    },
+    .state = CT__ZERO_STATE_OPS,
 };

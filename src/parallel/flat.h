@@ -1,0 +1,76 @@
+/*
+ * The flat layer: the one mechanism by which a strategy owns parameter
+ * bytes (see flat.c for the design).  Private to src/parallel.
+ */
+#ifndef CTRAIN_PARALLEL_FLAT_H
+#define CTRAIN_PARALLEL_FLAT_H
+
+#include "internal.h"
+
+/* The parts of a flat: what its parameters' tensors view. */
+typedef enum {
+    CT__FL_DATA = 0, /* f32 values (p->data) */
+    CT__FL_GRAD,     /* f32 gradients (p->grad) */
+    CT__FL_LOW,      /* bf16 compute copies (p->compute) of the parameters that take one */
+    CT__FL_NPARTS
+} ct__flat_part;
+#define CT__FL_BIT(part) (1u << (part))
+
+typedef struct {
+    ct_param **p;       /* [n] the parameters, end to end in this order */
+    int n;
+    int64_t *off;       /* [n] element offset of p[j] in the data and grad parts */
+    int64_t *loff;      /* [n] element offset in the low part, or -1: no compute copy */
+    int64_t numel;      /* elements of every p[j] */
+    int64_t nlow;       /* elements with a compute copy */
+    int64_t shard;      /* ceil(numel / nshards): this rank keeps [srank * shard, +shard) */
+    int nshards, srank;
+    ct_storage *st[CT__FL_NPARTS]; /* behind the parameters' views (NULL: part not in the flat),
+                                      nshards * shard elements (low: nlow) */
+    ct_tensor **old;    /* [3n] the parameters' own data, grad and compute until commit */
+    unsigned pointed;   /* parts whose views the parameters hold */
+} ct__flat;
+
+/* Lays p[0..n) end to end (no memory for values yet) for a shard group of
+ * nshards in which this rank is srank; with low, the parameters that mixed
+ * precision gives a copy (ct__mixed_wants_copy) get room in the low part. */
+ct_status ct__flat_init(ct__flat *f, ct_param *const *p, int n, int nshards, int srank, int low);
+/* Sets the shard group (ct__flat_init's, until the groups are known). */
+void ct__flat_shard(ct__flat *f, int nshards, int srank);
+/* Frees the flat's tables and storages; the parameters must have their own
+ * tensors again (ct__flat_unpoint) or be going away with the model. */
+void ct__flat_fini(ct__flat *f);
+/* Gives part a storage: a new one under cat (resident: with memory, zeroed
+ * with zero; otherwise absent until ct__flat_fill), or, with mem, a window
+ * onto memory the strategy owns (a shared-memory window, a shard buffer). */
+ct_status ct__flat_storage(ct__flat *f, ct__flat_part part, ct_mem_cat cat, int resident, int zero, void *mem);
+/* Re-points the parts in mask of every parameter at views of the flat's
+ * storages; with copy, each parameter's current values are copied in
+ * first (the storages must have memory).  The parameters' own tensors are
+ * kept until ct__flat_commit drops them or ct__flat_rollback puts them back,
+ * so a set-up that fails on any rank leaves every model untouched. */
+ct_status ct__flat_point(ct__flat *f, unsigned mask, int copy);
+void ct__flat_commit(ct__flat *f);
+void ct__flat_rollback(ct__flat *f);
+/* Unwrap: every parameter gets tensors of its own again (data, and grad
+ * where it had one), with the values the flat holds where its data part
+ * has memory, else those fetch writes (a store's copy; NULL fetch: zeros).
+ * A compute copy that viewed the low part goes (an unwrapped model computes
+ * in f32; the mixed-precision policy drops the copies it made).  Out of
+ * memory leaves the parameter on its views and returns CT_ENOMEM. */
+typedef ct_status (*ct__flat_fetch_fn)(void *ud, int j, float *dst);
+ct_status ct__flat_unpoint(ct__flat *f, ct__flat_fetch_fn fetch, void *ud);
+
+/* Residency of a part: memory freed (the views stay, without data) or
+ * brought back (zeroed with zero). */
+ct_status ct__flat_evict(ct__flat *f, ct__flat_part part);
+ct_status ct__flat_fill(ct__flat *f, ct__flat_part part, int zero);
+int ct__flat_resident(const ct__flat *f, ct__flat_part part);
+/* The part's memory (NULL while absent) and its bytes. */
+void *ct__flat_ptr(const ct__flat *f, ct__flat_part part);
+size_t ct__flat_bytes(const ct__flat *f, ct__flat_part part);
+/* Casts the data part into the low part (the compute copies follow the
+ * masters: after a step, a load or a gather of f32 values). */
+void ct__flat_cast_low(ct__flat *f);
+
+#endif
