@@ -80,7 +80,8 @@ static ct_status seq_out_shape(ct_module *m, int ndim, const int64_t *in_shape, 
     return CT_OK;
 }
 
-static const ct_module_ops seq_ops = {"sequential", seq_forward, seq_backward, NULL, 0, seq_out_shape};
+static const ct_module_ops seq_ops = {"sequential", seq_forward, seq_backward, NULL, 0, seq_out_shape,
+                                      ct__act_cost_walk};
 
 ct_module *ct_sequential_create(void) { return ct_module_create(&seq_ops, NULL); }
 
@@ -217,7 +218,8 @@ static ct_status res_out_shape(ct_module *m, int ndim, const int64_t *in_shape, 
     return ct_module_out_shape_same(m, ndim, in_shape, out_ndim, out_shape);
 }
 
-static const ct_module_ops res_ops = {"residual", res_forward, res_backward, NULL, 0, res_out_shape};
+static const ct_module_ops res_ops = {"residual", res_forward, res_backward, NULL, 0, res_out_shape,
+                                      ct__act_cost_walk};
 
 ct_module *ct_residual_create(ct_module *body)
 {
@@ -267,7 +269,8 @@ static ct_status ckpt_out_shape(ct_module *m, int ndim, const int64_t *in_shape,
     return ct_module_out_shape(m->kids[0], ndim, in_shape, out_ndim, out_shape);
 }
 
-static const ct_module_ops ckpt_ops = {"checkpoint", ckpt_forward, ckpt_backward, NULL, 0, ckpt_out_shape};
+static const ct_module_ops ckpt_ops = {"checkpoint", ckpt_forward, ckpt_backward, NULL, 0, ckpt_out_shape,
+                                       ct__act_cost_walk};
 
 ct_module *ct_checkpoint_create(ct_module *inner)
 {

@@ -1,0 +1,119 @@
+/*
+ * Memory planning through the library: ct_act_plan_run (the layers'
+ * act_cost, replayed) against what a real forward and backward hold,
+ * within the tolerance `ctrain estimate` promises for activations (25%).
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "test.h"
+
+#define NEAR(e, m, tol, what)                                                                          \
+    do {                                                                                               \
+        double e_ = (double)(e), m_ = (double)(m);                                                     \
+        if (!(fabs(e_ - m_) <= (tol) * m_))                                                            \
+            ct_test_fail(__FILE__, __LINE__, "%s: planned %.0f, measured %.0f (more than %.0f%% apart)", \
+                         what, e_, m_, (tol) * 100);                                                   \
+    } while (0)
+
+static ct_module *build(ct_model_config *cfg)
+{
+    ct_module *m;
+    ASSERT_OK(ct_model_config_validate(cfg));
+    ASSERT_OK(ct_model_build(cfg, 7, &m));
+    return m;
+}
+
+/* A batch of rows for cfg's model: f32 inputs or i64 tokens (CT_MEM_ACT, as the loaders' batches). */
+static ct_tensor *inputs(const ct_model_config *cfg, int64_t rows)
+{
+    int64_t sh[CT_MAX_DIMS];
+    int nd = ct_model_input_shape(cfg, rows, sh);
+    ct_tensor *x = ct_tensor_create(cfg->kind == CT_MODEL_GPT ? CT_I64 : CT_F32, nd, sh, CT_MEM_ACT);
+    ASSERT(x);
+    if (cfg->kind == CT_MODEL_GPT)
+        for (int64_t i = 0; i < x->numel; i++) ((int64_t *)ct_tensor_data(x))[i] = (i * 7) % cfg->vocab;
+    else {
+        ct_rng r;
+        ct_rng_init(&r, 5, 0);
+        ct_rng_normal(&r, ct_f32(x), (size_t)x->numel, 0, 1);
+    }
+    return x;
+}
+
+/* One forward with a record and its backward of model on rows rows: what
+ * the records keep (the activation bytes alive after forward but the
+ * output) and the peak of the two, both without the input, against the
+ * plan of the model's children. */
+static void act_matches(ct_model_config *cfg, int64_t rows)
+{
+    ct_module *m = build(cfg);
+    ct_tensor *x = inputs(cfg, rows);
+    ct_fwd_ctx ctx = {.training = 1, .seed = 3};
+    size_t base = ct_mem_current(CT_MEM_ACT);
+    ct_mem_reset_peak();
+    ct_tensor *y, *dx = NULL;
+    ct_record *rec;
+    ASSERT_OK(ct_module_forward(m, x, &y, &rec, &ctx));
+    size_t kept = ct_mem_current(CT_MEM_ACT) - base - ct_tensor_bytes(y);
+    ct_tensor *dy = ct_tensor_create(CT_F32, y->ndim, y->shape, CT_MEM_ACT);
+    ASSERT(dy);
+    for (int64_t i = 0; i < dy->numel; i++) ct_f32(dy)[i] = 1e-3f * (float)(i % 13);
+    ASSERT_OK(ct_module_backward(m, dy, NULL, rec));
+    size_t peak = ct_mem_peak(CT_MEM_ACT) - base;
+    ct_tensor_release(dy);
+    ct_tensor_release(y);
+    ct_tensor_release(dx);
+
+    int64_t sh[CT_MAX_DIMS];
+    int nd = ct_model_input_shape(cfg, rows, sh);
+    ct_act_plan ap;
+    ASSERT_OK(ct_act_plan_run(&m, 1, nd, sh, CT_ACT_WHOLE, &ap));
+    char what[128];
+    snprintf(what, sizeof what, "%s: bytes the records keep", ct_model_kind_name(cfg->kind));
+    NEAR(ap.kept, kept, 0.25, what);
+    snprintf(what, sizeof what, "%s: peak activation bytes", ct_model_kind_name(cfg->kind));
+    NEAR(ap.peak, peak, 0.25, what);
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
+TEST(plan_act_matches_a_recorded_step)
+{
+    ct_model_config mlp = ct_model_config_default(CT_MODEL_MLP);
+    ASSERT_OK(ct_model_config_parse_hidden(&mlp, "512,256"));
+    mlp.dropout = 0.1f;
+    act_matches(&mlp, 32);
+    ct_model_config cnn = ct_model_config_default(CT_MODEL_CNN);
+    act_matches(&cnn, 16);
+    ct_model_config gpt = ct_model_config_default(CT_MODEL_GPT);
+    ct_model_config_gpt(&gpt, 2, 2, 32, 24, 64);
+    gpt.dropout = 0.1f;
+    act_matches(&gpt, 4);
+}
+
+/* Each layer's act_cost says what its forward keeps: a linear its input,
+ * a relu its output, a flatten nothing new (a view), a dropout a byte mask. */
+TEST(plan_act_cost_of_layers)
+{
+    ct_module *lin = ct_linear_create(8, 4, 1), *relu = ct_relu_create(), *drop = ct_dropout_create(0.5f);
+    ct_module *flat = ct_flatten_create(), *seq = ct_sequential_create();
+    ct_act_cost c;
+    ASSERT_OK(ct_module_act_cost(lin, 2, (int64_t[]){3, 8}, 0, 1, &c));
+    ASSERT(c.keep_in && !c.keep_out && !c.saved && !c.walk);
+    ASSERT_OK(ct_module_act_cost(relu, 2, (int64_t[]){3, 8}, 0, 1, &c));
+    ASSERT(!c.keep_in && c.keep_out && !c.saved);
+    ASSERT_OK(ct_module_act_cost(drop, 2, (int64_t[]){3, 8}, 0, 1, &c));
+    ASSERT_EQ(c.saved, 24);
+    ASSERT_OK(ct_module_act_cost(flat, 3, (int64_t[]){3, 2, 4}, 0, 1, &c));
+    ASSERT(c.alias && !c.saved);
+    ASSERT_OK(ct_module_act_cost(seq, 2, (int64_t[]){3, 8}, 0, 1, &c));
+    ASSERT(c.walk);
+    /* a shape forward would refuse is the same error */
+    ASSERT_ERR(ct_module_act_cost(lin, 2, (int64_t[]){3, 7}, 0, 1, &c), CT_EINVAL, "");
+    ct_module_destroy(lin);
+    ct_module_destroy(relu);
+    ct_module_destroy(drop);
+    ct_module_destroy(flat);
+    ct_module_destroy(seq);
+}
