@@ -1,12 +1,17 @@
 /*
  * Memory planning through the library: ct_act_plan_run (the layers'
- * act_cost, replayed) against what a real forward and backward hold,
- * within the tolerance `ctrain estimate` promises for activations (25%).
+ * act_cost, replayed) against what a real forward and backward hold, and
+ * ct_strategy_plan against the memory report of the same model wrapped by
+ * each strategy and trained a step (one process; `ctrain estimate`'s tests
+ * in test_cli*.c hold the multi-rank runs), within the tolerances
+ * `ctrain estimate` promises: 10% for param, grad, optim and resident, 25%
+ * for activations.
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "test.h"
+#include "ctrain/comm.h"
 
 #define NEAR(e, m, tol, what)                                                                          \
     do {                                                                                               \
@@ -116,4 +121,90 @@ TEST(plan_act_cost_of_layers)
     ct_module_destroy(drop);
     ct_module_destroy(flat);
     ct_module_destroy(seq);
+}
+
+/* ct_strategy_plan for kind under opts against ct_strategy_memory after
+ * two steps of the same model wrapped by that strategy (one rank). */
+static void strategy_matches(ct_model_config *cfg, int64_t batch, const char *kind, const char *opts, double act_tol)
+{
+    ASSERT_OK(ct_comm_init(NULL, NULL));
+    ct_module *m = build(cfg);
+    ct_plan_spec spec = {.world = 1, .batch = batch, .sample_bytes = ct_model_sample_bytes(cfg),
+                         .optim = ct_optim_defaults(CT_OPT_ADAMW)};
+    int64_t sh[CT_MAX_DIMS];
+    spec.in_ndim = ct_model_input_shape(cfg, 1, sh) - 1;
+    for (int d = 0; d < spec.in_ndim; d++) spec.in_shape[d] = sh[d + 1];
+    ct_mem_plan plan;
+    ASSERT_OK(ct_strategy_plan(kind, m, opts, &spec, &plan));
+    ASSERT(plan.resident <= plan.param + plan.grad + plan.optim && plan.total == plan.resident + plan.act + plan.comm);
+
+    ct_strategy *s;
+    ASSERT_OK(ct_strategy_create(kind, m, &spec.optim, NULL, opts, &s));
+    ct_mem_reset_peak();
+    for (int step = 0; step < 2; step++) {
+        ct_tensor *x = inputs(cfg, batch);
+        ct_tensor *y = ct_tensor_create(CT_I32, 1, &batch, CT_MEM_ACT);
+        for (int64_t i = 0; i < batch; i++) ((int32_t *)ct_tensor_data(y))[i] = (int32_t)(i % cfg->classes);
+        ct_batch b = {x, y, batch, 0};
+        ct_fwd_ctx ctx = {.training = 1, .seed = 3, .step = (uint64_t)step};
+        ASSERT_OK(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, NULL));
+        ASSERT_OK(ct_strategy_step(s));
+        ct_strategy_zero_grad(s);
+        ct_tensor_release(x);
+        ct_tensor_release(y);
+    }
+    ct_mem_report r;
+    ASSERT_OK(ct_strategy_memory(s, &r));
+    char what[160];
+#define CHECK(field, measured, tol)                                                                   \
+    do {                                                                                              \
+        snprintf(what, sizeof what, "%s %s %s", kind, opts ? opts : "", #field);                      \
+        NEAR(plan.field, measured, tol, what);                                                        \
+    } while (0)
+    CHECK(param, r.peak[CT_MEM_PARAM], 0.10);
+    CHECK(grad, r.peak[CT_MEM_GRAD], 0.10);
+    CHECK(optim, r.peak[CT_MEM_OPTIM], 0.10);
+    CHECK(resident, r.peak_resident, 0.10);
+    CHECK(act, r.peak[CT_MEM_ACT], act_tol);
+#undef CHECK
+    ct_strategy_destroy(s);
+    ct_module_destroy(m);
+}
+
+TEST(plan_strategies_match_their_memory_reports)
+{
+    ct_model_config mlp = ct_model_config_default(CT_MODEL_MLP);
+    ASSERT_OK(ct_model_config_parse_hidden(&mlp, "512,512,512"));
+    strategy_matches(&mlp, 64, "none", NULL, 0.25);
+    strategy_matches(&mlp, 64, "none", "param_dtype=bf16", 0.25);
+    strategy_matches(&mlp, 64, "ddp", "grad_accum=2", 0.25);
+    strategy_matches(&mlp, 64, "zero1", NULL, 0.25);
+    strategy_matches(&mlp, 64, "zero2", "reduce_buffer_mb=1", 0.25);
+    strategy_matches(&mlp, 64, "fsdp", "wrap_min_params=100000", 0.25);
+    strategy_matches(&mlp, 64, "pipe", "chunks=4", 0.25);
+    strategy_matches(&mlp, 64, "offload", "slices=3", 0.25);
+    ct_model_config cnn = ct_model_config_default(CT_MODEL_CNN);
+    ASSERT_OK(ct_model_config_parse_hidden(&cnn, "8,16,64"));
+    strategy_matches(&cnn, 32, "ddp", NULL, 0.25);
+}
+
+/* Bad requests are errors that name the fix, not a plan. */
+TEST(plan_refuses_what_the_strategy_refuses)
+{
+    ct_model_config mlp = ct_model_config_default(CT_MODEL_MLP);
+    ct_module *m = build(&mlp);
+    ct_plan_spec spec = {.world = 2, .batch = 8, .in_ndim = 1, .in_shape = {784}, .sample_bytes = 3140,
+                         .optim = ct_optim_defaults(CT_OPT_SGD)};
+    ct_mem_plan p;
+    ASSERT_ERR(ct_strategy_plan("none", m, NULL, &spec, &p), CT_EUNSUPPORTED, "runs every rank alone");
+    ASSERT_ERR(ct_strategy_plan("fsdp9", m, NULL, &spec, &p), CT_EINVAL, "unknown strategy 'fsdp9'");
+    ASSERT_ERR(ct_strategy_plan("zero2", m, "bucket=4", &spec, &p), CT_EINVAL, "bucket");
+    ASSERT_ERR(ct_strategy_plan("pipe", m, "stages=3", &spec, &p), CT_EINVAL, "3 stages do not fit 2 ranks");
+    spec.world = 0;
+    ASSERT_ERR(ct_strategy_plan("ddp", m, NULL, &spec, &p), CT_EINVAL, "at least 1");
+    /* SGD without momentum keeps no state: the plan says so */
+    spec.world = 2;
+    ASSERT_OK(ct_strategy_plan("ddp", m, NULL, &spec, &p));
+    ASSERT_EQ(p.optim, 0);
+    ct_module_destroy(m);
 }
