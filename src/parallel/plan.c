@@ -45,6 +45,27 @@ int ct__plan_is16(const ct__plan *pl, const char *key)
     return v && strcmp(v, "f32") && strcmp(v, "fp32") && strcmp(v, "float32");
 }
 
+ct_status ct__plan_balance(const ct__plan *pl, const char *what, int *sizes, int *n)
+{
+    char b[256];
+    int nkids = pl->model->nkids, sum = 0;
+    const char *bv = ct__plan_opt(pl, "balance", b, sizeof b);
+    *n = 0;
+    for (const char *q = bv; q && *q; (*n)++) {
+        int v = atoi(q);
+        if (*n == nkids || v < 1 || sum + v > nkids)
+            return ct_error(CT_EINVAL, "%s balance '%s' lists more children than the model's %d; make the counts "
+                            "add up to %d", what, bv, nkids, nkids);
+        sum += sizes[*n] = v;
+        q += strcspn(q, ":,");
+        q += *q != 0;
+    }
+    if (*n && sum != nkids)
+        return ct_error(CT_EINVAL, "%s balance '%s' sums to %d but the model has %d children; make the counts add "
+                        "up to %d", what, bv, sum, nkids, nkids);
+    return CT_OK;
+}
+
 /* ---- figures the planners share ------------------------------------------ */
 
 void ct__plan_peaks(ct_mem_plan *out, uint64_t param, uint64_t grad, uint64_t optim, uint64_t act, uint64_t comm,

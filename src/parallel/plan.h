@@ -34,6 +34,11 @@ typedef struct {
 const char *ct__plan_opt(const ct__plan *pl, const char *key, char *buf, size_t n);
 double ct__plan_num(const ct__plan *pl, const char *key, double def);
 int ct__plan_is16(const ct__plan *pl, const char *key);
+/* The balance option (children per stage or slice, "3:3:2"; the format
+ * checked by ct_strategy_check_opts) into sizes (room for the model's
+ * children), *n its count (0: not given); CT_EINVAL, as the strategy at
+ * wrap, when the counts do not add up to the model's children. */
+ct_status ct__plan_balance(const ct__plan *pl, const char *what, int *sizes, int *n);
 /* Index of trainable parameter p in pl->tp, or -1. */
 int ct__plan_tindex(const ct__plan *pl, const ct_param *p);
 

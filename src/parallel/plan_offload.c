@@ -37,17 +37,10 @@ static int last_user(const ct__plan *pl, const ct_param *p)
 /* Children per slice: the balance option, or ct_offload_split's. */
 static ct_status slices(const ct__plan *pl, int *sz, int *ns)
 {
-    char b[256];
-    const char *bv = ct__plan_opt(pl, "balance", b, sizeof b);
+    CT_TRY(ct__plan_balance(pl, "offload", sz, ns));
+    if (*ns) return CT_OK;
     *ns = (int)ct__plan_num(pl, "slices", 4);
-    if (!bv || !*bv) return ct_offload_split(pl->model, *ns, sz);
-    *ns = 0;
-    for (const char *q = bv; *q && *ns < pl->model->nkids; (*ns)++) {
-        sz[*ns] = atoi(q);
-        q += strcspn(q, ":,");
-        q += *q != 0;
-    }
-    return CT_OK;
+    return ct_offload_split(pl->model, *ns, sz);
 }
 
 ct_status ct__plan_offload(const ct__plan *pl, ct_mem_plan *out)

@@ -41,21 +41,16 @@ static ct_status stage_params(const ct__plan *pl, int lo, int hi, const ct_param
  * stages option's count (auto: as many stages as ranks and layers allow). */
 static ct_status stages(const ct__plan *pl, int *bal, int *P)
 {
-    char b[256];
+    char b[64];
     int n = pl->model->nkids, nb = 0;
     *P = 0;
     const char *sv = ct__plan_opt(pl, "stages", b, sizeof b);
     if (sv && strcmp(sv, "auto")) *P = atoi(sv); /* checked by ct_strategy_check_opts */
-    const char *bv = ct__plan_opt(pl, "balance", b, sizeof b);
-    for (const char *q = bv; q && *q && nb < n; nb++) {
-        bal[nb] = atoi(q);
-        q += strcspn(q, ":,");
-        q += *q != 0;
-    }
+    CT_TRY(ct__plan_balance(pl, "pipe", bal, &nb));
     if (!*P) *P = nb ? nb : pl->spec->world < n ? pl->spec->world : n;
     if (*P > pl->spec->world || *P > n || (nb && nb != *P))
         return ct_error(CT_EINVAL, "pipe: %d stages do not fit %d ranks and a model of %d layers (balance %s)", *P,
-                        pl->spec->world, n, nb ? bv : "by parameters");
+                        pl->spec->world, n, nb ? ct__plan_opt(pl, "balance", b, sizeof b) : "by parameters");
     return nb ? CT_OK : ct_pipe_balance_by_params(pl->model, *P, bal);
 }
 
