@@ -121,8 +121,13 @@ ct_status ct_act_plan_run(ct_module *const *mods, int nm, int nd0, const int64_t
     w.cost = ct_alloc(sizeof *w.cost * (size_t)(cap + 1), CT_MEM_OTHER);
     sim s = {.cap = 4 * cap + 8};
     s.b = ct_alloc(sizeof *s.b * (size_t)s.cap, CT_MEM_OTHER);
-    int *kin = ct_alloc(sizeof *kin * 3 * (size_t)(cap + 1), CT_MEM_OTHER), *kout = kin + cap, *ksav = kin + 2 * cap;
+    /* what each module's record holds: its input, its output, its saved block (buffer ids, -1 none) */
+    int *kin = ct_alloc(sizeof *kin * 3 * (size_t)(cap + 1), CT_MEM_OTHER), *kout = NULL, *ksav = NULL;
     ct_status st = w.lv && w.shapes && w.nds && w.cost && s.b && kin ? CT_OK : CT_ENOMEM;
+    if (st == CT_OK) {
+        kout = kin + cap;
+        ksav = kin + 2 * cap;
+    }
     if (st == CT_OK) {
         w.nds[0] = nd0;
         for (int d = 0; d < nd0; d++) w.shapes[0][d] = sh0[d];
