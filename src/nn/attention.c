@@ -500,8 +500,6 @@ static ct_status attn_act_cost(ct_module *m, int nd, const int64_t *sh, int mixe
 static const ct_module_ops attn_ops = {"attention", attn_forward, attn_backward, attn_destroy, 0,
                                        attn_out_shape, attn_act_cost};
 
-
-
 ct_module *ct_attention_create(int64_t dim, int heads, float attn_p, float resid_p)
 {
     if (dim <= 0 || heads <= 0 || dim % heads || dim > INT_MAX / 3) {

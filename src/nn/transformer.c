@@ -164,7 +164,7 @@ static ct_status block_act_cost(ct_module *m, int nd, const int64_t *sh, int mix
 {
     (void)need_dx;
     ct_act_cost a = {0};
-    CT_TRY(block_out_shape(m, nd, sh, &(int){0}, (int64_t[CT_MAX_DIMS]){0}));
+    /* ct_module_act_cost ran block_out_shape first: four children, x [B, T, D] */
     CT_TRY(ct_module_act_cost(m->kids[1], nd, sh, mixed, 1, &a));
     const ct_module *mlp = m->kids[3];
     int mdrop = mlp->nkids > 3 && ct__dropout_p(mlp->kids[3]) > 0;
