@@ -98,6 +98,45 @@ TEST(plan_act_matches_a_recorded_step)
     act_matches(&gpt, 4);
 }
 
+/* A checkpoint keeps its input only and recomputes its body's records in
+ * backward: the plan of a model with one follows what a step holds. */
+TEST(plan_act_of_a_checkpointed_body)
+{
+    ct_module *body = ct_sequential_create(), *m = ct_sequential_create();
+    ASSERT_OK(ct_module_add(body, NULL, ct_linear_create(256, 256, 1)));
+    ASSERT_OK(ct_module_add(body, NULL, ct_relu_create()));
+    ASSERT_OK(ct_module_add(body, NULL, ct_linear_create(256, 256, 1)));
+    ASSERT_OK(ct_module_add(body, NULL, ct_tanh_create()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(64, 256, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_checkpoint_create(body)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(256, 10, 1)));
+    ct_module_init_params(m, 3);
+    int64_t sh[2] = {32, 64};
+    ct_tensor *x = ct_tensor_create(CT_F32, 2, sh, CT_MEM_OTHER);
+    ASSERT(x);
+    for (int64_t i = 0; i < x->numel; i++) ct_f32(x)[i] = (float)(i % 7) * 0.1f;
+    ct_fwd_ctx ctx = {.training = 1, .seed = 3};
+    size_t base = ct_mem_current(CT_MEM_ACT);
+    ct_mem_reset_peak();
+    ct_tensor *y;
+    ct_record *rec;
+    ASSERT_OK(ct_module_forward(m, x, &y, &rec, &ctx));
+    size_t kept = ct_mem_current(CT_MEM_ACT) - base - ct_tensor_bytes(y);
+    ct_tensor *dy = ct_tensor_create(CT_F32, y->ndim, y->shape, CT_MEM_ACT);
+    ASSERT(dy);
+    memset(ct_tensor_data(dy), 0, ct_tensor_bytes(dy));
+    ASSERT_OK(ct_module_backward(m, dy, NULL, rec));
+    size_t peak = ct_mem_peak(CT_MEM_ACT) - base;
+    ct_tensor_release(dy);
+    ct_tensor_release(y);
+    ct_act_plan ap;
+    ASSERT_OK(ct_act_plan_run(&m, 1, 2, sh, CT_ACT_WHOLE, &ap));
+    NEAR(ap.kept, kept, 0.25, "checkpointed: bytes the records keep");
+    NEAR(ap.peak, peak, 0.25, "checkpointed: peak activation bytes");
+    ct_tensor_release(x);
+    ct_module_destroy(m);
+}
+
 /* Each layer's act_cost says what its forward keeps: a linear its input,
  * a relu its output, a flatten nothing new (a view), a dropout a byte mask. */
 TEST(plan_act_cost_of_layers)
