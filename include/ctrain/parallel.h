@@ -22,7 +22,9 @@
  *
  * The strategy owns the step: it builds the optimizer over what this rank
  * owns, runs micro-batches (ct_strategy_train_step), synchronises, clips
- * over whatever is sharded, steps, and saves and loads state.
+ * over whatever is sharded, steps, and saves and loads state.  Before any
+ * of that, ct_strategy_plan says what a strategy would take per rank, in the
+ * categories of the memory report, from the model's shapes alone.
  *
  * Ownership: the strategy borrows the model and the group (they must
  * outlive it) and owns its optimizer.  A strategy may re-point parameter
