@@ -15,7 +15,7 @@ static void near(const char *kind, const char *opts, const char *what, uint64_t 
     double e = (double)planned, m = (double)measured;
     if (!(fabs(e - m) <= tol * m))
         ct_test_fail(__FILE__, __LINE__, "%s %s on %d ranks: %s planned %.0f, measured %.0f (more than %.0f%% apart)",
-                     kind, opts, ct_group_size(ct_group_world()), what, e, m, tol * 100);
+                     kind, opts ? opts : "", ct_group_size(ct_group_world()), what, e, m, tol * 100);
 }
 
 static void plan_matches(const ct_model_config *cfg, int64_t batch, const char *kind, const char *opts)
@@ -42,10 +42,22 @@ static void plan_matches(const ct_model_config *cfg, int64_t batch, const char *
     slice(batch, dr, ds, &first, &count);
     for (int step = 0; step < 2; step++) {
         sh[0] = count;
-        ct_tensor *x = ct_tensor_create(CT_F32, nd, sh, CT_MEM_ACT), *y = ct_tensor_create(CT_I32, 1, &count, CT_MEM_ACT);
-        ASSERT(x && y);
-        for (int64_t i = 0; i < x->numel; i++) ct_f32(x)[i] = (float)((i * 37 + first) % 101) / 50.0f - 1.0f;
-        for (int64_t i = 0; i < count; i++) ((int32_t *)ct_tensor_data(y))[i] = (int32_t)((first + i) % cfg->classes);
+        ct_tensor *x, *y;
+        if (cfg->kind == CT_MODEL_GPT) { /* i64 tokens and next tokens [rows, T], as the text loader's */
+            x = ct_tensor_create(CT_I64, nd, sh, CT_MEM_ACT);
+            y = ct_tensor_create(CT_I64, nd, sh, CT_MEM_ACT);
+            ASSERT(x && y);
+            for (int64_t i = 0; i < x->numel; i++) {
+                ((int64_t *)ct_tensor_data(x))[i] = (i * 7 + first) % cfg->vocab;
+                ((int64_t *)ct_tensor_data(y))[i] = (i * 7 + first + 1) % cfg->vocab;
+            }
+        } else { /* f32 inputs and i32 labels, as the IDX loader's */
+            x = ct_tensor_create(CT_F32, nd, sh, CT_MEM_ACT);
+            y = ct_tensor_create(CT_I32, 1, &count, CT_MEM_ACT);
+            ASSERT(x && y);
+            for (int64_t i = 0; i < x->numel; i++) ct_f32(x)[i] = (float)((i * 37 + first) % 101) / 50.0f - 1.0f;
+            for (int64_t i = 0; i < count; i++) ((int32_t *)ct_tensor_data(y))[i] = (int32_t)((first + i) % cfg->classes);
+        }
         ct_batch b = {.x = x, .y = y, .global_rows = batch, .sample0 = first};
         ct_fwd_ctx ctx = {.training = 1, .seed = 3, .step = (uint64_t)step};
         ASSERT_OK(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, NULL));
@@ -83,4 +95,11 @@ TEST(plan_of_each_strategy_matches_its_memory_report)
     plan_matches(&mlp, 64, "fsdp", "wrap_min_params=100000,sharding=grad_op,param_dtype=bf16");
     plan_matches(&mlp, 64, "pipe", "chunks=4");
     plan_matches(&mlp, 64, "offload", "slices=3");
+    /* the gpt: fsdp's units are its blocks (as `ctrain train` wraps it), a tied embedding and head */
+    ct_model_config gpt = ct_model_config_default(CT_MODEL_GPT);
+    ct_model_config_gpt(&gpt, 2, 2, 32, 24, 128);
+    gpt.dropout = 0.1f;
+    plan_matches(&gpt, 8, "fsdp", "wrap_kinds=block");
+    plan_matches(&gpt, 8, "fsdp", "wrap_kinds=block,param_dtype=bf16");
+    plan_matches(&gpt, 8, "zero2", NULL);
 }
