@@ -86,15 +86,15 @@ static void plan_matches(const ct_model_config *cfg, int64_t batch, const char *
 TEST(plan_of_each_strategy_matches_its_memory_report)
 {
     ct_model_config mlp = ct_model_config_default(CT_MODEL_MLP);
-    ASSERT_OK(ct_model_config_parse_hidden(&mlp, "512,512,512"));
-    plan_matches(&mlp, 64, "ddp", "param_dtype=bf16");
-    plan_matches(&mlp, 64, "zero1", "reduce_dtype=bf16");
-    plan_matches(&mlp, 64, "zero2", "reduce_buffer_mb=1");
-    plan_matches(&mlp, 64, "zero2", "split_params=1");
-    plan_matches(&mlp, 64, "fsdp", "wrap_min_params=100000");
-    plan_matches(&mlp, 64, "fsdp", "wrap_min_params=100000,sharding=grad_op,param_dtype=bf16");
-    plan_matches(&mlp, 64, "pipe", "chunks=4");
-    plan_matches(&mlp, 64, "offload", "slices=3");
+    ASSERT_OK(ct_model_config_parse_hidden(&mlp, "256,256,256"));
+    plan_matches(&mlp, 32, "ddp", "param_dtype=bf16");
+    plan_matches(&mlp, 32, "zero1", "reduce_dtype=bf16");
+    plan_matches(&mlp, 32, "zero2", "reduce_buffer_mb=1");
+    plan_matches(&mlp, 32, "zero2", "split_params=1");
+    plan_matches(&mlp, 32, "fsdp", "wrap_min_params=100000");
+    plan_matches(&mlp, 32, "fsdp", "wrap_min_params=100000,sharding=grad_op,param_dtype=bf16");
+    plan_matches(&mlp, 32, "pipe", "chunks=4");
+    plan_matches(&mlp, 32, "offload", "slices=3");
     /* the gpt: fsdp's units are its blocks (as `ctrain train` wraps it), a tied embedding and head */
     ct_model_config gpt = ct_model_config_default(CT_MODEL_GPT);
     ct_model_config_gpt(&gpt, 2, 2, 32, 24, 128);
