@@ -1,13 +1,30 @@
 /*
  * `ctrain estimate`: the per-rank bytes every strategy would take for a
- * model, from its shapes alone (the model is built, nothing runs), like
- * DeepSpeed's memory estimators but for every strategy: the command (flags,
- * the model, the table or JSON); the rows are in estimate_rows.c.
+ * model, from its shapes alone (the model is built, nothing runs).  The
+ * figures are the library's (ct_strategy_plan, src/parallel/plan*.c): this
+ * file parses the flags, turns them into the options `ctrain train` would
+ * pass, and prints the table or JSON.
  */
 #include <stdlib.h>
 #include <string.h>
 
-#include "estimate.h"
+#include "cli.h"
+
+/* The strategies, in the order of ct_strategy_list(). */
+#define MAXKINDS 16
+typedef struct {
+    char names[MAXKINDS][32];
+    int n;
+} kind_list;
+
+static void list_kinds(kind_list *k)
+{
+    char all[512];
+    snprintf(all, sizeof all, "%s", ct_strategy_list());
+    k->n = 0;
+    for (char *s = strtok(all, ", "); s && k->n < MAXKINDS; s = strtok(NULL, ", "))
+        snprintf(k->names[k->n++], sizeof k->names[0], "%s", s);
+}
 
 /* ---- the command -------------------------------------------------------- */
 
@@ -77,36 +94,36 @@ static int takes(const char *kind, const char *key)
     return strstr(help, pat) != NULL;
 }
 
-/* The rows to print: --strategy's, or every kind that fits the world. */
-static int chosen(const est_opts *o, int k)
+/* The rows to print: --strategy's, or every kind (those that cannot plan
+ * the world, as none on several ranks, are left out when planned). */
+static int chosen(const est_opts *o, const char *kind)
 {
-    if (o->strategy) return in_list(est_kinds[k].kind, o->strategy);
-    return !est_kinds[k].max_ranks || o->ranks <= est_kinds[k].max_ranks;
+    return o->strategy ? in_list(kind, o->strategy) : 1;
 }
 
-/* The options string of kind (the flags', then --strategy-opt's keys it takes), checked and resolved. */
-static int resolve(const est_opts *o, const char *kind, char *vals, size_t n, char *err, size_t errn)
+/* The options string of kind (the flags', then --strategy-opt's keys it
+ * takes), as `ctrain train` would pass them, into opts (n bytes); checked. */
+static int resolve(const est_opts *o, const char *kind, char *opts, size_t n, char *err, size_t errn)
 {
-    char opts[2048];
-    int len = snprintf(opts, sizeof opts, "grad_accum=%lld,param_dtype=%s,reduce_dtype=%s", (long long)o->grad_accum,
+    int len = snprintf(opts, n, "grad_accum=%lld,param_dtype=%s,reduce_dtype=%s", (long long)o->grad_accum,
                        strcmp(o->mixed, "none") ? o->mixed : "f32",
                        strcmp(o->grad_compress, "none") ? o->grad_compress : "f32");
     ct_model_kind mk = CT_MODEL_MLP;
     if (!strcmp(kind, "fsdp") && ct_model_parse_kind(o->model, &mk) == CT_OK) { /* as `ctrain train` passes it */
         char wrap[64];
         CLI_FSDP_WRAP(wrap, sizeof wrap, mk == CT_MODEL_GPT, CLI_FSDP_WRAP_MIN_PARAMS, 0);
-        len += snprintf(opts + len, sizeof opts - (size_t)len, ",%s", wrap);
+        len += snprintf(opts + len, n - (size_t)len, ",%s", wrap);
     }
     for (const char *p = o->strategy_opt; p && *p;) {
         size_t pl = strcspn(p, ","), kl = strcspn(p, "=,");
         char key[128];
         snprintf(key, sizeof key, "%.*s", (int)(kl < sizeof key ? kl : sizeof key - 1), p);
         if (pl && (kl == pl || takes(kind, key)))
-            len += snprintf(opts + len, len < (int)sizeof opts ? sizeof opts - (size_t)len : 0, ",%.*s", (int)pl, p);
+            len += snprintf(opts + len, len < (int)n ? n - (size_t)len : 0, ",%.*s", (int)pl, p);
         p += pl + (p[pl] == ',');
     }
-    if (len >= (int)sizeof opts) return BAD("--strategy-opt is too long");
-    if (ct_strategy_check_opts(kind, opts, vals, n) != CT_OK) return BAD("--strategy-opt: %s", ct_last_error());
+    if (len >= (int)n) return BAD("--strategy-opt is too long");
+    if (ct_strategy_check_opts(kind, opts, NULL, 0) != CT_OK) return BAD("--strategy-opt: %s", ct_last_error());
     return 0;
 }
 
@@ -162,33 +179,33 @@ static int parse(int argc, char **argv, est_opts *o, int *help, char *err, size_
                    "micro-batch: use --batch %lld or more", (long long)o->batch, (long long)o->ranks,
                    (long long)o->grad_accum, (long long)(o->ranks * o->grad_accum));
 #undef GIVEN
+    kind_list kl;
+    list_kinds(&kl);
     if (o->strategy) {
         char list[256];
         snprintf(list, sizeof list, "%s", o->strategy);
         for (char *s = strtok(list, ","); s; s = strtok(NULL, ",")) {
             int k = 0;
-            while (k < est_nkinds && strcmp(est_kinds[k].kind, s)) k++;
-            if (k == est_nkinds) return BAD("unknown strategy '%s' in --strategy; choose from: %s", s, ct_strategy_list());
-            if (est_kinds[k].max_ranks && o->ranks > est_kinds[k].max_ranks)
-                return BAD("--strategy %s runs every rank alone; it applies to --ranks 1 only (drop it from --strategy)", s);
+            while (k < kl.n && strcmp(kl.names[k], s)) k++;
+            if (k == kl.n) return BAD("unknown strategy '%s' in --strategy; choose from: %s", s, ct_strategy_list());
         }
     }
     /* A --strategy-opt key applies to the strategies that take it; one that
      * none of the estimated strategies takes is a mistake. */
     for (const char *p = o->strategy_opt; p && *p;) {
-        size_t pl = strcspn(p, ","), kl = strcspn(p, "=,");
+        size_t pl = strcspn(p, ","), kn = strcspn(p, "=,");
         char key[128], who[256] = "";
-        snprintf(key, sizeof key, "%.*s", (int)(kl < sizeof key ? kl : sizeof key - 1), p);
+        snprintf(key, sizeof key, "%.*s", (int)(kn < sizeof key ? kn : sizeof key - 1), p);
         int shown = 0;
-        for (int k = 0; pl && kl < pl && k < est_nkinds; k++) {
-            int tk = takes(est_kinds[k].kind, key);
-            if (tk) snprintf(who + strlen(who), sizeof who - strlen(who), "%s%s", *who ? ", " : "", est_kinds[k].kind);
-            if (chosen(o, k)) shown += tk;
+        for (int k = 0; pl && kn < pl && k < kl.n; k++) {
+            int tk = takes(kl.names[k], key);
+            if (tk) snprintf(who + strlen(who), sizeof who - strlen(who), "%s%s", *who ? ", " : "", kl.names[k]);
+            if (chosen(o, kl.names[k])) shown += tk;
         }
-        if (pl && kl < pl && !shown && *who)
+        if (pl && kn < pl && !shown && *who)
             return BAD("--strategy-opt %s: no strategy estimated here takes it (%s do); drop it or add one of "
                        "those to --strategy", key, who);
-        if (pl && kl < pl && !shown)
+        if (pl && kn < pl && !shown)
             return BAD("--strategy-opt %s: no strategy takes this key; drop it ('ctrain estimate --strategy-opt "
                        "help' lists the keys)", key);
         p += pl + (p[pl] == ',');
@@ -196,59 +213,32 @@ static int parse(int argc, char **argv, est_opts *o, int *help, char *err, size_
     return 0;
 }
 
-/* The model, its parameters and the order backward reaches its modules. */
-static ct_status build_input(const est_opts *o, est_in *in)
+/* The model (built with every storage it would train with) and the run as ct_strategy_plan reads it. */
+static ct_status build_input(const est_opts *o, ct_model_config *cfg, ct_module **model, ct_plan_spec *spec)
 {
-    memset(in, 0, sizeof *in);
     ct_model_kind kind;
     CT_TRY(ct_model_parse_kind(o->model, &kind));
-    in->cfg = ct_model_config_default(kind);
-    if (o->hidden) CT_TRY(ct_model_config_parse_hidden(&in->cfg, o->hidden));
-    if (o->has_kernel) in->cfg.kernel = o->kernel < 0 || o->kernel > 99 ? 0 : (int)o->kernel;
-    in->cfg.dropout = (float)o->dropout;
-    if (kind == CT_MODEL_GPT) cli_gpt_shape_apply(&o->gpt, &in->cfg);
-    CT_TRY(ct_model_config_validate(&in->cfg));
-    in->world = (int)o->ranks;
-    in->batch = o->batch;
-    ct_optim_parse(o->optim, &in->optim);
-    in->momentum = o->momentum;
-    CT_TRY(ct_model_build(&in->cfg, 0, &in->model));
-    CT_TRY(ct_module_params(in->model, &in->params, &in->nparams));
-    in->tp = ct_alloc(sizeof *in->tp * (size_t)(in->nparams + 1), CT_MEM_OTHER);
-    if (!in->tp) return CT_ENOMEM;
-    for (int i = 0; i < in->nparams; i++)
-        if (in->params[i]->requires_grad) {
-            in->tp[in->ntp++] = in->params[i];
-            in->params[i]->user = (void *)(intptr_t)in->ntp; /* index + 1: 0 stays "not trainable" */
-        }
-    ct_param **bufs;
-    int nb;
-    CT_TRY(ct_module_buffers(in->model, &bufs, &nb));
-    for (int i = 0; i < nb; i++) in->buffer_bytes += (uint64_t)ct_tensor_bytes(bufs[i]->data);
-    ct_free(bufs);
-    /* Backward runs the modules in the reverse of forward's order (pre-order for these containers). */
-    ct_module **mods;
-    int nm;
-    CT_TRY(ct_module_modules(in->model, &mods, &nm));
-    in->bwd = ct_alloc(sizeof *in->bwd * (size_t)(nm + 1), CT_MEM_OTHER);
-    for (int i = nm - 1; in->bwd && i >= 0; i--) {
-        int trainable = 0;
-        for (int j = 0; j < mods[i]->nparams; j++) trainable |= mods[i]->params[j]->requires_grad;
-        if (trainable) in->bwd[in->nmods++] = mods[i];
-    }
-    ct_free(mods);
-    return in->bwd ? CT_OK : CT_ENOMEM;
+    *cfg = ct_model_config_default(kind);
+    if (o->hidden) CT_TRY(ct_model_config_parse_hidden(cfg, o->hidden));
+    if (o->has_kernel) cfg->kernel = o->kernel < 0 || o->kernel > 99 ? 0 : (int)o->kernel;
+    cfg->dropout = (float)o->dropout;
+    if (kind == CT_MODEL_GPT) cli_gpt_shape_apply(&o->gpt, cfg);
+    CT_TRY(ct_model_config_validate(cfg));
+    memset(spec, 0, sizeof *spec);
+    spec->world = (int)o->ranks;
+    spec->batch = o->batch;
+    int64_t sh[CT_MAX_DIMS + 1];
+    spec->in_ndim = ct_model_input_shape(cfg, 1, sh) - 1;
+    for (int d = 0; d < spec->in_ndim; d++) spec->in_shape[d] = sh[d + 1];
+    spec->sample_bytes = ct_model_sample_bytes(cfg);
+    ct_optim_kind ok;
+    ct_optim_parse(o->optim, &ok);
+    spec->optim = ct_optim_defaults(ok);
+    if (ok == CT_OPT_SGD) spec->optim.momentum = (float)o->momentum;
+    return ct_model_build(cfg, 0, model);
 }
 
-static void free_input(est_in *in)
-{
-    ct_module_destroy(in->model);
-    ct_free(in->params);
-    ct_free(in->tp);
-    ct_free(in->bwd);
-}
-
-static void print_row(const est_opts *o, const char *kind, const est_row *r)
+static void print_row(const est_opts *o, const char *kind, const ct_mem_plan *r)
 {
     if (o->json) {
         printf("{\"strategy\":\"%s\",\"ranks\":%lld,\"param\":%llu,\"grad\":%llu,\"optim\":%llu,\"act\":%llu,"
@@ -281,50 +271,65 @@ int cli_estimate(int argc, char **argv)
         fprintf(stderr, "%s\n", err);
         return rc;
     }
+    kind_list kl;
+    list_kinds(&kl);
     if (o.strategy_opt && !strcmp(o.strategy_opt, "help")) {
         char buf[4096];
-        for (int k = 0; k < est_nkinds; k++) {
-            if (!chosen(&o, k) || ct_strategy_help(est_kinds[k].kind, buf, sizeof buf) != CT_OK) continue;
+        for (int k = 0; k < kl.n; k++) {
+            if (!chosen(&o, kl.names[k]) || ct_strategy_help(kl.names[k], buf, sizeof buf) != CT_OK) continue;
             printf("--strategy %s takes --strategy-opt KEY=VALUE,... with these keys (defaults shown):\n%s",
-                   est_kinds[k].kind, buf);
+                   kl.names[k], buf);
         }
         return CLI_OK;
     }
-    char vals[16][2048]; /* one per kind */
-    CT_ASSERT(est_nkinds <= 16);
-    for (int k = 0; k < est_nkinds; k++)
-        if (chosen(&o, k) && (rc = resolve(&o, est_kinds[k].kind, vals[k], sizeof vals[k], err, sizeof err))) {
+    char opts[MAXKINDS][2048];
+    for (int k = 0; k < kl.n; k++)
+        if (chosen(&o, kl.names[k]) && (rc = resolve(&o, kl.names[k], opts[k], sizeof opts[k], err, sizeof err))) {
             fprintf(stderr, "%s\n", err);
             return rc;
         }
-    est_in in;
-    ct_status st = build_input(&o, &in);
+    ct_model_config cfg;
+    ct_module *model = NULL;
+    ct_plan_spec spec;
+    ct_mem_plan rows[MAXKINDS];
+    int shown[MAXKINDS] = {0};
+    ct_status st = build_input(&o, &cfg, &model, &spec);
+    /* Every row first, so that a strategy that cannot plan is one line, not a half-printed table. */
+    for (int k = 0; st == CT_OK && k < kl.n; k++) {
+        if (!chosen(&o, kl.names[k])) continue;
+        st = ct_strategy_plan(kl.names[k], model, opts[k], &spec, &rows[k]);
+        if (st == CT_EUNSUPPORTED && !o.strategy) { /* none on several ranks: not a row of this table */
+            st = CT_OK;
+            continue;
+        }
+        if (st == CT_EUNSUPPORTED) {
+            fprintf(stderr, "ctrain estimate: --strategy %s runs every rank alone; it applies to --ranks 1 only (drop "
+                    "it from --strategy)\n", kl.names[k]);
+            ct_module_destroy(model);
+            return CLI_USAGE;
+        }
+        shown[k] = 1;
+    }
     if (st != CT_OK) {
         cli_err("estimate", "%s", ct_last_error());
-        free_input(&in);
+        ct_module_destroy(model);
         return st == CT_EINVAL ? CLI_USAGE : CLI_RUNTIME;
     }
     if (!o.json) {
         char desc[300];
-        int64_t rows = o.batch / o.ranks + (o.batch % o.ranks != 0);
+        int64_t rows_per = o.batch / o.ranks + (o.batch % o.ranks != 0);
         printf("ctrain estimate: %s (%lld parameters), %s%s, %lld rank%s, batch %lld (%lld rows per rank%s)%s%s\n",
-               cli_config_str(&in.cfg, desc, sizeof desc), (long long)ct_module_num_params(in.model), o.optim,
-               in.optim == CT_OPT_SGD && o.momentum ? " with momentum" : "", (long long)o.ranks,
-               o.ranks == 1 ? "" : "s", (long long)o.batch, (long long)rows, o.grad_accum > 1 ? ", accumulated" : "",
+               cli_config_str(&cfg, desc, sizeof desc), (long long)ct_module_num_params(model), o.optim,
+               spec.optim.kind == CT_OPT_SGD && o.momentum ? " with momentum" : "", (long long)o.ranks,
+               o.ranks == 1 ? "" : "s", (long long)o.batch, (long long)rows_per, o.grad_accum > 1 ? ", accumulated" : "",
                strcmp(o.mixed, "none") ? ", mixed bf16" : "",
                strcmp(o.grad_compress, "none") ? (strcmp(o.grad_compress, "bf16") ? ", f16 reduce" : ", bf16 reduce") : "");
         printf("peak bytes per rank (the largest rank's):\n  %-9s%11s%11s%11s%11s%11s%11s%11s\n", "strategy", "param",
                "grad", "optim", "act", "comm", "resident", "total");
     }
-    for (int k = 0; st == CT_OK && k < est_nkinds; k++) {
-        if (!chosen(&o, k)) continue;
-        est_row row = {0};
-        st = est_kinds[k].row(&in, vals[k], &row);
-        if (st == CT_OK) print_row(&o, est_kinds[k].kind, &row);
-    }
-    if (st == CT_OK && !o.json)
-        printf("  (resident = param + grad + optim; total adds act and comm; the data set is not counted)\n");
-    if (st != CT_OK) cli_err("estimate", "%s", ct_last_error());
-    free_input(&in);
-    return st == CT_OK ? CLI_OK : CLI_RUNTIME;
+    for (int k = 0; k < kl.n; k++)
+        if (shown[k]) print_row(&o, kl.names[k], &rows[k]);
+    if (!o.json) printf("  (resident = param + grad + optim; total adds act and comm; the data set is not counted)\n");
+    ct_module_destroy(model);
+    return CLI_OK;
 }

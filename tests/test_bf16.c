@@ -766,8 +766,8 @@ static ct_status ident_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_re
 TEST(bf16_policy_asks_layers_not_kind_names)
 {
     static const ct_module_ops norm_ops = {"my_rmsnorm", ident_fwd, ident_bwd, NULL, 0, ct_module_out_shape_same,
-                                           CT_MOD_KEEP_F32};
-    static const ct_module_ops plain_ops = {"my_rmsnorm", ident_fwd, ident_bwd, NULL, 0, ct_module_out_shape_same, 0};
+                                           NULL, CT_MOD_KEEP_F32};
+    static const ct_module_ops plain_ops = {"my_rmsnorm", ident_fwd, ident_bwd, NULL, 0, ct_module_out_shape_same, NULL, 0};
     for (int keep = 0; keep < 2; keep++) {
         ct_module *m = ct_sequential_create();
         ct_module *n = ct_module_create(keep ? &norm_ops : &plain_ops, NULL);

@@ -26,7 +26,7 @@ static ct_status off_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
 
 TEST(fd_checker_catches_wrong_gradient)
 {
-    static const ct_module_ops ops = {"off", off_forward, off_backward, NULL, 0, ct_module_out_shape_same, 0};
+    static const ct_module_ops ops = {"off", off_forward, off_backward, NULL, 0, ct_module_out_shape_same, NULL, 0};
     ct_module *m = ct_module_create(&ops, NULL);
     ct_tensor *x = rand_tensor(2, (int64_t[]){4, 5}, 1, 0.5f, 2.0f);
     ct_fwd_ctx ctx = train_ctx();

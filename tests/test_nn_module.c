@@ -398,7 +398,7 @@ static ct_status many_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
 
 TEST(nn_record_saves_any_number_of_tensors)
 {
-    static const ct_module_ops ops = {"many", many_forward, many_backward, NULL, 0, NULL, 0};
+    static const ct_module_ops ops = {"many", many_forward, many_backward, NULL, 0, NULL, NULL, 0};
     ct_module *m = ct_module_create(&ops, NULL);
     ct_tensor *x = rand_tensor(3, 5, 1), *dy = rand_tensor(3, 5, 2), *y, *dx;
     ct_fwd_ctx ctx = {1, 1, 0, 0};
@@ -656,7 +656,7 @@ TEST(nn_detach_takes_a_child_out_with_its_names)
 /* A custom module without an out_shape op: shape inference says which module and how to fix it. */
 TEST(nn_out_shape_of_custom_module_without_op_is_a_clear_error)
 {
-    static const ct_module_ops ops = {"many", many_forward, many_backward, NULL, 0, NULL, 0};
+    static const ct_module_ops ops = {"many", many_forward, many_backward, NULL, 0, NULL, NULL, 0};
     ct_module *seq = ct_sequential_create();
     ASSERT_OK(ct_module_add(seq, NULL, ct_linear_create(6, 6, 1)));
     ASSERT_OK(ct_module_add(seq, "mine", ct_module_create(&ops, NULL)));

@@ -36,7 +36,7 @@ static ct_status sleepy_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_r
     return CT_OK;
 }
 
-static const ct_module_ops sleepy_ops = {"sleepy", sleepy_fwd, sleepy_bwd, NULL, 0, ct_module_out_shape_same, 0};
+static const ct_module_ops sleepy_ops = {"sleepy", sleepy_fwd, sleepy_bwd, NULL, 0, ct_module_out_shape_same, NULL, 0};
 
 TEST(pipe_balance_by_params_and_by_time)
 {

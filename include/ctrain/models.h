@@ -85,6 +85,11 @@ int64_t ct_model_input_numel(const ct_model_config *cfg);
 /* Shape of a batch of n inputs ([n, 784] or [n, 1, 28, 28]) into shape
  * (room for 4); returns its ndim. */
 int ct_model_input_shape(const ct_model_config *cfg, int64_t n, int64_t *shape);
+/* Bytes of one sample as the loaders hand it to a step (ct_batch), input and
+ * target: f32 pixels and an i32 label (src/io/idx.c), or the gpt's i64
+ * tokens and i64 next tokens (src/io/text.c).  For memory planning
+ * (ct_plan_spec.sample_bytes). */
+uint64_t ct_model_sample_bytes(const ct_model_config *cfg);
 /* Sets cfg (a gpt) to layers, heads, dim, context, vocab (and keeps in[0]
  * and classes in step); checks nothing (ct_model_config_validate does). */
 void ct_model_config_gpt(ct_model_config *cfg, int64_t layers, int64_t heads, int64_t dim, int64_t context,

@@ -73,6 +73,19 @@ struct ct_param {
  * gradient into *din when din is not NULL.  out_shape (optional, see
  * ct_module_out_shape) gives the output shape for an input shape without
  * running forward, with the errors forward would give. */
+/* What one training call of a module keeps and allocates, for planning
+ * memory without running anything (ct_module_act_cost, ct_act_plan_run).
+ * Bytes; outputs and input gradients are f32 (their size is the planner's). */
+typedef struct {
+    int keep_in, keep_out; /* the record holds the input / the output tensor itself */
+    int alias;             /* the output is a view of the input, the input gradient one of dout */
+    int walk;              /* a container whose children run one after another: plan them
+                              instead (the other fields are unused) */
+    uint64_t saved;        /* new memory the record keeps (masks, bf16 casts, statistics) */
+    uint64_t fwd_tmp;      /* scratch alive only while forward runs, besides the output */
+    uint64_t bwd_tmp;      /* scratch alive only while backward runs, besides the input gradient */
+} ct_act_cost;
+
 typedef struct {
     const char *kind;
     ct_status (*forward)(ct_module *m, ct_tensor *in, ct_tensor **out,
@@ -88,6 +101,14 @@ typedef struct {
      * CT_MAX_DIMS, no negative dim). */
     ct_status (*out_shape)(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
                            int64_t *out_shape);
+    /* May be NULL (then the planner assumes the record keeps the input and
+     * the output, which errs high).  What a training call on an input of
+     * in_shape keeps for backward and allocates while it runs, written
+     * next to the layer's forward so the two change together; mixed: the
+     * run gives weights bf16 compute copies (param_dtype=bf16); need_dx:
+     * backward makes an input gradient.  See ct_module_act_cost. */
+    ct_status (*act_cost)(ct_module *m, int ndim, const int64_t *in_shape, int mixed, int need_dx,
+                          ct_act_cost *out);
     /* What the kind is (CT_MOD_* bits), for policies outside src/nn that must
      * never ask by kind name (mixed precision, pipelines, offload). */
     unsigned flags;
@@ -103,6 +124,11 @@ enum {
 };
 /* 1 if m's kind has every bit of flags (0 for a NULL m). */
 int ct_module_is(const ct_module *m, unsigned flags);
+/* The mixed-precision policy (param_dtype=bf16), the one rule strategies
+ * and the memory planner follow: 1 if p gets a bf16 compute copy, that is,
+ * a trainable f32 parameter of two or more dims (linear and conv weights,
+ * embeddings) whose module does not keep f32 (CT_MOD_KEEP_F32: norm layers). */
+int ct_param_takes_bf16_copy(const ct_param *p);
 
 struct ct_module {
     const ct_module_ops *ops;
@@ -175,6 +201,34 @@ ct_status ct_module_out_shape(ct_module *m, int ndim, const int64_t *in_shape, i
 /* An out_shape op for kinds whose output has their input's shape. */
 ct_status ct_module_out_shape_same(ct_module *m, int ndim, const int64_t *in_shape,
                                    int *out_ndim, int64_t *out_shape);
+/* What a training call of m on an input of in_shape keeps and allocates
+ * (its ops' act_cost; without one, the input and output kept), for memory
+ * planning; the shape is checked as ct_module_out_shape checks it. */
+ct_status ct_module_act_cost(ct_module *m, int ndim, const int64_t *in_shape, int mixed, int need_dx,
+                             ct_act_cost *out);
+
+/* The activation bytes of one micro-batch through modules mods[0..n), run
+ * one after another (a model's top-level children, or a pipeline stage's),
+ * forward then backward, replayed on shapes only (src/nn/act_plan.c):
+ * every tensor of the call is a buffer with a reference count, as ctrain
+ * holds it: the chain of outputs, what each record keeps (the modules'
+ * act_cost; containers that walk are replayed as their children), the loss
+ * gradient or the next stage's, and the input gradients flowing back. */
+#define CT_ACT_MIXED  1 /* param_dtype=bf16: weights have bf16 compute copies */
+#define CT_ACT_DX0    2 /* the first module makes an input gradient (a pipeline stage after the first) */
+#define CT_ACT_WHOLE  4 /* the output and the loss gradient stay to the end (a whole model);
+                           otherwise the output is sent away after forward (a stage) */
+#define CT_ACT_SCALED 8 /* with WHOLE: the loss gradient is scaled in a copy (micro-batches) */
+typedef struct {
+    uint64_t kept;      /* bytes the records hold from forward to backward (the output not) */
+    uint64_t peak;      /* peak live bytes over forward and backward, scratch included; the
+                           input is not counted (it belongs to the caller) */
+    uint64_t in_bytes;  /* the input's f32 size, and the output's */
+    uint64_t out_bytes;
+} ct_act_plan;
+ct_status ct_act_plan_run(ct_module *const *mods, int n, int ndim, const int64_t *in_shape, int flags,
+                          ct_act_plan *out);
+
 /* Frees a record and its children (releasing saved tensors); NULL is a no-op. */
 void ct_record_destroy(ct_record *rec);
 /* New empty record for module m (for module kinds that call children). */

@@ -130,6 +130,10 @@ int ct_optim_state(ct_optim *opt, int i, float **bufs, const char **names);
  * names (room for CT_OPTIM_MAX_STATE; may be NULL); returns how many.  Valid
  * with no slots, so a rank that owns nothing names what others hold. */
 int ct_optim_state_names(const ct_optim *opt, const char **names);
+/* Bytes of the state slab an optimizer of options o over slots of
+ * counts[0..n) elements allocates (CT_MEM_OPTIM), the slot table left out:
+ * the layout ct_optim_create* uses, for memory planning. */
+uint64_t ct_optim_state_bytes(const ct_optim_opts *o, const int64_t *counts, int n);
 
 /* Multiplies the gradients of every slot by scale. */
 void ct_optim_scale_grads(ct_optim *opt, float scale);

@@ -22,7 +22,9 @@
  *
  * The strategy owns the step: it builds the optimizer over what this rank
  * owns, runs micro-batches (ct_strategy_train_step), synchronises, clips
- * over whatever is sharded, steps, and saves and loads state.
+ * over whatever is sharded, steps, and saves and loads state.  Before any
+ * of that, ct_strategy_plan says what a strategy would take per rank, in the
+ * categories of the memory report, from the model's shapes alone.
  *
  * Ownership: the strategy borrows the model and the group (they must
  * outlive it) and owns its optimizer.  A strategy may re-point parameter
@@ -97,6 +99,38 @@ typedef struct {
  * plan a run, such as `ctrain estimate`): the first min(*n, max) go to
  * units, *n gets their number.  CT_EINVAL for options fsdp refuses. */
 ct_status ct_fsdp_plan(ct_module *model, const char *opts, ct_fsdp_unit *units, int max, int *n);
+
+/* ---- memory planning ---------------------------------------------------- */
+
+/* Predicted peak bytes per rank in the categories of ct_mem_report: each
+ * column its own maximum over ranks; resident (param + grad + optim) the
+ * peak of the three together on the largest rank, total adds act and comm. */
+typedef struct {
+    uint64_t param, grad, optim, act, comm, resident, total;
+} ct_mem_plan;
+
+/* What a run is, besides the model and the strategy's options. */
+typedef struct {
+    int world;                     /* ranks */
+    int64_t batch;                 /* global batch rows per step, as ct_strategy_train_step's */
+    int in_ndim;                   /* one sample's input shape (no batch dim) */
+    int64_t in_shape[CT_MAX_DIMS];
+    uint64_t sample_bytes;         /* bytes a loader holds per sample: input and target */
+    ct_optim_opts optim;           /* the optimizer the strategy would build */
+} ct_plan_spec;
+
+/* The per-rank memory strategy kind would take to train model under opts
+ * (as ct_strategy_create takes them) over spec->world ranks, from shapes
+ * alone: nothing is wrapped, allocated for the model or communicated.  Each
+ * strategy's figures come from the rules its code follows (the partition,
+ * FSDP's units, the pipe balance, the offload split, the mixed-precision
+ * policy, the optimizer's state layout, the layers' act_cost; see
+ * src/parallel/plan*.c), so the plan and ct_strategy_memory compare line by
+ * line.  CT_EINVAL for options the strategy refuses or a spec that does not
+ * fit (a pipe with more stages than ranks); CT_EUNSUPPORTED for a kind that
+ * runs every rank alone ("none") with world > 1. */
+ct_status ct_strategy_plan(const char *kind, ct_module *model, const char *opts, const ct_plan_spec *spec,
+                           ct_mem_plan *out);
 
 /* ---- pipeline balance -------------------------------------------------- */
 

@@ -162,6 +162,12 @@ int64_t ct_model_input_numel(const ct_model_config *cfg)
     return n;
 }
 
+uint64_t ct_model_sample_bytes(const ct_model_config *cfg)
+{
+    if (cfg->kind == CT_MODEL_GPT) return (uint64_t)cfg->context * 16;
+    return (uint64_t)ct_model_input_numel(cfg) * 4 + 4;
+}
+
 int ct_model_input_shape(const ct_model_config *cfg, int64_t n, int64_t *shape)
 {
     shape[0] = n;

@@ -166,9 +166,28 @@ static ct_status act_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
     return CT_OK;
 }
 
-static const ct_module_ops relu_ops = {"relu", act_forward, act_backward, NULL, 0, ct_module_out_shape_same, 0};
-static const ct_module_ops gelu_ops = {"gelu", act_forward, act_backward, NULL, 0, ct_module_out_shape_same, 0};
-static const ct_module_ops tanh_ops = {"tanh", act_forward, act_backward, NULL, 0, ct_module_out_shape_same, 0};
+/* relu and tanh keep their output (their derivative is a function of it). */
+static ct_status keep_out_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    (void)m, (void)nd, (void)sh, (void)mixed, (void)need_dx;
+    c->keep_out = 1;
+    return CT_OK;
+}
+
+/* gelu keeps gelu'(x) in f32, the input's size. */
+static ct_status gelu_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    (void)m, (void)mixed, (void)need_dx;
+    c->saved = ct__act_numel(nd, sh) * 4;
+    return CT_OK;
+}
+
+static const ct_module_ops relu_ops = {"relu", act_forward, act_backward, NULL, 0, ct_module_out_shape_same,
+                                       keep_out_cost, 0};
+static const ct_module_ops gelu_ops = {"gelu", act_forward, act_backward, NULL, 0, ct_module_out_shape_same,
+                                       gelu_cost, 0};
+static const ct_module_ops tanh_ops = {"tanh", act_forward, act_backward, NULL, 0, ct_module_out_shape_same,
+                                       keep_out_cost, 0};
 
 /* Activations have no state: the ops table says which one a module is. */
 ct_module *ct_relu_create(void) { return ct_module_create(&relu_ops, NULL); }

@@ -477,8 +477,28 @@ static ct_status attn_out_shape(ct_module *m, int ndim, const int64_t *in_shape,
 
 static void attn_destroy(ct_module *m) { ct_free(m->impl); }
 
+/* x [B,T,D]: c_attn keeps x (or its bf16 cast), the core what
+ * ct_attention_saved_bytes says, c_proj its input (bf16 under mixed),
+ * resid_dropout a byte mask.  Scratch: qkv in f32 before its cast and the
+ * per-head scores forward, dqkv and the scores' gradients backward. */
+static ct_status attn_act_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    (void)need_dx;
+    CT_TRY(check_kids(m));
+    CT_TRY(check_input(m, nd, sh));
+    const attn_impl *a = m->impl;
+    int bf16 = mixed && ct__act_has_copy(m->kids[K_C_ATTN]), rdrop = ct__dropout_p(m->kids[K_RESID_DROP]) > 0;
+    uint64_t B = (uint64_t)sh[0], T = (uint64_t)sh[1], D = (uint64_t)sh[2], BTD = B * T * D;
+    c->keep_in = !bf16;
+    c->saved = (bf16 ? BTD * 2 : 0) + BTD * (bf16 ? 2 : 4) /* c_proj's input */ + (rdrop ? BTD : 0) +
+               (uint64_t)ct_attention_saved_bytes((int64_t)B, (int64_t)T, (int64_t)D, a->heads, bf16, a->attn_p > 0);
+    c->fwd_tmp = 3 * BTD * 4 + T * T * 8;
+    c->bwd_tmp = 3 * BTD * 4 + T * T * 12;
+    return CT_OK;
+}
+
 static const ct_module_ops attn_ops = {"attention", attn_forward, attn_backward, attn_destroy, 0,
-                                       attn_out_shape, 0};
+                                       attn_out_shape, attn_act_cost, 0};
 
 ct_module *ct_attention_create(int64_t dim, int heads, float attn_p, float resid_p)
 {

@@ -216,8 +216,17 @@ static ct_status bn_out_shape(ct_module *m, int ndim, const int64_t *in_shape, i
     return ct_module_out_shape_same(m, ndim, in_shape, out_ndim, out_shape);
 }
 
+/* The record keeps the input and mean and rstd per channel. */
+static ct_status bn_act_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    (void)m, (void)mixed, (void)need_dx;
+    c->keep_in = 1;
+    c->saved = (nd > 1 ? (uint64_t)sh[1] : 1) * 8;
+    return CT_OK;
+}
+
 static const ct_module_ops bn_ops = {"batchnorm", bn_forward, bn_backward, bn_destroy, 0, bn_out_shape,
-                                   CT_MOD_KEEP_F32 | CT_MOD_RUNNING_STATS};
+                                     bn_act_cost, CT_MOD_KEEP_F32 | CT_MOD_RUNNING_STATS};
 
 ct_module *ct_batchnorm_create(int64_t c, float eps, float momentum)
 {

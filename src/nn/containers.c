@@ -81,7 +81,7 @@ static ct_status seq_out_shape(ct_module *m, int ndim, const int64_t *in_shape, 
 }
 
 static const ct_module_ops seq_ops = {"sequential", seq_forward, seq_backward, NULL, 0, seq_out_shape,
-                                    CT_MOD_SEQUENTIAL};
+                                      ct__act_cost_walk, CT_MOD_SEQUENTIAL};
 
 ct_module *ct_sequential_create(void) { return ct_module_create(&seq_ops, NULL); }
 
@@ -218,7 +218,8 @@ static ct_status res_out_shape(ct_module *m, int ndim, const int64_t *in_shape, 
     return ct_module_out_shape_same(m, ndim, in_shape, out_ndim, out_shape);
 }
 
-static const ct_module_ops res_ops = {"residual", res_forward, res_backward, NULL, 0, res_out_shape, 0};
+static const ct_module_ops res_ops = {"residual", res_forward, res_backward, NULL, 0, res_out_shape,
+                                      ct__act_cost_walk, 0};
 
 ct_module *ct_residual_create(ct_module *body)
 {
@@ -268,7 +269,24 @@ static ct_status ckpt_out_shape(ct_module *m, int ndim, const int64_t *in_shape,
     return ct_module_out_shape(m->kids[0], ndim, in_shape, out_ndim, out_shape);
 }
 
-static const ct_module_ops ckpt_ops = {"checkpoint", ckpt_forward, ckpt_backward, NULL, 0, ckpt_out_shape, 0};
+/* The record keeps the input only.  Backward recomputes the body with its
+ * records and runs its backward: the body's own plan, less the output
+ * gradient and input gradient the caller's replay already holds.  The
+ * forward without records frees each output as the next is made, so its
+ * scratch is left out (one layer's output at most). */
+static ct_status ckpt_act_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    CT_TRY(need_child(m));
+    ct_act_plan p;
+    CT_TRY(ct_act_plan_run(&m->kids[0], 1, nd, sh, (mixed ? CT_ACT_MIXED : 0) | (need_dx ? CT_ACT_DX0 : 0), &p));
+    uint64_t held = p.out_bytes + (need_dx ? p.in_bytes : 0);
+    c->keep_in = 1;
+    c->bwd_tmp = p.peak > held ? p.peak - held : 0;
+    return CT_OK;
+}
+
+static const ct_module_ops ckpt_ops = {"checkpoint", ckpt_forward, ckpt_backward, NULL, 0, ckpt_out_shape,
+                                       ckpt_act_cost, 0};
 
 ct_module *ct_checkpoint_create(ct_module *inner)
 {

@@ -354,8 +354,29 @@ static ct_status conv_out_shape(ct_module *m, int ndim, const int64_t *in_shape,
     return CT_OK;
 }
 
+/* The record keeps x (or its bf16 cast); forward and backward each hold
+ * the im2col of nb images at a time (conv_check's geometry: the same
+ * COL_LIMIT), with an output chunk (tmp, dyc) when nb > 1, and the bf16
+ * path an f32 col gradient and a bf16 dy chunk in backward. */
+static ct_status conv_act_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    const conv_impl *ci = m->impl;
+    ct_tensor t = ct__shape_header(nd, sh);
+    t.dtype = CT_F32;
+    conv_geom g;
+    CT_TRY(conv_check(m, &t, &g));
+    int bf16 = mixed && ct__act_has_copy(m);
+    uint64_t ld = (uint64_t)g.nb * (uint64_t)g.P, col = (uint64_t)g.K * ld * (bf16 ? 2 : 4);
+    uint64_t chunk = g.nb > 1 ? (uint64_t)ci->cout * ld * 4 : 0;
+    if (bf16) c->saved = ct__act_numel(nd, sh) * 2;
+    else c->keep_in = 1;
+    c->fwd_tmp = col + chunk;
+    c->bwd_tmp = col + chunk + (bf16 ? (need_dx ? (uint64_t)g.K * ld * 4 : 0) + (uint64_t)ci->cout * ld * 2 : 0);
+    return CT_OK;
+}
+
 static const ct_module_ops conv_ops = {"conv2d", conv_forward, conv_backward, conv_destroy, 0,
-                                       conv_out_shape, 0};
+                                       conv_out_shape, conv_act_cost, 0};
 
 ct_module *ct_conv2d_create(int64_t cin, int64_t cout, int k, int stride, int pad, int bias)
 {
@@ -489,8 +510,16 @@ static ct_status pool_out_shape(ct_module *m, int ndim, const int64_t *in_shape,
     return CT_OK;
 }
 
+/* The record keeps the i32 argmax of every output. */
+static ct_status pool_act_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    (void)mixed, (void)need_dx;
+    c->saved = ct__act_out_numel(m, nd, sh) * 4;
+    return CT_OK;
+}
+
 static const ct_module_ops pool_ops = {"maxpool2d", pool_forward, pool_backward, pool_destroy, 0,
-                                       pool_out_shape, 0};
+                                       pool_out_shape, pool_act_cost, 0};
 
 ct_module *ct_maxpool2d_create(int k, int stride)
 {

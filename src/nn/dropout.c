@@ -18,7 +18,7 @@
  * output or input gradient in place (see activation.c); flatten aliases its
  * input the same way.
  */
-#include "ctrain/nn.h"
+#include "internal.h"
 
 typedef struct {
     float p;
@@ -108,8 +108,21 @@ static ct_status drop_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
 
 static void drop_destroy(ct_module *m) { ct_free(m->impl); }
 
+/* A u8 keep-mask of the input's size, when p > 0. */
+static ct_status drop_act_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    (void)mixed, (void)need_dx;
+    if (ct__dropout_p(m) > 0) c->saved = ct__act_numel(nd, sh);
+    return CT_OK;
+}
+
 static const ct_module_ops drop_ops = {"dropout", drop_forward, drop_backward, drop_destroy, 0,
-                                       ct_module_out_shape_same, 0};
+                                       ct_module_out_shape_same, drop_act_cost, 0};
+
+float ct__dropout_p(const ct_module *m)
+{
+    return m->ops == &drop_ops ? ((const drop_impl *)m->impl)->p : 0.0f;
+}
 
 ct_module *ct_dropout_create(float p)
 {

@@ -107,8 +107,16 @@ static ct_status emb_out_shape(ct_module *m, int ndim, const int64_t *in_shape, 
     return CT_OK;
 }
 
+/* The record keeps the indices. */
+static ct_status emb_act_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    (void)m, (void)nd, (void)sh, (void)mixed, (void)need_dx;
+    c->keep_in = 1;
+    return CT_OK;
+}
+
 static const ct_module_ops emb_ops = {"embedding", emb_forward, emb_backward, emb_destroy, 0,
-                                      emb_out_shape, 0};
+                                      emb_out_shape, emb_act_cost, 0};
 
 ct_module *ct_embedding_create(int64_t num, int64_t dim)
 {

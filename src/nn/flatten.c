@@ -4,7 +4,7 @@
  * copy); the record keeps only the input's shape, not the input itself, so
  * flatten never holds an activation alive.
  */
-#include "ctrain/nn.h"
+#include "internal.h"
 
 typedef struct {
     int ndim;
@@ -69,6 +69,15 @@ static ct_status flat_out_shape(ct_module *m, int ndim, const int64_t *in_shape,
     return CT_OK;
 }
 
-static const ct_module_ops flat_ops = {"flatten", flat_forward, flat_backward, NULL, 0, flat_out_shape, 0};
+/* A view both ways: nothing new. */
+static ct_status flat_act_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    (void)m, (void)nd, (void)sh, (void)mixed, (void)need_dx;
+    c->alias = 1;
+    return CT_OK;
+}
+
+static const ct_module_ops flat_ops = {"flatten", flat_forward, flat_backward, NULL, 0, flat_out_shape,
+                                       flat_act_cost, 0};
 
 ct_module *ct_flatten_create(void) { return ct_module_create(&flat_ops, NULL); }

@@ -21,6 +21,24 @@ static inline const char *ct__nn_name(const ct_module *m)
     return m->fqn && *m->fqn ? m->fqn : "(root)";
 }
 
+/* ---- act_cost helpers (see ct_act_cost) ---- */
+/* Elements of a shape. */
+static inline uint64_t ct__act_numel(int nd, const int64_t *sh)
+{
+    uint64_t n = 1;
+    for (int i = 0; i < nd; i++) n *= (uint64_t)sh[i];
+    return n;
+}
+/* Elements of m's output for an input of in_shape (0 on a shape m rejects). */
+uint64_t ct__act_out_numel(ct_module *m, int nd, const int64_t *sh);
+/* 1 if m's weight (its first parameter) takes a bf16 compute copy when the
+ * run is mixed: a trainable f32 matrix (the layer side of the policy). */
+int ct__act_has_copy(const ct_module *m);
+/* An act_cost for containers whose children run one after another. */
+ct_status ct__act_cost_walk(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c);
+/* The dropout probability of a dropout module (0 for any other). */
+float ct__dropout_p(const ct_module *m);
+
 /* Checks p's compute copy: NULL or a BF16 tensor of data's shape with
  * memory.  *bf16 = 1 when there is one.  The error names the layer and says
  * how to make the copy. */

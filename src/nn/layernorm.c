@@ -256,8 +256,17 @@ static ct_status ln_out_shape(ct_module *m, int ndim, const int64_t *in_shape, i
     return ct_module_out_shape_same(m, ndim, in_shape, out_ndim, out_shape);
 }
 
+/* The record keeps the input and mean and rstd per row (f32 each). */
+static ct_status ln_act_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    (void)m, (void)mixed, (void)need_dx;
+    c->keep_in = 1;
+    c->saved = (nd && sh[nd - 1] ? ct__act_numel(nd, sh) / (uint64_t)sh[nd - 1] : 1) * 8;
+    return CT_OK;
+}
+
 static const ct_module_ops ln_ops = {"layernorm", ln_forward, ln_backward, ln_destroy, 0, ln_out_shape,
-                                   CT_MOD_KEEP_F32};
+                                     ln_act_cost, CT_MOD_KEEP_F32};
 
 ct_module *ct_layernorm_create(int64_t dim, float eps)
 {

@@ -202,8 +202,22 @@ static ct_status linear_out_shape(ct_module *m, int ndim, const int64_t *in_shap
     return CT_OK;
 }
 
+/* The record keeps x, or its bf16 cast when the weight has a compute copy,
+ * whose backward casts dy to bf16 too. */
+static ct_status linear_act_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    (void)need_dx;
+    if (mixed && ct__act_has_copy(m)) {
+        c->saved = ct__act_numel(nd, sh) * 2;
+        c->bwd_tmp = ct__act_out_numel(m, nd, sh) * 2;
+    } else {
+        c->keep_in = 1;
+    }
+    return CT_OK;
+}
+
 static const ct_module_ops linear_ops = {"linear", linear_forward, linear_backward, linear_destroy, 1,
-                                         linear_out_shape, 0};
+                                         linear_out_shape, linear_act_cost, 0};
 
 ct_module *ct_linear_create(int64_t in, int64_t out, int bias)
 {

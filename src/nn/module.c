@@ -273,6 +273,20 @@ ct_status ct_module_out_shape(ct_module *m, int ndim, const int64_t *in_shape, i
     return m->ops->out_shape(m, ndim, in, out_ndim, out_shape);
 }
 
+ct_status ct_module_act_cost(ct_module *m, int ndim, const int64_t *in_shape, int mixed, int need_dx,
+                             ct_act_cost *out)
+{
+    int ond;
+    int64_t osh[CT_MAX_DIMS];
+    CT_TRY(ct_module_out_shape(m, ndim, in_shape, &ond, osh)); /* checks the shape as forward would */
+    *out = (ct_act_cost){0};
+    if (!m->ops->act_cost) { /* a custom kind: keeping both is the most a record usually holds */
+        out->keep_in = out->keep_out = 1;
+        return CT_OK;
+    }
+    return m->ops->act_cost(m, ndim, in_shape, mixed, need_dx, out);
+}
+
 ct_status ct_module_out_shape_same(ct_module *m, int ndim, const int64_t *in_shape,
                                    int *out_ndim, int64_t *out_shape)
 {
@@ -285,6 +299,11 @@ ct_status ct_module_out_shape_same(ct_module *m, int ndim, const int64_t *in_sha
 /* ---- building ---------------------------------------------------------- */
 
 int ct_module_is(const ct_module *m, unsigned flags) { return m && m->ops && (m->ops->flags & flags) == flags; }
+
+int ct_param_takes_bf16_copy(const ct_param *p)
+{
+    return p->requires_grad && p->data->ndim >= 2 && p->data->dtype == CT_F32 && !ct_module_is(p->owner, CT_MOD_KEEP_F32);
+}
 
 ct_module *ct_module_create(const ct_module_ops *ops, void *impl)
 {

@@ -154,7 +154,33 @@ static ct_status block_out_shape(ct_module *m, int ndim, const int64_t *in_shape
     return ct_module_out_shape_same(m, ndim, in_shape, out_ndim, out_shape);
 }
 
-static const ct_module_ops block_ops = {"block", block_forward, block_backward, NULL, 0, block_out_shape, 0};
+/* Per block of rows BT, width D: ln_1 and ln_2 keep their inputs (x here,
+ * h below) and 8 bytes a row; the attention what its act_cost says (it keeps
+ * ln_1's output or its bf16 cast); c_fc and the MLP's c_proj keep their
+ * inputs (bf16 under mixed); gelu keeps gelu'(x); the dropout a byte mask.
+ * Scratch: the attention's, and backward d(gelu) and the branch gradients
+ * (f32: an upper bound under mixed, where d(gelu) may be bf16). */
+static ct_status block_act_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    (void)need_dx;
+    ct_act_cost a = {0};
+    /* ct_module_act_cost ran block_out_shape first: four children, x [B, T, D] */
+    CT_TRY(ct_module_act_cost(m->kids[1], nd, sh, mixed, 1, &a));
+    const ct_module *mlp = m->kids[3];
+    int mdrop = mlp->nkids > 3 && ct__dropout_p(mlp->kids[3]) > 0;
+    uint64_t BT = (uint64_t)sh[0] * (uint64_t)sh[1], D = (uint64_t)sh[2];
+    uint64_t lin = mixed && mlp->nkids && ct__act_has_copy(mlp->kids[0]) ? 2 : 4;
+    c->keep_in = 1;
+    c->saved = 2 * BT * 8 + a.saved + (a.keep_in ? BT * D * 4 : 0) + BT * D * 4 /* h */ +
+               BT * D * lin /* c_fc's input */ + 4 * BT * D * 4 /* gelu'(x) */ + 4 * BT * D * lin /* c_proj's */ +
+               (mdrop ? BT * D : 0);
+    c->fwd_tmp = a.fwd_tmp;
+    c->bwd_tmp = a.bwd_tmp + 4 * BT * D * 4 + 2 * BT * D * 4;
+    return CT_OK;
+}
+
+static const ct_module_ops block_ops = {"block", block_forward, block_backward, NULL, 0, block_out_shape,
+                                        block_act_cost, 0};
 
 ct_module *ct_transformer_block_create(int64_t dim, int heads, float dropout)
 {
@@ -269,8 +295,19 @@ static ct_status tokpos_out_shape(ct_module *m, int ndim, const int64_t *in_shap
 
 static void tokpos_destroy(ct_module *m) { ct_free(m->impl); }
 
+/* The record keeps the i64 positions and the dropout's byte mask; forward
+ * holds the position rows (the sum before dropout) meanwhile. */
+static ct_status tokpos_act_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
+{
+    (void)mixed, (void)need_dx;
+    uint64_t no = ct__act_out_numel(m, nd, sh);
+    c->saved = (uint64_t)(nd > 1 ? sh[1] : 1) * 8 + (ct__dropout_p(m->kids[E_DROP]) > 0 ? no : 0);
+    c->fwd_tmp = no * 4;
+    return CT_OK;
+}
+
 static const ct_module_ops tokpos_ops = {"tokpos_embedding", tokpos_forward, tokpos_backward, tokpos_destroy, 0,
-                                         tokpos_out_shape, 0};
+                                         tokpos_out_shape, tokpos_act_cost, 0};
 
 ct_module *ct_tokpos_embedding_create(int64_t vocab, int64_t context, int64_t dim, float dropout)
 {

@@ -133,15 +133,30 @@ static ct_status refresh(slot_t *sl)
     return CT_OK;
 }
 
-/* Sizes the state slab: each slot's buffers start on a 64-byte boundary so
- * the update loops see aligned data. */
+/* A slot's state buffer in floats: each slot's buffers start on a 64-byte
+ * boundary so the update loops see aligned data. */
+static size_t slot_floats(size_t n) { return (n + 15) & ~(size_t)15; }
+
+/* The slab holds at least this many floats, so that empty slots still get
+ * non-NULL buffers. */
+#define SLAB_MIN_FLOATS 16
+
+uint64_t ct_optim_state_bytes(const ct_optim_opts *o, const int64_t *counts, int n)
+{
+    uint64_t floats = 0, nbufs = (uint64_t)state_bufs(o);
+    for (int i = 0; i < n; i++) floats += slot_floats((size_t)counts[i]) * nbufs;
+    if (nbufs && floats < SLAB_MIN_FLOATS) floats = SLAB_MIN_FLOATS;
+    return floats * sizeof(float);
+}
+
+/* Sizes the state slab. */
 static ct_status layout_state(ct_optim *opt)
 {
     opt->nbufs = state_bufs(&opt->o);
     size_t off = 0;
     for (int i = 0; i < opt->nslots; i++) {
         size_t n = (size_t)opt->slots[i].s.n;
-        size_t padded = (n + 15) & ~(size_t)15;
+        size_t padded = slot_floats(n);
         opt->slots[i].state_off = off;
         size_t add = padded * (size_t)opt->nbufs;
         if (padded < n || (opt->nbufs && add / (size_t)opt->nbufs != padded) || off + add < off)
@@ -358,20 +373,19 @@ void ct_optim_set_step(ct_optim *opt, int64_t step)
 
 /* ---- state and stepping ------------------------------------------------ */
 
-/* At least 16 floats, so that empty slots still get non-NULL buffers. */
 static ct_status ensure_state(ct_optim *opt)
 {
     if (opt->slab || opt->nbufs == 0) return CT_OK;
     if (opt->slab_len > SIZE_MAX / sizeof(float))
         return ct_error(CT_ENOMEM, "optimizer state of %zu floats is too large", opt->slab_len);
-    size_t len = opt->slab_len > 16 ? opt->slab_len : 16;
+    size_t len = opt->slab_len > SLAB_MIN_FLOATS ? opt->slab_len : SLAB_MIN_FLOATS;
     opt->slab = ct_alloc_zeroed(len * sizeof(float), CT_MEM_OPTIM);
     return opt->slab ? CT_OK : CT_ENOMEM;
 }
 
 static float *slot_buf(const ct_optim *opt, const slot_t *sl, int b)
 {
-    size_t padded = ((size_t)sl->s.n + 15) & ~(size_t)15;
+    size_t padded = slot_floats((size_t)sl->s.n);
     return opt->slab + sl->state_off + (size_t)b * padded;
 }
 

@@ -51,7 +51,7 @@ ct_status ct__flat_init(ct__flat *f, ct_param *const *p, int n, int nshards, int
         f->p[j] = p[j];
         f->off[j] = f->numel;
         f->numel += p[j]->data->numel;
-        f->loff[j] = low && ct__mixed_wants_copy(p[j]) ? f->nlow : -1;
+        f->loff[j] = low && ct_param_takes_bf16_copy(p[j]) ? f->nlow : -1;
         if (f->loff[j] >= 0) f->nlow += p[j]->data->numel;
     }
     f->shard = (f->numel + nshards - 1) / nshards;

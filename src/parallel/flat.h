@@ -33,7 +33,7 @@ typedef struct {
 
 /* Lays p[0..n) end to end (no memory for values yet) for a shard group of
  * nshards in which this rank is srank; with low, the parameters that mixed
- * precision gives a copy (ct__mixed_wants_copy) get room in the low part. */
+ * precision gives a copy (ct_param_takes_bf16_copy) get room in the low part. */
 ct_status ct__flat_init(ct__flat *f, ct_param *const *p, int n, int nshards, int srank, int low);
 /* Sets the shard group (ct__flat_init's, until the groups are known). */
 void ct__flat_shard(ct__flat *f, int nshards, int srank);

@@ -157,7 +157,7 @@ ct_status ct__fsdp_build_units(ct_strategy *s, fsdp_t *f)
         for (int q = 0; q < s->nparams && st == CT_OK; q++) {
             if (home[q] < 0) continue;
             ct_param *p = s->params[q];
-            int low = s->common.param_dtype != CT_F32 && ct__mixed_wants_copy(p);
+            int low = s->common.param_dtype != CT_F32 && ct_param_takes_bf16_copy(p);
             fsdp_unit *u = &f->u[unit_of[home[q]]];
             int k = 0;
             while (k < u->nfl && u->fl[k].low != low) k++;

@@ -243,8 +243,5 @@ ct_status ct__mixed_init(ct_strategy *s);
 ct_status ct__mixed_refresh(ct_strategy *s);
 void ct__mixed_refresh_param(ct_strategy *s, ct_param *p);
 void ct__mixed_fini(ct_strategy *s);
-/* The policy: 1 if p gets a compute copy in a lower precision (a trainable
- * f32 parameter of two or more dims outside a norm layer). */
-int ct__mixed_wants_copy(const ct_param *p);
 
 #endif

@@ -14,12 +14,6 @@
 
 #include "internal.h"
 
-int ct__mixed_wants_copy(const ct_param *p)
-{
-    if (!p->requires_grad || p->data->ndim < 2 || p->data->dtype != CT_F32) return 0;
-    return !ct_module_is(p->owner, CT_MOD_KEEP_F32);
-}
-
 ct_status ct__mixed_init(ct_strategy *s)
 {
     if (s->common.param_dtype == CT_F32) return CT_OK;
@@ -32,7 +26,7 @@ ct_status ct__mixed_init(ct_strategy *s)
     s->mp = s; /* from here the copies are this strategy's to free */
     for (int i = 0; i < s->nparams; i++) {
         ct_param *p = s->params[i];
-        if (!ct__mixed_wants_copy(p)) continue;
+        if (!ct_param_takes_bf16_copy(p)) continue;
         p->compute = ct_tensor_empty((ct_dtype)s->common.param_dtype, p->data->ndim, p->data->shape,
                                      CT_MEM_PARAM);
         if (!p->compute) {

@@ -30,7 +30,7 @@ static ct_status branch_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_r
     return ct_module_backward(m->kids[0], dout, din, kr);
 }
 
-static const ct_module_ops branch_ops = {"branch", branch_fwd, branch_bwd, NULL, 0, NULL, 0};
+static const ct_module_ops branch_ops = {"branch", branch_fwd, branch_bwd, NULL, 0, NULL, NULL, 0};
 
 
 /* ---- helpers ------------------------------------------------------------ */

@@ -155,7 +155,7 @@ static ct_status twice_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_re
     return s;
 }
 
-static const ct_module_ops twice_ops = {"twice", twice_fwd, twice_bwd, NULL, 0, NULL, 0};
+static const ct_module_ops twice_ops = {"twice", twice_fwd, twice_bwd, NULL, 0, NULL, NULL, 0};
 
 ct_module *twice_create(ct_module *f)
 {

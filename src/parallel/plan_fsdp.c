@@ -1,0 +1,98 @@
+/*
+ * FSDP's memory plan (fsdp*.c), over the units ct_fsdp_plan says it makes
+ * (the same cut fsdp_units.c gives the strategy): every rank keeps 1/ns of
+ * each unit's flat parameter, gradient and optimizer state (ns the world, or
+ * 1 for sharding=none and ignored modules; the plan knows no nodes, so
+ * hybrid counts as full), and on top what backward has unsharded at once.
+ */
+#include <string.h>
+
+#include "plan.h"
+
+/* FSDP's backward on one rank, replayed over the units other than the root
+ * in the order backward reaches them (the reverse of pre-order), on top of
+ * the root's parameters and gradients, which live through the whole
+ * backward: a unit's parameters are gathered at its pre-backward (and, with
+ * prefetch pre, the next unit's with them; post, after its reduce started),
+ * its gradients get memory, and at its post-backward its reduce starts, the
+ * previous unit's reduce is waited for (its gradients freed) and its
+ * parameters are freed.  grad_op starts with every unit's parameters still
+ * there from forward.  fp/fg: each unit's unsharded parameter and gradient
+ * bytes; peaks in p, g and p + g. */
+static void fsdp_backward(const uint64_t *fp, const uint64_t *fg, int m, uint64_t root_p, uint64_t root_g,
+                          int grad_op, int prefetch, uint64_t peak[3])
+{
+    uint64_t sp = root_p, sg = root_g;
+    for (int k = 0; grad_op && k < m; k++) sp += fp[k];
+    int gathered = -1, prev = -1; /* the unit prefetched; the one whose reduce is in flight */
+#define PEAK()                                           \
+    do {                                                 \
+        peak[0] = sp > peak[0] ? sp : peak[0];           \
+        peak[1] = sg > peak[1] ? sg : peak[1];           \
+        peak[2] = sp + sg > peak[2] ? sp + sg : peak[2]; \
+    } while (0)
+    PEAK();
+    for (int k = m - 1; k >= 0; k--) {
+        if (!grad_op && gathered != k) sp += fp[k];
+        if (!grad_op && prefetch == 1 && k > 0) sp += fp[gathered = k - 1];
+        sg += fg[k];
+        PEAK();
+        if (prev >= 0) sg -= fg[prev];
+        prev = k;
+        sp -= fp[k];
+        if (!grad_op && prefetch == 2 && k > 0) sp += fp[gathered = k - 1];
+        PEAK();
+    }
+#undef PEAK
+}
+
+ct_status ct__plan_fsdp(const ct__plan *pl, ct_mem_plan *out)
+{
+    uint64_t act;
+    CT_TRY(ct__plan_act(pl, pl->rows, (int)ct__plan_num(pl, "grad_accum", 1), ct__plan_is16(pl, "param_dtype"), &act));
+    int n = 0, world = pl->spec->world;
+    CT_TRY(ct_fsdp_plan(pl->model, pl->opts, NULL, 0, &n));
+    ct_fsdp_unit *u = ct_alloc(sizeof *u * (size_t)(n + 1), CT_MEM_OTHER);
+    int64_t *counts = ct_alloc(sizeof *counts * (size_t)(2 * n + 1), CT_MEM_OTHER);
+    uint64_t *fp = ct_alloc(sizeof *fp * (size_t)(2 * n + 2), CT_MEM_OTHER), *fg = fp ? fp + n + 1 : NULL;
+    ct_status st = u && counts && fp ? ct_fsdp_plan(pl->model, pl->opts, u, n, &n) : CT_ENOMEM;
+    char b[64], c[64];
+    const char *sh = ct__plan_opt(pl, "sharding", b, sizeof b), *pf = ct__plan_opt(pl, "backward_prefetch", c, sizeof c);
+    int none = sh && !strcmp(sh, "none"), grad_op = sh && !strcmp(sh, "grad_op");
+    int prefetch = !pf || !strcmp(pf, "pre") ? 1 : !strcmp(pf, "post") ? 2 : 0;
+    uint64_t whole = pl->buffer_bytes; /* what fsdp leaves whole: frozen parameters, buffers */
+    for (int i = 0; i < pl->nparams; i++)
+        if (!pl->params[i]->requires_grad) whole += ct__plan_bytes(pl->params[i]);
+    for (int r = 0; st == CT_OK && r < world; r++) {
+        uint64_t pp = 0, root_p = 0, root_g = 0, peak[3] = {0, 0, 0};
+        int nc = 0, m = 0;
+        for (int i = 0; i < n; i++) {
+            int64_t ns = none || u[i].replicated ? 1 : world;
+            uint64_t p1 = 0, g1 = 0;
+            for (int low = 0; low < 2; low++) {
+                int64_t e = low ? u[i].low : u[i].numel, shard = (e + ns - 1) / ns;
+                if (!e) continue;
+                int64_t owned = e - r * shard;
+                counts[nc++] = ns == 1 ? e : owned < 0 ? 0 : owned > shard ? shard : owned;
+                pp += (uint64_t)shard * 4;
+                p1 += low ? (uint64_t)(shard * ns) * 2 : ns > 1 ? (uint64_t)(shard * ns) * 4 : 0;
+                g1 += (uint64_t)(shard * ns) * 4;
+            }
+            if (u[i].is_root) {
+                root_p += p1;
+                root_g += g1;
+            } else {
+                fp[m] = p1;
+                fg[m++] = g1;
+            }
+        }
+        fsdp_backward(fp, fg, m, root_p, root_g, grad_op, prefetch, peak);
+        uint64_t optim = ct__plan_optim(pl, counts, nc), fixed_g = ct__plan_frozen_grads(pl) + pp;
+        ct__plan_peaks(out, whole + pp + peak[0], fixed_g + peak[1], optim, act, 0,
+                       whole + pp + fixed_g + peak[2] + optim);
+    }
+    ct_free(u);
+    ct_free(counts);
+    ct_free(fp);
+    return st;
+}
