@@ -168,3 +168,41 @@ TEST(rel3_verify_passes_exactly_when_resume_would)
     ASSERT_EQ(RUN(out, "train " TINY " --steps 3 --resume %s", tiny_data(), bad), 1);
     ASSERT_STR_CONTAINS(out, "has no tensor");
 }
+
+/* Issue 24, case 4: a FIFO in a checkpoint directory hung inspect and
+ * --resume forever.  Now every file a checkpoint names is opened without
+ * blocking and must be a regular file: a FIFO in the place of a shard, an
+ * index, the optimizer state or the commit journal is an error naming it. */
+TEST(rel3_fifo_in_a_checkpoint_never_hangs)
+{
+    static char out[OUT_MAX];
+    const char *ck = path_in("ck"), *bad = path_in("bad"), *full = path_in("full.safetensors");
+    ASSERT_EQ(RUN(out, "train " TINY " --steps 2 --save %s --state-dict sharded", tiny_data(), ck), 0);
+    ASSERT_EQ(RUN(out, "train " TINY " --steps 2 --save %s", tiny_data(), full), 0);
+    static const char *const parts[] = {"model-step000002-00000-of-00001.safetensors", "model.safetensors.index.json",
+                                        "optim.safetensors.index.json", "model.safetensors.index.json.commit"};
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
+        char p[1400];
+        sh("rm -rf %s && cp -r %s %s && rm -f %s/%s", bad, ck, bad, bad, parts[i]);
+        snprintf(p, sizeof p, "%s/%s", bad, parts[i]);
+        ASSERT_EQ(mkfifo(p, 0600), 0);
+        int rc = RUN(out, "inspect --verify %s", bad);
+        if (rc != 1) ct_test_fail(__FILE__, __LINE__, "FIFO %s: inspect exit %d:\n%s", parts[i], rc, out);
+        ASSERT_STR_CONTAINS(out, "is not a regular file (a FIFO)");
+        rc = RUN(out, "train " TINY " --steps 3 --resume %s", tiny_data(), bad);
+        if (rc != 1) ct_test_fail(__FILE__, __LINE__, "FIFO %s: resume exit %d:\n%s", parts[i], rc, out);
+        ASSERT_STR_CONTAINS(out, "is not a regular file (a FIFO)");
+    }
+    /* The optimizer file of a full checkpoint, and one reached through a symlink. */
+    char side[1400], link[1400];
+    snprintf(side, sizeof side, "%.*s.optim.safetensors", (int)strlen(full) - 12, full);
+    ASSERT_EQ(unlink(side), 0);
+    ASSERT_EQ(mkfifo(side, 0600), 0);
+    ASSERT_EQ(RUN(out, "train " TINY " --steps 3 --resume %s", tiny_data(), full), 1);
+    ASSERT_STR_CONTAINS(out, "is not a regular file (a FIFO)");
+    ASSERT_EQ(RUN(out, "inspect --verify %s", full), 1);
+    ASSERT_STR_CONTAINS(out, "is not a regular file (a FIFO)");
+    snprintf(link, sizeof link, "%s/link.safetensors", ct_test_tmpdir());
+    ASSERT_EQ(symlink(side, link), 0);
+    ASSERT_EQ(RUN(out, "inspect %s", link), 1);
+}

@@ -89,11 +89,10 @@ ct_status ct_ckpt_recover(const char *anchor)
     char jpath[4096];
     if ((size_t)snprintf(jpath, sizeof jpath, "%s" JOURNAL, anchor) >= sizeof jpath)
         return ct_error(CT_EINVAL, "%s: path too long", anchor);
-    FILE *f = fopen(jpath, "rb");
-    if (!f) {
-        if (errno == ENOENT) return CT_OK;
-        return ct_error(CT_EIO, "%s: cannot open the commit journal: %s", jpath, strerror(errno));
-    }
+    struct stat sb;
+    if (lstat(jpath, &sb) != 0 && errno == ENOENT) return CT_OK;
+    FILE *f;
+    CT_TRY(ct__open_regular(jpath, &f, &sb)); /* never blocks on a FIFO put in its place */
     char *buf = ct_alloc(JOURNAL_MAX, CT_MEM_OTHER);
     if (!buf) {
         fclose(f);
