@@ -7,6 +7,7 @@
  * Each numbered failure of issue 13 has a test here that failed before
  * its fix.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <libgen.h>
 #include <signal.h>
@@ -43,24 +44,48 @@ static long ckpt_step(const char *path, char *out)
     return p ? atol(p + 14) : -1;
 }
 
+/* Files a save left in dir that no checkpoint uses: staged parts and
+ * temporary files, unless a commit journal says they are being committed
+ * (a reader or the next save finishes that). */
+static void no_leftovers(const char *dir, const char *when)
+{
+    DIR *d = opendir(dir);
+    ASSERT(d);
+    struct dirent *e;
+    int journal = 0;
+    char bad[512] = "";
+    while ((e = readdir(d))) {
+        journal |= strstr(e->d_name, ".commit") != NULL;
+        if (strstr(e->d_name, ".staged") || strstr(e->d_name, ".tmp.")) snprintf(bad, sizeof bad, "%s", e->d_name);
+    }
+    closedir(d);
+    if (*bad && !journal) ct_test_fail(__FILE__, __LINE__, "%s: %s/%s is left over", when, dir, bad);
+}
+
 /* Issue 13, failure 1: the model file was renamed into place before the
  * optimizer file was written; when the second write failed (full disk),
  * the pair was out of step and --resume refused both.  Here every step of
  * the save fails in turn with ENOSPC (CTRAIN_FAULT_FAIL_AT): the run exits
- * 1 naming the file, and the checkpoint still verifies and resumes. */
-TEST(rel_failed_save_keeps_the_last_checkpoint)
+ * 1 naming the file, and the checkpoint still verifies and resumes.
+ * Issue 24, case 5: the failed save left X.safetensors.staged (sharded: the
+ * staged indexes, and shards no index lists) behind; now it removes every
+ * file it made before the error returns. */
+static void fail_loop(const char *ck, const char *fmt, const char *dir)
 {
     static char out[OUT_MAX];
-    const char *ck = path_in("run.safetensors");
-    ASSERT_EQ(RUN(out, "train " TINY " --steps 2 --save %s", tiny_data(), ck), 0);
+    ASSERT_EQ(RUN(out, "train " TINY " --steps 2 --save %s%s", tiny_data(), ck, fmt), 0);
     int k, step = 2, failed = 0;
     for (k = 1; k < 400; k++) {
         run_env env = {.fail_at = k};
-        int rc = run_cmd(&env, out, "train " TINY " --steps %d --resume %s --save %s", tiny_data(), step + 2, ck, ck);
+        int rc = run_cmd(&env, out, "train " TINY " --steps %d --resume %s --save %s%s", tiny_data(), step + 2, ck,
+                         ck, fmt);
         if (rc == 0) break;
         if (rc != 1) ct_test_fail(__FILE__, __LINE__, "failing step %d: exit %d, not 1:\n%s", k, rc, out);
         ASSERT_STR_CONTAINS(out, "No space left on device");
         failed++;
+        char when[64];
+        snprintf(when, sizeof when, "after failing step %d", k);
+        no_leftovers(dir, when);
         if (RUN(out, "inspect --verify %s", ck) != 0)
             ct_test_fail(__FILE__, __LINE__, "after failing step %d the checkpoint does not verify:\n%s", k, out);
         long now = ckpt_step(ck, out);
@@ -68,8 +93,19 @@ TEST(rel_failed_save_keeps_the_last_checkpoint)
         step = (int)now;
     }
     ASSERT(k < 400 && failed >= 10);
-    ASSERT_EQ(RUN(out, "train " TINY " --steps %d --resume %s --save %s", tiny_data(), step + 2, ck, ck), 0);
+    ASSERT_EQ(RUN(out, "train " TINY " --steps %d --resume %s --save %s%s", tiny_data(), step + 2, ck, ck, fmt), 0);
     ASSERT_EQ(ckpt_step(ck, out), step + 2);
+    no_leftovers(dir, "at the end");
+}
+
+TEST(rel_failed_save_keeps_the_last_checkpoint)
+{
+    fail_loop(path_in("run.safetensors"), "", ct_test_tmpdir());
+}
+
+TEST(rel_failed_save_keeps_the_last_checkpoint_sharded)
+{
+    fail_loop(path_in("ckdir"), " --state-dict sharded", path_in("ckdir"));
 }
 
 /* Kills a resumed run's save at its k-th file-system step for k = 1, 2, ...
@@ -107,6 +143,9 @@ static void kill_loop(const char *ck, const char *fmt)
     ASSERT(killed >= 10);
     ASSERT(seen_new >= 1); /* killed between the commit point and the end: finished by the reader */
     ASSERT_EQ(RUN(out, "train " TINY " --steps %d --resume %s --save %s%s", tiny_data(), step + 4, ck, ck, fmt), 0);
+    /* what the killed saves left, the next save cleaned */
+    struct stat sb;
+    no_leftovers(stat(ck, &sb) == 0 && S_ISDIR(sb.st_mode) ? ck : ct_test_tmpdir(), "after the last save");
 }
 
 TEST(rel_kill_during_save_full)
