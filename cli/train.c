@@ -303,10 +303,9 @@ static ct_status make_sampler(trainer *t)
         return ct_error(CT_EFORMAT, "%s is at batch %lld of epoch %lld, but an epoch here has %lld batches; resume "
                         "with the same training set", o->resume, (long long)t->pos,
                         (long long)t->epoch, (long long)t->spe);
-    if (t->pos == t->spe) {
-        t->epoch++;
-        t->pos = 0;
-    }
+    /* A save at the end of an epoch records the next epoch (fill_meta), and
+     * older ctrains also its position as spe: that epoch is already counted. */
+    if (t->pos == t->spe) t->pos = 0;
     return ct_sampler_set_epoch(&t->sampler, t->epoch);
 }
 
@@ -522,7 +521,7 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
     CT_TRY(ct_meta_set(model, "ctrain.commit", "%llx-%x-%llx", (unsigned long long)ts.tv_sec, (unsigned)getpid(),
                        (unsigned long long)ts.tv_nsec));
     *side = *model;
-    CT_TRY(ct_meta_set(side, "ctrain.position", "%lld", (long long)t->pos));
+    CT_TRY(ct_meta_set(side, "ctrain.position", "%lld", (long long)(t->pos == t->spe ? 0 : t->pos))); /* as epoch */
     CT_TRY(ct_meta_set(side, "ctrain.batch", "%lld", (long long)o->batch));
     CT_TRY(ct_meta_set(side, "ctrain.shuffle", "%d", t->shuffle));
     CT_TRY(ct_meta_set(side, "ctrain.last_batch", "%s", o->last_batch));

@@ -206,3 +206,42 @@ TEST(rel3_fifo_in_a_checkpoint_never_hangs)
     ASSERT_EQ(symlink(side, link), 0);
     ASSERT_EQ(RUN(out, "inspect %s", link), 1);
 }
+
+/* Issue 24, case 7: a save exactly at the end of an epoch recorded the next
+ * epoch and also the old epoch's last position, so the resume skipped an
+ * epoch and was not bit-exact.  1000 samples in batches of 48: 20 steps an
+ * epoch; saved at step 20, resumed to 40, equal to 40 straight steps (and
+ * the sidecar says epoch 1, batch 0). */
+TEST(rel3_resume_at_an_epoch_boundary_is_bit_exact)
+{
+    static char out[OUT_MAX];
+    const char *a = path_in("e20.safetensors"), *b = path_in("e40r.safetensors"), *c = path_in("e40.safetensors");
+    ASSERT_EQ(RUN(out, "train --model mlp --hidden 16 --limit-train 1000 --batch 48 --threads 1 --log-every 0 "
+                  "--limit-test 64 --steps 20 --save %s", a), 0);
+    ASSERT_STR_CONTAINS(out, "epoch 1.00");
+    char side[700];
+    snprintf(side, sizeof side, "%.*s.optim.safetensors", (int)strlen(a) - 12, a);
+    ASSERT_EQ(RUN(out, "inspect %s", side), 0);
+    ASSERT_STR_CONTAINS(out, "ctrain.epoch = 1\n");
+    ASSERT_STR_CONTAINS(out, "ctrain.position = 0\n");
+    ASSERT_EQ(RUN(out, "train --resume %s --steps 40 --save %s --threads 1 --log-every 0 --limit-train 1000 "
+                  "--limit-test 64", a, b), 0);
+    ASSERT_STR_CONTAINS(out, "steps 20..40");
+    ASSERT_EQ(RUN(out, "train --model mlp --hidden 16 --limit-train 1000 --batch 48 --threads 1 --log-every 0 "
+                  "--limit-test 64 --steps 40 --save %s", c), 0);
+    same_files(b, c);
+    char sb[700], sc[700];
+    snprintf(sb, sizeof sb, "%.*s.optim.safetensors", (int)strlen(b) - 12, b);
+    snprintf(sc, sizeof sc, "%.*s.optim.safetensors", (int)strlen(c) - 12, c);
+    same_files(sb, sc);
+}
+
+/* Issue 24, case 6: `sample --temperature 1e9` said "must be 0 or more". */
+TEST(rel3_sample_temperature_names_its_range)
+{
+    static char out[OUT_MAX];
+    ASSERT_EQ(RUN(out, "sample --checkpoint nowhere.safetensors --temperature 1e9"), 2);
+    ASSERT_STR_CONTAINS(out, "between 0 and 1e6");
+    ASSERT_EQ(RUN(out, "sample --checkpoint nowhere.safetensors --temperature -1"), 2);
+    ASSERT_STR_CONTAINS(out, "between 0 and 1e6");
+}
