@@ -158,6 +158,19 @@ TEST(rel_kill_during_save_sharded)
     kill_loop(path_in("ckdir"), " --state-dict sharded");
 }
 
+/* Issue 24: the strategies and save kinds added since (fsdp's local
+ * pieces, pipe, offload), killed at every step of their saves too. */
+TEST(rel_kill_during_save_local_pieces)
+{
+    kill_loop(path_in("ckloc"), " --strategy fsdp --state-dict local");
+}
+
+TEST(rel_kill_during_save_pipe_and_offload)
+{
+    kill_loop(path_in("ckpipe"), " --strategy pipe --state-dict sharded");
+    kill_loop(path_in("ckoff.safetensors"), " --strategy offload --slices 3");
+}
+
 static int exists(const char *dir, const char *name)
 {
     char p[1400];
