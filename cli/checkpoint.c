@@ -149,17 +149,23 @@ ct_status cli_save(ct_strategy *s, const char *path, const ct_meta *model_meta, 
     char side[4096];
     cli_sidecar_path(path, side, sizeof side);
     CT_TRY(cli_ckpt_recover(g, path)); /* finish an earlier save a crash interrupted */
+    const char *parts[2] = {path, side};
+    int nparts = sidecar_meta ? 2 : 1;
+    if (writer) ct_ckpt_discard(path, parts, 2); /* what a killed save left staged */
     ct_state state;
     ct_status st = ct_strategy_model_state(s, &state);
     if (st == CT_OK && writer) st = save_state(path, &state, model_meta);
     ct_state_fini(&state);
-    CT_TRY(ct_group_check(g, st));
-    if (sidecar_meta) {
+    st = ct_group_check(g, st);
+    if (st == CT_OK && sidecar_meta) {
         st = ct_strategy_optim_state(s, &state);
         if (st == CT_OK && writer) st = save_state(side, &state, sidecar_meta);
         ct_state_fini(&state);
-        CT_TRY(ct_group_check(g, st));
+        st = ct_group_check(g, st);
     }
-    const char *parts[2] = {path, side};
-    return ct_group_check(g, writer ? ct_ckpt_commit(path, parts, sidecar_meta ? 2 : 1) : CT_OK);
+    if (st == CT_OK && writer) st = ct_ckpt_commit(path, parts, nparts);
+    /* A save that failed leaves no staged file (after the commit point there
+     * is a journal, and discard leaves its files for the reader to finish). */
+    if (st != CT_OK && writer) ct_ckpt_discard(path, parts, 2);
+    return ct_group_check(g, st);
 }

@@ -199,6 +199,21 @@ ct_status cli_meta_int(const ct_meta *m, const char *file, const char *key, int6
  * The message names flag and the fix. */
 ct_status cli_check_output(const char *flag, const char *path, int is_dir);
 
+/* ---- the one check that a checkpoint loads (verify.c) -------------------- */
+
+typedef struct {
+    int has_optim; /* its optimizer state is there (and was checked) */
+    int is_ctrain; /* its metadata describes a ctrain model, and it loaded into one */
+} cli_verified;
+/* CT_EFORMAT naming both files and the key unless the model file and its
+ * optimizer state carry the same step, seed, save id and generation. */
+ct_status cli_same_save(const char *path, const ct_safetensors *model, const char *side, const ct_safetensors *optim);
+/* Does what a resume from path does short of training (verify.c says
+ * what): CT_OK exactly when it would load.  need_optim: the optimizer
+ * state must be there too (--resume, a series member).  One process; no
+ * collectives. */
+ct_status cli_ckpt_verify(const char *path, int need_optim, cli_verified *out);
+
 /* ---- a series of checkpoints (series.c): --keep-last, --resume latest -- */
 
 /* The name of the series member of path at step: run.safetensors ->
@@ -207,8 +222,11 @@ void cli_series_path(const char *path, int64_t step, char *buf, size_t n);
 /* Collective: the newest complete checkpoint of the series of save (or
  * save itself) into buf on every rank, "" when there is none. */
 ct_status cli_resolve_latest(ct_group *g, const char *save, char *buf, size_t n);
-/* Collective: rank 0 removes all but the keep newest members of the series. */
-ct_status cli_series_prune(ct_group *g, const char *save, int64_t keep);
+/* Collective: once newest (the member just saved) verifies, rank 0
+ * removes all but the keep newest members of the series that verify, and
+ * the unfinished ones failed saves left; nothing when newest does not
+ * verify (an error saying so). */
+ct_status cli_series_prune(ct_group *g, const char *save, const char *newest, int64_t keep);
 
 /* ---- progress (progress.c) --------------------------------------------- */
 

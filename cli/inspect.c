@@ -2,8 +2,9 @@
  * `ctrain inspect`: what a safetensors file holds (any, not only ctrain's),
  * or a sharded checkpoint through its index: every tensor with its dtype,
  * shape and size, the totals, and the metadata.  --verify checks every
- * tensor against its stored checksum and, for a ctrain checkpoint, that its
- * optimizer state belongs to the same save.  Text from the file is printed
+ * tensor against its stored checksum and, for a ctrain checkpoint, does
+ * what a load does (cli_ckpt_verify): its optimizer state belongs to the
+ * same save and both load into the model its metadata describes.  Text from the file is printed
  * with control characters escaped, so a file cannot drive the terminal.
  */
 #include <string.h>
@@ -18,31 +19,8 @@ static const char usage[] =
     "the total number of parameters and bytes, and the file's metadata.  CKPT may be a\n"
     "sharded checkpoint: its directory, or its index (*.safetensors.index.json).\n"
     "--verify checks every tensor against the crc32 stored when it was saved and, for a\n"
-    "checkpoint ctrain wrote, that its optimizer state is from the same save (exit 1 if not).";
-
-/* The pair check: CKPT's sidecar exists and carries the same save id and step. */
-static ct_status verify_pair(const char *path, const ct_safetensors *st, int *has_side)
-{
-    char side[4096];
-    *has_side = 0;
-    cli_sidecar_path(path, side, sizeof side);
-    if (!ct_safetensors_meta(st, "ctrain.step") || access(side, F_OK) != 0) return CT_OK;
-    *has_side = 1;
-    int checked, unchecked;
-    ct_safetensors *o;
-    CT_TRY(ct_safetensors_verify(side, &checked, &unchecked));
-    CT_TRY(cli_load_file(side, "the optimizer state", &o));
-    static const char *const keys[] = {"ctrain.step", "ctrain.commit", "ctrain.generation"};
-    ct_status s = CT_OK;
-    for (int k = 0; k < 3 && s == CT_OK; k++) {
-        const char *a = ct_safetensors_meta(st, keys[k]), *b = ct_safetensors_meta(o, keys[k]);
-        if ((a || b) && (!a || !b || strcmp(a, b)))
-            s = ct_error(CT_EFORMAT, "%s and its optimizer state %s are from different saves ('%s' is %s and %s); "
-                         "resume from a matching pair", path, side, keys[k], a ? a : "absent", b ? b : "absent");
-    }
-    ct_safetensors_destroy(o);
-    return s;
-}
+    "checkpoint ctrain wrote, that it and its optimizer state (from the same save) load into\n"
+    "the model its metadata describes, exactly as --resume would (exit 1 if not).";
 
 int cli_inspect(int argc, char **argv)
 {
@@ -99,16 +77,18 @@ int cli_inspect(int argc, char **argv)
                cli_printable(ct_safetensors_meta_value(st, i), val, sizeof val));
     rc = CLI_OK;
     if (verify) {
-        int checked, unchecked, has_side;
+        int checked, unchecked;
+        cli_verified v;
         s = ct_safetensors_verify(pos[0], &checked, &unchecked);
-        if (s == CT_OK) s = verify_pair(pos[0], st, &has_side);
+        if (s == CT_OK) s = cli_ckpt_verify(pos[0], 0, &v); /* what a load does: verify means loadable */
         if (s != CT_OK) {
             cli_err("inspect", "verify failed: %s", ct_last_error());
             rc = CLI_RUNTIME;
         } else {
             printf("verify: %d tensor%s match their checksums", checked, checked == 1 ? "" : "s");
             if (unchecked) printf(", %d without checksums (written by another tool or an older ctrain)", unchecked);
-            printf("%s\n", has_side ? "; the optimizer state is from the same save and intact" : "");
+            if (v.is_ctrain) printf("; it loads into the model its metadata describes");
+            printf("%s\n", v.has_optim ? "; the optimizer state is from the same save, intact and loads" : "");
         }
     }
     ct_safetensors_destroy(st);

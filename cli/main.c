@@ -30,15 +30,17 @@ static int version(int argc, char **argv)
 {
     (void)argv;
     if (argc > 0 && (!strcmp(argv[0], "--help") || !strcmp(argv[0], "-h"))) {
-        printf("usage: ctrain version\n\nPrints the version, the BLAS kernel and how it was chosen.\n");
+        printf("usage: ctrain version\n\nPrints the version, the BLAS kernel and OpenMP's wait policy, and how "
+               "each was chosen.\n");
         return CLI_OK;
     }
     if (argc > 0) {
         fprintf(stderr, "ctrain version: unexpected argument '%s'; it takes none\n", argv[0]);
         return CLI_USAGE;
     }
-    printf("ctrain %s\nBLAS: OpenBLAS, kernel %s (%s), %d threads\nstrategies: %s\nmodels: %s\n", CT_VERSION,
-           ct_blas_corename(), ct_blas_kernel_source(), ct_blas_get_threads(), ct_strategy_list(), ct_model_list());
+    printf("ctrain %s\nBLAS: OpenBLAS, kernel %s (%s), %d threads\nOpenMP (oneDNN's threads): wait policy %s\n"
+           "strategies: %s\nmodels: %s\n", CT_VERSION, ct_blas_corename(), ct_blas_kernel_source(),
+           ct_blas_get_threads(), ct_omp_wait_policy(), ct_strategy_list(), ct_model_list());
     return CLI_OK;
 }
 
@@ -60,7 +62,8 @@ static int dispatch(int argc, char **argv)
 
 int main(int argc, char **argv)
 {
-    /* First thing: may start this program again with OpenBLAS's fast kernel. */
+    /* First thing: may start this program again with OpenBLAS's fast kernel
+     * and OpenMP threads that sleep rather than spin. */
     if (ct_blas_select_kernel(argc, argv) != CT_OK) fprintf(stderr, "ctrain: warning: %s\n", ct_last_error());
     int rc = dispatch(argc, argv);
     ct_gemm_cache_clear(); /* oneDNN primitives cached by the products */

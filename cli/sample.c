@@ -93,7 +93,9 @@ int cli_sample(int argc, char **argv)
     if (rc == 0) {
         if (!o.ckpt) snprintf(err, sizeof err, "ctrain sample: --checkpoint CKPT is required (a gpt saved by ctrain train --save)"), rc = CLI_USAGE;
         else if (o.tokens < 0) snprintf(err, sizeof err, "ctrain sample: --tokens %lld must not be negative", (long long)o.tokens), rc = CLI_USAGE;
-        else if (!(o.temperature >= 0) || o.temperature > 1e6) snprintf(err, sizeof err, "ctrain sample: --temperature %g must be 0 or more", o.temperature), rc = CLI_USAGE;
+        else if (!(o.temperature >= 0) || o.temperature > 1e6) /* past 1e6 every byte is as likely: noise */
+            snprintf(err, sizeof err, "ctrain sample: --temperature %g must be between 0 and 1e6 (0 picks the most "
+                     "likely byte; large values approach uniform noise)", o.temperature), rc = CLI_USAGE;
         else if (o.top_k < 0) snprintf(err, sizeof err, "ctrain sample: --top-k %lld must not be negative (0: all)", (long long)o.top_k), rc = CLI_USAGE;
         else if (o.seed < 0) snprintf(err, sizeof err, "ctrain sample: --seed %lld must not be negative", (long long)o.seed), rc = CLI_USAGE;
     }

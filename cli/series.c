@@ -3,11 +3,11 @@
  * under its own name, CKPT with the step in it (run.safetensors ->
  * run-step00000100.safetensors and its run-step00000100.optim.safetensors;
  * a sharded directory ckpt -> ckpt-step00000100), each committed as one
- * unit, and after each save removes all but the K newest.  `--resume
- * latest` continues from the newest complete checkpoint of the series that
- * --save names (or CKPT itself, saved without --keep-last), and starts a new
+ * unit, and once a save verifies removes all but the K newest members
+ * that verify.  `--resume latest` continues from the newest member that
+ * verifies (or CKPT itself, saved without --keep-last), and starts a new
  * run when there is none yet, so a preemptible job can be restarted with
- * the same command line.
+ * the same command line.  "Verifies" is cli_ckpt_verify: it would load.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -93,21 +93,37 @@ static ct_status list_members(const char *path, int64_t **steps, int *n)
     return st;
 }
 
-/* A checkpoint is complete when a crash left no commit to finish (or it
- * was finished now) and its model and optimizer state are both there. */
-static int complete(const char *ck)
+/* A member counts as a checkpoint only when it verifies: it loads, with its
+ * optimizer state, exactly as --resume would load it (cli_ckpt_verify).
+ * An empty directory a failed save left, or a damaged member, is none. */
+static int verifies(const char *ck)
+{
+    cli_verified v;
+    if (cli_ckpt_verify(ck, 1, &v) == CT_OK) return 1;
+    ct_clear_error();
+    return 0;
+}
+
+/* What a save that failed or was killed leaves: a member without the file
+ * that makes it one (its index, or its optimizer state), so no load could
+ * ever use it.  A member that has both but does not verify is damaged, not
+ * unfinished: it is not counted, but left for the user to look at. */
+static int unfinished(const char *ck)
 {
     char side[4096];
-    if (cli_ckpt_recover(NULL, ck) != CT_OK) return 0;
-    cli_sidecar_path(ck, side, sizeof side);
     struct stat sb;
+    if (cli_ckpt_recover(NULL, ck) != CT_OK) {
+        ct_clear_error();
+        return 0;
+    }
     if (stat(ck, &sb) != 0) return 0;
     if (S_ISDIR(sb.st_mode)) {
         char idx[4200];
         snprintf(idx, sizeof idx, "%s/model.safetensors.index.json", ck);
-        if (access(idx, F_OK) != 0) return 0;
+        if (access(idx, F_OK) != 0) return 1;
     }
-    return access(side, F_OK) == 0;
+    cli_sidecar_path(ck, side, sizeof side);
+    return access(side, F_OK) != 0;
 }
 
 /* The step a checkpoint saved without --keep-last is at, -1 if unreadable. */
@@ -135,14 +151,15 @@ static ct_status find_latest(const char *save, char *buf, size_t n)
     for (int i = 0; i < count; i++) {
         char p[4096];
         cli_series_path(save, steps[i], p, sizeof p);
-        if (complete(p)) {
+        if (verifies(p)) {
             best = steps[i];
             snprintf(buf, n, "%s", p);
             break;
         }
     }
     ct_free(steps);
-    if (complete(save)) {
+    struct stat sb;
+    if (stat(save, &sb) == 0 && verifies(save)) {
         int64_t s = saved_step(save);
         if (s > best) snprintf(buf, n, "%s", save);
     }
@@ -187,22 +204,39 @@ static ct_status remove_member(const char *ck)
     return CT_OK;
 }
 
-static ct_status prune(const char *save, int64_t keep)
+/* Rank 0, after a save to newest: removes all but the keep newest members
+ * that verify, and the unfinished ones a failed or killed save left.
+ * Nothing goes unless newest itself verifies, so a save that went wrong
+ * never costs a checkpoint, and the newest verifiable member always stays
+ * (keep >= 1). */
+static ct_status prune(const char *save, const char *newest, int64_t keep)
 {
+    cli_verified v;
+    ct_status st = cli_ckpt_verify(newest, 1, &v);
+    if (st != CT_OK) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", ct_last_error());
+        return ct_error(st, "--keep-last: the checkpoint just saved does not verify, so no older one is removed: "
+                        "%s", why);
+    }
     int64_t *steps;
     int count;
     CT_TRY(list_members(save, &steps, &count));
-    ct_status st = CT_OK;
-    for (int i = (int)keep; i < count && st == CT_OK; i++) {
+    int64_t kept = 0;
+    for (int i = 0; i < count && st == CT_OK; i++) {
         char p[4096];
         cli_series_path(save, steps[i], p, sizeof p);
-        st = remove_member(p);
+        if (!strcmp(p, newest) || verifies(p)) {
+            if (++kept > keep) st = remove_member(p);
+        } else if (unfinished(p)) {
+            st = remove_member(p);
+        }
     }
     ct_free(steps);
     return st;
 }
 
-ct_status cli_series_prune(ct_group *g, const char *save, int64_t keep)
+ct_status cli_series_prune(ct_group *g, const char *save, const char *newest, int64_t keep)
 {
-    return ct_group_check(g, ct_group_rank(g) == 0 ? prune(save, keep) : CT_OK);
+    return ct_group_check(g, ct_group_rank(g) == 0 ? prune(save, newest, keep) : CT_OK);
 }

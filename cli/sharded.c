@@ -63,6 +63,10 @@ static ct_status prepare_dir(const char *dir, int64_t step, int64_t *gen)
     char anchor[4096];
     snprintf(anchor, sizeof anchor, "%s/model.safetensors.index.json", dir);
     CT_TRY(ct_ckpt_recover(anchor)); /* an earlier save's interrupted commit first */
+    char oidx[4096];
+    snprintf(oidx, sizeof oidx, "%s/optim.safetensors.index.json", dir);
+    const char *idx[2] = {anchor, oidx};
+    ct_ckpt_discard(anchor, idx, 2); /* indexes a killed save left staged (its shards go in remove_old) */
     for (*gen = 0;; ++*gen) {
         char tag[64], pre[2][80];
         gen_tag(tag, sizeof tag, step, *gen);
@@ -204,6 +208,19 @@ static ct_status remove_old(const char *dir, const char *tag)
     return st;
 }
 
+/* Removes the new shard files of ranks [r0, r1) (generation tag), which
+ * no index lists because the save failed. */
+static void take_back(const char *dir, const char *tag, int r0, int r1, int size)
+{
+    for (int r = r0; r < r1; r++)
+        for (int k = 0; k < 2; k++) {
+            char file[FNAME], path[4096];
+            shard_name(file, sizeof file, k, tag, r, size);
+            snprintf(path, sizeof path, "%s/%s", dir, file);
+            unlink(path);
+        }
+}
+
 ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model_meta, const ct_meta *sidecar_meta,
                            int64_t step, int local)
 {
@@ -230,18 +247,12 @@ ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model
         rc = write_share(dir, file, &st[k], &bytes[k]);
     }
     rc = ct_group_check(g, rc);
-    if (rc != CT_OK) /* no index lists them: take this rank's new files back */
-        for (int k = 0; k < 2; k++) {
-            char path[4096];
-            shard_name(file, sizeof file, k, tag, rank, size);
-            snprintf(path, sizeof path, "%s/%s", dir, file);
-            unlink(path);
-        }
     if (rc == CT_OK) {
         counts = ct_alloc_zeroed(sizeof *counts * 4 * (size_t)size, CT_MEM_OTHER);
         rc = ct_group_check(g, counts ? CT_OK : CT_ENOMEM);
     }
     if (rc == CT_OK) rc = gather_names(g, st, bytes, counts, &packed);
+    if (rc != CT_OK) take_back(dir, tag, rank, rank + 1, size); /* no index lists them */
 
     /* Rank 0 makes the new shards the checkpoint: the optimizer's index, the
      * model's, then the older files go. */
@@ -254,6 +265,8 @@ ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model
             r0 = write_index(dir, 1, tag, size, counts, packed, sidecar_meta);
             if (r0 == CT_OK) r0 = write_index(dir, 0, tag, size, counts, packed, model_meta);
             if (r0 == CT_OK) r0 = ct_ckpt_commit(idx[0], parts, 2); /* both indexes become current at once */
+            /* A save that failed before its commit point leaves no file behind: no staged index, no shard. */
+            if (r0 != CT_OK && ct_ckpt_discard(idx[0], parts, 2)) take_back(dir, tag, 0, size, size);
             if (r0 == CT_OK) r0 = remove_old(dir, tag);
         }
         rc = ct_group_check(g, r0);

@@ -152,12 +152,9 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
     CT_TRY(cli_meta_int(m, side, "ctrain.position", &t->pos));
     ct_meta mm;
     CT_TRY(cli_file_meta(t->ck, &mm));
-    /* Sharded: both indexes name the save they belong to. */
-    const char *gm = ct_meta_get(&mm, "ctrain.generation"), *gs = ct_meta_get(m, "ctrain.generation");
-    const char *cm = ct_meta_get(&mm, "ctrain.commit"), *cs = ct_meta_get(m, "ctrain.commit");
-    int same_save = ((!gm && !gs) || (gm && gs && !strcmp(gm, gs))) && ((!cm && !cs) || (cm && cs && !strcmp(cm, cs)));
+    CT_TRY(cli_same_save(o->resume, t->ck, side, t->side)); /* the check inspect --verify makes */
     int64_t mseed = -1;
-    if (cli_meta_int(&mm, o->resume, "ctrain.step", &mstep) != CT_OK || mstep != t->step || !same_save ||
+    if (cli_meta_int(&mm, o->resume, "ctrain.step", &mstep) != CT_OK || mstep != t->step ||
         cli_meta_int(&mm, o->resume, "ctrain.seed", &mseed) != CT_OK || mseed != o->seed)
         return ct_error(CT_EFORMAT, "%s and %s are from different saves (put together by hand?); resume from a "
                         "matching pair, or use --init for the weights alone", o->resume, side);
@@ -306,10 +303,9 @@ static ct_status make_sampler(trainer *t)
         return ct_error(CT_EFORMAT, "%s is at batch %lld of epoch %lld, but an epoch here has %lld batches; resume "
                         "with the same training set", o->resume, (long long)t->pos,
                         (long long)t->epoch, (long long)t->spe);
-    if (t->pos == t->spe) {
-        t->epoch++;
-        t->pos = 0;
-    }
+    /* A save at the end of an epoch records the next epoch (fill_meta), and
+     * older ctrains also its position as spe: that epoch is already counted. */
+    if (t->pos == t->spe) t->pos = 0;
     return ct_sampler_set_epoch(&t->sampler, t->epoch);
 }
 
@@ -412,9 +408,12 @@ static ct_status setup(trainer *t)
             cli_config_str(&t->cfg, mine, sizeof mine);
             ct_meta m;
             ct_model_config c;
-            if (cli_file_meta(t->ck, &m) == CT_OK && ct_model_config_from_meta(&m, &c) == CT_OK)
+            int told = cli_file_meta(t->ck, &m) == CT_OK && ct_model_config_from_meta(&m, &c) == CT_OK;
+            if (told && strcmp(cli_config_str(&c, theirs, sizeof theirs), mine))
                 st = ct_error(st, "%s holds %s, not the %s this run builds: %s", o->resume ? o->resume : o->init,
-                              cli_config_str(&c, theirs, sizeof theirs), mine, why);
+                              theirs, mine, why);
+            else if (told) /* the model it describes is this one: the file itself is at fault */
+                st = ct_error(st, "%s does not load: %s", o->resume ? o->resume : o->init, why);
             else
                 st = ct_error(st, "%s does not fit this %s: %s", o->resume ? o->resume : o->init, mine, why);
         }
@@ -522,7 +521,7 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
     CT_TRY(ct_meta_set(model, "ctrain.commit", "%llx-%x-%llx", (unsigned long long)ts.tv_sec, (unsigned)getpid(),
                        (unsigned long long)ts.tv_nsec));
     *side = *model;
-    CT_TRY(ct_meta_set(side, "ctrain.position", "%lld", (long long)t->pos));
+    CT_TRY(ct_meta_set(side, "ctrain.position", "%lld", (long long)(t->pos == t->spe ? 0 : t->pos))); /* as epoch */
     CT_TRY(ct_meta_set(side, "ctrain.batch", "%lld", (long long)o->batch));
     CT_TRY(ct_meta_set(side, "ctrain.shuffle", "%d", t->shuffle));
     CT_TRY(ct_meta_set(side, "ctrain.last_batch", "%s", o->last_batch));
@@ -551,7 +550,7 @@ static ct_status save(trainer *t)
     if (o->keep_last) cli_series_path(o->save, t->step, t->saved, sizeof t->saved);
     if (sharded(t)) CT_TRY(cli_save_sharded(t->s, t->saved, &mm, &sm, t->step, !strcmp(o->state_dict, "local")));
     else CT_TRY(cli_save(t->s, t->saved, &mm, &sm));
-    return o->keep_last ? cli_series_prune(t->g, o->save, o->keep_last) : CT_OK;
+    return o->keep_last ? cli_series_prune(t->g, o->save, t->saved, o->keep_last) : CT_OK;
 }
 
 

@@ -13,7 +13,7 @@ set -e
 B=${B:-build-fuzz}
 RUNS=${FUZZ_RUNS:-1000000}
 SECONDS_MAX=${FUZZ_SECONDS:-1800}
-TARGETS=${FUZZ:-"safetensors json idx index args"}
+TARGETS=${FUZZ:-"safetensors json idx index pieces args"}
 
 probe() { printf 'int LLVMFuzzerTestOneInput(const unsigned char *d, unsigned long n){(void)d;(void)n;return 0;}\n' |
           clang -x c -fsanitize=fuzzer,address,undefined -o /dev/null - >/dev/null 2>&1; }

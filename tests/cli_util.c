@@ -1,5 +1,7 @@
 /* See cli_util.h. */
 #include <libgen.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -99,3 +101,78 @@ void same_files(const char *a, const char *b)
     ct_safetensors_destroy(x);
     ct_safetensors_destroy(y);
 }
+
+
+int run_cmd(const run_env *env, char *out, const char *fmt, ...)
+{
+    char args[4096], cmd[8192];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    if (!strncmp(args, "mpirun ", 7)) /* "mpirun ... -np 1 CTRAIN args : ...": CTRAIN is build/ctrain */
+        snprintf(cmd, sizeof cmd, "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 CTRAIN=%s/ctrain; "
+                 "exec mpirun --oversubscribe --bind-to none %s 2>&1", cli_bin_dir(), args + 7);
+    else
+        snprintf(cmd, sizeof cmd, "exec %s/ctrain %s 2>&1", cli_bin_dir(), args);
+    int fd[2];
+    ASSERT_EQ(pipe(fd), 0);
+    pid_t pid = fork();
+    ASSERT(pid >= 0);
+    if (pid == 0) {
+        dup2(fd[1], 1);
+        close(fd[0]);
+        close(fd[1]);
+        char k[32];
+        if (env && env->kill_at > 0) {
+            snprintf(k, sizeof k, "%d", env->kill_at);
+            setenv("CTRAIN_FAULT_KILL_AT", k, 1);
+        }
+        if (env && env->fail_at > 0) {
+            snprintf(k, sizeof k, "%d", env->fail_at);
+            setenv("CTRAIN_FAULT_FAIL_AT", k, 1);
+        }
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    close(fd[1]);
+    size_t n = 0;
+    ssize_t r;
+    while ((r = read(fd[0], out + n, OUT_MAX - 1 - n)) > 0) n += (size_t)r;
+    out[n] = 0;
+    close(fd[0]);
+    int st;
+    ASSERT_EQ(waitpid(pid, &st, 0), pid);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -WTERMSIG(st);
+}
+
+/* Writes an IDX file: magic 0x0803 (images n x 28 x 28) or 0x0801 (labels). */
+void write_idx(const char *dir, const char *name, int images, int n)
+{
+    char path[1400];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    ASSERT(f);
+    unsigned char hdr[16] = {0, 0, 8, images ? 3 : 1, (unsigned char)(n >> 24), (unsigned char)(n >> 16),
+                             (unsigned char)(n >> 8), (unsigned char)n, 0, 0, 0, 28, 0, 0, 0, 28};
+    ASSERT_EQ(fwrite(hdr, 1, images ? 16 : 8, f), (size_t)(images ? 16 : 8));
+    for (long i = 0; i < (long)n * (images ? 784 : 1); i++)
+        fputc(images ? (int)((i * 2654435761u) >> 24) : (int)(i % 10), f);
+    ASSERT_EQ(fclose(f), 0);
+}
+
+/* A small data set in the Fashion-MNIST layout (256 training and 64 test
+ * images), so each run spends its time on what is tested, not on loading. */
+const char *tiny_data(void)
+{
+    static char dir[700];
+    snprintf(dir, sizeof dir, "%s/data", ct_test_tmpdir());
+    if (access(dir, F_OK) == 0) return dir;
+    ASSERT_EQ(mkdir(dir, 0777), 0);
+    write_idx(dir, "train-images-idx3-ubyte", 1, 256);
+    write_idx(dir, "train-labels-idx1-ubyte", 0, 256);
+    write_idx(dir, "t10k-images-idx3-ubyte", 1, 64);
+    write_idx(dir, "t10k-labels-idx1-ubyte", 0, 64);
+    return dir;
+}
+

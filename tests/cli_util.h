@@ -15,6 +15,21 @@ const char *cli_bin_dir(void);
 int run_sh(int np, const char *prefix, char *out, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 #define run_np(np, out, ...) run_sh(np, "", out, __VA_ARGS__)
 #define RUN(out, ...) run_sh(0, "", out, __VA_ARGS__)
+/* How a run is set up: fault injection for the checkpoint code. */
+typedef struct {
+    int kill_at;    /* > 0: CTRAIN_FAULT_KILL_AT */
+    int fail_at;    /* > 0: CTRAIN_FAULT_FAIL_AT */
+} run_env;
+/* Runs "sh -c CMD" (CMD's ctrain is build/ctrain; "mpirun ARGS" runs
+ * "mpirun --oversubscribe ARGS" with $CTRAIN the ctrain binary) with
+ * stderr joined to stdout into out; returns the exit code, or -SIG when a
+ * signal ended it. */
+int run_cmd(const run_env *env, char *out, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* A small data set in the Fashion-MNIST layout under the test's temporary
+ * directory (256 training and 64 test images); its directory. */
+const char *tiny_data(void);
+/* Writes dir/name, an IDX file of n 28x28 images (images != 0) or n labels. */
+void write_idx(const char *dir, const char *name, int images, int n);
 int count_lines(const char *s);
 int occurrences(const char *s, const char *needle);
 /* The number after "key" in s (e.g. "final train loss "); fails the test if absent. */

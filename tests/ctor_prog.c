@@ -46,6 +46,7 @@ int main(int argc, char **argv)
     const char *core = getenv("OPENBLAS_CORETYPE");
     printf("constructor runs in this image: %d\n", ctor_runs);
     printf("OPENBLAS_CORETYPE: %s\n", core ? core : "(unset)");
+    printf("OMP_WAIT_POLICY: %s\n", getenv("OMP_WAIT_POLICY") ? getenv("OMP_WAIT_POLICY") : "(unset)");
     printf("kernel %s (%s)\n", ct_blas_corename(), ct_blas_kernel_source());
     return 0;
 }

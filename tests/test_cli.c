@@ -509,10 +509,13 @@ TEST(cli_fsdp_checkpoints_move_between_world_sizes_and_strategies)
 }
 
 /* Each rank's own pieces (--state-dict local, nothing gathered) load at
- * another world size and under another strategy. */
+ * another world size and under another strategy.  fsdp's under pipe failed
+ * before (issue 24, case 3): a stage's model lacks the other stages'
+ * tensors, so their pieces "belonged to no tensor". */
 TEST(cli_local_checkpoints_move_between_world_sizes_and_strategies)
 {
     resume_case("fsdp", 2, "fsdp", 3, "local");
+    resume_case("fsdp", 2, "pipe", 3, "local");
     resume_case("zero2", 3, "ddp", 2, "local");
     resume_case("ddp", 2, "fsdp", 4, "local");
 }

@@ -125,7 +125,8 @@ static const char *run_prog(const char *rel, const char *args, const char *const
 {
     static char out[4096];
     static const char *ours[] = {"OPENBLAS_CORETYPE", "CTRAIN_CORETYPE_AUTO", "CTRAIN_NO_REEXEC",
-                                 "CTRAIN_BLAS_DISTRUST", "CTOR_PROG_LOG", NULL};
+                                 "CTRAIN_BLAS_DISTRUST", "CTOR_PROG_LOG", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                 "CTRAIN_OMP_WAIT_AUTO", NULL};
     char path[PATH_MAX + 16], cmd[PATH_MAX + 128];
     built_path(path, sizeof path, rel);
     for (int i = 0; ours[i]; i++) unsetenv(ours[i]);
@@ -263,7 +264,7 @@ TEST(core_blas_select_kernel_reexecs_once)
         snprintf(want, sizeof want, "OPENBLAS_CORETYPE: %s", k);
         ASSERT_STR_CONTAINS(out, want);
     } else {
-        ASSERT_EQ(log_lines(log), 1); /* nothing better to choose */
+        ASSERT_EQ(log_lines(log), 2); /* no better kernel, but the wait policy to set */
         ASSERT_STR_CONTAINS(out, "(OpenBLAS default)");
     }
 
@@ -275,9 +276,38 @@ TEST(core_blas_select_kernel_reexecs_once)
 
     unlink(log);
     out = run_prog("ctor_prog", "--select", (const char *[]){"CTRAIN_BLAS_DISTRUST", "1", "OPENBLAS_CORETYPE",
-                                                             "Haswell", "CTOR_PROG_LOG", log, NULL});
-    ASSERT_EQ(log_lines(log), 1);
+                                                             "Haswell", "OMP_WAIT_POLICY", "ACTIVE", "CTOR_PROG_LOG",
+                                                             log, NULL});
+    ASSERT_EQ(log_lines(log), 1); /* both the user's: nothing to do */
     ASSERT_STR_CONTAINS(out, "kernel Haswell (user's OPENBLAS_CORETYPE)");
+
+    /* The kernel the user's, the wait policy not: one re-exec, for the policy only. */
+    unlink(log);
+    out = run_prog("ctor_prog", "--select", (const char *[]){"CTRAIN_BLAS_DISTRUST", "1", "OPENBLAS_CORETYPE",
+                                                             "Haswell", "CTOR_PROG_LOG", log, NULL});
+    ASSERT_EQ(log_lines(log), 2);
+    ASSERT_STR_CONTAINS(out, "kernel Haswell (user's OPENBLAS_CORETYPE)");
+    ASSERT_STR_CONTAINS(out, "OMP_WAIT_POLICY: PASSIVE");
+}
+
+/* Issue 24, case 8: with 2 oneDNN threads per rank on shared cores,
+ * libgomp's spinning threads made a bf16 GPT step 10x slower unless the
+ * user knew to set OMP_WAIT_POLICY=PASSIVE.  ctrain now sets it (one
+ * re-exec, with the kernel's), respects the user's OMP_WAIT_POLICY or
+ * GOMP_SPINCOUNT, and `ctrain version` says which policy runs and why. */
+TEST(core_omp_wait_policy_chosen)
+{
+    const char *out = run_version((const char *[]){NULL});
+    ASSERT_STR_CONTAINS(out, "wait policy PASSIVE (set by ctrain");
+    out = run_version((const char *[]){"OMP_WAIT_POLICY", "ACTIVE", NULL});
+    ASSERT_STR_CONTAINS(out, "wait policy ACTIVE (user's OMP_WAIT_POLICY)");
+    out = run_version((const char *[]){"GOMP_SPINCOUNT", "1000", NULL});
+    ASSERT_STR_CONTAINS(out, "(user's GOMP_SPINCOUNT)");
+    /* The mark alone does not make a user's value ours. */
+    out = run_version((const char *[]){"OMP_WAIT_POLICY", "ACTIVE", "CTRAIN_OMP_WAIT_AUTO", "PASSIVE", NULL});
+    ASSERT_STR_CONTAINS(out, "wait policy ACTIVE (user's OMP_WAIT_POLICY)");
+    out = run_version((const char *[]){"CTRAIN_NO_REEXEC", "1", NULL});
+    ASSERT_STR_CONTAINS(out, "libgomp's default");
 }
 
 /* ct_blas_warn_if_slow: one line naming the fix, once per process; silent

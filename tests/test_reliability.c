@@ -7,6 +7,7 @@
  * Each numbered failure of issue 13 has a test here that failed before
  * its fix.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <libgen.h>
 #include <signal.h>
@@ -18,91 +19,9 @@
 
 #include "cli_util.h"
 
-/* How a run ended: exit code, or -signal when killed. */
-typedef struct {
-    int kill_at;    /* > 0: CTRAIN_FAULT_KILL_AT */
-    int fail_at;    /* > 0: CTRAIN_FAULT_FAIL_AT */
-} run_env;
-
-/* Runs "sh -c CMD" (CMD's ctrain is build/ctrain) with stderr joined to
- * stdout into out; returns the exit code, or -SIG when a signal ended it. */
-static int run_cmd(const run_env *env, char *out, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int run_cmd(const run_env *env, char *out, const char *fmt, ...)
-{
-    char args[4096], cmd[8192];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(args, sizeof args, fmt, ap);
-    va_end(ap);
-    if (!strncmp(args, "mpirun ", 7)) /* "mpirun ... -np 1 CTRAIN args : ...": CTRAIN is build/ctrain */
-        snprintf(cmd, sizeof cmd, "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 CTRAIN=%s/ctrain; "
-                 "exec mpirun --oversubscribe --bind-to none %s 2>&1", cli_bin_dir(), args + 7);
-    else
-        snprintf(cmd, sizeof cmd, "exec %s/ctrain %s 2>&1", cli_bin_dir(), args);
-    int fd[2];
-    ASSERT_EQ(pipe(fd), 0);
-    pid_t pid = fork();
-    ASSERT(pid >= 0);
-    if (pid == 0) {
-        dup2(fd[1], 1);
-        close(fd[0]);
-        close(fd[1]);
-        char k[32];
-        if (env && env->kill_at > 0) {
-            snprintf(k, sizeof k, "%d", env->kill_at);
-            setenv("CTRAIN_FAULT_KILL_AT", k, 1);
-        }
-        if (env && env->fail_at > 0) {
-            snprintf(k, sizeof k, "%d", env->fail_at);
-            setenv("CTRAIN_FAULT_FAIL_AT", k, 1);
-        }
-        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-        _exit(127);
-    }
-    close(fd[1]);
-    size_t n = 0;
-    ssize_t r;
-    while ((r = read(fd[0], out + n, OUT_MAX - 1 - n)) > 0) n += (size_t)r;
-    out[n] = 0;
-    close(fd[0]);
-    int st;
-    ASSERT_EQ(waitpid(pid, &st, 0), pid);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -WTERMSIG(st);
-}
-
 /* this file's RUN reports signals (-SIG), which the kill loop needs */
 #undef RUN
 #define RUN(out, ...) run_cmd(NULL, out, __VA_ARGS__)
-
-/* Writes an IDX file: magic 0x0803 (images n x 28 x 28) or 0x0801 (labels). */
-static void write_idx(const char *dir, const char *name, int images, int n)
-{
-    char path[1400];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "wb");
-    ASSERT(f);
-    unsigned char hdr[16] = {0, 0, 8, images ? 3 : 1, (unsigned char)(n >> 24), (unsigned char)(n >> 16),
-                             (unsigned char)(n >> 8), (unsigned char)n, 0, 0, 0, 28, 0, 0, 0, 28};
-    ASSERT_EQ(fwrite(hdr, 1, images ? 16 : 8, f), (size_t)(images ? 16 : 8));
-    for (long i = 0; i < (long)n * (images ? 784 : 1); i++)
-        fputc(images ? (int)((i * 2654435761u) >> 24) : (int)(i % 10), f);
-    ASSERT_EQ(fclose(f), 0);
-}
-
-/* A small data set in the Fashion-MNIST layout (256 training and 64 test
- * images), so each run spends its time on what is tested, not on loading. */
-static const char *tiny_data(void)
-{
-    static char dir[700];
-    snprintf(dir, sizeof dir, "%s/data", ct_test_tmpdir());
-    if (access(dir, F_OK) == 0) return dir;
-    ASSERT_EQ(mkdir(dir, 0777), 0);
-    write_idx(dir, "train-images-idx3-ubyte", 1, 256);
-    write_idx(dir, "train-labels-idx1-ubyte", 0, 256);
-    write_idx(dir, "t10k-images-idx3-ubyte", 1, 64);
-    write_idx(dir, "t10k-labels-idx1-ubyte", 0, 64);
-    return dir;
-}
 
 /* A tiny, fast run (the format string takes tiny_data() first). */
 #define TINY "--model mlp --hidden 16 --data-dir %s --threads 1 --batch 32 --log-every 0"
@@ -117,41 +36,82 @@ static char *path_in(const char *name)
 }
 
 
+/* The step in what inspect printed (its metadata), -1 if absent. */
+static long step_in(const char *out)
+{
+    const char *p = strstr(out, "ctrain.step = ");
+    return p ? atol(p + 14) : -1;
+}
+
 /* The step recorded in the checkpoint at path (from inspect), -1 if unreadable. */
 static long ckpt_step(const char *path, char *out)
 {
     if (RUN(out, "inspect %s", path) != 0) return -1;
-    const char *p = strstr(out, "ctrain.step = ");
-    return p ? atol(p + 14) : -1;
+    return step_in(out);
+}
+
+/* Files a save left in dir that no checkpoint uses: staged parts and
+ * temporary files, unless a commit journal says they are being committed
+ * (a reader or the next save finishes that). */
+static void no_leftovers(const char *dir, const char *when)
+{
+    DIR *d = opendir(dir);
+    ASSERT(d);
+    struct dirent *e;
+    int journal = 0;
+    char bad[512] = "";
+    while ((e = readdir(d))) {
+        journal |= strstr(e->d_name, ".commit") != NULL;
+        if (strstr(e->d_name, ".staged") || strstr(e->d_name, ".tmp.")) snprintf(bad, sizeof bad, "%s", e->d_name);
+    }
+    closedir(d);
+    if (*bad && !journal) ct_test_fail(__FILE__, __LINE__, "%s: %s/%s is left over", when, dir, bad);
 }
 
 /* Issue 13, failure 1: the model file was renamed into place before the
  * optimizer file was written; when the second write failed (full disk),
  * the pair was out of step and --resume refused both.  Here every step of
  * the save fails in turn with ENOSPC (CTRAIN_FAULT_FAIL_AT): the run exits
- * 1 naming the file, and the checkpoint still verifies and resumes. */
-TEST(rel_failed_save_keeps_the_last_checkpoint)
+ * 1 naming the file, and the checkpoint still verifies and resumes.
+ * Issue 24, case 5: the failed save left X.safetensors.staged (sharded: the
+ * staged indexes, and shards no index lists) behind; now it removes every
+ * file it made before the error returns. */
+static void fail_loop(const char *ck, const char *fmt, const char *dir)
 {
     static char out[OUT_MAX];
-    const char *ck = path_in("run.safetensors");
-    ASSERT_EQ(RUN(out, "train " TINY " --steps 2 --save %s", tiny_data(), ck), 0);
+    ASSERT_EQ(RUN(out, "train " TINY " --steps 2 --save %s%s", tiny_data(), ck, fmt), 0);
     int k, step = 2, failed = 0;
     for (k = 1; k < 400; k++) {
         run_env env = {.fail_at = k};
-        int rc = run_cmd(&env, out, "train " TINY " --steps %d --resume %s --save %s", tiny_data(), step + 2, ck, ck);
+        int rc = run_cmd(&env, out, "train " TINY " --steps %d --resume %s --save %s%s", tiny_data(), step + 2, ck,
+                         ck, fmt);
         if (rc == 0) break;
         if (rc != 1) ct_test_fail(__FILE__, __LINE__, "failing step %d: exit %d, not 1:\n%s", k, rc, out);
         ASSERT_STR_CONTAINS(out, "No space left on device");
         failed++;
+        char when[64];
+        snprintf(when, sizeof when, "after failing step %d", k);
+        no_leftovers(dir, when);
         if (RUN(out, "inspect --verify %s", ck) != 0)
             ct_test_fail(__FILE__, __LINE__, "after failing step %d the checkpoint does not verify:\n%s", k, out);
-        long now = ckpt_step(ck, out);
+        long now = step_in(out); /* verify printed the metadata too */
         ASSERT(now == step || now == step + 2); /* a failure after the commit point is finished by the reader */
         step = (int)now;
     }
     ASSERT(k < 400 && failed >= 10);
-    ASSERT_EQ(RUN(out, "train " TINY " --steps %d --resume %s --save %s", tiny_data(), step + 2, ck, ck), 0);
+    ASSERT_EQ(RUN(out, "train " TINY " --steps %d --resume %s --save %s%s", tiny_data(), step + 2, ck, ck, fmt), 0);
     ASSERT_EQ(ckpt_step(ck, out), step + 2);
+    no_leftovers(dir, "at the end");
+}
+
+TEST(rel_failed_save_keeps_the_last_checkpoint)
+{
+    fail_loop(path_in("run.safetensors"), "", ct_test_tmpdir());
+}
+
+TEST(rel_failed_save_keeps_the_last_checkpoint_sharded)
+{
+    fail_loop(path_in("ckdir"), " --state-dict sharded", path_in("ckdir"));
 }
 
 /* Kills a resumed run's save at its k-th file-system step for k = 1, 2, ...
@@ -175,7 +135,7 @@ static void kill_loop(const char *ck, const char *fmt)
         killed++;
         if (RUN(out, "inspect --verify %s", ck) != 0)
             ct_test_fail(__FILE__, __LINE__, "after a kill at point %d the checkpoint does not verify:\n%s", k, out);
-        long now = ckpt_step(ck, out);
+        long now = step_in(out); /* verify printed the metadata too */
         if (now != step && now != step + 2)
             ct_test_fail(__FILE__, __LINE__, "after a kill at point %d the checkpoint is at step %ld, not %d or %d",
                          k, now, step, step + 2);
@@ -189,6 +149,9 @@ static void kill_loop(const char *ck, const char *fmt)
     ASSERT(killed >= 10);
     ASSERT(seen_new >= 1); /* killed between the commit point and the end: finished by the reader */
     ASSERT_EQ(RUN(out, "train " TINY " --steps %d --resume %s --save %s%s", tiny_data(), step + 4, ck, ck, fmt), 0);
+    /* what the killed saves left, the next save cleaned */
+    struct stat sb;
+    no_leftovers(stat(ck, &sb) == 0 && S_ISDIR(sb.st_mode) ? ck : ct_test_tmpdir(), "after the last save");
 }
 
 TEST(rel_kill_during_save_full)
@@ -199,6 +162,19 @@ TEST(rel_kill_during_save_full)
 TEST(rel_kill_during_save_sharded)
 {
     kill_loop(path_in("ckdir"), " --state-dict sharded");
+}
+
+/* Issue 24: the strategies and save kinds added since (fsdp's local
+ * pieces, pipe, offload), killed at every step of their saves too. */
+TEST(rel_kill_during_save_local_pieces)
+{
+    kill_loop(path_in("ckloc"), " --strategy fsdp --state-dict local");
+}
+
+TEST(rel_kill_during_save_pipe_and_offload)
+{
+    kill_loop(path_in("ckpipe"), " --strategy pipe --state-dict sharded");
+    kill_loop(path_in("ckoff.safetensors"), " --strategy offload --slices 3");
 }
 
 static int exists(const char *dir, const char *name)

@@ -215,14 +215,21 @@ const char *ct_blas_corename(void);
 const char *ct_blas_kernel_source(void);
 /* Re-executes this program once with the fast kernel if OpenBLAS picked a
  * slow one (OpenBLAS reads OPENBLAS_CORETYPE only when it loads, so there is
- * no other cure).  Call it first thing in main, with main's argc and argv
- * unchanged, before threads or other state exist: on re-execution it does
- * not return, and the program starts again from the top.  Linking libctrain
- * never does this by itself.  Returns CT_OK and does nothing when the kernel
- * is fine, the CPU has nothing better, the user set OPENBLAS_CORETYPE, or
- * CTRAIN_NO_REEXEC=1; CT_EUNSUPPORTED (the program can go on, slowly) if the
- * re-exec failed.  CTRAIN_BLAS_DISTRUST=1 treats any kernel as slow (tests). */
+ * no other cure), and with OMP_WAIT_POLICY=PASSIVE unless the user set it
+ * or GOMP_SPINCOUNT (libgomp reads them only when it loads; its spinning
+ * threads starve each other when ranks share cores: src/core/blas.c).
+ * Call it first thing in main, with main's argc and argv unchanged, before
+ * threads or other state exist: on re-execution it does not return, and the
+ * program starts again from the top.  Linking libctrain never does this by
+ * itself.  Returns CT_OK and does nothing when both are settled already
+ * (the kernel is fine, the CPU has nothing better or the user set
+ * OPENBLAS_CORETYPE; the wait policy is set), or CTRAIN_NO_REEXEC=1;
+ * CT_EUNSUPPORTED (the program can go on, slowly) if the re-exec failed.
+ * CTRAIN_BLAS_DISTRUST=1 treats any kernel as slow (tests). */
 ct_status ct_blas_select_kernel(int argc, char **argv);
+/* OpenMP's wait policy in this process and who chose it, for reports:
+ * "PASSIVE (set by ctrain: ...)", "ACTIVE (user's OMP_WAIT_POLICY)", ... */
+const char *ct_omp_wait_policy(void);
 /* Logs one warning per process, naming the fix, if OpenBLAS runs a slower
  * kernel than the CPU allows and the user did not choose it. */
 void ct_blas_warn_if_slow(void);

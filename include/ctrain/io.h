@@ -205,7 +205,7 @@ const char *ct_safetensors_meta_value(const ct_safetensors *st, int i);
  *      listing the staged parts (atomically: that write is the commit point),
  *      renames each over its final name and removes the journal.
  * A crash before the journal leaves the previous unit untouched (staged
- * files are left over and overwritten by the next save); a crash after it
+ * files are left over until the next save's ct_ckpt_discard); a crash after it
  * is finished by the next ct_ckpt_recover.  Readers call ct_ckpt_recover
  * before loading (from one process: it renames).  All parts sit in the
  * anchor's directory.  CTRAIN_FAULT_KILL_AT=k kills the process at the k-th
@@ -220,6 +220,15 @@ ct_status ct_ckpt_commit(const char *anchor, const char *const *finals, int n);
 /* Finishes an interrupted commit of anchor's unit (nothing to do without a
  * journal).  CT_EIO naming the file when a rename fails. */
 ct_status ct_ckpt_recover(const char *anchor);
+/* The writer's clean-up, for a save that failed before its commit point
+ * and, before a save, for what a killed one left: removes the staged files
+ * of the n parts (given by their final paths) and the temporary files of
+ * their interrupted writes ("<final>.staged.tmp.*", "<final>.tmp.*").
+ * Does nothing while anchor's journal exists (then the staged files are
+ * committed, and ct_ckpt_recover finishes them).  Best effort: a file that
+ * cannot be removed stays.  Returns 1 when a staged part was there without
+ * a journal (the unit is certainly not committed), else 0. */
+int ct_ckpt_discard(const char *anchor, const char *const *finals, int n);
 
 /* Checks every tensor of the safetensors file or sharded checkpoint at
  * path against the crc32 checksums ct_safetensors_save stores in each file

@@ -10,7 +10,15 @@
  * program does, and ct_blas_warn_if_slow tells everyone else how to fix it.
  *
  * A user's own OPENBLAS_CORETYPE is always respected; CTRAIN_NO_REEXEC=1
- * turns the re-exec off (for debuggers).  CTRAIN_BLAS_DISTRUST=1 makes the
+ * turns the re-exec off (for debuggers).
+ *
+ * The same re-exec picks OpenMP's wait policy.  oneDNN's threads are
+ * libgomp's, which by default spin for a while at every barrier; with
+ * several ranks of 2 threads each on shared cores a spinning thread holds
+ * the core its partner needs, and a bf16 GPT step went from 0.26 s to 3 s.
+ * libgomp reads OMP_WAIT_POLICY only when it loads, so, as for the kernel,
+ * the only cure is to set it and start again: PASSIVE (threads sleep at
+ * once), unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT.  CTRAIN_BLAS_DISTRUST=1 makes the
  * check treat any kernel as misdetected, so tests can exercise the re-exec
  * on machines where OpenBLAS already gets it right.
  */
@@ -35,6 +43,9 @@ extern int openblas_get_num_threads(void);
  * inherited by child processes, so it only vouches for OPENBLAS_CORETYPE
  * while the two agree. */
 #define MARK "CTRAIN_CORETYPE_AUTO"
+/* The same for OMP_WAIT_POLICY. */
+#define WAIT_MARK "CTRAIN_OMP_WAIT_AUTO"
+#define SAFE_WAIT "PASSIVE"
 
 static const char *wanted_core(void)
 {
@@ -64,9 +75,21 @@ static int kernel_is_slow(const char *have, const char *want)
 static pthread_once_t source_once = PTHREAD_ONCE_INIT;
 static const char *kernel_source = "OpenBLAS default";
 static int user_chose; /* OPENBLAS_CORETYPE was set when the program started */
+static char wait_policy[96] = "libgomp's default (spin, then sleep)";
+static int wait_chosen; /* OMP_WAIT_POLICY or GOMP_SPINCOUNT was set when the program started */
 
 static void read_source(void)
 {
+    const char *wait = getenv("OMP_WAIT_POLICY"), *spin = getenv("GOMP_SPINCOUNT"), *wmark = getenv(WAIT_MARK);
+    if (wait) {
+        wait_chosen = 1;
+        snprintf(wait_policy, sizeof wait_policy, "%.32s (%s)", wait,
+                 wmark && !strcmp(wmark, wait) ? "set by ctrain: threads sharing cores sleep, not spin"
+                                               : "user's OMP_WAIT_POLICY");
+    } else if (spin) {
+        wait_chosen = 1;
+        snprintf(wait_policy, sizeof wait_policy, "spin count %.32s (user's GOMP_SPINCOUNT)", spin);
+    }
     const char *core = getenv("OPENBLAS_CORETYPE");
     if (!core) return;
     const char *mark = getenv(MARK);
@@ -77,23 +100,40 @@ static void read_source(void)
 ct_status ct_blas_select_kernel(int argc, char **argv)
 {
     pthread_once(&source_once, read_source);
-    if (user_chose) return CT_OK; /* the user's choice, or we already re-executed */
-    const char *want = wanted_core();
-    if (!want || getenv("CTRAIN_NO_REEXEC")) return CT_OK;
-    if (!kernel_is_slow(openblas_get_corename(), want)) return CT_OK;
+    if (getenv("CTRAIN_NO_REEXEC")) return CT_OK;
+    /* Each is the user's choice, or already ours when this is the re-executed image. */
+    const char *want = user_chose ? NULL : wanted_core();
+    int fix_kernel = want && kernel_is_slow(openblas_get_corename(), want), fix_wait = !wait_chosen;
+    if (!fix_kernel && !fix_wait) return CT_OK;
     if (argc < 1 || !argv || !argv[0] || argv[argc])
         return ct_error(CT_EINVAL, "ct_blas_select_kernel needs main's argc and argv (argv[argc] NULL) "
                         "to re-execute the program; pass them unchanged");
-    setenv("OPENBLAS_CORETYPE", want, 1);
-    setenv(MARK, want, 1);
+    if (fix_kernel) {
+        setenv("OPENBLAS_CORETYPE", want, 1);
+        setenv(MARK, want, 1);
+    }
+    if (fix_wait) {
+        setenv("OMP_WAIT_POLICY", SAFE_WAIT, 1);
+        setenv(WAIT_MARK, SAFE_WAIT, 1);
+    }
     fflush(NULL); /* output buffered so far would be written twice */
     execv("/proc/self/exe", argv);
     int err = errno;
-    unsetenv("OPENBLAS_CORETYPE");
-    unsetenv(MARK);
+    const char *vars[] = {"OPENBLAS_CORETYPE", MARK, "OMP_WAIT_POLICY", WAIT_MARK};
+    for (int i = fix_kernel ? 0 : 2; i < (fix_wait ? 4 : 2); i++) unsetenv(vars[i]);
+    if (!fix_kernel)
+        return ct_error(CT_EUNSUPPORTED, "cannot re-execute %s to set OMP_WAIT_POLICY=%s (%s); the program goes "
+                        "on with libgomp's spinning threads, slow when ranks share cores: set OMP_WAIT_POLICY=%s "
+                        "before starting it", argv[0], SAFE_WAIT, strerror(err), SAFE_WAIT);
     return ct_error(CT_EUNSUPPORTED, "cannot re-execute %s to select OpenBLAS's %s kernel (%s); the "
                     "program goes on with the %s kernel: set OPENBLAS_CORETYPE=%s before starting it",
                     argv[0], want, strerror(err), openblas_get_corename(), want);
+}
+
+const char *ct_omp_wait_policy(void)
+{
+    pthread_once(&source_once, read_source);
+    return wait_policy;
 }
 
 void ct_blas_warn_if_slow(void)

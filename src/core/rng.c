@@ -80,25 +80,41 @@ static const uint64_t lanes_odd[8] = {0, UINT64_MAX, 0, UINT64_MAX, 0, UINT64_MA
 static const uint64_t lanes_shift[8] = {0, 32, 0, 32, 0, 32, 0, 32};
 static const uint64_t lanes_block[8] = {0, 0, 1, 0, 2, 0, 3, 0};
 
+#if defined(__clang__) /* clang ignores GCC's target pragma (make fuzz builds with clang) */
+#pragma clang attribute push(__attribute__((target("avx512f"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f")
+#endif
 #define LANES_BYTES 64
 #define LANES_INT __m512i
 #define LANES_MUL _mm512_mul_epu32
 #define LANES_SWAP(v) _mm512_shuffle_epi32(v, 0x1B)
 #define LANES_NAME(f) f##_avx512
 #include "rng_lanes.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
+#if defined(__clang__) /* clang ignores GCC's target pragma (make fuzz builds with clang) */
+#pragma clang attribute push(__attribute__((target("avx2"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2")
+#endif
 #define LANES_BYTES 32
 #define LANES_INT __m256i
 #define LANES_MUL _mm256_mul_epu32
 #define LANES_SWAP(v) _mm256_shuffle_epi32(v, 0x1B)
 #define LANES_NAME(f) f##_avx2
 #include "rng_lanes.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 typedef void (*uniform_fn)(uint64_t seed, uint64_t stream, uint64_t blk, float *out, size_t n);
 

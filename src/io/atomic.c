@@ -3,7 +3,9 @@
  * sharded-checkpoint indexes): the bytes go to path.tmp.<pid>, which is
  * flushed, fsync'd and renamed over path, and then the directory is fsync'd
  * so the rename itself survives a crash.  A reader sees the old file or the
- * new one, never a mix; a failure leaves no temp file behind.
+ * new one, never a mix; a failure leaves no temp file behind.  And the one
+ * way src/io opens a file to read (ct__open_regular): a FIFO, device or
+ * socket in a checkpoint is an error, never a read that blocks forever.
  */
 #include "internal.h"
 
@@ -11,6 +13,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -114,4 +117,33 @@ void ct__afile_abort(ct__afile *a)
     if (a->tmp) unlink(a->tmp);
     ct_free(a->tmp);
     a->tmp = NULL;
+}
+
+ct_status ct__open_regular(const char *path, FILE **f, struct stat *sb)
+{
+    *f = NULL;
+    /* O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
+     * writer forever.  The kernel resolves a symlink once, and fstat checks
+     * the very file opened, so nothing can swap it between check and read. */
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return ct_error(CT_EIO, "%s: cannot open: %s", path, strerror(errno));
+    if (fstat(fd, sb) != 0) {
+        int e = errno;
+        close(fd);
+        return ct_error(CT_EIO, "%s: cannot stat: %s", path, strerror(e));
+    }
+    if (!S_ISREG(sb->st_mode)) {
+        close(fd);
+        return ct_error(CT_EINVAL, "%s is not a regular file (%s); a checkpoint's files are regular files: "
+                        "remove it, or give the path of the real file", path,
+                        S_ISFIFO(sb->st_mode) ? "a FIFO" : S_ISDIR(sb->st_mode) ? "a directory"
+                        : S_ISSOCK(sb->st_mode) ? "a socket" : "a device");
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) < 0 || !(*f = fdopen(fd, "rb"))) {
+        int e = errno;
+        close(fd);
+        return ct_error(CT_EIO, "%s: cannot open: %s", path, strerror(e));
+    }
+    return CT_OK;
 }

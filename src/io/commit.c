@@ -11,6 +11,7 @@
  */
 #include "internal.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
@@ -89,11 +90,10 @@ ct_status ct_ckpt_recover(const char *anchor)
     char jpath[4096];
     if ((size_t)snprintf(jpath, sizeof jpath, "%s" JOURNAL, anchor) >= sizeof jpath)
         return ct_error(CT_EINVAL, "%s: path too long", anchor);
-    FILE *f = fopen(jpath, "rb");
-    if (!f) {
-        if (errno == ENOENT) return CT_OK;
-        return ct_error(CT_EIO, "%s: cannot open the commit journal: %s", jpath, strerror(errno));
-    }
+    struct stat sb;
+    if (lstat(jpath, &sb) != 0 && errno == ENOENT) return CT_OK;
+    FILE *f;
+    CT_TRY(ct__open_regular(jpath, &f, &sb)); /* never blocks on a FIFO put in its place */
     char *buf = ct_alloc(JOURNAL_MAX, CT_MEM_OTHER);
     if (!buf) {
         fclose(f);
@@ -144,4 +144,41 @@ ct_status ct_ckpt_commit(const char *anchor, const char *const *finals, int n)
     if (s == CT_OK) s = apply_journal(anchor, jpath, j.p, j.len);
     ct__buf_free(&j);
     return s;
+}
+
+/* Removes dir's files named prefix + anything (prefix a bare name). */
+static void remove_prefixed(const char *final, const char *suffix)
+{
+    size_t dl = dir_len(final);
+    char dir[4096], pre[4200], path[8400];
+    snprintf(dir, sizeof dir, "%.*s", dl ? (int)dl : 1, dl ? final : ".");
+    snprintf(pre, sizeof pre, "%s%s", final + dl, suffix);
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d)))
+        if (!strncmp(e->d_name, pre, strlen(pre))) {
+            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+            unlink(path);
+        }
+    closedir(d);
+}
+
+int ct_ckpt_discard(const char *anchor, const char *const *finals, int n)
+{
+    char jpath[4096];
+    struct stat sb;
+    snprintf(jpath, sizeof jpath, "%s" JOURNAL, anchor);
+    if (lstat(jpath, &sb) == 0) return 0; /* committed: the staged parts are the unit's, ct_ckpt_recover renames them */
+    /* A staged part without a journal: certainly before the commit point.
+     * None at all may also be after it (all renamed, journal removed). */
+    int before = 0;
+    for (int i = 0; i < n; i++) {
+        char staged[4112];
+        if (ct_ckpt_staged_path(finals[i], staged, sizeof staged) != CT_OK) continue;
+        before |= unlink(staged) == 0;
+        remove_prefixed(finals[i], STAGED ".tmp."); /* a killed write of the staged part */
+        remove_prefixed(finals[i], ".tmp.");        /* a killed in-place write */
+    }
+    return before;
 }

@@ -117,6 +117,11 @@ ct_status ct__sync_dir(const char *path);
  * CTRAIN_FAULT_FAIL_AT=k it returns -1 with errno ENOSPC (crash and
  * full-disk tests); otherwise 0. */
 int ct__io_point(void);
+/* Opens path to read only if it is a regular file (after following
+ * symlinks): CT_EINVAL naming what it is otherwise, never blocking on a
+ * FIFO.  *sb gets the opened file's stat. */
+struct stat;
+ct_status ct__open_regular(const char *path, FILE **f, struct stat *sb);
 
 /* ---- checksums (checksum.c) --------------------------------------------- */
 

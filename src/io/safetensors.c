@@ -365,14 +365,9 @@ static ct_status load_source(source *src, const char *path, ct_safetensors **out
 ct_status ct__st_load_file(const char *path, ct_safetensors **out)
 {
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return ct_error(CT_EIO, "%s: cannot open: %s", path, strerror(errno));
+    FILE *f;
     struct stat sb;
-    if (fstat(fileno(f), &sb) != 0) {
-        int e = errno;
-        fclose(f);
-        return ct_error(CT_EIO, "%s: cannot stat: %s", path, strerror(e));
-    }
+    CT_TRY(ct__open_regular(path, &f, &sb));
     source src = {f, NULL, 0, (int64_t)sb.st_size};
     ct_status s = load_source(&src, path, out);
     fclose(f);

@@ -161,12 +161,11 @@ out_free:
 static ct_status read_text(const char *path, char **text, size_t *len)
 {
     *text = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return ct_error(CT_EIO, "%s: cannot open: %s", path, strerror(errno));
+    FILE *f;
     struct stat sb;
+    CT_TRY(ct__open_regular(path, &f, &sb));
     ct_status s = CT_OK;
-    if (fstat(fileno(f), &sb) != 0) s = ct_error(CT_EIO, "%s: cannot stat: %s", path, strerror(errno));
-    else if ((uint64_t)sb.st_size > MAX_INDEX)
+    if ((uint64_t)sb.st_size > MAX_INDEX)
         s = ct_error(CT_EFORMAT, "%s: the index is %lld bytes, over the %u MB limit; %s", path,
                      (long long)sb.st_size, MAX_INDEX >> 20, HINT_CORRUPT);
     else if (!(*text = ct_alloc_zeroed((size_t)sb.st_size + 1, CT_MEM_OTHER))) s = CT_ENOMEM;

@@ -37,8 +37,14 @@
 
 #include "internal.h"
 
+#if defined(__clang__) /* clang ignores GCC's target pragma (make fuzz builds with clang) */
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,prfchw"))), \
+                             apply_to = function)
+#define _m_prefetchw(p) __builtin_prefetch((p), 1) /* prfchwintrin.h is not in clang's immintrin.h */
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
+#endif
 
 #define TILE 16
 #define MR 8 /* rows of the register block; TILE is two of them */
@@ -671,4 +677,8 @@ ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, co
     return CT_OK;
 }
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif

@@ -353,7 +353,7 @@ static ct_status offload_build_optim(ct_strategy *s, const ct_optim_opts *o)
     const offload_opts *O = ct__offload_opts(s);
     /* The optimizer keeps the step count, learning rate and state names; the
      * updates run per resident slice on the store's state (offload_step.c). */
-    if (!(s->opt = ct_optim_create_slots(o, NULL, 0))) return CT_EINVAL;
+    if (!(s->opt = ct_optim_create_slots(o, NULL, 0))) return ct_last_status(); /* CT_ENOMEM stays CT_ENOMEM */
     f->nstate = ct_optim_state_names(s->opt, NULL);
     size_t total = 0, largest = 0;
     for (int i = 0; i < f->ns; i++) {

@@ -44,6 +44,7 @@ struct ct__ostore {
     int stop;
     /* first failure: sticky */
     int err_errno;
+    char err_alloc[256]; /* ENOMEM: the I/O thread's own allocation message */
     int err_write;
     size_t err_bytes;
     off_t err_off;
@@ -167,6 +168,9 @@ static int xfer(ct__ostore *o, int write, void *buf, size_t bytes, off_t off)
 
 static ct_status failure(ct__ostore *o)
 {
+    if (o->err_errno == ENOMEM) /* no memory to read a slice into: not the disk's fault */
+        return ct_error(CT_ENOMEM, "offload store: %s, reading %zu bytes back; lower --max-resident-mb or use "
+                        "more --slices", o->err_alloc, o->err_bytes);
     if (o->err_errno == ENOSPC || o->err_errno == EFBIG || o->err_errno == EDQUOT)
         return ct_error(CT_EIO, "offload store in '%s': %s writing %zu bytes at offset %lld; the store "
                         "needs %zu bytes there: free space, or pass --offload-dir on a filesystem with room",
@@ -184,7 +188,10 @@ static int run_piece(ct__ostore *o, const ct__io_piece *p)
     switch (p->op) {
     case CT__IO_READ:
     case CT__IO_ALLOC:
-        if (ct_storage_alloc_data(st, 0) != CT_OK) return ENOMEM;
+        if (ct_storage_alloc_data(st, 0) != CT_OK) {
+            snprintf(o->err_alloc, sizeof o->err_alloc, "%s", ct_last_error()); /* this thread's message */
+            return ENOMEM;
+        }
         return p->op == CT__IO_READ ? xfer(o, 0, ct_storage_ptr(st), st->bytes, p->off) : 0;
     case CT__IO_WRITE:
     case CT__IO_SAVE: {

@@ -107,8 +107,10 @@ ct_status ct_pipe_balance_by_params(ct_module *seq, int nstages, int *balance)
     CT_TRY(need_sequential(seq, nstages));
     double *w = ct_alloc(sizeof *w * (size_t)seq->nkids, CT_MEM_OTHER);
     if (!w) return CT_ENOMEM;
-    for (int i = 0; i < seq->nkids; i++) w[i] = (double)ct_module_num_params(seq->kids[i]);
-    ct_status st = ct_pipe_balance_weights(w, seq->nkids, nstages, balance);
+    ct_status st = CT_OK;
+    for (int i = 0; i < seq->nkids && st == CT_OK; i++) /* -1: its list could not be allocated, not a weight */
+        if ((w[i] = (double)ct_module_num_params(seq->kids[i])) < 0) st = CT_ENOMEM;
+    if (st == CT_OK) st = ct_pipe_balance_weights(w, seq->nkids, nstages, balance);
     ct_free(w);
     return st;
 }

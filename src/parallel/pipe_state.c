@@ -146,10 +146,14 @@ ct_status ct__pipe_load_state(ct_strategy *s, const char *const *names, ct_tenso
     ct_status st = mine && mt ? CT_OK : CT_ENOMEM;
     int nm = 0;
     for (int i = 0; st == CT_OK && i < n; i++) {
-        const char *name = names[i], *dot = strrchr(name, '.');
+        const char *name = names[i], *at = strchr(name, '@'), *dot = NULL;
         int step = optim && !strcmp(name, "step");
-        /* optimizer state is "<param>.<slot>": the parameter decides the stage */
-        size_t len = optim && !step ? (dot ? (size_t)(dot - name) : 0) : strlen(name);
+        /* a local piece "<tensor>@<offset>" of another stage's tensor is that tensor's (this stage's pieces
+         * came assembled); optimizer state is "<param>.<slot>": the parameter decides the stage */
+        size_t whole = at ? (size_t)(at - name) : strlen(name);
+        for (size_t c = 0; c < whole; c++)
+            if (name[c] == '.') dot = name + c;
+        size_t len = optim && !step ? (dot ? (size_t)(dot - name) : 0) : whole;
         if (!step && !known(p, name, len)) {
             st = ct_error(CT_EINVAL, "checkpoint tensor '%s' is not %s of the model; load a checkpoint of this model",
                           name, optim ? "optimizer state of a parameter" : "a parameter or buffer");
@@ -157,7 +161,7 @@ ct_status ct__pipe_load_state(ct_strategy *s, const char *const *names, ct_tenso
         }
         char pname[512];
         snprintf(pname, sizeof pname, "%.*s", (int)len, name);
-        if (step || (p->stage >= 0 && ct_module_find(s->model, pname))) {
+        if (step || (!at && p->stage >= 0 && ct_module_find(s->model, pname))) {
             mine[nm] = name;
             mt[nm++] = ts[i];
         }
