@@ -106,12 +106,16 @@ $(B)/tests/ctor_prog_so: $(B)/tests/ctor_prog.o $(B)/libctrain.so
 $(B)/tests/fp_prog: $(B)/tests/fp_prog.o $(B)/libctrain.a
 	$(CC) -o $@ $< $(B)/libctrain.a $(SANFLAGS) $(LDLIBS)
 
+# A collective call made on rank 0 only (tests/test_misuse.c).
+$(B)/tests/misuse_prog: $(B)/tests/misuse_prog.o $(B)/libctrain.a
+	$(CC) -o $@ $< $(B)/libctrain.a $(SANFLAGS) $(LDLIBS)
+
 $(B)/bench/%: $(B)/bench/%.o $(B)/libctrain.a
 	$(CC) -o $@ $< $(B)/libctrain.a $(SANFLAGS) $(LDLIBS)
 
 # Each test (and each multi-rank suite) may take up to 300 s: the kill-during-save
 # loops run dozens of short trainings, slow on a loaded 2-core machine.
-test: all $(B)/tests/run $(B)/tests/mpi_run $(B)/tests/ctor_prog $(B)/tests/ctor_prog_so $(B)/tests/fp_prog
+test: all $(B)/tests/run $(B)/tests/mpi_run $(B)/tests/ctor_prog $(B)/tests/ctor_prog_so $(B)/tests/fp_prog $(B)/tests/misuse_prog
 	$(B)/tests/run --timeout 300 --mpi $(B)/tests/mpi_run --np $(NP) $(T)
 
 # Same tests under AddressSanitizer + UndefinedBehaviorSanitizer in build-san/.

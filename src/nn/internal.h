@@ -21,6 +21,12 @@ static inline const char *ct__nn_name(const ct_module *m)
     return m->fqn && *m->fqn ? m->fqn : "(root)";
 }
 
+/* The set of live records (record_live.c): add (0 when out of memory), is
+ * it live, and take it out (0 if it was not there: freed already). */
+int ct__record_live_add(const void *rec);
+int ct__record_live(const void *rec);
+int ct__record_live_take(const void *rec);
+
 /* Checks p's compute copy: NULL or a BF16 tensor of data's shape with
  * memory.  *bf16 = 1 when there is one.  The error names the layer and says
  * how to make the copy. */

@@ -105,6 +105,11 @@ struct ct_strategy {
     void *mp;              /* mixed-precision state (mixed.c) */
     void *priv;
     void *ext;             /* state of a strategy built on another's priv (ZeRO on DDP) */
+    int64_t backwards;     /* backward passes (or train steps) since the last optimizer step */
+    char who[32];          /* "strategy ddp": the model's and communication's holder (ct_module_hold) */
+    ct_module *held_model; /* the model as given to create, held (ct_module_hold) until destroy
+                              (a strategy may point s->model elsewhere: pipe's stage) */
+    int held_comm;         /* 1: communication held too (ct_comm_hold) */
 };
 
 extern const ct__strategy_ops ct__ddp_ops;

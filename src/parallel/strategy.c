@@ -10,12 +10,27 @@
 
 #include "internal.h"
 
+/* Public entry points that may communicate run inside ct_comm_enter_call,
+ * so a comm timeout or a CTRAIN_DEBUG=collectives mismatch names the call a
+ * rank is in ("ct_strategy_model_state"), not only the collective. */
+#define IN_CALL(name, expr)                               \
+    do {                                                  \
+        const char *prev_call_ = ct_comm_enter_call(name); \
+        ct_status st_ = (expr);                           \
+        ct_comm_leave_call(prev_call_);                   \
+        return st_;                                       \
+    } while (0)
+
 static const ct__strategy_ops none_ops = {.kind = "none", .runs_alone = 1};
 
 static const ct__strategy_ops *const kinds[] = {&none_ops, &ct__ddp_ops, &ct__zero1_ops, &ct__zero2_ops,
                                                    &ct__fsdp_ops, &ct__pipe_ops, &ct__offload_ops};
 
 const char *ct_strategy_list(void) { return "none, ddp, zero1, zero2, fsdp, pipe, offload"; }
+
+static ct_status check_rows(ct_strategy *s, const ct_batch *b, int64_t nrows);
+/* Nesting of ct_strategy_create on this thread: 1 for a user's call. */
+static _Thread_local int create_depth;
 
 static const ct__strategy_ops *find_kind(const char *kind)
 {
@@ -60,7 +75,7 @@ static ct_status build_whole_optim(ct_strategy *s, const ct_optim_opts *o)
     return s->opt ? CT_OK : ct_last_status(); /* CT_ENOMEM stays CT_ENOMEM (found by the allocation walk) */
 }
 
-ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_opts *optim,
+static ct_status create_impl(const char *kind, ct_module *model, const ct_optim_opts *optim,
                              ct_group *g, const char *opts, ct_strategy **out)
 {
     *out = NULL;
@@ -78,7 +93,29 @@ ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_
     s->ops = ops;
     s->model = model;
     s->g = g;
-    ct_status st = ct__opts_parse(s, opts);
+    snprintf(s->who, sizeof s->who, "strategy %s", ops->kind);
+    /* The model is borrowed until destroy: a second wrap, or destroying it meanwhile, is an
+     * error.  A strategy made inside another's create (pipe's replicas of a stage) belongs to
+     * that one, which holds for both. */
+    ct_status st = CT_OK;
+    if (create_depth == 1) {
+        if ((st = ct_module_hold(model, s->who)) != CT_OK) {
+            ct_free(s);
+            return st;
+        }
+        s->held_model = model;
+    }
+    if (create_depth == 1 && g && !ops->runs_alone) {
+        ct_comm_hold(s->who);
+        s->held_comm = 1;
+        /* Sharding, pipelining or averaging over one rank does nothing, and usually
+         * means the program was started without its launcher. */
+        if (ct_group_size(g) == 1)
+            ct_log(CT_LOG_WARN, "strategy %s runs on 1 rank: there are no other ranks to shard, pipeline or "
+                   "average over (started without mpirun?); start it with mpirun -np N, or use strategy none",
+                   ops->kind);
+    }
+    if (st == CT_OK) st = ct__opts_parse(s, opts);
     if (st == CT_OK) st = ct_module_params(model, &s->params, &s->nparams);
     if (st == CT_OK) st = ct_module_buffers(model, &s->buffers, &s->nbuffers);
     if (st == CT_OK && ops->init) st = ops->init(s);
@@ -95,12 +132,16 @@ ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_
 void ct_strategy_destroy(ct_strategy *s)
 {
     if (!s) return;
+    const char *prev = ct_comm_enter_call("ct_strategy_destroy");
     ct__mixed_fini(s);
     if ((s->priv || s->ext) && s->ops->fini) s->ops->fini(s);
+    ct_comm_leave_call(prev);
     ct_optim_destroy(s->opt);
     ct__opts_free(s);
     ct_free(s->params);
     ct_free(s->buffers);
+    ct_module_unhold(s->held_model);
+    if (s->held_comm) ct_comm_unhold(s->who);
     ct_free(s);
 }
 
@@ -115,14 +156,14 @@ ct_group *ct_strategy_group(const ct_strategy *s) { return s->g; }
 ct_step_stats ct_strategy_stats(const ct_strategy *s) { return s->last; }
 void ct_strategy_set_no_sync(ct_strategy *s, int on) { s->no_sync = on; }
 
-ct_status ct_strategy_reduce(ct_strategy *s)
+static ct_status reduce_impl(ct_strategy *s)
 {
     return s->ops->reduce ? s->ops->reduce(s) : CT_OK;
 }
 
 /* ---- forward and backward ------------------------------------------------ */
 
-ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct_record **rec,
+static ct_status forward_impl(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct_record **rec,
                               const ct_fwd_ctx *ctx)
 {
     double t0 = ct_now();
@@ -141,6 +182,7 @@ ct_status ct__strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *r
                                    ct_tensor **din)
 {
     double t0 = ct_now();
+    s->backwards++;
     ct_status st = s->ops->pre_backward ? s->ops->pre_backward(s) : CT_OK;
     if (st != CT_OK) {
         ct_record_destroy(rec);
@@ -169,7 +211,7 @@ ct_status ct__strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *r
     return st;
 }
 
-ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
+static ct_status backward_impl(ct_strategy *s, ct_tensor *dout, ct_record *rec)
 {
     return ct__strategy_backward_ex(s, dout, rec, s->ops->grad_scale ? s->ops->grad_scale(s) : 1.0f, NULL);
 }
@@ -217,7 +259,7 @@ static ct_status micro_step(ct_strategy *s, const ct_batch *b, int64_t r0, int64
     return st;
 }
 
-ct_status ct_strategy_join(ct_strategy *s, int64_t rows, int64_t *global_rows, int *active)
+static ct_status join_impl(ct_strategy *s, int64_t rows, int64_t *global_rows, int *active)
 {
     if (rows < 0) return ct_error(CT_EINVAL, "join: rows is %lld; give 0 or more", (long long)rows);
     int64_t v[2] = {rows, rows > 0};
@@ -229,7 +271,7 @@ ct_status ct_strategy_join(ct_strategy *s, int64_t rows, int64_t *global_rows, i
 
 void ct_strategy_set_joined(ct_strategy *s, int joined) { s->joined = joined != 0; }
 
-ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+static ct_status train_step_impl(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
                                  const ct_fwd_ctx *ctx, ct_step_out *out)
 {
     ct_step_out local = {0, 0};
@@ -249,7 +291,9 @@ ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     if (global < nrows && !s->joined)
         return ct_error(CT_EINVAL, "train step: global_rows %lld is fewer than this rank's %lld rows",
                         (long long)global, (long long)nrows);
+    CT_TRY(check_rows(s, b, nrows));
     if (s->ops->train_step) {
+        s->backwards++; /* the strategy's own step runs the backward passes */
         ct_status st = s->ops->train_step(s, b, loss, ud, ctx, &local);
         if (out) *out = local;
         return st;
@@ -305,7 +349,7 @@ ct_status ct__strategy_norm_term(ct_strategy *s, double norm_type, double *term)
     return CT_OK;
 }
 
-ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm)
+static ct_status clip_grad_norm_impl(ct_strategy *s, float max_norm, double norm_type, float *norm)
 {
     if (!(max_norm >= 0))
         return ct_error(CT_EINVAL, "clip: max_norm must be >= 0 (got %g)", (double)max_norm);
@@ -343,8 +387,13 @@ double ct_strategy_lr(const ct_strategy *s)
     return s->has_sched ? ct_lr_at(&s->sched, ct_optim_get_step(s->opt)) : ct_optim_get_lr(s->opt);
 }
 
-ct_status ct_strategy_step(ct_strategy *s)
+static ct_status step_impl(ct_strategy *s)
 {
+    /* No backward since the last step: every gradient is what PyTorch leaves as None,
+     * and its optimizers skip such parameters (no update, no weight decay, no step
+     * count).  A backward is collective, so every rank of the group skips alike. */
+    if (s->backwards == 0) return CT_OK;
+    s->backwards = 0;
     double t0 = ct_now();
     sync_grads(s);
     if (s->has_sched) ct_optim_set_lr(s->opt, ct_lr_at(&s->sched, ct_optim_get_step(s->opt)));
@@ -375,13 +424,28 @@ void ct_strategy_zero_grad(ct_strategy *s)
     else ct_module_zero_grad_lazy(s->model);
 }
 
-ct_status ct_strategy_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out)
+static ct_status predict_impl(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out)
 {
     *out = NULL;
     if (!x || !ctx) return ct_error(CT_EINVAL, "predict needs an input and a context");
     if (s->ops->predict) return s->ops->predict(s, x, ctx, out);
     if (s->ops->pre_forward) CT_TRY(s->ops->pre_forward(s));
     return ct_module_forward(s->model, x, out, NULL, ctx);
+}
+
+ct_status ct_strategy_local_rows(const ct_strategy *s, int64_t global_rows, int64_t *first, int64_t *count)
+{
+    *first = *count = 0;
+    if (global_rows < 0)
+        return ct_error(CT_EINVAL, "local rows: global_rows is %lld; give the step's batch size (0 or more)",
+                        (long long)global_rows);
+    int r, n;
+    ct_strategy_data_rank(s, &r, &n);
+    /* As ct_sampler_first cuts a global batch: the first global_rows % n slices take one row more. */
+    int64_t q = global_rows / n, rem = global_rows % n;
+    *first = (int64_t)r * q + (r < rem ? r : rem);
+    *count = q + (r < rem);
+    return CT_OK;
 }
 
 void ct_strategy_data_rank(const ct_strategy *s, int *rank, int *size)
@@ -394,7 +458,7 @@ void ct_strategy_data_rank(const ct_strategy *s, int *rank, int *size)
     *size = s->g ? ct_group_size(s->g) : 1;
 }
 
-ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all)
+static ct_status memory_impl(ct_strategy *s, ct_mem_report *all)
 {
     ct_mem_report mine;
     ct_mem_report_get(&mine);
@@ -405,43 +469,43 @@ ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all)
     return ct_group_allgather(s->g, &mine, all, (int64_t)sizeof mine, CT_U8, NULL);
 }
 
-ct_status ct_strategy_summon_full_params(ct_strategy *s, int writeback, int rank0_only)
+static ct_status summon_full_params_impl(ct_strategy *s, int writeback, int rank0_only)
 {
     return s->ops->summon ? s->ops->summon(s, writeback, rank0_only) : CT_OK;
 }
 
-ct_status ct_strategy_release_full_params(ct_strategy *s)
+static ct_status release_full_params_impl(ct_strategy *s)
 {
     return s->ops->release ? s->ops->release(s) : CT_OK;
 }
 
 /* ---- state ----------------------------------------------------------------- */
 
-ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out)
+static ct_status model_state_impl(ct_strategy *s, ct_state *out)
 {
     memset(out, 0, sizeof *out);
     return s->ops->model_state ? s->ops->model_state(s, out) : ct__replicated_model_state(s, out);
 }
 
-ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out)
+static ct_status optim_state_impl(ct_strategy *s, ct_state *out)
 {
     memset(out, 0, sizeof *out);
     return s->ops->optim_state ? s->ops->optim_state(s, out) : ct__replicated_optim_state(s, out);
 }
 
-ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out)
+static ct_status shard_state_impl(ct_strategy *s, int optim, ct_state *out)
 {
     memset(out, 0, sizeof *out);
     return s->ops->shard_state ? s->ops->shard_state(s, optim, out) : ct__replicated_shard_state(s, optim, out);
 }
 
-ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out)
+static ct_status local_state_impl(ct_strategy *s, int optim, ct_state *out)
 {
     memset(out, 0, sizeof *out);
     return s->ops->local_state ? s->ops->local_state(s, optim, out) : ct__replicated_local_state(s, optim, out);
 }
 
-ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
+static ct_status load_state_impl(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
                                  int n, int optim)
 {
     ct_state whole;
@@ -458,4 +522,169 @@ ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names, ct_te
     CT_TRY(st);
     /* New master weights: the compute copies follow. */
     return optim || s->ops->manages_compute ? CT_OK : ct__mixed_refresh(s);
+}
+
+/* ---- the public entry points, each inside its call name (IN_CALL) ---------- */
+
+ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_opts *optim,
+                             ct_group *g, const char *opts, ct_strategy **out)
+{
+    create_depth++;
+    const char *prev = ct_comm_enter_call("ct_strategy_create");
+    ct_status st = create_impl(kind, model, optim, g, opts, out);
+    ct_comm_leave_call(prev);
+    create_depth--;
+    return st;
+}
+
+ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+                                 const ct_fwd_ctx *ctx, ct_step_out *out)
+{
+    IN_CALL("ct_strategy_train_step", train_step_impl(s, b, loss, ud, ctx, out));
+}
+
+ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
+{
+    IN_CALL("ct_strategy_backward", backward_impl(s, dout, rec));
+}
+
+ct_status ct_strategy_reduce(ct_strategy *s)
+{
+    IN_CALL("ct_strategy_reduce", reduce_impl(s));
+}
+
+/* A cheap fingerprint of a tensor's bytes (8 at a time), to tell whether two
+ * ranks were given the same batch without sending it. */
+static int64_t bytes_hash(const ct_tensor *t)
+{
+    const unsigned char *p = ct_tensor_data(t);
+    size_t n = p ? ct_tensor_bytes(t) : 0;
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ n, w;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        memcpy(&w, p + i, 8);
+        h = (h ^ w) * 0xff51afd7ed558ccdull;
+        h ^= h >> 29;
+    }
+    for (; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    return (int64_t)h;
+}
+
+enum { R_DRANK, R_ROWS, R_SAMPLE0, R_GLOBAL, R_HX, R_HY, R_JOINED, R_N };
+
+/* Two mistakes that give wrong numbers without an error, caught across the
+ * group before the step: ranks with different row counts and no
+ * global_rows (each would divide by its own count), and ranks that must
+ * share a slice of the batch (the stages of one pipeline:
+ * ct_strategy_data_rank) given different ones (stage 0 would train on one
+ * slice's inputs, the last stage on another's targets).  Costs one small
+ * all-gather, and only when either can happen. */
+static ct_status check_rows(ct_strategy *s, const ct_batch *b, int64_t nrows)
+{
+    int gsize = s->g && s->ops != &none_ops ? ct_group_size(s->g) : 1;
+    if (gsize < 2) return CT_OK;
+    int drank, dsize, stage, nstages;
+    ct_strategy_data_rank(s, &drank, &dsize);
+    int shared = dsize < gsize;
+    if (!shared && b->global_rows) return CT_OK;
+    ct_strategy_pipe_stage(s, &stage, &nstages);
+    int64_t me[R_N] = {stage < 0 ? -1 : drank, nrows, b->sample0, b->global_rows, 0, 0, s->joined};
+    if (shared) {
+        me[R_HX] = bytes_hash(b->x);
+        me[R_HY] = bytes_hash(b->y);
+    }
+    int64_t *all = ct_alloc(sizeof(int64_t) * R_N * (size_t)gsize, CT_MEM_OTHER);
+    if (!all) return CT_ENOMEM;
+    ct_status st = ct_group_allgather(s->g, me, all, R_N, CT_I64, NULL);
+    for (int r = 1; st == CT_OK && r < gsize; r++) {
+        const int64_t *a = all, *o = all + (size_t)R_N * (size_t)r;
+        if (!b->global_rows && !a[R_JOINED] && !o[R_JOINED] && a[R_ROWS] != o[R_ROWS] && !shared)
+            st = ct_error(CT_EINVAL, "train step: ranks were given different row counts (rank 0 has %lld, rank %d "
+                          "has %lld) and ct_batch.global_rows is 0, so each would average over its own rows; "
+                          "set global_rows to the step's batch over all ranks (ct_strategy_join gives it for "
+                          "uneven data), or give every rank the same rows",
+                          (long long)a[R_ROWS], r, (long long)o[R_ROWS]);
+    }
+    for (int r = 0; st == CT_OK && shared && r < gsize; r++)
+        for (int q = r + 1; st == CT_OK && q < gsize; q++) {
+            const int64_t *a = all + (size_t)R_N * (size_t)r, *o = all + (size_t)R_N * (size_t)q;
+            if (a[R_DRANK] < 0 || a[R_DRANK] != o[R_DRANK]) continue;
+            if (memcmp(a + 1, o + 1, sizeof(int64_t) * (R_N - 1)))
+                st = ct_error(CT_EINVAL, "train step: ranks %d and %d hold stages of one pipeline (data slice %lld) but "
+                              "were given different rows (%lld rows from sample %lld, and %lld rows from sample "
+                              "%lld%s); every rank of a pipeline must get the same slice of the batch, inputs and "
+                              "targets: take it from ct_strategy_local_rows (or ct_strategy_data_rank), not "
+                              "from the rank number", r, q, (long long)a[R_DRANK], (long long)a[R_ROWS],
+                              (long long)a[R_SAMPLE0], (long long)o[R_ROWS], (long long)o[R_SAMPLE0],
+                              a[R_ROWS] == o[R_ROWS] && a[R_SAMPLE0] == o[R_SAMPLE0] ? ", different data" : "");
+        }
+    ct_free(all);
+    return st;
+}
+
+ct_status ct_strategy_join(ct_strategy *s, int64_t rows, int64_t *global_rows, int *active)
+{
+    IN_CALL("ct_strategy_join", join_impl(s, rows, global_rows, active));
+}
+
+ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm)
+{
+    IN_CALL("ct_strategy_clip_grad_norm", clip_grad_norm_impl(s, max_norm, norm_type, norm));
+}
+
+ct_status ct_strategy_step(ct_strategy *s)
+{
+    IN_CALL("ct_strategy_step", step_impl(s));
+}
+
+ct_status ct_strategy_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out)
+{
+    IN_CALL("ct_strategy_predict", predict_impl(s, x, ctx, out));
+}
+
+ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all)
+{
+    IN_CALL("ct_strategy_memory", memory_impl(s, all));
+}
+
+ct_status ct_strategy_summon_full_params(ct_strategy *s, int writeback, int rank0_only)
+{
+    IN_CALL("ct_strategy_summon_full_params", summon_full_params_impl(s, writeback, rank0_only));
+}
+
+ct_status ct_strategy_release_full_params(ct_strategy *s)
+{
+    IN_CALL("ct_strategy_release_full_params", release_full_params_impl(s));
+}
+
+ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out)
+{
+    IN_CALL("ct_strategy_model_state", model_state_impl(s, out));
+}
+
+ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out)
+{
+    IN_CALL("ct_strategy_optim_state", optim_state_impl(s, out));
+}
+
+ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out)
+{
+    IN_CALL("ct_strategy_shard_state", shard_state_impl(s, optim, out));
+}
+
+ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out)
+{
+    IN_CALL("ct_strategy_local_state", local_state_impl(s, optim, out));
+}
+
+ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
+                                 int n, int optim)
+{
+    IN_CALL("ct_strategy_load_state", load_state_impl(s, names, tensors, n, optim));
+}
+
+ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct_record **rec,
+                              const ct_fwd_ctx *ctx)
+{
+    IN_CALL("ct_strategy_forward", forward_impl(s, in, out, rec, ctx));
 }
