@@ -38,7 +38,7 @@ NP      ?= 2,3,4
 MPIRUN   = OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe --bind-to none
 
 .PHONY: all test sanitize fuzz bench run run-gpt install clean deps
-all: $(B)/libctrain.a $(B)/libctrain.so $(B)/ctrain $(B)/ctrain-uninstalled.pc $(EXAMPLES)
+all: $(B)/libctrain.a $(B)/libctrain.so $(B)/ctrain $(B)/ctrain-uninstalled.pc $(EXAMPLES) $(B)/build.env
 
 deps: $(DEPS_OK)
 $(DEPS_OK): scripts/deps.sh
@@ -78,7 +78,13 @@ $(B)/ctrain: $(CLI_OBJ) $(B)/libctrain.a
 # The installed ctrain.pc is written by `make install`, for its PREFIX.
 PC_SED = -e 's|@VERSION@|$(VERSION)|' -e 's|@DESC@|Training neural networks across many workers in plain C (DDP, ZeRO, FSDP, pipeline) over MPI|'
 $(B)/ctrain-uninstalled.pc: scripts/ctrain.pc.in Makefile include/ctrain/core.h
-	sed $(PC_SED) -e 's|@INCLUDEDIR@|$(abspath include)|' -e 's|@LIBDIR@|$(abspath $(B))|' $< > $@
+	sed $(PC_SED) -e 's|@PREFIX@|$(abspath .)|' -e 's|@INCLUDEDIR@|$(abspath include)|' -e 's|@LIBDIR@|$(abspath $(B))|' $< > $@
+
+# How this build compiles, for scripts/installcheck.sh (a program built against
+# an installed sanitizer build needs the same sanitizer flags).
+$(B)/build.env: Makefile
+	@mkdir -p $(B)
+	@printf "CC='%s'\nCFLAGS='%s'\nSANFLAGS='%s'\n" "$(CC)" "$(CFLAGS)" "$(SANFLAGS)" > $@
 
 # The examples compile as a user's program does: public headers only, flags
 # from pkg-config (the uninstalled .pc); tests/test_examples.c runs them.
@@ -153,7 +159,7 @@ install: all
 	ln -sf libctrain.so.$(SOMAJOR) $(PREFIX)/lib/libctrain.so
 	install -m 644 include/ctrain/*.h $(PREFIX)/include/ctrain
 	install -m 755 $(B)/ctrain $(PREFIX)/bin
-	sed $(PC_SED) -e 's|@INCLUDEDIR@|$(abspath $(PREFIX))/include|' -e 's|@LIBDIR@|$(abspath $(PREFIX))/lib|' \
+	sed $(PC_SED) -e 's|@PREFIX@|$(abspath $(PREFIX))|' -e 's|@INCLUDEDIR@|$(abspath $(PREFIX))/include|' -e 's|@LIBDIR@|$(abspath $(PREFIX))/lib|' \
 	    scripts/ctrain.pc.in > $(PREFIX)/lib/pkgconfig/ctrain.pc
 
 clean:

@@ -15,6 +15,10 @@ const char *cli_bin_dir(void);
 int run_sh(int np, const char *prefix, char *out, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 #define run_np(np, out, ...) run_sh(np, "", out, __VA_ARGS__)
 #define RUN(out, ...) run_sh(0, "", out, __VA_ARGS__)
+/* Runs the shell command fmt (np > 0: under mpirun -np np, allowed as root)
+ * with stderr joined to stdout into out (OUT_MAX bytes); returns the exit code.
+ * For programs other than ctrain (examples, test programs). */
+int run_shell(int np, char *out, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 int count_lines(const char *s);
 int occurrences(const char *s, const char *needle);
 /* The number after "key" in s (e.g. "final train loss "); fails the test if absent. */

@@ -8,8 +8,6 @@
  * rank-0-only collective call ends the job naming the call
  * (tests/misuse_prog.c under mpirun).
  */
-#include <stdlib.h>
-#include <sys/wait.h>
 
 #include "cli_util.h"
 
@@ -184,40 +182,24 @@ TEST(misuse_local_rows_cover_the_batch)
     ASSERT_OK(ct_module_destroy(m));
 }
 
-/* Runs a shell command with stderr joined into out; returns its exit code. */
-static int run_cmd(char *out, const char *cmd)
-{
-    char full[2048];
-    snprintf(full, sizeof full, "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 %s 2>&1", cmd);
-    FILE *p = popen(full, "r");
-    ASSERT(p != NULL);
-    size_t n = fread(out, 1, OUT_MAX - 1, p);
-    out[n] = 0;
-    int st = pclose(p);
-    ASSERT(WIFEXITED(st));
-    return WEXITSTATUS(st);
-}
-
 /* ct_strategy_model_state under fsdp on rank 0 only: one clear message naming
  * the call, at once with CTRAIN_DEBUG=collectives, at the timeout without. */
 TEST(misuse_rank0_only_collective_call_names_the_call)
 {
     static char out[OUT_MAX];
-    char cmd[1024];
-#define MPI2 "mpirun --oversubscribe --bind-to none -np 2"
-    snprintf(cmd, sizeof cmd, "CTRAIN_DEBUG=collectives " MPI2 " %s/tests/misuse_prog rank0_state", cli_bin_dir());
-    int rc = run_cmd(out, cmd);
+    int rc = run_shell(0, out, "CTRAIN_DEBUG=collectives mpirun --oversubscribe --bind-to none -np 2 "
+                             "%s/tests/misuse_prog rank0_state", cli_bin_dir());
     ASSERT(rc != 0);
     ASSERT_STR_CONTAINS(out, "in ct_strategy_model_state but rank 1 called");
     ASSERT_STR_CONTAINS(out, "the ranks are in different ctrain calls");
-    snprintf(cmd, sizeof cmd, "CTRAIN_COMM_TIMEOUT=3 " MPI2 " %s/tests/misuse_prog rank0_state", cli_bin_dir());
-    rc = run_cmd(out, cmd);
+    rc = run_shell(0, out, "CTRAIN_COMM_TIMEOUT=3 mpirun --oversubscribe --bind-to none -np 2 "
+                         "%s/tests/misuse_prog rank0_state", cli_bin_dir());
     ASSERT(rc != 0);
     ASSERT_STR_CONTAINS(out, "comm timeout");
     ASSERT_STR_CONTAINS(out, "ct_strategy_model_state");
     ASSERT_STR_CONTAINS(out, "this rank is in ct_strategy_destroy");
     /* The same call on every rank: fine, fingerprints on or off. */
-    snprintf(cmd, sizeof cmd, "CTRAIN_DEBUG=collectives " MPI2 " %s/tests/misuse_prog all_state", cli_bin_dir());
-    ASSERT_EQ(run_cmd(out, cmd), 0);
+    ASSERT_EQ(run_shell(0, out, "CTRAIN_DEBUG=collectives mpirun --oversubscribe --bind-to none -np 2 "
+                              "%s/tests/misuse_prog all_state", cli_bin_dir()), 0);
     ASSERT_EQ(occurrences(out, "done"), 2);
 }
