@@ -73,6 +73,8 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--save-every", OPT_INT, &o->save_every, "N", "also save every N steps (needs --save)");
     OPT("--keep-last", OPT_INT, &o->keep_last, "K", "save each checkpoint under its step (CKPT-stepN) and keep the K newest");
     OPT("--log-every", OPT_INT, &o->log_every, "N", "progress line every N steps (50; 0: none)");
+    OPT("--eval-every", OPT_INT, &o->eval_every, "N", "evaluate (test set; gpt: validation split) every N steps too, "
+        "into the progress lines and --metrics as val_loss (0: after the last step only)");
     OPT("--metrics", OPT_STR, &o->metrics, "FILE", "one JSON object per logged step (appended on --resume)");
     OPT("--strategy", OPT_STR, &o->strategy, "NAME", "none, ddp, zero1, zero2, fsdp, pipe or offload (ddp when run on several ranks)");
     OPT("--stages", OPT_INT, &o->stages, "P", "pipe: pipeline stages (--balance's length, else the ranks); N ranks make N/P replicas");
@@ -328,6 +330,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (!in_list(o->mixed, mixed)) return BAD("unknown --mixed '%s'; choose none or bf16", o->mixed);
     if (o->threads < 0) return BAD("--threads %lld must not be negative (0: automatic)", (long long)o->threads);
     if (o->limit_train < 0 || o->limit_test < 0) return BAD("--limit-train and --limit-test must not be negative");
+    if (o->eval_every < 0) return BAD("--eval-every %lld must not be negative", (long long)o->eval_every);
     if (o->eval_batch < 1) return BAD("--eval-batch %lld must be at least 1", (long long)o->eval_batch);
     return 0;
 }
