@@ -16,13 +16,14 @@
 
 /* Under `make sanitize` the examples are ASan builds too: Open MPI's allocations
  * after MPI_Finalize are not ours (see test_comm_single.c), and an example is a
- * user's program, with no hook to turn leak checks off itself. */
-#define EX_ENV "ASAN_OPTIONS=detect_leaks=0 "
+ * user's program, with no hook to turn leak checks off itself.  The children
+ * inherit it (this process read its own ASAN_OPTIONS at start). */
+static void no_leak_check_in_children(void) { setenv("ASAN_OPTIONS", "detect_leaks=0", 1); }
 
 /* "weights l1 X" of a custom_layer run (fails the test if it did not finish). */
 static double custom_run(int np, const char *kind, const char *dir, const char *extra, char *out)
 {
-    int rc = run_shell(np, out, EX_ENV "%s/examples/custom_layer %s %s 12 %s", cli_bin_dir(), kind, dir, extra);
+    int rc = run_shell(np, out, "%s/examples/custom_layer %s %s 12 %s", cli_bin_dir(), kind, dir, extra);
     if (rc != 0) ct_test_fail(__FILE__, __LINE__, "custom_layer %s %s failed (%d):\n%s", kind, extra, rc, out);
     return number_after(out, "weights l1 ");
 }
@@ -30,6 +31,7 @@ static double custom_run(int np, const char *kind, const char *dir, const char *
 TEST(examples_custom_layer_trains_and_resumes_under_every_strategy)
 {
     static char out[OUT_MAX];
+    no_leak_check_in_children();
     const char *kinds[] = {"none", "ddp", "zero1", "zero2", "fsdp", "pipe", "offload"};
     char a[PATH_MAX], b[PATH_MAX];
     double ref = 0;
@@ -53,6 +55,7 @@ TEST(examples_custom_layer_trains_and_resumes_under_every_strategy)
 TEST(examples_gpt_finetune_under_ddp_and_pipe)
 {
     static char out[OUT_MAX];
+    no_leak_check_in_children();
     const char *tmp = ct_test_tmpdir();
     char txt[PATH_MAX], path[PATH_MAX + 16];
     snprintf(txt, sizeof txt, "%s/text", tmp);
@@ -75,7 +78,7 @@ TEST(examples_gpt_finetune_under_ddp_and_pipe)
     double before = 0, after = 0;
     const char *kinds[] = {"none", "ddp", "pipe"};
     for (int i = 0; i < 3; i++) {
-        int rc = run_shell(i ? 2 : 0, out, EX_ENV "%s/examples/gpt_finetune %s/gpt.safetensors %s 20 %s", cli_bin_dir(), tmp,
+        int rc = run_shell(i ? 2 : 0, out, "%s/examples/gpt_finetune %s/gpt.safetensors %s 20 %s", cli_bin_dir(), tmp,
                          txt, kinds[i]);
         if (rc != 0) ct_test_fail(__FILE__, __LINE__, "gpt_finetune %s failed (%d):\n%s", kinds[i], rc, out);
         double b = number_after(out, "val loss before "), a = number_after(out, "val loss after ");
@@ -90,6 +93,7 @@ TEST(examples_gpt_finetune_under_ddp_and_pipe)
 TEST(examples_install_into_a_prefix_builds_a_program)
 {
     static char out[OUT_MAX];
+    no_leak_check_in_children();
     /* The build directory is the test binary's parent; the Makefile sits beside it. */
     char b[PATH_MAX];
     ASSERT(realpath(cli_bin_dir(), b) != NULL);
@@ -97,7 +101,7 @@ TEST(examples_install_into_a_prefix_builds_a_program)
     ASSERT(slash != NULL);
     *slash = 0;
     if (chdir(b) != 0 || access("Makefile", R_OK) != 0) SKIP("no Makefile beside %s (not a source tree)", cli_bin_dir());
-    int rc = run_shell(0, out, EX_ENV "sh scripts/installcheck.sh %s %s", slash + 1, ct_test_tmpdir());
+    int rc = run_shell(0, out, "sh scripts/installcheck.sh %s %s", slash + 1, ct_test_tmpdir());
     if (rc != 0) ct_test_fail(__FILE__, __LINE__, "scripts/installcheck.sh failed (%d):\n%s", rc, out);
     ASSERT_STR_CONTAINS(out, "installcheck: ok");
     ASSERT_STR_CONTAINS(out, "step 6 loss");

@@ -9,6 +9,8 @@
  * (tests/misuse_prog.c under mpirun).
  */
 
+#include <sys/stat.h>
+
 #include "cli_util.h"
 
 static ct_module *small(void)
@@ -202,4 +204,26 @@ TEST(misuse_rank0_only_collective_call_names_the_call)
     ASSERT_EQ(run_shell(0, out, "CTRAIN_DEBUG=collectives mpirun --oversubscribe --bind-to none -np 2 "
                               "%s/tests/misuse_prog all_state", cli_bin_dir()), 0);
     ASSERT_EQ(occurrences(out, "done"), 2);
+}
+
+/* --strategy fsdp (or any strategy that communicates) without mpirun runs on
+ * one rank: it works, and says that it shards nothing. */
+TEST(misuse_sharding_strategy_on_one_rank_warns)
+{
+    static char out[OUT_MAX];
+    char txt[1024], path[1100];
+    snprintf(txt, sizeof txt, "%s/text", ct_test_tmpdir());
+    ASSERT(mkdir(txt, 0755) == 0);
+    snprintf(path, sizeof path, "%s/a.txt", txt);
+    FILE *f = fopen(path, "w");
+    ASSERT(f != NULL);
+    for (int i = 0; i < 200; i++) fprintf(f, "line %d\n", i);
+    fclose(f);
+    ASSERT_EQ(RUN(out, "train --model gpt --layers 1 --heads 1 --dim 8 --context 8 --steps 1 --batch 2 "
+                       "--data-dir %s --log-every 0 --strategy fsdp", txt), 0);
+    ASSERT_STR_CONTAINS(out, "strategy fsdp runs on 1 rank");
+    ASSERT_STR_CONTAINS(out, "mpirun -np N");
+    ASSERT_EQ(RUN(out, "train --model gpt --layers 1 --heads 1 --dim 8 --context 8 --steps 1 --batch 2 "
+                       "--data-dir %s --log-every 0 --strategy none", txt), 0);
+    ASSERT(strstr(out, "runs on 1 rank") == NULL);
 }

@@ -125,6 +125,12 @@ extern const ct__strategy_ops ct__offload_ops;
  * each stage's backward through its replica strategy with this. */
 ct_status ct__strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale,
                                    ct_tensor **din);
+/* rows.c: ranks with different row counts and global_rows 0, or ranks that
+ * share a data slice (a pipeline's stages) given different rows: CT_EINVAL on
+ * every rank of s's group, before the step.  Collective when either can
+ * happen (one small all-gather), else free; alone: the strategy never
+ * communicates ("none": every rank trains by itself), nothing to check. */
+ct_status ct__check_rows(ct_strategy *s, const ct_batch *b, int64_t nrows, int alone);
 /* Squared 2-norm (norm_type 2) or max-abs (infinity) of the gradients of s's
  * trainable parameters, whatever s shards: the stage term of a pipeline's norm. */
 ct_status ct__strategy_norm_term(ct_strategy *s, double norm_type, double *term);
