@@ -58,6 +58,9 @@ TEST(docs_strategy_opt_help_alone_lists_every_strategy)
     /* with --strategy: that one only */
     ASSERT_EQ(RUN(out, "train --strategy fsdp --strategy-opt help"), 0);
     ASSERT_EQ(occurrences(out, "takes --strategy-opt"), 1);
+    /* estimate's too, without a model */
+    ASSERT_EQ(RUN(out, "estimate --strategy-opt help"), 0);
+    ASSERT_STR_CONTAINS(out, "--strategy zero2 takes --strategy-opt");
 }
 
 TEST(docs_inspect_of_a_directory_names_a_real_flag)
