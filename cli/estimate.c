@@ -144,6 +144,8 @@ static int parse(int argc, char **argv, est_opts *o, int *help, char *err, size_
     for (int i = 0; i < n; i++)
         if (t[i].given > 1) return BAD("%s is given %d times; give it once", t[i].name, t[i].given);
 #define GIVEN(nm) (cli_find(t, n, nm)->given != 0)
+    /* --strategy-opt help only lists keys: no model needed (cli_estimate answers it). */
+    if (o->strategy_opt && !strcmp(o->strategy_opt, "help")) return 0;
     if (!o->model) return BAD("--model is required; choose one of: %s", ct_model_list());
     ct_model_kind kind;
     if (ct_model_parse_kind(o->model, &kind) != CT_OK) return BAD("--model: %s", ct_last_error());

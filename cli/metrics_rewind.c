@@ -2,7 +2,7 @@
  * --metrics on --resume: the file may hold records past the checkpoint's
  * step (the run went on after its last save, or it is resumed from an
  * older checkpoint).  Appending would repeat those steps, so the records
- * with a "step" beyond the resumed one are dropped first (the file is
+ * with a "step" beyond the resumed one (logged steps, evaluations) are dropped first (the file is
  * rewritten to a temp file and renamed, so a crash keeps the old one).
  */
 #include <errno.h>
@@ -26,8 +26,8 @@ ct_status cli_metrics_rewind(const char *path, int64_t step)
     char line[1 << 16];
     int64_t dropped = 0;
     while (fgets(line, sizeof line, in)) {
-        const char *s = strstr(line, "{\"step\":");
-        if (s == line && strtoll(s + 8, NULL, 10) > step) {
+        const char *s = strstr(line, "{\"step\":"), *e = strstr(line, "{\"event\":\"eval\",\"step\":");
+        if ((s == line && strtoll(s + 8, NULL, 10) > step) || (e == line && strtoll(e + 23, NULL, 10) > step)) {
             dropped++;
             continue;
         }

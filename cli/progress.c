@@ -71,6 +71,20 @@ void cli_progress_log(cli_progress *p, int64_t step, int64_t epoch, double loss,
     }
 }
 
+void cli_progress_eval(cli_progress *p, int64_t step, double val_loss)
+{
+    if (cli_rank != 0) return;
+    if (step < p->total_steps) { /* the last step's is in the final report */
+        clear_bar(p);
+        fprintf(stderr, "step %lld/%lld  val loss %.4f\n", (long long)step, (long long)p->total_steps, val_loss);
+    }
+    if (p->metrics) {
+        fprintf(p->metrics, "{\"event\":\"eval\",\"step\":%lld,\"epoch\":%.4f,\"val_loss\":%.9g}\n", (long long)step,
+                (double)step / (double)p->steps_per_epoch, val_loss);
+        fflush(p->metrics);
+    }
+}
+
 ct_status cli_progress_summary(cli_progress *p, double step_ms, const ct_mem_report *mem, int nranks)
 {
     if (!p->metrics) return CT_OK;

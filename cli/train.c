@@ -627,6 +627,10 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
             t_win = now;
         }
         cli_progress_tick(prog, t->step, t->epoch, t->last_loss);
+        if (o->eval_every && t->step % o->eval_every == 0 && !last && (st = train_eval(t, prog))) {
+            st = loop_fail(t, st, "evaluation");
+            break;
+        }
         if (o->save_every && t->step % o->save_every == 0 && !last && (st = save(t))) break;
     }
     ct_free(idx);
@@ -660,6 +664,7 @@ int train_run(train_opts *o)
     memset(&t, 0, sizeof t);
     t.o = o;
     t.last_loss = NAN; /* none logged yet */
+    t.last_eval_step = -1;
     t.g = ct_group_world();
     t.rank = ct_group_rank(t.g);
     t.world = ct_group_size(t.g);
@@ -679,9 +684,12 @@ int train_run(train_opts *o)
     }
     if (st == CT_OK) st = train_loop(&t, &prog);
     if (st == CT_OK) st = ct_strategy_memory(t.s, t.mem);
+    /* The last step's evaluation, after the memory report (its peaks cover the training steps)
+     * and before the summary (the metrics file's last line). */
+    if (st == CT_OK && t.step > t.start_step && t.last_eval_step != t.step) st = train_eval(&t, &prog);
     if (st == CT_OK && t.rank == 0) st = cli_progress_summary(&prog, train_median_step_ms(&t), t.mem, t.world);
     cli_progress_finish(&prog);
-    double seconds = ct_now() - t0;
+    double seconds = ct_now() - t0 - t.eval_seconds;
     if (st == CT_OK) st = train_report(&t, seconds);
     if (st == CT_OK && o->save) {
         st = save(&t);

@@ -15,7 +15,7 @@ typedef struct {
     int64_t warmup, seed;
     int no_shuffle;
     const char *init, *resume, *save, *state_dict, *metrics, *trace;
-    int64_t save_every, log_every, keep_last;
+    int64_t save_every, log_every, keep_last, eval_every;
     const char *strategy, *grad_compress, *strategy_opt, *mixed, *clip_norm, *on_nonfinite, *last_batch;
     int64_t grad_accum, threads;
     double bucket_cap_mb;

@@ -40,7 +40,7 @@ static int table(train_opts *o, cli_opt *t)
         CT_ASSERT(n < MAXOPT);                                \
         t[n++] = (cli_opt){nm, ty, dst, mv, hl, 0};           \
     } while (0)
-    OPT("--model", OPT_STR, &o->model, "NAME", "model to train: mlp or cnn");
+    OPT("--model", OPT_STR, &o->model, "NAME", "model to train: mlp, cnn or gpt");
     OPT("--hidden", OPT_STR, &o->hidden, "LIST", "layer sizes (mlp 256,128; cnn conv channels then fc: 16,32,128)");
     OPT("--kernel", OPT_INT, &o->kernel, "K", "cnn: conv kernel size, odd (3)");
     OPT("--dropout", OPT_NUM, &o->dropout, "P", "mlp: dropout after every hidden layer (0)");
@@ -73,8 +73,10 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--save-every", OPT_INT, &o->save_every, "N", "also save every N steps (needs --save)");
     OPT("--keep-last", OPT_INT, &o->keep_last, "K", "save each checkpoint under its step (CKPT-stepN) and keep the K newest");
     OPT("--log-every", OPT_INT, &o->log_every, "N", "progress line every N steps (50; 0: none)");
+    OPT("--eval-every", OPT_INT, &o->eval_every, "N", "evaluate (test set; gpt: validation split) every N steps too, "
+        "into the progress lines and --metrics as val_loss (0: after the last step only)");
     OPT("--metrics", OPT_STR, &o->metrics, "FILE", "one JSON object per logged step (appended on --resume)");
-    OPT("--strategy", OPT_STR, &o->strategy, "NAME", "none, ddp, zero1, zero2, pipe or offload (ddp when run on several ranks)");
+    OPT("--strategy", OPT_STR, &o->strategy, "NAME", "none, ddp, zero1, zero2, fsdp, pipe or offload (ddp when run on several ranks)");
     OPT("--stages", OPT_INT, &o->stages, "P", "pipe: pipeline stages (--balance's length, else the ranks); N ranks make N/P replicas");
     OPT("--balance", OPT_STR, &o->balance, "LIST", "pipe, offload: the model's top-level layers per stage or slice, as 3,3,2 (by parameter count)");
     OPT("--chunks", OPT_INT, &o->chunks, "M", "pipe: micro-batches per step (4)");
@@ -181,6 +183,8 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->has_gpt_shape = cli_gpt_shape_given(t, n);
 #undef GIVEN
 
+    /* --strategy-opt help only lists keys: nothing else is needed (cli_train answers it). */
+    if (o->strategy_opt && !strcmp(o->strategy_opt, "help")) return 0;
     if (has_epochs && has_steps) return BAD("--epochs and --steps are both given; give one of them");
     if (!has_epochs && !has_steps) return BAD("say how long to train: give --epochs N or --steps K");
     if (has_epochs && o->epochs < 1) return BAD("--epochs %lld must be at least 1", (long long)o->epochs);
@@ -326,6 +330,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (!in_list(o->mixed, mixed)) return BAD("unknown --mixed '%s'; choose none or bf16", o->mixed);
     if (o->threads < 0) return BAD("--threads %lld must not be negative (0: automatic)", (long long)o->threads);
     if (o->limit_train < 0 || o->limit_test < 0) return BAD("--limit-train and --limit-test must not be negative");
+    if (o->eval_every < 0) return BAD("--eval-every %lld must not be negative", (long long)o->eval_every);
     if (o->eval_batch < 1) return BAD("--eval-batch %lld must be at least 1", (long long)o->eval_batch);
     return 0;
 }

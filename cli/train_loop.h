@@ -35,7 +35,16 @@ typedef struct {
     char latest[4096];     /* --resume latest: the checkpoint it found */
     char saved[4096];      /* where the last save went */
     int64_t skipped;       /* steps dropped by --on-nonfinite skip */
+    cli_eval last_eval;    /* the evaluation made at step last_eval_step (train_eval) */
+    int64_t last_eval_step; /* -1: none yet */
+    double eval_seconds;   /* spent in train_eval (not training: left out of the run's speed) */
 } trainer;
+
+/* Collective: evaluates the model now (test set; gpt: validation split)
+ * into t->last_eval, at t->step, and logs it (a progress line, --metrics
+ * "val_loss"), so a run's curve holds the validation loss next to the
+ * training loss and the final report reuses the last step's. */
+ct_status train_eval(trainer *t, cli_progress *prog);
 
 /* Evaluates, then prints the run's summary: steps, loss, test or
  * validation figures, every rank's peak memory and the strategy's times. */

@@ -54,16 +54,32 @@ static void print_memory(trainer *t)
     cli_out("  (resident = param + grad + optim at its peak; rss = the process's peak resident set)\n");
 }
 
+static ct_status evaluate(trainer *t, cli_eval *ev)
+{
+    train_opts *o = t->o;
+    /* Text windows are long: a few per forward keeps the logits small. */
+    if (t->is_text)
+        return cli_evaluate_text(t->s, t->model, &t->cfg, &t->text, o->eval_batch < 32 ? o->eval_batch : 32,
+                                 o->limit_test, t->g, ev);
+    return cli_evaluate(t->s, t->model, &t->cfg, &t->test, o->eval_batch, t->g, ev, NULL);
+}
+
+ct_status train_eval(trainer *t, cli_progress *prog)
+{
+    double t0 = ct_now();
+    CT_TRY(evaluate(t, &t->last_eval));
+    t->last_eval_step = t->step;
+    cli_progress_eval(prog, t->step, t->last_eval.loss);
+    t->eval_seconds += ct_now() - t0;
+    return CT_OK;
+}
+
 ct_status train_report(trainer *t, double seconds)
 {
     train_opts *o = t->o;
-    cli_eval ev;
+    cli_eval ev = t->last_eval;
     char buf[512];
-    /* Text windows are long: a few per forward keeps the logits small. */
-    if (t->is_text)
-        CT_TRY(cli_evaluate_text(t->s, t->model, &t->cfg, &t->text, o->eval_batch < 32 ? o->eval_batch : 32,
-                                 o->limit_test, t->g, &ev));
-    else CT_TRY(cli_evaluate(t->s, t->model, &t->cfg, &t->test, o->eval_batch, t->g, &ev, NULL));
+    if (t->last_eval_step != t->step) CT_TRY(evaluate(t, &ev));
     int64_t steps = t->step - t->start_step;
     if (steps > 0)
         cli_out("trained %lld steps (to step %lld, epoch %.2f) in %.1f s, %.0f samples/s; final train loss %.6f\n",

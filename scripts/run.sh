@@ -17,4 +17,4 @@ end=$(date +%s)
 echo "make run: trained and evaluated in $((end - start)) s"
 echo "evaluate the checkpoint:  $B/ctrain eval --checkpoint $B/mlp.safetensors"
 echo "look inside it:           $B/ctrain inspect $B/mlp.safetensors"
-echo "plot its loss curve:      scripts/plot $B/mlp.metrics.jsonl $B/mlp-loss.png"
+echo "plot its curves:          scripts/plot $B/mlp.metrics.jsonl $B/mlp-loss.png"

@@ -30,6 +30,10 @@ int run_cmd(const run_env *env, char *out, const char *fmt, ...) __attribute__((
 const char *tiny_data(void);
 /* Writes dir/name, an IDX file of n 28x28 images (images != 0) or n labels. */
 void write_idx(const char *dir, const char *name, int images, int n);
+/* Runs the shell command fmt (np > 0: under mpirun -np np, allowed as root)
+ * with stderr joined to stdout into out (OUT_MAX bytes); returns the exit code.
+ * For programs other than ctrain (examples, test programs). */
+int run_shell(int np, char *out, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 int count_lines(const char *s);
 int occurrences(const char *s, const char *needle);
 /* The number after "key" in s (e.g. "final train loss "); fails the test if absent. */

@@ -164,7 +164,7 @@ TEST(cli_train_eval_inspect)
     line_after(out, "test: ", acc_train, sizeof acc_train);
     ASSERT(number_after(out, "accuracy ") > 60);
 
-    /* The metrics file: one JSON object per logged step, then the summary:
+    /* The metrics file: one JSON object per logged step, the last step's evaluation, then the summary:
      * median step time and the memory report, in bytes.  235146 f32
      * parameters: 940584 bytes each of param and grad, two AdamW moments. */
     FILE *f = fopen(metrics, "r");
@@ -174,6 +174,11 @@ TEST(cli_train_eval_inspect)
     while (fgets(line, sizeof line, f)) {
         n++;
         if (n == 6) {
+            ASSERT_STR_CONTAINS(line, "{\"event\":\"eval\",\"step\":250,");
+            ASSERT(number_after(line, "\"val_loss\":") > 0);
+            continue;
+        }
+        if (n == 7) {
             ASSERT_STR_CONTAINS(line, "{\"event\":\"summary\",\"step_ms\":");
             ASSERT(number_after(line, "\"step_ms\":") > 0);
             ASSERT_STR_CONTAINS(line, "\"memory\":[{\"rank\":0,\"param\":940584,\"grad\":940584,");
@@ -192,7 +197,7 @@ TEST(cli_train_eval_inspect)
         ASSERT_STR_CONTAINS(line, "\"samples_per_s\":");
     }
     fclose(f);
-    ASSERT_EQ(n, 6);
+    ASSERT_EQ(n, 7);
 
     /* eval rebuilds the model from the checkpoint alone and agrees with train. */
     code = RUN(ev, "eval --checkpoint %s --limit-test 1000", ckpt);

@@ -128,7 +128,10 @@ TEST(strategy_grad_accum_equals_whole_batch)
         }
     ct_free(pa);
     ct_free(pb);
-    /* 12 rows cannot fill 13 micro-batches: a clear error, not a crash */
+    /* 12 rows cannot fill 13 micro-batches: a clear error, not a crash (a model is wrapped
+     * once at a time, so sa lets go of it first) */
+    ct_strategy_destroy(sa);
+    sa = NULL;
     ct_strategy *sc;
     ASSERT_OK(ct_strategy_create("none", a, &oo, NULL, "grad_accum=13", &sc));
     int64_t n = 12;

@@ -93,8 +93,30 @@ typedef enum { CT_OP_SUM = 0, CT_OP_AVG, CT_OP_MAX, CT_OP_MIN } ct_reduce_op;
 ct_status ct_comm_init(int *argc, char ***argv);
 /* Waits for outstanding operations, frees every group, stops the comm thread
  * and finalises MPI (if ct_comm_init initialised it).  MPI cannot start
- * again in the same process afterwards.  No-op if not initialised. */
-void ct_comm_finalize(void);
+ * again in the same process afterwards.  No-op if not initialised.
+ * CT_ESTATE, changing nothing, while something still holds communication
+ * (ct_comm_hold: a strategy not yet destroyed): destroy it first.  With
+ * CTRAIN_DEBUG=collectives it is a fingerprinted barrier over the world, so
+ * a rank still waiting in a collective call of its own (say a
+ * ct_strategy_model_state made on rank 0 only) ends the job with a message
+ * naming both calls instead of waiting for the timeout. */
+ct_status ct_comm_finalize(void);
+/* Marks this thread as inside the public ctrain call name (a string that
+ * outlives the call, such as "ct_strategy_model_state") and returns the
+ * previous mark for ct_comm_leave_call; nested calls keep the outermost
+ * name.  Collectives started meanwhile carry it: the comm timeout and the
+ * CTRAIN_DEBUG=collectives mismatch messages name the call a rank is in.
+ * Library code calls these around its collective entry points; a program
+ * may too, around collective code of its own. */
+const char *ct_comm_enter_call(const char *name);
+void ct_comm_leave_call(const char *prev);
+/* The call this thread is in, or NULL. */
+const char *ct_comm_current_call(void);
+/* Something that communicates while it lives (a strategy: who names it,
+ * "strategy fsdp") holds communication from creation to destruction, so
+ * ct_comm_finalize refuses instead of freeing what it still uses. */
+void ct_comm_hold(const char *who);
+void ct_comm_unhold(const char *who);
 /* 1 between ct_comm_init and ct_comm_finalize. */
 int ct_comm_initialized(void);
 /* Logs "rank R: message" and aborts the whole job (MPI_Abort), so a failing

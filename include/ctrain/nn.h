@@ -151,6 +151,15 @@ struct ct_module {
     int emit_bf16_grad;    /* set by the parent before each backward: the input gradient feeds
                               only a bf16 linear, so the module may return it as BF16 with its
                               column sums (see nn/internal.h: the same numbers, two passes less) */
+    const char *held_by;   /* root only: who wraps the tree (ct_module_hold), else NULL */
+    /* A custom kind's initialiser (NULL for built-in kinds): sets m's own
+     * parameters (not its children's) for ct_module_init_params,
+     * deterministically from seed (ct_rng keyed by the parameter's name, as
+     * the built-in layers do).  Set it after ct_module_create.  (Here, not in
+     * ct_module_ops, so ops tables written positionally keep compiling.)  A
+     * custom module with parameters and no init keeps their values (zeros)
+     * and ct_module_init_params warns. */
+    void (*init)(ct_module *m, uint64_t seed);
 };
 
 /* Per-call activation record: any number of saved tensors (retained; add
@@ -180,7 +189,8 @@ struct ct_record {
 ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out,
                             ct_record **rec, const ct_fwd_ctx *ctx);
 /* Runs pre-backward hooks, backward, grad-ready hooks of the module's own
- * parameters, then post-backward hooks.  Consumes rec even on failure.
+ * parameters, then post-backward hooks.  Consumes rec even on failure; a
+ * record already consumed (a second backward on it) is CT_ESTATE.
  * A shared parameter (ct_module_share_param) gets its grad-ready hooks once:
  * each forward with a record counts a use, and the hooks fire after the
  * backward that ends the last pending use, when p->grad holds the sum of
@@ -248,8 +258,15 @@ ct_tensor *ct_record_saved(const ct_record *rec, int i);
 
 /* Bare module of a kind (for custom layers); NULL on failure. */
 ct_module *ct_module_create(const ct_module_ops *ops, void *impl);
-/* Frees the module tree; NULL is a no-op. */
-void ct_module_destroy(ct_module *m);
+/* Frees the module tree; NULL is a no-op.  CT_ESTATE, freeing nothing,
+ * while a strategy wraps it (ct_module_hold): destroy the strategy first. */
+ct_status ct_module_destroy(ct_module *m);
+/* A strategy borrows root from wrap to destroy: ct_module_hold marks it
+ * (who names the holder, "strategy ddp"; a string that outlives the hold),
+ * so destroying it meanwhile, or wrapping it a second time, is CT_ESTATE
+ * naming the holder instead of a crash later.  ct_module_unhold ends it. */
+ct_status ct_module_hold(ct_module *root, const char *who);
+void ct_module_unhold(ct_module *root);
 /* Adds kid under name (NULL: its index); a name may be a dotted path
  * ("transformer.h.0": a flat container carrying a nested model's state_dict
  * names) whose parts are not empty.  m owns kid from now on, and on
@@ -434,7 +451,9 @@ ct_module *ct_tokpos_embedding_create(int64_t vocab, int64_t context, int64_t di
 /* Initialises every parameter under root the way PyTorch does by default
  * (kaiming-uniform weights, uniform(+-1/sqrt(fan_in)) biases, ones/zeros for
  * norms, normal(0,1) embeddings), deterministically from seed and each
- * parameter's name. */
+ * parameter's name; a custom kind through its ops' init.  A module of a
+ * kind it does not know, with parameters and no init op, is left as it is
+ * and named in a warning. */
 void ct_module_init_params(ct_module *root, uint64_t seed);
 
 /* ---- loss -------------------------------------------------------------- */

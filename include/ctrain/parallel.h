@@ -9,6 +9,9 @@
  *   "ddp"   DistributedDataParallel: replicas, bucketed gradient allreduce
  *           started from grad-ready hooks so it overlaps backward
  *   "zero1", "zero2"  ZeRO: optimizer state (and gradients) sharded
+ *   "fsdp"  FullyShardedDataParallel (ZeRO-3): parameters, gradients and
+ *           optimizer state sharded in units, gathered around each unit's
+ *           forward and backward (sharding=full|grad_op|none|hybrid)
  *   "pipe"  pipeline parallelism: a sequential cut into stages, one per
  *           rank, micro-batches flowing through them (GPipe or 1F1B), with
  *           data-parallel replicas of the pipeline when ranks allow; a
@@ -27,7 +30,16 @@
  * categories of the memory report, from the model's shapes alone.
  *
  * Ownership: the strategy borrows the model and the group (they must
- * outlive it) and owns its optimizer.  A strategy may re-point parameter
+ * outlive it) and owns its optimizer.  While it lives the model is held
+ * (ct_module_hold): destroying it or wrapping it again is CT_ESTATE, and so
+ * is ct_comm_finalize (destroy strategies first).
+ *
+ * Collective calls: every function below that says "collective" must be
+ * called by every rank of the group, whatever the strategy (a replicated
+ * one may not communicate in it today; a sharded one does).  A call made on
+ * some ranks only ends, after CTRAIN_COMM_TIMEOUT, with a message naming the
+ * call; with CTRAIN_DEBUG=collectives at once, naming the calls each rank
+ * is in.  A strategy may re-point parameter
  * data and gradients into storage it owns (DDP: gradients are views into
  * bucket buffers); destroying the strategy gives every parameter memory of
  * its own again.
@@ -203,17 +215,21 @@ typedef struct {
 } ct_step_stats;
 
 /* Wraps model for training over group g (NULL: the world) with the strategy
- * named kind ("none" or "ddp"), options opts (NULL or "" for defaults), and
- * builds the optimizer described by optim over what this rank owns (whole
- * parameters for ddp).  Collective over g for "ddp": all ranks call it with
- * the same arguments; parameters and buffers are broadcast from rank 0; a
- * model that differs across ranks is an error on every rank. */
+ * named kind (one of ct_strategy_list(): none, ddp, zero1, zero2, fsdp,
+ * pipe, offload), options opts (NULL or "" for defaults), and builds the
+ * optimizer described by optim over what this rank owns (whole parameters
+ * for ddp).  Collective over g for every kind but "none": all ranks call it
+ * with the same arguments; parameters and buffers are broadcast from rank
+ * 0; a model that differs across ranks is an error on every rank.  A kind
+ * that communicates on a group of one rank logs a warning (nothing to
+ * shard: started without mpirun?).  CT_ESTATE if model is already wrapped
+ * by a live strategy. */
 ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_opts *optim,
                              ct_group *g, const char *opts, ct_strategy **out);
 /* Unwraps (parameters get gradients of their own again) and frees the
  * strategy and its optimizer; NULL is a no-op. */
 void ct_strategy_destroy(ct_strategy *s);
-/* "none", "ddp", "zero1", "zero2", "pipe". */
+/* "none", "ddp", "zero1", "zero2", "fsdp", "pipe" or "offload". */
 const char *ct_strategy_kind(const ct_strategy *s);
 /* Which rank owns which parameter range (sharded strategies), else NULL.
  * Parameter indices count the trainable parameters in model order. */
@@ -249,11 +265,20 @@ typedef ct_status (*ct_loss_fn)(ct_tensor *out, ct_tensor *target, void *ud, flo
 ct_status ct_loss_cross_entropy(ct_tensor *out, ct_tensor *target, void *ud, float *loss,
                                 ct_tensor **dout);
 
+/* This rank's rows of a step's global batch of global_rows rows, for any
+ * strategy: rows [*first, *first + *count), contiguous, cut as evenly as
+ * ct_sampler_first cuts them, by data slice (ct_strategy_data_rank), so
+ * the stages of one pipeline get the same rows.  Pass *first as
+ * ct_batch.sample0 and global_rows as ct_batch.global_rows.  CT_EINVAL for
+ * a negative global_rows. */
+ct_status ct_strategy_local_rows(const ct_strategy *s, int64_t global_rows, int64_t *first, int64_t *count);
+
 /* This rank's share of one step's global batch. */
 typedef struct {
     ct_tensor *x;         /* inputs [rows, ...] */
     ct_tensor *y;         /* targets [rows, ...] */
-    int64_t global_rows;  /* rows of the step's batch over all ranks (0: rows x group size) */
+    int64_t global_rows;  /* rows of the step's batch over all ranks (0: rows x group size, and
+                             ranks with different rows are an error: give it for uneven rows) */
     int64_t sample0;      /* index of x's first row within the global batch (dropout keys on it) */
 } ct_batch;
 
@@ -270,7 +295,9 @@ typedef struct {
  * seed and step (sample0 is set per micro-batch).  Every rank
  * of the group calls it; each needs at least grad_accum rows.  The
  * optimizer step is separate (ct_strategy_step), so a caller can clip
- * first. */
+ * first.  Checked across the group first (CT_EINVAL on every rank): with
+ * global_rows 0, ranks with different row counts; under pipe, stages of one
+ * pipeline given different rows (sample0, counts, or data). */
 /* Uneven inputs (PyTorch's Join): collective over s's group, once per step
  * before ct_strategy_train_step.  Every rank gives the rows it has for the
  * step (0: it has run out of data); *global_rows gets their sum (pass it as
@@ -342,7 +369,12 @@ ct_status ct_strategy_grad_norm_acc(ct_strategy *s, ct_norm_acc *acc);
 void ct_strategy_scale_grads(ct_strategy *s, float k);
 /* Optimizer step on the synchronised gradients (with the schedule's
  * learning rate if one is set), then whatever the strategy does after it
- * (mixed precision: refresh the compute copies). */
+ * (mixed precision: refresh the compute copies).  With no backward (nor
+ * train step) since the last step it does nothing, as PyTorch's optimizers
+ * skip parameters whose grad is None: no update, no weight decay, the step
+ * count and the schedule stay.  Unlike PyTorch, a parameter that a backward
+ * did not reach (an unused branch) steps with a zero gradient (weight
+ * decay and momentum still apply). */
 ct_status ct_strategy_step(ct_strategy *s);
 /* Zeroes every gradient (lazily: the next backward overwrites). */
 void ct_strategy_zero_grad(ct_strategy *s);
@@ -394,8 +426,10 @@ ct_status ct_state_add(ct_state *st, const char *name, ct_tensor *t);
 void ct_state_fini(ct_state *st);
 
 /* The full model state (parameters then buffers, PyTorch names).
- * Collective over the group: a sharded strategy assembles it on rank 0
- * (other ranks may get less); a replicated one has it on every rank. */
+ * Collective over the group, for every strategy: call it on every rank
+ * (then write the file on rank 0), never under if (rank == 0).  A sharded
+ * strategy assembles it on rank 0 (other ranks may get less); a replicated
+ * one has it on every rank. */
 ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out);
 /* The optimizer state: "<param>.exp_avg", "<param>.exp_avg_sq" (AdamW) or
  * "<param>.momentum_buffer" (SGD), full tensors, plus an I64 tensor "step".

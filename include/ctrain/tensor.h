@@ -116,8 +116,14 @@ ct_tensor *ct_tensor_wrap(ct_dtype dt, int ndim, const int64_t *shape, void *dat
 ct_tensor *ct_tensor_view(ct_tensor *base, int64_t offset, int ndim, const int64_t *shape);
 /* Same data, new shape of the same numel (a view). */
 ct_tensor *ct_tensor_reshape(ct_tensor *t, int ndim, const int64_t *shape);
-/* New owning copy with the same dtype and shape. */
+/* New owning copy with the same dtype and shape; NULL with the error set
+ * when t has no data (see ct_tensor_check_data). */
 ct_tensor *ct_tensor_clone(const ct_tensor *t, ct_mem_cat cat);
+/* CT_OK if t's data can be read here; CT_ESTATE naming the fix when its
+ * storage is released (a parameter that a sharded strategy such as fsdp
+ * holds in pieces, outside ct_strategy_summon_full_params), CT_EINVAL for
+ * NULL.  Check before reading a strategy's parameters through ct_f32. */
+ct_status ct_tensor_check_data(const ct_tensor *t);
 /* Adds a reference; returns t. */
 ct_tensor *ct_tensor_retain(ct_tensor *t);
 /* Drops a reference; frees at zero. NULL is a no-op. */
@@ -130,10 +136,12 @@ int ct_tensor_same_shape(const ct_tensor *a, const ct_tensor *b);
 char *ct_shape_str(const ct_tensor *t, char *buf, size_t n);
 /* Sets every element of an f32 tensor to v (0 also works for any dtype). */
 void ct_tensor_fill(ct_tensor *t, float v);
-/* Copies src's data into dst (same dtype and numel). */
+/* Copies src's data into dst (same dtype and numel); CT_ESTATE when either
+ * has no data (ct_tensor_check_data). */
 ct_status ct_tensor_copy(ct_tensor *dst, const ct_tensor *src);
 
-/* Typed data pointer (asserts the dtype and that the storage has memory). */
+/* Typed data pointer (asserts the dtype and that the storage has memory,
+ * after logging why; ct_tensor_check_data tells first, as a status). */
 float *ct_f32(const ct_tensor *t);
 
 #ifdef __cplusplus

@@ -275,6 +275,7 @@ static ct_status enqueue(ct_work *w)
     else E.qhead = w;
     E.qtail = w;
     if (w->vt->flags & CT__OP_ORDERED) w->seq = ++w->g->nseq;
+    w->call = ct_comm_current_call(); /* read on the caller's thread: the name is per thread */
     w->g->pending++;
     E.pending++;
     pthread_cond_signal(&E.wake);
@@ -675,7 +676,7 @@ static void check_expired(const ct_work *w, double now, double timeout)
 {
     if (!w || !ordered(w) || now - w->t_start <= timeout) return;
     const ct_group *g = w->g;
-    char msg[900];
+    char msg[1024];
     snprintf(msg, sizeof msg, "comm timeout: %s #%llu on group %s (%d ranks; this rank is %d of "
                               "it) has not completed %.0f s after it started "
                               "(CTRAIN_COMM_TIMEOUT=%g)",
@@ -683,6 +684,12 @@ static void check_expired(const ct_work *w, double now, double timeout)
              now - w->t_start, timeout);
     if (w->vt->blame) w->vt->blame(w, msg, sizeof msg);
     size_t len = strlen(msg);
+    if (w->call) {
+        /* The user's code calls ctrain, not allgather: name the call every rank must make. */
+        snprintf(msg + len, sizeof msg - len, "; this rank is in %s, a collective call: every rank of "
+                                              "the group must make it, not only some (if (rank == 0) ...)", w->call);
+        len = strlen(msg);
+    }
     snprintf(msg + len, sizeof msg - len, "; a rank of the group never started it, or started the "
                                           "group's collectives in another order: every rank must "
                                           "start the same collectives on a group in the same "

@@ -17,7 +17,10 @@
 
 #include "internal.h"
 
-enum { F_SEQ, F_GROUP, F_DTYPE, F_COUNT, F_ROOT, F_REDOP, F_KIND0, F_KIND1, F_N };
+/* F_CALL0..: the public ctrain call that issued the collective (ct_comm_enter_call), up
+ * to 31 characters: ranks in different calls is the mistake users make, and the
+ * message then names the calls, not only the collectives inside them. */
+enum { F_SEQ, F_GROUP, F_DTYPE, F_COUNT, F_ROOT, F_REDOP, F_KIND0, F_KIND1, F_CALL0, F_CALL3 = F_CALL0 + 3, F_N };
 
 static int fp_on;
 
@@ -64,6 +67,7 @@ int ct__fp_start(ct_work *w)
     me[F_ROOT] = w->fp_root;
     me[F_REDOP] = w->fp_redop;
     strncpy((char *)&me[F_KIND0], w->vt->name, 2 * sizeof(int64_t) - 1);
+    if (w->call) strncpy((char *)&me[F_CALL0], w->call, 4 * sizeof(int64_t) - 1);
     w->fp_phase = 1;
     return ct__op_mpi(w, MPI_Iallgather(me, F_N, MPI_INT64_T, w->fp_all, F_N, MPI_INT64_T, g->comm, &w->req),
                       "MPI_Iallgather (collective fingerprint)");
@@ -80,7 +84,10 @@ static void describe(const int64_t *f, char *buf, size_t n)
     at += snprintf(buf + at, n - (size_t)at, "%lld elements", (long long)f[F_COUNT]);
     if (f[F_ROOT] >= 0) at += snprintf(buf + at, n - (size_t)at, ", root %lld", (long long)f[F_ROOT]);
     if (f[F_REDOP] >= 0) at += snprintf(buf + at, n - (size_t)at, ", %s", ct__op_name((ct_reduce_op)f[F_REDOP]));
-    snprintf(buf + at, n - (size_t)at, ") #%lld", (long long)f[F_SEQ]);
+    at += snprintf(buf + at, n - (size_t)at, ") #%lld", (long long)f[F_SEQ]);
+    char call[4 * sizeof(int64_t) + 1] = {0};
+    memcpy(call, &f[F_CALL0], 4 * sizeof(int64_t));
+    if (call[0]) snprintf(buf + at, n - (size_t)at, " in %s", call);
 }
 
 int ct__fp_check(ct_work *w)
@@ -97,11 +104,15 @@ int ct__fp_check(ct_work *w)
         return 0;
     }
     if (g->rank != 0) return 1; /* rank 0 of the group ends the job and says why; wait for it */
-    char a[160], b[160], msg[600];
+    char a[200], b[200], msg[1000];
     describe(all, a, sizeof a);
     describe(all + (size_t)F_N * (size_t)bad, b, sizeof b);
+    const int64_t *fb = all + (size_t)F_N * (size_t)bad;
+    int calls_differ = memcmp(&all[F_CALL0], &fb[F_CALL0], 4 * sizeof(int64_t)) != 0;
     snprintf(msg, sizeof msg, "collective mismatch on group %s: rank 0 called %s but rank %d called %s; every rank "
-             "must make the same collective calls in the same order (found by CTRAIN_DEBUG=collectives)",
-             g->name, a, bad, b);
+             "must make the same collective calls in the same order%s (found by CTRAIN_DEBUG=collectives)",
+             g->name, a, bad, b,
+             calls_differ ? ": the ranks are in different ctrain calls, so one was made on some ranks only "
+                            "(collective ctrain calls go on every rank, not under if (rank == 0))" : "");
     ct__watch_expired(msg);
 }

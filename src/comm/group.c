@@ -509,10 +509,24 @@ void ct_group_destroy(ct_group *g)
     free_group(g);
 }
 
-void ct_comm_finalize(void)
+ct_status ct_comm_finalize(void)
 {
-    if (!S.inited) return;
+    if (!S.inited) return CT_OK;
     CT_ASSERT(!ct__on_comm_thread());
+    const char *who = NULL;
+    int holds = ct__comm_holds(&who);
+    if (holds > 0)
+        return ct_error(CT_ESTATE, "ct_comm_finalize: %d object%s still communicate%s (the last made: %s); "
+                        "destroy %s first (ct_strategy_destroy), then finalize",
+                        holds, holds == 1 ? "" : "s", holds == 1 ? "s" : "", who ? who : "?",
+                        holds == 1 ? "it" : "them");
+    if (ct__fp_on() && S.world.size > 1) {
+        /* Its fingerprint meets whatever collective a peer is still in. */
+        const char *prev = ct_comm_enter_call("ct_comm_finalize");
+        ct_status st = ct_group_barrier(&S.world);
+        ct_comm_leave_call(prev);
+        if (st != CT_OK) return st;
+    }
     ct_group *g;
     while ((g = ct__group_pop())) free_group(g);
     ct__group_quiesce(&S.world);
@@ -521,6 +535,7 @@ void ct_comm_finalize(void)
     S.inited = 0;
     S.finalized = S.owns_mpi;
     ct_log_set_rank(0, 1);
+    return CT_OK;
 }
 
 void ct_comm_abort(const char *fmt, ...)

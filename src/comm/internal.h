@@ -123,6 +123,7 @@ struct ct_work {
     int fp_phase;           /* 1 while the fingerprint all-gather runs */
     int64_t *fp_all;        /* every rank's fingerprint, then this rank's */
     double t_start;         /* collectives: ct_now() when started */
+    const char *call;       /* the public ctrain call that issued it (ct_comm_enter_call), or NULL */
 
     /* engine state */
     ct_work *next;      /* submit queue, then the group's deferred queue */
@@ -136,6 +137,13 @@ struct ct_work {
     ct_work_fn cb;
     void *cb_arg;
 };
+
+/* ---- calls.c ----------------------------------------------------------- */
+
+/* The public call the program's thread is in (ct_comm_enter_call), read from any thread; NULL outside. */
+const char *ct__comm_process_call(void);
+/* Open ct_comm_hold's; *who gets the last holder's name. */
+int ct__comm_holds(const char **who);
 
 /* ---- engine.c ---------------------------------------------------------- */
 

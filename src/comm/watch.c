@@ -104,8 +104,10 @@ void ct__watch_poll(void)
     if (X.ctl == MPI_COMM_NULL) return;
     int src = notice_arrived();
     if (src < 0) return;
-    ct_log(CT_LOG_ERROR, "rank %d: ending the job because rank %d reports: %s", X.rank, src,
-           X.rbuf);
+    const char *call = ct__comm_process_call();
+    ct_log(CT_LOG_ERROR, "rank %d: ending the job because rank %d reports: %s", X.rank, src, X.rbuf);
+    /* The reporting rank named its call; this one names its own, so the two differ in plain sight. */
+    if (call) ct_log(CT_LOG_ERROR, "rank %d: this rank is in %s", X.rank, call);
     fflush(stderr);
     answer(src);
     /* The reporting rank ends the job once the others answered; answer any

@@ -260,8 +260,23 @@ ct_tensor *ct_tensor_reshape(ct_tensor *t, int ndim, const int64_t *shape)
     return ct_tensor_view(t, 0, ndim, shape);
 }
 
+/* Why a tensor has no memory and what to do: the one case users meet is a
+ * parameter a sharding strategy holds in pieces. */
+#define NO_DATA_HINT "its storage is released here (a sharded strategy such as fsdp keeps only this rank's " \
+                     "shard of a parameter): read parameters between ct_strategy_summon_full_params and "  \
+                     "ct_strategy_release_full_params, or take ct_strategy_model_state"
+
+ct_status ct_tensor_check_data(const ct_tensor *t)
+{
+    if (!t) return ct_error(CT_EINVAL, "tensor is NULL");
+    if (t->numel > 0 && !ct_tensor_data(t))
+        return ct_error(CT_ESTATE, "tensor %s has no data: " NO_DATA_HINT, ct_dtype_name(t->dtype));
+    return CT_OK;
+}
+
 ct_tensor *ct_tensor_clone(const ct_tensor *t, ct_mem_cat cat)
 {
+    if (ct_tensor_check_data(t) != CT_OK) return NULL;
     ct_tensor *c = ct_tensor_empty(t->dtype, t->ndim, t->shape, cat);
     if (c) memcpy(ct_tensor_data(c), ct_tensor_data(t), ct_tensor_bytes(t));
     return c;
@@ -314,6 +329,8 @@ void ct_tensor_fill(ct_tensor *t, float v)
 
 ct_status ct_tensor_copy(ct_tensor *dst, const ct_tensor *src)
 {
+    CT_TRY(ct_tensor_check_data(src));
+    CT_TRY(ct_tensor_check_data(dst));
     if (dst->dtype != src->dtype || dst->numel != src->numel)
         return ct_error(CT_EINVAL, "copy between %s[%lld] and %s[%lld]: dtype or size differ",
                         ct_dtype_name(dst->dtype), (long long)dst->numel,
@@ -326,6 +343,11 @@ float *ct_f32(const ct_tensor *t)
 {
     CT_ASSERT(t->dtype == CT_F32);
     float *p = ct_tensor_data(t);
-    CT_ASSERT(p != NULL || t->numel == 0);
+    if (p == NULL && t->numel != 0) {
+        /* A pointer cannot carry a status: say why before the assertion ends the program. */
+        ct_log(CT_LOG_ERROR, "ct_f32: the tensor has no data: " NO_DATA_HINT
+                             " (ct_tensor_check_data returns this as a ct_status instead)");
+        CT_ASSERT(p != NULL || t->numel == 0);
+    }
     return p;
 }

@@ -418,7 +418,7 @@ ct_status ct__st_load_dir(const char *dir, ct_safetensors **out)
     if (!has_default && count != 1) {
         if (count == 0)
             return ct_error(CT_EIO, "%s is a directory without a sharded checkpoint index (*%s); pass a "
-                            "safetensors file, or a directory written by 'ctrain train --save DIR --save-format "
+                            "safetensors file, or a directory written by 'ctrain train --save DIR --state-dict "
                             "sharded'", dir, INDEX_EXT);
         return ct_error(CT_EINVAL, "%s holds %d indexes (%s) and none is %s; pass the index file itself", dir,
                         count, seen, DEFAULT_INDEX);

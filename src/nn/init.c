@@ -31,7 +31,9 @@ static void init_module(ct_module *m, uint64_t seed)
 {
     const char *k = m->ops->kind;
     ct_param *w = param(m, "weight"), *b = param(m, "bias");
-    if ((!strcmp(k, "linear") || !strcmp(k, "conv2d")) && w) {
+    if (m->init) {
+        m->init(m, seed);
+    } else if ((!strcmp(k, "linear") || !strcmp(k, "conv2d")) && w) {
         int64_t fan_in = w->data->numel / w->data->shape[0];
         float bound = fan_in > 0 ? 1.0f / sqrtf((float)fan_in) : 0.0f;
         uniform(w, seed, bound);
@@ -43,6 +45,11 @@ static void init_module(ct_module *m, uint64_t seed)
         ct_rng r;
         ct_rng_init(&r, seed, ct_hash64(w->name, strlen(w->name)));
         ct_rng_normal(&r, ct_f32(w->data), (size_t)w->data->numel, 0.0f, 1.0f);
+    } else if (m->nparams > 0 && strcmp(k, "linear") && strcmp(k, "conv2d") && strcmp(k, "embedding")) {
+        /* Silently zero weights train badly or not at all: say which module. */
+        ct_log(CT_LOG_WARN, "ct_module_init_params: module '%s' (kind %s) has %d parameter%s it cannot "
+               "initialise, left as they are (zeros from ct_module_add_param); set its init (ct_module.init)",
+               m->fqn && *m->fqn ? m->fqn : "(root)", k, m->nparams, m->nparams == 1 ? "" : "s");
     }
     for (int i = 0; i < m->nkids; i++) init_module(m->kids[i], seed);
 }

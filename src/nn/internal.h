@@ -38,6 +38,11 @@ int ct__act_has_copy(const ct_module *m);
 ct_status ct__act_cost_walk(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c);
 /* The dropout probability of a dropout module (0 for any other). */
 float ct__dropout_p(const ct_module *m);
+/* The set of live records (record_live.c): add (0 when out of memory), is
+ * it live, and take it out (0 if it was not there: freed already). */
+int ct__record_live_add(const void *rec);
+int ct__record_live(const void *rec);
+int ct__record_live_take(const void *rec);
 
 /* Checks p's compute copy: NULL or a BF16 tensor of data's shape with
  * memory.  *bf16 = 1 when there is one.  The error names the layer and says

@@ -9,7 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "ctrain/nn.h"
+#include "internal.h"
 
 struct ct_hook {
     ct_hook_kind kind;
@@ -51,6 +51,10 @@ ct_record *ct_record_create(ct_module *m, const ct_fwd_ctx *ctx)
 {
     ct_record *r = ct_alloc_zeroed(sizeof *r, CT_MEM_OTHER);
     if (!r) return NULL;
+    if (!ct__record_live_add(r)) {
+        ct_free(r);
+        return NULL;
+    }
     r->m = m;
     if (ctx) r->ctx = *ctx;
     return r;
@@ -99,6 +103,12 @@ static int has_shared(const ct_module *m)
 void ct_record_destroy(ct_record *rec)
 {
     if (!rec) return;
+    if (!ct__record_live_take(rec)) {
+        /* Freed already (a second destroy, or destroy after backward consumed it). */
+        ct_log(CT_LOG_ERROR, "ct_record_destroy: this record was already freed (backward consumes its "
+                             "record); nothing done");
+        return;
+    }
     if (rec->shared_uses) count_uses(rec->m, -1);
     for (int i = 0; i < rec->nsaved; i++) ct_tensor_release(rec->saved[i]);
     for (int i = 0; i < rec->nkids; i++) ct_record_destroy(rec->kids[i]);
@@ -222,6 +232,10 @@ ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
     if (!rec)
         return ct_error(CT_ESTATE, "backward of '%s' (%s) without an activation record: run "
                                    "forward with a record (rec != NULL) first", m->fqn, m->ops->kind);
+    if (!ct__record_live(rec))
+        return ct_error(CT_ESTATE, "backward of '%s' (%s) on a record that was already consumed: a "
+                                   "backward frees its record, so each forward's record serves one "
+                                   "backward; run forward again for another", ct__nn_name(m), m->ops->kind);
     if (rec->m != m) {
         ct_record_destroy(rec);
         return ct_error(CT_EINVAL, "record passed to backward of '%s' belongs to another module", m->fqn);
@@ -336,10 +350,38 @@ static void param_free(ct_param *p)
     ct_free(p);
 }
 
-void ct_module_destroy(ct_module *m)
+ct_status ct_module_hold(ct_module *root, const char *who)
+{
+    if (!root) return ct_error(CT_EINVAL, "ct_module_hold: model is NULL");
+    if (root->held_by)
+        return ct_error(CT_ESTATE, "this model is already wrapped by %s; a model can be wrapped once: "
+                                   "destroy that strategy first, or build a second model", root->held_by);
+    root->held_by = who;
+    return CT_OK;
+}
+
+void ct_module_unhold(ct_module *root)
+{
+    if (root) root->held_by = NULL;
+}
+
+static void destroy_tree(ct_module *m);
+
+ct_status ct_module_destroy(ct_module *m)
+{
+    if (!m) return CT_OK;
+    if (m->held_by)
+        return ct_error(CT_ESTATE, "ct_module_destroy: the model is wrapped by %s, which uses it until "
+                                   "it is destroyed; call ct_strategy_destroy first (nothing was freed)",
+                        m->held_by);
+    destroy_tree(m);
+    return CT_OK;
+}
+
+static void destroy_tree(ct_module *m)
 {
     if (!m) return;
-    for (int i = 0; i < m->nkids; i++) ct_module_destroy(m->kids[i]);
+    for (int i = 0; i < m->nkids; i++) destroy_tree(m->kids[i]);
     for (int i = 0; i < m->nparams; i++) {
         if (m->params[i]->owner == m) m->params[i]->owner = NULL; /* a sharer may outlive m */
         param_free(m->params[i]);

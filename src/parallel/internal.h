@@ -124,6 +124,11 @@ struct ct_strategy {
     void *mp;              /* mixed-precision state (mixed.c) */
     void *priv;
     void *ext;             /* state of a strategy built on another's priv (ZeRO on DDP) */
+    int64_t backwards;     /* backward passes (or train steps) since the last optimizer step */
+    char who[32];          /* "strategy ddp": the model's and communication's holder (ct_module_hold) */
+    ct_module *held_model; /* the model as given to create, held (ct_module_hold) until destroy
+                              (a strategy may point s->model elsewhere: pipe's stage) */
+    int held_comm;         /* 1: communication held too (ct_comm_hold) */
 };
 
 extern const ct__strategy_ops ct__ddp_ops;
@@ -140,6 +145,12 @@ int ct__strategy_owns_micro_batches(const ct_strategy *s);
 /* Every rank of g's accumulated value, folded in rank order into a (the
  * same double on every rank, never rounded to float on the way). */
 ct_status ct__norm_combine(ct_group *g, ct_norm_acc *a);
+/* rows.c: ranks with different row counts and global_rows 0, or ranks that
+ * share a data slice (a pipeline's stages) given different rows: CT_EINVAL on
+ * every rank of s's group, before the step.  Collective when either can
+ * happen (one small all-gather), else free; alone: the strategy never
+ * communicates ("none": every rank trains by itself), nothing to check. */
+ct_status ct__check_rows(ct_strategy *s, const ct_batch *b, int64_t nrows, int alone);
 
 /* DDP's options and entries, for the strategies built on its buckets
  * (ZeRO-1 keeps DDP's gradient path and shards only the optimizer). */

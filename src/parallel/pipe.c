@@ -409,8 +409,14 @@ static void pipe_zero_grad(ct_strategy *s)
 static ct_status pipe_reduce(ct_strategy *s) { return ct_strategy_reduce(ct__pipe(s)->inner); }
 
 /* The replica strategy steps the optimizer both share (the pipeline set its
- * learning rate). */
-static ct_status pipe_step(ct_strategy *s) { return ct_strategy_step(ct__pipe(s)->inner); }
+ * learning rate), whether or not this rank's stage ran a backward (a rank
+ * left over sits out but steps alike). */
+static ct_status pipe_step(ct_strategy *s)
+{
+    ct_strategy *in = ct__pipe(s)->inner;
+    in->backwards++;
+    return ct_strategy_step(in);
+}
 
 static const ct_partition *pipe_partition(const ct_strategy *s)
 {

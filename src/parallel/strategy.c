@@ -10,12 +10,26 @@
 
 #include "internal.h"
 
+/* Public entry points that may communicate run inside ct_comm_enter_call,
+ * so a comm timeout or a CTRAIN_DEBUG=collectives mismatch names the call a
+ * rank is in ("ct_strategy_model_state"), not only the collective. */
+#define IN_CALL(name, expr)                               \
+    do {                                                  \
+        const char *prev_call_ = ct_comm_enter_call(name); \
+        ct_status st_ = (expr);                           \
+        ct_comm_leave_call(prev_call_);                   \
+        return st_;                                       \
+    } while (0)
+
 static const ct__strategy_ops none_ops = {.kind = "none", .runs_alone = 1};
 
 static const ct__strategy_ops *const kinds[] = {&none_ops, &ct__ddp_ops, &ct__zero1_ops, &ct__zero2_ops,
                                                    &ct__fsdp_ops, &ct__pipe_ops, &ct__offload_ops};
 
 const char *ct_strategy_list(void) { return "none, ddp, zero1, zero2, fsdp, pipe, offload"; }
+
+/* Nesting of ct_strategy_create on this thread: 1 for a user's call. */
+static _Thread_local int create_depth;
 
 static const ct__strategy_ops *find_kind(const char *kind)
 {
@@ -52,7 +66,7 @@ ct_status ct_strategy_check_opts(const char *kind, const char *opts, char *buf, 
     return st;
 }
 
-ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_opts *optim,
+static ct_status create_impl(const char *kind, ct_module *model, const ct_optim_opts *optim,
                              ct_group *g, const char *opts, ct_strategy **out)
 {
     *out = NULL;
@@ -72,7 +86,29 @@ ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_
     s->ops = &s->vt;
     s->model = model;
     s->g = g;
-    ct_status st = ct__opts_parse(s, opts);
+    snprintf(s->who, sizeof s->who, "strategy %s", ops->kind);
+    /* The model is borrowed until destroy: a second wrap, or destroying it meanwhile, is an
+     * error.  A strategy made inside another's create (pipe's replicas of a stage) belongs to
+     * that one, which holds for both. */
+    ct_status st = CT_OK;
+    if (create_depth == 1) {
+        if ((st = ct_module_hold(model, s->who)) != CT_OK) {
+            ct_free(s);
+            return st;
+        }
+        s->held_model = model;
+    }
+    if (create_depth == 1 && g && !ops->runs_alone) {
+        ct_comm_hold(s->who);
+        s->held_comm = 1;
+        /* Sharding, pipelining or averaging over one rank does nothing, and usually
+         * means the program was started without its launcher. */
+        if (ct_group_size(g) == 1)
+            ct_log(CT_LOG_WARN, "strategy %s runs on 1 rank: there are no other ranks to shard, pipeline or "
+                   "average over (started without mpirun?); start it with mpirun -np N, or use strategy none",
+                   ops->kind);
+    }
+    if (st == CT_OK) st = ct__opts_parse(s, opts);
     if (st == CT_OK) st = ct_module_params(model, &s->params, &s->nparams);
     if (st == CT_OK) st = ct_module_buffers(model, &s->buffers, &s->nbuffers);
     if (st == CT_OK) st = s->vt.place.init(s);
@@ -89,12 +125,16 @@ ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_
 void ct_strategy_destroy(ct_strategy *s)
 {
     if (!s) return;
+    const char *prev = ct_comm_enter_call("ct_strategy_destroy");
     ct__mixed_fini(s);
     if (s->priv || s->ext) s->vt.place.fini(s);
+    ct_comm_leave_call(prev);
     ct_optim_destroy(s->opt);
     ct__opts_free(s);
     ct_free(s->params);
     ct_free(s->buffers);
+    ct_module_unhold(s->held_model);
+    if (s->held_comm) ct_comm_unhold(s->who);
     ct_free(s);
 }
 
@@ -109,14 +149,14 @@ ct_group *ct_strategy_group(const ct_strategy *s) { return s->g; }
 ct_step_stats ct_strategy_stats(const ct_strategy *s) { return s->last; }
 void ct_strategy_set_no_sync(ct_strategy *s, int on) { s->no_sync = on; }
 
-ct_status ct_strategy_reduce(ct_strategy *s)
+static ct_status reduce_impl(ct_strategy *s)
 {
     return s->vt.sync.reduce(s);
 }
 
 /* ---- forward and backward ------------------------------------------------ */
 
-ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct_record **rec,
+static ct_status forward_impl(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct_record **rec,
                               const ct_fwd_ctx *ctx)
 {
     double t0 = ct_now();
@@ -131,11 +171,10 @@ ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct
 /* Backward from dout times scale.  Backward is linear in dout, so scaling
  * it scales every gradient: the mean over ranks and micro-batches costs
  * one pass over the loss gradient instead of one over all gradients. */
-ct_status ct_strategy_pre_forward(ct_strategy *s) { return s->vt.sync.pre_forward(s); }
-
-ct_status ct_strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale, ct_tensor **din)
+static ct_status backward_ex_impl(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale, ct_tensor **din)
 {
     double t0 = ct_now();
+    s->backwards++;
     ct_status st = s->vt.sync.pre_backward(s);
     if (st != CT_OK) {
         ct_record_destroy(rec);
@@ -164,9 +203,9 @@ ct_status ct_strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *re
     return st;
 }
 
-ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
+static ct_status backward_impl(ct_strategy *s, ct_tensor *dout, ct_record *rec)
 {
-    return ct_strategy_backward_ex(s, dout, rec, s->vt.sync.grad_scale(s), NULL);
+    return backward_ex_impl(s, dout, rec, s->vt.sync.grad_scale(s), NULL);
 }
 
 ct_status ct_loss_cross_entropy(ct_tensor *out, ct_tensor *target, void *ud, float *loss, ct_tensor **dout)
@@ -175,7 +214,7 @@ ct_status ct_loss_cross_entropy(ct_tensor *out, ct_tensor *target, void *ud, flo
     return ct_cross_entropy(out, target, -100, loss, dout);
 }
 
-ct_status ct_strategy_join(ct_strategy *s, int64_t rows, int64_t *global_rows, int *active)
+static ct_status join_impl(ct_strategy *s, int64_t rows, int64_t *global_rows, int *active)
 {
     if (rows < 0) return ct_error(CT_EINVAL, "join: rows is %lld; give 0 or more", (long long)rows);
     int64_t v[2] = {rows, rows > 0};
@@ -187,7 +226,7 @@ ct_status ct_strategy_join(ct_strategy *s, int64_t rows, int64_t *global_rows, i
 
 void ct_strategy_set_joined(ct_strategy *s, int joined) { s->joined = joined != 0; }
 
-ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+static ct_status train_step_impl(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
                                  const ct_fwd_ctx *ctx, ct_step_out *out)
 {
     ct_step_out local = {0, 0};
@@ -207,6 +246,8 @@ ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     if (global < nrows && !s->joined)
         return ct_error(CT_EINVAL, "train step: global_rows %lld is fewer than this rank's %lld rows",
                         (long long)global, (long long)nrows);
+    CT_TRY(ct__check_rows(s, b, nrows, !strcmp(s->vt.kind, "none")));
+    if (ct__strategy_owns_micro_batches(s)) s->backwards++; /* the strategy's own step runs the backward passes */
     ct_status st = s->vt.sync.train_step(s, b, loss, ud, ctx, &local);
     if (out) *out = local;
     return st;
@@ -235,7 +276,7 @@ ct_status ct__norm_combine(ct_group *g, ct_norm_acc *a)
     return st;
 }
 
-ct_status ct_strategy_grad_norm_acc(ct_strategy *s, ct_norm_acc *acc)
+static ct_status grad_norm_acc_impl(ct_strategy *s, ct_norm_acc *acc)
 {
     sync_grads(s);
     return s->vt.sync.grad_norm(s, acc);
@@ -243,14 +284,14 @@ ct_status ct_strategy_grad_norm_acc(ct_strategy *s, ct_norm_acc *acc)
 
 void ct_strategy_scale_grads(ct_strategy *s, float k) { s->vt.sync.scale_grads(s, k); }
 
-ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm)
+static ct_status clip_grad_norm_impl(ct_strategy *s, float max_norm, double norm_type, float *norm)
 {
     if (!(max_norm >= 0))
         return ct_error(CT_EINVAL, "clip: max_norm must be >= 0 (got %g)", (double)max_norm);
     if (norm_type != 2.0 && !isinf(norm_type))
         return ct_error(CT_EINVAL, "clip: norm_type %g is not supported; use 2 or infinity", norm_type);
     ct_norm_acc acc = ct_norm_acc_init(norm_type);
-    CT_TRY(ct_strategy_grad_norm_acc(s, &acc));
+    CT_TRY(grad_norm_acc_impl(s, &acc));
     double total = ct_norm_acc_norm(&acc);
     if (norm) *norm = (float)total;
     float coef = ct_clip_coef(total, max_norm);
@@ -278,8 +319,13 @@ double ct_strategy_lr(const ct_strategy *s)
     return s->has_sched ? ct_lr_at(&s->sched, ct_optim_get_step(s->opt)) : ct_optim_get_lr(s->opt);
 }
 
-ct_status ct_strategy_step(ct_strategy *s)
+static ct_status step_impl(ct_strategy *s)
 {
+    /* No backward since the last step: every gradient is what PyTorch leaves as None,
+     * and its optimizers skip such parameters (no update, no weight decay, no step
+     * count).  A backward is collective, so every rank of the group skips alike. */
+    if (s->backwards == 0) return CT_OK;
+    s->backwards = 0;
     double t0 = ct_now();
     sync_grads(s);
     if (s->has_sched) ct_optim_set_lr(s->opt, ct_lr_at(&s->sched, ct_optim_get_step(s->opt)));
@@ -301,7 +347,7 @@ ct_status ct_strategy_step(ct_strategy *s)
 
 void ct_strategy_zero_grad(ct_strategy *s) { s->vt.sync.zero_grad(s); }
 
-ct_status ct_strategy_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out)
+static ct_status predict_impl(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out)
 {
     *out = NULL;
     if (!x || !ctx) return ct_error(CT_EINVAL, "predict needs an input and a context");
@@ -313,7 +359,7 @@ void ct_strategy_data_rank(const ct_strategy *s, int *rank, int *size)
     s->vt.place.data_rank(s, rank, size);
 }
 
-ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all)
+static ct_status memory_impl(ct_strategy *s, ct_mem_report *all)
 {
     ct_mem_report mine;
     ct_mem_report_get(&mine);
@@ -324,43 +370,43 @@ ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all)
     return ct_group_allgather(s->g, &mine, all, (int64_t)sizeof mine, CT_U8, NULL);
 }
 
-ct_status ct_strategy_summon_full_params(ct_strategy *s, int writeback, int rank0_only)
+static ct_status summon_full_params_impl(ct_strategy *s, int writeback, int rank0_only)
 {
     return s->vt.place.summon(s, writeback, rank0_only);
 }
 
-ct_status ct_strategy_release_full_params(ct_strategy *s)
+static ct_status release_full_params_impl(ct_strategy *s)
 {
     return s->vt.place.release(s);
 }
 
 /* ---- state ----------------------------------------------------------------- */
 
-ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out)
+static ct_status model_state_impl(ct_strategy *s, ct_state *out)
 {
     memset(out, 0, sizeof *out);
     return s->vt.state.model(s, out);
 }
 
-ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out)
+static ct_status optim_state_impl(ct_strategy *s, ct_state *out)
 {
     memset(out, 0, sizeof *out);
     return s->vt.state.optim(s, out);
 }
 
-ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out)
+static ct_status shard_state_impl(ct_strategy *s, int optim, ct_state *out)
 {
     memset(out, 0, sizeof *out);
     return s->vt.state.shard(s, optim, out);
 }
 
-ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out)
+static ct_status local_state_impl(ct_strategy *s, int optim, ct_state *out)
 {
     memset(out, 0, sizeof *out);
     return s->vt.state.local(s, optim, out);
 }
 
-ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
+static ct_status load_state_impl(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
                                  int n, int optim)
 {
     ct_state whole;
@@ -376,4 +422,115 @@ ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names, ct_te
     CT_TRY(st);
     /* New master weights: the compute copies follow. */
     return optim || s->ops->manages_compute ? CT_OK : ct__mixed_refresh(s);
+}
+
+/* ---- the public entry points, each inside its call name (IN_CALL) ---------- */
+
+ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_opts *optim,
+                             ct_group *g, const char *opts, ct_strategy **out)
+{
+    create_depth++;
+    const char *prev = ct_comm_enter_call("ct_strategy_create");
+    ct_status st = create_impl(kind, model, optim, g, opts, out);
+    ct_comm_leave_call(prev);
+    create_depth--;
+    return st;
+}
+
+ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
+                                 const ct_fwd_ctx *ctx, ct_step_out *out)
+{
+    IN_CALL("ct_strategy_train_step", train_step_impl(s, b, loss, ud, ctx, out));
+}
+
+ct_status ct_strategy_backward(ct_strategy *s, ct_tensor *dout, ct_record *rec)
+{
+    IN_CALL("ct_strategy_backward", backward_impl(s, dout, rec));
+}
+
+ct_status ct_strategy_reduce(ct_strategy *s)
+{
+    IN_CALL("ct_strategy_reduce", reduce_impl(s));
+}
+
+ct_status ct_strategy_join(ct_strategy *s, int64_t rows, int64_t *global_rows, int *active)
+{
+    IN_CALL("ct_strategy_join", join_impl(s, rows, global_rows, active));
+}
+
+ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm)
+{
+    IN_CALL("ct_strategy_clip_grad_norm", clip_grad_norm_impl(s, max_norm, norm_type, norm));
+}
+
+ct_status ct_strategy_step(ct_strategy *s)
+{
+    IN_CALL("ct_strategy_step", step_impl(s));
+}
+
+ct_status ct_strategy_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out)
+{
+    IN_CALL("ct_strategy_predict", predict_impl(s, x, ctx, out));
+}
+
+ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all)
+{
+    IN_CALL("ct_strategy_memory", memory_impl(s, all));
+}
+
+ct_status ct_strategy_summon_full_params(ct_strategy *s, int writeback, int rank0_only)
+{
+    IN_CALL("ct_strategy_summon_full_params", summon_full_params_impl(s, writeback, rank0_only));
+}
+
+ct_status ct_strategy_release_full_params(ct_strategy *s)
+{
+    IN_CALL("ct_strategy_release_full_params", release_full_params_impl(s));
+}
+
+ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out)
+{
+    IN_CALL("ct_strategy_model_state", model_state_impl(s, out));
+}
+
+ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out)
+{
+    IN_CALL("ct_strategy_optim_state", optim_state_impl(s, out));
+}
+
+ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out)
+{
+    IN_CALL("ct_strategy_shard_state", shard_state_impl(s, optim, out));
+}
+
+ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out)
+{
+    IN_CALL("ct_strategy_local_state", local_state_impl(s, optim, out));
+}
+
+ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
+                                 int n, int optim)
+{
+    IN_CALL("ct_strategy_load_state", load_state_impl(s, names, tensors, n, optim));
+}
+
+ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct_record **rec,
+                              const ct_fwd_ctx *ctx)
+{
+    IN_CALL("ct_strategy_forward", forward_impl(s, in, out, rec, ctx));
+}
+
+ct_status ct_strategy_pre_forward(ct_strategy *s)
+{
+    IN_CALL("ct_strategy_pre_forward", s->vt.sync.pre_forward(s));
+}
+
+ct_status ct_strategy_backward_ex(ct_strategy *s, ct_tensor *dout, ct_record *rec, float scale, ct_tensor **din)
+{
+    IN_CALL("ct_strategy_backward_ex", backward_ex_impl(s, dout, rec, scale, din));
+}
+
+ct_status ct_strategy_grad_norm_acc(ct_strategy *s, ct_norm_acc *acc)
+{
+    IN_CALL("ct_strategy_grad_norm_acc", grad_norm_acc_impl(s, acc));
 }
