@@ -256,7 +256,7 @@ TEST(plan_refuses_what_the_strategy_refuses)
     ASSERT_ERR(ct_strategy_plan("zero2", m, "bucket=4", &spec, &p), CT_EINVAL, "bucket");
     ASSERT_ERR(ct_strategy_plan("pipe", m, "stages=3", &spec, &p), CT_EINVAL, "3 stages do not fit 2 ranks");
     /* a balance the strategy would refuse at wrap (it once read past the model's children) */
-    ASSERT_ERR(ct_strategy_plan("pipe", m, "balance=4:4", &spec, &p), CT_EINVAL, "more children than the model's 5");
+    ASSERT_ERR(ct_strategy_plan("pipe", m, "balance=4:4", &spec, &p), CT_EINVAL, "sums to 8 but the model has 5");
     ASSERT_ERR(ct_strategy_plan("offload", m, "balance=2:2", &spec, &p), CT_EINVAL, "sums to 4 but the model has 5");
     spec.world = 0;
     ASSERT_ERR(ct_strategy_plan("ddp", m, NULL, &spec, &p), CT_EINVAL, "at least 1");

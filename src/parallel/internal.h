@@ -183,6 +183,10 @@ void ct__opts_free(ct_strategy *s);
 /* Replaces the text ct_strategy_opt answers for key with what the strategy
  * settled on (pipe: the balance it computed). */
 ct_status ct__opts_set_text(ct_strategy *s, const char *key, const char *value);
+/* A balance option ("3:3:2" or "3,3,2": children per stage or slice) into
+ * a new array (ct_free) of *n positive counts; with nkids > 0 they must add
+ * up to nkids.  CT_EINVAL naming what ("pipe", "offload") and the fix. */
+ct_status ct__parse_balance(const char *what, const char *text, int nkids, int **out, int *n);
 /* Help lines for ops' keys (and the common ones) into buf. */
 void ct__opts_help(const ct__strategy_ops *ops, char *buf, size_t n);
 

@@ -123,36 +123,6 @@ ct_status ct_offload_split(ct_module *seq, int nslices, int *sizes)
     return CT_OK;
 }
 
-static ct_status parse_balance(const char *text, int nkids, int **out, int *n)
-{
-    int cap = 1;
-    for (const char *c = text; *c; c++) cap += *c == ':';
-    int *b = ct_alloc(sizeof *b * (size_t)cap, CT_MEM_OTHER);
-    if (!b) return CT_ENOMEM;
-    int k = 0, sum = 0;
-    const char *c = text;
-    while (*c) {
-        char *end;
-        long v = strtol(c, &end, 10);
-        if (end == c || v < 1 || v > nkids || (*end && *end != ':')) {
-            ct_free(b);
-            return ct_error(CT_EINVAL, "offload balance '%s': expected whole numbers from 1 separated by ':' "
-                            "(children per slice, 3:3:2)", text);
-        }
-        b[k++] = (int)v;
-        sum += (int)v;
-        c = *end ? end + 1 : end;
-    }
-    if (sum != nkids) {
-        ct_free(b);
-        return ct_error(CT_EINVAL, "offload balance '%s' sums to %d but the model has %d children; "
-                        "make the counts add up to %d", text, sum, nkids, nkids);
-    }
-    *out = b;
-    *n = k;
-    return CT_OK;
-}
-
 static int param_index(const ct_strategy *s, const ct_param *p)
 {
     for (int j = 0; j < s->nparams; j++)
@@ -242,7 +212,7 @@ static ct_status offload_init(ct_strategy *s)
     int *sizes = NULL, ns = 0;
     const char *balance = ct_strategy_opt(s, "balance");
     if (balance && balance[0]) {
-        CT_TRY(parse_balance(balance, s->model->nkids, &sizes, &ns));
+        CT_TRY(ct__parse_balance("offload", balance, s->model->nkids, &sizes, &ns));
     } else {
         if (!(sizes = ct_alloc(sizeof *sizes * (size_t)(O->slices > 0 ? O->slices : 1), CT_MEM_OTHER)))
             return CT_ENOMEM;

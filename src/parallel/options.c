@@ -240,3 +240,39 @@ void ct__opts_help(const ct__strategy_ops *ops, char *buf, size_t n)
         off += (size_t)snprintf(buf + off, n - off, "  %-28s %s\n", kv, d->help);
     }
 }
+
+ct_status ct__parse_balance(const char *what, const char *text, int nkids, int **out, int *n)
+{
+    *out = NULL;
+    *n = 0;
+    int cap = 1;
+    long total = 0;
+    for (const char *c = text; *c; c++) cap += *c == ':' || *c == ',';
+    int *b = ct_alloc(sizeof *b * (size_t)cap, CT_MEM_OTHER);
+    if (!b) return CT_ENOMEM;
+    for (const char *p = text; *p;) {
+        char *end;
+        long v = strtol(p, &end, 10);
+        if (end == p || (*end && *end != ':' && *end != ',')) {
+            ct_free(b);
+            return ct_error(CT_EINVAL, "%s balance '%s': '%s' is not a whole number; give children per stage "
+                            "as 3:3:2", what, text, p);
+        }
+        if (v <= 0 || v > 1000000000) {
+            ct_free(b);
+            return ct_error(CT_EINVAL, "all balance numbers must be positive integers (balance: %s has %ld); every "
+                            "stage holds at least one layer", text, v);
+        }
+        b[(*n)++] = (int)v;
+        total += v;
+        p = *end ? end + 1 : end;
+    }
+    if (nkids > 0 && *n && total != nkids) {
+        ct_free(b);
+        *n = 0;
+        return ct_error(CT_EINVAL, "%s balance '%s' sums to %ld but the model has %d children; make the counts "
+                        "add up to %d", what, text, total, nkids, nkids);
+    }
+    *out = b;
+    return CT_OK;
+}

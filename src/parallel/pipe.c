@@ -166,34 +166,6 @@ ct_status ct_pipe_balance_by_time(ct_module *seq, ct_tensor *sample, int nstages
 /* ---- set-up --------------------------------------------------------------- */
 
 /* "3:3:2" (also accepts ',') into a new array; CT_EINVAL naming a bad entry. */
-static ct_status parse_balance(const char *text, int **out, int *n)
-{
-    *out = NULL;
-    *n = 0;
-    int cap = 1;
-    for (const char *c = text; *c; c++) cap += *c == ':' || *c == ',';
-    int *b = ct_alloc(sizeof *b * (size_t)cap, CT_MEM_OTHER);
-    if (!b) return CT_ENOMEM;
-    for (const char *p = text; *p;) {
-        char *end;
-        long v = strtol(p, &end, 10);
-        if (end == p || (*end && *end != ':' && *end != ',')) {
-            ct_free(b);
-            return ct_error(CT_EINVAL, "pipe balance '%s': '%s' is not a whole number; give children per stage "
-                            "as 3:3:2", text, p);
-        }
-        if (v <= 0) {
-            ct_free(b);
-            return ct_error(CT_EINVAL, "all balance numbers must be positive integers (balance: %s has %ld); every "
-                            "stage holds at least one layer", text, v);
-        }
-        b[(*n)++] = (int)v;
-        p = *end ? end + 1 : end;
-    }
-    *out = b;
-    return CT_OK;
-}
-
 /* fairscale refuses a module that appears twice (its stages would share
  * it): the same module object twice in the tree, or two parameters sharing
  * memory.  One parameter listed by several modules (ct_module_share_param)
@@ -270,7 +242,7 @@ static ct_status plan(ct_strategy *s, pipe_t *p)
         return ct_error(CT_EINVAL, "pipe: chunks=%d is more than 16000 micro-batches (message tags run out); "
                         "use fewer", o->chunks);
     int nbal = 0, stages = o->stages;
-    CT_TRY(parse_balance(ct_strategy_opt(s, "balance"), &p->balance, &nbal));
+    CT_TRY(ct__parse_balance("pipe", ct_strategy_opt(s, "balance"), 0, &p->balance, &nbal));
     if (nbal && stages && nbal != stages)
         return ct_error(CT_EINVAL, "pipe: stages=%d but balance lists %d stages; give one or make them agree",
                         stages, nbal);

@@ -48,21 +48,13 @@ int ct__plan_is16(const ct__plan *pl, const char *key)
 ct_status ct__plan_balance(const ct__plan *pl, const char *what, int *sizes, int *n)
 {
     char b[256];
-    int nkids = pl->model->nkids, sum = 0;
     const char *bv = ct__plan_opt(pl, "balance", b, sizeof b);
+    int *got = NULL;
     *n = 0;
-    for (const char *q = bv; q && *q; (*n)++) {
-        int v = atoi(q);
-        if (*n == nkids || v < 1 || sum + v > nkids)
-            return ct_error(CT_EINVAL, "%s balance '%s' lists more children than the model's %d; make the counts "
-                            "add up to %d", what, bv, nkids, nkids);
-        sum += sizes[*n] = v;
-        q += strcspn(q, ":,");
-        q += *q != 0;
-    }
-    if (*n && sum != nkids)
-        return ct_error(CT_EINVAL, "%s balance '%s' sums to %d but the model has %d children; make the counts add "
-                        "up to %d", what, bv, sum, nkids, nkids);
+    if (!bv || !bv[0]) return CT_OK;
+    CT_TRY(ct__parse_balance(what, bv, pl->model->nkids, &got, n)); /* the strategies' own parser */
+    memcpy(sizes, got, sizeof *sizes * (size_t)*n);
+    ct_free(got);
     return CT_OK;
 }
 
