@@ -487,3 +487,21 @@ TEST(core_tensor_refcounts_released_from_threads)
         ASSERT_EQ(mem_total(), total0);
     }
 }
+
+TEST(tensor_rows_is_a_view_of_contiguous_rows)
+{
+    ct_tensor *t = ct_tensor_create2(5, 3, CT_MEM_OTHER);
+    ASSERT(t);
+    for (int i = 0; i < 15; i++) ct_f32(t)[i] = (float)i;
+    ct_tensor *r = ct_tensor_rows(t, 1, 2);
+    ASSERT(r);
+    ASSERT_EQ(r->ndim, 2);
+    ASSERT_EQ(r->shape[0], 2);
+    ASSERT_EQ(r->shape[1], 3);
+    ASSERT(ct_f32(r) == ct_f32(t) + 3);
+    ct_tensor_release(r);
+    ASSERT(!ct_tensor_rows(t, 4, 2));
+    ASSERT(strstr(ct_last_error(), "rows [4, 6) of a tensor of 5 rows"));
+    ASSERT(!ct_tensor_rows(t, -1, 1));
+    ct_tensor_release(t);
+}

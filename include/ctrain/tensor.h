@@ -114,6 +114,9 @@ ct_tensor *ct_tensor_create4(int64_t d0, int64_t d1, int64_t d2, int64_t d3, ct_
 ct_tensor *ct_tensor_wrap(ct_dtype dt, int ndim, const int64_t *shape, void *data);
 /* View of numel(shape) elements of base starting at element offset (shares base's storage). */
 ct_tensor *ct_tensor_view(ct_tensor *base, int64_t offset, int ndim, const int64_t *shape);
+/* Rows [r0, r0 + n) of t along its first dim: a view (a rank's slice of a
+ * batch, a micro-batch); NULL (error set) outside t or without dims. */
+ct_tensor *ct_tensor_rows(ct_tensor *t, int64_t r0, int64_t n);
 /* Same data, new shape of the same numel (a view). */
 ct_tensor *ct_tensor_reshape(ct_tensor *t, int ndim, const int64_t *shape);
 /* New owning copy with the same dtype and shape; NULL with the error set

@@ -228,6 +228,19 @@ ct_tensor *ct_tensor_wrap(ct_dtype dt, int ndim, const int64_t *shape, void *dat
     return t;
 }
 
+ct_tensor *ct_tensor_rows(ct_tensor *t, int64_t r0, int64_t n)
+{
+    if (t->ndim < 1 || r0 < 0 || n < 0 || r0 > t->shape[0] - n) {
+        ct_error(CT_EINVAL, "rows [%lld, %lld) of a tensor of %lld rows", (long long)r0, (long long)(r0 + n),
+                 (long long)(t->ndim ? t->shape[0] : 0));
+        return NULL;
+    }
+    int64_t shape[CT_MAX_DIMS];
+    memcpy(shape, t->shape, sizeof shape);
+    shape[0] = n;
+    return ct_tensor_view(t, t->shape[0] ? r0 * (t->numel / t->shape[0]) : 0, t->ndim, shape);
+}
+
 ct_tensor *ct_tensor_view(ct_tensor *base, int64_t offset, int ndim, const int64_t *shape)
 {
     ct_tensor *t = header(base->dtype, ndim, shape);

@@ -20,14 +20,6 @@
 static ct_status write_updated(ct_strategy *s, int i, int keep_data);
 
 /* Rows [r0, r0 + n) of t: a view. */
-static ct_tensor *rows(ct_tensor *t, int64_t r0, int64_t n)
-{
-    int64_t shape[CT_MAX_DIMS];
-    memcpy(shape, t->shape, sizeof shape);
-    shape[0] = n;
-    return ct_tensor_view(t, r0 * (t->numel / t->shape[0]), t->ndim, shape);
-}
-
 static ct_status load(ct_strategy *s, int i, int mask, int grad_alloc, long *t)
 {
     long a = 0, b = 0;
@@ -161,7 +153,7 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
         nm[m] = nrows / M + (m < nrows % M); /* as even as rows allow */
         cm[m] = *ctx;
         cm[m].sample0 = b->sample0 + r0;
-        if (!(act[m] = rows(b->x, r0, nm[m]))) st = CT_ENOMEM;
+        if (!(act[m] = ct_tensor_rows(b->x, r0, nm[m]))) st = CT_ENOMEM;
         r0 += nm[m];
     }
     double t0 = ct_now();
@@ -195,7 +187,7 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     for (int m = 0; st == CT_OK && m < M; m++) {
         float l = 0;
         ct_tensor *dz = NULL;
-        ct_tensor *y = rows(b->y, (int64_t)(cm[m].sample0 - b->sample0), nm[m]);
+        ct_tensor *y = ct_tensor_rows(b->y, (int64_t)(cm[m].sample0 - b->sample0), nm[m]);
         st = y ? loss(act[m], y, ud, &l, &dz) : CT_ENOMEM;
         ct_tensor_release(y);
         if (st != CT_OK) break;

@@ -89,12 +89,12 @@ static void fail(run_t *r, ct_status st)
 /* Rows [r0, r0 + n) of t, with shape sh (NULL: t's) for the rest: a view. */
 static ct_tensor *rows_view(ct_tensor *t, int64_t r0, int64_t n, const pipe_shape *sh)
 {
+    if (!sh) return ct_tensor_rows(t, r0, n);
     int64_t shape[CT_MAX_DIMS];
-    int ndim = sh ? sh->ndim : t->ndim;
-    memcpy(shape, sh ? sh->shape : t->shape, sizeof shape);
+    int ndim = sh->ndim;
+    memcpy(shape, sh->shape, sizeof shape);
     shape[0] = n;
-    int64_t row = sh ? sh->row_numel : t->numel / t->shape[0];
-    return ct_tensor_view(t, r0 * row, ndim, shape);
+    return ct_tensor_view(t, r0 * sh->row_numel, ndim, shape);
 }
 
 static void shape_set(pipe_shape *sh, int ndim, const int64_t *shape)

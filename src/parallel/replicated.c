@@ -73,19 +73,10 @@ static ct_status plain_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *c
     return ct_module_forward(s->model, x, out, NULL, ctx);
 }
 
-/* Rows [r0, r0 + n) of t: a view (rows are contiguous). */
-static ct_tensor *rows(ct_tensor *t, int64_t r0, int64_t n)
-{
-    int64_t shape[CT_MAX_DIMS];
-    memcpy(shape, t->shape, sizeof shape);
-    shape[0] = n;
-    return ct_tensor_view(t, r0 * (t->numel / t->shape[0]), t->ndim, shape);
-}
-
 static ct_status micro_step(ct_strategy *s, const ct_batch *b, int64_t r0, int64_t n, int64_t global,
                             ct_loss_fn loss, void *ud, ct_fwd_ctx ctx, ct_step_out *out)
 {
-    ct_tensor *x = rows(b->x, r0, n), *y = rows(b->y, r0, n), *z = NULL, *dz = NULL;
+    ct_tensor *x = ct_tensor_rows(b->x, r0, n), *y = ct_tensor_rows(b->y, r0, n), *z = NULL, *dz = NULL;
     ct_record *rec = NULL;
     float l = 0;
     ctx.sample0 = b->sample0 + r0;
