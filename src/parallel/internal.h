@@ -121,7 +121,7 @@ struct ct_strategy {
     int has_sched;
     ct_step_stats stats;   /* being measured */
     ct_step_stats last;    /* last completed step */
-    void *mp;              /* mixed-precision state (mixed.c) */
+    int owns_compute;      /* made the mixed-precision compute copies (mixed.c) and frees them */
     void *priv;
     void *ext;             /* state of a strategy built on another's priv (ZeRO on DDP) */
     int64_t backwards;     /* backward passes (or train steps) since the last optimizer step */

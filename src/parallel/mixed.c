@@ -23,7 +23,7 @@ ct_status ct__mixed_init(ct_strategy *s)
             return ct_error(CT_ESTATE, "parameter '%s' already has a compute copy: is the model wrapped by "
                             "another mixed-precision strategy?", p->name);
     }
-    s->mp = s; /* from here the copies are this strategy's to free */
+    s->owns_compute = 1; /* from here the copies are this strategy's to free */
     for (int i = 0; i < s->nparams; i++) {
         ct_param *p = s->params[i];
         if (!ct_param_takes_bf16_copy(p)) continue;
@@ -39,7 +39,7 @@ ct_status ct__mixed_init(ct_strategy *s)
 
 void ct__mixed_refresh_param(ct_strategy *s, ct_param *p)
 {
-    if (s->mp && p->compute)
+    if (s->owns_compute && p->compute)
         ct_f32_to_bf16_n(ct_f32(p->data), ct_tensor_data(p->compute), (size_t)p->data->numel);
 }
 
@@ -51,10 +51,10 @@ ct_status ct__mixed_refresh(ct_strategy *s)
 
 void ct__mixed_fini(ct_strategy *s)
 {
-    if (!s->mp) return;
+    if (!s->owns_compute) return;
     for (int i = 0; i < s->nparams; i++) {
         ct_tensor_release(s->params[i]->compute);
         s->params[i]->compute = NULL;
     }
-    s->mp = NULL;
+    s->owns_compute = 0;
 }
