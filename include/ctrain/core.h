@@ -93,6 +93,11 @@ void *ct_alloc(size_t bytes, ct_mem_cat cat);
 void *ct_alloc_zeroed(size_t bytes, ct_mem_cat cat);
 /* Frees a block from ct_alloc or ct_alloc_zeroed; NULL is a no-op. */
 void ct_free(void *p);
+/* A growable array with room for one more element: arr itself while n <
+ * *cap, else a copy of its n elements in a block of double the capacity
+ * (from 4) under cat, the old block freed, so n appends copy O(n) elements
+ * in all.  NULL (error set) when out of memory; arr is then untouched. */
+void *ct_grow(void *arr, int n, int *cap, size_t elem, ct_mem_cat cat);
 /* Bytes the block was allocated with (0 for NULL). */
 size_t ct_alloc_size(const void *p);
 /* Bytes currently allocated in cat. */

@@ -394,3 +394,15 @@ long ct_mem_fail_pending(void)
     long n = atomic_load(&fail_countdown);
     return n < 0 ? -1 : n;
 }
+
+void *ct_grow(void *arr, int n, int *cap, size_t elem, ct_mem_cat cat)
+{
+    if (n < *cap) return arr;
+    int c = *cap ? 2 * *cap : 4;
+    void *a = ct_alloc((size_t)c * elem, cat);
+    if (!a) return NULL;
+    if (n) memcpy(a, arr, (size_t)n * elem);
+    ct_free(arr);
+    *cap = c;
+    return a;
+}

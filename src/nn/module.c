@@ -28,23 +28,6 @@ static char *dupstr(const char *s)
     return d;
 }
 
-/* ---- growable arrays --------------------------------------------------- */
-
-/* Returns arr with room for one more element (n in use, *cap allocated):
- * arr itself, or a copy with double the capacity (from 4), so n appends copy
- * O(n) elements in all.  NULL when out of memory (arr is then untouched). */
-static void *grow(void *arr, int n, int *cap, size_t elem)
-{
-    if (n < *cap) return arr;
-    int c = *cap ? 2 * *cap : 4;
-    void *a = ct_alloc((size_t)c * elem, CT_MEM_OTHER);
-    if (!a) return NULL;
-    if (n) memcpy(a, arr, (size_t)n * elem);
-    ct_free(arr);
-    *cap = c;
-    return a;
-}
-
 /* ---- records ----------------------------------------------------------- */
 
 ct_record *ct_record_create(ct_module *m, const ct_fwd_ctx *ctx)
@@ -62,7 +45,7 @@ ct_record *ct_record_create(ct_module *m, const ct_fwd_ctx *ctx)
 
 ct_status ct_record_add_kid(ct_record *rec, ct_record *kid)
 {
-    ct_record **k = grow(rec->kids, rec->nkids, &rec->kcap, sizeof *k);
+    ct_record **k = ct_grow(rec->kids, rec->nkids, &rec->kcap, sizeof *k, CT_MEM_OTHER);
     if (!k) return CT_ENOMEM;
     rec->kids = k;
     k[rec->nkids++] = kid;
@@ -72,7 +55,7 @@ ct_status ct_record_add_kid(ct_record *rec, ct_record *kid)
 int ct_record_save(ct_record *rec, ct_tensor *t)
 {
     CT_ASSERT(rec && t);
-    ct_tensor **sv = grow(rec->saved, rec->nsaved, &rec->saved_cap, sizeof *sv);
+    ct_tensor **sv = ct_grow(rec->saved, rec->nsaved, &rec->saved_cap, sizeof *sv, CT_MEM_OTHER);
     if (!sv) return CT_ENOMEM;
     rec->saved = sv;
     sv[rec->nsaved] = ct_tensor_retain(t);
@@ -478,7 +461,7 @@ ct_status ct_module_add(ct_module *m, const char *name, ct_module *kid)
             goto out_free_kid;
         }
     char *nm = dupstr(name);
-    ct_module **kids = nm ? grow(m->kids, m->nkids, &m->kids_cap, sizeof *kids) : NULL;
+    ct_module **kids = nm ? ct_grow(m->kids, m->nkids, &m->kids_cap, sizeof *kids, CT_MEM_OTHER) : NULL;
     if (!kids) {
         ct_free(nm);
         st = CT_ENOMEM;
@@ -531,12 +514,12 @@ static ct_param *new_param(ct_module *m, const char *local, int ndim, const int6
     p->name = join(m->fqn, local);
     if (!p->local || !p->data || (!buffer && !p->grad) || !p->name) goto out_free;
     if (buffer) {
-        ct_param **b = grow(m->buffers, m->nbuffers, &m->buffers_cap, sizeof *b);
+        ct_param **b = ct_grow(m->buffers, m->nbuffers, &m->buffers_cap, sizeof *b, CT_MEM_OTHER);
         if (!b) goto out_free;
         m->buffers = b;
         b[m->nbuffers++] = p;
     } else {
-        ct_param **a = grow(m->params, m->nparams, &m->params_cap, sizeof *a);
+        ct_param **a = ct_grow(m->params, m->nparams, &m->params_cap, sizeof *a, CT_MEM_OTHER);
         if (!a) goto out_free;
         m->params = a;
         a[m->nparams++] = p;
@@ -595,7 +578,7 @@ typedef struct {
 
 static int collect_push(collect_t *c, void *x)
 {
-    void **a = grow(c->items, c->n, &c->cap, sizeof *a);
+    void **a = ct_grow(c->items, c->n, &c->cap, sizeof *a, CT_MEM_OTHER);
     if (!a) return -1;
     c->items = a;
     a[c->n++] = x;

@@ -177,19 +177,13 @@ static void reap_sends(run_t *r, int all)
 static void send_to(run_t *r, const ct_tensor *t, int64_t count, int peer, int tag)
 {
     reap_sends(r, 0);
-    if (r->nsends == r->cap) {
-        int cap = r->cap ? 2 * r->cap : 8;
-        xfer_t *n = ct_alloc(sizeof *n * (size_t)cap, CT_MEM_OTHER);
-        if (!n) {
-            /* Without room to keep the handle, wait for what is in flight. */
-            reap_sends(r, 1);
-            fail(r, CT_ENOMEM);
-        } else {
-            if (r->nsends) memcpy(n, r->sends, sizeof *n * (size_t)r->nsends);
-            ct_free(r->sends);
-            r->sends = n;
-            r->cap = cap;
-        }
+    xfer_t *grown = ct_grow(r->sends, r->nsends, &r->cap, sizeof *grown, CT_MEM_OTHER);
+    if (!grown) {
+        /* Without room to keep the handle, wait for what is in flight. */
+        reap_sends(r, 1);
+        fail(r, CT_ENOMEM);
+    } else {
+        r->sends = grown;
     }
     int64_t shape[1] = {count + 1};
     xfer_t x = {ct_tensor_empty(CT_F32, 1, shape, CT_MEM_COMM), NULL};

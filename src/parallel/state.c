@@ -12,24 +12,15 @@
 
 ct_status ct_state_add(ct_state *st, const char *name, ct_tensor *t)
 {
-    if (st->n == st->cap) { /* geometric growth: appends stay O(1) */
-        int cap = st->cap ? 2 * st->cap : 16;
-        char **nn = ct_alloc(sizeof *nn * (size_t)cap, CT_MEM_OTHER);
-        ct_tensor **nt = ct_alloc(sizeof *nt * (size_t)cap, CT_MEM_OTHER);
-        if (!nn || !nt) {
-            ct_free(nn);
-            ct_free(nt);
-            return CT_ENOMEM;
-        }
-        if (st->n) {
-            memcpy(nn, st->names, sizeof *nn * (size_t)st->n);
-            memcpy(nt, st->tensors, sizeof *nt * (size_t)st->n);
-        }
-        ct_free(st->names);
-        ct_free(st->tensors);
+    if (st->n == st->cap) { /* both arrays grow together; cap changes once both did */
+        int c1 = st->cap, c2 = st->cap;
+        char **nn = ct_grow(st->names, st->n, &c1, sizeof *nn, CT_MEM_OTHER);
+        if (!nn) return CT_ENOMEM;
         st->names = nn;
+        ct_tensor **nt = ct_grow(st->tensors, st->n, &c2, sizeof *nt, CT_MEM_OTHER);
+        if (!nt) return CT_ENOMEM;
         st->tensors = nt;
-        st->cap = cap;
+        st->cap = c2;
     }
     size_t len = strlen(name) + 1;
     char *copy = ct_alloc(len, CT_MEM_OTHER);
