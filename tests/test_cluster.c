@@ -71,13 +71,14 @@ static const char *mpi_run(void)
 /* The multi-rank suite's comparisons with one process, across 2 hosts of
  * per_host ranks: every strategy (ddp, zero1, zero2, fsdp in every sharding
  * and hybrid over the hosts, pipe, pipe x ddp, offload x ddp), the mlp-like
- * models and the tied gpt, f32 and bf16; and the cluster's own checks. */
+ * models and the tied gpt, f32 and bf16, DDP and ZeRO-1 with PowerSGD; and
+ * the cluster's own checks. */
 static void suite_on_hosts(int per_host)
 {
     static char out[OUT_MAX];
     need_cluster();
     int rc = sh(out, CLUSTER " run --hosts 2 --per-host %d --rate 10gbit -- %s equals_one_process "
-                "matches_single_process with_replicas offload_ddp cluster_",
+                "matches_single_process with_replicas offload_ddp powersgd cluster_",
                 per_host, mpi_run());
     if (rc != 0 || strstr(out, "\nFAIL ") || !strstr(out, " 0 failed, 0 skipped"))
         ct_test_fail(__FILE__, __LINE__, "the suite across 2 hosts x %d failed (%d):\n%s", per_host, rc, out);
@@ -88,7 +89,7 @@ static void suite_on_hosts(int per_host)
                           "ok offload_ddp_matches_single_process", "ok gpt_tied_pipe_equals_one_process",
                           "ok gpt_tied_pipe_with_replicas_equals_one_process", "ok gpt_tied_mixed_bf16_equals_one_process",
                           "ok gpt_tied_fsdp_equals_one_process", "ok zero_mixed_bf16_equals_one_process",
-                          "ok cluster_nodes_are_the_hosts", "ok cluster_no_shared_memory_across_hosts",
+                          "ok ddp_powersgd_equals_one_process", "ok cluster_nodes_are_the_hosts", "ok cluster_no_shared_memory_across_hosts",
                           "ok cluster_fsdp_hybrid_shards_inside_a_host_and_equals_one_process"};
     for (size_t i = 0; i < sizeof must / sizeof must[0]; i++) ASSERT_STR_CONTAINS(out, must[i]);
     ASSERT_STR_CONTAINS(out, per_host == 1 ? "2 ranks over 2 hosts" : "4 ranks over 2 hosts");

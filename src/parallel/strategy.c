@@ -97,6 +97,7 @@ void ct_strategy_destroy(ct_strategy *s)
     if (!s) return;
     ct__mixed_fini(s);
     if ((s->priv || s->ext) && s->ops->fini) s->ops->fini(s);
+    ct__comm_hook_free(s);
     ct_optim_destroy(s->opt);
     ct__opts_free(s);
     ct_free(s->params);
