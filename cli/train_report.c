@@ -97,6 +97,15 @@ ct_status train_report(trainer *t, double seconds)
         cli_out("\n");
         (void)n;
     }
+    void *hs;
+    const char *hook = ct_strategy_comm_hook(t->s, &hs);
+    if (hook && !strcmp(hook, "powersgd")) {
+        int64_t it, before, after;
+        ct_powersgd_stats(hs, &it, &before, &after);
+        if (after > 0)
+            cli_out("PowerSGD: a rank sent %lld of its %lld gradient elements in the last step (%.1fx fewer)\n",
+                    (long long)after, (long long)before, (double)before / (double)after);
+    }
     return CT_OK;
 }
 
