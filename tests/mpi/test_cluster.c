@@ -42,13 +42,13 @@ TEST(cluster_nodes_are_the_hosts)
     int64_t mine = (int64_t)(ct_hash64(name, strlen(name)) >> 1), *all = calloc((size_t)p, sizeof *all);
     ASSERT(all);
     ASSERT_OK(ct_group_allgather(W(), &mine, all, 1, CT_I64, NULL));
-    for (int r = 0; r < p; r++)
-        if ((all[r] == mine) != (r / per == me / per)) {
-            free(all);
-            ct_test_fail(__FILE__, __LINE__, "rank %d's hostname %s the same as rank %d's, but they are on %s hosts",
-                         r, all[r] == mine ? "is" : "is not", me, r / per == me / per ? "the same" : "different");
-        }
+    int bad = -1, same = 0;
+    for (int r = 0; r < p && bad < 0; r++)
+        if ((all[r] == mine) != (r / per == me / per)) bad = r, same = all[r] == mine;
     free(all);
+    if (bad >= 0)
+        ct_test_fail(__FILE__, __LINE__, "rank %d's hostname %s the same as rank %d's, but they are on %s hosts", bad,
+                     same ? "is" : "is not", me, same ? "different" : "the same");
 }
 
 /* A window over the world maps only the ranks of one host (none when a
