@@ -141,6 +141,7 @@ bench: all $(BENCHES)
 	@echo "== bench/fsdp"; bench/fsdp
 	@echo "== bench/compare-pytorch"; bench/compare-pytorch
 	@echo "== bench/gpt"; bench/gpt
+	@echo "== bench/cluster"; bench/cluster
 
 run: all
 	sh scripts/run.sh

@@ -210,9 +210,11 @@ static ct_status make_strategy(trainer *t)
     ct_optim_opts oo;
     CT_TRY(optimizer_spec(t, &oo));
     char opts[2048];
+    int psgd = train_powersgd_rank(o);
     int n = snprintf(opts, sizeof opts, "grad_accum=%lld,param_dtype=%s,reduce_dtype=%s", (long long)o->grad_accum,
                      strcmp(o->mixed, "none") ? o->mixed : "f32",
-                     strcmp(o->grad_compress, "none") ? o->grad_compress : "f32");
+                     strcmp(o->grad_compress, "none") && !psgd ? o->grad_compress : "f32");
+    if (psgd > 0) n += snprintf(opts + n, sizeof opts - (size_t)n, ",powersgd_rank=%d", psgd);
     /* DDP's bucket flags: passed where they apply, and where the user gave
      * them, so a strategy without buckets names the flag it does not take */
     int buckets = !strcmp(o->strategy, "ddp") || !strcmp(o->strategy, "zero1") || !strcmp(o->strategy, "pipe");

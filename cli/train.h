@@ -48,6 +48,8 @@ void train_help(FILE *f);
 /* Checks that need the world size (the strategy; the batch is checked once
  * --resume has settled it); CLI_USAGE with err on failure. */
 int train_check_world(train_opts *o, int world, char *err, size_t errn);
+/* R of --grad-compress powersgd:R; 0 for none, bf16 and f16; -1 for a malformed rank. */
+int train_powersgd_rank(const train_opts *o);
 
 /* Collective: every setting of o that changes the numbers or the
  * collectives is the same on every rank of g (train_args.c lists those

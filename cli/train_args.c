@@ -3,6 +3,7 @@
  * and the checks that make a bad command line one clear line and exit
  * code 2 instead of a failure halfway through a run.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "train.h"
@@ -90,7 +91,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--grad-accum", OPT_INT, &o->grad_accum, "N", "split each step into N micro-batches (1)");
     OPT("--bucket-cap-mb", OPT_NUM, &o->bucket_cap_mb, "MB", "ddp: gradient bucket size (25)");
     OPT("--find-unused-parameters", OPT_FLAG, &o->find_unused, NULL, "ddp: allow parameters without a gradient");
-    OPT("--grad-compress", OPT_STR, &o->grad_compress, "NAME", "gradients reduced as none (f32), bf16 or f16");
+    OPT("--grad-compress", OPT_STR, &o->grad_compress, "NAME", "gradients reduced as none (f32), bf16, f16 or powersgd:R (PowerSGD at rank R; ddp and zero1)");
     OPT("--mixed", OPT_STR, &o->mixed, "DTYPE", "mixed precision: bf16 products on f32 master weights (none)");
     OPT("--sharding", OPT_STR, &o->sharding, "MODE", "fsdp: full, grad-op, none or hybrid (full)");
     OPT("--wrap-min-params", OPT_INT, &o->wrap_min_params, "N", "fsdp: a module with N parameters becomes a unit (100000; gpt: each block)");
@@ -321,7 +322,9 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (o->eval_batch > (1 << 30)) return BAD("the evaluation batch %lld is too large", (long long)o->eval_batch);
     if (!(o->bucket_cap_mb > 0)) return BAD("--bucket-cap-mb %g must be positive", o->bucket_cap_mb);
     static const char *const comp[] = {"none", "bf16", "f16", NULL};
-    if (!in_list(o->grad_compress, comp)) return BAD("unknown --grad-compress '%s'; choose none, bf16 or f16", o->grad_compress);
+    if (!in_list(o->grad_compress, comp) && train_powersgd_rank(o) <= 0)
+        return BAD("unknown --grad-compress '%s'; choose none, bf16, f16 or powersgd:R (R a rank from 1, such as powersgd:4)",
+                   o->grad_compress);
     static const char *const mixed[] = {"none", "bf16", NULL};
     if (!strcmp(o->mixed, "f16") || !strcmp(o->mixed, "fp16"))
         return BAD("--mixed %s: products in f16 need oneDNN's f16 matmul, which oneDNN 2.6 only has on CPUs with "
@@ -335,9 +338,22 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     return 0;
 }
 
+/* R of --grad-compress powersgd:R; 0 for the other values; -1 for a malformed rank. */
+int train_powersgd_rank(const train_opts *o)
+{
+    if (strncmp(o->grad_compress, "powersgd:", 9)) return 0;
+    const char *r = o->grad_compress + 9;
+    char *end;
+    long v = strtol(r, &end, 10);
+    return *r >= '0' && *r <= '9' && !*end && v >= 1 && v <= 1 << 20 ? (int)v : -1;
+}
+
 int train_check_world(train_opts *o, int world, char *err, size_t errn)
 {
     if (!o->has_strategy) o->strategy = world > 1 ? "ddp" : "none";
+    if (train_powersgd_rank(o) > 0 && strcmp(o->strategy, "ddp") && strcmp(o->strategy, "zero1"))
+        return BAD("--grad-compress %s applies to --strategy ddp and zero1 (PowerSGD compresses their gradient "
+                   "buckets), not %s; use bf16 or f16 with %s", o->grad_compress, o->strategy, o->strategy);
     if (!strcmp(o->strategy, "none") && world > 1)
         return BAD("--strategy none runs every rank alone, but this job has %d ranks; use --strategy ddp, or "
                    "run without mpirun", world);

@@ -113,6 +113,15 @@ ct_status train_report(trainer *t, double seconds)
         cli_out("\n");
         (void)n;
     }
+    void *hs;
+    const char *hook = ct_strategy_comm_hook(t->s, &hs);
+    if (hook && !strcmp(hook, "powersgd")) {
+        int64_t it, before, after;
+        ct_powersgd_stats(hs, &it, &before, &after);
+        if (after > 0)
+            cli_out("PowerSGD: a rank sent %lld of its %lld gradient elements in the last step (%.1fx fewer)\n",
+                    (long long)after, (long long)before, (double)before / (double)after);
+    }
     return CT_OK;
 }
 
@@ -126,6 +135,16 @@ void train_describe(trainer *t)
             t->sched.base_lr, (long long)o->batch, o->grad_accum > 1 ? " (accumulated)" : "", t->world,
             t->world == 1 ? "" : "s", ct_strategy_kind(t->s), ct_blas_get_threads(),
             ct_blas_get_threads() == 1 ? "" : "s", ct_blas_corename(), (long long)t->step, (long long)t->total, (long long)t->spe);
+    /* Where the ranks are (the shared-memory paths work inside a node
+     * only), and how gradient buckets travel when not plainly summed. */
+    ct_group *g = ct_strategy_group(t->s);
+    if (t->world > 1 && g)
+        cli_out("ranks on %d node%s\n", ct_group_num_nodes(g), ct_group_num_nodes(g) == 1 ? "" : "s");
+    const char *hook = ct_strategy_comm_hook(t->s, NULL);
+    if (hook && !strcmp(hook, "powersgd"))
+        cli_out("gradient buckets reduced by PowerSGD at rank %s (uncompressed for the first %s steps, error feedback %s, "
+                "warm start %s)\n", ct_strategy_opt(t->s, "powersgd_rank"), ct_strategy_opt(t->s, "powersgd_start_iter"),
+                ct_strategy_opt(t->s, "powersgd_error_feedback"), ct_strategy_opt(t->s, "powersgd_warm_start"));
     int stage, nstages;
     ct_strategy_pipe_stage(t->s, &stage, &nstages);
     if (!strcmp(ct_strategy_kind(t->s), "pipe"))

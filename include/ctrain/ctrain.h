@@ -11,6 +11,7 @@
 #include "optim.h"
 #include "comm.h"
 #include "parallel.h"
+#include "comm_hook.h"
 #include "io.h"
 #include "models.h"
 

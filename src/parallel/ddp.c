@@ -33,6 +33,19 @@ const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS] = {
      "mark parameters of modules that did not run as ready", 0, NULL},
     {"rebuild_buckets", CT__OPT_BOOL, offsetof(ct__ddp_opts, rebuild_buckets), "1",
      "after the first step, rebuild buckets in the order gradients became ready", 0, NULL},
+    /* PowerSGD (comm_hook.h, powersgd.c): PyTorch's PowerSGDState settings */
+    {"powersgd_rank", CT__OPT_COUNT, offsetof(ct__ddp_opts, powersgd_rank), "0",
+     "reduce buckets by PowerSGD at this rank (0: off; --grad-compress powersgd:R)", 0, NULL},
+    {"powersgd_start_iter", CT__OPT_COUNT, offsetof(ct__ddp_opts, powersgd_start_iter), "10",
+     "PowerSGD: steps reduced uncompressed first", 0, NULL},
+    {"powersgd_min_compression_rate", CT__OPT_NUM, offsetof(ct__ddp_opts, powersgd_min_compression_rate), "2",
+     "PowerSGD: compress a gradient only when its factors are this many times smaller", 0, NULL},
+    {"powersgd_error_feedback", CT__OPT_BOOL, offsetof(ct__ddp_opts, powersgd_error_feedback), "1",
+     "PowerSGD: add what compression lost to the next step's gradient", 0, NULL},
+    {"powersgd_warm_start", CT__OPT_BOOL, offsetof(ct__ddp_opts, powersgd_warm_start), "1",
+     "PowerSGD: start from the last step's Q (else a fresh random one)", 0, NULL},
+    {"powersgd_seed", CT__OPT_COUNT, offsetof(ct__ddp_opts, powersgd_seed), "0",
+     "PowerSGD: seed of the random Q (the same on every rank)", 0, NULL},
 };
 
 /* Strategies built on DDP (ZeRO) put these options first in theirs. */
@@ -182,25 +195,31 @@ static void on_allreduce_done(ct_work *w, ct_status status, void *arg)
     b->t_end = ct_now();
 }
 
+/* The bucket as its communication hook (comm_hook.c) gets it. */
+/* The bucket as its communication hook sees it: the flat's members in the
+ * order they lie. */
+static ct_comm_bucket hook_bucket(ct_strategy *s, bucket_t *b)
+{
+    ddp_t *d = D(s);
+    return (ct_comm_bucket){(int)(b - d->b), d->nb, b->mem, b->fl.numel, b->fl.n, b->fl.p, b->fl.off, b->wire};
+}
+
 static ct_status launch(ct_strategy *s, bucket_t *b)
 {
     ddp_t *d = D(s);
-    ct_dtype dt = (ct_dtype)s->common.reduce_dtype;
     /* Only with find_unused_parameters can a member have got no gradient and
      * still be only marked zero; every module that ran has synced its own. */
     for (int j = 0; d->ran && j < b->fl.n; j++) ct_param_grad_sync(b->fl.p[j]);
-    void *buf = b->mem;
     b->t_start = ct_now();
     b->t_end = 0;
-    if (dt != CT_F32) {
-        ct__wire_pack(dt, buf, b->wire, b->fl.numel);
-        buf = b->wire;
-    }
     ct_work_destroy(b->work);
     b->work = NULL;
-    /* A sum: gradients were already scaled by 1/world (ct__ddp_grad_scale). */
-    CT_TRY(ct_group_allreduce(s->g, buf, b->fl.numel, dt, CT_OP_SUM, &b->work));
-    return ct_work_on_complete(b->work, on_allreduce_done, b);
+    /* A sum: gradients were already scaled by 1/world (ct__ddp_grad_scale);
+     * the hook (the built-in allreduce in reduce_dtype, PowerSGD, or the
+     * user's) starts it. */
+    ct_comm_bucket hb = hook_bucket(s, b);
+    CT_TRY(ct__comm_hook_start(s, &hb, &b->work));
+    return b->work ? ct_work_on_complete(b->work, on_allreduce_done, b) : CT_OK;
 }
 
 /* Starts every bucket that is complete, strictly in bucket order. */
@@ -317,6 +336,7 @@ ct_status ct__ddp_init(ct_strategy *s)
             d->tp[n++] = s->params[i];
         }
     st = ct_group_check(s->g, ct__check_same_model(s));
+    if (st == CT_OK) st = ct__comm_hook_setup(s);
     if (st == CT_OK) st = ct__broadcast_state(s, 0);
     for (int k = 0; k < n; k++) order[k] = n - 1 - k; /* reverse: last layers first */
     if (st == CT_OK) st = build_buckets(s, order, 1);
@@ -486,7 +506,7 @@ ct_status ct__ddp_post_backward(ct_strategy *s)
     }
     double t0 = ct_now(), comm = 0;
     for (int b = 0; b < d->next_launch; b++) {
-        ct_status w = ct_work_wait(d->b[b].work);
+        ct_status w = d->b[b].work ? ct_work_wait(d->b[b].work) : CT_OK; /* a hook may finish at once */
         if (st == CT_OK) st = w;
     }
     double t1 = ct_now();
@@ -496,8 +516,8 @@ ct_status ct__ddp_post_backward(ct_strategy *s)
         double end = bk->t_end > 0 ? bk->t_end : t1;
         comm += end - bk->t_start;
         ct_trace_event("allreduce", "comm", bk->t_start, end, 1);
-        if ((ct_dtype)s->common.reduce_dtype != CT_F32)
-            ct__wire_unpack((ct_dtype)s->common.reduce_dtype, bk->wire, bk->mem, bk->fl.numel, 0);
+        ct_comm_bucket hb = hook_bucket(s, bk);
+        CT_TRY(ct__comm_hook_finish(s, &hb));
     }
     if (d->nb) ct_trace_event("wait for allreduce", "comm", t0, t1, 0);
     s->stats.comm_wait += t1 - t0;
@@ -515,6 +535,7 @@ const ct__strategy_ops ct__ddp_ops = {
     .opts = ct__ddp_opt_defs,
     .nopts = (int)(sizeof ct__ddp_opt_defs / sizeof ct__ddp_opt_defs[0]),
     .opts_size = sizeof(ct__ddp_opts),
+    .takes_comm_hook = 1,
     .place = {
         .init = ct__ddp_init,
         .fini = ct__ddp_fini,

@@ -5,6 +5,7 @@
 
 #include <stddef.h>
 
+#include "ctrain/comm_hook.h"
 #include "ctrain/parallel.h"
 
 /* One "key=value" option: where its parsed value goes (an offset into the
@@ -95,6 +96,7 @@ typedef struct {
     int manages_compute;     /* makes and keeps the mixed-precision copies itself (FSDP gathers
                                 them, offload makes them with a slice) */
     int runs_alone;          /* works without ct_comm_init (no group: one process of its own) */
+    int takes_comm_hook;     /* reduces gradient buckets through s->hook (comm_hook.c) */
     ct__place_ops place;
     ct__sync_ops sync;
     ct__state_ops state;
@@ -129,6 +131,7 @@ struct ct_strategy {
     ct_module *held_model; /* the model as given to create, held (ct_module_hold) until destroy
                               (a strategy may point s->model elsewhere: pipe's stage) */
     int held_comm;         /* 1: communication held too (ct_comm_hold) */
+    struct ct__hook *hook; /* how buckets are reduced (comm_hook.c); lives as long as s */
 };
 
 extern const ct__strategy_ops ct__ddp_ops;
@@ -160,8 +163,14 @@ typedef struct {
     int broadcast_buffers;      /* broadcast buffers from rank 0 before every forward */
     int find_unused_parameters; /* parameters of modules that did not run are marked ready */
     int rebuild_buckets;        /* after the first step, rebuild buckets in gradient-ready order */
+    int64_t powersgd_rank;      /* > 0: buckets reduced by PowerSGD at this rank (comm_hook.h) */
+    int64_t powersgd_start_iter;
+    double powersgd_min_compression_rate;
+    int powersgd_error_feedback;
+    int powersgd_warm_start;
+    int64_t powersgd_seed;
 } ct__ddp_opts;
-#define CT__DDP_NOPTS 5
+#define CT__DDP_NOPTS 11
 extern const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS];
 ct_status ct__ddp_init(ct_strategy *s);
 void ct__ddp_fini(ct_strategy *s);
@@ -175,6 +184,25 @@ ct_status ct__ddp_reduce(ct_strategy *s);
 ct_status ct__check_same_model(ct_strategy *s);
 /* Broadcasts parameters and buffers (or buffers only) from rank 0. */
 ct_status ct__broadcast_state(ct_strategy *s, int buffers_only);
+
+/* s->hook from s's options when it has none yet (the built-in allreduce in
+ * reduce_dtype, or PowerSGD when powersgd_rank > 0); CT_EINVAL naming a bad
+ * combination.  DDP's init calls it. */
+ct_status ct__comm_hook_setup(ct_strategy *s);
+/* A bucket is full: start its reduce through s->hook (*work: what to wait
+ * for before finishing it). */
+ct_status ct__comm_hook_start(ct_strategy *s, const ct_comm_bucket *b, ct_work **work);
+/* After the bucket's work completed: the hook leaves the sum in b->grad. */
+ct_status ct__comm_hook_finish(ct_strategy *s, const ct_comm_bucket *b);
+void ct__comm_hook_free(ct_strategy *s);
+/* powersgd.c: Gram-Schmidt over the columns of a [rows, cols] (row-major),
+ * as PyTorch 1.13's _orthogonalize: each column divided by its norm + eps,
+ * then taken out of the columns after it. */
+void ct__powersgd_orthogonalize(float *a, int rows, int cols, float eps);
+/* A PowerSGD hook's memory of bucket index (for tests): Q as the next step
+ * starts from it (*nq elements, PyTorch's layout) and the error (NULL
+ * without error feedback); 0 when the bucket was never compressed. */
+int ct__powersgd_peek(const void *state, int index, const float **q, int64_t *nq, const float **error);
 
 /* Parses "k=v,k=v" against the common keys and ops' keys into s->common and
  * s->kopts (defaults first).  CT_EINVAL naming a bad or unknown key. */

@@ -420,6 +420,7 @@ const ct__strategy_ops ct__zero1_ops = {
     .kind = "zero1",
     .opts = zero1_opt_defs,
     .nopts = (int)(sizeof zero1_opt_defs / sizeof zero1_opt_defs[0]),
+    .takes_comm_hook = 1,
     .base_opts = ct__ddp_opt_defs,
     .nbase_opts = CT__DDP_NOPTS,
     .opts_size = sizeof(zero1_opts),

@@ -1,0 +1,170 @@
+/*
+ * Communication hooks: how DDP's (and ZeRO-1's) gradient buckets are
+ * reduced (include/ctrain/comm_hook.h).  This file owns the mechanism (a
+ * strategy's hook, made from its options or registered by the user, and the
+ * public view of a bucket it is handed) and the built-in allreduce, in f32
+ * or with a 16-bit wire dtype.  PowerSGD is in powersgd.c.
+ */
+#include <string.h>
+
+#include "ctrain/comm_hook.h"
+#include "internal.h"
+
+struct ct__hook {
+    const ct_comm_hook_ops *ops;
+    void *state;
+};
+
+/* ---- the built-in allreduce --------------------------------------------- */
+
+typedef struct {
+    ct_dtype wire;
+    uint16_t *own; /* 16-bit scratch when the bucket brings none (registered on an f32 strategy) */
+    int64_t own_n;
+} allreduce_hook;
+
+static uint16_t *wire_of(allreduce_hook *h, const ct_comm_bucket *b)
+{
+    if (b->wire) return b->wire;
+    if (h->own_n < b->numel) {
+        ct_free(h->own);
+        h->own_n = 0;
+        if (!(h->own = ct_alloc((size_t)b->numel * 2, CT_MEM_COMM))) return NULL;
+        h->own_n = b->numel;
+    }
+    return h->own;
+}
+
+static ct_status allreduce_start(void *state, ct_group *g, const ct_comm_bucket *b, ct_work **work)
+{
+    allreduce_hook *h = state;
+    void *buf = b->grad;
+    if (h->wire != CT_F32) {
+        uint16_t *w = wire_of(h, b);
+        if (!w) return CT_ENOMEM;
+        ct__wire_pack(h->wire, b->grad, w, b->numel);
+        buf = w;
+    }
+    return ct_group_allreduce(g, buf, b->numel, h->wire, CT_OP_SUM, work);
+}
+
+static ct_status allreduce_finish(void *state, ct_group *g, const ct_comm_bucket *b)
+{
+    (void)g;
+    allreduce_hook *h = state;
+    if (h->wire == CT_F32) return CT_OK;
+    ct__wire_unpack(h->wire, b->wire ? b->wire : h->own, b->grad, b->numel, 0);
+    return CT_OK;
+}
+
+static void allreduce_destroy(void *state)
+{
+    allreduce_hook *h = state;
+    if (!h) return;
+    ct_free(h->own);
+    ct_free(h);
+}
+
+static const ct_comm_hook_ops allreduce_ops[3] = {
+    {"allreduce", allreduce_start, allreduce_finish, allreduce_destroy},
+    {"bf16", allreduce_start, allreduce_finish, allreduce_destroy},
+    {"f16", allreduce_start, allreduce_finish, allreduce_destroy},
+};
+
+ct_status ct_comm_hook_allreduce(ct_dtype wire, const ct_comm_hook_ops **ops, void **state)
+{
+    if (wire != CT_F32 && wire != CT_BF16 && wire != CT_F16)
+        return ct_error(CT_EINVAL, "ct_comm_hook_allreduce: wire dtype %s: give f32, bf16 or f16", ct_dtype_name(wire));
+    allreduce_hook *h = ct_alloc_zeroed(sizeof *h, CT_MEM_OTHER);
+    if (!h) return CT_ENOMEM;
+    h->wire = wire;
+    *ops = &allreduce_ops[wire == CT_F32 ? 0 : wire == CT_BF16 ? 1 : 2];
+    *state = h;
+    return CT_OK;
+}
+
+/* ---- a strategy's hook -------------------------------------------------- */
+
+static void hook_release(ct_strategy *s)
+{
+    if (!s->hook) return;
+    if (s->hook->ops->destroy) s->hook->ops->destroy(s->hook->state);
+    ct_free(s->hook);
+    s->hook = NULL;
+}
+
+static ct_status hook_set(ct_strategy *s, const ct_comm_hook_ops *ops, void *state)
+{
+    struct ct__hook *h = ct_alloc_zeroed(sizeof *h, CT_MEM_OTHER);
+    if (!h) {
+        if (ops->destroy) ops->destroy(state);
+        return CT_ENOMEM;
+    }
+    hook_release(s);
+    h->ops = ops;
+    h->state = state;
+    s->hook = h;
+    return CT_OK;
+}
+
+void ct__comm_hook_free(ct_strategy *s) { hook_release(s); }
+
+ct_status ct__comm_hook_setup(ct_strategy *s)
+{
+    if (s->hook) return CT_OK; /* registered, or kept over a rebuild of the buckets (ZeRO-1's refresh) */
+    const ct__ddp_opts *o = s->kopts;
+    const ct_comm_hook_ops *ops;
+    void *state;
+    if (o->powersgd_rank > 0) {
+        if (s->common.reduce_dtype != CT_F32)
+            return ct_error(CT_EINVAL, "%s: powersgd_rank with reduce_dtype=%s: PowerSGD sends its factors in f32; "
+                            "choose one (drop --grad-compress bf16|f16 or powersgd)", s->ops->kind,
+                            ct_dtype_name((ct_dtype)s->common.reduce_dtype));
+        if (o->powersgd_rank > 1 << 20)
+            return ct_error(CT_EINVAL, "%s: powersgd_rank=%lld is too large (at most %d)", s->ops->kind,
+                            (long long)o->powersgd_rank, 1 << 20);
+        ct_powersgd_opts p = ct_powersgd_defaults((int)o->powersgd_rank);
+        p.start_iter = o->powersgd_start_iter > 1 << 30 ? 1 << 30 : (int)o->powersgd_start_iter;
+        p.min_compression_rate = o->powersgd_min_compression_rate;
+        p.error_feedback = o->powersgd_error_feedback;
+        p.warm_start = o->powersgd_warm_start;
+        p.seed = (uint64_t)o->powersgd_seed;
+        CT_TRY(ct_comm_hook_powersgd(&p, &ops, &state));
+    } else {
+        CT_TRY(ct_comm_hook_allreduce((ct_dtype)s->common.reduce_dtype, &ops, &state));
+    }
+    return hook_set(s, ops, state);
+}
+
+ct_status ct_strategy_register_comm_hook(ct_strategy *s, const ct_comm_hook_ops *ops, void *state)
+{
+    if (!ops || !ops->start || !ops->finish) {
+        if (ops && ops->destroy) ops->destroy(state);
+        return ct_error(CT_EINVAL, "ct_strategy_register_comm_hook: the hook needs start and finish");
+    }
+    if (!s->ops->takes_comm_hook) {
+        if (ops->destroy) ops->destroy(state);
+        return ct_error(CT_EINVAL, "ct_strategy_register_comm_hook: strategy %s has no gradient buckets to reduce "
+                        "through a hook; communication hooks apply to ddp and zero1", s->ops->kind);
+    }
+    return hook_set(s, ops, state);
+}
+
+const char *ct_strategy_comm_hook(const ct_strategy *s, void **state)
+{
+    if (!s->hook) return NULL;
+    if (state) *state = s->hook->state;
+    return s->hook->ops->name;
+}
+
+ct_status ct__comm_hook_start(ct_strategy *s, const ct_comm_bucket *b, ct_work **work)
+{
+    CT_TRY(ct__comm_hook_setup(s)); /* a strategy whose init failed halfway never gets here */
+    *work = NULL;
+    return s->hook->ops->start(s->hook->state, s->g, b, work);
+}
+
+ct_status ct__comm_hook_finish(ct_strategy *s, const ct_comm_bucket *b)
+{
+    return s->hook->ops->finish(s->hook->state, s->g, b);
+}
