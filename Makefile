@@ -19,7 +19,7 @@ XCFLAGS  = -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fPIC -pthread -Iinclude
 DNNL_LIBS = -ldnnl -lgomp
 LDLIBS   = $(shell pkg-config --libs $(PKGS)) $(DNNL_LIBS) -lm -pthread
 
-LIB_SRC   := $(sort $(wildcard src/*/*.c))
+LIB_SRC   := $(sort $(wildcard src/*/*.c src/*/*/*.c))
 CLI_SRC   := $(sort $(wildcard cli/*.c))
 TEST_SRC  := $(sort $(wildcard tests/test_*.c))
 MPI_SRC   := $(sort $(wildcard tests/mpi/*.c))

@@ -1,5 +1,12 @@
-/* Private to src/parallel: the strategy object, the vtable each strategy
- * fills, and the option tables. */
+/* Private to src/parallel: the strategy object, the table each strategy
+ * fills (split by concern: placement, synchronisation, state I/O; NULL
+ * entries are the replicated defaults of replicated.c), the option tables,
+ * and what the strategies share: the gradient norm, the wire dtype path
+ * (wire.c), the in-flight queue (inflight.c), mixed precision (mixed.c).
+ * Parameter bytes a strategy owns always go through the flat layer
+ * (flat.h).  Room layout: the interface and shared layer at the top, ddp.c,
+ * and a folder per strategy with several files (zero/, fsdp/, pipe/,
+ * offload/), plan/ for the memory plans. */
 #ifndef CTRAIN_PARALLEL_INTERNAL_H
 #define CTRAIN_PARALLEL_INTERNAL_H
 

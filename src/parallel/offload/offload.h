@@ -6,7 +6,7 @@
 
 #include <sys/types.h>
 
-#include "flat.h"
+#include "parallel/flat.h"
 
 /* ---- the store: a back end and one I/O thread ----------------------------- */
 

@@ -8,7 +8,7 @@
 #ifndef CTRAIN_PARALLEL_PLAN_H
 #define CTRAIN_PARALLEL_PLAN_H
 
-#include "internal.h"
+#include "parallel/internal.h"
 
 typedef struct {
     ct_module *model;

@@ -4,7 +4,7 @@
 #ifndef CTRAIN_PARALLEL_PIPE_H
 #define CTRAIN_PARALLEL_PIPE_H
 
-#include "internal.h"
+#include "parallel/internal.h"
 
 enum { PIPE_GPIPE = 0, PIPE_1F1B };
 enum { PIPE_CKPT_ALWAYS = 0, PIPE_CKPT_EXCEPT_LAST, PIPE_CKPT_NEVER };

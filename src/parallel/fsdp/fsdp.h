@@ -4,8 +4,8 @@
 #ifndef CTRAIN_PARALLEL_FSDP_H
 #define CTRAIN_PARALLEL_FSDP_H
 
-#include "flat.h"
-#include "zero.h"
+#include "parallel/flat.h"
+#include "parallel/zero/zero.h"
 
 enum { FSDP_FULL_SHARD, FSDP_SHARD_GRAD_OP, FSDP_NO_SHARD, FSDP_HYBRID };
 enum { FSDP_PREFETCH_PRE, FSDP_PREFETCH_POST, FSDP_PREFETCH_NONE };

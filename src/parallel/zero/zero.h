@@ -3,7 +3,7 @@
 #ifndef CTRAIN_PARALLEL_ZERO_H
 #define CTRAIN_PARALLEL_ZERO_H
 
-#include "flat.h"
+#include "parallel/flat.h"
 
 typedef struct {
     ct_param **tp;      /* trainable parameters, model order (DDP's indices) */
