@@ -22,6 +22,31 @@ const char *cli_bin_dir(void)
     return dir;
 }
 
+int capture(const char *cmd, char *out)
+{
+    FILE *p = popen(cmd, "r");
+    ASSERT(p != NULL);
+    size_t n = fread(out, 1, OUT_MAX - 1, p);
+    out[n] = 0;
+    int st = pclose(p);
+    ASSERT(WIFEXITED(st));
+    return WEXITSTATUS(st);
+}
+
+const char *small_text(int lines)
+{
+    static char txt[1024];
+    char path[1100];
+    snprintf(txt, sizeof txt, "%s/text", ct_test_tmpdir());
+    ASSERT(mkdir(txt, 0755) == 0);
+    snprintf(path, sizeof path, "%s/a.txt", txt);
+    FILE *f = fopen(path, "w");
+    ASSERT(f != NULL);
+    for (int i = 0; i < lines; i++) fprintf(f, "line %d of a small text to train on\n", i);
+    fclose(f);
+    return txt;
+}
+
 int run_sh(int np, const char *prefix, char *out, const char *fmt, ...)
 {
     char args[4096], cmd[8192];
@@ -35,13 +60,7 @@ int run_sh(int np, const char *prefix, char *out, const char *fmt, ...)
                  "-np %d %s/ctrain %s 2>&1", prefix, np, cli_bin_dir(), args);
     else
         snprintf(cmd, sizeof cmd, "%s %s/ctrain %s 2>&1", prefix, cli_bin_dir(), args);
-    FILE *p = popen(cmd, "r");
-    ASSERT(p != NULL);
-    size_t n = fread(out, 1, OUT_MAX - 1, p);
-    out[n] = 0;
-    int st = pclose(p);
-    ASSERT(WIFEXITED(st));
-    return WEXITSTATUS(st);
+    return capture(cmd, out);
 }
 
 int run_shell(int np, char *out, const char *fmt, ...)
@@ -53,13 +72,7 @@ int run_shell(int np, char *out, const char *fmt, ...)
     va_end(ap);
     snprintf(cmd, sizeof cmd, "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 %s%.0d %s 2>&1",
              np > 0 ? "mpirun --oversubscribe --bind-to none -np " : "", np, args);
-    FILE *p = popen(cmd, "r");
-    ASSERT(p != NULL);
-    size_t n = fread(out, 1, OUT_MAX - 1, p);
-    out[n] = 0;
-    int st = pclose(p);
-    ASSERT(WIFEXITED(st));
-    return WEXITSTATUS(st);
+    return capture(cmd, out);
 }
 
 int count_lines(const char *s)
@@ -194,3 +207,11 @@ const char *tiny_data(void)
     return dir;
 }
 
+char *path_in(const char *name)
+{
+    static char buf[8][600];
+    static int k;
+    char *p = buf[k++ & 7];
+    snprintf(p, 600, "%s/%s", ct_test_tmpdir(), name);
+    return p;
+}

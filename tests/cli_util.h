@@ -45,4 +45,15 @@ double json_max(const char *line, const char *key);
 /* Two safetensors files (or sharded directories) hold the same tensors bit for bit. */
 void same_files(const char *a, const char *b);
 
+/* A folder under the test's temporary directory holding one text file of
+ * the given number of lines (for --data-dir); its path. */
+const char *small_text(int lines);
+
+/* Runs the shell command line cmd (join stderr in it yourself) and reads
+ * what it prints into out (OUT_MAX bytes); its exit code. */
+int capture(const char *cmd, char *out);
+
+/* name under the test's temporary directory (8 results live at once). */
+char *path_in(const char *name);
+
 #endif

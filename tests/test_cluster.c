@@ -41,13 +41,7 @@ static int sh(char *out, const char *fmt, ...)
     va_end(ap);
     char full[8300];
     snprintf(full, sizeof full, "( %s ) 2>&1", cmd);
-    FILE *p = popen(full, "r");
-    ASSERT(p != NULL);
-    size_t n = fread(out, 1, OUT_MAX - 1, p);
-    out[n] = 0;
-    int st = pclose(p);
-    ASSERT(WIFEXITED(st));
-    return WEXITSTATUS(st);
+    return capture(full, out);
 }
 
 /* Skips the test, with the script's reason, where no cluster can be made. */

@@ -102,15 +102,7 @@ TEST(docs_checkpoints_load_strictly_in_pytorch)
 {
     static char out[OUT_MAX];
     if (system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) SKIP("/usr/bin/python3 cannot import torch");
-    const char *tmp = ct_test_tmpdir();
-    char txt[1024], path[1100];
-    snprintf(txt, sizeof txt, "%s/text", tmp);
-    ASSERT(mkdir(txt, 0755) == 0);
-    snprintf(path, sizeof path, "%s/a.txt", txt);
-    FILE *f = fopen(path, "w");
-    ASSERT(f != NULL);
-    for (int i = 0; i < 400; i++) fprintf(f, "line %d of a small text to train on\n", i);
-    fclose(f);
+    const char *tmp = ct_test_tmpdir(), *txt = small_text(400);
     ASSERT_EQ(RUN(out, "train --model gpt --layers 2 --heads 2 --dim 16 --context 16 --steps 2 --batch 4 "
                        "--data-dir %s --save %s/gpt.safetensors --log-every 0", txt, tmp), 0);
     ASSERT_EQ(run_np(2, out, "train --model gpt --layers 2 --heads 2 --dim 16 --context 16 --steps 2 --batch 4 "

@@ -13,15 +13,9 @@ static uint32_t be32(const unsigned char *p) { return (uint32_t)p[0] << 24 | p[1
 TEST(plot_renders_train_loss_val_loss_and_lr)
 {
     static char out[OUT_MAX];
-    const char *tmp = ct_test_tmpdir();
-    char txt[1024], path[1100];
-    snprintf(txt, sizeof txt, "%s/text", tmp);
-    ASSERT(mkdir(txt, 0755) == 0);
-    snprintf(path, sizeof path, "%s/a.txt", txt);
-    FILE *f = fopen(path, "w");
-    ASSERT(f != NULL);
-    for (int i = 0; i < 300; i++) fprintf(f, "the %d-th line of a text to learn\n", i);
-    fclose(f);
+    const char *tmp = ct_test_tmpdir(), *txt = small_text(300);
+    char path[1100];
+    FILE *f;
     ASSERT_EQ(RUN(out, "train --model gpt --layers 1 --heads 2 --dim 16 --context 16 --steps 40 --batch 8 "
                        "--data-dir %s --metrics %s/m.jsonl --log-every 10 --eval-every 20 --schedule cosine "
                        "--warmup 5 --lr 0.003", txt, tmp), 0);

@@ -26,14 +26,6 @@
 /* A tiny, fast run (the format string takes tiny_data() first). */
 #define TINY "--model mlp --hidden 16 --data-dir %s --threads 1 --batch 32 --log-every 0"
 
-static char *path_in(const char *name)
-{
-    static char buf[8][600];
-    static int k;
-    char *p = buf[k++ & 7];
-    snprintf(p, 600, "%s/%s", ct_test_tmpdir(), name);
-    return p;
-}
 
 
 /* The step in what inspect printed (its metadata), -1 if absent. */
