@@ -23,6 +23,8 @@ if [ "${1:-}" != plot ]; then
     need dataset-fashion-mnist test -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
     # byte-level text for the GPT (--data fortunes): fortune's cookie files
     need fortunes         test -f /usr/share/games/fortunes/fortunes
+    # scripts/cluster's hosts: ip (namespaces, veth, the bridge) and tc (link rates)
+    need iproute2         command -v tc
 fi
 [ -z "$missing" ] && exit 0
 echo "ctrain: installing missing Debian packages:$missing"
