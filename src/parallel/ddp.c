@@ -164,7 +164,7 @@ static ct_status build_buckets(ct_strategy *s, const int *order, int keep_values
      * leaves the old buckets in place (found by the allocation walk). */
     int pointed = 0;
     while (st == CT_OK && pointed < nb) {
-        st = ct__flat_point(&nbk[pointed].fl, CT__FL_BIT(CT__FL_GRAD), keep_values);
+        st = ct__flat_point(&nbk[pointed].fl, CT__FL_BIT(CT__FL_GRAD), keep_values ? CT__FL_BIT(CT__FL_GRAD) : 0);
         if (st == CT_OK) pointed++;
     }
     if (st != CT_OK) {

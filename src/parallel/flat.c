@@ -105,10 +105,15 @@ static void drop_views(ct_tensor **v, int n)
     for (int i = 0; i < n; i++) ct_tensor_release(v[i]);
 }
 
-ct_status ct__flat_point(ct__flat *f, unsigned mask, int copy)
+/* staged: the parameters' own tensors wait in f->old for commit or
+ * rollback; otherwise each goes as soon as its views are in place. */
+static ct_status point(ct__flat *f, unsigned mask, int copy, int staged)
 {
     CT_ASSERT(!f->old && !(mask & f->pointed));
-    if (!(f->old = ct_alloc_zeroed(sizeof *f->old * (size_t)(3 * f->n + 1), CT_MEM_OTHER))) return CT_ENOMEM;
+    ct_tensor *one[3];
+    if (staged && !(f->old = ct_alloc_zeroed(sizeof *f->old * (size_t)(3 * f->n + 1), CT_MEM_OTHER)))
+        return CT_ENOMEM;
+    if (!staged) f->pointed |= mask; /* what is moved so far is moved: unpoint takes any mix */
     for (int j = 0; j < f->n; j++) {
         ct_param *p = f->p[j];
         const ct_tensor *d = p->data;
@@ -124,25 +129,30 @@ ct_status ct__flat_point(ct__flat *f, unsigned mask, int copy)
                 ok = 0;
         if (!ok) {
             drop_views(v, CT__FL_NPARTS);
-            ct__flat_rollback(f);
+            if (staged) ct__flat_rollback(f);
             return CT_ENOMEM;
         }
-        if (copy) {
-            if (v[CT__FL_DATA]) memcpy(ct_tensor_data(v[CT__FL_DATA]), ct_tensor_data(p->data), ct_tensor_bytes(d));
-            if (v[CT__FL_GRAD]) {
-                ct_param_grad_sync(p);
-                memcpy(ct_tensor_data(v[CT__FL_GRAD]), ct_tensor_data(p->grad), ct_tensor_bytes(d));
-            }
+        if (v[CT__FL_DATA] && (copy & CT__FL_BIT(CT__FL_DATA)))
+            memcpy(ct_tensor_data(v[CT__FL_DATA]), ct_tensor_data(p->data), ct_tensor_bytes(d));
+        if (v[CT__FL_GRAD] && (copy & CT__FL_BIT(CT__FL_GRAD))) {
+            ct_param_grad_sync(p);
+            memcpy(ct_tensor_data(v[CT__FL_GRAD]), ct_tensor_data(p->grad), ct_tensor_bytes(d));
         }
-        ct_tensor **old = f->old + 3 * j;
+        ct_tensor **old = staged ? f->old + 3 * j : one;
+        old[0] = old[1] = old[2] = NULL;
         if (v[CT__FL_DATA]) old[0] = p->data, p->data = v[CT__FL_DATA];
         if (v[CT__FL_GRAD]) old[1] = p->grad, p->grad = v[CT__FL_GRAD];
         if (v[CT__FL_LOW]) old[2] = p->compute, p->compute = v[CT__FL_LOW];
-        if (v[CT__FL_GRAD] && !copy) p->grad_stale = 1; /* new memory: the next backward overwrites it */
+        if (v[CT__FL_GRAD] && !(copy & CT__FL_BIT(CT__FL_GRAD)))
+            p->grad_stale = 1; /* new memory: the next backward overwrites it */
+        if (!staged) drop_views(one, 3);
     }
     f->pointed |= mask;
     return CT_OK;
 }
+
+ct_status ct__flat_point(ct__flat *f, unsigned mask, int copy) { return point(f, mask, copy, 1); }
+ct_status ct__flat_move(ct__flat *f, unsigned mask, int copy) { return point(f, mask, copy, 0); }
 
 void ct__flat_commit(ct__flat *f)
 {
@@ -175,7 +185,11 @@ ct_status ct__flat_unpoint(ct__flat *f, ct__flat_fetch_fn fetch, void *ud)
         const ct_tensor *d = p->data;
         int data = (f->pointed & CT__FL_BIT(CT__FL_DATA)) != 0, grad = (f->pointed & CT__FL_BIT(CT__FL_GRAD)) && p->grad;
         ct_tensor *nd = data ? ct_tensor_empty(CT_F32, d->ndim, d->shape, CT_MEM_PARAM) : NULL;
-        ct_tensor *ng = grad ? ct_tensor_empty(CT_F32, d->ndim, d->shape, CT_MEM_GRAD) : NULL;
+        /* a gradient with no values is a zeroed block: fresh pages stay untouched, so RSS does not grow */
+        int gvals = grad && ct_tensor_data(p->grad) && !p->grad_stale;
+        ct_tensor *ng = !grad ? NULL
+                        : gvals ? ct_tensor_empty(CT_F32, d->ndim, d->shape, CT_MEM_GRAD)
+                                : ct_tensor_create(CT_F32, d->ndim, d->shape, CT_MEM_GRAD);
         if ((data && !nd) || (grad && !ng)) {
             ct_tensor_release(nd);
             ct_tensor_release(ng);
@@ -194,8 +208,7 @@ ct_status ct__flat_unpoint(ct__flat *f, ct__flat_fetch_fn fetch, void *ud)
             p->data = nd;
         }
         if (ng) {
-            if (ct_tensor_data(p->grad) && !p->grad_stale) memcpy(ct_tensor_data(ng), ct_tensor_data(p->grad), ct_tensor_bytes(ng));
-            else memset(ct_tensor_data(ng), 0, ct_tensor_bytes(ng));
+            if (gvals) memcpy(ct_tensor_data(ng), ct_tensor_data(p->grad), ct_tensor_bytes(ng));
             ct_tensor_release(p->grad);
             p->grad = ng;
             p->grad_stale = 0;

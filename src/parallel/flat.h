@@ -45,11 +45,18 @@ void ct__flat_fini(ct__flat *f);
  * onto memory the strategy owns (a shared-memory window, a shard buffer). */
 ct_status ct__flat_storage(ct__flat *f, ct__flat_part part, ct_mem_cat cat, int resident, int zero, void *mem);
 /* Re-points the parts in mask of every parameter at views of the flat's
- * storages; with copy, each parameter's current values are copied in
- * first (the storages must have memory).  The parameters' own tensors are
+ * storages; the parts in copy (a mask too) get each parameter's current
+ * values first (their storages must have memory); a gradient not copied is
+ * marked stale (the next backward overwrites it).  The parameters' own tensors are
  * kept until ct__flat_commit drops them or ct__flat_rollback puts them back,
  * so a set-up that fails on any rank leaves every model untouched. */
 ct_status ct__flat_point(ct__flat *f, unsigned mask, int copy);
+/* The same without staging, for set-ups that need no rollback (offload's
+ * slices, ZeRO-2's gradients): each parameter's own tensors go as soon as
+ * its views are in place, so the peak is the group plus one parameter, not
+ * the group twice.  After a failure part of the group is moved; unpoint
+ * takes any mix. */
+ct_status ct__flat_move(ct__flat *f, unsigned mask, int copy);
 void ct__flat_commit(ct__flat *f);
 void ct__flat_rollback(ct__flat *f);
 /* Unwrap: every parameter gets tensors of its own again (data, and grad

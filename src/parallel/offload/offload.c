@@ -298,10 +298,8 @@ static ct_status move_in(ct_strategy *s, offload_slice *sl)
     if (fl->nlow) CT_TRY(ct__flat_storage(fl, CT__FL_LOW, CT_MEM_PARAM, 1, 0, NULL));
     if (f->nstate && !(sl->state = ct_storage_create((size_t)fl->numel * 4 * (size_t)f->nstate, CT_MEM_OPTIM, 1)))
         return CT_ENOMEM;
-    CT_TRY(ct__flat_point(fl, CT__FL_BIT(CT__FL_DATA) | CT__FL_BIT(CT__FL_LOW), 1));
-    ct__flat_commit(fl);
-    CT_TRY(ct__flat_point(fl, CT__FL_BIT(CT__FL_GRAD), 0));
-    ct__flat_commit(fl);
+    CT_TRY(ct__flat_move(fl, CT__FL_BIT(CT__FL_DATA) | CT__FL_BIT(CT__FL_GRAD) | CT__FL_BIT(CT__FL_LOW),
+                         CT__FL_BIT(CT__FL_DATA)));
     for (int k = 0; k < fl->n; k++) fl->p[k]->grad_stale = 0; /* zeroed storage */
     return CT_OK;
 }

@@ -205,8 +205,7 @@ static ct_status zero2_init(ct_strategy *s)
         ct__flat *fl = &z->gflat[i];
         CT_TRY(ct__flat_init(fl, &p, 1, 1, 0, 0));
         CT_TRY(ct__flat_storage(fl, CT__FL_GRAD, CT_MEM_GRAD, 0, 0, NULL));
-        CT_TRY(ct__flat_point(fl, CT__FL_BIT(CT__FL_GRAD), 0));
-        ct__flat_commit(fl);
+        CT_TRY(ct__flat_move(fl, CT__FL_BIT(CT__FL_GRAD), 0));
     }
     ct_module **mods = NULL;
     int nmods = 0;
