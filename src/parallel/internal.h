@@ -150,6 +150,9 @@ extern const ct__strategy_ops ct__offload_ops;
 
 /* Fills every NULL entry of vt with the replicated default (replicated.c). */
 void ct__strategy_fill(ct__strategy_ops *vt);
+/* The rows of the step's global batch: b->global_rows, or this rank's rows
+ * times the group's size when the caller left it 0. */
+int64_t ct__global_rows(const ct_strategy *s, const ct_batch *b);
 /* 1 if s's train step is its own (pipe, offload), not the default grad_accum loop. */
 int ct__strategy_owns_micro_batches(const ct_strategy *s);
 /* Every rank of g's accumulated value, folded in rank order into a (the

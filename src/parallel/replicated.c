@@ -101,13 +101,18 @@ static ct_status micro_step(ct_strategy *s, const ct_batch *b, int64_t r0, int64
     return st;
 }
 
+int64_t ct__global_rows(const ct_strategy *s, const ct_batch *b)
+{
+    return b->global_rows ? b->global_rows : b->x->shape[0] * (s->g ? ct_group_size(s->g) : 1);
+}
+
 /* grad_accum micro-batches (ct_strategy_train_step checked the rows fill them). */
 static ct_status micro_batches(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
                                const ct_fwd_ctx *ctx, ct_step_out *out)
 {
     int k = s->common.grad_accum;
     int64_t nrows = b->x->shape[0];
-    int64_t global = b->global_rows ? b->global_rows : nrows * (s->g ? ct_group_size(s->g) : 1);
+    int64_t global = ct__global_rows(s, b);
     int64_t r0 = 0;
     ct_status st = CT_OK;
     for (int m = 0; m < k && st == CT_OK; m++) {

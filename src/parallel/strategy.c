@@ -243,7 +243,7 @@ static ct_status train_step_impl(ct_strategy *s, const ct_batch *b, ct_loss_fn l
         return ct_error(CT_EINVAL, "train step: %lld rows on this rank cannot fill %d micro-batches "
                         "(grad_accum); give every rank at least %d rows or lower grad_accum",
                         (long long)nrows, k, k);
-    int64_t global = b->global_rows ? b->global_rows : nrows * (s->g ? ct_group_size(s->g) : 1);
+    int64_t global = ct__global_rows(s, b);
     if (global < nrows && !s->joined)
         return ct_error(CT_EINVAL, "train step: global_rows %lld is fewer than this rank's %lld rows",
                         (long long)global, (long long)nrows);

@@ -99,15 +99,7 @@ TEST(cluster_fsdp_hybrid_shards_inside_a_host_and_equals_one_process)
     const ct_partition *pt = ct_strategy_partition(ds);
     ASSERT(pt != NULL);
     ASSERT_EQ(pt->nranks, per);
-    for (int step = 0; step < 3; step++) {
-        ct_step_out o;
-        step_on_slice(ds, step, n, rank, world, &o);
-        step_on_slice(rs, step, n, 0, 1, &o);
-        ASSERT_OK(ct_strategy_step(ds));
-        ASSERT_OK(ct_strategy_step(rs));
-        ct_strategy_zero_grad(ds);
-        ct_strategy_zero_grad(rs);
-    }
+    steps_vs_one(ds, rs, 3, n, rank, world);
     ct_strategy_destroy(ds);
     ct_strategy_destroy(rs);
     assert_params_close(dm, rm, 1e-4);

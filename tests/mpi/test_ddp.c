@@ -560,15 +560,7 @@ TEST(ddp_dropout_equals_one_process)
     ct_strategy *ds, *rs;
     ASSERT_OK(ct_strategy_create("ddp", dm, &oo, g, "grad_accum=2", &ds));
     ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, NULL, &rs));
-    for (int step = 0; step < 5; step++) {
-        ct_step_out o;
-        step_on_slice(ds, step, n, rank, world, &o);
-        step_on_slice(rs, step, n, 0, 1, &o);
-        ASSERT_OK(ct_strategy_step(ds));
-        ASSERT_OK(ct_strategy_step(rs));
-        ct_strategy_zero_grad(ds);
-        ct_strategy_zero_grad(rs);
-    }
+    steps_vs_one(ds, rs, 5, n, rank, world);
     assert_params_close(dm, rm, 2e-5);
     ct_strategy_destroy(ds);
     ct_strategy_destroy(rs);

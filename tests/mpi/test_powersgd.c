@@ -21,15 +21,7 @@ static void powersgd_vs_one_process(const char *kind, const char *opts)
     ASSERT_OK(ct_strategy_create(kind, dm, &oo, w, opts, &ds));
     ASSERT_OK(ct_strategy_create(kind, rm, &oo, self, opts, &rs));
     ASSERT(!strcmp(ct_strategy_comm_hook(ds, NULL), "powersgd"));
-    for (int step = 0; step < 8; step++) {
-        ct_step_out o;
-        step_on_slice(ds, step, n, rank, world, &o);
-        step_on_slice(rs, step, n, 0, 1, &o);
-        ASSERT_OK(ct_strategy_step(ds));
-        ASSERT_OK(ct_strategy_step(rs));
-        ct_strategy_zero_grad(ds);
-        ct_strategy_zero_grad(rs);
-    }
+    steps_vs_one(ds, rs, 8, n, rank, world);
     void *st;
     int64_t iter, before, after;
     ct_strategy_comm_hook(ds, &st);

@@ -61,6 +61,19 @@ void step_on_slice(ct_strategy *s, int step, int64_t n, int rank, int world, ct_
     ct_tensor_release(y);
 }
 
+void steps_vs_one(ct_strategy *ds, ct_strategy *rs, int steps, int64_t n, int rank, int world)
+{
+    for (int step = 0; step < steps; step++) {
+        ct_step_out o;
+        step_on_slice(ds, step, n, rank, world, &o);
+        step_on_slice(rs, step, n, 0, 1, &o);
+        ASSERT_OK(ct_strategy_step(ds));
+        ASSERT_OK(ct_strategy_step(rs));
+        ct_strategy_zero_grad(ds);
+        ct_strategy_zero_grad(rs);
+    }
+}
+
 void step_on_data_rank(ct_strategy *s, int step, int64_t n, double clip, float *norm, ct_step_out *out)
 {
     ct_tensor *x, *y;

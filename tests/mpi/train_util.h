@@ -34,6 +34,10 @@ void step_on_slice(ct_strategy *s, int step, int64_t n, int rank, int world, ct_
  * "none": all) of global_batch2 of `step`; out (may be NULL) gets the train
  * step's result. */
 void step_on_data_rank(ct_strategy *s, int step, int64_t n, double clip, float *norm, ct_step_out *out);
+/* steps optimizer steps of ds (this rank's slice of n rows) and of the
+ * one-process reference rs (all n rows) in lock step: train step, step,
+ * zero_grad. */
+void steps_vs_one(ct_strategy *ds, ct_strategy *rs, int steps, int64_t n, int rank, int world);
 /* 8 children with dropout, one stage or slice each: Linear(IN, 16), Tanh,
  * Dropout(0.25), Linear(16, mid), ReLU, Linear(mid, 16), Tanh, Linear(16, NCLS);
  * weights from seed. */
