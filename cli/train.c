@@ -396,7 +396,11 @@ static ct_status setup(trainer *t)
     }
     CT_TRY(ct_group_check(t->g, st));
 
+    /* Shape-only: no rank ever holds the whole model unless its strategy
+     * replicates it; each makes what it keeps, with a whole init's values. */
+    int was = ct_module_shape_only(1);
     st = ct_model_build(&t->cfg, t->seed, &t->model);
+    ct_module_shape_only(was);
     CT_TRY(ct_group_check(t->g, st));
     CT_TRY(ct_group_check(t->g, make_strategy(t)));
 

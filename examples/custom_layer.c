@@ -93,13 +93,6 @@ static ct_status rms_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
 
 static void rms_destroy(ct_module *m) { free(m->impl); }
 
-/* Weight 1, as torch.nn.RMSNorm starts. */
-static void rms_init(ct_module *m, uint64_t seed)
-{
-    (void)seed;
-    ct_tensor_fill(m->params[0]->data, 1.0f);
-}
-
 static const ct_module_ops rmsnorm_ops = {
     .kind = "rmsnorm",
     .forward = rms_forward,
@@ -117,11 +110,15 @@ static ct_module *rmsnorm_create(int64_t dim)
         return NULL;
     }
     r->eps = 1e-6f;
-    m->init = rms_init;
-    if (!ct_module_add_param(m, "weight", 1, &dim)) {
+    ct_param *w = ct_module_add_param(m, "weight", 1, &dim);
+    if (!w) {
         ct_module_destroy(m);
         return NULL;
     }
+    /* Its initial values: weight 1, as torch.nn.RMSNorm starts.  A rule, not
+     * values, so a sharded strategy can make any part of it (ct_init_with
+     * takes a function for any other rule). */
+    ct_param_set_init(w, ct_init_const(1.0f));
     return m;
 }
 

@@ -45,6 +45,33 @@ typedef struct {
 
 /* A parameter or buffer.  A strategy may replace data/grad with views into
  * storage it owns; layers read p->data and p->grad at every call. */
+/* How a parameter's initial values are made: a rule that gives any element
+ * from (the parameter's seed, its full name, the element's index), so a
+ * rank can make just its shard and get the numbers a whole-model
+ * initialisation gives (src/nn/init.c).  Built-in layers set PyTorch's
+ * rules when built; the ready models set their own; a custom layer sets its
+ * parameters' rules in its constructor (any rule through fn). */
+typedef enum {
+    CT_INIT_NONE = 0, /* no rule: ct_module_init_params leaves the values and warns */
+    CT_INIT_CONST,    /* every element a */
+    CT_INIT_UNIFORM,  /* U(-a, a) */
+    CT_INIT_NORMAL,   /* N(mean a, std b) */
+    CT_INIT_FN,       /* fn */
+} ct_init_kind;
+/* Writes elements [first, first + n) of p's initial values (p's shape
+ * flattened, row-major) into out, as a pure function of (p, seed, index):
+ * draw from a ct_rng keyed by p->name at offset first, as the built-in rules do. */
+typedef ct_status (*ct_init_fn)(const ct_param *p, uint64_t seed, int64_t first, int64_t n, float *out);
+typedef struct {
+    ct_init_kind kind;
+    float a, b;
+    ct_init_fn fn;
+} ct_init;
+static inline ct_init ct_init_const(float v) { return (ct_init){CT_INIT_CONST, v, 0.0f, NULL}; }
+static inline ct_init ct_init_uniform(float bound) { return (ct_init){CT_INIT_UNIFORM, bound, 0.0f, NULL}; }
+static inline ct_init ct_init_normal(float mean, float std) { return (ct_init){CT_INIT_NORMAL, mean, std, NULL}; }
+static inline ct_init ct_init_with(ct_init_fn fn) { return (ct_init){CT_INIT_FN, 0.0f, 0.0f, fn}; }
+
 struct ct_param {
     char *name;          /* fully qualified once the tree is named ("0.weight") */
     const char *local;   /* name within its module ("weight") */
@@ -65,6 +92,11 @@ struct ct_param {
                             (ct_module_share_param); the last of them frees it */
     int uses_pending;    /* shared only: forward uses with a record whose backward has not
                             ended; grad-ready fires when the last one's backward ends */
+    ct_init init;        /* how its initial values are made (ct_param_set_init) */
+    uint64_t seed;       /* the seed of those values (ct_module_init_params) */
+    int shape_only;      /* built shape-only (ct_module_shape_only) and not made yet: data and grad
+                            have no memory and the values are init's; a strategy makes what its
+                            rank holds, ct_module_materialize the whole */
 };
 
 /* What a kind of module does.  forward must save into rec only when rec is
@@ -152,14 +184,6 @@ struct ct_module {
                               only a bf16 linear, so the module may return it as BF16 with its
                               column sums (see nn/internal.h: the same numbers, two passes less) */
     const char *held_by;   /* root only: who wraps the tree (ct_module_hold), else NULL */
-    /* A custom kind's initialiser (NULL for built-in kinds): sets m's own
-     * parameters (not its children's) for ct_module_init_params,
-     * deterministically from seed (ct_rng keyed by the parameter's name, as
-     * the built-in layers do).  Set it after ct_module_create.  (Here, not in
-     * ct_module_ops, so ops tables written positionally keep compiling.)  A
-     * custom module with parameters and no init keeps their values (zeros)
-     * and ct_module_init_params warns. */
-    void (*init)(ct_module *m, uint64_t seed);
 };
 
 /* Per-call activation record: any number of saved tensors (retained; add
@@ -448,13 +472,36 @@ ct_module *ct_transformer_block_create(int64_t dim, int heads, float dropout);
  * gradient (indices). */
 ct_module *ct_tokpos_embedding_create(int64_t vocab, int64_t context, int64_t dim, float dropout);
 
-/* Initialises every parameter under root the way PyTorch does by default
- * (kaiming-uniform weights, uniform(+-1/sqrt(fan_in)) biases, ones/zeros for
- * norms, normal(0,1) embeddings), deterministically from seed and each
- * parameter's name; a custom kind through its ops' init.  A module of a
- * kind it does not know, with parameters and no init op, is left as it is
- * and named in a warning. */
+/* Initialises every parameter under root from its rule (ct_param.init: the
+ * built-in layers' are PyTorch's defaults, kaiming-uniform weights,
+ * uniform(+-1/sqrt(fan_in)) biases, ones/zeros for norms, normal(0,1)
+ * embeddings) and seed: a shape-only parameter keeps the seed and gets its
+ * values when made.  A parameter with no rule is left as it is and its
+ * module named in a warning. */
 void ct_module_init_params(ct_module *root, uint64_t seed);
+/* Sets p's rule; a CONST rule also writes the values now when p has memory
+ * (a norm layer is usable before ct_module_init_params). */
+void ct_param_set_init(ct_param *p, ct_init rule);
+/* Elements [first, first + n) of p's initial values (its rule at its seed)
+ * into out; CT_EUNSUPPORTED naming the module when p has no rule. */
+ct_status ct_param_init_values(const ct_param *p, int64_t first, int64_t n, float *out);
+/* Elements [first, first + n) of p's current values into out: from its
+ * memory, or from its rule while it is shape-only; CT_ESTATE when it has
+ * neither (a sharded strategy holds it in pieces, or freed it). */
+ct_status ct_param_values(const ct_param *p, int64_t first, int64_t n, float *out);
+
+/* Shape-only construction (PyTorch's meta device, DeepSpeed's zero.Init):
+ * while on, on this thread, ct_module_add_param makes parameters whose data
+ * and grad have no memory (shape_only; a few hundred bytes each whatever
+ * their size).  A strategy then makes only what its rank holds (fsdp its
+ * shards, pipe its stage, offload one slice at a time; ddp and zero the
+ * whole, which they replicate), with the values a whole-model
+ * initialisation gives.  Buffers always have memory.  Returns the previous
+ * setting, to restore. */
+int ct_module_shape_only(int on);
+/* Gives every shape-only parameter under root memory and its initial values
+ * (a zero gradient): the whole model, for use without a sharding strategy. */
+ct_status ct_module_materialize(ct_module *root);
 
 /* ---- loss -------------------------------------------------------------- */
 

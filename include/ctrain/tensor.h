@@ -54,6 +54,9 @@ typedef struct ct_tensor {
 
 /* New storage of bytes under cat (refcount 1), zeroed if zero; NULL (error set) on failure. */
 ct_storage *ct_storage_create(size_t bytes, ct_mem_cat cat, int zero);
+/* New storage of bytes under cat with no memory yet (released: brought in by
+ * ct_storage_alloc_data), so a part that is absent until used never costs its bytes. */
+ct_storage *ct_storage_absent(size_t bytes, ct_mem_cat cat);
 /* Storage over memory the caller owns and keeps alive longer than it (counted nowhere). */
 ct_storage *ct_storage_wrap(void *ptr, size_t bytes);
 ct_storage *ct_storage_retain(ct_storage *s);
@@ -104,6 +107,9 @@ int ct_dtype_parse(const char *name, ct_dtype *dt);
 ct_tensor *ct_tensor_create(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat cat);
 /* Same, not zeroed (torch.empty): for outputs that are written in full. */
 ct_tensor *ct_tensor_empty(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat cat);
+/* Same, with no memory yet (a released storage: ct_tensor_data is NULL until
+ * ct_storage_alloc_data): a shape-only parameter's tensor. */
+ct_tensor *ct_tensor_absent(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat cat);
 /* Tensor over bytes [offset, offset + numel*size) of storage s (retained). */
 ct_tensor *ct_tensor_on(ct_storage *s, size_t offset, ct_dtype dt, int ndim, const int64_t *shape);
 /* Shorthands for f32 tensors of 1..4 dims. */

@@ -56,12 +56,13 @@ static void *alloc_bytes(size_t bytes, ct_mem_cat cat, int zero)
     return zero ? ct_alloc_zeroed(bytes, cat) : ct_alloc(bytes, cat);
 }
 
-ct_storage *ct_storage_create(size_t bytes, ct_mem_cat cat, int zero)
+/* zero -1: no memory yet (a released storage, brought in by ct_storage_alloc_data). */
+static ct_storage *storage_new(size_t bytes, ct_mem_cat cat, int zero)
 {
     ct_storage *s = ct_alloc(sizeof *s, CT_MEM_OTHER);
     if (!s) return NULL;
     memset(s, 0, sizeof *s);
-    if (!(s->ptr = alloc_bytes(bytes, cat, zero))) {
+    if (zero >= 0 && !(s->ptr = alloc_bytes(bytes, cat, zero))) {
         ct_free(s);
         return NULL;
     }
@@ -71,6 +72,9 @@ ct_storage *ct_storage_create(size_t bytes, ct_mem_cat cat, int zero)
     s->owns = 1;
     return s;
 }
+
+ct_storage *ct_storage_create(size_t bytes, ct_mem_cat cat, int zero) { return storage_new(bytes, cat, zero != 0); }
+ct_storage *ct_storage_absent(size_t bytes, ct_mem_cat cat) { return storage_new(bytes, cat, -1); }
 
 ct_storage *ct_storage_wrap(void *ptr, size_t bytes)
 {
@@ -171,7 +175,7 @@ static ct_tensor *create(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat
 {
     ct_tensor *t = header(dt, ndim, shape);
     if (!t) return NULL;
-    if (!(t->storage = ct_storage_create(ct_tensor_bytes(t), cat, zero))) {
+    if (!(t->storage = storage_new(ct_tensor_bytes(t), cat, zero))) {
         ct_free(t);
         return NULL;
     }
@@ -186,6 +190,11 @@ ct_tensor *ct_tensor_create(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_
 ct_tensor *ct_tensor_empty(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat cat)
 {
     return create(dt, ndim, shape, cat, 0);
+}
+
+ct_tensor *ct_tensor_absent(ct_dtype dt, int ndim, const int64_t *shape, ct_mem_cat cat)
+{
+    return create(dt, ndim, shape, cat, -1);
 }
 
 ct_tensor *ct_tensor_create1(int64_t d0, ct_mem_cat cat)
@@ -277,7 +286,9 @@ ct_tensor *ct_tensor_reshape(ct_tensor *t, int ndim, const int64_t *shape)
  * parameter a sharding strategy holds in pieces. */
 #define NO_DATA_HINT "its storage is released here (a sharded strategy such as fsdp keeps only this rank's " \
                      "shard of a parameter): read parameters between ct_strategy_summon_full_params and "  \
-                     "ct_strategy_release_full_params, or take ct_strategy_model_state"
+                     "ct_strategy_release_full_params, or take ct_strategy_model_state; a model built shape-only " \
+                     "(ct_module_shape_only) is made by wrapping it or by ct_module_materialize; to keep a " \
+                     "sharded model whole after ct_strategy_destroy, summon its full parameters before it"
 
 ct_status ct_tensor_check_data(const ct_tensor *t)
 {

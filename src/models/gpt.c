@@ -62,19 +62,15 @@ ct_status ct__gpt_build(const ct_model_config *cfg, ct_module **out)
     return CT_OK;
 }
 
-static void normal(ct_param *p, uint64_t seed, float std)
-{
-    ct_rng r;
-    ct_rng_init(&r, seed, ct_hash64(p->name, strlen(p->name)));
-    ct_rng_normal(&r, ct_f32(p->data), (size_t)p->data->numel, 0.0f, std);
-}
-
 static int ends_with(const char *s, const char *suffix)
 {
     size_t a = strlen(s), b = strlen(suffix);
     return a >= b && !strcmp(s + a - b, suffix);
 }
 
+/* nanoGPT's _init_weights: the matrices (Linear and Embedding weights)
+ * N(0, 0.02), the residual projections N(0, 0.02/sqrt(2 layers)), biases
+ * zero; LayerNorms keep their own rule (ones, zeros). */
 void ct__gpt_init(ct_module *m, const ct_model_config *cfg, uint64_t seed)
 {
     ct_param **ps;
@@ -84,11 +80,9 @@ void ct__gpt_init(ct_module *m, const ct_model_config *cfg, uint64_t seed)
     float resid = 0.02f / sqrtf(2.0f * (float)cfg->layers);
     for (int i = 0; i < n; i++) {
         ct_param *p = ps[i];
-        const char *kind = p->owner ? p->owner->ops->kind : "";
-        if (!strcmp(kind, "layernorm")) ct_tensor_fill(p->data, ends_with(p->name, ".weight") ? 1.0f : 0.0f);
-        else if (ends_with(p->name, ".bias")) ct_tensor_fill(p->data, 0.0f);
-        else if (ends_with(p->name, "c_proj.weight")) normal(p, seed, resid);
-        else normal(p, seed, 0.02f);
+        if (p->data->ndim >= 2) ct_param_set_init(p, ct_init_normal(0.0f, ends_with(p->name, "c_proj.weight") ? resid : 0.02f));
+        else if (ends_with(p->name, ".bias")) ct_param_set_init(p, ct_init_const(0.0f));
     }
     ct_free(ps);
+    ct_module_init_params(m, seed);
 }

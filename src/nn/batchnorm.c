@@ -244,14 +244,15 @@ ct_module *ct_batchnorm_create(int64_t c, float eps, float momentum)
         return NULL;
     }
     /* Buffer order is relied on above: running_mean, running_var, num_batches_tracked. */
-    ct_param *w = ct_module_add_param(m, "weight", 1, (int64_t[]){c});
-    if (!w || !ct_module_add_param(m, "bias", 1, (int64_t[]){c}) ||
+    ct_param *w = ct_module_add_param(m, "weight", 1, (int64_t[]){c}), *b = NULL;
+    if (!w || !(b = ct_module_add_param(m, "bias", 1, (int64_t[]){c})) ||
         !ct_module_add_buffer(m, "running_mean", 1, (int64_t[]){c}, 0.0f) ||
         !ct_module_add_buffer(m, "running_var", 1, (int64_t[]){c}, 1.0f) ||
         !ct_module_add_buffer(m, "num_batches_tracked", 0, NULL, 0.0f)) {
         ct_module_destroy(m);
         return NULL;
     }
-    ct_tensor_fill(w->data, 1.0f);
+    ct_param_set_init(w, ct_init_const(1.0f));
+    ct_param_set_init(b, ct_init_const(0.0f));
     return m;
 }

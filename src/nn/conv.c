@@ -400,6 +400,7 @@ ct_module *ct_conv2d_create(int64_t cin, int64_t cout, int k, int stride, int pa
         ct_module_destroy(m);
         return NULL;
     }
+    ct__init_fan_in(m, cin * k * k);
     return m;
 }
 

@@ -133,9 +133,11 @@ ct_module *ct_embedding_create(int64_t num, int64_t dim)
         ct_free(E);
         return NULL;
     }
-    if (!ct_module_add_param(m, "weight", 2, (int64_t[]){num, dim})) {
+    ct_param *w = ct_module_add_param(m, "weight", 2, (int64_t[]){num, dim});
+    if (!w) {
         ct_module_destroy(m);
         return NULL;
     }
+    ct_param_set_init(w, ct_init_normal(0.0f, 1.0f));
     return m;
 }

@@ -21,6 +21,12 @@ static inline const char *ct__nn_name(const ct_module *m)
     return m->fqn && *m->fqn ? m->fqn : "(root)";
 }
 
+/* 1 while ct_module_shape_only is on for this thread. */
+int ct__nn_shape_only(void);
+/* PyTorch's default for a layer with fan_in inputs per output (Linear,
+ * Conv2d): every parameter of m U(-1/sqrt(fan_in), 1/sqrt(fan_in)). */
+void ct__init_fan_in(ct_module *m, int64_t fan_in);
+
 /* ---- act_cost helpers (see ct_act_cost) ---- */
 /* Elements of a shape. */
 static inline uint64_t ct__act_numel(int nd, const int64_t *sh)

@@ -283,12 +283,13 @@ ct_module *ct_layernorm_create(int64_t dim, float eps)
         ct_free(L);
         return NULL;
     }
-    /* Ones and zeros, so the layer is usable even before ct_module_init_params. */
-    ct_param *w = ct_module_add_param(m, "weight", 1, (int64_t[]){dim});
-    if (!w || !ct_module_add_param(m, "bias", 1, (int64_t[]){dim})) {
+    /* Ones and zeros, at once: the layer is usable even before ct_module_init_params. */
+    ct_param *w = ct_module_add_param(m, "weight", 1, (int64_t[]){dim}), *b = NULL;
+    if (!w || !(b = ct_module_add_param(m, "bias", 1, (int64_t[]){dim}))) {
         ct_module_destroy(m);
         return NULL;
     }
-    ct_tensor_fill(w->data, 1.0f);
+    ct_param_set_init(w, ct_init_const(1.0f));
+    ct_param_set_init(b, ct_init_const(0.0f));
     return m;
 }

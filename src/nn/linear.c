@@ -239,5 +239,6 @@ ct_module *ct_linear_create(int64_t in, int64_t out, int bias)
         ct_module_destroy(m);
         return NULL;
     }
+    ct__init_fan_in(m, in);
     return m;
 }

@@ -189,6 +189,11 @@ ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
     *out = NULL;
     if (rec) *rec = NULL;
     CT_TRY(fire_module(m, CT_HOOK_PRE_FORWARD));
+    for (int i = 0; i < m->nparams; i++) /* after the hooks: a strategy's may have made it */
+        if (m->params[i]->shape_only && !ct_tensor_data(m->params[i]->data))
+            return ct_error(CT_ESTATE, "parameter '%s' was built shape-only and has no values yet: wrap the model "
+                            "in a strategy (it makes what each rank holds) or call ct_module_materialize",
+                            m->params[i]->name);
     ct_record *r = NULL;
     if (rec && !(r = ct_record_create(m, ctx))) return CT_ENOMEM;
     ct_status s = m->ops->forward(m, in, out, r, ctx);
@@ -509,8 +514,12 @@ static ct_param *new_param(ct_module *m, const char *local, int ndim, const int6
     p->nmodules = 1;
     p->is_buffer = buffer;
     p->requires_grad = !buffer;
-    p->data = ct_tensor_create(CT_F32, ndim, shape, CT_MEM_PARAM);
-    if (!buffer && p->data) p->grad = ct_tensor_create(CT_F32, ndim, shape, CT_MEM_GRAD);
+    p->shape_only = !buffer && ct__nn_shape_only();
+    p->data = p->shape_only ? ct_tensor_absent(CT_F32, ndim, shape, CT_MEM_PARAM)
+                            : ct_tensor_create(CT_F32, ndim, shape, CT_MEM_PARAM);
+    if (!buffer && p->data)
+        p->grad = p->shape_only ? ct_tensor_absent(CT_F32, ndim, shape, CT_MEM_GRAD)
+                                : ct_tensor_create(CT_F32, ndim, shape, CT_MEM_GRAD);
     p->name = join(m->fqn, local);
     if (!p->local || !p->data || (!buffer && !p->grad) || !p->name) goto out_free;
     if (buffer) {

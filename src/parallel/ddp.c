@@ -292,14 +292,21 @@ ct_status ct__check_same_model(ct_strategy *s)
     return st;
 }
 
+/* Rank 0's values everywhere.  A shape-only parameter's values are its
+ * rule at its seed, so rank 0's seed is all that travels: 8 bytes, not the
+ * parameter, and no rank makes what it does not hold. */
 ct_status ct__broadcast_state(ct_strategy *s, int buffers_only)
 {
     if (ct_group_size(s->g) == 1) return CT_OK;
     for (int pass = buffers_only; pass < 2; pass++) {
         ct_param **ps = pass ? s->buffers : s->params;
         int n = pass ? s->nbuffers : s->nparams;
-        for (int i = 0; i < n; i++)
-            CT_TRY(ct_group_broadcast_tensor(s->g, ps[i]->data, 0, NULL));
+        for (int i = 0; i < n; i++) {
+            if (ps[i]->shape_only)
+                CT_TRY(ct_group_broadcast(s->g, &ps[i]->seed, 1, CT_I64, 0, NULL));
+            else
+                CT_TRY(ct_group_broadcast_tensor(s->g, ps[i]->data, 0, NULL));
+        }
     }
     return CT_OK;
 }

@@ -94,10 +94,9 @@ ct_status ct__flat_storage(ct__flat *f, ct__flat_part part, ct_mem_cat cat, int 
 {
     CT_ASSERT(!f->st[part]);
     size_t bytes = ct__flat_bytes(f, part);
-    f->st[part] = mem ? ct_storage_wrap(mem, bytes) : ct_storage_create(bytes, cat, zero);
-    if (!f->st[part]) return CT_ENOMEM;
-    if (!mem && !resident) return ct_storage_free_data(f->st[part]);
-    return CT_OK;
+    f->st[part] = mem ? ct_storage_wrap(mem, bytes) : resident ? ct_storage_create(bytes, cat, zero)
+                                                                : ct_storage_absent(bytes, cat);
+    return f->st[part] ? CT_OK : CT_ENOMEM;
 }
 
 static void drop_views(ct_tensor **v, int n)
@@ -132,9 +131,15 @@ static ct_status point(ct__flat *f, unsigned mask, int copy, int staged)
             if (staged) ct__flat_rollback(f);
             return CT_ENOMEM;
         }
-        if (v[CT__FL_DATA] && (copy & CT__FL_BIT(CT__FL_DATA)))
-            memcpy(ct_tensor_data(v[CT__FL_DATA]), ct_tensor_data(p->data), ct_tensor_bytes(d));
-        if (v[CT__FL_GRAD] && (copy & CT__FL_BIT(CT__FL_GRAD))) {
+        /* the values wherever they are: memory, or a shape-only parameter's rule */
+        if (v[CT__FL_DATA] && (copy & CT__FL_BIT(CT__FL_DATA)) &&
+            ct_param_values(p, 0, d->numel, ct_tensor_data(v[CT__FL_DATA])) != CT_OK) {
+            drop_views(v, CT__FL_NPARTS);
+            if (staged) ct__flat_rollback(f);
+            return ct_last_status();
+        }
+        int gcopy = v[CT__FL_GRAD] && (copy & CT__FL_BIT(CT__FL_GRAD)) && ct_tensor_data(p->grad);
+        if (gcopy) {
             ct_param_grad_sync(p);
             memcpy(ct_tensor_data(v[CT__FL_GRAD]), ct_tensor_data(p->grad), ct_tensor_bytes(d));
         }
@@ -143,9 +148,12 @@ static ct_status point(ct__flat *f, unsigned mask, int copy, int staged)
         if (v[CT__FL_DATA]) old[0] = p->data, p->data = v[CT__FL_DATA];
         if (v[CT__FL_GRAD]) old[1] = p->grad, p->grad = v[CT__FL_GRAD];
         if (v[CT__FL_LOW]) old[2] = p->compute, p->compute = v[CT__FL_LOW];
-        if (v[CT__FL_GRAD] && !(copy & CT__FL_BIT(CT__FL_GRAD)))
+        if (v[CT__FL_GRAD] && !gcopy)
             p->grad_stale = 1; /* new memory: the next backward overwrites it */
-        if (!staged) drop_views(one, 3);
+        if (!staged) {
+            drop_views(one, 3);
+            if (v[CT__FL_DATA]) p->shape_only = 0; /* its values are the flat's now */
+        }
     }
     f->pointed |= mask;
     return CT_OK;
@@ -156,6 +164,8 @@ ct_status ct__flat_move(ct__flat *f, unsigned mask, int copy) { return point(f, 
 
 void ct__flat_commit(ct__flat *f)
 {
+    for (int j = 0; f->old && j < f->n; j++)
+        if (f->old[3 * j]) f->p[j]->shape_only = 0; /* its values are the flat's now */
     for (int i = 0; f->old && i < 3 * f->n; i++) ct_tensor_release(f->old[i]);
     ct_free(f->old);
     f->old = NULL;
@@ -184,10 +194,16 @@ ct_status ct__flat_unpoint(ct__flat *f, ct__flat_fetch_fn fetch, void *ud)
         ct_param *p = f->p[j];
         const ct_tensor *d = p->data;
         int data = (f->pointed & CT__FL_BIT(CT__FL_DATA)) != 0, grad = (f->pointed & CT__FL_BIT(CT__FL_GRAD)) && p->grad;
-        ct_tensor *nd = data ? ct_tensor_empty(CT_F32, d->ndim, d->shape, CT_MEM_PARAM) : NULL;
+        /* Values neither here nor fetchable (a sharded strategy's teardown): the
+         * parameter leaves without memory, so a teardown never holds the whole. */
+        int drop = data && !ct_tensor_data(d) && !fetch;
+        ct_tensor *nd = !data ? NULL
+                        : drop ? ct_tensor_absent(CT_F32, d->ndim, d->shape, CT_MEM_PARAM)
+                               : ct_tensor_empty(CT_F32, d->ndim, d->shape, CT_MEM_PARAM);
         /* a gradient with no values is a zeroed block: fresh pages stay untouched, so RSS does not grow */
         int gvals = grad && ct_tensor_data(p->grad) && !p->grad_stale;
         ct_tensor *ng = !grad ? NULL
+                        : drop ? ct_tensor_absent(CT_F32, d->ndim, d->shape, CT_MEM_GRAD)
                         : gvals ? ct_tensor_empty(CT_F32, d->ndim, d->shape, CT_MEM_GRAD)
                                 : ct_tensor_create(CT_F32, d->ndim, d->shape, CT_MEM_GRAD);
         if ((data && !nd) || (grad && !ng)) {
@@ -199,7 +215,7 @@ ct_status ct__flat_unpoint(ct__flat *f, ct__flat_fetch_fn fetch, void *ud)
         }
         if (nd) {
             if (ct_tensor_data(d)) memcpy(ct_tensor_data(nd), ct_tensor_data(d), ct_tensor_bytes(d));
-            else if (!fetch) memset(ct_tensor_data(nd), 0, ct_tensor_bytes(nd));
+            else if (drop) ;
             else if (fetch(ud, j, ct_f32(nd)) != CT_OK) {
                 memset(ct_tensor_data(nd), 0, ct_tensor_bytes(nd));
                 st = ct_last_status();
@@ -208,7 +224,7 @@ ct_status ct__flat_unpoint(ct__flat *f, ct__flat_fetch_fn fetch, void *ud)
             p->data = nd;
         }
         if (ng) {
-            if (gvals) memcpy(ct_tensor_data(ng), ct_tensor_data(p->grad), ct_tensor_bytes(ng));
+            if (gvals && !drop) memcpy(ct_tensor_data(ng), ct_tensor_data(p->grad), ct_tensor_bytes(ng));
             ct_tensor_release(p->grad);
             p->grad = ng;
             p->grad_stale = 0;

@@ -61,7 +61,8 @@ void ct__flat_commit(ct__flat *f);
 void ct__flat_rollback(ct__flat *f);
 /* Unwrap: every parameter gets tensors of its own again (data, and grad
  * where it had one), with the values the flat holds where its data part
- * has memory, else those fetch writes (a store's copy; NULL fetch: zeros).
+ * has memory, else those fetch writes (a store's copy); with neither (NULL
+ * fetch), tensors without memory: the values are gone (a teardown that frees).
  * A compute copy that viewed the low part goes (an unwrapped model computes
  * in f32; the mixed-precision policy drops the copies it made).  Out of
  * memory leaves the parameter on its views and returns CT_ENOMEM. */

@@ -103,6 +103,9 @@ typedef struct {
     int manages_compute;     /* makes and keeps the mixed-precision copies itself (FSDP gathers
                                 them, offload makes them with a slice) */
     int runs_alone;          /* works without ct_comm_init (no group: one process of its own) */
+    int makes_params;        /* makes the shape-only parameters it holds itself (fsdp its shards,
+                                pipe its stage, offload its slices); for the others the whole model
+                                is made (ct_module_materialize) before init */
     int takes_comm_hook;     /* reduces gradient buckets through s->hook (comm_hook.c) */
     ct__place_ops place;
     ct__sync_ops sync;

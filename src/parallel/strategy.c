@@ -110,7 +110,14 @@ static ct_status create_impl(const char *kind, ct_module *model, const ct_optim_
     }
     if (st == CT_OK) st = ct__opts_parse(s, opts);
     if (st == CT_OK) st = ct_module_params(model, &s->params, &s->nparams);
+    for (int i = 0; st == CT_OK && i < s->nparams; i++)
+        if (!s->params[i]->shape_only && ct_tensor_check_data(s->params[i]->data) != CT_OK)
+            st = ct_error(CT_ESTATE, "strategy %s: parameter '%s' has no values (a sharded strategy's destroy "
+                          "freed them); to wrap a model again, summon its full parameters before destroying the "
+                          "last strategy (ct_strategy_summon_full_params), or load a checkpoint into a new model",
+                          ops->kind, s->params[i]->name);
     if (st == CT_OK) st = ct_module_buffers(model, &s->buffers, &s->nbuffers);
+    if (st == CT_OK && !ops->makes_params) st = ct_module_materialize(model);
     if (st == CT_OK) st = s->vt.place.init(s);
     if (st == CT_OK) st = s->vt.place.build_optim(s, optim);
     if (st == CT_OK && !ops->manages_compute) st = ct__mixed_init(s);

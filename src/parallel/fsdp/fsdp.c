@@ -465,11 +465,10 @@ static ct_status setup_flat(fsdp_unit *u, fsdp_flat *fl)
     if (!fl->master || !fl->gshard) return CT_ENOMEM;
     fl->gzero = 1;
     int64_t lo = (int64_t)u->srank * fa->shard;
-    for (int j = 0; j < fa->n; j++) { /* this rank's piece of each parameter */
-        const float *src = ct_f32(fa->p[j]->data);
+    for (int j = 0; j < fa->n; j++) { /* this rank's piece of each parameter (of a shape-only one: made here) */
         int64_t a = fa->off[j], b = a + fa->p[j]->data->numel;
         int64_t x = a > lo ? a : lo, y = b < lo + fa->shard ? b : lo + fa->shard;
-        if (x < y) memcpy(fl->master + (x - lo), src + (x - a), (size_t)(y - x) * sizeof(float));
+        if (x < y) CT_TRY(ct_param_values(fa->p[j], x - a, y - x, fl->master + (x - lo)));
     }
     /* every part absent until the unit computes; with one shard the data is the master itself */
     CT_TRY(ct__flat_storage(fa, CT__FL_DATA, CT_MEM_PARAM, 0, 0, u->ns == 1 ? fl->master : NULL));
@@ -582,7 +581,6 @@ static ct_status setup(ct_strategy *s)
     for (int i = 0; i < f->nu; i++)
         for (int k = 0; k < 4; k++)
             if (!(f->u[i].h[k] = ct_module_add_hook(f->u[i].m, kinds[k], unit_hook, &f->u[i]))) return CT_ENOMEM;
-    ct_mem_trim();
     return CT_OK;
 }
 
@@ -592,12 +590,15 @@ static ct_status fsdp_init(ct_strategy *s)
     if (st == CT_OK) {
         ct__fsdp_of(s)->ready = 1;
         settle_old(ct__fsdp_of(s), 0);
+        ct_mem_trim(); /* a whole model's own tensors, just dropped, go back to the OS, not to the cache */
     }
     return st;
 }
 
-/* Unwraps: every parameter gets memory of its own again with the full
- * values (collective: they are gathered), and a zero gradient. */
+/* Frees, and gathers nothing: the parameters leave without memory, so a
+ * teardown never holds the whole model.  The explicit unwrap is to summon
+ * the full parameters first (ct_strategy_summon_full_params on every rank):
+ * then every parameter leaves with its full values and a zero gradient. */
 static void fsdp_fini(ct_strategy *s)
 {
     fsdp_t *f = ct__fsdp_of(s);
@@ -605,8 +606,8 @@ static void fsdp_fini(ct_strategy *s)
     if (f) {
         finish_all(s);
         if (!f->ready) settle_old(f, 1); /* set-up failed: the parameters as they were */
-        /* the one unwrap: every parameter leaves with its full values (zeros if the gather failed) */
-        int full = f->ready && ct__fsdp_summon(s, 0, 0) == CT_OK;
+        int full = f->ready;
+        for (int i = 0; f->u && i < f->nu; i++) full &= f->u[i].summoned && (!f->u[i].nfl || f->u[i].ns == 1 || ct__flat_resident(&f->u[i].fl[0].flat, CT__FL_DATA));
         for (int i = 0; f->u && i < f->nu; i++) {
             fsdp_unit *u = &f->u[i];
             for (int k = 0; k < 4; k++) ct_hook_remove(u->h[k]);
@@ -693,6 +694,7 @@ const ct__strategy_ops ct__fsdp_ops = {
     .nopts = (int)(sizeof fsdp_opt_defs / sizeof fsdp_opt_defs[0]),
     .opts_size = sizeof(fsdp_opts),
     .manages_compute = 1,
+    .makes_params = 1,
     .place = {
         .init = fsdp_init,
         .fini = fsdp_fini,

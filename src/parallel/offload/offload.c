@@ -527,6 +527,7 @@ const ct__strategy_ops ct__offload_ops = {
     .opts_size = sizeof(offload_opts),
     .runs_alone = 1,
     .manages_compute = 1, /* a slice's compute copies exist while it is resident (offload_step.c) */
+    .makes_params = 1,    /* one slice at a time, straight into the store */
     .place = {
         .init = offload_init,
         .fini = offload_fini,

@@ -416,6 +416,7 @@ const ct__strategy_ops ct__pipe_ops = {
     .base_opts = ct__ddp_opt_defs,
     .nbase_opts = CT__DDP_NOPTS,
     .opts_size = sizeof(pipe_opts),
+    .makes_params = 1, /* its stage only: the replica strategy over the stage makes it */
     .place = {
         .init = pipe_init,
         .fini = pipe_fini,
