@@ -95,7 +95,9 @@ uint64_t ct_model_sample_bytes(const ct_model_config *cfg);
 void ct_model_config_gpt(ct_model_config *cfg, int64_t layers, int64_t heads, int64_t dim, int64_t context,
                          int64_t vocab);
 /* Builds the model and initialises it as PyTorch does (ct_module_init_params
- * with seed; gpt as nanoGPT does).  *out is the caller's; NULL with the error set on failure. */
+ * with seed; gpt as nanoGPT does); under ct_module_shape_only, shapes and
+ * rules only (a strategy makes the values).  *out is the caller's; NULL with
+ * the error set on failure. */
 ct_status ct_model_build(const ct_model_config *cfg, uint64_t seed, ct_module **out);
 
 /* ---- generating text from a gpt (KV cache) ------------------------------ */

@@ -91,30 +91,26 @@ ct_status ct_param_values(const ct_param *p, int64_t first, int64_t n, float *ou
     return ct_param_init_values(p, first, n, out); /* the range check's message */
 }
 
-/* Every parameter under root once (tied ones are listed by two modules). */
-void ct_module_init_params(ct_module *root, uint64_t seed)
+/* A walk that allocates nothing (it cannot fail); a tied parameter, listed
+ * by two modules, is written twice with the same values. */
+void ct_module_init_params(ct_module *m, uint64_t seed)
 {
-    ct_param **ps;
-    int n;
-    if (ct_module_params(root, &ps, &n) != CT_OK) return; /* out of memory: the values stay as built */
-    const ct_module *warned = NULL;
-    for (int i = 0; i < n; i++) {
-        ct_param *p = ps[i];
+    int warned = 0;
+    for (int i = 0; i < m->nparams; i++) {
+        ct_param *p = m->params[i];
         p->seed = seed;
         if (p->init.kind == CT_INIT_NONE) {
             /* Silently zero weights train badly or not at all: say which module. */
-            if (p->owner != warned)
+            if (!warned++)
                 ct_log(CT_LOG_WARN, "ct_module_init_params: module '%s' (kind %s) has parameters with no "
                        "initial rule, left as they are (zeros from ct_module_add_param); set their rule in its "
-                       "constructor (ct_param_set_init)", p->owner ? ct__nn_name(p->owner) : "?",
-                       p->owner ? p->owner->ops->kind : "?");
-            warned = p->owner;
+                       "constructor (ct_param_set_init)", ct__nn_name(m), m->ops->kind);
             continue;
         }
         float *d = ct_tensor_data(p->data);
         if (d) (void)ct_param_init_values(p, 0, p->data->numel, d);
     }
-    ct_free(ps);
+    for (int i = 0; i < m->nkids; i++) ct_module_init_params(m->kids[i], seed);
 }
 
 ct_status ct_module_materialize(ct_module *root)
