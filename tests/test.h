@@ -78,6 +78,15 @@ int ct_test_rmtree(const char *path);
     } while (0)
 
 /* The call must succeed; on failure prints ctrain's error message. */
+/* Destroys strategy s keeping its model whole (the explicit unwrap: summon
+ * the full parameters, then destroy; collective), for tests that read the
+ * model after a sharded strategy, whose plain destroy frees them. */
+#define UNWRAP(s)                                                             \
+    do {                                                                      \
+        ASSERT_OK(ct_strategy_summon_full_params(s, 0, 0));                   \
+        ct_strategy_destroy(s);                                               \
+    } while (0)
+
 #define ASSERT_OK(expr)                                                       \
     do {                                                                      \
         ct_status ct__s = (expr);                                             \

@@ -91,8 +91,8 @@ static void check_equal(const char *opts, const char *popts, float drop, float c
         if (la != lb) ct_test_fail(__FILE__, __LINE__, "%s: step %d loss %.9g vs plain %.9g", opts, step, lb, la);
     }
     assert_same_state(sa, sb);
-    ct_strategy_destroy(sb);
-    ct_strategy_destroy(sa);
+    UNWRAP(sb);
+    UNWRAP(sa);
     /* unwrapped: the parameters are the model's own again, with the trained values */
     ct_param **pa, **pb;
     int na, nb;
@@ -158,8 +158,8 @@ TEST(offload_accumulation_and_repeated_steps_equal_plain)
         ASSERT_OK(ct_strategy_step(s[k]));
     }
     assert_same_state(s[0], s[1]);
-    ct_strategy_destroy(s[0]);
-    ct_strategy_destroy(s[1]);
+    UNWRAP(s[0]);
+    UNWRAP(s[1]);
     ct_module_destroy(a);
     ct_module_destroy(b);
 }
@@ -193,8 +193,8 @@ TEST(offload_checkpoint_recompute_keeps_batchnorm_statistics)
     assert_same_state(sa, sb); /* running_mean, running_var, num_batches_tracked included */
     ct_param *nb = ct_module_find(m[1], "1.num_batches_tracked");
     ASSERT(nb && ct_f32(nb->data)[0] == 3.0f);
-    ct_strategy_destroy(sa);
-    ct_strategy_destroy(sb);
+    UNWRAP(sa);
+    UNWRAP(sb);
     ct_module_destroy(m[0]);
     ct_module_destroy(m[1]);
 }
@@ -256,7 +256,7 @@ TEST(offload_resident_stays_under_budget)
     ASSERT(r.peak[CT_MEM_OPTIM] > 0 && r.peak[CT_MEM_GRAD] > 0); /* slices did come in */
     ct_step_stats st = ct_strategy_stats(s);
     ASSERT(st.io_total > 0);
-    ct_strategy_destroy(s);
+    UNWRAP(s);
     ct_module_destroy(m);
 }
 
@@ -314,9 +314,9 @@ static void check_resume(model_fn model, step_fn step_on, const char *oopts, con
             ASSERT(lb == lc);
         }
         assert_same_state(sb, sc);
-        ct_strategy_destroy(sa);
-        ct_strategy_destroy(sb);
-        ct_strategy_destroy(sc);
+        UNWRAP(sa);
+        UNWRAP(sb);
+        UNWRAP(sc);
         ct_module_destroy(a);
         ct_module_destroy(b);
         ct_module_destroy(c);
@@ -351,7 +351,7 @@ TEST(offload_predict_equals_plain_forward)
     ct_tensor_release(x);
     ct_tensor_release(ya);
     ct_tensor_release(yb);
-    ct_strategy_destroy(s);
+    UNWRAP(s);
     ct_module_destroy(a);
     ct_module_destroy(b);
 }
@@ -398,7 +398,7 @@ TEST(offload_store_lives_in_the_directory_and_leaves_nothing)
     }
     closedir(fds);
     ASSERT_EQ(found, 1);
-    ct_strategy_destroy(s);
+    UNWRAP(s);
     ASSERT_EQ(count_entries(dir), 0);
     ct_module_destroy(m);
 }
@@ -432,7 +432,7 @@ TEST(offload_bad_configurations_are_clear_errors)
     snprintf(opts, sizeof opts, "dir=%s", ct_test_tmpdir());
     ASSERT_OK(ct_strategy_create("offload", m, &oo, NULL, opts, &s));
     step_on(s, 0, -1);
-    ct_strategy_destroy(s);
+    UNWRAP(s);
     ct_module_destroy(m);
 }
 
@@ -475,7 +475,7 @@ TEST(offload_full_disk_mid_step_is_a_clear_error)
     ct_mem_report_get(&rep);
     /* nothing of a slice stays resident after the failures (only the reference's) */
     ASSERT(rep.current[CT_MEM_GRAD] <= (size_t)ct_module_num_params(ref) * 4);
-    ct_strategy_destroy(s);
+    ct_strategy_destroy(s); /* the store failed: nothing to summon */
     ct_safetensors *f;
     ASSERT_OK(ct_safetensors_load(path, &f));
     for (int i = 0; i < ct_safetensors_count(f); i++) {
@@ -484,7 +484,7 @@ TEST(offload_full_disk_mid_step_is_a_clear_error)
         ASSERT(!memcmp(ct_tensor_data(ct_safetensors_tensor(f, i)), ct_tensor_data(p->data), ct_tensor_bytes(p->data)));
     }
     ct_safetensors_destroy(f);
-    ct_strategy_destroy(sr);
+    UNWRAP(sr);
     ct_module_destroy(m);
     ct_module_destroy(ref);
 }
@@ -619,8 +619,8 @@ static void check_gpt(const char *opts, const char *popts, float drop, float cli
     }
     ASSERT_EQ(wte, 1);
     ct_state_fini(&st);
-    ct_strategy_destroy(sb);
-    ct_strategy_destroy(sa);
+    UNWRAP(sb);
+    UNWRAP(sa);
     ct_param **pa, **pb;
     int na, nb;
     ASSERT_OK(ct_module_params(a, &pa, &na));
@@ -680,7 +680,7 @@ TEST(offload_bf16_equals_plain_bf16)
     ASSERT(wte->compute && ct_tensor_data(wte->compute) && wte->compute->dtype == CT_BF16);
     ASSERT(fc->compute && !ct_tensor_data(fc->compute));
     ASSERT(!ct_module_find(m, "transformer.h.0.ln_1.weight")->compute); /* norms stay f32 */
-    ct_strategy_destroy(s);
+    UNWRAP(s);
     ASSERT(!wte->compute && !fc->compute);
     ct_module_destroy(m);
 }
@@ -731,6 +731,56 @@ TEST(offload_tied_weight_counts_in_the_budget)
     if (r.peak_resident > 6u << 20 || r.peak_resident < 4u << 20)
         ct_test_fail(__FILE__, __LINE__, "peak resident %zu bytes: want the tied 4 MiB and at most the budget 6 MiB",
                      r.peak_resident);
-    ct_strategy_destroy(s);
+    UNWRAP(s);
     ct_module_destroy(m);
+}
+
+/* The explicit unwrap: summon makes every parameter readable (the slices
+ * read from the store), a train step meanwhile is refused, release frees
+ * what summon brought in (writing back with writeback); a plain destroy
+ * frees and reads nothing back. */
+TEST(offload_summon_release_and_teardown_that_frees)
+{
+    ct_module *a = model(3, 0), *b = model(3, 0);
+    ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
+    ct_strategy *sa, *sb;
+    char opts[512];
+    snprintf(opts, sizeof opts, "slices=3,dir=%s", ct_test_tmpdir());
+    ASSERT_OK(ct_strategy_create("none", a, &oo, NULL, NULL, &sa));
+    ASSERT_OK(ct_strategy_create("offload", b, &oo, NULL, opts, &sb));
+    for (int step = 0; step < 2; step++) step_on(sa, step, 0), step_on(sb, step, 0);
+    ct_param **pa, **pb;
+    int na, nb;
+    ASSERT_OK(ct_module_params(a, &pa, &na));
+    ASSERT_OK(ct_module_params(b, &pb, &nb));
+    ASSERT_OK(ct_strategy_summon_full_params(sb, 1, 0));
+    for (int i = 0; i < nb; i++) {
+        ASSERT_OK(ct_tensor_check_data(pb[i]->data));
+        ASSERT(!memcmp(ct_tensor_data(pa[i]->data), ct_tensor_data(pb[i]->data), ct_tensor_bytes(pa[i]->data)));
+    }
+    int64_t n = 4;
+    ct_tensor *x = ct_tensor_create2(n, 12, CT_MEM_ACT), *y = ct_tensor_create(CT_I32, 1, &n, CT_MEM_ACT);
+    ct_batch batch = {x, y, n, 0};
+    ct_fwd_ctx ctx = {.training = 1};
+    ASSERT_ERR(ct_strategy_train_step(sb, &batch, ct_loss_cross_entropy, NULL, &ctx, NULL), CT_ESTATE,
+               "release the full parameters first");
+    ct_tensor_release(x);
+    ct_tensor_release(y);
+    ct_f32(pb[0]->data)[0] = 42.0f; /* written back on release */
+    ASSERT_OK(ct_strategy_release_full_params(sb));
+    ct_state st;
+    ASSERT_OK(ct_strategy_model_state(sb, &st));
+    ASSERT(ct_f32(st.tensors[0])[0] == 42.0f);
+    ct_state_fini(&st);
+    ct_mem_report before, after;
+    ct_mem_report_get(&before);
+    ct_strategy_destroy(sb);
+    ct_mem_report_get(&after);
+    ASSERT(after.peak[CT_MEM_PARAM] == before.peak[CT_MEM_PARAM]); /* nothing read back */
+    for (int i = 0; i < nb; i++) ASSERT_ERR(ct_tensor_check_data(pb[i]->data), CT_ESTATE, "summon");
+    ct_free(pa);
+    ct_free(pb);
+    ct_strategy_destroy(sa);
+    ct_module_destroy(a);
+    ct_module_destroy(b);
 }

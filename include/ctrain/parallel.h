@@ -226,8 +226,12 @@ typedef struct {
  * by a live strategy. */
 ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_opts *optim,
                              ct_group *g, const char *opts, ct_strategy **out);
-/* Unwraps (parameters get gradients of their own again) and frees the
- * strategy and its optimizer; NULL is a no-op. */
+/* Unwraps (parameters get tensors of their own again) and frees the
+ * strategy and its optimizer; NULL is a no-op.  It gathers nothing: the
+ * parameters a strategy keeps in pieces or in a store (fsdp, offload) leave
+ * without memory, unless ct_strategy_summon_full_params (every rank) came
+ * first, which is the explicit unwrap to a whole model.  A model left
+ * without values cannot be wrapped again (CT_ESTATE). */
 void ct_strategy_destroy(ct_strategy *s);
 /* "none", "ddp", "zero1", "zero2", "fsdp", "pipe" or "offload". */
 const char *ct_strategy_kind(const ct_strategy *s);

@@ -100,7 +100,7 @@ TEST(cluster_fsdp_hybrid_shards_inside_a_host_and_equals_one_process)
     ASSERT(pt != NULL);
     ASSERT_EQ(pt->nranks, per);
     steps_vs_one(ds, rs, 3, n, rank, world);
-    unwrap(ds);
+    UNWRAP(ds);
     ct_strategy_destroy(rs);
     assert_params_close(dm, rm, 1e-4);
     ct_module_destroy(dm);

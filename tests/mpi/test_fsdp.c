@@ -81,7 +81,7 @@ static void fsdp_vs_single_on(ct_group *g, const fsdp_case *c)
     }
     ct_state_fini(&a);
     ct_state_fini(&b);
-    unwrap(ds); /* the parameters back whole: the same model on every rank */
+    UNWRAP(ds); /* the parameters back whole: the same model on every rank */
     ct_strategy_destroy(rs);
     assert_params_close(dm, rm, c->tol * 10);
     ct_module_destroy(dm);
@@ -195,7 +195,7 @@ TEST(fsdp_no_sync_and_manual_reduce_equal_one_process)
             ct_strategy_zero_grad(ds);
             ct_strategy_zero_grad(rs);
         }
-        unwrap(ds);
+        UNWRAP(ds);
         ct_strategy_destroy(rs);
         assert_params_close(dm, rm, 1e-5);
         ct_module_destroy(dm);
@@ -293,7 +293,7 @@ TEST(fsdp_summon_full_params)
     ASSERT_OK(ct_strategy_summon_full_params(ds, 0, 1));
     if (ct_group_rank(g) == 0) ASSERT_CLOSE(ct_f32(w->data)[3], 42, 0, 0); /* kept */
     ASSERT_OK(ct_strategy_release_full_params(ds));
-    unwrap(ds);
+    UNWRAP(ds);
     ASSERT_CLOSE(ct_f32(w->data)[3], 42, 0, 0);
     ct_module_destroy(dm);
     ct_module_destroy(rm);
@@ -347,7 +347,7 @@ TEST(fsdp_memory_is_pieces_plus_two_units)
                          r.current[CT_MEM_PARAM], params);
         if (limit && world > 1) /* at most two units other than the root unsharded: params peak */
             ASSERT((double)r.peak[CT_MEM_PARAM] <= params + 2 * 4.0 * (double)U + 4.0 * (double)R);
-        unwrap(s); /* the model whole again, for the next wrap */
+        UNWRAP(s); /* the model whole again, for the next wrap */
     }
     ct_module_destroy(m);
 }
@@ -382,7 +382,7 @@ TEST(fsdp_module_called_twice_and_unfrozen_parameter)
                 ct_strategy_zero_grad(ss[j]);
             }
         }
-        for (int j = 0; j < 2; j++) unwrap(ss[j]);
+        for (int j = 0; j < 2; j++) UNWRAP(ss[j]);
         assert_params_close(ms[0], ms[1], 1e-5);
         for (int j = 0; j < 2; j++) ct_module_destroy(ms[j]);
     }

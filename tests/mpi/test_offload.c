@@ -42,8 +42,8 @@ static void offload_vs_single(const char *opts, int64_t n, double clip)
     }
     assert_states_close(os, rs, 0, 2e-5);
     assert_states_close(os, rs, 1, 2e-5);
-    ct_strategy_destroy(os);
-    ct_strategy_destroy(rs);
+    UNWRAP(os);
+    UNWRAP(rs);
     ct_module_destroy(om);
     ct_module_destroy(rm);
 }
@@ -92,8 +92,8 @@ TEST(offload_ddp_no_sync_then_reduce)
     ct_tensor_release(ys);
     ct_tensor_release(x);
     ct_tensor_release(y);
-    ct_strategy_destroy(sa);
-    ct_strategy_destroy(sb);
+    UNWRAP(sa);
+    UNWRAP(sb);
     ct_module_destroy(a);
     ct_module_destroy(b);
 }

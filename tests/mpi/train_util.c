@@ -95,12 +95,6 @@ void step_on_data_rank(ct_strategy *s, int step, int64_t n, double clip, float *
     ct_tensor_release(y);
 }
 
-void unwrap(ct_strategy *s)
-{
-    ASSERT_OK(ct_strategy_summon_full_params(s, 0, 0));
-    ct_strategy_destroy(s);
-}
-
 ct_module *mlp8(uint64_t seed, int64_t mid)
 {
     ct_module *m = ct_sequential_create();

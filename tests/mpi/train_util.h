@@ -46,10 +46,6 @@ ct_module *mlp8(uint64_t seed, int64_t mid);
  * for a sharded strategy); tensors of b missing from a fail. */
 double state_rel_l2(const ct_state *a, const ct_state *b);
 
-/* Destroys s keeping its model whole on every rank (the explicit unwrap:
- * summon the full parameters, then destroy; collective). */
-void unwrap(ct_strategy *s);
-
 /* A module that calls f twice, y = f(f(x)), so f's gradients arrive twice
  * per backward; f is its child "f". */
 ct_module *twice_create(ct_module *f);

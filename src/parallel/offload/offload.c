@@ -359,6 +359,7 @@ static ct_status offload_build_optim(ct_strategy *s, const ct_optim_opts *o)
                    (double)largest / MIB);
     }
     f->grads_zero = 1;
+    f->ready = 1;
     return CT_OK;
 }
 
@@ -398,12 +399,18 @@ static void release_slice(offload_slice *sl)
     ct_storage_release(sl->state);
 }
 
+/* Frees, and reads nothing back: the parameters leave without memory, so
+ * a teardown never holds the whole model (the store is what made it fit).
+ * The explicit unwrap is to summon the full parameters first: then every
+ * parameter leaves with its values, as after a set-up that failed. */
 static void offload_fini(ct_strategy *s)
 {
     offload_t *f = ct__offload(s);
     if (!f) return;
-    int ok = f->store && ct__ostore_drain(f->store) == CT_OK && ct__offload_flush(s) == CT_OK;
-    if (f->store && !ok)
+    int keep = f->summoned || !f->ready, ok = 1;
+    if (keep) ok = f->store && ct__ostore_drain(f->store) == CT_OK && ct__offload_flush(s) == CT_OK;
+    else if (f->store) ct__ostore_drain(f->store);
+    if (keep && f->store && !ok)
         ct_log(CT_LOG_WARN, "offload: the store failed (%s); the unwrapped model's parameters are zeros: load "
                "the last checkpoint", ct_last_error());
     for (int i = 0; f->sl && i < f->ns; i++) {
@@ -412,9 +419,15 @@ static void offload_fini(ct_strategy *s)
             ct_work_wait(sl->ar);
             ct_work_destroy(sl->ar);
         }
-        if (sl->pj) move_out(s, sl, &ok);
+        if (!keep && sl->pj && ct__flat_resident(&sl->flat, CT__FL_DATA)) ct__flat_evict(&sl->flat, CT__FL_DATA);
+        if (sl->pj && keep) move_out(s, sl, &ok);
+        else if (sl->pj) ct__flat_unpoint(&sl->flat, NULL, NULL);
     }
-    if (f->tied.pj) move_out(s, &f->tied, &ok);
+    if (f->tied.pj && keep) move_out(s, &f->tied, &ok);
+    else if (f->tied.pj) {
+        if (ct__flat_resident(&f->tied.flat, CT__FL_DATA)) ct__flat_evict(&f->tied.flat, CT__FL_DATA);
+        ct__flat_unpoint(&f->tied.flat, NULL, NULL);
+    }
     ct__ostore_close(f->store);
     for (int i = 0; f->sl && i < f->ns; i++) release_slice(&f->sl[i]);
     release_slice(&f->tied);
@@ -531,6 +544,8 @@ const ct__strategy_ops ct__offload_ops = {
     .place = {
         .init = offload_init,
         .fini = offload_fini,
+        .summon = ct__offload_summon,
+        .release = ct__offload_release,
         .build_optim = offload_build_optim,
     },
     .sync = {

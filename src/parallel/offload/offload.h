@@ -97,6 +97,7 @@ typedef struct {
     off_t off;           /* file: data at off, grad after it, state after that */
     ct_work *ar;         /* the gradient allreduce in flight (DDP) */
     int pending;         /* the last optimizer step is still to be applied to this slice */
+    int summoned;        /* its data was brought in by ct_strategy_summon_full_params */
 } offload_slice;
 
 typedef struct {
@@ -126,6 +127,9 @@ typedef struct {
     int pend_nscales;
     ct_module **bns;     /* batchnorms, held during recomputes */
     int nbns;
+    int summoned;        /* between ct_strategy_summon_full_params and its release */
+    int ready;           /* set-up done (a failed one gives the model back as it was) */
+    int summon_writeback;
 } offload_t;
 
 static inline offload_t *ct__offload(const ct_strategy *s) { return s->priv; }
@@ -157,6 +161,11 @@ ct_status ct__offload_model_state(ct_strategy *s, ct_state *out);
 ct_status ct__offload_optim_state(ct_strategy *s, ct_state *out);
 ct_status ct__offload_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                                  int optim);
+/* ct_strategy_summon_full_params: every slice's data in memory, readable in
+ * p->data (the whole model: the caller asked for it); release writes it
+ * back to the store if asked and frees what summon brought in. */
+ct_status ct__offload_summon(ct_strategy *s, int writeback, int rank0_only);
+ct_status ct__offload_release(ct_strategy *s);
 /* The tied group's gradients are complete (after a backward, or under
  * reduce): sums them over ranks when allreduce is 1 and notes their norms. */
 ct_status ct__offload_reduce_tied(ct_strategy *s, int allreduce);

@@ -149,3 +149,41 @@ ct_status ct__offload_load_state(ct_strategy *s, const char *const *names, ct_te
     CT_TRY(ct__offload_flush(s)); /* the step taken happened before the load */
     return optim ? load_optim(s, names, ts, n) : load_model(s, names, ts, n);
 }
+
+ct_status ct__offload_summon(ct_strategy *s, int writeback, int rank0_only)
+{
+    offload_t *f = ct__offload(s);
+    if (writeback && rank0_only)
+        return ct_error(CT_EINVAL, "summon_full_params: writeback with rank0_only is not supported (the other "
+                        "ranks would have nothing to write back); drop one of them");
+    if (f->summoned) return ct_error(CT_ESTATE, "summon_full_params: already summoned; release it first");
+    CT_TRY(ct__offload_flush(s)); /* the pending step applied: the store holds the current values */
+    CT_TRY(ct__ostore_drain(f->store));
+    int keep = !rank0_only || ct__offload_ranks(s) == 1 || ct_group_rank(s->g) == 0;
+    f->summoned = 1;
+    f->summon_writeback = writeback;
+    for (int i = 0; keep && i < f->ns; i++) {
+        offload_slice *sl = &f->sl[i];
+        if (ct__flat_resident(&sl->flat, CT__FL_DATA)) continue; /* in memory already, and current */
+        CT_TRY(ct__flat_fill(&sl->flat, CT__FL_DATA, 0));
+        sl->summoned = 1;
+        CT_TRY(ct__ostore_rw(f->store, 0, ct__flat_ptr(&sl->flat, CT__FL_DATA), (size_t)sl->flat.numel * 4, sl->off));
+    }
+    return CT_OK;
+}
+
+ct_status ct__offload_release(ct_strategy *s)
+{
+    offload_t *f = ct__offload(s);
+    ct_status st = CT_OK;
+    for (int i = 0; i < f->ns; i++) {
+        offload_slice *sl = &f->sl[i];
+        if (f->summon_writeback && ct__flat_resident(&sl->flat, CT__FL_DATA) && st == CT_OK)
+            st = ct__ostore_rw(f->store, 1, ct__flat_ptr(&sl->flat, CT__FL_DATA), (size_t)sl->flat.numel * 4, sl->off);
+        if (sl->summoned) ct__flat_evict(&sl->flat, CT__FL_DATA);
+        sl->summoned = 0;
+    }
+    if (f->summon_writeback) ct__offload_cast(s, &f->tied); /* compute copies follow the masters */
+    f->summoned = f->summon_writeback = 0;
+    return st;
+}

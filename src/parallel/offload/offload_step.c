@@ -133,6 +133,9 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     const offload_opts *O = ct__offload_opts(s);
     int M = O->microbatches, ns = f->ns, ckpt = O->checkpoint_activation, nk = s->model->nkids;
     int64_t nrows = b->x->shape[0];
+    if (f->summoned)
+        return ct_error(CT_ESTATE, "offload: a train step between ct_strategy_summon_full_params and its release; "
+                        "release the full parameters first");
     if (nrows < M)
         return ct_error(CT_EINVAL, "offload: %lld rows on this rank cannot fill %d micro-batches; give every "
                         "rank at least %d rows or lower --microbatches", (long long)nrows, M, M);
