@@ -66,6 +66,25 @@ ct_status ct_strategy_check_opts(const char *kind, const char *opts, char *buf, 
     return st;
 }
 
+/* Every name an optimizer group gives is a parameter of the model: a rank
+ * that shards may hold none of a group's pieces, so its optimizer cannot
+ * tell a misspelt name from a parameter it does not own; the whole model
+ * can. */
+static ct_status check_group_names(const ct_strategy *s, const ct_optim_opts *o)
+{
+    for (int i = 0; i < o->ngroups; i++)
+        for (int j = 0; j < o->groups[i].nparams; j++) {
+            const char *nm = o->groups[i].params[j];
+            int found = 0;
+            for (int k = 0; k < s->nparams && !found; k++) found = s->params[k]->name && !strcmp(s->params[k]->name, nm);
+            if (!found)
+                return ct_error(CT_EINVAL, "optimizer group %d names '%s', which is not a parameter of the model; "
+                                "give full names as ct_module_params lists them (e.g. '%s')", i, nm,
+                                s->nparams && s->params[0]->name ? s->params[0]->name : "0.weight");
+        }
+    return CT_OK;
+}
+
 static ct_status create_impl(const char *kind, ct_module *model, const ct_optim_opts *optim,
                              ct_group *g, const char *opts, ct_strategy **out)
 {
@@ -111,6 +130,8 @@ static ct_status create_impl(const char *kind, ct_module *model, const ct_optim_
     if (st == CT_OK) st = ct__opts_parse(s, opts);
     if (st == CT_OK) st = ct_module_params(model, &s->params, &s->nparams);
     if (st == CT_OK) st = ct_module_buffers(model, &s->buffers, &s->nbuffers);
+    /* checked on the whole model: a strategy made inside another (a pipeline stage's replicas) sees part of it */
+    if (st == CT_OK && create_depth == 1) st = check_group_names(s, optim);
     if (st == CT_OK) st = s->vt.place.init(s);
     if (st == CT_OK) st = s->vt.place.build_optim(s, optim);
     if (st == CT_OK && !ops->manages_compute) st = ct__mixed_init(s);
