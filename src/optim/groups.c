@@ -3,7 +3,9 @@
  * which hyper-parameters, their checks, and the optimizer's private copy
  * of the table.  Groups name their parameters, so the same table serves a
  * whole-parameter optimizer, ZeRO's ranges, FSDP's pieces and offload's
- * slices: each piece carries its parameter's name.
+ * slices: each piece carries its parameter's name.  The copies are
+ * bookkeeping (CT_MEM_OTHER), not optimizer state: the state per element
+ * is the same whatever the groups, so a memory plan needs no change.
  */
 #include <fnmatch.h>
 #include <math.h>
@@ -109,12 +111,12 @@ static ct_status copy_group(ct_optim_group *dst, const ct_optim_group *src)
     dst->params = NULL;
     dst->nparams = 0;
     if (!src->nparams) return CT_OK;
-    char **names = ct_alloc_zeroed(sizeof *names * (size_t)src->nparams, CT_MEM_OPTIM);
+    char **names = ct_alloc_zeroed(sizeof *names * (size_t)src->nparams, CT_MEM_OTHER);
     if (!names) return CT_ENOMEM;
     dst->params = (const char *const *)names;
     for (int j = 0; j < src->nparams; j++) {
         size_t len = strlen(src->params[j]) + 1;
-        if (!(names[j] = ct_alloc(len, CT_MEM_OPTIM))) return CT_ENOMEM;
+        if (!(names[j] = ct_alloc(len, CT_MEM_OTHER))) return CT_ENOMEM;
         memcpy(names[j], src->params[j], len);
         dst->nparams = j + 1;
     }
@@ -124,7 +126,7 @@ static ct_status copy_group(ct_optim_group *dst, const ct_optim_group *src)
 ct_status ct__optim_groups_append(ct_optim_group **tab, int n0, const ct_optim_group *add, int n)
 {
     if (n <= 0) return CT_OK;
-    ct_optim_group *t = ct_alloc_zeroed(sizeof *t * (size_t)(n0 + n), CT_MEM_OPTIM);
+    ct_optim_group *t = ct_alloc_zeroed(sizeof *t * (size_t)(n0 + n), CT_MEM_OTHER);
     if (!t) return CT_ENOMEM;
     for (int i = 0; i < n; i++)
         if (copy_group(&t[n0 + i], &add[i]) != CT_OK) {
