@@ -55,6 +55,11 @@ static ct_status choose_config(trainer *t)
                                 o->hidden, ct_meta_get(&m, "ctrain.hidden"), file);
             }
         }
+        if (o->batchnorm && !t->cfg.batchnorm) {
+            t->usage = 1;
+            return ct_error(CT_EINVAL, "--batchnorm: the checkpoint %s holds a model without batchnorm; drop "
+                            "--batchnorm", file);
+        }
         if (o->has_dropout && (float)o->dropout != t->cfg.dropout) {
             t->usage = 1;
             return ct_error(CT_EINVAL, "--dropout %g differs from the checkpoint's %g (%s); drop --dropout",
@@ -67,6 +72,7 @@ static ct_status choose_config(trainer *t)
     t->cfg = ct_model_config_default(kind);
     if (o->has_hidden) CT_TRY(ct_model_config_parse_hidden(&t->cfg, o->hidden));
     if (o->has_kernel) t->cfg.kernel = (int)o->kernel;
+    t->cfg.batchnorm = o->batchnorm;
     if (o->has_dropout) t->cfg.dropout = (float)o->dropout;
     if (kind == CT_MODEL_GPT) cli_gpt_shape_apply(&o->gpt, &t->cfg);
     return ct_model_config_validate(&t->cfg);
@@ -255,6 +261,7 @@ static ct_status make_strategy(trainer *t)
                      strcmp(o->mixed, "none") ? o->mixed : "f32",
                      strcmp(o->grad_compress, "none") && !psgd ? o->grad_compress : "f32");
     if (psgd > 0) n += snprintf(opts + n, sizeof opts - (size_t)n, ",powersgd_rank=%d", psgd);
+    if (o->sync_batchnorm) n += snprintf(opts + n, sizeof opts - (size_t)n, ",sync_batchnorm=1");
     /* DDP's bucket flags: passed where they apply, and where the user gave
      * them, so a strategy without buckets names the flag it does not take */
     int buckets = !strcmp(o->strategy, "ddp") || !strcmp(o->strategy, "zero1") || !strcmp(o->strategy, "pipe");

@@ -18,6 +18,7 @@ typedef struct {
     double beta1, beta2;
     int64_t warmup, seed;
     int no_shuffle;
+    int batchnorm, sync_batchnorm; /* cnn: BatchNorm2d after each conv; its statistics over every rank */
     const char *init, *resume, *save, *state_dict, *metrics, *trace;
     int64_t save_every, log_every, keep_last, eval_every;
     const char *strategy, *grad_compress, *strategy_opt, *mixed, *clip_norm, *on_nonfinite, *last_batch;

@@ -45,6 +45,9 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--hidden", OPT_STR, &o->hidden, "LIST", "layer sizes (mlp 256,128; cnn conv channels then fc: 16,32,128)");
     OPT("--kernel", OPT_INT, &o->kernel, "K", "cnn: conv kernel size, odd (3)");
     OPT("--dropout", OPT_NUM, &o->dropout, "P", "mlp: dropout after every hidden layer (0)");
+    OPT("--batchnorm", OPT_FLAG, &o->batchnorm, NULL, "cnn: BatchNorm2d after each conv (the convs lose their bias)");
+    OPT("--sync-batchnorm", OPT_FLAG, &o->sync_batchnorm, NULL, "batchnorm statistics over every rank's rows "
+        "(SyncBatchNorm; ddp, zero1, zero2, fsdp)");
     CT_ASSERT(n + CLI_GPT_SHAPE_NOPTS <= MAXOPT);
     n += cli_gpt_shape_opts(&o->gpt, t + n);
     OPT("--data", OPT_STR, &o->data, "NAME", "data set: fashion-mnist (mlp, cnn) or fortunes (gpt: byte-level text)");
@@ -203,6 +206,8 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
         return BAD("--model: %s", ct_last_error());
     if (o->has_kernel && (!o->has_model || kind != CT_MODEL_CNN))
         return BAD("--kernel applies to --model cnn only");
+    if (o->batchnorm && o->has_model && kind != CT_MODEL_CNN)
+        return BAD("--batchnorm applies to --model cnn only (the mlp has none; the gpt has LayerNorm)");
     if (o->has_hidden || o->has_kernel) {
         ct_model_config c = ct_model_config_default(kind);
         if (o->has_hidden && ct_model_config_parse_hidden(&c, o->hidden) != CT_OK)

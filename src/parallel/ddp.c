@@ -532,6 +532,7 @@ float ct__ddp_grad_scale(ct_strategy *s) { return 1.0f / (float)ct_group_size(s-
 
 const ct__strategy_ops ct__ddp_ops = {
     .kind = "ddp",
+    .replicas_share_batch = 1,
     .opts = ct__ddp_opt_defs,
     .nopts = (int)(sizeof ct__ddp_opt_defs / sizeof ct__ddp_opt_defs[0]),
     .opts_size = sizeof(ct__ddp_opts),

@@ -34,11 +34,19 @@ typedef struct {
     const char *choices; /* CT__OPT_CHOICE: "a|b|c" */
 } ct__opt_def;
 
+/* SyncBatchNorm (sync_batchnorm=1): every batchnorm of the model sums its
+ * statistics over s's group from now on; CT_EINVAL for a kind whose ranks
+ * do not share a batch (pipe, offload).  A no-op otherwise. */
+ct_status ct__syncbn_init(ct_strategy *s);
+/* Every batchnorm back to its replica's own statistics. */
+void ct__syncbn_fini(ct_strategy *s);
+
 /* Options every strategy takes. */
 typedef struct {
     int grad_accum;
     int param_dtype;  /* ct_dtype: CT_F32 or CT_BF16 */
     int reduce_dtype; /* ct_dtype: CT_F32, CT_BF16, CT_F16 */
+    int sync_batchnorm; /* batchnorm statistics over the group (syncbn.c) */
 } ct__common;
 
 /* A strategy's entries, split by concern.  Every entry may be left NULL in
@@ -104,6 +112,8 @@ typedef struct {
                                 them, offload makes them with a slice) */
     int runs_alone;          /* works without ct_comm_init (no group: one process of its own) */
     int takes_comm_hook;     /* reduces gradient buckets through s->hook (comm_hook.c) */
+    int replicas_share_batch; /* every rank runs the whole model on its rows of each batch, so
+                                 batchnorm statistics can be summed over the group (syncbn.c) */
     ct__place_ops place;
     ct__sync_ops sync;
     ct__state_ops state;

@@ -135,6 +135,7 @@ static ct_status create_impl(const char *kind, ct_module *model, const ct_optim_
     if (st == CT_OK) st = s->vt.place.init(s);
     if (st == CT_OK) st = s->vt.place.build_optim(s, optim);
     if (st == CT_OK && !ops->manages_compute) st = ct__mixed_init(s);
+    if (st == CT_OK) st = ct__syncbn_init(s);
     if (st != CT_OK) {
         ct_strategy_destroy(s);
         return st;
@@ -147,6 +148,7 @@ void ct_strategy_destroy(ct_strategy *s)
 {
     if (!s) return;
     const char *prev = ct_comm_enter_call("ct_strategy_destroy");
+    ct__syncbn_fini(s);
     ct__mixed_fini(s);
     if (s->priv || s->ext) s->vt.place.fini(s);
     ct__comm_hook_free(s);

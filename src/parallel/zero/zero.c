@@ -418,6 +418,7 @@ const ct_partition *ct__zero_partition(const ct_strategy *s)
 
 const ct__strategy_ops ct__zero1_ops = {
     .kind = "zero1",
+    .replicas_share_batch = 1,
     .opts = zero1_opt_defs,
     .nopts = (int)(sizeof zero1_opt_defs / sizeof zero1_opt_defs[0]),
     .takes_comm_hook = 1,

@@ -361,6 +361,7 @@ static void zero2_scale_grads(ct_strategy *s, float c)
 
 const ct__strategy_ops ct__zero2_ops = {
     .kind = "zero2",
+    .replicas_share_batch = 1,
     .opts = zero2_opt_defs,
     .nopts = (int)(sizeof zero2_opt_defs / sizeof zero2_opt_defs[0]),
     .opts_size = sizeof(zero2_opts),
