@@ -177,7 +177,9 @@ typedef struct ct_strategy ct_strategy;
  *                       state stay; norm layers' parameters stay f32)
  *   reduce_dtype=f32|bf16|f16  dtype gradients are reduced in (f32)
  * DDP's keys: bucket_cap_mb (25), first_bucket_mb (1), broadcast_buffers
- * (1), find_unused_parameters (0), rebuild_buckets (1).
+ * (1), find_unused_parameters (0), rebuild_buckets (1), static_graph (0).
+ * Every strategy whose ranks share each batch (ddp, zero1, zero2, fsdp)
+ * takes sync_batchnorm (0): batchnorm statistics over the whole batch.
  * pipe's keys: stages (auto), balance (children per stage, "3:3:2"), chunks
  * (4), schedule (gpipe|1f1b), checkpoint (always|except_last|never), dp
  * (ddp|zero1: between a stage's replicas), deferred_batch_norm (0), and

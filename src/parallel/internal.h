@@ -183,6 +183,7 @@ typedef struct {
     int broadcast_buffers;      /* broadcast buffers from rank 0 before every forward */
     int find_unused_parameters; /* parameters of modules that did not run are marked ready */
     int rebuild_buckets;        /* after the first step, rebuild buckets in gradient-ready order */
+    int static_graph;           /* the first step's unused parameters and bucket order hold for good */
     int64_t powersgd_rank;      /* > 0: buckets reduced by PowerSGD at this rank (comm_hook.h) */
     int64_t powersgd_start_iter;
     double powersgd_min_compression_rate;
@@ -190,7 +191,7 @@ typedef struct {
     int powersgd_warm_start;
     int64_t powersgd_seed;
 } ct__ddp_opts;
-#define CT__DDP_NOPTS 11
+#define CT__DDP_NOPTS 12
 extern const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS];
 ct_status ct__ddp_init(ct_strategy *s);
 void ct__ddp_fini(ct_strategy *s);
