@@ -16,6 +16,8 @@ typedef struct {
     char *quiet;        /* [ntp] 1 where this rank's pieces are a replica's (FSDP hybrid): it takes
                            part in gathers but another rank reports the state */
     ct_work **work;     /* [pt.n] broadcast of the range after the step, or NULL */
+    int bcast_bf16;     /* broadcast_fp16: the ranges travel as bf16; owners keep their f32 */
+    uint16_t **bwire;   /* [pt.n] bf16 copy of a range on the wire, until its broadcast is waited for */
     ct_hook **hooks;    /* pre-forward (and, zero2, pre-backward) hooks of the modules with parameters */
     int nhooks;
     /* zero2 */
@@ -41,6 +43,9 @@ typedef struct {
 
 
 /* The options both take (auto_refresh_trainable and its warning). */
+#define BCAST16_OPT(type)                                                                               \
+    {"broadcast_fp16", CT__OPT_BOOL, offsetof(type, broadcast_fp16), "0",                              \
+     "broadcast the updated ranges in bf16 (half the bytes; owners keep their f32 values)", 0, NULL}
 #define SPLIT_OPT(type)                                                                                 \
     {"split_params", CT__OPT_BOOL, offsetof(type, split_params), "0",                                  \
      "partition the parameters laid end to end into equal pieces (exact balance) instead of whole tensors", 0, NULL}
@@ -57,8 +62,9 @@ int ct__zero_index(const ct__zero *z, const ct_param *p);
 /* Waits for every parameter broadcast in flight (and refreshes bf16 copies). */
 ct_status ct__zero_wait_all(ct_strategy *s);
 /* The trainable list, the partition (split: flat pieces), the broadcast
- * handles and the pre-forward hooks that wait for them. */
-ct_status ct__zero_core_init(ct_strategy *s, int split);
+ * handles (bcast_bf16: the ranges travel in bf16) and the pre-forward hooks
+ * that wait for them. */
+ct_status ct__zero_core_init(ct_strategy *s, int split, int bcast_bf16);
 void ct__zero_core_fini(ct_strategy *s);
 /* Follows parameters frozen or unfrozen since the last step; *changed says whether any were. */
 ct_status ct__zero_refresh_trainable(ct_strategy *s, int auto_refresh, int warn, int *changed);

@@ -25,11 +25,13 @@ typedef struct {
     int broadcast_buffers;
     int sync_models_at_startup;
     double reduce_buffer_mb;
+    int broadcast_fp16;
 } zero2_opts;
 
 static const ct__opt_def zero2_opt_defs[] = {
     REFRESH_OPTS(zero2_opts),
     SPLIT_OPT(zero2_opts),
+    BCAST16_OPT(zero2_opts),
     {"broadcast_buffers", CT__OPT_BOOL, offsetof(zero2_opts, broadcast_buffers), "1",
      "broadcast buffers (batchnorm statistics) from rank 0 before every forward", 0, NULL},
     {"sync_models_at_startup", CT__OPT_BOOL, offsetof(zero2_opts, sync_models_at_startup), "1",
@@ -173,7 +175,7 @@ static ct_status zero2_init(ct_strategy *s)
     const zero2_opts *o = O2(s);
     CT_TRY(ct_group_check(s->g, ct__check_same_model(s)));
     if (o->sync_models_at_startup) CT_TRY(ct__broadcast_state(s, 0));
-    CT_TRY(ct__zero_core_init(s, o->split_params));
+    CT_TRY(ct__zero_core_init(s, o->split_params, o->broadcast_fp16));
     ct__zero *z = ct__zero_of(s);
     size_t nt = (size_t)z->ntp + 1, nr = (size_t)z->pt.n + 1;
     z->grad_hooks = ct_alloc_zeroed(sizeof *z->grad_hooks * nt, CT_MEM_OTHER);
