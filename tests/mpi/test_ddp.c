@@ -13,28 +13,6 @@
 
 /* ---- small custom module kinds for the edge cases --------------------- */
 
-/* Runs only child branch_take (0; child 1 is the unused branch, unless a
- * test changes the graph). */
-static int branch_take;
-
-static ct_status branch_fwd(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
-                            const ct_fwd_ctx *ctx)
-{
-    ct_record *kr = NULL;
-    rec ? (void)(rec->ival[0] = branch_take) : (void)0;
-    CT_TRY(ct_module_forward(m->kids[branch_take], in, out, rec ? &kr : NULL, ctx));
-    if (rec) CT_TRY(ct_record_add_kid(rec, kr));
-    return CT_OK;
-}
-
-static ct_status branch_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
-{
-    ct_record *kr = rec->kids[0];
-    rec->kids[0] = NULL;
-    return ct_module_backward(m->kids[rec->ival[0]], dout, din, kr);
-}
-
-static const ct_module_ops branch_ops = {"branch", branch_fwd, branch_bwd, NULL, 0, NULL, NULL, 0};
 
 
 /* ---- helpers ------------------------------------------------------------ */
@@ -50,10 +28,8 @@ static ct_module *model(int kind, uint64_t seed)
     ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
     if (kind == WITH_DROPOUT) ASSERT_OK(ct_module_add(m, NULL, ct_dropout_create(0.2f)));
     if (kind == WITH_UNUSED) {
-        ct_module *br = ct_module_create(&branch_ops, NULL);
-        ASSERT_OK(ct_module_add(br, "used", ct_linear_create(hidden, hidden, 1)));
-        ASSERT_OK(ct_module_add(br, "unused", ct_linear_create(hidden, hidden, 1)));
-        ASSERT_OK(ct_module_add(m, NULL, br));
+        ASSERT_OK(ct_module_add(m, NULL, branch_create(ct_linear_create(hidden, hidden, 1),
+                                                       ct_linear_create(hidden, hidden, 1))));
     } else if (kind == WITH_TWICE) {
         ASSERT_OK(ct_module_add(m, NULL, twice_create(ct_linear_create(hidden, hidden, 1))));
     } else {

@@ -2,7 +2,9 @@
  * ZeRO's fairscale options, counted: broadcast_fp16 sends the updated
  * ranges in bf16 (exactly half the broadcast bytes of the default, the same
  * calls) while every owner keeps its f32 values and the other ranks hold
- * them rounded to bf16.
+ * them rounded to bf16; ZeRO-2's buckets (reduce_bucket_size) train what
+ * one process trains with one reduce per bucket instead of one per
+ * gradient range, and parameters without a gradient are tolerated.
  */
 #include "train_util.h"
 #include "parallel/zero/zero.h"
@@ -84,4 +86,86 @@ TEST(zero_broadcast_fp16_halves_bytes_and_keeps_f32_masters)
 {
     check_fp16("zero1");
     check_fp16("zero2");
+}
+
+/* Reduce calls of one train step of s (backward's reduces to the owners). */
+static uint64_t step_reduces(ct_strategy *s, int step, int64_t n, int rank, int world)
+{
+    ct_comm_tally before[CT_COLL_NKINDS], after[CT_COLL_NKINDS];
+    ct_comm_tally_get(before);
+    ct_step_out o;
+    step_on_slice(s, step, n, rank, world, &o);
+    ct_comm_tally_get(after);
+    ASSERT_OK(ct_strategy_step(s));
+    ct_strategy_zero_grad(s);
+    return after[CT_COLL_REDUCE].calls - before[CT_COLL_REDUCE].calls;
+}
+
+/* zero2 with opts against one process over 3 steps; returns the reduce
+ * calls of a step, which must equal the strategy's bucket count. */
+static uint64_t zero2_buckets_vs_one(const char *opts, ct_module *(*build)(void))
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    int64_t n = 3 * world + 2;
+    ct_module *dm = build(), *rm = build();
+    ct_optim_opts oo = optim_for(CT_OPT_SGD);
+    ct_strategy *ds, *rs;
+    ASSERT_OK(ct_strategy_create("zero2", dm, &oo, g, opts, &ds));
+    ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, NULL, &rs));
+    uint64_t calls = 0;
+    for (int step = 0; step < 3; step++) {
+        calls = step_reduces(ds, step, n, rank, world);
+        ct_step_out o;
+        step_on_slice(rs, step, n, 0, 1, &o);
+        ASSERT_OK(ct_strategy_step(rs));
+        ct_strategy_zero_grad(rs);
+        ASSERT_EQ(calls, (uint64_t)ct_strategy_stats(ds).nbuckets);
+    }
+    ASSERT_OK(ct__zero_wait_all(ds));
+    assert_params_close(dm, rm, 1e-5);
+    ct_strategy_destroy(ds);
+    ct_strategy_destroy(rs);
+    ct_module_destroy(dm);
+    ct_module_destroy(rm);
+    return calls;
+}
+
+static ct_module *mlp(void) { return mlp8(9, 24); }
+
+/* Linear, Tanh, a branch whose second Linear never runs, ReLU, Linear. */
+static ct_module *with_unused(void)
+{
+    ct_module *m = ct_sequential_create();
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(IN, 16, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
+    ASSERT_OK(ct_module_add(m, NULL, branch_create(ct_linear_create(16, 16, 1), ct_linear_create(16, 16, 1))));
+    ASSERT_OK(ct_module_add(m, NULL, ct_relu_create()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(16, NCLS, 1)));
+    ct_module_init_params(m, 4);
+    return m;
+}
+
+TEST(zero2_buckets_equal_one_process_with_fewer_reduces)
+{
+    int world = ct_group_size(ct_group_world());
+    /* mlp8: 8 parameters, each whole on one owner: a reduce per parameter */
+    uint64_t plain = zero2_buckets_vs_one(NULL, mlp);
+    ASSERT_EQ(plain, 8);
+    /* every gradient fits: one bucket per owner */
+    uint64_t all = zero2_buckets_vs_one("reduce_bucket_size=100000", mlp);
+    ASSERT(all >= 1 && all <= (uint64_t)world);
+    /* only the biases and the smallest weight (80 elements) fit in 100: the rest alone */
+    uint64_t some = zero2_buckets_vs_one("reduce_bucket_size=100", mlp);
+    ASSERT(some < plain && some > all);
+    /* pieces of split parameters, in bf16 on the wire */
+    zero2_buckets_vs_one("reduce_bucket_size=64,split_params=1", mlp);
+}
+
+/* A parameter no backward reaches (the same on every rank) trains with a
+ * zero gradient, as one process steps it; fairscale tolerates them too. */
+TEST(zero2_tolerates_parameters_without_a_gradient)
+{
+    zero2_buckets_vs_one(NULL, with_unused);
+    zero2_buckets_vs_one("reduce_bucket_size=1000", with_unused);
 }

@@ -5,6 +5,8 @@
 
 #include "parallel/flat.h"
 
+typedef struct ct__zbuckets ct__zbuckets;
+
 typedef struct {
     ct_param **tp;      /* trainable parameters, model order (DDP's indices) */
     int ntp;
@@ -34,6 +36,8 @@ typedef struct {
     ct__flat *gflat;    /* [ntp] zero2: each gradient a flat of its own (flat.c), resident from its
                            module's backward until its reduce to the owners is done */
     size_t limit;       /* bound on q.total before a module's backward (reduce_buffer_mb) */
+    ct__zbuckets *zb;   /* reduce_bucket_size: small ranges packed per owner (zero2_bucket.c), or NULL */
+    int nreduces;       /* reduces to the owners started in this backward (buckets and lone ranges) */
     int nready;
     double *t_start;    /* [ntp] when the parameter's reduces started */
     double *t_end;      /* [pt.n] when the range's reduce completed (comm thread) */
@@ -54,6 +58,27 @@ typedef struct {
      "follow parameters frozen or unfrozen between steps (else that is an error)", 0, NULL},                 \
     {"warn_on_trainable_params_changed", CT__OPT_BOOL, offsetof(type, warn_on_trainable_params_changed), \
      "1", "warn when the trainable parameters change", 0, NULL}
+
+/* ---- zero2's buckets (zero2_bucket.c) ---- */
+
+/* Buckets of up to size elements (0: none, *out NULL) for the ranges of z
+ * smaller than that, per owner, in the wire dtype dt. */
+ct_status ct__zbuckets_create(const ct__zero *z, int64_t size, ct_dtype dt, ct__zbuckets **out);
+/* Bytes the buckets of partition pt would take (the memory plan). */
+uint64_t ct__zbuckets_plan_bytes(const ct_partition *pt, int64_t size, ct_dtype dt);
+/* Waits for anything in flight and frees; NULL is a no-op. */
+void ct__zbuckets_destroy(ct__zbuckets *zb);
+/* 1 if range k travels in a bucket (zb may be NULL). */
+int ct__zbuckets_has(const ct__zbuckets *zb, int k);
+/* Before a synchronised backward: every bucket empty. */
+void ct__zbuckets_begin(ct__zbuckets *zb, const ct__zero *z);
+/* Packs range k of the f32 gradient grad (the whole parameter's) into its
+ * bucket; a bucket whose last member this is starts its reduce. */
+ct_status ct__zbuckets_pack(ct_strategy *s, ct__zbuckets *zb, int k, const float *grad);
+/* End of backward: the buckets still waiting (members without a gradient
+ * as zeros) start in bucket order, all are waited for, and the owners
+ * take their ranges into z->gshard.  Collective. */
+ct_status ct__zbuckets_finish(ct_strategy *s, ct__zbuckets *zb);
 
 /* The strategy's ZeRO state (s->ext). */
 ct__zero *ct__zero_of(ct_strategy *s);
