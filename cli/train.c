@@ -144,7 +144,8 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
     /* Absent in files from before parameter groups: those runs decayed every
      * parameter with PyTorch's betas, and go on doing so. */
     const char *nd = ct_meta_get(m, "ctrain.no_decay");
-    if (!o->has_no_decay) o->no_decay = nd ? nd : "none";
+    snprintf(t->saved_no_decay, sizeof t->saved_no_decay, "%s", nd ? nd : "none"); /* m is the caller's */
+    if (!o->has_no_decay) o->no_decay = t->saved_no_decay;
     o->has_no_decay = 1;
     if (!o->has_betas && ct_meta_get(m, "ctrain.beta1")) {
         CT_TRY(saved_num(m, side, "ctrain.beta1", 0, &o->beta1));

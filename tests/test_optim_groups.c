@@ -79,7 +79,6 @@ static void check_kind(ct_optim_kind kind)
     o.ngroups = 1;
     ct_optim *opt = ct_optim_create(&o, ps, 4);
     ASSERT(opt);
-    ct_free(nd);
     /* The reference: one optimizer per group, with the group's values. */
     ct_optim_opts od = o, on;
     od.groups = NULL;
@@ -89,6 +88,7 @@ static void check_kind(ct_optim_kind kind)
     ct_optim *rd = ct_optim_create(&od, (ct_param *[]){ref[0], ref[2]}, 2);
     ct_optim *rn = ct_optim_create(&on, (ct_param *[]){ref[1], ref[3]}, 2);
     ASSERT(rd && rn);
+    ct_free(nd); /* the optimizer keeps copies of the names */
     for (int t = 0; t < 4; t++) {
         /* a schedule's lr moves both groups (the reference's by hand) */
         double lr = 0.05 * (1.0 - 0.2 * t);
