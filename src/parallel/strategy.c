@@ -512,6 +512,31 @@ ct_status ct_strategy_release_full_params(ct_strategy *s)
     IN_CALL("ct_strategy_release_full_params", release_full_params_impl(s));
 }
 
+/* nn.Module.apply's order: the children (each with its own), then m. */
+static ct_status apply_tree(ct_module *m, ct_module_fn fn, void *ud)
+{
+    for (int i = 0; i < m->nkids; i++) CT_TRY(apply_tree(m->kids[i], fn, ud));
+    return fn(m, ud);
+}
+
+static ct_status apply_impl(ct_strategy *s, ct_module_fn fn, void *ud)
+{
+    if (!fn) return ct_error(CT_EINVAL, "ct_strategy_apply: fn is NULL");
+    CT_TRY(summon_full_params_impl(s, 1, 0));
+    ct_status st = apply_tree(s->model, fn, ud);
+    char why[512] = "";
+    if (st != CT_OK) snprintf(why, sizeof why, "%s", ct_last_error());
+    ct_status r = release_full_params_impl(s); /* every rank releases, whatever fn did */
+    if (r == CT_OK && !s->ops->manages_compute) r = ct__mixed_refresh(s);
+    if (st != CT_OK) return ct_error(st, "ct_strategy_apply: %s", why);
+    return r;
+}
+
+ct_status ct_strategy_apply(ct_strategy *s, ct_module_fn fn, void *ud)
+{
+    IN_CALL("ct_strategy_apply", apply_impl(s, fn, ud));
+}
+
 ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out)
 {
     IN_CALL("ct_strategy_model_state", model_state_impl(s, out));

@@ -72,6 +72,12 @@ static ct_status wait_param(ct_strategy *s, int i)
     return st;
 }
 
+ct_status ct__zero_summon(ct_strategy *s, int writeback, int rank0_only)
+{
+    (void)writeback, (void)rank0_only; /* whole on every rank: they read and write it in place */
+    return ct__zero_wait_all(s);
+}
+
 ct_status ct__zero_wait_all(ct_strategy *s)
 {
     ct__zero *z = ct__zero_of(s);
@@ -454,6 +460,7 @@ const ct__strategy_ops ct__zero1_ops = {
         .fini = zero1_fini,
         .build_optim = zero_build_optim,
         .partition = ct__zero_partition,
+        .summon = ct__zero_summon,
     },
     .sync = {
         .pre_forward = zero1_pre_forward,

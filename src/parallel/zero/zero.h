@@ -86,6 +86,10 @@ ct__zero *ct__zero_of(ct_strategy *s);
 int ct__zero_index(const ct__zero *z, const ct_param *p);
 /* Waits for every parameter broadcast in flight (and refreshes bf16 copies). */
 ct_status ct__zero_wait_all(ct_strategy *s);
+/* summon_full_params: the parameters are whole on every rank once the
+ * step's broadcasts have arrived (reading or writing them before would race
+ * with the owners' sends). */
+ct_status ct__zero_summon(ct_strategy *s, int writeback, int rank0_only);
 /* The trainable list, the partition (split: flat pieces), the broadcast
  * handles (bcast_bf16: the ranges travel in bf16) and the pre-forward hooks
  * that wait for them. */

@@ -389,6 +389,7 @@ const ct__strategy_ops ct__zero2_ops = {
         .fini = zero2_fini,
         .build_optim = zero2_build_optim,
         .partition = ct__zero_partition,
+        .summon = ct__zero_summon,
     },
     .sync = {
         .pre_forward = zero2_pre_forward,
