@@ -33,7 +33,7 @@ typedef struct {
     int64_t kernel, ranks, batch, grad_accum;
     cli_gpt_shape gpt;
     double dropout, momentum;
-    int json, has_kernel;
+    int json, has_kernel, batchnorm;
 } est_opts;
 
 static const char usage[] =
@@ -58,6 +58,7 @@ static int table(est_opts *o, cli_opt *t)
     OPT("--model", OPT_STR, &o->model, "NAME", "model: mlp, cnn or gpt");
     OPT("--hidden", OPT_STR, &o->hidden, "LIST", "layer sizes (mlp 256,128; cnn conv channels then fc: 16,32,128)");
     OPT("--kernel", OPT_INT, &o->kernel, "K", "cnn: conv kernel size, odd (3)");
+    OPT("--batchnorm", OPT_FLAG, &o->batchnorm, NULL, "cnn: BatchNorm2d after each conv");
     OPT("--dropout", OPT_NUM, &o->dropout, "P", "mlp: dropout after every hidden layer; gpt: nanoGPT's dropout (0)");
     n += cli_gpt_shape_opts(&o->gpt, t + n);
     OPT("--ranks", OPT_INT, &o->ranks, "N", "number of ranks (required)");
@@ -154,6 +155,7 @@ static int parse(int argc, char **argv, est_opts *o, int *help, char *err, size_
     if (o->ranks > 65536) return BAD("--ranks %lld is more than this estimate handles (65536)", (long long)o->ranks);
     o->has_kernel = GIVEN("--kernel");
     if (GIVEN("--kernel") && kind != CT_MODEL_CNN) return BAD("--kernel applies to --model cnn only");
+    if (o->batchnorm && kind != CT_MODEL_CNN) return BAD("--batchnorm applies to --model cnn only");
     if (o->hidden || o->has_kernel) {
         ct_model_config c = ct_model_config_default(kind);
         if (o->hidden && ct_model_config_parse_hidden(&c, o->hidden) != CT_OK) return BAD("--hidden: %s", ct_last_error());
@@ -224,6 +226,7 @@ static ct_status build_input(const est_opts *o, ct_model_config *cfg, ct_module 
     if (o->hidden) CT_TRY(ct_model_config_parse_hidden(cfg, o->hidden));
     if (o->has_kernel) cfg->kernel = o->kernel < 0 || o->kernel > 99 ? 0 : (int)o->kernel;
     cfg->dropout = (float)o->dropout;
+    cfg->batchnorm = o->batchnorm;
     if (kind == CT_MODEL_GPT) cli_gpt_shape_apply(&o->gpt, cfg);
     CT_TRY(ct_model_config_validate(cfg));
     memset(spec, 0, sizeof *spec);

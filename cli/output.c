@@ -104,8 +104,9 @@ const char *cli_config_str(const ct_model_config *cfg, char *buf, size_t n)
                  (long long)cfg->layers, (long long)cfg->heads, (long long)cfg->dim, (long long)cfg->context,
                  (long long)cfg->vocab, drop);
     } else if (cfg->kind == CT_MODEL_CNN)
-        snprintf(buf, n, "%s [%s] %dx%d", ct_model_kind_name(cfg->kind),
-                 ct_model_config_hidden_str(cfg, hid, sizeof hid), cfg->kernel, cfg->kernel);
+        snprintf(buf, n, "%s [%s] %dx%d%s", ct_model_kind_name(cfg->kind),
+                 ct_model_config_hidden_str(cfg, hid, sizeof hid), cfg->kernel, cfg->kernel,
+                 cfg->batchnorm ? " batchnorm" : "");
     else if (cfg->dropout > 0)
         snprintf(buf, n, "%s [%s] dropout %g", ct_model_kind_name(cfg->kind),
                  ct_model_config_hidden_str(cfg, hid, sizeof hid), (double)cfg->dropout);

@@ -55,6 +55,11 @@ static ct_status choose_config(trainer *t)
                                 o->hidden, ct_meta_get(&m, "ctrain.hidden"), file);
             }
         }
+        if (o->batchnorm && !t->cfg.batchnorm) {
+            t->usage = 1;
+            return ct_error(CT_EINVAL, "--batchnorm: the checkpoint %s holds a model without batchnorm; drop "
+                            "--batchnorm", file);
+        }
         if (o->has_dropout && (float)o->dropout != t->cfg.dropout) {
             t->usage = 1;
             return ct_error(CT_EINVAL, "--dropout %g differs from the checkpoint's %g (%s); drop --dropout",
@@ -67,6 +72,7 @@ static ct_status choose_config(trainer *t)
     t->cfg = ct_model_config_default(kind);
     if (o->has_hidden) CT_TRY(ct_model_config_parse_hidden(&t->cfg, o->hidden));
     if (o->has_kernel) t->cfg.kernel = (int)o->kernel;
+    t->cfg.batchnorm = o->batchnorm;
     if (o->has_dropout) t->cfg.dropout = (float)o->dropout;
     if (kind == CT_MODEL_GPT) cli_gpt_shape_apply(&o->gpt, &t->cfg);
     return ct_model_config_validate(&t->cfg);
@@ -135,6 +141,22 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
     CT_TRY(saved_num(m, side, "ctrain.lr", o->has_lr, &o->lr));
     CT_TRY(saved_num(m, side, "ctrain.weight_decay", o->has_wd, &o->weight_decay));
     CT_TRY(saved_num(m, side, "ctrain.momentum", o->has_momentum, &o->momentum));
+    /* Absent in files from before parameter groups: those runs decayed every
+     * parameter with PyTorch's betas, and go on doing so. */
+    const char *nd = ct_meta_get(m, "ctrain.no_decay");
+    snprintf(t->saved_no_decay, sizeof t->saved_no_decay, "%s", nd ? nd : "none"); /* m is the caller's */
+    if (!o->has_no_decay) o->no_decay = t->saved_no_decay;
+    o->has_no_decay = 1;
+    if (!o->has_betas && ct_meta_get(m, "ctrain.beta1")) {
+        CT_TRY(saved_num(m, side, "ctrain.beta1", 0, &o->beta1));
+        CT_TRY(saved_num(m, side, "ctrain.beta2", 0, &o->beta2));
+        o->has_betas = 1;
+    } else if (!o->has_betas) {
+        ct_optim_opts d = ct_optim_defaults(CT_OPT_ADAMW);
+        o->beta1 = d.beta1;
+        o->beta2 = d.beta2;
+        o->has_betas = 1;
+    }
     CT_TRY(saved_num(m, side, "ctrain.clip", o->has_clip, &o->clip));
     const char *cn = ct_meta_get(m, "ctrain.clip_norm"); /* absent in older files: 2 */
     if (!o->has_clip_norm && cn) o->clip_norm = !strcmp(cn, "inf") ? "inf" : "2";
@@ -186,15 +208,40 @@ static ct_status read_checkpoints(trainer *t)
     return resume_settings(t, side, &m);
 }
 
-/* The optimizer spec; the strategy builds the optimizer over what this rank owns. */
+/* The optimizer spec; the strategy builds the optimizer over what this rank
+ * owns.  The gpt's defaults are nanoGPT's configure_optimizers: parameters
+ * of fewer than 2 dimensions (biases, LayerNorms) in a group without weight
+ * decay, betas (0.9, 0.95).  t->nodecay's names are t->nd, borrowed from the
+ * model's parameters until the strategy has copied them. */
 static ct_status optimizer_spec(trainer *t, ct_optim_opts *oo)
 {
     train_opts *o = t->o;
     if (!o->resume && ct_optim_parse(o->optim, &t->okind)) return ct_error(CT_EINVAL, "unknown --optim %s", o->optim);
     *oo = ct_optim_defaults(t->okind);
+    int gpt = t->cfg.kind == CT_MODEL_GPT;
     if (o->has_lr) oo->lr = o->lr;
     if (o->has_wd) oo->weight_decay = o->weight_decay;
     if (o->has_momentum) oo->momentum = o->momentum;
+    if (o->has_betas) oo->beta1 = o->beta1, oo->beta2 = o->beta2;
+    else if (gpt) oo->beta2 = 0.95;
+    if (!o->has_no_decay) o->no_decay = gpt ? "ndim<2" : "none";
+    ct_param **ps;
+    int np;
+    CT_TRY(ct_module_params(t->model, &ps, &np));
+    ct_status st = ct_optim_select(ps, np, o->no_decay, &t->nd, &t->nnd);
+    ct_free(ps);
+    if (st != CT_OK) {
+        t->usage = 1;
+        return ct_error(st, "--no-decay: %s", ct_last_error());
+    }
+    t->nodecay = ct_optim_group_init(oo);
+    t->nodecay.params = t->nd;
+    t->nodecay.nparams = t->nnd;
+    t->nodecay.weight_decay = 0;
+    if (t->nnd) {
+        oo->groups = &t->nodecay;
+        oo->ngroups = 1;
+    }
     if (ct_optim_validate(oo) != CT_OK) {
         t->usage = 1;
         return CT_EINVAL;
@@ -215,6 +262,7 @@ static ct_status make_strategy(trainer *t)
                      strcmp(o->mixed, "none") ? o->mixed : "f32",
                      strcmp(o->grad_compress, "none") && !psgd ? o->grad_compress : "f32");
     if (psgd > 0) n += snprintf(opts + n, sizeof opts - (size_t)n, ",powersgd_rank=%d", psgd);
+    if (o->sync_batchnorm) n += snprintf(opts + n, sizeof opts - (size_t)n, ",sync_batchnorm=1");
     /* DDP's bucket flags: passed where they apply, and where the user gave
      * them, so a strategy without buckets names the flag it does not take */
     int buckets = !strcmp(o->strategy, "ddp") || !strcmp(o->strategy, "zero1") || !strcmp(o->strategy, "pipe");
@@ -256,6 +304,9 @@ static ct_status make_strategy(trainer *t)
     if (o->strategy_opt) snprintf(opts + n, sizeof opts - (size_t)n, ",%s", o->strategy_opt);
     t->nparams = ct_module_num_params(t->model);
     ct_status st = ct_strategy_create(o->strategy, t->model, &oo, t->g, opts, &t->s);
+    ct_free(t->nd); /* the optimizer has its copy of the group */
+    t->nd = NULL;
+    t->nodecay.params = NULL;
     if (st == CT_OK) t->opt = ct_strategy_optim(t->s);
     else if (st == CT_EINVAL) t->usage = 1;
     if (st == CT_OK) ct_strategy_data_rank(t->s, &t->drank, &t->dsize);
@@ -536,6 +587,9 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
     CT_TRY(ct_meta_set(side, "ctrain.lr", "%.17g", t->sched.base_lr));
     CT_TRY(ct_meta_set(side, "ctrain.weight_decay", "%.17g", oo->weight_decay));
     CT_TRY(ct_meta_set(side, "ctrain.momentum", "%.17g", oo->momentum));
+    CT_TRY(ct_meta_set(side, "ctrain.beta1", "%.17g", oo->beta1));
+    CT_TRY(ct_meta_set(side, "ctrain.beta2", "%.17g", oo->beta2));
+    CT_TRY(ct_meta_set(side, "ctrain.no_decay", "%s", o->no_decay));
     CT_TRY(ct_meta_set(side, "ctrain.clip", "%.17g", o->clip));
     CT_TRY(ct_meta_set(side, "ctrain.clip_norm", "%s", o->clip_norm));
     CT_TRY(ct_meta_set(side, "ctrain.schedule", "%s", ct_sched_name(t->sched.kind)));
@@ -660,6 +714,7 @@ static void teardown(trainer *t)
     ct_text_fini(&t->text);
     ct_safetensors_destroy(t->ck);
     ct_safetensors_destroy(t->side);
+    ct_free(t->nd);
     ct_free(t->step_s);
     ct_free(t->mem);
 }

@@ -12,8 +12,13 @@ typedef struct {
     int64_t epochs, steps, batch, kernel;
     const char *optim, *schedule;
     double lr, weight_decay, momentum, clip, dropout;
+    /* parameter groups: rules of the no-decay group (ct_optim_select's), adamw's betas
+     * (NULL: the model's default, the gpt's nanoGPT's) */
+    const char *no_decay, *betas;
+    double beta1, beta2;
     int64_t warmup, seed;
     int no_shuffle;
+    int batchnorm, sync_batchnorm; /* cnn: BatchNorm2d after each conv; its statistics over every rank */
     const char *init, *resume, *save, *state_dict, *metrics, *trace;
     int64_t save_every, log_every, keep_last, eval_every;
     const char *strategy, *grad_compress, *strategy_opt, *mixed, *clip_norm, *on_nonfinite, *last_batch;
@@ -37,6 +42,7 @@ typedef struct {
     int has_model, has_hidden, has_seed, has_batch, has_optim, has_lr, has_wd, has_momentum, has_strategy;
     unsigned char given[CLI_TRAIN_MAXOPT]; /* how often each option of the table was given (compared across ranks) */
     int has_last_batch;
+    int has_no_decay, has_betas;
     int has_schedule, has_warmup, has_clip, has_accum, has_kernel, has_dropout, has_clip_norm, has_bucket_cap;
 } train_opts;
 

@@ -45,6 +45,9 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--hidden", OPT_STR, &o->hidden, "LIST", "layer sizes (mlp 256,128; cnn conv channels then fc: 16,32,128)");
     OPT("--kernel", OPT_INT, &o->kernel, "K", "cnn: conv kernel size, odd (3)");
     OPT("--dropout", OPT_NUM, &o->dropout, "P", "mlp: dropout after every hidden layer (0)");
+    OPT("--batchnorm", OPT_FLAG, &o->batchnorm, NULL, "cnn: BatchNorm2d after each conv (the convs lose their bias)");
+    OPT("--sync-batchnorm", OPT_FLAG, &o->sync_batchnorm, NULL, "batchnorm statistics over every rank's rows "
+        "(SyncBatchNorm; ddp, zero1, zero2, fsdp)");
     CT_ASSERT(n + CLI_GPT_SHAPE_NOPTS <= MAXOPT);
     n += cli_gpt_shape_opts(&o->gpt, t + n);
     OPT("--data", OPT_STR, &o->data, "NAME", "data set: fashion-mnist (mlp, cnn) or fortunes (gpt: byte-level text)");
@@ -57,6 +60,9 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--lr", OPT_NUM, &o->lr, "LR", "learning rate (adamw 0.001, sgd 0.01)");
     OPT("--weight-decay", OPT_NUM, &o->weight_decay, "WD", "weight decay (adamw 0.01, sgd 0)");
     OPT("--momentum", OPT_NUM, &o->momentum, "M", "sgd momentum (0)");
+    OPT("--no-decay", OPT_STR, &o->no_decay, "RULES", "parameters trained without weight decay: ndim<K, name globs "
+        "(*.bias), or none; comma-separated (gpt: ndim<2, nanoGPT's groups; others: none)");
+    OPT("--betas", OPT_STR, &o->betas, "B1,B2", "adamw betas (gpt: 0.9,0.95 as nanoGPT; others: 0.9,0.999)");
     OPT("--schedule", OPT_STR, &o->schedule, "NAME", "learning rate schedule: constant or cosine (constant); "
         "gpipe or 1f1b: --pipe-schedule");
     OPT("--warmup", OPT_INT, &o->warmup, "N", "linear warm-up over the first N steps (0)");
@@ -167,6 +173,8 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->has_lr = GIVEN("--lr");
     o->has_wd = GIVEN("--weight-decay");
     o->has_momentum = GIVEN("--momentum");
+    o->has_no_decay = GIVEN("--no-decay");
+    o->has_betas = GIVEN("--betas");
     o->has_strategy = GIVEN("--strategy");
     o->has_schedule = GIVEN("--schedule");
     o->has_warmup = GIVEN("--warmup");
@@ -198,6 +206,8 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
         return BAD("--model: %s", ct_last_error());
     if (o->has_kernel && (!o->has_model || kind != CT_MODEL_CNN))
         return BAD("--kernel applies to --model cnn only");
+    if (o->batchnorm && o->has_model && kind != CT_MODEL_CNN)
+        return BAD("--batchnorm applies to --model cnn only (the mlp has none; the gpt has LayerNorm)");
     if (o->has_hidden || o->has_kernel) {
         ct_model_config c = ct_model_config_default(kind);
         if (o->has_hidden && ct_model_config_parse_hidden(&c, o->hidden) != CT_OK)
@@ -226,6 +236,23 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (o->has_wd && o->weight_decay < 0) return BAD("--weight-decay %g must not be negative", o->weight_decay);
     if (o->has_momentum && o->momentum < 0) return BAD("--momentum %g must not be negative", o->momentum);
     if (o->has_momentum && ok != CT_OPT_SGD) return BAD("--momentum applies to --optim sgd only (adamw has betas)");
+    if (o->has_betas) {
+        char *end, *end2;
+        o->beta1 = strtod(o->betas, &end);
+        o->beta2 = *end == ',' ? strtod(end + 1, &end2) : -1;
+        if (end == o->betas || *end != ',' || end2 == end + 1 || *end2 || !(o->beta1 >= 0 && o->beta1 < 1) ||
+            !(o->beta2 >= 0 && o->beta2 < 1))
+            return BAD("--betas %s is not two numbers in [0, 1) as B1,B2 (nanoGPT: 0.9,0.95)", o->betas);
+        if (ok != CT_OPT_ADAMW) return BAD("--betas applies to --optim adamw only");
+    }
+    if (o->has_no_decay) {
+        if (strlen(o->no_decay) >= CT_META_VAL)
+            return BAD("--no-decay is %zu bytes; checkpoints keep up to %d: use globs", strlen(o->no_decay), CT_META_VAL - 1);
+        const char **nm;
+        int nn;
+        if (ct_optim_select(NULL, 0, o->no_decay, &nm, &nn) != CT_OK) return BAD("--no-decay: %s", ct_last_error());
+        ct_free(nm);
+    }
     ct_sched_kind sk;
     /* --schedule gpipe|1f1b is the pipeline's (the names differ from the learning rate's) */
     if (!strcmp(o->schedule, "gpipe") || !strcmp(o->schedule, "1f1b")) {

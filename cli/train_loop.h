@@ -21,6 +21,10 @@ typedef struct {
     ct_safetensors *ck, *side; /* --init / --resume files */
     ct_module *model;
     ct_optim *opt;
+    const char **nd;       /* the no-decay group's names (ct_optim_select's), until the strategy copied them */
+    int nnd;
+    ct_optim_group nodecay;
+    char saved_no_decay[CT_META_VAL]; /* --resume: the checkpoint's --no-decay rules */
     ct_strategy *s;
     ct_sampler sampler;
     ct_lr_schedule sched;

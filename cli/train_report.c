@@ -135,6 +135,11 @@ void train_describe(trainer *t)
             t->sched.base_lr, (long long)o->batch, o->grad_accum > 1 ? " (accumulated)" : "", t->world,
             t->world == 1 ? "" : "s", ct_strategy_kind(t->s), ct_blas_get_threads(),
             ct_blas_get_threads() == 1 ? "" : "s", ct_blas_corename(), (long long)t->step, (long long)t->total, (long long)t->spe);
+    const ct_optim_opts *oo = ct_optim_get_opts(t->opt);
+    char betas[64] = "";
+    if (oo->kind == CT_OPT_ADAMW) snprintf(betas, sizeof betas, ", betas (%g, %g)", oo->beta1, oo->beta2);
+    cli_out("optimizer: weight decay %g, none on %d parameter%s (--no-decay %s)%s\n", oo->weight_decay, t->nnd,
+            t->nnd == 1 ? "" : "s", o->no_decay, betas);
     /* Where the ranks are (the shared-memory paths work inside a node
      * only), and how gradient buckets travel when not plainly summed. */
     ct_group *g = ct_strategy_group(t->s);

@@ -595,6 +595,8 @@ TEST(cli_estimate_matches_ddp_and_zero1_runs)
     estimate_matches_run(2, "zero1", "");
     /* conv2d's records and im2col scratch, maxpool's argmax, flatten's view */
     estimate_matches_model("--model cnn --hidden 8,16,64", 2, "ddp", "--batch 32");
+    /* batchnorm's parameters, running statistics and records */
+    estimate_matches_model("--model cnn --batchnorm --hidden 8,16,64", 2, "ddp", "--batch 32");
 }
 
 /* ZeRO-2 at 2 ranks (every gradient fits reduce_buffer_mb) and at 3 ranks

@@ -1,8 +1,10 @@
 /* A tiny gpt against nanoGPT's GPT in PyTorch (scripts/gpt_ref.py), built
  * there from the same safetensors file: logits, loss and the gradient of
  * every parameter (the tied one included, as the sum of both uses) within
- * 1e-4.  Skipped, and counted as skipped, when /usr/bin/python3 has no torch
- * (tests run from the repository root). */
+ * 1e-4; and its parameter groups (scripts/gpt_groups_ref.py) against
+ * nanoGPT's configure_optimizers and torch.optim.AdamW.  Skipped, and
+ * counted as skipped, when /usr/bin/python3 has no torch (tests run from the
+ * repository root). */
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -10,6 +12,7 @@
 
 #define PY "/usr/bin/python3"
 #define SCRIPT "scripts/gpt_ref.py"
+#define GROUPS_SCRIPT "scripts/gpt_groups_ref.py"
 
 static double worst_diff(const float *a, const float *b, int64_t n, double *scale)
 {
@@ -23,46 +26,72 @@ static double worst_diff(const float *a, const float *b, int64_t n, double *scal
     return w;
 }
 
-TEST(gpt_equals_nanogpt_in_pytorch)
-{
-    if (access(PY, X_OK) != 0 || access(SCRIPT, R_OK) != 0) SKIP("needs %s and %s (run from the repository root)", PY, SCRIPT);
-    ct_model_config c = ct_model_config_default(CT_MODEL_GPT);
-    ct_model_config_gpt(&c, 2, 2, 16, 8, 256);
+/* A tiny gpt (2 layers, 2 heads, dim 16, context 8, vocab 256) with
+ * weights from seed 60.., and a batch of 3 sequences of 8 bytes. */
+typedef struct {
+    ct_model_config c;
     ct_module *m;
-    ASSERT_OK(ct_model_build(&c, 11, &m));
     ct_param **ps;
     int np;
-    ASSERT_OK(ct_module_params(m, &ps, &np));
-    for (int i = 0; i < np; i++) rand_fill(ps[i]->data, 60 + (uint64_t)i, -0.4f, 0.4f);
-    /* The batch: 3 sequences of 8 bytes and their next bytes. */
+    ct_tensor *x, *y;
+} tiny_gpt;
+
+static void tiny_gpt_init(tiny_gpt *g)
+{
+    g->c = ct_model_config_default(CT_MODEL_GPT);
+    ct_model_config_gpt(&g->c, 2, 2, 16, 8, 256);
+    ASSERT_OK(ct_model_build(&g->c, 11, &g->m));
+    ASSERT_OK(ct_module_params(g->m, &g->ps, &g->np));
+    for (int i = 0; i < g->np; i++) rand_fill(g->ps[i]->data, 60 + (uint64_t)i, -0.4f, 0.4f);
     int64_t B = 3, T = 8;
-    ct_tensor *x = ct_tensor_create(CT_I64, 2, (int64_t[]){B, T}, CT_MEM_ACT);
-    ct_tensor *y = ct_tensor_create(CT_I64, 2, (int64_t[]){B, T}, CT_MEM_ACT);
+    g->x = ct_tensor_create(CT_I64, 2, (int64_t[]){B, T}, CT_MEM_ACT);
+    g->y = ct_tensor_create(CT_I64, 2, (int64_t[]){B, T}, CT_MEM_ACT);
     const char *text = "Fortune favours the brave ones.";
     for (int64_t i = 0; i < B * T; i++) {
-        ((int64_t *)ct_tensor_data(x))[i] = (unsigned char)text[i % 30];
-        ((int64_t *)ct_tensor_data(y))[i] = (unsigned char)text[(i + 1) % 30];
+        ((int64_t *)ct_tensor_data(g->x))[i] = (unsigned char)text[i % 30];
+        ((int64_t *)ct_tensor_data(g->y))[i] = (unsigned char)text[(i + 1) % 30];
     }
-    /* Write the model (and the batch) as ctrain saves it. */
-    const char **names = ct_alloc(sizeof *names * (size_t)(np + 2), CT_MEM_OTHER);
-    ct_tensor **ts = ct_alloc(sizeof *ts * (size_t)(np + 2), CT_MEM_OTHER);
-    for (int i = 0; i < np; i++) {
-        names[i] = ps[i]->name;
-        ts[i] = ps[i]->data;
+}
+
+static void tiny_gpt_fini(tiny_gpt *g)
+{
+    ct_free(g->ps);
+    ct_tensor_release(g->x);
+    ct_tensor_release(g->y);
+    ct_module_destroy(g->m);
+}
+
+/* Writes g's model and batch as ctrain saves them, with g's config and
+ * `extra` metadata, runs script on it and loads its output into *ref.
+ * Skips (after freeing g) when python or torch is missing. */
+static void run_ref(tiny_gpt *g, const char *script, const ct_meta *extra, ct_safetensors **ref)
+{
+    if (access(PY, X_OK) != 0 || access(script, R_OK) != 0) {
+        tiny_gpt_fini(g);
+        SKIP("needs %s and %s (run from the repository root)", PY, script);
     }
-    names[np] = "__x";
-    ts[np] = x;
-    names[np + 1] = "__y";
-    ts[np + 1] = y;
+    const char **names = ct_alloc(sizeof *names * (size_t)(g->np + 2), CT_MEM_OTHER);
+    ct_tensor **ts = ct_alloc(sizeof *ts * (size_t)(g->np + 2), CT_MEM_OTHER);
+    for (int i = 0; i < g->np; i++) {
+        names[i] = g->ps[i]->name;
+        ts[i] = g->ps[i]->data;
+    }
+    names[g->np] = "__x";
+    ts[g->np] = g->x;
+    names[g->np + 1] = "__y";
+    ts[g->np + 1] = g->y;
     ct_meta meta = {0};
-    ASSERT_OK(ct_model_config_to_meta(&c, &meta));
+    ASSERT_OK(ct_model_config_to_meta(&g->c, &meta));
+    for (int i = 0; extra && i < extra->n; i++) ASSERT_OK(ct_meta_set(&meta, extra->key[i], "%s", extra->val[i]));
     const char *mk[CT_META_MAX], *mv[CT_META_MAX];
     ct_meta_arrays(&meta, mk, mv);
     char in[512], out[512], cmd[1536];
     snprintf(in, sizeof in, "%s/in.safetensors", ct_test_tmpdir());
     snprintf(out, sizeof out, "%s/out.safetensors", ct_test_tmpdir());
-    ASSERT_OK(ct_safetensors_save(in, names, ts, np + 2, mk, mv, meta.n));
-    snprintf(cmd, sizeof cmd, "%s %s '%s' '%s' 2>&1", PY, SCRIPT, in, out);
+    ASSERT_OK(ct_safetensors_save(in, names, ts, g->np + 2, mk, mv, meta.n));
+    ct_free(names);
+    ct_free(ts);
+    snprintf(cmd, sizeof cmd, "%s %s '%s' '%s' 2>&1", PY, script, in, out);
     char msg[4096];
     FILE *p = popen(cmd, "r");
     ASSERT(p);
@@ -70,17 +99,23 @@ TEST(gpt_equals_nanogpt_in_pytorch)
     msg[n] = 0;
     int st = pclose(p), rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
     if (rc == 3) {
-        ct_free(names);
-        ct_free(ts);
-        ct_free(ps);
-        ct_tensor_release(x);
-        ct_tensor_release(y);
-        ct_module_destroy(m);
+        tiny_gpt_fini(g);
         SKIP("%s cannot import torch", PY);
     }
-    if (rc != 0) ct_test_fail(__FILE__, __LINE__, "gpt_ref.py failed (%d): %s", rc, msg);
+    if (rc != 0) ct_test_fail(__FILE__, __LINE__, "%s failed (%d): %s", script, rc, msg);
+    ASSERT_OK(ct_safetensors_load(out, ref));
+}
+
+TEST(gpt_equals_nanogpt_in_pytorch)
+{
+    tiny_gpt g;
+    tiny_gpt_init(&g);
+    ct_module *m = g.m;
+    ct_param **ps = g.ps;
+    int np = g.np;
+    ct_tensor *x = g.x, *y = g.y;
     ct_safetensors *ref;
-    ASSERT_OK(ct_safetensors_load(out, &ref));
+    run_ref(&g, SCRIPT, NULL, &ref);
 
     /* ctrain: forward, mean cross-entropy, backward. */
     ct_tensor *z, *dz;
@@ -117,10 +152,86 @@ TEST(gpt_equals_nanogpt_in_pytorch)
     ct_safetensors_destroy(ref);
     ct_tensor_release(z);
     ct_tensor_release(dz);
-    ct_free(names);
-    ct_free(ts);
-    ct_free(ps);
-    ct_tensor_release(x);
-    ct_tensor_release(y);
-    ct_module_destroy(m);
+    tiny_gpt_fini(&g);
+}
+
+/* Parameter groups: nanoGPT's configure_optimizers (decay only parameters
+ * of 2 or more dimensions, betas (0.9, 0.95)) with a learning rate of its
+ * own for the no-decay group, three AdamW steps, against torch.optim.AdamW
+ * with the same groups.  The decay (0.5) and the no-decay group's lr (x0.3)
+ * move the parameters far beyond the tolerance, so a parameter in the
+ * wrong group, or a group value not applied, fails.  eps is 1e-4: the key
+ * biases' gradient is zero in exact arithmetic (softmax ignores a constant
+ * per row), and AdamW with eps 1e-8 would turn each side's rounding noise
+ * into a full step in a random direction. */
+TEST(gpt_groups_equal_nanogpt_adamw_in_pytorch)
+{
+    tiny_gpt g;
+    tiny_gpt_init(&g);
+    const double lr = 1e-2, wd = 0.5, scale = 0.3;
+    const int steps = 3;
+    ct_meta extra = {0};
+    ASSERT_OK(ct_meta_set(&extra, "ref.steps", "%d", steps));
+    ASSERT_OK(ct_meta_set(&extra, "ref.lr", "%.17g", lr));
+    ASSERT_OK(ct_meta_set(&extra, "ref.weight_decay", "%.17g", wd));
+    ASSERT_OK(ct_meta_set(&extra, "ref.beta1", "0.9"));
+    ASSERT_OK(ct_meta_set(&extra, "ref.beta2", "0.95"));
+    ASSERT_OK(ct_meta_set(&extra, "ref.eps", "1e-4"));
+    ASSERT_OK(ct_meta_set(&extra, "ref.nodecay_lr_scale", "%.17g", scale));
+    ct_safetensors *ref;
+    run_ref(&g, GROUPS_SCRIPT, &extra, &ref);
+
+    /* The no-decay group is nanoGPT's: the same names, in the same order. */
+    const char **nd;
+    int nnd;
+    ASSERT_OK(ct_optim_select(g.ps, g.np, "ndim<2", &nd, &nnd));
+    char joined[4096] = "";
+    for (int i = 0; i < nnd; i++) {
+        strcat(joined, i ? "," : "");
+        strcat(joined, nd[i]);
+    }
+    const char *want = ct_safetensors_meta(ref, "nodecay");
+    ASSERT(want);
+    if (strcmp(joined, want)) ct_test_fail(__FILE__, __LINE__, "no-decay group %s, nanoGPT's %s", joined, want);
+    ASSERT_EQ(nnd, 2 * 8 + 2); /* per block: 2 LayerNorms x 2, 4 Linear biases; ln_f's 2 */
+
+    ct_optim_opts o = ct_optim_defaults(CT_OPT_ADAMW);
+    o.lr = lr;
+    o.weight_decay = wd;
+    o.beta2 = 0.95;
+    o.eps = 1e-4;
+    ct_optim_group nodecay = ct_optim_group_init(&o);
+    nodecay.params = nd;
+    nodecay.nparams = nnd;
+    nodecay.weight_decay = 0;
+    nodecay.lr_scale = scale;
+    o.groups = &nodecay;
+    o.ngroups = 1;
+    ct_optim *opt = ct_optim_create(&o, g.ps, g.np);
+    ASSERT(opt);
+    ct_free(nd); /* the optimizer keeps copies of the names */
+    ct_fwd_ctx ctx = {.training = 1, .seed = 1, .step = 0};
+    for (int s = 0; s < steps; s++) {
+        ct_tensor *z, *dz;
+        ct_record *rec;
+        float loss;
+        ct_module_zero_grad(g.m);
+        ASSERT_OK(ct_module_forward(g.m, g.x, &z, &rec, &ctx));
+        ASSERT_OK(ct_cross_entropy(z, g.y, -100, &loss, &dz));
+        ASSERT_OK(ct_module_backward(g.m, dz, NULL, rec));
+        ASSERT_OK(ct_optim_step(opt));
+        ct_tensor_release(z);
+        ct_tensor_release(dz);
+    }
+    for (int i = 0; i < g.np; i++) {
+        ct_tensor *r = ct_safetensors_find(ref, g.ps[i]->name);
+        if (!r) ct_test_fail(__FILE__, __LINE__, "PyTorch has no parameter %s", g.ps[i]->name);
+        ASSERT_EQ(r->numel, g.ps[i]->data->numel);
+        double sc, d = worst_diff(ct_f32(g.ps[i]->data), ct_f32(r), r->numel, &sc);
+        if (!(d <= 2e-5))
+            ct_test_fail(__FILE__, __LINE__, "%s after %d steps differs from PyTorch's by %g", g.ps[i]->name, steps, d);
+    }
+    ct_optim_destroy(opt);
+    ct_safetensors_destroy(ref);
+    tiny_gpt_fini(&g);
 }

@@ -179,6 +179,21 @@ void ct_group_destroy(ct_group *g);
  * sums wrap).  AVG is the sum times 1/size.  Collectives on one group
  * complete, and run their callbacks, in the order they were started. */
 
+/* ---- counting collectives --------------------------------------------- */
+
+/* What this process's collectives of one kind amounted to: calls started
+ * and their payload bytes (count x dtype size as given: a broadcast's
+ * buffer, an allgather's receive size), however they travel (shared memory
+ * or messages).  For tests and reports that say what a step sends. */
+typedef struct {
+    uint64_t calls, bytes;
+} ct_comm_tally;
+typedef enum { CT_COLL_ALLREDUCE = 0, CT_COLL_REDUCE, CT_COLL_BROADCAST, CT_COLL_ALLGATHER,
+               CT_COLL_REDUCE_SCATTER, CT_COLL_NKINDS } ct_coll_kind;
+/* The tallies since the start or the last ct_comm_tally_reset, by kind. */
+void ct_comm_tally_get(ct_comm_tally out[CT_COLL_NKINDS]);
+void ct_comm_tally_reset(void);
+
 /* buf[0..count) on every rank becomes the reduction over ranks of buf.
  * Without messages when buf is the same range of one of g's shared
  * allocations on every rank; two-level when g spans nodes (see Shared

@@ -53,6 +53,8 @@ typedef struct {
     int64_t hidden[CT_MODEL_MAX_HIDDEN]; /* mlp: layer widths; cnn: conv channels, then fc width */
     int64_t classes;
     int kernel;         /* cnn: square kernel size (odd; padding kernel/2 keeps H, W) */
+    int batchnorm;      /* cnn: BatchNorm2d (eps 1e-5, momentum 0.1) after each conv, whose bias it
+                           makes redundant (the convs then have none), as torchvision's models do */
     float dropout;      /* mlp: Dropout(p) after every hidden ReLU when > 0 (0);
                            gpt: nanoGPT's dropout (embeddings, attention, residuals) */
     /* gpt (in[0] is the context and classes the vocabulary, so a sample is

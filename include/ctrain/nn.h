@@ -422,6 +422,22 @@ ct_status ct_batchnorm_set_mode(ct_module *bn, int mode);
  * over all their values), counts one batch in num_batches_tracked, and
  * clears the accumulator; nothing accumulated: no-op. */
 ct_status ct_batchnorm_commit(ct_module *bn);
+/* Sums v[0..n) over the replicas of a data-parallel group, in place, on
+ * every replica (SyncBatchNorm's statistics); ud is the installer's. */
+typedef ct_status (*ct_stats_sync_fn)(float *v, int64_t n, void *ud);
+/* PyTorch's SyncBatchNorm: with fn, a training forward of bn normalises
+ * with the mean and variance of the batch over every replica (fn sums each
+ * replica's count, per-channel sums, then squared deviations from the
+ * common mean) and updates the running statistics from them; backward sums
+ * the per-channel terms of the input gradient the same way (the weight and
+ * bias gradients stay this replica's, for the strategy to reduce).  Every
+ * replica must run the same forwards and backwards (fn is collective).  fn
+ * NULL: this replica's batch alone (the default).  CT_EINVAL if bn is not
+ * a batchnorm. */
+ct_status ct_batchnorm_set_sync(ct_module *bn, ct_stats_sync_fn fn, void *ud);
+/* ct_batchnorm_set_sync on every module under root (root included) that
+ * keeps batch statistics; *n (may be NULL) gets how many. */
+ct_status ct_module_set_stats_sync(ct_module *root, ct_stats_sync_fn fn, void *ud, int *n);
 /* [N, ...] -> [N, prod(...)]. */
 ct_module *ct_flatten_create(void);
 /* Children run in order; add them with ct_module_add(m, NULL, kid). */

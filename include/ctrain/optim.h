@@ -27,6 +27,20 @@ extern "C" {
 
 typedef enum { CT_OPT_SGD = 0, CT_OPT_ADAMW } ct_optim_kind;
 
+/* One parameter group (an entry of PyTorch's param_groups): its own
+ * hyper-parameters for the parameters it names.  Parameters are named, not
+ * pointed at, because a strategy's optimizer steps pieces of them (ZeRO's
+ * ranges, FSDP's shards, offload's slices) that all carry their
+ * parameter's full name. */
+typedef struct {
+    const char *const *params; /* full names ("h.0.attn.c_attn.bias"), each in one group at most */
+    int nparams;
+    double lr_scale;           /* the group's lr is the optimizer's lr (a schedule's) times this, so a
+                                  schedule moves every group as PyTorch's LambdaLR does; 1: the same */
+    double weight_decay;
+    double beta1, beta2, eps;  /* AdamW */
+} ct_optim_group;
+
 /* Hyper-parameters.  Doubles, like PyTorch's Python floats, so that derived
  * constants (1 - beta2, 1 - lr*wd, bias corrections) round as PyTorch's do. */
 typedef struct {
@@ -39,6 +53,12 @@ typedef struct {
     int nesterov;        /* needs momentum > 0 and dampening == 0 */
     /* AdamW */
     double beta1, beta2, eps;
+    /* Parameter groups: parameters a group names take its hyper-parameters,
+     * the rest (the default group) the ones above.  Borrowed: an optimizer
+     * copies the table when it is created, and its own opts point at the
+     * copy.  NULL/0: one group. */
+    const ct_optim_group *groups;
+    int ngroups;
 } ct_optim_opts;
 
 /* Most state buffers a slot has (AdamW's two moments). */
@@ -51,8 +71,29 @@ typedef struct {
 ct_optim_opts ct_optim_defaults(ct_optim_kind kind);
 /* CT_OK, or CT_EINVAL naming the bad value (lr < 0, betas outside [0, 1),
  * eps < 0, weight_decay < 0, momentum < 0, nesterov without momentum or
- * with dampening, NaN anywhere, unknown kind). */
+ * with dampening, NaN anywhere, unknown kind; a group's bad value or
+ * lr_scale, a NULL name, a parameter named by two groups or twice). */
 ct_status ct_optim_validate(const ct_optim_opts *o);
+/* A group of no parameters with o's hyper-parameters (lr_scale 1); set
+ * params and change what differs. */
+ct_optim_group ct_optim_group_init(const ct_optim_opts *o);
+/* The index into o->groups of the group that names parameter name, or -1
+ * (the default group). */
+int ct_optim_group_of(const ct_optim_opts *o, const char *name);
+/* The hyper-parameters parameter name trains with under o: its group's, the
+ * learning rate o->lr times the group's lr_scale; out has no groups.  The
+ * one place a group's values replace the defaults (the optimizer's step and
+ * offload's update both take them from here). */
+void ct_optim_param_opts(const ct_optim_opts *o, const char *name, ct_optim_opts *out);
+/* The trainable parameters of params[0..n) that rules select, by name, for
+ * a group (a no-decay group): *names gets a new array (ct_free it) of the
+ * parameters' own names (borrowed: valid while they are), *count their
+ * number.  rules are comma-separated, a parameter matching any is selected:
+ * "ndim<K" (fewer than K dimensions: nanoGPT's configure_optimizers decays
+ * only parameters of 2 or more, so "ndim<2" are its no-decay group), a glob
+ * on the full name ("*.bias", "ln_f.*"), or "none" (nothing).  CT_EINVAL
+ * naming an empty or malformed rule. */
+ct_status ct_optim_select(ct_param **params, int n, const char *rules, const char ***names, int *count);
 /* Parses "sgd" or "adamw"; returns 0 and sets *kind, or -1. */
 int ct_optim_parse(const char *name, ct_optim_kind *kind);
 
@@ -104,7 +145,17 @@ void ct_optim_set_slot(ct_optim *opt, int i, float *data, float *grad);
 int ct_optim_num_slots(const ct_optim *opt);
 /* Slot i as the next step will see it (refreshed from its parameter). */
 const ct_optim_slot *ct_optim_slot_at(const ct_optim *opt, int i);
-/* Learning rate for the next steps (schedules call this every step). */
+/* PyTorch's add_param_group, for parameters the optimizer already steps in
+ * the default group (every trainable parameter is in the optimizer from its
+ * creation): from the next step on, the parameters g names (copied) train
+ * with g's hyper-parameters.  A sharded optimizer takes the same group on
+ * every rank and moves the pieces it holds.  CT_EINVAL if g's values are
+ * bad or it names a parameter another group already has (nothing changes). */
+ct_status ct_optim_add_param_group(ct_optim *opt, const ct_optim_group *g);
+/* Number of groups besides the default one (ct_optim_get_opts(opt)->ngroups). */
+int ct_optim_num_groups(const ct_optim *opt);
+/* Learning rate for the next steps (schedules call this every step); a
+ * group's is this times its lr_scale. */
 void ct_optim_set_lr(ct_optim *opt, double lr);
 double ct_optim_get_lr(const ct_optim *opt);
 const ct_optim_opts *ct_optim_get_opts(const ct_optim *opt);

@@ -177,7 +177,9 @@ typedef struct ct_strategy ct_strategy;
  *                       state stay; norm layers' parameters stay f32)
  *   reduce_dtype=f32|bf16|f16  dtype gradients are reduced in (f32)
  * DDP's keys: bucket_cap_mb (25), first_bucket_mb (1), broadcast_buffers
- * (1), find_unused_parameters (0), rebuild_buckets (1).
+ * (1), find_unused_parameters (0), rebuild_buckets (1), static_graph (0).
+ * Every strategy whose ranks share each batch (ddp, zero1, zero2, fsdp)
+ * takes sync_batchnorm (0): batchnorm statistics over the whole batch.
  * pipe's keys: stages (auto), balance (children per stage, "3:3:2"), chunks
  * (4), schedule (gpipe|1f1b), checkpoint (always|except_last|never), dp
  * (ddp|zero1: between a stage's replicas), deferred_batch_norm (0), and
@@ -406,14 +408,25 @@ const char *ct_strategy_opt(const ct_strategy *s, const char *key);
 
 /* Makes every parameter's full value readable in p->data until
  * ct_strategy_release_full_params (PyTorch's summon_full_params): FSDP
- * gathers its pieces; strategies that keep whole parameters have nothing
- * to do.  With writeback, changes made to them meanwhile are kept (copied
+ * gathers its pieces; zero1 and zero2 wait for the last step's broadcasts
+ * of the updated ranges; other strategies that keep whole parameters have
+ * nothing to do.  With writeback, changes made to them meanwhile are kept (copied
  * back into the pieces on release); without, they are dropped (except
  * under fsdp sharding=none, whose parameters are the pieces).  rank0_only:
  * only rank 0 keeps them (not with writeback: CT_EINVAL).  Collective. */
 ct_status ct_strategy_summon_full_params(ct_strategy *s, int writeback, int rank0_only);
 /* Ends ct_strategy_summon_full_params (writes back if asked, frees). */
 ct_status ct_strategy_release_full_params(ct_strategy *s);
+/* A function of one module, for ct_strategy_apply. */
+typedef ct_status (*ct_module_fn)(ct_module *m, void *ud);
+/* PyTorch FSDP's apply(fn): fn(m, ud) on every module of the model this
+ * rank holds (a pipeline stage's), children before their parent as
+ * nn.Module.apply orders them, with the full parameters readable and
+ * writable and the changes kept (summoned with writeback, then released;
+ * mixed-precision copies refreshed).  Collective; fn must do the same on
+ * every rank (it changes every rank's copy).  The first failure of fn ends
+ * the walk and is returned after the release. */
+ct_status ct_strategy_apply(ct_strategy *s, ct_module_fn fn, void *ud);
 
 /* ---- state for checkpoints -------------------------------------------- */
 

@@ -44,6 +44,7 @@ void ct__work_describe(ct_work *w, int dtype, int64_t count, int root, int redop
     w->fp_count = count;
     w->fp_root = root;
     w->fp_redop = redop;
+    ct__tally_add(w, dtype, count);
 }
 
 static uint64_t hash(const char *s)

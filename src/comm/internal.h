@@ -196,6 +196,8 @@ ct_status ct__fp_init(MPI_Comm world);
 int ct__fp_on(void);
 /* Records what w does, for its fingerprint (-1: no such argument). */
 void ct__work_describe(ct_work *w, int dtype, int64_t count, int root, int redop);
+/* Adds w's call and payload to its kind's tally (tally.c). */
+void ct__tally_add(const ct_work *w, int dtype, int64_t count);
 /* Comm thread: starts w's fingerprint all-gather (w->req set; CT__WAIT). */
 int ct__fp_start(ct_work *w);
 /* Comm thread, when the all-gather completed: 0 when every rank's matches

@@ -134,6 +134,8 @@ ct_status ct_model_config_validate(const ct_model_config *cfg)
         return ct_error(CT_EINVAL, "dropout %g must be in [0, 1)", (double)cfg->dropout);
     if (cfg->dropout > 0 && cfg->kind == CT_MODEL_CNN)
         return ct_error(CT_EINVAL, "dropout applies to the mlp and the gpt only (the cnn has none)");
+    if (cfg->batchnorm && cfg->kind != CT_MODEL_CNN)
+        return ct_error(CT_EINVAL, "batchnorm applies to the cnn only (the mlp has none; the gpt has LayerNorm)");
     if (cfg->kind == CT_MODEL_GPT) return ct__gpt_validate(cfg);
     if (cfg->kind == CT_MODEL_MLP) {
         if (cfg->in_ndim != 1 || cfg->in[0] < 1)

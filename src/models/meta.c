@@ -67,6 +67,7 @@ ct_status ct_model_config_to_meta(const ct_model_config *cfg, ct_meta *m)
     CT_TRY(ct_meta_set(m, "ctrain.hidden", "%s", ct_model_config_hidden_str(cfg, hid, sizeof hid)));
     CT_TRY(ct_meta_set(m, "ctrain.classes", "%lld", (long long)cfg->classes));
     if (cfg->kind == CT_MODEL_CNN) CT_TRY(ct_meta_set(m, "ctrain.kernel", "%d", cfg->kernel));
+    if (cfg->batchnorm) CT_TRY(ct_meta_set(m, "ctrain.batchnorm", "1"));
     if (cfg->dropout > 0) CT_TRY(ct_meta_set(m, "ctrain.dropout", "%.9g", (double)cfg->dropout));
     return CT_OK;
 }
@@ -128,6 +129,10 @@ ct_status ct_model_config_from_meta(const ct_meta *m, ct_model_config *out)
     if (kind == CT_MODEL_CNN) {
         CT_TRY(int_list(m, "ctrain.kernel", v, 1, &one));
         c.kernel = (int)v[0];
+        if (ct_meta_get(m, "ctrain.batchnorm")) { /* absent: none (and from before it existed) */
+            CT_TRY(int_list(m, "ctrain.batchnorm", v, 1, &one));
+            c.batchnorm = v[0] != 0;
+        }
     }
 dropout:;
     const char *dv = ct_meta_get(m, "ctrain.dropout");

@@ -18,6 +18,15 @@
  * (Chan's parallel formula, so micro-batches combine exactly as one
  * batch); ct_batchnorm_commit then makes one update from the whole.
  * CT_BN_HOLD (a checkpoint's recompute) does neither.
+ *
+ * Synchronised statistics (PyTorch's SyncBatchNorm): with a sync function
+ * the count and the per-channel sums, then the squared deviations from the
+ * common mean, are summed over the replicas before use (two passes, as
+ * here without replicas, rather than E[x^2] - mean^2, which cancels), and
+ * backward sums its two per-channel terms the same way, so every replica
+ * normalises and differentiates exactly as one process on the whole batch.
+ * The sums travel as f32 (PyTorch's SyncBatchNorm gathers f32 statistics).
+ * The layer knows nothing of ranks: the function is the strategy's.
  */
 #include <math.h>
 #include <string.h>
@@ -29,7 +38,50 @@ typedef struct {
     float eps, momentum;
     int mode;    /* CT_BN_NOW, CT_BN_DEFER, CT_BN_HOLD */
     double *acc; /* CT_BN_DEFER: [3*C] count, mean, sum of squared deviations per channel */
+    ct_stats_sync_fn sync; /* NULL: this replica's batch only */
+    void *sync_ud;
 } bn_impl;
+
+/* Sums n doubles over the replicas through B->sync (as f32). */
+static ct_status sync_sum(const bn_impl *B, double *v, int64_t n)
+{
+    float *f = ct_alloc(sizeof *f * (size_t)n, CT_MEM_COMM);
+    if (!f) return CT_ENOMEM;
+    for (int64_t i = 0; i < n; i++) f[i] = (float)v[i];
+    ct_status st = B->sync(f, n, B->sync_ud);
+    for (int64_t i = 0; st == CT_OK && i < n; i++) v[i] = f[i];
+    ct_free(f);
+    return st;
+}
+
+/* The training statistics of x [N, C, S]: mean[c] and the sum of squared
+ * deviations ss[c] over *cnt values, over every replica with a sync. */
+static ct_status batch_stats(const bn_impl *B, const float *x, int64_t N, int64_t S, double *mean, double *ss,
+                             double *cnt)
+{
+    int64_t C = B->c;
+    for (int64_t c = 0; c < C; c++) {
+        double s = 0.0;
+        for (int64_t n = 0; n < N; n++) {
+            const float *xc = x + (n * C + c) * S;
+            for (int64_t i = 0; i < S; i++) s += xc[i];
+        }
+        mean[c] = s;
+    }
+    mean[C] = (double)(N * S);
+    if (B->sync) CT_TRY(sync_sum(B, mean, C + 1));
+    *cnt = mean[C];
+    for (int64_t c = 0; c < C; c++) {
+        double mc = mean[c] / *cnt, q = 0.0;
+        for (int64_t n = 0; n < N; n++) {
+            const float *xc = x + (n * C + c) * S;
+            for (int64_t i = 0; i < S; i++) q += (xc[i] - mc) * (xc[i] - mc);
+        }
+        mean[c] = mc;
+        ss[c] = q;
+    }
+    return B->sync ? sync_sum(B, ss, C) : CT_OK;
+}
 
 static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
 
@@ -45,12 +97,21 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
                         ct_shape_str(in, sh, sizeof sh), (long long)B->c);
     int64_t N = in->shape[0], C = B->c, S = 1;
     for (int i = 2; i < in->ndim; i++) S *= in->shape[i];
-    int64_t cnt = N * S;
     int training = ctx->training;
-    if (training && cnt < 2)
-        return ct_error(CT_EINVAL, "batchnorm '%s': training needs more than 1 value per channel, "
-                        "input is %s; use a larger batch or eval mode", nm(m),
-                        ct_shape_str(in, sh, sizeof sh));
+    double cnt = (double)(N * S);
+    double *stats = NULL; /* training: mean [C + 1] (the sums, then the count), ss [C] */
+    if (training) {
+        if (!(stats = ct_alloc(sizeof *stats * (size_t)(2 * C + 1), CT_MEM_ACT))) return CT_ENOMEM;
+        ct_status st = batch_stats(B, ct_f32(in), N, S, stats, stats + C + 1, &cnt);
+        if (st == CT_OK && cnt < 2)
+            st = ct_error(CT_EINVAL, "batchnorm '%s': training needs more than 1 value per channel, "
+                          "input is %s%s; use a larger batch or eval mode", nm(m), ct_shape_str(in, sh, sizeof sh),
+                          B->sync ? " over every replica" : "");
+        if (st != CT_OK) {
+            ct_free(stats);
+            return st;
+        }
+    }
     ct_tensor *y = ct_tensor_create(CT_F32, in->ndim, in->shape, CT_MEM_ACT);
     ct_tensor *mean = ct_tensor_create1(C, CT_MEM_ACT), *rstd = ct_tensor_create1(C, CT_MEM_ACT);
     /* Saved before any running stat is written, so a failure changes nothing;
@@ -61,6 +122,7 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
         ct_tensor_release(y);
         ct_tensor_release(mean);
         ct_tensor_release(rstd);
+        ct_free(stats);
         return CT_ENOMEM;
     }
     const float *x = ct_f32(in), *w = ct_f32(m->params[0]->data), *b = ct_f32(m->params[1]->data);
@@ -68,27 +130,18 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
     float *mu = ct_f32(mean), *rs = ct_f32(rstd), *yd = ct_f32(y);
     for (int64_t c = 0; c < C; c++) {
         if (training) {
-            double s = 0.0, ss = 0.0;
-            for (int64_t n = 0; n < N; n++) {
-                const float *xc = x + (n * C + c) * S;
-                for (int64_t i = 0; i < S; i++) s += xc[i];
-            }
-            double mc = s / (double)cnt;
-            for (int64_t n = 0; n < N; n++) {
-                const float *xc = x + (n * C + c) * S;
-                for (int64_t i = 0; i < S; i++) ss += (xc[i] - mc) * (xc[i] - mc);
-            }
-            double var = ss / (double)cnt;
+            double mc = stats[c], ss = stats[C + 1 + c];
+            double var = ss / cnt;
             mu[c] = (float)mc;
             rs[c] = (float)(1.0 / sqrt(var + (double)B->eps));
             float mom = B->momentum;
             if (B->mode == CT_BN_NOW) {
                 rm[c] = (1.0f - mom) * rm[c] + mom * (float)mc;
-                rv[c] = (1.0f - mom) * rv[c] + mom * (float)(var * (double)cnt / (double)(cnt - 1));
+                rv[c] = (1.0f - mom) * rv[c] + mom * (float)(var * cnt / (cnt - 1));
             } else if (B->mode == CT_BN_DEFER) {
-                double *a = B->acc + 3 * c, n = a[0] + (double)cnt, d = mc - a[1];
-                a[2] += ss + d * d * a[0] * (double)cnt / n;
-                a[1] += d * (double)cnt / n;
+                double *a = B->acc + 3 * c, n = a[0] + cnt, d = mc - a[1];
+                a[2] += ss + d * d * a[0] * cnt / n;
+                a[1] += d * cnt / n;
                 a[0] = n;
             }
         } else {
@@ -104,6 +157,8 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
     }
     if (training && B->mode == CT_BN_NOW) ct_f32(m->buffers[2]->data)[0] += 1.0f;
     if (rec) rec->ival[0] = training;
+    if (rec) rec->fval[0] = cnt; /* values the statistics are over (every replica's) */
+    ct_free(stats);
     ct_tensor_release(mean);
     ct_tensor_release(rstd);
     *out = y;
@@ -123,9 +178,15 @@ static ct_status bn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
     }
     int64_t N = xt->shape[0], C = B->c, S = 1;
     for (int i = 2; i < xt->ndim; i++) S *= xt->shape[i];
-    double cnt = (double)(N * S);
+    double cnt = rec->ival[0] ? rec->fval[0] : (double)(N * S);
     ct_tensor *dx = NULL;
     if (din && !(dx = ct_tensor_create(CT_F32, xt->ndim, xt->shape, CT_MEM_ACT))) return CT_ENOMEM;
+    /* sum dy and sum dy*xhat per channel: [2C], over every replica for dx with a sync */
+    double *red = ct_alloc(sizeof *red * (size_t)(2 * C + 1), CT_MEM_ACT);
+    if (!red) {
+        ct_tensor_release(dx);
+        return CT_ENOMEM;
+    }
     const float *x = ct_f32(xt), *dy = ct_f32(dout), *w = ct_f32(m->params[0]->data);
     const float *mu = ct_f32(ct_record_saved(rec, 1)), *rs = ct_f32(ct_record_saved(rec, 2));
     ct_param *Wp = m->params[0], *Bp = m->params[1];
@@ -142,7 +203,20 @@ static ct_status bn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
         }
         if (gw) gw[c] += (float)sdyx;
         if (gb) gb[c] += (float)sdy;
-        if (!dx) continue;
+        red[c] = sdy;
+        red[C + c] = sdyx;
+    }
+    /* Every replica's backward reaches here (dx or not), so the collective matches. */
+    if (B->sync && rec->ival[0]) {
+        ct_status st = sync_sum(B, red, 2 * C);
+        if (st != CT_OK) {
+            ct_free(red);
+            ct_tensor_release(dx);
+            return st;
+        }
+    }
+    for (int64_t c = 0; dx && c < C; c++) {
+        double sdy = red[c], sdyx = red[C + c];
         float k = w[c] * rs[c];
         float mdy = rec->ival[0] ? (float)(sdy / cnt) : 0.0f;
         float mdyx = rec->ival[0] ? (float)(sdyx / cnt) : 0.0f;
@@ -153,6 +227,7 @@ static ct_status bn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
                 g[i] = k * (dc[i] - mdy - (xc[i] - mu[c]) * rs[c] * mdyx);
         }
     }
+    ct_free(red);
     if (din) *din = dx;
     return CT_OK;
 }
@@ -183,6 +258,30 @@ ct_status ct_batchnorm_set_mode(ct_module *m, int mode)
         if (!(B->acc = ct_alloc_zeroed(sizeof *B->acc * 3 * (size_t)B->c, CT_MEM_OTHER))) return CT_ENOMEM;
     }
     B->mode = mode;
+    return CT_OK;
+}
+
+ct_status ct_batchnorm_set_sync(ct_module *m, ct_stats_sync_fn fn, void *ud)
+{
+    CT_TRY(need_bn(m, "ct_batchnorm_set_sync"));
+    bn_impl *B = m->impl;
+    B->sync = fn;
+    B->sync_ud = fn ? ud : NULL;
+    return CT_OK;
+}
+
+ct_status ct_module_set_stats_sync(ct_module *root, ct_stats_sync_fn fn, void *ud, int *n)
+{
+    ct_module **mods;
+    int nm_, count = 0;
+    CT_TRY(ct_module_modules(root, &mods, &nm_));
+    for (int i = 0; i < nm_; i++)
+        if (mods[i]->ops == &bn_ops) {
+            ct_batchnorm_set_sync(mods[i], fn, ud);
+            count++;
+        }
+    ct_free(mods);
+    if (n) *n = count;
     return CT_OK;
 }
 
@@ -237,7 +336,7 @@ ct_module *ct_batchnorm_create(int64_t c, float eps, float momentum)
     }
     bn_impl *B = ct_alloc_zeroed(sizeof *B, CT_MEM_OTHER);
     if (!B) return NULL;
-    *B = (bn_impl){c, eps, momentum, CT_BN_NOW, NULL};
+    *B = (bn_impl){c, eps, momentum, CT_BN_NOW, NULL, NULL, NULL};
     ct_module *m = ct_module_create(&bn_ops, B);
     if (!m) {
         ct_free(B);

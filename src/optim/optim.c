@@ -12,7 +12,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "ctrain/optim.h"
+#include "internal.h"
 
 typedef struct {
     ct_optim_slot s;
@@ -21,6 +21,7 @@ typedef struct {
     char *name;       /* our copy of the name for explicit ranges */
     size_t state_off; /* floats from the slab start to this slot's first buffer */
     int64_t step;     /* PyTorch's per-parameter step */
+    int group;        /* index into the optimizer's groups, -1: the default group */
 } slot_t;
 
 struct ct_optim {
@@ -31,6 +32,7 @@ struct ct_optim {
     int nbufs;        /* state buffers per slot */
     size_t slab_len;  /* floats */
     float *slab;      /* NULL until first needed */
+    ct_optim_group *gtab; /* our copy of the groups; o.groups points here */
 };
 
 /* ---- options ----------------------------------------------------------- */
@@ -67,9 +69,8 @@ static ct_status check_beta(double b, int which)
     return CT_OK;
 }
 
-ct_status ct_optim_validate(const ct_optim_opts *o)
+static ct_status validate_values(const ct_optim_opts *o)
 {
-    CT_ASSERT(o);
     CT_TRY(check_nonneg(o->lr, "lr"));
     CT_TRY(check_nonneg(o->weight_decay, "weight_decay"));
     switch (o->kind) {
@@ -89,6 +90,13 @@ ct_status ct_optim_validate(const ct_optim_opts *o)
         return CT_OK;
     }
     return ct_error(CT_EINVAL, "optimizer kind %d is unknown; use CT_OPT_SGD or CT_OPT_ADAMW", (int)o->kind);
+}
+
+ct_status ct_optim_validate(const ct_optim_opts *o)
+{
+    CT_ASSERT(o);
+    CT_TRY(validate_values(o));
+    return o->groups || o->ngroups ? ct__optim_groups_check(o) : CT_OK;
 }
 
 static const char *kind_names[] = {"sgd", "adamw"};
@@ -149,6 +157,13 @@ uint64_t ct_optim_state_bytes(const ct_optim_opts *o, const int64_t *counts, int
     return floats * sizeof(float);
 }
 
+/* Each slot's group, by its parameter's name (a piece of a parameter is in
+ * the parameter's group). */
+static void assign_groups(ct_optim *opt)
+{
+    for (int i = 0; i < opt->nslots; i++) opt->slots[i].group = ct_optim_group_of(&opt->o, opt->slots[i].s.name);
+}
+
 /* Sizes the state slab. */
 static ct_status layout_state(ct_optim *opt)
 {
@@ -181,9 +196,18 @@ static ct_optim *optim_new(const ct_optim_opts *o, int nslots)
     ct_optim *opt = ct_alloc_zeroed(sizeof *opt, CT_MEM_OPTIM);
     if (!opt) return NULL;
     opt->o = *o;
+    opt->o.groups = NULL;
+    opt->o.ngroups = 0;
+    if (ct__optim_groups_append(&opt->gtab, 0, o->groups, o->ngroups) != CT_OK) {
+        ct_free(opt);
+        return NULL;
+    }
+    opt->o.groups = opt->gtab;
+    opt->o.ngroups = o->ngroups;
     if (nslots > 0) {
         opt->slots = ct_alloc_zeroed(sizeof *opt->slots * (size_t)nslots, CT_MEM_OPTIM);
         if (!opt->slots) {
+            ct__optim_groups_free(opt->gtab, opt->o.ngroups);
             ct_free(opt);
             return NULL;
         }
@@ -233,6 +257,7 @@ ct_optim *ct_optim_create(const ct_optim_opts *o, ct_param **params, int n)
         if (refresh(sl) != CT_OK) goto out_destroy;
     }
     if (layout_state(opt) != CT_OK) goto out_destroy;
+    assign_groups(opt);
     return opt;
 
 out_destroy:
@@ -270,6 +295,7 @@ ct_optim *ct_optim_create_ranges(const ct_optim_opts *o, const ct_optim_range *r
         if (refresh(sl) != CT_OK) goto out_destroy;
     }
     if (layout_state(opt) != CT_OK) goto out_destroy;
+    assign_groups(opt);
     return opt;
 
 out_destroy:
@@ -310,6 +336,7 @@ ct_optim *ct_optim_create_slots(const ct_optim_opts *o, const ct_optim_slot *slo
         sl->s.name = sl->name;
     }
     if (layout_state(opt) != CT_OK) goto out_destroy;
+    assign_groups(opt);
     return opt;
 
 out_destroy:
@@ -323,6 +350,7 @@ void ct_optim_destroy(ct_optim *opt)
     for (int i = 0; i < opt->nslots; i++) ct_free(opt->slots[i].name);
     ct_free(opt->slots);
     ct_free(opt->slab);
+    ct__optim_groups_free(opt->gtab, opt->o.ngroups);
     ct_free(opt);
 }
 
@@ -358,6 +386,31 @@ const ct_optim_slot *ct_optim_slot_at(const ct_optim *opt, int i)
     (void)refresh(&opt->slots[i]);
     return &opt->slots[i].s;
 }
+
+ct_status ct_optim_add_param_group(ct_optim *opt, const ct_optim_group *g)
+{
+    CT_ASSERT(opt);
+    if (!g) return ct_error(CT_EINVAL, "ct_optim_add_param_group got a NULL group");
+    /* Checked as the table it would make, so a name another group has is refused. */
+    int n0 = opt->o.ngroups;
+    ct_optim_group *all = ct_alloc(sizeof *all * (size_t)(n0 + 1), CT_MEM_OTHER);
+    if (!all) return CT_ENOMEM;
+    if (n0) memcpy(all, opt->gtab, sizeof *all * (size_t)n0);
+    all[n0] = *g;
+    ct_optim_opts o = opt->o;
+    o.groups = all;
+    o.ngroups = n0 + 1;
+    ct_status st = ct__optim_groups_check(&o);
+    ct_free(all);
+    CT_TRY(st);
+    CT_TRY(ct__optim_groups_append(&opt->gtab, n0, g, 1));
+    opt->o.groups = opt->gtab;
+    opt->o.ngroups = n0 + 1;
+    assign_groups(opt);
+    return CT_OK;
+}
+
+int ct_optim_num_groups(const ct_optim *opt) { return opt->o.ngroups; }
 
 void ct_optim_set_lr(ct_optim *opt, double lr) { opt->o.lr = lr; }
 double ct_optim_get_lr(const ct_optim *opt) { return opt->o.lr; }
@@ -422,21 +475,45 @@ void ct_optim_update_range(const ct_optim_opts *o, float *data, const float *gra
     CT_ASSERT(!"ct_optim_validate accepts only known optimizer kinds");
 }
 
+/* The hyper-parameters of each group for this step: [0] the default
+ * group's, [1 + g] group g's.  NULL with the error set if a value is bad
+ * (the learning rate may have been changed by a schedule since creation). */
+static ct_optim_opts *step_opts(ct_optim *opt)
+{
+    ct_optim_opts *e = ct_alloc(sizeof *e * (size_t)(opt->o.ngroups + 1), CT_MEM_OTHER);
+    if (!e) return NULL;
+    e[0] = ct__optim_group_opts(&opt->o, -1);
+    for (int g = 0; g < opt->o.ngroups; g++) e[1 + g] = ct__optim_group_opts(&opt->o, g);
+    for (int g = 0; g <= opt->o.ngroups; g++)
+        if (ct_optim_validate(&e[g]) != CT_OK) {
+            if (g) ct_error(ct_last_status(), "optimizer group %d: %s", g - 1, ct_last_error());
+            ct_free(e);
+            return NULL;
+        }
+    return e;
+}
+
 ct_status ct_optim_step(ct_optim *opt)
 {
     CT_ASSERT(opt);
-    /* The learning rate may have been changed by a schedule since creation. */
-    CT_TRY(ct_optim_validate(&opt->o));
-    for (int i = 0; i < opt->nslots; i++) CT_TRY(refresh(&opt->slots[i]));
-    CT_TRY(ensure_state(opt));
+    ct_optim_opts *eo = step_opts(opt);
+    if (!eo) return ct_last_status();
+    ct_status st = CT_OK;
+    for (int i = 0; st == CT_OK && i < opt->nslots; i++) st = refresh(&opt->slots[i]);
+    if (st == CT_OK) st = ensure_state(opt);
+    if (st != CT_OK) {
+        ct_free(eo);
+        return st;
+    }
 
     for (int i = 0; i < opt->nslots; i++) {
         slot_t *sl = &opt->slots[i];
         if (!sl->s.grad) continue;
         float *bufs[CT_OPTIM_MAX_STATE] = {NULL};
         for (int b = 0; b < opt->nbufs; b++) bufs[b] = slot_buf(opt, sl, b);
-        ct_optim_update_range(&opt->o, sl->s.data, sl->s.grad, bufs, sl->s.n, ++sl->step);
+        ct_optim_update_range(&eo[1 + sl->group], sl->s.data, sl->s.grad, bufs, sl->s.n, ++sl->step);
     }
     opt->step++;
+    ct_free(eo);
     return CT_OK;
 }

@@ -33,6 +33,9 @@ const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS] = {
      "mark parameters of modules that did not run as ready", 0, NULL},
     {"rebuild_buckets", CT__OPT_BOOL, offsetof(ct__ddp_opts, rebuild_buckets), "1",
      "after the first step, rebuild buckets in the order gradients became ready", 0, NULL},
+    {"static_graph", CT__OPT_BOOL, offsetof(ct__ddp_opts, static_graph), "0",
+     "every step runs the same graph: the first step's unused parameters and bucket order hold for good "
+     "(no tracking of which modules ran after it)", 0, NULL},
     /* PowerSGD (comm_hook.h, powersgd.c): PyTorch's PowerSGDState settings */
     {"powersgd_rank", CT__OPT_COUNT, offsetof(ct__ddp_opts, powersgd_rank), "0",
      "reduce buckets by PowerSGD at this rank (0: off; --grad-compress powersgd:R)", 0, NULL},
@@ -78,6 +81,7 @@ typedef struct {
     ct_module **mods;
     char *ran;             /* [nmods] module ran forward since the last backward */
     int nmods;
+    char *unused;          /* [ntp] static_graph: got no gradient in the first step (then ran goes) */
     ct_status hook_error;
     char rebuild_error[512]; /* why the rebuild at zero_grad failed, for the next backward */
 } ddp_t;
@@ -207,9 +211,10 @@ static ct_comm_bucket hook_bucket(ct_strategy *s, bucket_t *b)
 static ct_status launch(ct_strategy *s, bucket_t *b)
 {
     ddp_t *d = D(s);
-    /* Only with find_unused_parameters can a member have got no gradient and
-     * still be only marked zero; every module that ran has synced its own. */
-    for (int j = 0; d->ran && j < b->fl.n; j++) ct_param_grad_sync(b->fl.p[j]);
+    /* Only with find_unused_parameters or static_graph can a member have got
+     * no gradient and still be only marked zero; every module that ran has
+     * synced its own. */
+    for (int j = 0; (d->ran || d->unused) && j < b->fl.n; j++) ct_param_grad_sync(b->fl.p[j]);
     b->t_start = ct_now();
     b->t_end = 0;
     ct_work_destroy(b->work);
@@ -234,6 +239,10 @@ static ct_status launch_ready(ct_strategy *s)
 static ct_status mark_ready(ct_strategy *s, int i)
 {
     ddp_t *d = D(s);
+    if (d->ready[i] && d->unused && d->unused[i] && !d->ran)
+        return ct_error(CT_ESTATE, "DDP static_graph: parameter '%s' got no gradient in the first step and has "
+                        "one now, so the graph changed; static_graph needs the same graph every step: drop it "
+                        "(find_unused_parameters=1 tracks a graph that changes)", d->tp[i]->name);
     if (d->ready[i])
         return ct_error(CT_ESTATE, "DDP: parameter '%s' received its gradient twice in one backward "
                         "(a module called twice?); DDP reduces each gradient once per backward: give each "
@@ -349,7 +358,9 @@ ct_status ct__ddp_init(ct_strategy *s)
     if (st == CT_OK) st = build_buckets(s, order, 1);
     for (int i = 0; st == CT_OK && i < n; i++)
         if (!(d->grad_hooks[i] = ct_param_add_hook(d->tp[i], grad_ready_hook, s))) st = CT_ENOMEM;
-    if (st == CT_OK && o->find_unused_parameters) {
+    if (st == CT_OK && o->static_graph && !(d->unused = ct_alloc_zeroed(nn, CT_MEM_OTHER))) st = CT_ENOMEM;
+    /* static_graph tracks which modules ran in the first step only (ct__ddp_post_backward drops it) */
+    if (st == CT_OK && (o->find_unused_parameters || o->static_graph)) {
         st = ct_module_modules(s->model, &d->mods, &d->nmods);
         if (st == CT_OK) {
             d->ran = ct_alloc_zeroed((size_t)d->nmods + 1, CT_MEM_OTHER);
@@ -366,6 +377,19 @@ fail:
     return st;
 }
 
+/* Stops tracking which modules run (static_graph after its first step; fini). */
+static void drop_tracking(ddp_t *d)
+{
+    for (int i = 0; d->fwd_hooks && i < d->nmods; i++) ct_hook_remove(d->fwd_hooks[i]);
+    ct_free(d->fwd_hooks);
+    ct_free(d->mods);
+    ct_free(d->ran);
+    d->fwd_hooks = NULL;
+    d->mods = NULL;
+    d->ran = NULL;
+    d->nmods = 0;
+}
+
 void ct__ddp_fini(ct_strategy *s)
 {
     ddp_t *d = D(s);
@@ -380,16 +404,14 @@ void ct__ddp_fini(ct_strategy *s)
         if (d->grad_hooks) ct_hook_remove(d->grad_hooks[i]);
         p->user = NULL;
     }
-    for (int i = 0; d->fwd_hooks && i < d->nmods; i++) ct_hook_remove(d->fwd_hooks[i]);
+    drop_tracking(d);
     free_buckets(s);
     ct_free(d->tp);
     ct_free(d->bucket_of);
     ct_free(d->ready);
     ct_free(d->ready_order);
     ct_free(d->grad_hooks);
-    ct_free(d->fwd_hooks);
-    ct_free(d->mods);
-    ct_free(d->ran);
+    ct_free(d->unused);
     ct_free(d);
     s->priv = NULL;
 }
@@ -434,7 +456,7 @@ static ct_status rebuild(ct_strategy *s, int keep_values)
 static int rebuild_due(ct_strategy *s)
 {
     ddp_t *d = D(s);
-    return O(s)->rebuild_buckets && !d->rebuilt && d->synced_steps == 1;
+    return (O(s)->rebuild_buckets || O(s)->static_graph) && !d->rebuilt && d->synced_steps == 1;
 }
 
 /* Collective the first time after the first synchronised step (the rebuild). */
@@ -470,8 +492,12 @@ ct_status ct__ddp_pre_backward(ct_strategy *s)
             int ran = 0;
             for (int k = 0; k < d->nmods; k++)
                 if (d->mods[k] == owner) ran = d->ran[k];
+            if (d->unused) d->unused[i] = !ran; /* static_graph: found once, in the first step */
             if (!ran) CT_TRY(mark_ready(s, i));
         }
+    } else if (d->unused) {
+        for (int i = 0; i < d->ntp; i++)
+            if (d->unused[i]) CT_TRY(mark_ready(s, i));
     }
     return CT_OK;
 }
@@ -530,6 +556,7 @@ ct_status ct__ddp_post_backward(ct_strategy *s)
     s->stats.comm_wait += t1 - t0;
     s->stats.comm_total += comm;
     d->synced_steps++;
+    if (d->unused) drop_tracking(d); /* static_graph: the first step said which parameters go unused */
     return CT_OK;
 }
 
@@ -539,6 +566,7 @@ float ct__ddp_grad_scale(ct_strategy *s) { return 1.0f / (float)ct_group_size(s-
 
 const ct__strategy_ops ct__ddp_ops = {
     .kind = "ddp",
+    .replicas_share_batch = 1,
     .opts = ct__ddp_opt_defs,
     .nopts = (int)(sizeof ct__ddp_opt_defs / sizeof ct__ddp_opt_defs[0]),
     .opts_size = sizeof(ct__ddp_opts),

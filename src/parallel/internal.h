@@ -34,11 +34,19 @@ typedef struct {
     const char *choices; /* CT__OPT_CHOICE: "a|b|c" */
 } ct__opt_def;
 
+/* SyncBatchNorm (sync_batchnorm=1): every batchnorm of the model sums its
+ * statistics over s's group from now on; CT_EINVAL for a kind whose ranks
+ * do not share a batch (pipe, offload).  A no-op otherwise. */
+ct_status ct__syncbn_init(ct_strategy *s);
+/* Every batchnorm back to its replica's own statistics. */
+void ct__syncbn_fini(ct_strategy *s);
+
 /* Options every strategy takes. */
 typedef struct {
     int grad_accum;
     int param_dtype;  /* ct_dtype: CT_F32 or CT_BF16 */
     int reduce_dtype; /* ct_dtype: CT_F32, CT_BF16, CT_F16 */
+    int sync_batchnorm; /* batchnorm statistics over the group (syncbn.c) */
 } ct__common;
 
 /* A strategy's entries, split by concern.  Every entry may be left NULL in
@@ -107,6 +115,8 @@ typedef struct {
                                 pipe its stage, offload its slices); for the others the whole model
                                 is made (ct_module_materialize) before init */
     int takes_comm_hook;     /* reduces gradient buckets through s->hook (comm_hook.c) */
+    int replicas_share_batch; /* every rank runs the whole model on its rows of each batch, so
+                                 batchnorm statistics can be summed over the group (syncbn.c) */
     ct__place_ops place;
     ct__sync_ops sync;
     ct__state_ops state;
@@ -176,6 +186,7 @@ typedef struct {
     int broadcast_buffers;      /* broadcast buffers from rank 0 before every forward */
     int find_unused_parameters; /* parameters of modules that did not run are marked ready */
     int rebuild_buckets;        /* after the first step, rebuild buckets in gradient-ready order */
+    int static_graph;           /* the first step's unused parameters and bucket order hold for good */
     int64_t powersgd_rank;      /* > 0: buckets reduced by PowerSGD at this rank (comm_hook.h) */
     int64_t powersgd_start_iter;
     double powersgd_min_compression_rate;
@@ -183,7 +194,7 @@ typedef struct {
     int powersgd_warm_start;
     int64_t powersgd_seed;
 } ct__ddp_opts;
-#define CT__DDP_NOPTS 11
+#define CT__DDP_NOPTS 12
 extern const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS];
 ct_status ct__ddp_init(ct_strategy *s);
 void ct__ddp_fini(ct_strategy *s);

@@ -66,6 +66,25 @@ ct_status ct_strategy_check_opts(const char *kind, const char *opts, char *buf, 
     return st;
 }
 
+/* Every name an optimizer group gives is a parameter of the model: a rank
+ * that shards may hold none of a group's pieces, so its optimizer cannot
+ * tell a misspelt name from a parameter it does not own; the whole model
+ * can. */
+static ct_status check_group_names(const ct_strategy *s, const ct_optim_opts *o)
+{
+    for (int i = 0; i < o->ngroups; i++)
+        for (int j = 0; j < o->groups[i].nparams; j++) {
+            const char *nm = o->groups[i].params[j];
+            int found = 0;
+            for (int k = 0; k < s->nparams && !found; k++) found = s->params[k]->name && !strcmp(s->params[k]->name, nm);
+            if (!found)
+                return ct_error(CT_EINVAL, "optimizer group %d names '%s', which is not a parameter of the model; "
+                                "give full names as ct_module_params lists them (e.g. '%s')", i, nm,
+                                s->nparams && s->params[0]->name ? s->params[0]->name : "0.weight");
+        }
+    return CT_OK;
+}
+
 static ct_status create_impl(const char *kind, ct_module *model, const ct_optim_opts *optim,
                              ct_group *g, const char *opts, ct_strategy **out)
 {
@@ -117,10 +136,13 @@ static ct_status create_impl(const char *kind, ct_module *model, const ct_optim_
                           "last strategy (ct_strategy_summon_full_params), or load a checkpoint into a new model",
                           ops->kind, s->params[i]->name);
     if (st == CT_OK) st = ct_module_buffers(model, &s->buffers, &s->nbuffers);
+    /* checked on the whole model: a strategy made inside another (a pipeline stage's replicas) sees part of it */
+    if (st == CT_OK && create_depth == 1) st = check_group_names(s, optim);
     if (st == CT_OK && !ops->makes_params) st = ct_module_materialize(model);
     if (st == CT_OK) st = s->vt.place.init(s);
     if (st == CT_OK) st = s->vt.place.build_optim(s, optim);
     if (st == CT_OK && !ops->manages_compute) st = ct__mixed_init(s);
+    if (st == CT_OK) st = ct__syncbn_init(s);
     if (st != CT_OK) {
         ct_strategy_destroy(s);
         return st;
@@ -133,6 +155,7 @@ void ct_strategy_destroy(ct_strategy *s)
 {
     if (!s) return;
     const char *prev = ct_comm_enter_call("ct_strategy_destroy");
+    ct__syncbn_fini(s);
     ct__mixed_fini(s);
     if (s->priv || s->ext) s->vt.place.fini(s);
     ct__comm_hook_free(s);
@@ -494,6 +517,31 @@ ct_status ct_strategy_summon_full_params(ct_strategy *s, int writeback, int rank
 ct_status ct_strategy_release_full_params(ct_strategy *s)
 {
     IN_CALL("ct_strategy_release_full_params", release_full_params_impl(s));
+}
+
+/* nn.Module.apply's order: the children (each with its own), then m. */
+static ct_status apply_tree(ct_module *m, ct_module_fn fn, void *ud)
+{
+    for (int i = 0; i < m->nkids; i++) CT_TRY(apply_tree(m->kids[i], fn, ud));
+    return fn(m, ud);
+}
+
+static ct_status apply_impl(ct_strategy *s, ct_module_fn fn, void *ud)
+{
+    if (!fn) return ct_error(CT_EINVAL, "ct_strategy_apply: fn is NULL");
+    CT_TRY(summon_full_params_impl(s, 1, 0));
+    ct_status st = apply_tree(s->model, fn, ud);
+    char why[512] = "";
+    if (st != CT_OK) snprintf(why, sizeof why, "%s", ct_last_error());
+    ct_status r = release_full_params_impl(s); /* every rank releases, whatever fn did */
+    if (r == CT_OK && !s->ops->manages_compute) r = ct__mixed_refresh(s);
+    if (st != CT_OK) return ct_error(st, "ct_strategy_apply: %s", why);
+    return r;
+}
+
+ct_status ct_strategy_apply(ct_strategy *s, ct_module_fn fn, void *ud)
+{
+    IN_CALL("ct_strategy_apply", apply_impl(s, fn, ud));
 }
 
 ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out)

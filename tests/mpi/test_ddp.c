@@ -13,24 +13,6 @@
 
 /* ---- small custom module kinds for the edge cases --------------------- */
 
-/* Runs only child 0 (child 1 is the unused branch). */
-static ct_status branch_fwd(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
-                            const ct_fwd_ctx *ctx)
-{
-    ct_record *kr = NULL;
-    CT_TRY(ct_module_forward(m->kids[0], in, out, rec ? &kr : NULL, ctx));
-    if (rec) CT_TRY(ct_record_add_kid(rec, kr));
-    return CT_OK;
-}
-
-static ct_status branch_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
-{
-    ct_record *kr = rec->kids[0];
-    rec->kids[0] = NULL;
-    return ct_module_backward(m->kids[0], dout, din, kr);
-}
-
-static const ct_module_ops branch_ops = {"branch", branch_fwd, branch_bwd, NULL, 0, NULL, NULL, 0};
 
 
 /* ---- helpers ------------------------------------------------------------ */
@@ -46,10 +28,8 @@ static ct_module *model(int kind, uint64_t seed)
     ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
     if (kind == WITH_DROPOUT) ASSERT_OK(ct_module_add(m, NULL, ct_dropout_create(0.2f)));
     if (kind == WITH_UNUSED) {
-        ct_module *br = ct_module_create(&branch_ops, NULL);
-        ASSERT_OK(ct_module_add(br, "used", ct_linear_create(hidden, hidden, 1)));
-        ASSERT_OK(ct_module_add(br, "unused", ct_linear_create(hidden, hidden, 1)));
-        ASSERT_OK(ct_module_add(m, NULL, br));
+        ASSERT_OK(ct_module_add(m, NULL, branch_create(ct_linear_create(hidden, hidden, 1),
+                                                       ct_linear_create(hidden, hidden, 1))));
     } else if (kind == WITH_TWICE) {
         ASSERT_OK(ct_module_add(m, NULL, twice_create(ct_linear_create(hidden, hidden, 1))));
     } else {
@@ -214,6 +194,75 @@ TEST(ddp_find_unused_parameters_with_skipped_branch)
     ct_tensor_release(y);
     ct_strategy_destroy(s);
     ct_module_destroy(m);
+}
+
+/* static_graph: the unused branch is found in the first step only, the
+ * buckets are rebuilt once, and the numbers are those of one process and
+ * of the default (find_unused_parameters, which tracks every step), bit
+ * for bit. */
+TEST(ddp_static_graph_equals_default)
+{
+    ddp_vs_single(PLAIN, CT_OPT_ADAMW, "static_graph=1,bucket_cap_mb=0.0001", 2e-5, 4);
+    ddp_vs_single(WITH_UNUSED, CT_OPT_SGD, "static_graph=1", 2e-5, 3);
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    ct_module *am = model(WITH_UNUSED, 8), *bm = model(WITH_UNUSED, 8);
+    ct_optim_opts opt = optim_for(CT_OPT_ADAMW);
+    ct_strategy *a, *b;
+    ASSERT_OK(ct_strategy_create("ddp", am, &opt, g, "find_unused_parameters=1,bucket_cap_mb=0.0001", &a));
+    ASSERT_OK(ct_strategy_create("ddp", bm, &opt, g, "static_graph=1,bucket_cap_mb=0.0001", &b));
+    for (int step = 0; step < 4; step++) {
+        ct_tensor *x, *y;
+        global_batch(step, 5 * world, &x, &y);
+        ct_strategy *ss[2] = {a, b};
+        for (int k = 0; k < 2; k++) {
+            ct_strategy_zero_grad(ss[k]);
+            ASSERT_OK(train_micro(ss[k], x, y, 5 * rank, 5, 1.0f, step));
+            ASSERT_OK(ct_strategy_step(ss[k]));
+        }
+        ct_tensor_release(x);
+        ct_tensor_release(y);
+    }
+    assert_params_close(am, bm, 0);
+    ASSERT_EQ(ct_strategy_stats(a).nbuckets, ct_strategy_stats(b).nbuckets);
+    ct_strategy_destroy(a);
+    ct_strategy_destroy(b);
+    ct_module_destroy(am);
+    ct_module_destroy(bm);
+}
+
+/* The graph static_graph promised changes (the other branch runs): a
+ * clear error on every rank naming the parameter, where
+ * find_unused_parameters follows the change. */
+TEST(ddp_static_graph_refuses_a_changed_graph)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    const char *opts[2] = {"find_unused_parameters=1", "static_graph=1"};
+    for (int k = 0; k < 2; k++) {
+        ct_module *m = model(WITH_UNUSED, 3);
+        ct_optim_opts opt = optim_for(CT_OPT_SGD);
+        ct_strategy *s;
+        ASSERT_OK(ct_strategy_create("ddp", m, &opt, g, opts[k], &s));
+        ct_tensor *x, *y;
+        global_batch(0, 4 * world, &x, &y);
+        branch_take = 0;
+        ASSERT_OK(train_micro(s, x, y, 4 * rank, 4, 1.0f, 0));
+        ASSERT_OK(ct_strategy_step(s));
+        ct_strategy_zero_grad(s);
+        branch_take = 1;
+        if (k == 0) {
+            ASSERT_OK(train_micro(s, x, y, 4 * rank, 4, 1.0f, 1));
+        } else {
+            ASSERT_ERR(train_micro(s, x, y, 4 * rank, 4, 1.0f, 1), CT_ESTATE, "static_graph");
+            ASSERT_STR_CONTAINS(ct_last_error(), "'2.unused.weight' got no gradient in the first step");
+        }
+        branch_take = 0;
+        ct_tensor_release(x);
+        ct_tensor_release(y);
+        ct_strategy_destroy(s);
+        ct_module_destroy(m);
+    }
 }
 
 TEST(ddp_no_sync_accumulation_equals_combined_batch)

@@ -111,8 +111,12 @@ static void assert_copies_equal(ct_module *m)
 
 /* kind over the world vs "none" on the whole batch; tol on weights,
  * optimizer state and (clip > 0) the gradient norm each step, whose
- * gradients add up accum train steps (no zero_grad between them). */
-static void vs_single_clip(const char *kind, const char *opts, int steps, double tol, double clip, int accum)
+ * gradients add up accum train steps (no zero_grad between them).  With
+ * groups, both train with nanoGPT's groups (no decay for parameters of
+ * fewer than 2 dimensions, and here half the lr), the rest decaying 0.3:
+ * a strategy that ignored a group would step its pieces differently. */
+static void vs_single_groups(const char *kind, const char *opts, int steps, double tol, double clip, int accum,
+                             int groups)
 {
     ct_group *g = ct_group_world();
     int rank = ct_group_rank(g), world = ct_group_size(g);
@@ -126,10 +130,29 @@ static void vs_single_clip(const char *kind, const char *opts, int steps, double
      * ignores a shift shared by all keys), so both runs hold rounding noise
      * there, which AdamW with eps 1e-8 would blow up to full steps. */
     oo.eps = 1e-4;
+    const char **nd = NULL;
+    int nnd = 0;
+    ct_optim_group nodecay = ct_optim_group_init(&oo);
+    if (groups) {
+        ct_param **ps;
+        int np;
+        ASSERT_OK(ct_module_params(rm, &ps, &np)); /* names that stay while both wrap (pipe cuts dm) */
+        ASSERT_OK(ct_optim_select(ps, np, "ndim<2", &nd, &nnd));
+        ct_free(ps);
+        ASSERT(nnd > 0);
+        oo.weight_decay = 0.3;
+        nodecay.params = nd;
+        nodecay.nparams = nnd;
+        nodecay.weight_decay = 0;
+        nodecay.lr_scale = 0.5;
+        oo.groups = &nodecay;
+        oo.ngroups = 1;
+    }
     const char *ropts = opts && strstr(opts, "param_dtype=bf16") ? "param_dtype=bf16" : NULL;
     ct_strategy *ds, *rs;
     ASSERT_OK(ct_strategy_create(kind, dm, &oo, g, opts, &ds));
     ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, ropts, &rs));
+    ct_free(nd); /* the optimizers copied the names */
     double l0 = 0, l1 = 0;
     for (int step = 0; step < steps; step++) {
         float n0 = 0, n1 = 0;
@@ -188,9 +211,28 @@ static void vs_single_clip(const char *kind, const char *opts, int steps, double
     ct_module_destroy(rm);
 }
 
+static void vs_single_clip(const char *kind, const char *opts, int steps, double tol, double clip, int accum)
+{
+    vs_single_groups(kind, opts, steps, tol, clip, accum, 0);
+}
+
 static void vs_single(const char *kind, const char *opts, int steps, double tol)
 {
     vs_single_clip(kind, opts, steps, tol, 0, 1);
+}
+
+/* Parameter groups under every strategy: each optimizer piece (whole
+ * parameters, ZeRO's ranges, FSDP's shards, offload's slices, a pipeline
+ * stage's) takes its parameter's group. */
+TEST(gpt_groups_every_strategy_equals_one_process)
+{
+    vs_single_groups("ddp", NULL, 3, 1e-5, 0, 1, 1);
+    vs_single_groups("zero1", "split_params=1", 3, 1e-5, 0, 1, 1);
+    vs_single_groups("zero2", NULL, 3, 1e-5, 0, 1, 1);
+    vs_single_groups("fsdp", "wrap_kinds=block", 3, 1e-5, 0, 1, 1);
+    vs_single_groups("pipe", NULL, 3, 1e-5, 0, 1, 1);
+    vs_single_groups("pipe", "stages=2,chunks=2,dp=zero1", 3, 1e-5, 0, 1, 1);
+    vs_single_groups("offload", "slices=3", 3, 1e-5, 0, 1, 1);
 }
 
 TEST(gpt_tied_ddp_equals_one_process)

@@ -171,3 +171,33 @@ ct_module *twice_create(ct_module *f)
     ASSERT_OK(ct_module_add(tw, "f", f));
     return tw;
 }
+
+int branch_take;
+
+static ct_status branch_fwd(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
+                            const ct_fwd_ctx *ctx)
+{
+    ct_record *kr = NULL;
+    if (rec) rec->ival[0] = branch_take;
+    CT_TRY(ct_module_forward(m->kids[branch_take], in, out, rec ? &kr : NULL, ctx));
+    if (rec) CT_TRY(ct_record_add_kid(rec, kr));
+    return CT_OK;
+}
+
+static ct_status branch_bwd(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
+{
+    ct_record *kr = rec->kids[0];
+    rec->kids[0] = NULL;
+    return ct_module_backward(m->kids[rec->ival[0]], dout, din, kr);
+}
+
+static const ct_module_ops branch_ops = {"branch", branch_fwd, branch_bwd, NULL, 0, NULL, NULL, 0};
+
+ct_module *branch_create(ct_module *used, ct_module *unused)
+{
+    ct_module *br = ct_module_create(&branch_ops, NULL);
+    ASSERT(br && used && unused);
+    ASSERT_OK(ct_module_add(br, "used", used));
+    ASSERT_OK(ct_module_add(br, "unused", unused));
+    return br;
+}

@@ -46,6 +46,11 @@ ct_module *mlp8(uint64_t seed, int64_t mid);
  * for a sharded strategy); tensors of b missing from a fail. */
 double state_rel_l2(const ct_state *a, const ct_state *b);
 
+/* A module with children "used" and "unused" that runs only child
+ * branch_take (0: "used"; a test may switch it to change the graph). */
+extern int branch_take;
+ct_module *branch_create(ct_module *used, ct_module *unused);
+
 /* A module that calls f twice, y = f(f(x)), so f's gradients arrive twice
  * per backward; f is its child "f". */
 ct_module *twice_create(ct_module *f);

@@ -690,6 +690,7 @@ ct_status ct__fsdp_release(ct_strategy *s)
 
 const ct__strategy_ops ct__fsdp_ops = {
     .kind = "fsdp",
+    .replicas_share_batch = 1,
     .opts = fsdp_opt_defs,
     .nopts = (int)(sizeof fsdp_opt_defs / sizeof fsdp_opt_defs[0]),
     .opts_size = sizeof(fsdp_opts),

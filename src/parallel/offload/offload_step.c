@@ -292,7 +292,12 @@ ct_status ct__offload_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ct
 void ct__offload_update(ct_strategy *s, offload_slice *sl)
 {
     offload_t *f = ct__offload(s);
-    const ct_optim_opts *o = &f->pend_o;
+    /* The step's learning rate with the optimizer's groups as they are now:
+     * pend_o's pointer to them may be stale after ct_optim_add_param_group. */
+    ct_optim_opts step_o = f->pend_o;
+    step_o.groups = ct_optim_get_opts(s->opt)->groups;
+    step_o.ngroups = ct_optim_get_opts(s->opt)->ngroups;
+    const ct_optim_opts *o = &step_o;
     float *state = sl->state ? ct_storage_ptr(sl->state) : NULL;
     int64_t off = 0;
     for (int k = 0; k < sl->np; k++) {
@@ -302,7 +307,9 @@ void ct__offload_update(ct_strategy *s, offload_slice *sl)
             for (int k = 0; k < f->pend_nscales; k++) ct_scale_grads(&p, 1, f->pend_scales[k]);
             float *bufs[CT_OPTIM_MAX_STATE] = {NULL};
             for (int b = 0; state && b < f->nstate; b++) bufs[b] = state + (int64_t)b * sl->flat.numel + off;
-            ct_optim_update_range(o, ct_f32(p->data), ct_f32(p->grad), bufs, n, f->pend_step);
+            ct_optim_opts po; /* the parameter's group's, at the step's learning rate */
+            ct_optim_param_opts(o, p->name, &po);
+            ct_optim_update_range(&po, ct_f32(p->data), ct_f32(p->grad), bufs, n, f->pend_step);
         }
         off += n;
     }

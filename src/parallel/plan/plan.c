@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "plan.h"
+#include "parallel/zero/zero.h"
 
 /* ---- options ----------------------------------------------------------- */
 
@@ -312,8 +313,11 @@ static ct_status zero2_backward(const ct__plan *pl, uint64_t limit, int wire, ui
     return CT_OK;
 }
 
-/* ZeRO-2 (zero2.c): no buckets; the gradient shard this rank keeps (64
- * bytes over its elements) plus the gradients in flight. */
+/* ZeRO-2 (zero2.c): the gradient shard this rank keeps (64 bytes over its
+ * elements) plus the gradients in flight; with reduce_bucket_size, the
+ * buckets (every rank holds all of them) count as comm.  The replay still
+ * counts a bucketed gradient in flight until its wait, though it goes as
+ * soon as it is packed: the plan errs high there. */
 static ct_status plan_zero2(const ct__plan *pl, ct_mem_plan *out)
 {
     uint64_t act, grad, comm;
@@ -327,6 +331,8 @@ static ct_status plan_zero2(const ct__plan *pl, ct_mem_plan *out)
         ct_partition_fini(&pt);
         return CT_ENOMEM;
     }
+    comm += ct__zbuckets_plan_bytes(&pt, (int64_t)ct__plan_num(pl, "reduce_bucket_size", 0),
+                                    ct__plan_is16(pl, "reduce_dtype") ? CT_BF16 : CT_F32);
     uint64_t param = param_bytes(pl, ct__plan_is16(pl, "param_dtype"));
     for (int r = 0; r < pl->spec->world; r++) {
         uint64_t shard = 64;

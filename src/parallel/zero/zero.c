@@ -26,11 +26,13 @@ typedef struct {
     int split_params;
     int auto_refresh_trainable;
     int warn_on_trainable_params_changed;
+    int broadcast_fp16;
 } zero1_opts;
 
 static const ct__opt_def zero1_opt_defs[] = {
     REFRESH_OPTS(zero1_opts),
     SPLIT_OPT(zero1_opts),
+    BCAST16_OPT(zero1_opts),
 };
 
 ct__zero *ct__zero_of(ct_strategy *s) { return s->ext; }
@@ -57,9 +59,23 @@ static ct_status wait_param(ct_strategy *s, int i)
         if (st == CT_OK) st = w;
         ct_work_destroy(z->work[k]);
         z->work[k] = NULL;
+        if (z->bwire && z->bwire[k]) { /* broadcast_fp16: others take the owner's values rounded to bf16 */
+            const ct_part_range *x = &z->pt.ranges[k];
+            if (w == CT_OK && x->owner != ct_group_rank(s->g))
+                ct__wire_unpack(CT_BF16, z->bwire[k], (float *)ct_tensor_data(z->tp[i]->data) + x->offset,
+                                x->count, 0);
+            ct_free(z->bwire[k]);
+            z->bwire[k] = NULL;
+        }
     }
     if (pending && st == CT_OK) ct__mixed_refresh_param(s, z->tp[i]);
     return st;
+}
+
+ct_status ct__zero_summon(ct_strategy *s, int writeback, int rank0_only)
+{
+    (void)writeback, (void)rank0_only; /* whole on every rank: they read and write it in place */
+    return ct__zero_wait_all(s);
 }
 
 ct_status ct__zero_wait_all(ct_strategy *s)
@@ -93,11 +109,13 @@ void ct__zero_core_fini(ct_strategy *s)
         ct__zero_wait_all(s);
         for (int i = 0; i < z->nhooks; i++) ct_hook_remove(z->hooks[i]);
         ct_free(z->trainable);
+        for (int k = 0; z->bwire && k < z->pt.n; k++) ct_free(z->bwire[k]); /* a step that failed part-way */
         ct_partition_fini(&z->pt);
         ct_free(z->tp);
         ct_free(z->first);
         ct_free(z->slot);
         ct_free(z->work);
+        ct_free(z->bwire);
         ct_free(z->hooks);
         ct_free(z);
         s->ext = NULL;
@@ -112,7 +130,7 @@ static void zero1_fini(ct_strategy *s)
 
 /* What ZeRO-1 and ZeRO-2 share: the trainable list, the partition, the
  * broadcast handles and the pre-forward hooks that wait for them. */
-ct_status ct__zero_core_init(ct_strategy *s, int split)
+ct_status ct__zero_core_init(ct_strategy *s, int split, int bcast_bf16)
 {
     ct__zero *z = ct_alloc_zeroed(sizeof *z, CT_MEM_OTHER);
     if (!z) return CT_ENOMEM;
@@ -138,6 +156,9 @@ ct_status ct__zero_core_init(ct_strategy *s, int split)
         z->slot = ct_alloc_zeroed(sizeof *z->slot * nr, CT_MEM_OTHER);
         z->work = ct_alloc_zeroed(sizeof *z->work * nr, CT_MEM_OTHER);
         if (!z->slot || !z->work) st = CT_ENOMEM;
+        z->bcast_bf16 = bcast_bf16;
+        if (st == CT_OK && bcast_bf16 && !(z->bwire = ct_alloc_zeroed(sizeof *z->bwire * nr, CT_MEM_OTHER)))
+            st = CT_ENOMEM;
     }
     for (int k = z->pt.n - 1; st == CT_OK && k >= 0; k--) z->first[z->pt.ranges[k].param] = k;
     ct_module **mods = NULL;
@@ -190,7 +211,8 @@ ct_status ct__zero_refresh_trainable(ct_strategy *s, int auto_refresh, int warn,
 static ct_status zero1_init(ct_strategy *s)
 {
     CT_TRY(ct__ddp_init(s));
-    return ct__zero_core_init(s, ((const zero1_opts *)s->kopts)->split_params);
+    const zero1_opts *o = s->kopts;
+    return ct__zero_core_init(s, o->split_params, o->broadcast_fp16);
 }
 
 /* Before the first forward of a step: a changed trainable set rebuilds
@@ -244,7 +266,15 @@ ct_status ct__zero_step(ct_strategy *s)
         const ct_part_range *x = &z->pt.ranges[k];
         if (!x->count) continue;
         float *p = (float *)ct_tensor_data(z->tp[x->param]->data) + x->offset;
-        CT_TRY(ct_group_broadcast(s->g, p, x->count, CT_F32, x->owner, &z->work[k]));
+        if (!z->bcast_bf16) {
+            CT_TRY(ct_group_broadcast(s->g, p, x->count, CT_F32, x->owner, &z->work[k]));
+            continue;
+        }
+        /* fairscale's broadcast_fp16, in bf16 (f32's range): half the bytes on the wire, the
+         * owner's f32 values untouched (its optimizer keeps stepping them) */
+        if (!(z->bwire[k] = ct__wire_alloc(CT_BF16, x->count))) return CT_ENOMEM;
+        if (x->owner == ct_group_rank(s->g)) ct__wire_pack(CT_BF16, p, z->bwire[k], x->count);
+        CT_TRY(ct_group_broadcast(s->g, z->bwire[k], x->count, CT_BF16, x->owner, &z->work[k]));
     }
     return CT_OK;
 }
@@ -418,6 +448,7 @@ const ct_partition *ct__zero_partition(const ct_strategy *s)
 
 const ct__strategy_ops ct__zero1_ops = {
     .kind = "zero1",
+    .replicas_share_batch = 1,
     .opts = zero1_opt_defs,
     .nopts = (int)(sizeof zero1_opt_defs / sizeof zero1_opt_defs[0]),
     .takes_comm_hook = 1,
@@ -429,6 +460,7 @@ const ct__strategy_ops ct__zero1_ops = {
         .fini = zero1_fini,
         .build_optim = zero_build_optim,
         .partition = ct__zero_partition,
+        .summon = ct__zero_summon,
     },
     .sync = {
         .pre_forward = zero1_pre_forward,

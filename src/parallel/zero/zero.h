@@ -5,6 +5,8 @@
 
 #include "parallel/flat.h"
 
+typedef struct ct__zbuckets ct__zbuckets;
+
 typedef struct {
     ct_param **tp;      /* trainable parameters, model order (DDP's indices) */
     int ntp;
@@ -16,6 +18,8 @@ typedef struct {
     char *quiet;        /* [ntp] 1 where this rank's pieces are a replica's (FSDP hybrid): it takes
                            part in gathers but another rank reports the state */
     ct_work **work;     /* [pt.n] broadcast of the range after the step, or NULL */
+    int bcast_bf16;     /* broadcast_fp16: the ranges travel as bf16; owners keep their f32 */
+    uint16_t **bwire;   /* [pt.n] bf16 copy of a range on the wire, until its broadcast is waited for */
     ct_hook **hooks;    /* pre-forward (and, zero2, pre-backward) hooks of the modules with parameters */
     int nhooks;
     /* zero2 */
@@ -32,6 +36,8 @@ typedef struct {
     ct__flat *gflat;    /* [ntp] zero2: each gradient a flat of its own (flat.c), resident from its
                            module's backward until its reduce to the owners is done */
     size_t limit;       /* bound on q.total before a module's backward (reduce_buffer_mb) */
+    ct__zbuckets *zb;   /* reduce_bucket_size: small ranges packed per owner (zero2_bucket.c), or NULL */
+    int nreduces;       /* reduces to the owners started in this backward (buckets and lone ranges) */
     int nready;
     double *t_start;    /* [ntp] when the parameter's reduces started */
     double *t_end;      /* [pt.n] when the range's reduce completed (comm thread) */
@@ -41,6 +47,9 @@ typedef struct {
 
 
 /* The options both take (auto_refresh_trainable and its warning). */
+#define BCAST16_OPT(type)                                                                               \
+    {"broadcast_fp16", CT__OPT_BOOL, offsetof(type, broadcast_fp16), "0",                              \
+     "broadcast the updated ranges in bf16 (half the bytes; owners keep their f32 values)", 0, NULL}
 #define SPLIT_OPT(type)                                                                                 \
     {"split_params", CT__OPT_BOOL, offsetof(type, split_params), "0",                                  \
      "partition the parameters laid end to end into equal pieces (exact balance) instead of whole tensors", 0, NULL}
@@ -50,15 +59,41 @@ typedef struct {
     {"warn_on_trainable_params_changed", CT__OPT_BOOL, offsetof(type, warn_on_trainable_params_changed), \
      "1", "warn when the trainable parameters change", 0, NULL}
 
+/* ---- zero2's buckets (zero2_bucket.c) ---- */
+
+/* Buckets of up to size elements (0: none, *out NULL) for the ranges of z
+ * smaller than that, per owner, in the wire dtype dt. */
+ct_status ct__zbuckets_create(const ct__zero *z, int64_t size, ct_dtype dt, ct__zbuckets **out);
+/* Bytes the buckets of partition pt would take (the memory plan). */
+uint64_t ct__zbuckets_plan_bytes(const ct_partition *pt, int64_t size, ct_dtype dt);
+/* Waits for anything in flight and frees; NULL is a no-op. */
+void ct__zbuckets_destroy(ct__zbuckets *zb);
+/* 1 if range k travels in a bucket (zb may be NULL). */
+int ct__zbuckets_has(const ct__zbuckets *zb, int k);
+/* Before a synchronised backward: every bucket empty. */
+void ct__zbuckets_begin(ct__zbuckets *zb, const ct__zero *z);
+/* Packs range k of the f32 gradient grad (the whole parameter's) into its
+ * bucket; a bucket whose last member this is starts its reduce. */
+ct_status ct__zbuckets_pack(ct_strategy *s, ct__zbuckets *zb, int k, const float *grad);
+/* End of backward: the buckets still waiting (members without a gradient
+ * as zeros) start in bucket order, all are waited for, and the owners
+ * take their ranges into z->gshard.  Collective. */
+ct_status ct__zbuckets_finish(ct_strategy *s, ct__zbuckets *zb);
+
 /* The strategy's ZeRO state (s->ext). */
 ct__zero *ct__zero_of(ct_strategy *s);
 /* Index of p among the parameters trainable at wrap, or -1. */
 int ct__zero_index(const ct__zero *z, const ct_param *p);
 /* Waits for every parameter broadcast in flight (and refreshes bf16 copies). */
 ct_status ct__zero_wait_all(ct_strategy *s);
+/* summon_full_params: the parameters are whole on every rank once the
+ * step's broadcasts have arrived (reading or writing them before would race
+ * with the owners' sends). */
+ct_status ct__zero_summon(ct_strategy *s, int writeback, int rank0_only);
 /* The trainable list, the partition (split: flat pieces), the broadcast
- * handles and the pre-forward hooks that wait for them. */
-ct_status ct__zero_core_init(ct_strategy *s, int split);
+ * handles (bcast_bf16: the ranges travel in bf16) and the pre-forward hooks
+ * that wait for them. */
+ct_status ct__zero_core_init(ct_strategy *s, int split, int bcast_bf16);
 void ct__zero_core_fini(ct_strategy *s);
 /* Follows parameters frozen or unfrozen since the last step; *changed says whether any were. */
 ct_status ct__zero_refresh_trainable(ct_strategy *s, int auto_refresh, int warn, int *changed);

@@ -25,15 +25,21 @@ typedef struct {
     int broadcast_buffers;
     int sync_models_at_startup;
     double reduce_buffer_mb;
+    int broadcast_fp16;
+    int64_t reduce_bucket_size;
 } zero2_opts;
 
 static const ct__opt_def zero2_opt_defs[] = {
     REFRESH_OPTS(zero2_opts),
     SPLIT_OPT(zero2_opts),
+    BCAST16_OPT(zero2_opts),
     {"broadcast_buffers", CT__OPT_BOOL, offsetof(zero2_opts, broadcast_buffers), "1",
      "broadcast buffers (batchnorm statistics) from rank 0 before every forward", 0, NULL},
     {"sync_models_at_startup", CT__OPT_BOOL, offsetof(zero2_opts, sync_models_at_startup), "1",
      "broadcast rank 0's parameters and buffers when wrapping", 0, NULL},
+    {"reduce_bucket_size", CT__OPT_COUNT, offsetof(zero2_opts, reduce_bucket_size), "0",
+     "pack gradient ranges smaller than this many elements per owner into buckets of that size, one reduce "
+     "each (fairscale's reduce_buffer_size; 0: a reduce per range)", 0, NULL},
     {"reduce_buffer_mb", CT__OPT_NUM, offsetof(zero2_opts, reduce_buffer_mb), "8",
      "gradient MiB in flight to their owners before backward waits for the oldest", 0, NULL},
 };
@@ -119,6 +125,16 @@ static ct_status grad_to_owners(ct_param *p, void *ud)
                         p->name);
     z->ready[i] = 1;
     z->nready++;
+    int direct = 0;
+    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++) {
+        if (ct__zbuckets_has(z->zb, k)) CT_TRY(ct__zbuckets_pack(s, z->zb, k, ct_tensor_data(p->grad)));
+        else direct += z->pt.ranges[k].count > 0;
+    }
+    if (!direct) { /* all of it went into buckets: the gradient's memory goes now */
+        ct__flat_evict(&z->gflat[i], CT__FL_GRAD);
+        p->grad_stale = 1;
+        return CT_OK;
+    }
     ct_dtype dt = (ct_dtype)s->common.reduce_dtype;
     void *buf = ct_tensor_data(p->grad);
     if (dt != CT_F32) {
@@ -130,9 +146,10 @@ static ct_status grad_to_owners(ct_param *p, void *ud)
     z->t_start[i] = ct_now();
     for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++) {
         const ct_part_range *x = &z->pt.ranges[k];
-        if (!x->count) continue;
+        if (!x->count || ct__zbuckets_has(z->zb, k)) continue;
         /* A sum: the loss gradient was scaled by 1/world (ct__ddp_grad_scale). */
         z->t_end[k] = 0;
+        z->nreduces++;
         CT_TRY(ct_group_reduce(s->g, (char *)buf + (size_t)x->offset * es, x->count, dt, CT_OP_SUM, x->owner,
                                &z->red[k]));
         CT_TRY(ct_work_on_complete(z->red[k], on_reduced, &z->t_end[k]));
@@ -173,7 +190,7 @@ static ct_status zero2_init(ct_strategy *s)
     const zero2_opts *o = O2(s);
     CT_TRY(ct_group_check(s->g, ct__check_same_model(s)));
     if (o->sync_models_at_startup) CT_TRY(ct__broadcast_state(s, 0));
-    CT_TRY(ct__zero_core_init(s, o->split_params));
+    CT_TRY(ct__zero_core_init(s, o->split_params, o->broadcast_fp16));
     ct__zero *z = ct__zero_of(s);
     size_t nt = (size_t)z->ntp + 1, nr = (size_t)z->pt.n + 1;
     z->grad_hooks = ct_alloc_zeroed(sizeof *z->grad_hooks * nt, CT_MEM_OTHER);
@@ -193,6 +210,7 @@ static ct_status zero2_init(ct_strategy *s)
         if (z->goff[k] >= 0) z->nshard += z->pt.ranges[k].count;
     }
     if (!(z->gshard = ct_alloc_zeroed((size_t)z->nshard * sizeof(float) + 64, CT_MEM_GRAD))) return CT_ENOMEM;
+    CT_TRY(ct__zbuckets_create(z, o->reduce_bucket_size, (ct_dtype)s->common.reduce_dtype, &z->zb));
     if (!(z->gflat = ct_alloc_zeroed(sizeof *z->gflat * nt, CT_MEM_OTHER))) return CT_ENOMEM;
     for (int i = 0; i < z->ntp; i++) {
         ct_param *p = z->tp[i];
@@ -232,6 +250,8 @@ static void zero2_fini(ct_strategy *s)
     if (z) {
         ct__zero_wait_all(s);
         if (z->red) zero2_drain(s);
+        ct__zbuckets_destroy(z->zb);
+        z->zb = NULL;
         for (int i = 0; z->grad_hooks && i < z->ntp; i++) {
             ct_hook_remove(z->grad_hooks[i]);
             /* every parameter leaves with a gradient of its own again */
@@ -281,6 +301,8 @@ static ct_status zero2_pre_backward(ct_strategy *s)
     if (s->no_sync) return CT_OK;
     memset(z->ready, 0, (size_t)z->ntp);
     z->nready = 0;
+    z->nreduces = 0;
+    ct__zbuckets_begin(z->zb, z);
     z->t_comm = 0;
     z->t_room = 0;
     return CT_OK;
@@ -291,31 +313,28 @@ static ct_status zero2_post_backward(ct_strategy *s)
     ct__zero *z = ct__zero_of(s);
     if (s->no_sync) return CT_OK;
     ct_status st = CT_OK;
-    int expected = 0;
-    for (int i = 0; i < z->ntp; i++) expected += z->trainable[i];
-    if (z->nready != expected) {
-        int i = 0;
-        while (i + 1 < z->ntp && (z->ready[i] || !z->trainable[i])) i++;
-        st = ct_error(CT_ESTATE, "zero2: parameter '%s' got no gradient in this backward, so its owner would "
-                      "wait for it forever; every trainable parameter must take part in every step (freeze "
-                      "it with requires_grad = 0 otherwise)", z->tp[i]->name);
-    }
     double t0 = ct_now();
     while (z->q.n) {
         ct_status w = finish_oldest(s);
         if (st == CT_OK) st = w;
     }
-    /* A frozen parameter's gradient is zero, as a plain optimizer sees it. */
-    for (int k = 0; k < z->pt.n; k++)
-        if (z->goff[k] >= 0 && !z->trainable[z->pt.ranges[k].param])
+    ct_status w = ct__zbuckets_finish(s, z->zb);
+    if (st == CT_OK) st = w;
+    /* A frozen parameter's gradient is zero, as a plain optimizer sees it, and so is that of a
+     * parameter the backward did not reach (fairscale tolerates those; the same ones on every
+     * rank, since no rank sent a reduce for it).  Buckets carried theirs as zeros. */
+    for (int k = 0; k < z->pt.n; k++) {
+        int i = z->pt.ranges[k].param;
+        if (z->goff[k] >= 0 && (!z->trainable[i] || (!z->ready[i] && !ct__zbuckets_has(z->zb, k))))
             memset(z->gshard + z->goff[k], 0, (size_t)z->pt.ranges[k].count * sizeof(float));
+    }
     double t1 = ct_now();
     if (z->ntp) ct_trace_event("wait for reduce", "comm", t0, t1, 0);
     /* waits inside backward for room are communication, not compute */
     s->stats.backward -= z->t_room;
     s->stats.comm_wait += t1 - t0 + z->t_room;
     s->stats.comm_total += z->t_comm;
-    s->stats.nbuckets = z->ntp; /* each gradient goes to its owners as a bucket of its own */
+    s->stats.nbuckets = z->nreduces; /* one per bucket, one per gradient range travelling alone */
     return st;
 }
 
@@ -361,6 +380,7 @@ static void zero2_scale_grads(ct_strategy *s, float c)
 
 const ct__strategy_ops ct__zero2_ops = {
     .kind = "zero2",
+    .replicas_share_batch = 1,
     .opts = zero2_opt_defs,
     .nopts = (int)(sizeof zero2_opt_defs / sizeof zero2_opt_defs[0]),
     .opts_size = sizeof(zero2_opts),
@@ -369,6 +389,7 @@ const ct__strategy_ops ct__zero2_ops = {
         .fini = zero2_fini,
         .build_optim = zero2_build_optim,
         .partition = ct__zero_partition,
+        .summon = ct__zero_summon,
     },
     .sync = {
         .pre_forward = zero2_pre_forward,
