@@ -18,7 +18,8 @@ typedef struct {
     ct_dataset train, test; /* images; for text only .n is set (windows per split) */
     ct_text text;            /* the gpt's corpus */
     int is_text;
-    ct_safetensors *ck, *side; /* --init / --resume files */
+    ct_ckpt_info ck;         /* --init / --resume: the checkpoint's metadata */
+    const char *ck_path;     /* that checkpoint, or NULL */
     ct_module *model;
     ct_optim *opt;
     ct_strategy *s;

@@ -56,12 +56,14 @@ TEST(gpt_equals_nanogpt_in_pytorch)
     ts[np + 1] = y;
     ct_meta meta = {0};
     ASSERT_OK(ct_model_config_to_meta(&c, &meta));
-    const char *mk[CT_META_MAX], *mv[CT_META_MAX];
+    const char *mk[32], *mv[32];
+    ASSERT(meta.n <= 32);
     ct_meta_arrays(&meta, mk, mv);
     char in[512], out[512], cmd[1536];
     snprintf(in, sizeof in, "%s/in.safetensors", ct_test_tmpdir());
     snprintf(out, sizeof out, "%s/out.safetensors", ct_test_tmpdir());
     ASSERT_OK(ct_safetensors_save(in, names, ts, np + 2, mk, mv, meta.n));
+    ct_meta_fini(&meta);
     snprintf(cmd, sizeof cmd, "%s %s '%s' '%s' 2>&1", PY, SCRIPT, in, out);
     char msg[4096];
     FILE *p = popen(cmd, "r");
