@@ -84,8 +84,11 @@ static ct_status read_position(const char *file, const ct_meta *m, const char *k
     char *end;
     errno = 0;
     long long x = strtoll(s, &end, 10);
-    if (end == s || *end || errno || x < 0)
-        return ct_error(CT_EFORMAT, "%s: metadata '%s' is '%s', not a whole number", file, key, s);
+    if (end == s || *end || errno)
+        return ct_error(CT_EFORMAT, "%s: metadata '%s' is '%s', not an integer", file, key, s);
+    if (x < 0)
+        return ct_error(CT_EFORMAT, "%s: metadata '%s' is %lld, but a position counts from 0; the file is damaged "
+                        "or was edited: resume from another checkpoint", file, key, x);
     *v = x;
     return CT_OK;
 }
@@ -116,10 +119,12 @@ static ct_status read_info(const char *path, int need_optim, ct_ckpt_info *out)
                       "the checkpoint when it is saved); load the weights alone (use --init %s, or "
                       "ct_checkpoint_load without the optimizer)", path, side, path);
     }
+    /* the optimizer file has the whole position (the model file its step and epoch) */
     const ct_meta *pm = out->has_optim ? &out->optim_meta : &out->meta;
-    if (st == CT_OK) st = read_position(path, &out->meta, "ctrain.step", &out->pos.step);
-    if (st == CT_OK) st = read_position(path, pm, "ctrain.epoch", &out->pos.epoch);
-    if (st == CT_OK) st = read_position(side, pm, "ctrain.position", &out->pos.position);
+    const char *pf = out->has_optim ? side : path;
+    if (st == CT_OK) st = read_position(pf, pm, "ctrain.step", &out->pos.step);
+    if (st == CT_OK) st = read_position(pf, pm, "ctrain.epoch", &out->pos.epoch);
+    if (st == CT_OK) st = read_position(pf, pm, "ctrain.position", &out->pos.position);
     return st;
 }
 
