@@ -2,8 +2,8 @@
  * Internals of the ctrain program, shared by its files: exit codes, the
  * option parser (args.c) and the gpt's shape flags (gpt_flags.c), printing
  * from rank 0 only (output.c), data loading (data.c), evaluation on a test
- * set (evaluate.c), checkpoints and their optimizer sidecars (checkpoint.c,
- * sharded.c), progress display (progress.c), and the commands (train.c,
+ * set (evaluate.c), checkpoint metadata (checkpoint.c; saving and loading
+ * are the library's, checkpoint.h), progress display (progress.c), and the commands (train.c,
  * eval.c, inspect.c, estimate.c, sample.c).  Like any user of ctrain,
  * the program sees only the public headers.
  */
@@ -157,76 +157,14 @@ const char *cli_eval_text_str(const cli_eval *e, double unigram, char *buf, size
 /* "loss 0.3312  accuracy 88.41% (8841/10000)" into buf. */
 const char *cli_eval_str(const cli_eval *e, char *buf, size_t n);
 
-/* ---- checkpoints (checkpoint.c) ---------------------------------------- */
+/* ---- checkpoints: the library's (checkpoint.h); metadata (checkpoint.c), outputs (paths.c) */
 
-/* Where the optimizer state of checkpoint path goes:
- * "run.safetensors" -> "run.optim.safetensors"; other names get ".optim.safetensors" appended;
- * a sharded checkpoint (a directory, or its model.safetensors.index.json) -> DIR/optim.safetensors.index.json. */
-void cli_sidecar_path(const char *path, char *buf, size_t n);
-/* Loads a safetensors file with a message fit for the command line. */
-ct_status cli_load_file(const char *path, const char *what, ct_safetensors **out);
-/* The file's metadata as a ct_meta. */
-ct_status cli_file_meta(const ct_safetensors *st, ct_meta *m);
-/* Loads every tensor of st into the strategy's model (optim 0) or optimizer (optim 1). */
-ct_status cli_load_state(ct_strategy *s, const ct_safetensors *st, int optim);
-/* Collective: writes the strategy's model state to path and, with
- * sidecar_meta != NULL, its optimizer state to the sidecar; both commit as
- * one unit (a failure leaves the previous pair). */
-ct_status cli_save(ct_strategy *s, const char *path, const ct_meta *model_meta, const ct_meta *sidecar_meta);
-/* Collective: rank 0 finishes a commit of the checkpoint at path (a file,
- * or a sharded directory) that a crash interrupted; call before reading it.
- * g NULL: this process alone (no MPI). */
-ct_status cli_ckpt_recover(ct_group *g, const char *path);
-/* CT_OK when path is a regular file or a directory (never a FIFO a read would block on). */
-ct_status cli_check_regular(const char *path);
-/* CT_EINVAL naming path and the tensor when an f32 tensor of state holds NaN or inf. */
-ct_status cli_check_state_finite(const char *path, const ct_state *state);
-/* Collective over the strategy's group: writes a sharded checkpoint into
- * directory dir (made if missing): every rank its share of the model and
- * of the optimizer state, then rank 0 the optimizer's and the model's
- * index (with sidecar_meta and model_meta), then it removes the files of
- * older saves in dir (sharded.c says why a crash cannot lose a checkpoint).
- * local: the shares are the ranks' own pieces (ct_strategy_local_state:
- * nothing is gathered) instead of whole tensors.  The same status on every
- * rank. */
-ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model_meta, const ct_meta *sidecar_meta,
-                           int64_t step, int local);
 /* Reads key of m as an integer into *v; CT_EFORMAT naming file and key. */
 ct_status cli_meta_int(const ct_meta *m, const char *file, const char *key, int64_t *v);
-
 /* CT_OK when the file path (is_dir: the directory path, made later if
  * missing) can be written: its directory exists and takes a new file.
  * The message names flag and the fix. */
 ct_status cli_check_output(const char *flag, const char *path, int is_dir);
-
-/* ---- the one check that a checkpoint loads (verify.c) -------------------- */
-
-typedef struct {
-    int has_optim; /* its optimizer state is there (and was checked) */
-    int is_ctrain; /* its metadata describes a ctrain model, and it loaded into one */
-} cli_verified;
-/* CT_EFORMAT naming both files and the key unless the model file and its
- * optimizer state carry the same step, seed, save id and generation. */
-ct_status cli_same_save(const char *path, const ct_safetensors *model, const char *side, const ct_safetensors *optim);
-/* Does what a resume from path does short of training (verify.c says
- * what): CT_OK exactly when it would load.  need_optim: the optimizer
- * state must be there too (--resume, a series member).  One process; no
- * collectives. */
-ct_status cli_ckpt_verify(const char *path, int need_optim, cli_verified *out);
-
-/* ---- a series of checkpoints (series.c): --keep-last, --resume latest -- */
-
-/* The name of the series member of path at step: run.safetensors ->
- * run-step00000100.safetensors; a directory ckpt -> ckpt-step00000100. */
-void cli_series_path(const char *path, int64_t step, char *buf, size_t n);
-/* Collective: the newest complete checkpoint of the series of save (or
- * save itself) into buf on every rank, "" when there is none. */
-ct_status cli_resolve_latest(ct_group *g, const char *save, char *buf, size_t n);
-/* Collective: once newest (the member just saved) verifies, rank 0
- * removes all but the keep newest members of the series that verify, and
- * the unfinished ones failed saves left; nothing when newest does not
- * verify (an error saying so). */
-ct_status cli_series_prune(ct_group *g, const char *save, const char *newest, int64_t keep);
 
 /* ---- progress (progress.c) --------------------------------------------- */
 

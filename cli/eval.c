@@ -52,18 +52,16 @@ static void print_confusion(const cli_eval *ev, int64_t C)
 static ct_status run(const eval_opts *o)
 {
     ct_group *g = ct_group_world();
-    ct_safetensors *st = NULL;
+    ct_ckpt_info ck;
     ct_dataset test = {0};
     ct_text text = {0};
     ct_module *model = NULL;
     ct_strategy *s = NULL;
     int64_t *conf = NULL;
     ct_model_config cfg;
-    ct_meta m;
-    ct_status r = cli_ckpt_recover(g, o->ckpt); /* a save a crash interrupted is finished first */
-    if (r == CT_OK) r = cli_load_file(o->ckpt, "the checkpoint", &st);
-    if (r == CT_OK) r = cli_file_meta(st, &m);
-    if (r == CT_OK && ct_model_config_from_meta(&m, &cfg) != CT_OK) {
+    const ct_meta *m = &ck.meta;
+    ct_status r = ct_checkpoint_info(g, o->ckpt, 0, &ck); /* finishes a save a crash interrupted first */
+    if (r == CT_OK && ct_model_config_from_meta(m, &cfg) != CT_OK) {
         char why[512];
         snprintf(why, sizeof why, "%s", ct_last_error());
         r = ct_error(CT_EFORMAT, "%s: %s", o->ckpt, why);
@@ -78,8 +76,9 @@ static ct_status run(const eval_opts *o)
     /* The weights go in through the strategy's loader, the same checks as training. */
     ct_optim_opts oo = ct_optim_defaults(CT_OPT_SGD);
     if (r == CT_OK) r = ct_strategy_create("none", model, &oo, g, NULL, &s);
+    r = ct_group_check(g, r);
     if (r == CT_OK) {
-        r = cli_load_state(s, st, 0);
+        r = ct_checkpoint_load(s, o->ckpt, 0);
         if (r != CT_OK) {
             char why[512];
             snprintf(why, sizeof why, "%s", ct_last_error());
@@ -97,7 +96,7 @@ static ct_status run(const eval_opts *o)
         char buf[512], desc[300];
         cli_out("model: %s (%lld parameters) from %s", cli_config_str(&cfg, desc, sizeof desc),
                 (long long)ct_module_num_params(model), o->ckpt);
-        const char *step = ct_meta_get(&m, "ctrain.step");
+        const char *step = ct_meta_get(m, "ctrain.step");
         char shown[1100];
         cli_out(step ? ", step %s\n" : "\n", step ? cli_printable(step, shown, sizeof shown) : "");
         if (is_text) {
@@ -115,7 +114,7 @@ static ct_status run(const eval_opts *o)
     ct_module_destroy(model);
     ct_dataset_fini(&test);
     ct_text_fini(&text);
-    ct_safetensors_destroy(st);
+    ct_ckpt_info_fini(&ck);
     return r;
 }
 

@@ -3,7 +3,7 @@
  * or a sharded checkpoint through its index: every tensor with its dtype,
  * shape and size, the totals, and the metadata.  --verify checks every
  * tensor against its stored checksum and, for a ctrain checkpoint, does
- * what a load does (cli_ckpt_verify): its optimizer state belongs to the
+ * what a load does (ct_checkpoint_verify): its optimizer state belongs to the
  * same save and both load into the model its metadata describes.  Text from the file is printed
  * with control characters escaped, so a file cannot drive the terminal.
  */
@@ -41,10 +41,11 @@ int cli_inspect(int argc, char **argv)
         fprintf(stderr, "ctrain inspect: give the file to inspect: ctrain inspect CKPT\n");
         return CLI_USAGE;
     }
-    ct_status s = cli_check_regular(pos[0]);
-    if (s == CT_OK) s = cli_ckpt_recover(NULL, pos[0]);
+    ct_ckpt_info ck; /* checks the path and finishes a save a crash interrupted */
+    ct_status s = ct_checkpoint_info(NULL, pos[0], 0, &ck);
+    ct_ckpt_info_fini(&ck);
     ct_safetensors *st = NULL;
-    if (s == CT_OK) s = cli_load_file(pos[0], "the file", &st);
+    if (s == CT_OK) s = ct_safetensors_load(pos[0], &st);
     if (s != CT_OK) {
         cli_err("inspect", "%s", ct_last_error());
         return CLI_RUNTIME;
@@ -78,9 +79,9 @@ int cli_inspect(int argc, char **argv)
     rc = CLI_OK;
     if (verify) {
         int checked, unchecked;
-        cli_verified v;
+        ct_ckpt_verified v;
         s = ct_safetensors_verify(pos[0], &checked, &unchecked);
-        if (s == CT_OK) s = cli_ckpt_verify(pos[0], 0, &v); /* what a load does: verify means loadable */
+        if (s == CT_OK) s = ct_checkpoint_verify(pos[0], 0, &v); /* what a load does: verify means loadable */
         if (s != CT_OK) {
             cli_err("inspect", "verify failed: %s", ct_last_error());
             rc = CLI_RUNTIME;

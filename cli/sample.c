@@ -23,15 +23,13 @@ typedef struct {
 
 static ct_status run(const sample_opts *o)
 {
-    ct_safetensors *st = NULL;
+    ct_ckpt_info ck;
     ct_module *model = NULL;
     ct_strategy *s = NULL;
     ct_gpt_gen *gen = NULL;
     ct_model_config cfg;
-    ct_meta m;
-    ct_status r = cli_load_file(o->ckpt, "the checkpoint", &st);
-    if (r == CT_OK) r = cli_file_meta(st, &m);
-    if (r == CT_OK && ct_model_config_from_meta(&m, &cfg) != CT_OK) {
+    ct_status r = ct_checkpoint_info(NULL, o->ckpt, 0, &ck);
+    if (r == CT_OK && ct_model_config_from_meta(&ck.meta, &cfg) != CT_OK) {
         char why[512];
         snprintf(why, sizeof why, "%s", ct_last_error());
         r = ct_error(CT_EFORMAT, "%s: %s", o->ckpt, why);
@@ -45,7 +43,7 @@ static ct_status run(const sample_opts *o)
     if (r == CT_OK) r = ct_model_build(&cfg, 0, &model);
     ct_optim_opts oo = ct_optim_defaults(CT_OPT_SGD);
     if (r == CT_OK) r = ct_strategy_create("none", model, &oo, NULL, NULL, &s);
-    if (r == CT_OK) r = cli_load_state(s, st, 0);
+    if (r == CT_OK) r = ct_checkpoint_load(s, o->ckpt, 0);
     if (r == CT_OK) r = ct_gpt_gen_create(model, &cfg, &gen);
     if (r == CT_OK) {
         const char *p = o->prompt && *o->prompt ? o->prompt : "\n";
@@ -67,7 +65,7 @@ static ct_status run(const sample_opts *o)
     ct_gpt_gen_destroy(gen);
     ct_strategy_destroy(s);
     ct_module_destroy(model);
-    ct_safetensors_destroy(st);
+    ct_ckpt_info_fini(&ck);
     return r;
 }
 

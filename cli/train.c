@@ -38,9 +38,8 @@ static ct_status choose_config(trainer *t)
     train_opts *o = t->o;
     const char *file = o->resume ? o->resume : o->init;
     if (!o->has_model) {
-        ct_meta m;
-        CT_TRY(cli_file_meta(t->ck, &m));
-        if (ct_model_config_from_meta(&m, &t->cfg) != CT_OK) {
+        const ct_meta *m = &t->ck.meta;
+        if (ct_model_config_from_meta(m, &t->cfg) != CT_OK) {
             char why[512];
             snprintf(why, sizeof why, "%s", ct_last_error());
             return ct_error(CT_EFORMAT, "%s: %s; pass --model (and --hidden) to say what it holds", file, why);
@@ -49,10 +48,10 @@ static ct_status choose_config(trainer *t)
             char mine[256];
             ct_model_config c = t->cfg;
             CT_TRY(ct_model_config_parse_hidden(&c, o->hidden));
-            if (strcmp(ct_model_config_hidden_str(&c, mine, sizeof mine), ct_meta_get(&m, "ctrain.hidden"))) {
+            if (strcmp(ct_model_config_hidden_str(&c, mine, sizeof mine), ct_meta_get(m, "ctrain.hidden"))) {
                 t->usage = 1;
                 return ct_error(CT_EINVAL, "--hidden %s differs from the checkpoint's %s (%s); drop --hidden",
-                                o->hidden, ct_meta_get(&m, "ctrain.hidden"), file);
+                                o->hidden, ct_meta_get(m, "ctrain.hidden"), file);
             }
         }
         if (o->batchnorm && !t->cfg.batchnorm) {
@@ -115,7 +114,7 @@ static ct_status saved_num(const ct_meta *m, const char *file, const char *key, 
 static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
 {
     train_opts *o = t->o;
-    int64_t shuffle = !o->no_shuffle, mstep;
+    int64_t shuffle = !o->no_shuffle;
     CT_TRY(agree(t, m, side, "ctrain.seed", "--seed", o->has_seed, &o->seed));
     CT_TRY(agree(t, m, side, "ctrain.batch", "--batch", o->has_batch, &o->batch));
     CT_TRY(agree(t, m, side, "ctrain.shuffle", "--no-shuffle", o->no_shuffle, &shuffle));
@@ -144,6 +143,8 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
     /* Absent in files from before parameter groups: those runs decayed every
      * parameter with PyTorch's betas, and go on doing so. */
     const char *nd = ct_meta_get(m, "ctrain.no_decay");
+    if (nd && strlen(nd) >= sizeof t->saved_no_decay)
+        return ct_error(CT_EFORMAT, "%s: 'ctrain.no_decay' is %zu bytes, over %d", side, strlen(nd), NO_DECAY_MAX - 1);
     snprintf(t->saved_no_decay, sizeof t->saved_no_decay, "%s", nd ? nd : "none"); /* m is the caller's */
     if (!o->has_no_decay) o->no_decay = t->saved_no_decay;
     o->has_no_decay = 1;
@@ -169,43 +170,30 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
         if (!sk || ct_sched_parse(sk, &k)) return ct_error(CT_EFORMAT, "%s has no valid 'ctrain.schedule'", side);
         o->schedule = k == CT_SCHED_COSINE ? "cosine" : "constant";
     }
+    /* ct_checkpoint_info checked that both files are from one save */
     CT_TRY(cli_meta_int(m, side, "ctrain.step", &t->step));
     CT_TRY(cli_meta_int(m, side, "ctrain.epoch", &t->epoch));
     CT_TRY(cli_meta_int(m, side, "ctrain.position", &t->pos));
-    ct_meta mm;
-    CT_TRY(cli_file_meta(t->ck, &mm));
-    CT_TRY(cli_same_save(o->resume, t->ck, side, t->side)); /* the check inspect --verify makes */
-    int64_t mseed = -1;
-    if (cli_meta_int(&mm, o->resume, "ctrain.step", &mstep) != CT_OK || mstep != t->step ||
-        cli_meta_int(&mm, o->resume, "ctrain.seed", &mseed) != CT_OK || mseed != o->seed)
-        return ct_error(CT_EFORMAT, "%s and %s are from different saves (put together by hand?); resume from a "
-                        "matching pair, or use --init for the weights alone", o->resume, side);
     return train_check_saved(o, t->step, t->epoch, t->pos, side);
 }
 
-/* Reads --init / --resume files; for --resume, the run's settings and position. */
+/* Collective: the metadata of the --init / --resume checkpoint (its
+ * tensors are read once the strategy is there); for --resume, the run's
+ * settings and position. */
 static ct_status read_checkpoints(trainer *t)
 {
     train_opts *o = t->o;
-    const char *ck = o->init ? o->init : o->resume;
-    if (ck) CT_TRY(cli_ckpt_recover(t->g, ck)); /* a save a crash interrupted is finished first */
-    if (o->init) return cli_load_file(o->init, "the --init checkpoint", &t->ck);
+    if (o->init) {
+        t->ck_path = o->init;
+        return ct_checkpoint_info(t->g, o->init, 0, &t->ck);
+    }
     if (!o->resume) return CT_OK;
     char side[4096];
-    if (train_check_resume_name(o->resume) != CT_OK) {
-        t->usage = 1;
-        return CT_EINVAL;
-    }
-    CT_TRY(cli_load_file(o->resume, "the --resume checkpoint", &t->ck));
-    cli_sidecar_path(o->resume, side, sizeof side);
-    if (access(side, F_OK) != 0)
-        return ct_error(CT_EIO, "cannot resume from %s: its optimizer state %s is missing (it is written beside "
-                        "the checkpoint by --save); use --init %s to start from the weights alone",
-                        o->resume, side, o->resume);
-    CT_TRY(cli_load_file(side, "the optimizer state", &t->side));
-    ct_meta m;
-    CT_TRY(cli_file_meta(t->side, &m));
-    return resume_settings(t, side, &m);
+    CT_TRY(ct_group_check(t->g, train_check_resume_name(o->resume)));
+    t->ck_path = o->resume;
+    CT_TRY(ct_checkpoint_info(t->g, o->resume, 1, &t->ck));
+    ct_checkpoint_optim_path(o->resume, side, sizeof side);
+    return resume_settings(t, side, &t->ck.optim_meta);
 }
 
 /* The optimizer spec; the strategy builds the optimizer over what this rank
@@ -408,7 +396,9 @@ static ct_status setup(trainer *t)
     if (chk == CT_OK) chk = train_check_outputs(o, t->rank, t->world, sharded(t));
     if (chk != CT_OK) t->usage = 1;
     CT_TRY(ct_group_check(t->g, chk));
-    CT_TRY(ct_group_check(t->g, read_checkpoints(t)));
+    st = read_checkpoints(t);
+    if (st == CT_EINVAL && o->resume && !t->ck_path) t->usage = 1; /* --resume names the optimizer state */
+    CT_TRY(ct_group_check(t->g, st));
     /* After --resume has settled the batch: each rank needs a sample in every micro-batch. */
     if (!strcmp(o->strategy, "offload") && o->microbatches > 1 && o->batch < t->world * o->microbatches) {
         t->usage = 1;
@@ -456,16 +446,16 @@ static ct_status setup(trainer *t)
     CT_TRY(ct_group_check(t->g, make_strategy(t)));
 
     st = CT_OK;
-    if (t->ck) {
-        st = cli_load_state(t->s, t->ck, 0);
+    if (t->ck_path) {
+        /* the model, and on --resume the optimizer state, read through the strategy */
+        st = ct_checkpoint_load(t->s, t->ck_path, o->resume != NULL);
         if (st != CT_OK) {
             /* Say which model the file holds, when its metadata tells. */
             char why[512], mine[300], theirs[300];
             snprintf(why, sizeof why, "%s", ct_last_error());
             cli_config_str(&t->cfg, mine, sizeof mine);
-            ct_meta m;
             ct_model_config c;
-            int told = cli_file_meta(t->ck, &m) == CT_OK && ct_model_config_from_meta(&m, &c) == CT_OK;
+            int told = ct_model_config_from_meta(&t->ck.meta, &c) == CT_OK;
             if (told && strcmp(cli_config_str(&c, theirs, sizeof theirs), mine))
                 st = ct_error(st, "%s holds %s, not the %s this run builds: %s", o->resume ? o->resume : o->init,
                               theirs, mine, why);
@@ -475,7 +465,6 @@ static ct_status setup(trainer *t)
                 st = ct_error(st, "%s does not fit this %s: %s", o->resume ? o->resume : o->init, mine, why);
         }
     }
-    if (st == CT_OK && t->side) st = cli_load_state(t->s, t->side, 1);
     if (st == CT_OK) st = make_sampler(t);
     if (st == CT_OK) st = make_schedule(t);
     CT_TRY(ct_group_check(t->g, st));
@@ -561,24 +550,16 @@ static void add_stats(trainer *t)
     t->nstats++;
 }
 
+/* The run's metadata: model (both files: the model's config, the seed,
+ * the optimizer, the data) and side (the optimizer file only: what a resume
+ * continues with).  ct_checkpoint_save adds the position and the save's id. */
 static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
 {
     train_opts *o = t->o;
-    memset(model, 0, sizeof *model);
     CT_TRY(ct_model_config_to_meta(&t->cfg, model));
-    CT_TRY(ct_meta_set(model, "ctrain.step", "%lld", (long long)t->step));
-    CT_TRY(ct_meta_set(model, "ctrain.epoch", "%lld", (long long)(t->pos == t->spe ? t->epoch + 1 : t->epoch)));
     CT_TRY(ct_meta_set(model, "ctrain.seed", "%llu", (unsigned long long)t->seed));
     CT_TRY(ct_meta_set(model, "ctrain.optim", "%s", ct_optim_name(t->opt)));
     CT_TRY(ct_meta_set(model, "ctrain.data", "%s", o->data));
-    /* Both files of one save carry the same id, so a pair put together from
-     * two saves is recognised (rank 0 writes the files; its id counts). */
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    CT_TRY(ct_meta_set(model, "ctrain.commit", "%llx-%x-%llx", (unsigned long long)ts.tv_sec, (unsigned)getpid(),
-                       (unsigned long long)ts.tv_nsec));
-    *side = *model;
-    CT_TRY(ct_meta_set(side, "ctrain.position", "%lld", (long long)(t->pos == t->spe ? 0 : t->pos))); /* as epoch */
     CT_TRY(ct_meta_set(side, "ctrain.batch", "%lld", (long long)o->batch));
     CT_TRY(ct_meta_set(side, "ctrain.shuffle", "%d", t->shuffle));
     CT_TRY(ct_meta_set(side, "ctrain.last_batch", "%s", o->last_batch));
@@ -599,18 +580,24 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
     return CT_OK;
 }
 
-/* Full: rank 0 writes; every rank learns whether it worked.  Sharded:
- * every rank writes its share, rank 0 the indexes. */
+/* Collective: the library's checkpoint (full: rank 0 writes; sharded and
+ * local: every rank its share, rank 0 the indexes), as one unit. */
 static ct_status save(trainer *t)
 {
-    ct_meta mm, sm;
+    ct_meta mm = {0}, sm = {0};
     train_opts *o = t->o;
-    CT_TRY(ct_group_check(t->g, fill_meta(t, &mm, &sm)));
+    /* A save at the end of an epoch records the next epoch at its start. */
+    ct_ckpt_position pos = {t->step, t->pos == t->spe ? t->epoch + 1 : t->epoch, t->pos == t->spe ? 0 : t->pos};
+    ct_ckpt_opts co = {!strcmp(o->state_dict, "full") ? CT_CKPT_FULL
+                       : !strcmp(o->state_dict, "local") ? CT_CKPT_LOCAL : CT_CKPT_SHARDED,
+                       &sm, o->keep_last};
+    ct_status st = ct_group_check(t->g, fill_meta(t, &mm, &sm));
     snprintf(t->saved, sizeof t->saved, "%s", o->save);
-    if (o->keep_last) cli_series_path(o->save, t->step, t->saved, sizeof t->saved);
-    if (sharded(t)) CT_TRY(cli_save_sharded(t->s, t->saved, &mm, &sm, t->step, !strcmp(o->state_dict, "local")));
-    else CT_TRY(cli_save(t->s, t->saved, &mm, &sm));
-    return o->keep_last ? cli_series_prune(t->g, o->save, t->saved, o->keep_last) : CT_OK;
+    if (o->keep_last) ct_checkpoint_series_path(o->save, t->step, t->saved, sizeof t->saved);
+    if (st == CT_OK) st = ct_checkpoint_save(t->s, o->save, &mm, &pos, &co);
+    ct_meta_fini(&mm);
+    ct_meta_fini(&sm);
+    return st;
 }
 
 
@@ -712,8 +699,7 @@ static void teardown(trainer *t)
     ct_dataset_fini(&t->train);
     ct_dataset_fini(&t->test);
     ct_text_fini(&t->text);
-    ct_safetensors_destroy(t->ck);
-    ct_safetensors_destroy(t->side);
+    ct_ckpt_info_fini(&t->ck);
     ct_free(t->nd);
     ct_free(t->step_s);
     ct_free(t->mem);
@@ -759,7 +745,7 @@ int train_run(train_opts *o)
                     "optim.safetensors.index.json)\n", t.saved, t.world, t.world == 1 ? "" : "s", t.saved);
         else if (st == CT_OK) {
             char side[4096];
-            cli_sidecar_path(t.saved, side, sizeof side);
+            ct_checkpoint_optim_path(t.saved, side, sizeof side);
             cli_out("saved %s (optimizer state: %s)\n", t.saved, side);
         }
     }

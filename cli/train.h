@@ -7,6 +7,9 @@
 /* Room for the train command's options (train_args.c's table asserts it). */
 #define CLI_TRAIN_MAXOPT 80
 
+/* Longest --no-decay rule list (rules are short globs; a checkpoint keeps it as metadata). */
+#define NO_DECAY_MAX 4096
+
 typedef struct {
     const char *model, *hidden, *data, *data_dir;
     int64_t epochs, steps, batch, kernel;

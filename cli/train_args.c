@@ -246,8 +246,8 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
         if (ok != CT_OPT_ADAMW) return BAD("--betas applies to --optim adamw only");
     }
     if (o->has_no_decay) {
-        if (strlen(o->no_decay) >= CT_META_VAL)
-            return BAD("--no-decay is %zu bytes; checkpoints keep up to %d: use globs", strlen(o->no_decay), CT_META_VAL - 1);
+        if (strlen(o->no_decay) >= NO_DECAY_MAX)
+            return BAD("--no-decay is %zu bytes; at most %d: use globs", strlen(o->no_decay), NO_DECAY_MAX - 1);
         const char **nm;
         int nn;
         if (ct_optim_select(NULL, 0, o->no_decay, &nm, &nn) != CT_OK) return BAD("--no-decay: %s", ct_last_error());

@@ -46,7 +46,7 @@ ct_status train_check_resume_name(const char *resume)
 
 ct_status train_resolve_latest(ct_group *g, train_opts *o, char *buf, size_t n, int *usage)
 {
-    CT_TRY(cli_resolve_latest(g, o->save, buf, n));
+    CT_TRY(ct_checkpoint_latest(g, o->save, buf, n));
     if (buf[0]) {
         cli_out("--resume latest: continuing from %s\n", buf);
         o->resume = buf;
@@ -74,7 +74,7 @@ ct_status train_check_outputs(const train_opts *o, int rank, int world, int shar
 {
     char p[4096];
     if (o->save && (rank == 0 || sharded)) {
-        if (o->keep_last) cli_series_path(o->save, 0, p, sizeof p);
+        if (o->keep_last) ct_checkpoint_series_path(o->save, 0, p, sizeof p);
         else snprintf(p, sizeof p, "%s", o->save);
         CT_TRY(cli_check_output("--save", p, sharded));
     }

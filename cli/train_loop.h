@@ -18,13 +18,14 @@ typedef struct {
     ct_dataset train, test; /* images; for text only .n is set (windows per split) */
     ct_text text;            /* the gpt's corpus */
     int is_text;
-    ct_safetensors *ck, *side; /* --init / --resume files */
+    ct_ckpt_info ck;         /* --init / --resume: the checkpoint's metadata */
+    const char *ck_path;     /* that checkpoint, or NULL */
     ct_module *model;
     ct_optim *opt;
     const char **nd;       /* the no-decay group's names (ct_optim_select's), until the strategy copied them */
     int nnd;
     ct_optim_group nodecay;
-    char saved_no_decay[CT_META_VAL]; /* --resume: the checkpoint's --no-decay rules */
+    char saved_no_decay[NO_DECAY_MAX]; /* --resume: the checkpoint's --no-decay rules */
     ct_strategy *s;
     ct_sampler sampler;
     ct_lr_schedule sched;

@@ -2,9 +2,9 @@
  * A model with a layer of your own, trained under any strategy, saved and
  * resumed: the library's public API only.
  *
- *   custom_layer STRATEGY DIR STEPS [--until K] [--resume]
+ *   custom_layer STRATEGY DIR STEPS [--until K] [--resume] [--format full|sharded|local]
  *   mpirun -np 2 build/examples/custom_layer fsdp /tmp/run 40 --until 20
- *   mpirun -np 2 build/examples/custom_layer fsdp /tmp/run 40 --resume
+ *   mpirun -np 3 build/examples/custom_layer zero2 /tmp/run 40 --resume
  *
  * The layer is RMSNorm (y = x / sqrt(mean(x^2) + eps) * weight), with a
  * forward that saves what its backward needs in the call's record, a
@@ -14,11 +14,16 @@
  * projection of x, so the loss falls within a few steps.  Each step's global
  * batch is the same whatever the number of ranks; each rank takes its rows
  * with ct_strategy_local_rows (under pipe, the stages of one pipeline must
- * get the same rows).  At the end every rank takes part in the state calls
- * (they are collective), and rank 0 writes DIR/model.safetensors (a
- * PyTorch state_dict) and DIR/optim.safetensors; --resume loads them and
- * continues from the optimizer's step, to the same numbers as one run
- * (STEPS is the learning-rate schedule's length; --until K stops at K).
+ * get the same rows).  At the end every rank calls ct_checkpoint_save (it
+ * is collective): the model (a PyTorch state_dict), its optimizer state and
+ * the data position, committed as one unit, in a series of which the two
+ * newest stay (DIR/run-step00000020.safetensors and its
+ * .optim.safetensors; with --format sharded or local a directory
+ * DIR/run-step00000020 of every rank's share or pieces).  --resume finds
+ * the newest checkpoint that verifies (ct_checkpoint_latest), reads where
+ * the run stood (ct_checkpoint_info) and loads it (ct_checkpoint_load) under
+ * any strategy and world size, to the same numbers as one run (STEPS is the
+ * learning-rate schedule's length; --until K stops at K).
  */
 #include <math.h>
 #include <stdio.h>
@@ -159,36 +164,6 @@ static void make_batch(int64_t step, int64_t first, int64_t count, ct_tensor **x
     }
 }
 
-/* Collective: every rank asks for the state; rank 0 writes it. */
-static ct_status save_state(ct_strategy *s, const char *path, int optim, int rank)
-{
-    ct_state st;
-    ct_status rc = optim ? ct_strategy_optim_state(s, &st) : ct_strategy_model_state(s, &st);
-    if (rc == CT_OK && rank == 0)
-        rc = ct_safetensors_save(path, (const char *const *)st.names, st.tensors, st.n, NULL, NULL, 0);
-    ct_state_fini(&st);
-    return ct_group_check(ct_strategy_group(s), rc); /* one rank's failure is every rank's */
-}
-
-/* Every rank reads the whole file: any world size and strategy can load it. */
-static ct_status load_state(ct_strategy *s, const char *path, int optim)
-{
-    ct_safetensors *f;
-    CT_TRY(ct_safetensors_load(path, &f));
-    int n = ct_safetensors_count(f);
-    const char **names = malloc(sizeof *names * (size_t)n);
-    ct_tensor **ts = malloc(sizeof *ts * (size_t)n);
-    for (int i = 0; names && ts && i < n; i++) {
-        names[i] = ct_safetensors_name(f, i);
-        ts[i] = ct_safetensors_tensor(f, i);
-    }
-    ct_status rc = names && ts ? ct_strategy_load_state(s, names, ts, n, optim) : CT_ENOMEM;
-    free(names);
-    free(ts);
-    ct_safetensors_destroy(f);
-    return rc;
-}
-
 #define CHECK(call)                                                               \
     do {                                                                          \
         ct_status rc_ = (call);                                                   \
@@ -208,13 +183,19 @@ int main(int argc, char **argv)
     const char *kind = argv[1], *dir = argv[2];
     int64_t steps = atoll(argv[3]), until = steps; /* the schedule's length; where this run stops */
     int resume = 0;
+    ct_ckpt_opts save_opts = {.kind = CT_CKPT_FULL, .keep_last = 2};
     for (int i = 4; i < argc; i++) {
         if (!strcmp(argv[i], "--resume")) resume = 1;
         else if (!strcmp(argv[i], "--until") && i + 1 < argc) until = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--format") && i + 1 < argc) {
+            i++;
+            save_opts.kind = !strcmp(argv[i], "sharded") ? CT_CKPT_SHARDED
+                           : !strcmp(argv[i], "local")   ? CT_CKPT_LOCAL : CT_CKPT_FULL;
+        }
     }
-    char model_path[1024], optim_path[1024];
-    snprintf(model_path, sizeof model_path, "%s/model.safetensors", dir);
-    snprintf(optim_path, sizeof optim_path, "%s/optim.safetensors", dir);
+    /* the series' name: a file, or a directory for the sharded kinds */
+    char series[1024];
+    snprintf(series, sizeof series, "%s/run%s", dir, save_opts.kind == CT_CKPT_FULL ? ".safetensors" : "");
 
     CHECK(ct_comm_init(&argc, &argv));
     int rank = ct_group_rank(ct_group_world());
@@ -228,11 +209,17 @@ int main(int argc, char **argv)
     CHECK(ct_strategy_create(kind, model, &adamw, NULL, !strcmp(kind, "pipe") ? "stages=2,chunks=2" : NULL, &s));
     ct_lr_schedule cos = {CT_SCHED_COSINE, 0.01, 2, steps, 0};
     CHECK(ct_strategy_set_schedule(s, &cos));
+    int64_t start = 0;
     if (resume) {
-        CHECK(load_state(s, model_path, 0));
-        CHECK(load_state(s, optim_path, 1));
+        char latest[1024];
+        ct_ckpt_info info;
+        CHECK(ct_checkpoint_latest(ct_group_world(), series, latest, sizeof latest));
+        if (!latest[0]) CHECK(ct_error(CT_EIO, "--resume: %s holds no checkpoint of %s", dir, series));
+        CHECK(ct_checkpoint_info(ct_group_world(), latest, 1, &info));
+        start = info.pos.step; /* where the data stood: here one global batch per step */
+        ct_ckpt_info_fini(&info);
+        CHECK(ct_checkpoint_load(s, latest, 1)); /* the weights and the optimizer state */
     }
-    int64_t start = ct_optim_get_step(ct_strategy_optim(s));
     if (rank == 0) printf("custom_layer: %s, steps %lld to %lld\n", kind, (long long)start, (long long)until);
 
     float sums[2] = {0, 0}; /* loss x rows and rows over the last steps, this rank */
@@ -259,8 +246,15 @@ int main(int argc, char **argv)
         }
     }
 
-    CHECK(save_state(s, model_path, 0, rank));
-    CHECK(save_state(s, optim_path, 1, rank));
+    /* The data position (one global batch per step of an endless stream here)
+     * and, in the metadata, whatever the program wants back on resume. */
+    ct_ckpt_position pos = {.step = until, .epoch = 0, .position = until};
+    ct_meta meta = {0};
+    CHECK(ct_meta_set(&meta, "custom_layer.strategy", "%s", kind));
+    CHECK(ct_checkpoint_save(s, series, &meta, &pos, &save_opts));
+    ct_meta_fini(&meta);
+    char saved[1024];
+    ct_checkpoint_series_path(series, until, saved, sizeof saved);
     /* A fingerprint of the weights, to compare runs: the sum of |w| over the saved state. */
     ct_state st;
     CHECK(ct_strategy_model_state(s, &st));
@@ -268,7 +262,7 @@ int main(int argc, char **argv)
     for (int i = 0; rank == 0 && i < st.n; i++)
         for (int64_t j = 0; j < st.tensors[i]->numel; j++) l1 += fabs((double)ct_f32(st.tensors[i])[j]);
     ct_state_fini(&st);
-    if (rank == 0) printf("saved %s: weights l1 %.9g\n", model_path, l1);
+    if (rank == 0) printf("saved %s: weights l1 %.9g\n", saved, l1);
 
     ct_strategy_destroy(s); /* before the model it borrows, and before ct_comm_finalize */
     ct_module_destroy(model);

@@ -33,18 +33,6 @@
         }                                                                        \
     } while (0)
 
-/* The model's configuration from the file's "ctrain.*" metadata. */
-static ct_status config_of(const ct_safetensors *f, ct_model_config *cfg)
-{
-    ct_meta meta = {0};
-    for (int i = 0; i < ct_safetensors_meta_count(f); i++) {
-        const char *k = ct_safetensors_meta_key(f, i), *v = ct_safetensors_meta_value(f, i);
-        /* the model's keys only (checksums and the like are longer than a ct_meta value) */
-        if (!strncmp(k, "ctrain.", 7) && strlen(v) < CT_META_VAL) CT_TRY(ct_meta_set(&meta, k, "%s", v));
-    }
-    return ct_model_config_from_meta(&meta, cfg);
-}
-
 /* Mean loss per token over the first VAL_WINDOWS validation windows, on
  * every rank.  Collective: ct_strategy_predict runs the model however it is
  * placed, and only the ranks holding the output (a pipeline's last stage;
@@ -114,28 +102,18 @@ int main(int argc, char **argv)
     int rank = ct_group_rank(ct_group_world());
 
     /* The model, rebuilt from the checkpoint's metadata; its weights go in through the strategy. */
-    ct_safetensors *f;
+    ct_ckpt_info info;
     ct_model_config cfg;
     ct_module *model;
-    CHECK(ct_safetensors_load(ckpt, &f));
-    CHECK(config_of(f, &cfg));
+    CHECK(ct_checkpoint_info(ct_group_world(), ckpt, 0, &info));
+    CHECK(ct_model_config_from_meta(&info.meta, &cfg));
+    ct_ckpt_info_fini(&info);
     CHECK(ct_model_build(&cfg, 0, &model));
     ct_optim_opts adamw = ct_optim_defaults(CT_OPT_ADAMW);
     adamw.lr = 1e-3;
     ct_strategy *s;
     CHECK(ct_strategy_create(kind, model, &adamw, NULL, !strcmp(kind, "pipe") ? "stages=2,chunks=2" : NULL, &s));
-    int n = ct_safetensors_count(f);
-    const char **names = malloc(sizeof *names * (size_t)n);
-    ct_tensor **ts = malloc(sizeof *ts * (size_t)n);
-    if (!names || !ts) CHECK(CT_ENOMEM);
-    for (int i = 0; i < n; i++) {
-        names[i] = ct_safetensors_name(f, i);
-        ts[i] = ct_safetensors_tensor(f, i);
-    }
-    CHECK(ct_strategy_load_state(s, names, ts, n, 0));
-    free(names);
-    free(ts);
-    ct_safetensors_destroy(f);
+    CHECK(ct_checkpoint_load(s, ckpt, 0)); /* the weights alone: fine-tuning starts a new optimizer */
 
     ct_text text;
     CHECK(ct_text_load(dir, &text));

@@ -215,3 +215,17 @@ char *path_in(const char *name)
     snprintf(p, 600, "%s/%s", ct_test_tmpdir(), name);
     return p;
 }
+
+unsigned char *read_file(const char *path, size_t *n)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) ct_test_fail(__FILE__, __LINE__, "cannot open %s", path);
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *p = malloc((size_t)len + 1);
+    ASSERT(p && fread(p, 1, (size_t)len, f) == (size_t)len);
+    fclose(f);
+    *n = (size_t)len;
+    return p;
+}

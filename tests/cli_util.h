@@ -55,5 +55,7 @@ int capture(const char *cmd, char *out);
 
 /* name under the test's temporary directory (8 results live at once). */
 char *path_in(const char *name);
+/* The whole file at path in a new buffer (free), its length in *n; fails the test if unreadable. */
+unsigned char *read_file(const char *path, size_t *n);
 
 #endif

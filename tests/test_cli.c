@@ -736,6 +736,7 @@ static void torch_logits_check(const char *scripts, const char *ckpt, char *out)
         ASSERT_OK(ct_meta_set(&m, ct_safetensors_meta_key(st, i), "%s", ct_safetensors_meta_value(st, i)));
     ct_model_config cfg;
     ASSERT_OK(ct_model_config_from_meta(&m, &cfg));
+    ct_meta_fini(&m);
     ct_module *model;
     ASSERT_OK(ct_model_build(&cfg, 0, &model));
     for (int i = 0; i < ct_safetensors_count(st); i++) {

@@ -83,12 +83,14 @@ static void run_ref(tiny_gpt *g, const char *script, const ct_meta *extra, ct_sa
     ct_meta meta = {0};
     ASSERT_OK(ct_model_config_to_meta(&g->c, &meta));
     for (int i = 0; extra && i < extra->n; i++) ASSERT_OK(ct_meta_set(&meta, extra->key[i], "%s", extra->val[i]));
-    const char *mk[CT_META_MAX], *mv[CT_META_MAX];
+    const char *mk[64], *mv[64];
+    ASSERT(meta.n <= 64);
     ct_meta_arrays(&meta, mk, mv);
     char in[512], out[512], cmd[1536];
     snprintf(in, sizeof in, "%s/in.safetensors", ct_test_tmpdir());
     snprintf(out, sizeof out, "%s/out.safetensors", ct_test_tmpdir());
     ASSERT_OK(ct_safetensors_save(in, names, ts, g->np + 2, mk, mv, meta.n));
+    ct_meta_fini(&meta);
     ct_free(names);
     ct_free(ts);
     snprintf(cmd, sizeof cmd, "%s %s '%s' '%s' 2>&1", PY, script, in, out);
@@ -180,6 +182,7 @@ TEST(gpt_groups_equal_nanogpt_adamw_in_pytorch)
     ASSERT_OK(ct_meta_set(&extra, "ref.nodecay_lr_scale", "%.17g", scale));
     ct_safetensors *ref;
     run_ref(&g, GROUPS_SCRIPT, &extra, &ref);
+    ct_meta_fini(&extra);
 
     /* The no-decay group is nanoGPT's: the same names, in the same order. */
     const char **nd;

@@ -7,7 +7,7 @@
 #include <unistd.h>
 
 #include "ctrain/io.h"
-#include "test.h"
+#include "cli_util.h"
 
 static char *tmp_path(const char *name)
 {
@@ -24,20 +24,6 @@ static void write_bytes(const char *path, const void *data, size_t n)
     ASSERT(f);
     ASSERT_EQ(fwrite(data, 1, n, f), n);
     ASSERT_EQ(fclose(f), 0);
-}
-
-static unsigned char *read_bytes(const char *path, size_t *n)
-{
-    FILE *f = fopen(path, "rb");
-    ASSERT(f);
-    fseek(f, 0, SEEK_END);
-    long len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *p = malloc((size_t)len + 1);
-    ASSERT_EQ(fread(p, 1, (size_t)len, f), (size_t)len);
-    fclose(f);
-    *n = (size_t)len;
-    return p;
 }
 
 /* A file with the given header text (not padded) and data bytes, built by hand. */
@@ -140,7 +126,7 @@ TEST(st_writer_exact_bytes)
                        "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
                        "\"a\":{\"dtype\":\"U8\",\"shape\":[3],\"data_offsets\":[8,11]}}";
     size_t wl = strlen(want), padded = (wl + 7) / 8 * 8, n;
-    unsigned char *f = read_bytes(path, &n);
+    unsigned char *f = read_file(path, &n);
     ASSERT_EQ(n, 8 + padded + 11);
     uint64_t hl = 0;
     for (int i = 7; i >= 0; i--) hl = hl << 8 | f[i];
@@ -154,7 +140,7 @@ TEST(st_writer_exact_bytes)
 
     /* Empty file: "{}" padded to 8. */
     ASSERT_OK(ct_safetensors_save(path, NULL, NULL, 0, NULL, NULL, 0));
-    f = read_bytes(path, &n);
+    f = read_file(path, &n);
     ASSERT_EQ(n, 16);
     ASSERT_EQ(memcmp(f + 8, "{}      ", 8), 0);
     free(f);
@@ -287,7 +273,7 @@ TEST(st_reader_rejects_short_files)
     /* Header cut short: length says 20, file holds 10 header bytes. */
     p = make_st("cut.st", T1, "12345678", 8);
     size_t n;
-    unsigned char *f = read_bytes(p, &n);
+    unsigned char *f = read_file(p, &n);
     write_bytes(p, f, 18);
     free(f);
     ASSERT_ERR(load_and_free(p), CT_EFORMAT, "runs past the end");
@@ -437,7 +423,7 @@ TEST(st_fuzz_mutations)
     ASSERT_OK(ct_safetensors_save(src, (const char *[]){"layer.0.weight", "b\\\"", "n", "u"}, t, 4,
                                   (const char *[]){"format", "\xc3\xa9"}, (const char *[]){"pt", "\"\\\n"}, 2));
     size_t n;
-    unsigned char *orig = read_bytes(src, &n), *buf = malloc(n + 16);
+    unsigned char *orig = read_file(src, &n), *buf = malloc(n + 16);
     size_t hlen = orig[0] | (size_t)orig[1] << 8;
     static const char interesting[] = "{}[]\":,\\-0123456789 eu\x00\xff\x80";
     uint64_t seed = 12345;
@@ -503,7 +489,7 @@ TEST(st_load_from_memory)
     const char *path = tmp_path("mem.st");
     ASSERT_OK(ct_safetensors_save(path, (const char *[]){"m"}, &a, 1, (const char *[]){"k"}, (const char *[]){"v"}, 1));
     size_t n;
-    unsigned char *f = read_bytes(path, &n);
+    unsigned char *f = read_file(path, &n);
     ct_safetensors *st;
     ASSERT_OK(ct_safetensors_load_mem(f, n, "bcast", &st));
     ASSERT_EQ(memcmp(ct_tensor_data(ct_safetensors_find(st, "m")), ct_tensor_data(a), 16), 0);
@@ -624,7 +610,7 @@ TEST(st_index_roundtrip)
                                         (const char *[]){"76", "7"}, 2));
     /* Hugging Face's layout: indented, keys sorted. */
     size_t n;
-    char *text = (char *)read_bytes(idx, &n);
+    char *text = (char *)read_file(idx, &n);
     text[n] = 0;
     snprintf(exact, sizeof exact, "{\n  \"metadata\": {\n    \"ctrain.step\": \"7\",\n    \"total_size\": \"76\"\n  },\n"
              "  \"weight_map\": {\n    \"b\": \"a.safetensors\",\n    \"emb\": \"b.safetensors\",\n"
@@ -861,7 +847,7 @@ TEST(st_index_fuzz_mutations)
     ASSERT_OK(ct_safetensors_save_index(idx, SH_NAMES, SH_FILES, 5, (const char *[]){"total_size"},
                                         (const char *[]){"76"}, 1));
     size_t n;
-    unsigned char *orig = read_bytes(idx, &n), *buf = malloc(n + 16);
+    unsigned char *orig = read_file(idx, &n), *buf = malloc(n + 16);
     static const char interesting[] = "{}[]\":,\\/.-0123456789 abc\x00\xff";
     uint64_t seed = 777;
     size_t base = ct_mem_current(CT_MEM_OTHER);
@@ -916,7 +902,7 @@ TEST(st_checksum_catches_a_flipped_bit)
     ASSERT_EQ(checked, 2);
     ASSERT_EQ(unchecked, 0);
     size_t n;
-    unsigned char *f = read_bytes(path, &n);
+    unsigned char *f = read_file(path, &n);
     f[n - 1] ^= 0x10; /* the last byte is in "a" (layout: by size, then name; a before b) */
     write_bytes(path, f, n);
     free(f);

@@ -14,5 +14,6 @@
 #include "comm_hook.h"
 #include "io.h"
 #include "models.h"
+#include "checkpoint.h"
 
 #endif

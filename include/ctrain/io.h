@@ -142,6 +142,25 @@ ct_status ct_safetensors_save(const char *path, const char *const *names,
                               ct_tensor *const *tensors, int n,
                               const char *const *meta_keys, const char *const *meta_vals,
                               int nmeta);
+/* A safetensors file written one tensor at a time (the header first, from
+ * the shapes), for a state that is never whole in memory: the result is
+ * the file ct_safetensors_save writes, byte for byte, committed atomically
+ * the same way.  A heap handle: ct_safetensors_writer_destroy (which
+ * removes an unfinished file). */
+typedef struct ct_safetensors_writer ct_safetensors_writer;
+/* Creates the temporary file and writes the header for the n tensors
+ * (names, and the dtypes and shapes of shapes[i]: no data needed) and
+ * metadata, as ct_safetensors_save would lay them out. */
+ct_status ct_safetensors_writer_create(const char *path, const char *const *names, ct_tensor *const *shapes, int n,
+                                       const char *const *meta_keys, const char *const *meta_vals, int nmeta,
+                                       ct_safetensors_writer **out);
+/* Writes tensor name's data (dtype and numel as announced), in any order, once each. */
+ct_status ct_safetensors_writer_put(ct_safetensors_writer *w, const char *name, const ct_tensor *t);
+/* Every tensor written: checksums into the header, fsync, rename over path.
+ * On failure the file is removed; destroy w either way. */
+ct_status ct_safetensors_writer_commit(ct_safetensors_writer *w);
+/* NULL is a no-op. */
+void ct_safetensors_writer_destroy(ct_safetensors_writer *w);
 /* Reads and validates path (header, dtypes, shapes, offsets, sizes) and
  * every tensor's data into memory of its own (CT_MEM_OTHER).  *out is NULL
  * on failure, and the message names the file and the tensor or field.
@@ -173,6 +192,19 @@ ct_status ct_safetensors_load(const char *path, ct_safetensors **out);
 ct_status ct_safetensors_save_index(const char *path, const char *const *names, const char *const *files,
                                     int n, const char *const *meta_keys, const char *const *meta_vals,
                                     int nmeta);
+/* Like ct_safetensors_load, but reads only the headers (and a sharded
+ * checkpoint's index): every tensor has its name, dtype and shape, the F32,
+ * BF16 and F16 ones no data (ct_tensor_data is NULL) until read with
+ * ct_safetensors_read; the files stay open until ct_safetensors_destroy.
+ * The same checks as a load, except that a tensor's checksum is checked
+ * when a read covers it whole (ct_safetensors_verify checks all). */
+ct_status ct_safetensors_open(const char *path, ct_safetensors **out);
+/* Reads bytes [off, off + n) of tensor t (one of st's) into dst, by
+ * position, from the file that holds it.  CT_EIO naming the file when the
+ * read fails; CT_EFORMAT when a whole tensor fails its checksum. */
+ct_status ct_safetensors_read(ct_safetensors *st, const ct_tensor *t, size_t off, size_t n, void *dst);
+/* Tensor bytes read from st's files since it was opened (ct_safetensors_read). */
+int64_t ct_safetensors_bytes_read(const ct_safetensors *st);
 /* Same as ct_safetensors_load for a file already in memory (say, read once
  * and broadcast to every rank); name stands for the file in messages. */
 ct_status ct_safetensors_load_mem(const void *data, size_t len, const char *name, ct_safetensors **out);

@@ -29,8 +29,9 @@
  *        the residual projections (c_proj) normal(0, 0.02/sqrt(2 layers)),
  *        biases 0, LayerNorm 1/0.
  *
- * Ownership: ct_model_config and ct_meta are plain values (no heap); the
- * module from ct_model_build is the caller's (ct_module_destroy).
+ * Ownership: ct_model_config is a plain value (no heap); ct_meta is
+ * caller-owned (ct_meta_fini); the module from ct_model_build is the
+ * caller's (ct_module_destroy).
  */
 #ifndef CTRAIN_MODELS_H
 #define CTRAIN_MODELS_H
@@ -127,19 +128,17 @@ int64_t ct_gpt_sample_logits(const float *logits, int64_t vocab, float temperatu
 
 /* ---- string map for checkpoint metadata -------------------------------- */
 
-#define CT_META_MAX 48
-#define CT_META_KEY 64
-#define CT_META_VAL 256
-
-/* A small ordered string map (keys unique); a plain value, nothing to free. */
+/* An ordered string map (keys unique, keys and values of any length, so it
+ * holds whatever a checkpoint's metadata holds, "ctrain.crc32" included).
+ * Caller-owned: a zeroed struct is an empty map; ct_meta_fini frees it. */
 typedef struct {
-    int n;
-    char key[CT_META_MAX][CT_META_KEY];
-    char val[CT_META_MAX][CT_META_VAL];
+    int n, cap;
+    char **key; /* [n] */
+    char **val; /* [n] */
 } ct_meta;
 
 /* Sets key to the printf-formatted value (replacing an existing value).
- * CT_EINVAL if the key or value does not fit or the map is full. */
+ * CT_EINVAL for an empty key, CT_ENOMEM when memory runs out (m unchanged). */
 ct_status ct_meta_set(ct_meta *m, const char *key, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Value of key, or NULL. */
@@ -147,6 +146,10 @@ const char *ct_meta_get(const ct_meta *m, const char *key);
 /* Fills keys[i] and vals[i] (room for m->n each) with pointers into m, for
  * ct_safetensors_save. */
 void ct_meta_arrays(const ct_meta *m, const char **keys, const char **vals);
+/* Replaces *dst (freed first) by a copy of src; on CT_ENOMEM *dst is empty. */
+ct_status ct_meta_copy(ct_meta *dst, const ct_meta *src);
+/* Frees the entries and zeroes m; safe on a zeroed or finished map. */
+void ct_meta_fini(ct_meta *m);
 
 /* Adds the config under "ctrain.model", "ctrain.in" ("784" or "1,28,28"),
  * "ctrain.hidden", "ctrain.classes" and, for cnn, "ctrain.kernel"; for gpt

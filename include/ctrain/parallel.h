@@ -453,6 +453,19 @@ ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out);
  * Collective like ct_strategy_model_state: complete on rank 0 (fairscale's
  * consolidate_state_dict), on every rank for a replicated strategy. */
 ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out);
+/* Called with each tensor of a state, one at a time (the tensor is the
+ * strategy's: retain it to keep it). */
+typedef ct_status (*ct_state_fn)(void *ud, const char *name, ct_tensor *t);
+/* The full model state (optim 0) or optimizer state (optim 1) of
+ * ct_strategy_model_state / ct_strategy_optim_state, one tensor at a time:
+ * fn runs where those would have the tensor (rank 0 for a sharded strategy,
+ * every rank for a replicated one), and a sharded strategy gathers each
+ * tensor for its call and frees it after, so no rank holds more than one
+ * (a file can be written as they come).  shapes_only: every tensor without
+ * data and nothing gathered (names, dtypes and shapes, for a header).  A
+ * failing fn ends the calls on its rank, not the collectives: the first
+ * failure is returned.  Collective over the group. */
+ct_status ct_strategy_state_foreach(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
 /* This rank's share of model_state (optim 0) or optim_state (optim 1) for
  * a sharded checkpoint: over the group's ranks every tensor appears exactly
  * once (I64 "step" on rank 0), shares balanced by bytes, so every rank
@@ -471,13 +484,26 @@ ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out);
 /* Loads tensors by name into the model (every parameter and buffer must be
  * present with its shape; f32, or bf16/f16 converted) or, with optim != 0,
  * into the optimizer state (a sharded strategy takes what this rank owns).
- * Names not in the model are an error.  The same set on every rank (a
- * sharded checkpoint is read whole: any world size can load it).  Pieces
- * ("<name>@<offset>", see ct_strategy_local_state) are assembled into their
- * tensors first; pieces that overlap, leave a gap or run past the tensor
- * are an error naming it. */
+ * Names not in the model are an error.  The same set on every rank (any
+ * world size can load it).  Pieces ("<name>@<offset>", see
+ * ct_strategy_local_state) stand for their tensors (each range read from
+ * the pieces that cover it); pieces that overlap, leave a gap or run past
+ * the tensor are an error naming it. */
 ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names,
                                  ct_tensor *const *tensors, int n, int optim);
+/* Where a load reads the tensors it is given without data (shapes only,
+ * as ct_safetensors_open gives them): read puts elements [off, off + count)
+ * of t, in t's dtype, into dst. */
+typedef struct {
+    ct_status (*read)(void *ud, const ct_tensor *t, int64_t off, int64_t count, void *dst);
+    void *ud;
+} ct_state_source;
+/* ct_strategy_load_state, reading tensors without data through src: each
+ * rank reads only the element ranges it keeps (a replicated strategy whole
+ * parameters; ZeRO's optimizer state, FSDP, a pipe stage their own part),
+ * from whole tensors or local pieces alike.  Collective like the load. */
+ct_status ct_strategy_load_source(ct_strategy *s, const char *const *names, ct_tensor *const *tensors, int n,
+                                  int optim, const ct_state_source *src);
 
 #ifdef __cplusplus
 }

@@ -67,6 +67,19 @@ ct_status ct__afile_write(ct__afile *a, const void *p, size_t n)
     return CT_OK;
 }
 
+ct_status ct__afile_pwrite(ct__afile *a, const void *p, size_t n, uint64_t off)
+{
+    if (ct__io_point() || fflush(a->f) != 0) /* what fwrite buffered goes first */
+        return ct_error(CT_EIO, "%s: write failed: %s; is the disk full?", a->tmp, strerror(errno));
+    for (size_t done = 0; done < n;) {
+        ssize_t r = pwrite(fileno(a->f), (const char *)p + done, n - done, (off_t)(off + done));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return ct_error(CT_EIO, "%s: write failed: %s; is the disk full?", a->tmp, strerror(errno));
+        done += (size_t)r;
+    }
+    return CT_OK;
+}
+
 /* Makes a completed rename durable. */
 ct_status ct__sync_dir(const char *path)
 {

@@ -12,11 +12,23 @@
 #include <string.h>
 #include <zlib.h>
 
-ct_status ct__st_verify(const char *path, const ct_safetensors *st, int *checked)
+ct_status ct__st_check_crc(const char *path, const ct_safetensors *st, int i, const void *data)
+{
+    if (!st->has_crc) return CT_OK;
+    unsigned long want = st->crc[i], got = crc32_z(0L, data, ct_tensor_bytes(st->tensors[i]));
+    if (got != want)
+        return ct_error(CT_EFORMAT, "%s: tensor '%s' fails its checksum (crc32 %08lx stored, %08lx read): the "
+                        "file is damaged; restore it from a copy or save it again", path, st->names[i], want, got);
+    return CT_OK;
+}
+
+ct_status ct__st_verify(const char *path, ct_safetensors *st, int *checked)
 {
     *checked = 0;
     const char *v = ct_safetensors_meta(st, CT__CRC_KEY);
     if (!v) return CT_OK;
+    st->crc = ct_alloc(sizeof *st->crc * (size_t)(st->n + 1), CT_MEM_OTHER);
+    if (!st->crc) return CT_ENOMEM;
     const char *p = v;
     for (int i = 0; i < st->n; i++) {
         char *end;
@@ -28,16 +40,15 @@ ct_status ct__st_verify(const char *path, const ct_safetensors *st, int *checked
             return ct_error(CT_EFORMAT, "%s: metadata '%s' is malformed at byte %d; the file is damaged", path,
                             CT__CRC_KEY, (int)(p - v));
         p = end;
-        const ct_tensor *t = st->tensors[i];
-        unsigned long got = crc32_z(0L, ct_tensor_data(t), ct_tensor_bytes(t));
-        if (got != want)
-            return ct_error(CT_EFORMAT, "%s: tensor '%s' fails its checksum (crc32 %08lx stored, %08lx read): the "
-                            "file is damaged; restore it from a copy or save it again", path, st->names[i], want,
-                            got);
+        st->crc[i] = (uint32_t)want;
     }
     if (*p)
         return ct_error(CT_EFORMAT, "%s: metadata '%s' lists more checksums than the %d tensors; the file is "
                         "damaged: restore it from a copy or save again", path, CT__CRC_KEY, st->n);
+    st->has_crc = 1;
+    /* what is in memory now is checked now; a lazy file's other tensors as they are read */
+    for (int i = 0; i < st->n; i++)
+        if (ct_tensor_data(st->tensors[i])) CT_TRY(ct__st_check_crc(path, st, i, ct_tensor_data(st->tensors[i])));
     *checked = st->n;
     return CT_OK;
 }

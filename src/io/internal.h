@@ -64,17 +64,30 @@ struct ct_safetensors {
     ct_safetensors **parts; /* sharded: the shard files, which own the tensor names */
     int nparts;
     char *numbuf;          /* sharded: integer metadata values written out as text */
+    /* opened lazily (ct_safetensors_open): float tensors have no data until read */
+    int lazy;
+    int fd;                /* one file: open for positioned reads (-1: none) */
+    char *path;            /* one file: for messages */
+    int64_t *foff;         /* one file: [n] where each tensor's data starts in the file */
+    uint32_t *crc;         /* one file: [n] each tensor's stored crc32, when has_crc */
+    int has_crc;
+    int64_t bytes_read;    /* one file: tensor bytes read since it was opened */
 };
 
 /* Sorts st's metadata by key (keys and values move together); CT_EFORMAT
  * naming path when a key appears twice. */
 ct_status ct__st_sort_meta(const char *path, ct_safetensors *st);
-/* Loads one safetensors file (never an index or a directory). */
-ct_status ct__st_load_file(const char *path, ct_safetensors **out);
+/* Loads one safetensors file (never an index or a directory); lazy: only
+ * its header, as ct_safetensors_open does. */
+ct_status ct__st_load_file(const char *path, int lazy, ct_safetensors **out);
 /* Loads a sharded checkpoint from its index file, or from a directory
- * holding its index (safetensors_index.c). */
-ct_status ct__st_load_index(const char *index_path, ct_safetensors **out);
-ct_status ct__st_load_dir(const char *dir, ct_safetensors **out);
+ * holding its index (safetensors_index.c); lazy: its shards' headers only. */
+ct_status ct__st_load_index(const char *index_path, int lazy, ct_safetensors **out);
+ct_status ct__st_load_dir(const char *dir, int lazy, ct_safetensors **out);
+/* A file, an index or a directory holding one (ct_safetensors_load; lazy: ct_safetensors_open). */
+ct_status ct__st_load_any(const char *path, int lazy, ct_safetensors **out);
+/* Index of tensor t (by identity) in st, or -1. */
+int ct__st_index_of(const ct_safetensors *st, const ct_tensor *t);
 /* 1 when path names a sharded checkpoint index ("*.safetensors.index.json"). */
 int ct__st_is_index(const char *path);
 
@@ -105,6 +118,8 @@ typedef struct {
 /* Creates the temp file (CT_EIO "cannot create" naming it). */
 ct_status ct__afile_open(ct__afile *a, const char *path);
 ct_status ct__afile_write(ct__afile *a, const void *p, size_t n);
+/* Writes p[0..n) at byte off of the file (after what was written before). */
+ct_status ct__afile_pwrite(ct__afile *a, const void *p, size_t n, uint64_t off);
 /* Flushes, fsyncs, closes, renames over path and fsyncs the directory.  On
  * failure the temp file is removed (no abort needed). */
 ct_status ct__afile_commit(ct__afile *a);
@@ -129,7 +144,11 @@ ct_status ct__open_regular(const char *path, FILE **f, struct stat *sb);
 #define CT__CRC_KEY "ctrain.crc32"
 /* Checks st's tensors against its CT__CRC_KEY metadata (absent: nothing to
  * check, *checked 0); CT_EFORMAT naming path and the first tensor that
- * differs.  *checked gets the number of tensors verified. */
-ct_status ct__st_verify(const char *path, const ct_safetensors *st, int *checked);
+ * differs.  *checked gets the number of tensors verified.  A lazily opened
+ * file keeps the list (st->crc) and checks its tensors as they are read. */
+ct_status ct__st_verify(const char *path, ct_safetensors *st, int *checked);
+/* CT_EFORMAT naming path and tensor i of st unless data (its whole bytes)
+ * has the stored crc32 (nothing to check without one). */
+ct_status ct__st_check_crc(const char *path, const ct_safetensors *st, int i, const void *data);
 
 #endif

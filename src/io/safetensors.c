@@ -238,12 +238,14 @@ static ct_status check_tiling(const char *path, tinfo *ti, int n, int64_t data_s
     return CT_OK;
 }
 
-/* Where the bytes come from: a file read front to back, or memory. */
+/* Where the bytes come from: a file read front to back, or memory; lazy:
+ * the header only (ct_safetensors_open), the data read later by position. */
 typedef struct {
     FILE *f;
     const unsigned char *mem;
     size_t pos;
     int64_t size;
+    int lazy;
 } source;
 
 static ct_status read_full(source *src, void *buf, size_t n, const char *path, const char *what)
@@ -320,15 +322,33 @@ static ct_status load_from(source *f, const char *path, ct_safetensors *st)
         }
     if ((s = check_tiling(path, ti, nt, data_size, by_off)) != CT_OK) goto out_free_info;
 
-    /* Tensors tile the data section, so reading them in offset order is one
-     * sequential pass with one fread per tensor, straight into its memory. */
+    if (f->lazy && !(st->foff = ct_alloc(sizeof *st->foff * (size_t)(nt + 1), CT_MEM_OTHER))) {
+        s = CT_ENOMEM;
+        goto out_free_info;
+    }
+    /* Lazy: float tensors are shapes whose bytes are read on demand
+     * (ct_safetensors_read); the rest (a step count) is small and read now. */
     for (i = 0; i < nt; i++) {
+        int later = f->lazy && (ti[i].dt == CT_F32 || ti[i].dt == CT_BF16 || ti[i].dt == CT_F16);
         st->names[i] = ti[i].name;
-        st->tensors[i] = ct_tensor_create(ti[i].dt, ti[i].ndim, ti[i].shape, CT_MEM_OTHER);
+        st->tensors[i] = later ? ct_tensor_wrap(ti[i].dt, ti[i].ndim, ti[i].shape, NULL)
+                               : ct_tensor_create(ti[i].dt, ti[i].ndim, ti[i].shape, CT_MEM_OTHER);
         if (!st->tensors[i]) { s = CT_ENOMEM; goto out_free_info; }
+        if (f->lazy) st->foff[i] = 8 + (int64_t)hlen + ti[i].begin;
         st->n = i + 1;
     }
-    for (i = 0; i < nt; i++) {
+    for (i = 0; i < nt && f->lazy; i++) {
+        ct_tensor *t = st->tensors[i];
+        size_t nb = ct_tensor_bytes(t);
+        if (ct_tensor_data(t) && pread(fileno(f->f), ct_tensor_data(t), nb, (off_t)st->foff[i]) != (ssize_t)nb) {
+            s = ct_error(CT_EIO, "%s: cannot read tensor '%.64s': %s", path, st->names[i],
+                         errno ? strerror(errno) : "unexpected end of file (did the file change?)");
+            goto out_free_info;
+        }
+    }
+    /* Tensors tile the data section, so reading them in offset order is one
+     * sequential pass with one fread per tensor, straight into its memory. */
+    for (i = 0; i < nt && !f->lazy; i++) {
         tinfo *t = by_off[i];
         ct_tensor *dst = st->tensors[t - ti];
         char what[96];
@@ -349,6 +369,7 @@ static ct_status load_source(source *src, const char *path, ct_safetensors **out
                         "the file is truncated or not safetensors", path, (long long)src->size);
     ct_safetensors *st = ct_alloc_zeroed(sizeof *st, CT_MEM_OTHER);
     if (!st) return CT_ENOMEM;
+    st->fd = -1;
     int checked;
     ct_status s = load_from(src, path, st);
     if (s == CT_OK) s = ct__st_verify(path, st, &checked);
@@ -362,36 +383,51 @@ static ct_status load_source(source *src, const char *path, ct_safetensors **out
     return CT_OK;
 }
 
-ct_status ct__st_load_file(const char *path, ct_safetensors **out)
+ct_status ct__st_load_file(const char *path, int lazy, ct_safetensors **out)
 {
     *out = NULL;
     FILE *f;
     struct stat sb;
     CT_TRY(ct__open_regular(path, &f, &sb));
-    source src = {f, NULL, 0, (int64_t)sb.st_size};
+    source src = {f, NULL, 0, (int64_t)sb.st_size, lazy};
     ct_status s = load_source(&src, path, out);
+    if (s == CT_OK && lazy) { /* the file stays open for the reads to come */
+        size_t pl = strlen(path) + 1;
+        (*out)->lazy = 1;
+        (*out)->fd = dup(fileno(f));
+        (*out)->path = ct_alloc(pl, CT_MEM_OTHER);
+        if ((*out)->path) memcpy((*out)->path, path, pl);
+        if ((*out)->fd < 0 || !(*out)->path) {
+            s = (*out)->path ? ct_error(CT_EIO, "%s: cannot keep the file open: %s", path, strerror(errno))
+                             : CT_ENOMEM;
+            ct_safetensors_destroy(*out);
+            *out = NULL;
+        }
+    }
     fclose(f);
     return s;
 }
 
 /* A directory or an index is a sharded checkpoint (safetensors_index.c);
  * anything else is one file. */
-ct_status ct_safetensors_load(const char *path, ct_safetensors **out)
+ct_status ct__st_load_any(const char *path, int lazy, ct_safetensors **out)
 {
     CT_ASSERT(path && out);
     *out = NULL;
     struct stat sb;
-    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) return ct__st_load_dir(path, out);
-    if (ct__st_is_index(path)) return ct__st_load_index(path, out);
-    return ct__st_load_file(path, out);
+    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) return ct__st_load_dir(path, lazy, out);
+    if (ct__st_is_index(path)) return ct__st_load_index(path, lazy, out);
+    return ct__st_load_file(path, lazy, out);
 }
+
+ct_status ct_safetensors_load(const char *path, ct_safetensors **out) { return ct__st_load_any(path, 0, out); }
 
 ct_status ct_safetensors_load_mem(const void *data, size_t len, const char *name, ct_safetensors **out)
 {
     CT_ASSERT((data || len == 0) && out);
     *out = NULL;
     if (len > INT64_MAX) return ct_error(CT_EINVAL, "%s: %zu bytes is too large", name, len);
-    source src = {NULL, data ? data : (const void *)"", 0, (int64_t)len};
+    source src = {NULL, data ? data : (const void *)"", 0, (int64_t)len, 0};
     return load_source(&src, name ? name : "(memory)", out);
 }
 
@@ -407,6 +443,10 @@ void ct_safetensors_destroy(ct_safetensors *st)
     for (int i = 0; i < st->nparts; i++) ct_safetensors_destroy(st->parts[i]);
     ct_free(st->parts);
     ct_free(st->numbuf);
+    if (st->fd >= 0) close(st->fd);
+    ct_free(st->path);
+    ct_free(st->foff);
+    ct_free(st->crc);
     ct_free(st);
 }
 

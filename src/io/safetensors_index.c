@@ -279,7 +279,7 @@ static wentry *find_entry(wentry *ws, int n, const char *name)
 }
 
 /* Loads shard file (listed for the entries g[0..ng)) and checks it against the index both ways. */
-static ct_status load_shard(const char *index, const char *dir, wentry **g, int ng, wentry *ws, int n,
+static ct_status load_shard(const char *index, const char *dir, wentry **g, int ng, wentry *ws, int n, int lazy,
                             ct_safetensors **out)
 {
     const char *file = g[0]->file;
@@ -294,7 +294,7 @@ static ct_status load_shard(const char *index, const char *dir, wentry **g, int 
                      ng == 1 ? "" : "s", g[0]->name, path);
         goto out_free;
     }
-    if ((s = ct__st_load_file(path, out)) != CT_OK) {
+    if ((s = ct__st_load_file(path, lazy, out)) != CT_OK) {
         char why[1024];
         snprintf(why, sizeof why, "%s", ct_last_error());
         s = ct_error(s, "%s (a shard of %s)", why, index);
@@ -324,7 +324,7 @@ out_free:
 }
 
 /* Every shard the entries name, in file order; entries learn their shard. */
-static ct_status load_shards(const char *index, wentry *ws, int n, ct_safetensors *st)
+static ct_status load_shards(const char *index, wentry *ws, int n, int lazy, ct_safetensors *st)
 {
     const char *slash = strrchr(index, '/');
     size_t dlen = slash ? (size_t)(slash - index) + 1 : 0;
@@ -340,7 +340,7 @@ static ct_status load_shards(const char *index, wentry *ws, int n, ct_safetensor
     for (int i = 0; i < n && s == CT_OK;) {
         int j = i;
         while (j < n && !strcmp(byfile[j]->file, byfile[i]->file)) j++;
-        s = load_shard(index, dir, byfile + i, j - i, ws, n, &st->parts[st->nparts]);
+        s = load_shard(index, dir, byfile + i, j - i, ws, n, lazy, &st->parts[st->nparts]);
         if (s == CT_OK) {
             for (int k = i; k < j; k++) byfile[k]->part = st->nparts;
             st->nparts++;
@@ -352,7 +352,7 @@ static ct_status load_shards(const char *index, wentry *ws, int n, ct_safetensor
     return s;
 }
 
-static ct_status load_index_into(const char *path, ct_safetensors *st)
+static ct_status load_index_into(const char *path, int lazy, ct_safetensors *st)
 {
     char *text;
     size_t len = 0;
@@ -369,7 +369,7 @@ static ct_status load_index_into(const char *path, ct_safetensors *st)
     st->tensors = ct_alloc_zeroed((size_t)n * sizeof *st->tensors + 1, CT_MEM_OTHER);
     s = ws && st->names && st->tensors ? CT_OK : CT_ENOMEM;
     if (s == CT_OK) s = index_entries(path, &st->doc, wmap, ws);
-    if (s == CT_OK) s = load_shards(path, ws, n, st);
+    if (s == CT_OK) s = load_shards(path, ws, n, lazy, st);
     /* ws is sorted by name: the merged view's order.  Names live in the index's strings. */
     for (int i = 0; i < n && s == CT_OK; i++) {
         st->names[i] = ws[i].name;
@@ -380,12 +380,14 @@ static ct_status load_index_into(const char *path, ct_safetensors *st)
     return s;
 }
 
-ct_status ct__st_load_index(const char *path, ct_safetensors **out)
+ct_status ct__st_load_index(const char *path, int lazy, ct_safetensors **out)
 {
     *out = NULL;
     ct_safetensors *st = ct_alloc_zeroed(sizeof *st, CT_MEM_OTHER);
     if (!st) return CT_ENOMEM;
-    ct_status s = load_index_into(path, st);
+    st->fd = -1;
+    st->lazy = lazy;
+    ct_status s = load_index_into(path, lazy, st);
     if (s != CT_OK) {
         ct_safetensors_destroy(st);
         return s;
@@ -398,7 +400,7 @@ ct_status ct__st_load_index(const char *path, ct_safetensors **out)
 
 /* A directory is loaded through its model index: model.safetensors.index.json
  * (Hugging Face's name) if present, else its only index. */
-ct_status ct__st_load_dir(const char *dir, ct_safetensors **out)
+ct_status ct__st_load_dir(const char *dir, int lazy, ct_safetensors **out)
 {
     *out = NULL;
     DIR *d = opendir(dir);
@@ -428,7 +430,7 @@ ct_status ct__st_load_dir(const char *dir, ct_safetensors **out)
     if (!path) return CT_ENOMEM;
     size_t dl = strlen(dir);
     snprintf(path, plen, "%s%s%s", dir, dl && dir[dl - 1] == '/' ? "" : "/", has_default ? DEFAULT_INDEX : first);
-    ct_status s = ct__st_load_index(path, out);
+    ct_status s = ct__st_load_index(path, lazy, out);
     ct_free(path);
     return s;
 }

@@ -6,6 +6,11 @@
  * path.tmp.<pid>, flushed and fsync'd, renamed over path, and the directory
  * fsync'd so the rename itself survives a crash.  Every file carries a
  * crc32 of each tensor in its metadata (CT__CRC_KEY), checked on load.
+ * The streaming writer (ct_safetensors_writer) puts the header first, from
+ * the tensors' shapes, with placeholder checksums of the same width, then
+ * each tensor's bytes at its place as they arrive, in any order, and the
+ * checksums last: the same file as ct_safetensors_save, byte for byte,
+ * without ever holding more than one tensor.
  */
 #include "internal.h"
 
@@ -23,12 +28,14 @@ typedef struct {
     const ct_tensor *t;
 } entry;
 
-/* The CT__CRC_KEY value: every tensor's crc32, in name order. */
-static ct_status crc_list(const entry *ents, int n, ct__buf *b)
+/* The CT__CRC_KEY value: every tensor's crc32, in name order (crc NULL:
+ * of their data; else crc[i], zeros for a placeholder of the same width). */
+static ct_status crc_list(const entry *ents, int n, const uint32_t *crc, ct__buf *b)
 {
+    b->len = 0;
     for (int i = 0; i < n; i++)
         ct__buf_printf(b, "%s%08lx", i ? "," : "",
-                       crc32_z(0L, ct_tensor_data(ents[i].t), ct_tensor_bytes(ents[i].t)));
+                       crc ? (unsigned long)crc[i] : crc32_z(0L, ct_tensor_data(ents[i].t), ct_tensor_bytes(ents[i].t)));
     ct__buf_puts(b, "");
     return b->failed ? CT_ENOMEM : CT_OK;
 }
@@ -60,10 +67,11 @@ static ct_status check_utf8(const char *path, const char *what, const char *s)
     return CT_OK;
 }
 
-/* Validates the inputs and builds the sorted tables. */
+/* Validates the inputs and builds the sorted tables (ents in layout
+ * order); shapes: the tensors need no data yet (placeholder checksums). */
 static ct_status prepare(const char *path, const char *const *names, ct_tensor *const *tensors, int n,
                          const char *const *mk, const char *const *mv, int *nmeta_io, entry *ents, meta *ms,
-                         ct__buf *crcs)
+                         ct__buf *crcs, uint32_t *zeros)
 {
     int nmeta = *nmeta_io;
     for (int i = 0; i < n; i++) {
@@ -73,7 +81,7 @@ static ct_status prepare(const char *path, const char *const *names, ct_tensor *
         if (!strcmp(names[i], "__metadata__"))
             return ct_error(CT_EINVAL, "%s: '__metadata__' is reserved and cannot name a tensor", path);
         CT_TRY(check_utf8(path, "tensor name", names[i]));
-        if (!ct_tensor_data(t) && ct_tensor_bytes(t))
+        if (!zeros && !ct_tensor_data(t) && ct_tensor_bytes(t))
             return ct_error(CT_EINVAL, "%s: tensor '%s' has no data", path, names[i]);
         ents[i] = (entry){names[i], t};
     }
@@ -81,7 +89,7 @@ static ct_status prepare(const char *path, const char *const *names, ct_tensor *
     for (int i = 1; i < n; i++)
         if (!strcmp(ents[i - 1].name, ents[i].name))
             return ct_error(CT_EINVAL, "%s: tensor name '%s' is given twice", path, ents[i].name);
-    CT_TRY(crc_list(ents, n, crcs));
+    CT_TRY(crc_list(ents, n, zeros, crcs));
     qsort(ents, (size_t)n, sizeof *ents, cmp_layout);
 
     int k = 0;
@@ -144,7 +152,7 @@ ct_status ct_safetensors_save(const char *path, const char *const *names,
     entry *ents = ct_alloc_zeroed((size_t)n * sizeof *ents + 1, CT_MEM_OTHER);
     meta *ms = ct_alloc_zeroed((size_t)(nmeta + 1) * sizeof *ms, CT_MEM_OTHER);
     if (!ents || !ms) { s = CT_ENOMEM; goto out_free; }
-    if ((s = prepare(path, names, tensors, n, meta_keys, meta_vals, &nmeta, ents, ms, &crcs)) != CT_OK)
+    if ((s = prepare(path, names, tensors, n, meta_keys, meta_vals, &nmeta, ents, ms, &crcs, NULL)) != CT_OK)
         goto out_free;
     if ((s = build_header(ents, n, ms, nmeta, &hdr)) != CT_OK) goto out_free;
 
@@ -163,5 +171,143 @@ out_free:
     ct__buf_free(&crcs);
     ct_free(ents);
     ct_free(ms);
+    return s;
+}
+
+/* ---- streaming: header first, tensors as they come -------------------- */
+
+struct ct_safetensors_writer {
+    ct__afile af;
+    char *path;        /* af.path points here */
+    entry *ents;       /* layout order; names and shapes are copies (tensors below) */
+    ct_tensor **shape; /* [n] shape-only tensors the entries point at */
+    char **names;      /* [n] */
+    uint64_t *off;     /* [n] byte offset of each entry's data in the file */
+    uint32_t *crc;     /* [n] in name order */
+    int *rank_of;      /* [n] entry (layout order) -> name order */
+    char *written;     /* [n] */
+    int n, nmeta;
+    meta *ms;
+    ct__buf crcs, hdr;
+    int open;          /* af is open */
+};
+
+void ct_safetensors_writer_destroy(ct_safetensors_writer *w)
+{
+    if (!w) return;
+    if (w->open) ct__afile_abort(&w->af);
+    for (int i = 0; i < w->n; i++) {
+        ct_tensor_release(w->shape ? w->shape[i] : NULL);
+        ct_free(w->names ? w->names[i] : NULL);
+    }
+    ct_free(w->shape);
+    ct_free(w->names);
+    ct_free(w->ents);
+    ct_free(w->off);
+    ct_free(w->crc);
+    ct_free(w->rank_of);
+    ct_free(w->written);
+    ct_free(w->ms);
+    ct__buf_free(&w->crcs);
+    ct__buf_free(&w->hdr);
+    ct_free(w->path);
+    ct_free(w);
+}
+
+ct_status ct_safetensors_writer_create(const char *path, const char *const *names, ct_tensor *const *shapes, int n,
+                                       const char *const *meta_keys, const char *const *meta_vals, int nmeta,
+                                       ct_safetensors_writer **out)
+{
+    CT_ASSERT(path && n >= 0 && nmeta >= 0 && out && (n == 0 || (names && shapes)));
+    *out = NULL;
+    ct_safetensors_writer *w = ct_alloc_zeroed(sizeof *w, CT_MEM_OTHER);
+    if (!w) return CT_ENOMEM;
+    size_t pl = strlen(path) + 1;
+    w->path = ct_alloc(pl, CT_MEM_OTHER);
+    w->shape = ct_alloc_zeroed(sizeof *w->shape * (size_t)(n + 1), CT_MEM_OTHER);
+    w->names = ct_alloc_zeroed(sizeof *w->names * (size_t)(n + 1), CT_MEM_OTHER);
+    w->ents = ct_alloc_zeroed(sizeof *w->ents * (size_t)(n + 1), CT_MEM_OTHER);
+    w->off = ct_alloc_zeroed(sizeof *w->off * (size_t)(n + 1), CT_MEM_OTHER);
+    w->crc = ct_alloc_zeroed(sizeof *w->crc * (size_t)(n + 1), CT_MEM_OTHER);
+    w->rank_of = ct_alloc_zeroed(sizeof *w->rank_of * (size_t)(n + 1), CT_MEM_OTHER);
+    w->written = ct_alloc_zeroed((size_t)n + 1, CT_MEM_OTHER);
+    w->ms = ct_alloc_zeroed(sizeof *w->ms * (size_t)(nmeta + 1), CT_MEM_OTHER);
+    ct_status s = w->path && w->shape && w->names && w->ents && w->off && w->crc && w->rank_of && w->written && w->ms
+                      ? CT_OK : CT_ENOMEM;
+    if (s == CT_OK) memcpy(w->path, path, pl);
+    for (int i = 0; i < n && s == CT_OK; i++) { /* copies: the caller's tensors may go */
+        size_t l = strlen(names[i]) + 1;
+        w->names[i] = ct_alloc(l, CT_MEM_OTHER);
+        w->shape[i] = ct_tensor_wrap(shapes[i]->dtype, shapes[i]->ndim, shapes[i]->shape, NULL);
+        w->n = i + 1;
+        if (!w->names[i] || !w->shape[i]) s = CT_ENOMEM;
+        else memcpy(w->names[i], names[i], l);
+    }
+    w->nmeta = nmeta;
+    if (s == CT_OK)
+        s = prepare(path, (const char *const *)w->names, w->shape, n, meta_keys, meta_vals, &w->nmeta, w->ents, w->ms,
+                    &w->crcs, w->crc);
+    if (s == CT_OK) s = build_header(w->ents, n, w->ms, w->nmeta, &w->hdr);
+    uint64_t at = 8 + (uint64_t)w->hdr.len;
+    for (int i = 0; i < n && s == CT_OK; i++) {
+        w->off[i] = at;
+        at += ct_tensor_bytes(w->ents[i].t);
+        int r = 0; /* its place in name order: the checksum list's */
+        for (int j = 0; j < n; j++) r += strcmp(w->ents[j].name, w->ents[i].name) < 0;
+        w->rank_of[i] = r;
+    }
+    if (s == CT_OK && (s = ct__afile_open(&w->af, w->path)) == CT_OK) {
+        w->open = 1;
+        unsigned char lenb[8];
+        for (int i = 0; i < 8; i++) lenb[i] = (unsigned char)((uint64_t)w->hdr.len >> (8 * i));
+        s = ct__afile_write(&w->af, lenb, 8);
+        if (s == CT_OK) s = ct__afile_write(&w->af, w->hdr.p, w->hdr.len);
+    }
+    if (s != CT_OK) {
+        ct_safetensors_writer_destroy(w);
+        return s;
+    }
+    *out = w;
+    return CT_OK;
+}
+
+ct_status ct_safetensors_writer_put(ct_safetensors_writer *w, const char *name, const ct_tensor *t)
+{
+    int i = 0;
+    while (i < w->n && strcmp(w->ents[i].name, name)) i++;
+    if (i == w->n || w->written[i])
+        return ct_error(CT_EINVAL, "%s: tensor '%s' %s; put each tensor the writer was created with once", w->path,
+                        name, i == w->n ? "was not announced when the writer was created" : "is written twice");
+    const ct_tensor *e = w->ents[i].t;
+    if (t->dtype != e->dtype || t->numel != e->numel || !ct_tensor_data(t))
+        return ct_error(CT_EINVAL, "%s: tensor '%s' is %s[%lld]%s but was announced as %s[%lld]", w->path, name,
+                        ct_dtype_name(t->dtype), (long long)t->numel, ct_tensor_data(t) ? "" : " without data",
+                        ct_dtype_name(e->dtype), (long long)e->numel);
+    size_t nb = ct_tensor_bytes(t);
+    CT_TRY(ct__afile_pwrite(&w->af, ct_tensor_data(t), nb, w->off[i]));
+    w->crc[w->rank_of[i]] = (uint32_t)crc32_z(0L, ct_tensor_data(t), nb);
+    w->written[i] = 1;
+    return CT_OK;
+}
+
+ct_status ct_safetensors_writer_commit(ct_safetensors_writer *w)
+{
+    for (int i = 0; i < w->n; i++)
+        if (!w->written[i])
+            return ct_error(CT_EINVAL, "%s: tensor '%s' was announced but never written", w->path, w->ents[i].name);
+    /* the real checksums, the same width as the placeholders: the header keeps its length */
+    size_t len = w->hdr.len;
+    const char *was = w->crcs.p;
+    ct_status s = crc_list(w->ents, w->n, w->crc, &w->crcs);
+    for (int k = 0; k < w->nmeta && s == CT_OK; k++)
+        if (w->ms[k].val == was) w->ms[k].val = w->crcs.p;
+    w->hdr.len = 0;
+    if (s == CT_OK) s = build_header(w->ents, w->n, w->ms, w->nmeta, &w->hdr);
+    CT_ASSERT(s != CT_OK || w->hdr.len == len);
+    if (s == CT_OK) s = ct__afile_pwrite(&w->af, w->hdr.p, w->hdr.len, 8);
+    if (s == CT_OK) {
+        w->open = 0;
+        s = ct__afile_commit(&w->af); /* aborts the file itself on failure */
+    }
     return s;
 }

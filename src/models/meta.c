@@ -12,23 +12,43 @@
 
 ct_status ct_meta_set(ct_meta *m, const char *key, const char *fmt, ...)
 {
-    char val[CT_META_VAL];
     va_list ap;
     va_start(ap, fmt);
-    int len = vsnprintf(val, sizeof val, fmt, ap);
+    int len = vsnprintf(NULL, 0, fmt, ap);
     va_end(ap);
-    if (len < 0 || len >= CT_META_VAL)
-        return ct_error(CT_EINVAL, "metadata value for '%s' is longer than %d bytes", key, CT_META_VAL - 1);
-    if (strlen(key) >= CT_META_KEY)
-        return ct_error(CT_EINVAL, "metadata key '%s' is longer than %d bytes", key, CT_META_KEY - 1);
+    if (!key || !*key) return ct_error(CT_EINVAL, "metadata keys must not be empty");
+    if (len < 0) return ct_error(CT_EINVAL, "metadata value for '%s' cannot be formatted", key);
+    char *val = ct_alloc((size_t)len + 1, CT_MEM_OTHER);
+    if (!val) return CT_ENOMEM;
+    va_start(ap, fmt);
+    vsnprintf(val, (size_t)len + 1, fmt, ap);
+    va_end(ap);
     int i = 0;
     while (i < m->n && strcmp(m->key[i], key)) i++;
     if (i == m->n) {
-        if (m->n == CT_META_MAX)
-            return ct_error(CT_EINVAL, "metadata is full (%d entries) adding '%s'", CT_META_MAX, key);
-        strcpy(m->key[m->n++], key);
+        size_t kl = strlen(key) + 1;
+        char *k = ct_alloc(kl, CT_MEM_OTHER);
+        if (m->n == m->cap && k) { /* both arrays grow together; cap changes once both did */
+            int c1 = m->cap, c2 = m->cap;
+            char **nk = ct_grow(m->key, m->n, &c1, sizeof *nk, CT_MEM_OTHER);
+            if (nk) m->key = nk;
+            char **nv = nk ? ct_grow(m->val, m->n, &c2, sizeof *nv, CT_MEM_OTHER) : NULL;
+            if (nv) {
+                m->val = nv;
+                m->cap = c2;
+            }
+        }
+        if (!k || m->n == m->cap) {
+            ct_free(k);
+            ct_free(val);
+            return CT_ENOMEM;
+        }
+        memcpy(k, key, kl);
+        m->key[m->n] = k;
+        m->val[m->n++] = NULL;
     }
-    memcpy(m->val[i], val, (size_t)len + 1);
+    ct_free(m->val[i]);
+    m->val[i] = val;
     return CT_OK;
 }
 
@@ -47,9 +67,32 @@ void ct_meta_arrays(const ct_meta *m, const char **keys, const char **vals)
     }
 }
 
+ct_status ct_meta_copy(ct_meta *dst, const ct_meta *src)
+{
+    if (dst == src) return CT_OK;
+    ct_meta_fini(dst);
+    for (int i = 0; i < src->n; i++)
+        if (ct_meta_set(dst, src->key[i], "%s", src->val[i]) != CT_OK) {
+            ct_meta_fini(dst);
+            return CT_ENOMEM;
+        }
+    return CT_OK;
+}
+
+void ct_meta_fini(ct_meta *m)
+{
+    for (int i = 0; i < m->n; i++) {
+        ct_free(m->key[i]);
+        ct_free(m->val[i]);
+    }
+    ct_free(m->key);
+    ct_free(m->val);
+    memset(m, 0, sizeof *m);
+}
+
 ct_status ct_model_config_to_meta(const ct_model_config *cfg, ct_meta *m)
 {
-    char in[96] = "", hid[CT_META_VAL];
+    char in[96] = "", hid[512];
     size_t off = 0;
     for (int i = 0; i < cfg->in_ndim && i < 3; i++)
         off += (size_t)snprintf(in + off, sizeof in - off, "%s%lld", i ? "," : "", (long long)cfg->in[i]);

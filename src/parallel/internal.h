@@ -98,6 +98,8 @@ typedef struct {
     ct_status (*shard)(ct_strategy *s, int optim, ct_state *out);
     ct_status (*local)(ct_strategy *s, int optim, ct_state *out);
     ct_status (*load)(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
+    /* the full state one tensor at a time (ct_strategy_state_foreach); default: model/optim's tensors */
+    ct_status (*each)(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
 } ct__state_ops;
 
 typedef struct {
@@ -152,6 +154,7 @@ struct ct_strategy {
                               (a strategy may point s->model elsewhere: pipe's stage) */
     int held_comm;         /* 1: communication held too (ct_comm_hold) */
     struct ct__hook *hook; /* how buckets are reduced (comm_hook.c); lives as long as s */
+    const struct ct__load_ctx *load; /* the load in progress (state_load.c), or NULL */
 };
 
 extern const ct__strategy_ops ct__ddp_ops;
@@ -248,23 +251,38 @@ ct_status ct__replicated_optim_state(ct_strategy *s, ct_state *out);
 ct_status ct__replicated_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts,
                                     int n, int optim);
 ct_status ct__replicated_shard_state(ct_strategy *s, int optim, ct_state *out);
+/* The state model/optim give, one tensor at a time (a replicated strategy
+ * holds it all anyway). */
+ct_status ct__replicated_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
+/* fn for a state of one's own: ct_state_add(ud, name, t). */
+ct_status ct__state_collect(void *ud, const char *name, ct_tensor *t);
+/* Calls fn with t, or with a shape-only tensor like t when shapes_only. */
+ct_status ct__state_emit(ct_state_fn fn, void *ud, const char *name, ct_tensor *t, int shapes_only);
+/* Emits "step" (I64 [1], the optimizer's step count). */
+ct_status ct__state_emit_step(ct_strategy *s, int shapes_only, ct_state_fn fn, void *ud);
 /* Rank 0 of s->g: the whole state (ct_strategy_local_state of a replicated strategy). */
 ct_status ct__replicated_local_state(ct_strategy *s, int optim, ct_state *out);
-/* Whole tensors out of names/ts where some are pieces ("<name>@<offset>",
- * 1-D): *out gets every whole tensor (retained) and every assembled one,
- * shaped as the model's parameter (or its optimizer state) of that name.
- * *had_pieces says whether there were any (else out is left empty). */
-ct_status ct__assemble_pieces(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
-                              ct_state *out, int *had_pieces);
+/* A load in progress (state_load.c): where tensors without data are read,
+ * and the whole tensors stitched from local pieces. */
+typedef struct ct__load_ctx ct__load_ctx;
+/* Loads names/tensors into s through its table's load entry, after
+ * stitching local pieces ("<name>@<offset>") into whole tensors; tensors
+ * without data are read through src (or parent's: a pipe stage loads for
+ * its pipe).  Every value goes through ct__load_range. */
+ct_status ct__strategy_load(ct_strategy *s, const char *const *names, ct_tensor *const *tensors, int n, int optim,
+                            const ct_state_source *src, const ct__load_ctx *parent);
 /* Gives p the tensors d and g as its own data and gradient and drops its
  * compute copy: what a strategy's unwrap does to a parameter it re-pointed.
  * With either NULL (out of memory) p keeps what it had and both are released. */
 void ct__param_take(ct_param *p, ct_tensor *d, ct_tensor *g);
-/* Elements [off, off + count) of src (f32, bf16 or f16) into f32 dst. */
-ct_status ct__load_range(float *dst, const ct_tensor *src, int64_t off, int64_t count, const char *name);
+/* Elements [off, off + count) of src (f32, bf16 or f16) into f32 dst:
+ * from memory, from the pieces it is stitched from, or read through the
+ * load's source (state_load.c).  Only inside a strategy's load entry. */
+ct_status ct__load_range(ct_strategy *s, float *dst, const ct_tensor *src, int64_t off, int64_t count,
+                         const char *name);
 /* All of src (f32, bf16 or f16) into f32 dst of n elements; CT_EINVAL naming
  * name when src does not have n elements. */
-ct_status ct__load_whole(float *dst, int64_t n, const ct_tensor *src, const char *name);
+ct_status ct__load_whole(ct_strategy *s, float *dst, int64_t n, const ct_tensor *src, const char *name);
 /* Appends "step" (I64 [1], the optimizer's step count) to out. */
 ct_status ct__state_add_step(ct_strategy *s, ct_state *out);
 /* The first tensor of ts called name, or NULL. */

@@ -1,8 +1,9 @@
 /*
  * Checkpoint state for strategies that hold whole parameters and whole
  * optimizer slots on every rank (none, ddp): the full state is what this
- * rank holds; a shard is a balanced share of it; loading copies by name.
- * Sharded strategies bring their own entries (ct__strategy_ops).
+ * rank holds; a shard is a balanced share of it; loading copies by name
+ * (through state_load.c's reads).  Sharded strategies bring their own
+ * entries (ct__strategy_ops).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -99,13 +100,38 @@ ct_status ct__replicated_optim_state(ct_strategy *s, ct_state *out)
     return st;
 }
 
-ct_status ct__state_add_step(ct_strategy *s, ct_state *out)
+ct_status ct__state_collect(void *ud, const char *name, ct_tensor *t) { return ct_state_add(ud, name, t); }
+
+ct_status ct__state_emit(ct_state_fn fn, void *ud, const char *name, ct_tensor *t, int shapes_only)
+{
+    if (!shapes_only) return fn(ud, name, t);
+    ct_tensor *shape = ct_tensor_wrap(t->dtype, t->ndim, t->shape, NULL);
+    if (!shape) return CT_ENOMEM;
+    ct_status st = fn(ud, name, shape);
+    ct_tensor_release(shape);
+    return st;
+}
+
+ct_status ct__state_emit_step(ct_strategy *s, int shapes_only, ct_state_fn fn, void *ud)
 {
     ct_tensor *step = ct_tensor_create(CT_I64, 1, (int64_t[]){1}, CT_MEM_OTHER);
     if (!step) return CT_ENOMEM;
     ((int64_t *)ct_tensor_data(step))[0] = ct_optim_get_step(s->opt);
-    ct_status st = ct_state_add(out, "step", step);
+    ct_status st = ct__state_emit(fn, ud, "step", step, shapes_only);
     ct_tensor_release(step);
+    return st;
+}
+
+ct_status ct__state_add_step(ct_strategy *s, ct_state *out) { return ct__state_emit_step(s, 0, ct__state_collect, out); }
+
+ct_status ct__replicated_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
+{
+    ct_state full;
+    memset(&full, 0, sizeof full); /* as ct_strategy_model_state hands it to the entries */
+    CT_TRY(optim ? s->vt.state.optim(s, &full) : s->vt.state.model(s, &full));
+    ct_status st = CT_OK;
+    for (int i = 0; i < full.n && st == CT_OK; i++) st = ct__state_emit(fn, ud, full.names[i], full.tensors[i], shapes_only);
+    ct_state_fini(&full);
     return st;
 }
 
@@ -125,32 +151,9 @@ ct_status ct__state_step(const char *const *names, ct_tensor *const *ts, int n, 
     return CT_OK;
 }
 
-ct_status ct__load_range(float *dst, const ct_tensor *src, int64_t off, int64_t count, const char *name)
-{
-    switch (src->dtype) {
-    case CT_F32: memcpy(dst, (const float *)ct_tensor_data(src) + off, (size_t)count * 4); break;
-    case CT_BF16: ct_bf16_to_f32_n((const uint16_t *)ct_tensor_data(src) + off, dst, (size_t)count); break;
-    case CT_F16: ct_f16_to_f32_n((const uint16_t *)ct_tensor_data(src) + off, dst, (size_t)count); break;
-    default:
-        return ct_error(CT_EINVAL, "'%s' is %s in the checkpoint; parameters must be F32, BF16 or F16",
-                        name, ct_dtype_name(src->dtype));
-    }
-    return CT_OK;
-}
-
-ct_status ct__load_whole(float *dst, int64_t n, const ct_tensor *src, const char *name)
-{
-    if (src->numel != n)
-        return ct_error(CT_EINVAL, "'%s' has %lld elements in the checkpoint but %lld in the model; "
-                        "the checkpoint is for a different model configuration",
-                        name, (long long)src->numel, (long long)n);
-    return ct__load_range(dst, src, 0, n, name);
-}
-
 static ct_status put_whole(ct_strategy *s, ct_param *p, const ct_tensor *src)
 {
-    (void)s;
-    return ct__load_whole(ct_f32(p->data), p->data->numel, src, p->name);
+    return ct__load_whole(s, ct_f32(p->data), p->data->numel, src, p->name);
 }
 
 ct_status ct__load_model_with(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
@@ -206,7 +209,7 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
             if (!src)
                 return ct_error(CT_EINVAL, "optimizer state has no '%s' (saved with another optimizer? "
                                 "this run uses %s)", name, ct_optim_name(s->opt));
-            CT_TRY(ct__load_whole(bufs[b], sl->n, src, name));
+            CT_TRY(ct__load_whole(s, bufs[b], sl->n, src, name));
         }
     }
     ct_optim_set_step(s->opt, step);
@@ -263,94 +266,6 @@ ct_status ct__replicated_local_state(ct_strategy *s, int optim, ct_state *out)
     if (s->g && ct_group_rank(s->g) != 0) return CT_OK;
     /* through the strategy: one that keeps whole state elsewhere (offload's store) gives it too */
     return optim ? ct_strategy_optim_state(s, out) : ct_strategy_model_state(s, out);
-}
-
-typedef struct {
-    int64_t off;
-    int i; /* index into names/ts */
-} piece;
-
-static int cmp_piece(const void *a, const void *b)
-{
-    const piece *x = a, *y = b;
-    return (x->off > y->off) - (x->off < y->off);
-}
-
-/* The model tensor a (possibly optimizer-state) name describes: the
- * parameter or buffer of that name, or "<param>.<state>"'s parameter. */
-static const ct_tensor *shape_of(ct_strategy *s, const char *base)
-{
-    ct_param *p = ct_module_find(s->model, base);
-    if (p) return p->data;
-    const char *dot = strrchr(base, '.');
-    if (!dot) return NULL;
-    char name[512];
-    snprintf(name, sizeof name, "%.*s", (int)(dot - base), base);
-    p = ct_module_find(s->model, name);
-    return p ? p->data : NULL;
-}
-
-ct_status ct__assemble_pieces(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
-                              ct_state *out, int *had_pieces)
-{
-    memset(out, 0, sizeof *out);
-    *had_pieces = 0;
-    for (int i = 0; i < n; i++) *had_pieces |= strchr(names[i], '@') != NULL;
-    if (!*had_pieces) return CT_OK;
-    piece *pc = ct_alloc(sizeof *pc * (size_t)(n + 1), CT_MEM_OTHER);
-    char *done = ct_alloc_zeroed((size_t)n + 1, CT_MEM_OTHER);
-    ct_status st = pc && done ? CT_OK : CT_ENOMEM;
-    char base[512];
-    for (int i = 0; i < n && st == CT_OK; i++) {
-        const char *at = strrchr(names[i], '@');
-        if (!at) {
-            st = ct_state_add(out, names[i], ts[i]);
-            continue;
-        }
-        if (done[i]) continue;
-        snprintf(base, sizeof base, "%.*s", (int)(at - names[i]), names[i]);
-        const ct_tensor *like = shape_of(s, base);
-        if (!like) { /* not this rank's model's (a pipe stage holds a few layers): its load_state judges it */
-            st = ct_state_add(out, names[i], ts[i]);
-            continue;
-        }
-        int np = 0;
-        size_t bl = strlen(base);
-        for (int j = i; j < n; j++) { /* every piece of base */
-            char *end;
-            if (strncmp(names[j], base, bl) || names[j][bl] != '@') continue;
-            long long off = strtoll(names[j] + bl + 1, &end, 10);
-            if (*end || off < 0 || ts[j]->dtype != CT_F32 || ts[j]->ndim != 1) {
-                st = ct_error(CT_EINVAL, "checkpoint piece '%s' is not an F32 vector at a whole offset", names[j]);
-                break;
-            }
-            pc[np++] = (piece){off, j};
-            done[j] = 1;
-        }
-        if (st != CT_OK) break;
-        qsort(pc, (size_t)np, sizeof *pc, cmp_piece);
-        int64_t at_elem = 0;
-        for (int k = 0; k < np && st == CT_OK; k++) {
-            if (pc[k].off != at_elem)
-                st = ct_error(CT_EINVAL, "checkpoint pieces of '%s' %s at element %lld: the checkpoint is "
-                              "incomplete or mixes two saves", base, pc[k].off > at_elem ? "leave a gap" : "overlap",
-                              (long long)at_elem);
-            at_elem += ts[pc[k].i]->numel;
-        }
-        if (st == CT_OK && at_elem != like->numel)
-            st = ct_error(CT_EINVAL, "checkpoint pieces of '%s' hold %lld elements but the model's tensor has %lld",
-                          base, (long long)at_elem, (long long)like->numel);
-        ct_tensor *whole = st == CT_OK ? ct_tensor_empty(CT_F32, like->ndim, like->shape, CT_MEM_DATA) : NULL;
-        if (st == CT_OK && !whole) st = CT_ENOMEM;
-        for (int k = 0; k < np && st == CT_OK; k++)
-            memcpy(ct_f32(whole) + pc[k].off, ct_tensor_data(ts[pc[k].i]), ct_tensor_bytes(ts[pc[k].i]));
-        if (st == CT_OK) st = ct_state_add(out, base, whole);
-        ct_tensor_release(whole);
-    }
-    ct_free(pc);
-    ct_free(done);
-    if (st != CT_OK) ct_state_fini(out);
-    return st;
 }
 
 void ct__param_take(ct_param *p, ct_tensor *d, ct_tensor *g)

@@ -431,6 +431,12 @@ static ct_status shard_state_impl(ct_strategy *s, int optim, ct_state *out)
     return s->vt.state.shard(s, optim, out);
 }
 
+static ct_status state_foreach_impl(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
+{
+    if (!fn) return ct_error(CT_EINVAL, "ct_strategy_state_foreach: fn is NULL");
+    return s->vt.state.each(s, optim, shapes_only, fn, ud);
+}
+
 static ct_status local_state_impl(ct_strategy *s, int optim, ct_state *out)
 {
     memset(out, 0, sizeof *out);
@@ -438,19 +444,9 @@ static ct_status local_state_impl(ct_strategy *s, int optim, ct_state *out)
 }
 
 static ct_status load_state_impl(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
-                                 int n, int optim)
+                                 int n, int optim, const ct_state_source *src)
 {
-    ct_state whole;
-    int pieces;
-    CT_TRY(ct__assemble_pieces(s, names, tensors, n, &whole, &pieces));
-    if (pieces) {
-        names = (const char *const *)whole.names;
-        tensors = whole.tensors;
-        n = whole.n;
-    }
-    ct_status st = s->vt.state.load(s, names, tensors, n, optim);
-    ct_state_fini(&whole);
-    CT_TRY(st);
+    CT_TRY(ct__strategy_load(s, names, tensors, n, optim, src, NULL));
     /* New master weights: the compute copies follow. */
     return optim || s->ops->manages_compute ? CT_OK : ct__mixed_refresh(s);
 }
@@ -559,6 +555,11 @@ ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out)
     IN_CALL("ct_strategy_shard_state", shard_state_impl(s, optim, out));
 }
 
+ct_status ct_strategy_state_foreach(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
+{
+    IN_CALL("ct_strategy_state_foreach", state_foreach_impl(s, optim, shapes_only, fn, ud));
+}
+
 ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out)
 {
     IN_CALL("ct_strategy_local_state", local_state_impl(s, optim, out));
@@ -567,7 +568,14 @@ ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out)
 ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
                                  int n, int optim)
 {
-    IN_CALL("ct_strategy_load_state", load_state_impl(s, names, tensors, n, optim));
+    IN_CALL("ct_strategy_load_state", load_state_impl(s, names, tensors, n, optim, NULL));
+}
+
+ct_status ct_strategy_load_source(ct_strategy *s, const char *const *names, ct_tensor *const *tensors, int n,
+                                  int optim, const ct_state_source *src)
+{
+    if (src && !src->read) return ct_error(CT_EINVAL, "ct_strategy_load_source: the source has no read function");
+    IN_CALL("ct_strategy_load_source", load_state_impl(s, names, tensors, n, optim, src));
 }
 
 ct_status ct_strategy_forward(ct_strategy *s, ct_tensor *in, ct_tensor **out, ct_record **rec,

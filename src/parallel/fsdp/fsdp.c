@@ -716,6 +716,7 @@ const ct__strategy_ops ct__fsdp_ops = {
     .state = {
         .model = ct__fsdp_model_state,
         .optim = ct__zero_optim_state,
+        .each = ct__fsdp_each,
         .shard = ct__fsdp_shard_state,
         .local = ct__zero_local_state,
         .load = ct__fsdp_load_state,

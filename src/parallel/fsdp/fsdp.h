@@ -95,6 +95,8 @@ ct_status ct__fsdp_reshard_all(ct_strategy *s);
 /* fsdp_state.c */
 ct_status ct__fsdp_model_state(ct_strategy *s, ct_state *out);
 ct_status ct__fsdp_shard_state(ct_strategy *s, int optim, ct_state *out);
+/* ct_strategy_state_foreach: parameters gathered one at a time, optimizer state through ZeRO's. */
+ct_status ct__fsdp_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
 ct_status ct__fsdp_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
 ct_status ct__fsdp_grad_norm(ct_strategy *s, ct_norm_acc *acc);
 void ct__fsdp_scale_grads(ct_strategy *s, float k);

@@ -38,31 +38,47 @@ void ct__fsdp_scale_grads(ct_strategy *s, float k)
         }
 }
 
-/* Parameters (gathered one at a time to the rank that reports each: rank 0
- * for the full state, the owner of its first piece for a shard), then the
- * parameters outside every flat (frozen) and the buffers, from rank 0. */
-static ct_status model_state(ct_strategy *s, int sharded, ct_state *out)
+/* Parameters gathered one at a time to the rank that reports each (rank 0
+ * for the full state, roots[i] for a sharded save), given to fn there and
+ * freed, then the parameters outside every flat (frozen) and the buffers,
+ * from rank 0. */
+static ct_status model_each(ct_strategy *s, const int *roots, int shapes_only, ct_state_fn fn, void *ud)
 {
     ct__zero *z = ct__zero_of(s);
     int rank = ct_group_rank(s->g);
-    ct_status st = CT_OK;
-    memset(out, 0, sizeof *out);
+    ct_status st = CT_OK, fst = CT_OK; /* a failing fn stops the calls, never the collectives */
     for (int q = 0; q < s->nparams && st == CT_OK; q++) {
         ct_param *p = s->params[q];
-        int i = ct__zero_index(z, p);
-        if (i < 0) {
-            if (rank == 0) st = ct_state_add(out, p->name, p->data);
+        int i = ct__zero_index(z, p), root = roots && i >= 0 ? roots[i] : 0;
+        if (i < 0 || shapes_only) {
+            if (fst == CT_OK && (i < 0 ? rank == 0 : ct__zero_reports(s, i, root)))
+                fst = ct__state_emit(fn, ud, p->name, p->data, shapes_only);
             continue;
         }
         ct_tensor *t = NULL;
-        st = ct__zero_gather(s, i, -1, sharded ? z->pt.ranges[z->first[i]].owner : 0, &t);
-        if (st == CT_OK && t) st = ct_state_add(out, p->name, t);
+        st = ct__zero_gather(s, i, -1, root, &t);
+        if (st == CT_OK && t && fst == CT_OK) fst = fn(ud, p->name, t);
         ct_tensor_release(t);
     }
-    for (int b = 0; b < s->nbuffers && st == CT_OK && rank == 0; b++)
-        st = ct_state_add(out, s->buffers[b]->name, s->buffers[b]->data);
+    for (int b = 0; b < s->nbuffers && st == CT_OK && fst == CT_OK && rank == 0; b++)
+        fst = ct__state_emit(fn, ud, s->buffers[b]->name, s->buffers[b]->data, shapes_only);
+    return st != CT_OK ? st : fst;
+}
+
+static ct_status model_state(ct_strategy *s, int sharded, ct_state *out)
+{
+    int *roots = NULL;
+    memset(out, 0, sizeof *out);
+    ct_status st = sharded ? ct__zero_shard_roots(s, &roots) : CT_OK;
+    if (st == CT_OK) st = model_each(s, roots, 0, ct__state_collect, out);
+    ct_free(roots);
     if (st != CT_OK) ct_state_fini(out);
     return st;
+}
+
+ct_status ct__fsdp_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
+{
+    return optim ? ct__zero_optim_each(s, NULL, shapes_only, fn, ud) : model_each(s, NULL, shapes_only, fn, ud);
 }
 
 ct_status ct__fsdp_model_state(ct_strategy *s, ct_state *out) { return model_state(s, 0, out); }
@@ -78,10 +94,10 @@ static ct_status put_pieces(ct_strategy *s, ct_param *p, const ct_tensor *src)
 {
     ct__zero *z = ct__zero_of(s);
     int i = ct__zero_index(z, p);
-    if (i < 0) return ct__load_range(ct_f32(p->data), src, 0, p->data->numel, p->name);
+    if (i < 0) return ct__load_range(s, ct_f32(p->data), src, 0, p->data->numel, p->name);
     for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++)
         if (z->slot[k] >= 0)
-            CT_TRY(ct__load_range(ct_optim_slot_at(s->opt, z->slot[k])->data, src, z->pt.ranges[k].offset,
+            CT_TRY(ct__load_range(s, ct_optim_slot_at(s->opt, z->slot[k])->data, src, z->pt.ranges[k].offset,
                                   z->pt.ranges[k].count, p->name));
     return CT_OK;
 }

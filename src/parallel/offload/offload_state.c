@@ -74,7 +74,7 @@ static ct_status write_f32(ct_strategy *s, const ct_tensor *src, int64_t numel, 
 {
     float *tmp = ct_alloc((size_t)numel * 4 + 4, CT_MEM_OTHER);
     if (!tmp) return CT_ENOMEM;
-    ct_status st = ct__load_whole(tmp, numel, src, name);
+    ct_status st = ct__load_whole(s, tmp, numel, src, name);
     if (st == CT_OK) st = part_rw(s, j, part, b, 1, tmp);
     ct_free(tmp);
     return st;
@@ -108,8 +108,7 @@ static ct_status load_model(ct_strategy *s, const char *const *names, ct_tensor 
     ct__offload_cast(s, &ct__offload(s)->tied); /* new master weights: the resident copies follow */
     for (int j = 0; j < s->nbuffers; j++) {
         ct_param *p = s->buffers[j];
-        memcpy(ct_tensor_data(p->data), ct_tensor_data(ct__state_find(names, ts, n, p->name)),
-               ct_tensor_bytes(p->data));
+        CT_TRY(ct__load_whole(s, ct_f32(p->data), p->data->numel, ct__state_find(names, ts, n, p->name), p->name));
     }
     return CT_OK;
 }

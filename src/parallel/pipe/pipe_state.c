@@ -166,7 +166,9 @@ ct_status ct__pipe_load_state(ct_strategy *s, const char *const *names, ct_tenso
             mt[nm++] = ts[i];
         }
     }
-    if (st == CT_OK) st = ct_strategy_load_state(p->inner, mine, mt, nm, optim);
+    /* the stage's strategy reads through this load (its source, the pieces stitched here) */
+    if (st == CT_OK) st = ct__strategy_load(p->inner, mine, mt, nm, optim, NULL, s->load);
+    if (st == CT_OK && !optim && !p->inner->ops->manages_compute) st = ct__mixed_refresh(p->inner);
     ct_free(mine);
     ct_free(mt);
     return st;

@@ -316,30 +316,87 @@ ct_status ct__zero_gather(ct_strategy *s, int i, int b, int root, ct_tensor **ou
     return st;
 }
 
-/* Every parameter's state on root(i) (0: consolidated; the owner of its
- * first range: sharded), "step" on rank 0. */
-static ct_status collect(ct_strategy *s, int sharded, ct_state *out)
+ct_status ct__zero_shard_roots(ct_strategy *s, int **roots)
+{
+    ct__zero *z = ct__zero_of(s);
+    int size = ct_group_size(s->g);
+    int *order = ct_alloc(sizeof *order * (size_t)(z->ntp + 1), CT_MEM_OTHER);
+    int64_t *load = ct_alloc_zeroed(sizeof *load * (size_t)size, CT_MEM_OTHER);
+    *roots = ct_alloc(sizeof **roots * (size_t)(z->ntp + 1), CT_MEM_OTHER);
+    if (!order || !load || !*roots) {
+        ct_free(order);
+        ct_free(load);
+        ct_free(*roots);
+        *roots = NULL;
+        return CT_ENOMEM;
+    }
+    for (int i = 0; i < z->ntp; i++) { /* insertion by elements descending, stable */
+        int j = i;
+        while (j > 0 && z->tp[order[j - 1]]->data->numel < z->tp[i]->data->numel) {
+            order[j] = order[j - 1];
+            j--;
+        }
+        order[j] = i;
+    }
+    for (int k = 0; k < z->ntp; k++) {
+        int i = order[k], gs = ct_group_size(group_of(s, z, i)), r = 0;
+        for (int q = 1; q < gs && q < size; q++)
+            if (load[q] < load[r]) r = q;
+        load[r] += z->tp[i]->data->numel;
+        (*roots)[i] = r;
+    }
+    ct_free(order);
+    ct_free(load);
+    return CT_OK;
+}
+
+int ct__zero_reports(ct_strategy *s, int i, int root)
+{
+    ct__zero *z = ct__zero_of(s);
+    return ct_group_rank(group_of(s, z, i)) == root && !(z->quiet && z->quiet[i]);
+}
+
+ct_status ct__zero_optim_each(ct_strategy *s, const int *roots, int shapes_only, ct_state_fn fn, void *ud)
 {
     ct__zero *z = ct__zero_of(s);
     const char *bn[CT_OPTIM_MAX_STATE];
     int nb = ct_optim_state_names(s->opt, bn);
     char name[512];
-    ct_status st = CT_OK;
+    ct_status st = CT_OK, fst = CT_OK; /* a failing fn stops the calls, never the collectives */
     for (int i = 0; i < z->ntp && st == CT_OK; i++) {
-        int root = sharded ? z->pt.ranges[z->first[i]].owner : 0;
+        int root = roots ? roots[i] : 0;
         for (int b = 0; b < nb && st == CT_OK; b++) {
+            snprintf(name, sizeof name, "%s.%s", z->tp[i]->name, bn[b]);
+            if (shapes_only) {
+                if (fst == CT_OK && ct__zero_reports(s, i, root)) fst = ct__state_emit(fn, ud, name, z->tp[i]->data, 1);
+                continue;
+            }
             ct_tensor *t;
             st = ct__zero_gather(s, i, b, root, &t);
-            if (st == CT_OK && t) {
-                snprintf(name, sizeof name, "%s.%s", z->tp[i]->name, bn[b]);
-                st = ct_state_add(out, name, t);
-            }
+            if (st == CT_OK && t && fst == CT_OK) fst = fn(ud, name, t);
             ct_tensor_release(t);
         }
     }
-    if (st == CT_OK && ct_group_rank(s->g) == 0) st = ct__state_add_step(s, out);
+    if (st == CT_OK && fst == CT_OK && ct_group_rank(s->g) == 0) fst = ct__state_emit_step(s, shapes_only, fn, ud);
+    return st != CT_OK ? st : fst;
+}
+
+/* Every parameter's state on its root (0: consolidated; balanced by bytes:
+ * sharded, ct__zero_shard_roots), "step" on rank 0. */
+static ct_status collect(ct_strategy *s, int sharded, ct_state *out)
+{
+    int *roots = NULL;
+    ct_status st = sharded ? ct__zero_shard_roots(s, &roots) : CT_OK;
+    if (st == CT_OK) st = ct__zero_optim_each(s, roots, 0, ct__state_collect, out);
+    ct_free(roots);
     if (st != CT_OK) ct_state_fini(out);
     return st;
+}
+
+ct_status ct__zero_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
+{
+    if (optim) return ct__zero_optim_each(s, NULL, shapes_only, fn, ud);
+    return ct__replicated_each(s, 0, shapes_only, fn, ud);
 }
 
 ct_status ct__zero_model_state(ct_strategy *s, ct_state *out)
@@ -427,7 +484,7 @@ static ct_status load_optim(ct_strategy *s, const char *const *names, ct_tensor 
             if (src->dtype != CT_F32 || src->numel != p->data->numel)
                 return ct_error(CT_EINVAL, "'%s' is %s[%lld] in the checkpoint but F32[%lld] here", name,
                                 ct_dtype_name(src->dtype), (long long)src->numel, (long long)p->data->numel);
-            memcpy(bufs[b], (const float *)ct_tensor_data(src) + x->offset, (size_t)x->count * sizeof(float));
+            CT_TRY(ct__load_range(s, bufs[b], src, x->offset, x->count, name)); /* only the range this rank owns */
         }
     }
     ct_optim_set_step(s->opt, step);

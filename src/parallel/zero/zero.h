@@ -106,11 +106,24 @@ const ct_partition *ct__zero_partition(const ct_strategy *s);
 #define CT__ZERO_STATE_OPS                                                                         \
     {                                                                                              \
         .model = ct__zero_model_state, .optim = ct__zero_optim_state, .shard = ct__zero_shard_state, \
-        .local = ct__zero_local_state, .load = ct__zero_load_state,                                \
+        .local = ct__zero_local_state, .load = ct__zero_load_state, .each = ct__zero_each,         \
     }
 /* Parameter i's optimizer buffer b (b < 0: its data) as a full tensor on
  * rank root of its group, *out NULL elsewhere (collective over the group). */
 ct_status ct__zero_gather(ct_strategy *s, int i, int b, int root, ct_tensor **out);
+/* For a sharded save: *roots (ct_free) gets, for every partitioned
+ * parameter i, the rank of its group that writes it, balanced by bytes
+ * (largest first onto the least loaded rank; the same on every rank). */
+ct_status ct__zero_shard_roots(ct_strategy *s, int **roots);
+/* 1 when this rank gets parameter i's tensor gathered on root (of i's group). */
+int ct__zero_reports(ct_strategy *s, int i, int root);
+/* Every parameter's optimizer state gathered one tensor at a time on its
+ * root (roots[i], or rank 0 with roots NULL), given to fn there and freed,
+ * then "step" on rank 0 (ct_strategy_state_foreach). */
+ct_status ct__zero_optim_each(ct_strategy *s, const int *roots, int shapes_only, ct_state_fn fn, void *ud);
+/* ct_strategy_state_foreach for ZeRO: the model as it is (whole on every
+ * rank), the optimizer state through ct__zero_optim_each. */
+ct_status ct__zero_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
 ct_status ct__zero_model_state(ct_strategy *s, ct_state *out);
 ct_status ct__zero_optim_state(ct_strategy *s, ct_state *out);
 ct_status ct__zero_shard_state(ct_strategy *s, int optim, ct_state *out);

@@ -1,6 +1,6 @@
 /*
- * Sharded checkpoints as `ctrain train --save DIR --state-dict sharded`
- * writes them: every rank writes its share of the model and of the
+ * Sharded checkpoints (ct_checkpoint_save with CT_CKPT_SHARDED or LOCAL;
+ * `ctrain train --save DIR --state-dict sharded|local`): every rank writes its share of the model and of the
  * optimizer state (ct_strategy_shard_state) at once, and rank 0 then
  * writes two Hugging Face indexes, DIR/optim.safetensors.index.json and
  * last DIR/model.safetensors.index.json, with the run's metadata:
@@ -26,7 +26,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "cli.h"
+#include "internal.h"
 
 static const char *const kinds[2] = {"model", "optim"};
 
@@ -91,7 +91,7 @@ static ct_status write_share(const char *dir, const char *file, const ct_state *
     if (state->n == 0) return CT_OK;
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", dir, file);
-    CT_TRY(cli_check_state_finite(dir, state));
+    CT_TRY(ct__ckpt_check_finite(dir, state));
     const char *fk[] = {"format"}, *fv[] = {"pt"}; /* what Hugging Face's loaders look for in a shard */
     return ct_safetensors_save(path, (const char *const *)state->names, state->tensors, state->n, fk, fv, 1);
 }
@@ -105,7 +105,8 @@ static ct_status gather_names(ct_group *g, ct_state *st, const int64_t *bytes, i
     int64_t mine[4] = {0, 0, bytes[0], bytes[1]};
     for (int k = 0; k < 2; k++)
         for (int i = 0; i < st[k].n; i++) mine[k] += (int64_t)strlen(st[k].names[i]) + 1;
-    CT_TRY(ct_group_allgather(g, mine, counts, 4, CT_I64, NULL));
+    if (g) CT_TRY(ct_group_allgather(g, mine, counts, 4, CT_I64, NULL));
+    else memcpy(counts, mine, sizeof mine);
     int64_t total = 0, *lens = ct_alloc_zeroed(sizeof *lens * (size_t)size, CT_MEM_OTHER);
     char *send = ct_alloc_zeroed((size_t)(mine[0] + mine[1]) + 1, CT_MEM_OTHER);
     for (int r = 0; r < size && lens; r++) total += lens[r] = counts[r * 4] + counts[r * 4 + 1];
@@ -121,8 +122,9 @@ static ct_status gather_names(ct_group *g, ct_state *st, const int64_t *bytes, i
             }
     }
     /* Every rank reaches the collective, so a local allocation failure cannot hang the others. */
-    rc = ct_group_check(g, rc);
-    if (rc == CT_OK) rc = ct_group_allgatherv(g, send, mine[0] + mine[1], *packed, lens, NULL, CT_U8, NULL);
+    rc = ct__ckpt_check(g, rc);
+    if (rc == CT_OK && g) rc = ct_group_allgatherv(g, send, mine[0] + mine[1], *packed, lens, NULL, CT_U8, NULL);
+    else if (rc == CT_OK) memcpy(*packed, send, (size_t)(mine[0] + mine[1]));
     ct_free(lens);
     ct_free(send);
     if (rc != CT_OK) {
@@ -168,7 +170,16 @@ static ct_status write_index(const char *dir, int kind, const char *tag, int siz
                 }
         }
     }
-    const char *keys[CT_META_MAX + 2], *vals[CT_META_MAX + 2];
+    const char **keys = ct_alloc(sizeof *keys * (size_t)(meta->n + 2), CT_MEM_OTHER);
+    const char **vals = ct_alloc(sizeof *vals * (size_t)(meta->n + 2), CT_MEM_OTHER);
+    if (!keys || !vals) {
+        ct_free(keys);
+        ct_free(vals);
+        ct_free(names);
+        ct_free(files);
+        ct_free(fnames);
+        return CT_ENOMEM;
+    }
     char tot[32];
     ct_meta_arrays(meta, keys, vals);
     snprintf(tot, sizeof tot, "%lld", (long long)total);
@@ -180,6 +191,8 @@ static ct_status write_index(const char *dir, int kind, const char *tag, int siz
     snprintf(path, sizeof path, "%s/%s.safetensors.index.json", dir, kinds[kind]);
     ct_status st = ct_ckpt_staged_path(path, staged, sizeof staged);
     if (st == CT_OK) st = ct_safetensors_save_index(staged, names, files, n, keys, vals, meta->n + 2);
+    ct_free(keys);
+    ct_free(vals);
     ct_free(names);
     ct_free(files);
     ct_free(fnames);
@@ -221,14 +234,14 @@ static void take_back(const char *dir, const char *tag, int r0, int r1, int size
         }
 }
 
-ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model_meta, const ct_meta *sidecar_meta,
-                           int64_t step, int local)
+ct_status ct__ckpt_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model_meta,
+                                const ct_meta *sidecar_meta, int64_t step, int local)
 {
     ct_group *g = ct_strategy_group(s);
-    int rank = ct_group_rank(g), size = ct_group_size(g);
+    int rank = g ? ct_group_rank(g) : 0, size = g ? ct_group_size(g) : 1; /* no group: alone */
     int64_t gen = 0;
-    CT_TRY(ct_group_check(g, rank == 0 ? prepare_dir(dir, step, &gen) : CT_OK));
-    CT_TRY(ct_group_broadcast(g, &gen, 1, CT_I64, 0, NULL));
+    CT_TRY(ct__ckpt_check(g, rank == 0 ? prepare_dir(dir, step, &gen) : CT_OK));
+    if (g) CT_TRY(ct_group_broadcast(g, &gen, 1, CT_I64, 0, NULL));
     char tag[64], file[FNAME];
     gen_tag(tag, sizeof tag, step, gen);
 
@@ -246,10 +259,10 @@ ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model
         shard_name(file, sizeof file, k, tag, rank, size);
         rc = write_share(dir, file, &st[k], &bytes[k]);
     }
-    rc = ct_group_check(g, rc);
+    rc = ct__ckpt_check(g, rc);
     if (rc == CT_OK) {
         counts = ct_alloc_zeroed(sizeof *counts * 4 * (size_t)size, CT_MEM_OTHER);
-        rc = ct_group_check(g, counts ? CT_OK : CT_ENOMEM);
+        rc = ct__ckpt_check(g, counts ? CT_OK : CT_ENOMEM);
     }
     if (rc == CT_OK) rc = gather_names(g, st, bytes, counts, &packed);
     if (rc != CT_OK) take_back(dir, tag, rank, rank + 1, size); /* no index lists them */
@@ -269,7 +282,7 @@ ct_status cli_save_sharded(ct_strategy *s, const char *dir, const ct_meta *model
             if (r0 != CT_OK && ct_ckpt_discard(idx[0], parts, 2)) take_back(dir, tag, 0, size, size);
             if (r0 == CT_OK) r0 = remove_old(dir, tag);
         }
-        rc = ct_group_check(g, r0);
+        rc = ct__ckpt_check(g, r0);
     }
     ct_free(packed);
     ct_free(counts);

@@ -1,13 +1,13 @@
 /*
- * The one check that a checkpoint loads, shared by `inspect --verify`,
- * `--resume latest` (which member of a series counts as a checkpoint) and
- * `--keep-last` (prune only once the new member passes it).  It does what
+ * The one check that a checkpoint loads (ct_checkpoint_verify), shared by
+ * `inspect --verify`, ct_checkpoint_latest (which member of a series counts
+ * as a checkpoint) and keep_last (prune only once the new member passes it).  It does what
  * a resume does short of training: finish an interrupted commit, load the
  * model file and its optimizer state (every tensor against its checksum,
  * every shard a regular file beside its index), check that the two are
- * from one save (cli_same_save, which --resume calls too), build the model
- * the metadata describes and load both states into it through
- * cli_load_state, the very call a resume makes under any strategy (local
+ * from one save (the check every load makes), build the model the
+ * metadata describes and load both states into it through
+ * ct__ckpt_load_tensors, the very call a resume makes under any strategy (local
  * pieces are assembled there, names and shapes checked).  So verify passes
  * exactly when a load would, and no second set of rules can drift from it.
  */
@@ -15,22 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "cli.h"
-
-ct_status cli_same_save(const char *path, const ct_safetensors *model, const char *side, const ct_safetensors *optim)
-{
-    /* Both files of a save carry its step, seed and id; the indexes of a
-     * sharded save also the shard names' generation. */
-    static const char *const keys[] = {"ctrain.step", "ctrain.seed", "ctrain.commit", "ctrain.generation"};
-    for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++) {
-        const char *a = ct_safetensors_meta(model, keys[k]), *b = ct_safetensors_meta(optim, keys[k]);
-        if ((a || b) && (!a || !b || strcmp(a, b)))
-            return ct_error(CT_EFORMAT, "%s and its optimizer state %s are from different saves (put together by "
-                            "hand?): '%s' is %s and %s; resume from a matching pair, or use --init for the "
-                            "weights alone", path, side, keys[k], a ? a : "absent", b ? b : "absent");
-    }
-    return CT_OK;
-}
+#include "internal.h"
 
 /* Builds the model model's metadata describes and loads model (and optim,
  * when given) into it as a one-process resume would; *is_ctrain 0 when the
@@ -38,10 +23,14 @@ ct_status cli_same_save(const char *path, const ct_safetensors *model, const cha
 static ct_status load_into_model(const char *path, const ct_safetensors *model, const ct_safetensors *optim,
                                  int *is_ctrain)
 {
-    ct_meta m;
+    ct_meta m = {0};
     ct_model_config cfg;
     *is_ctrain = 0;
-    if (cli_file_meta(model, &m) != CT_OK || ct_model_config_from_meta(&m, &cfg) != CT_OK) {
+    ct_status r = ct__ckpt_file_meta(model, &m);
+    if (r == CT_OK) r = ct_model_config_from_meta(&m, &cfg);
+    ct_meta_fini(&m);
+    if (r == CT_ENOMEM) return r;
+    if (r != CT_OK) {
         ct_clear_error();
         return CT_OK;
     }
@@ -56,8 +45,8 @@ static ct_status load_into_model(const char *path, const ct_safetensors *model, 
     ct_strategy *s = NULL;
     ct_status st = ct_model_build(&cfg, 0, &net);
     if (st == CT_OK) st = ct_strategy_create("none", net, &oo, NULL, NULL, &s);
-    if (st == CT_OK) st = cli_load_state(s, model, 0);
-    if (st == CT_OK && optim) st = cli_load_state(s, optim, 1);
+    if (st == CT_OK) st = ct__ckpt_load_tensors(s, model, 0);
+    if (st == CT_OK && optim) st = ct__ckpt_load_tensors(s, optim, 1);
     if (st != CT_OK && st != CT_ENOMEM) {
         char why[1024];
         snprintf(why, sizeof why, "%s", ct_last_error());
@@ -68,22 +57,28 @@ static ct_status load_into_model(const char *path, const ct_safetensors *model, 
     return st;
 }
 
-ct_status cli_ckpt_verify(const char *path, int need_optim, cli_verified *out)
+ct_status ct_checkpoint_verify(const char *path, int need_optim, ct_ckpt_verified *out)
 {
     char side[4096];
     ct_safetensors *model = NULL, *optim = NULL;
     memset(out, 0, sizeof *out);
-    CT_TRY(cli_check_regular(path));
-    CT_TRY(cli_ckpt_recover(NULL, path));
-    CT_TRY(cli_load_file(path, "the checkpoint", &model));
-    cli_sidecar_path(path, side, sizeof side);
+    if (!path) return ct_error(CT_EINVAL, "ct_checkpoint_verify: path is NULL");
+    CT_TRY(ct__ckpt_check_regular(path));
+    CT_TRY(ct__ckpt_recover(NULL, path));
+    CT_TRY(ct__ckpt_read(path, "the checkpoint", 0, &model));
+    ct_checkpoint_optim_path(path, side, sizeof side);
     ct_status st = CT_OK;
     /* A training checkpoint (it has a step) comes with its optimizer state. */
     int training = ct_safetensors_meta(model, "ctrain.step") != NULL;
     if (training && access(side, F_OK) == 0) {
         out->has_optim = 1;
-        st = cli_load_file(side, "the optimizer state", &optim);
-        if (st == CT_OK) st = cli_same_save(path, model, side, optim);
+        st = ct__ckpt_read(side, "the optimizer state", 0, &optim);
+        ct_meta mm = {0}, om = {0};
+        if (st == CT_OK) st = ct__ckpt_file_meta(model, &mm);
+        if (st == CT_OK) st = ct__ckpt_file_meta(optim, &om);
+        if (st == CT_OK) st = ct__ckpt_same_save(path, &mm, side, &om);
+        ct_meta_fini(&mm);
+        ct_meta_fini(&om);
     } else if (need_optim) {
         st = ct_error(CT_EIO, "%s has no optimizer state %s (%s); it cannot be resumed: use --init %s for the "
                       "weights alone", path, side, training ? strerror(ENOENT) : "it was not written by a training run",

@@ -1,13 +1,13 @@
 /*
- * A series of checkpoints: `--save CKPT --keep-last K` writes every save
+ * A series of checkpoints: keep_last K (`--save CKPT --keep-last K`) writes every save
  * under its own name, CKPT with the step in it (run.safetensors ->
  * run-step00000100.safetensors and its run-step00000100.optim.safetensors;
  * a sharded directory ckpt -> ckpt-step00000100), each committed as one
  * unit, and once a save verifies removes all but the K newest members
- * that verify.  `--resume latest` continues from the newest member that
- * verifies (or CKPT itself, saved without --keep-last), and starts a new
- * run when there is none yet, so a preemptible job can be restarted with
- * the same command line.  "Verifies" is cli_ckpt_verify: it would load.
+ * that verify.  ct_checkpoint_latest (`--resume latest`) finds the newest
+ * member that verifies (or CKPT itself, saved without keep_last), or none,
+ * so a preemptible job can be restarted with the same command line.
+ * "Verifies" is ct_checkpoint_verify: it would load.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -16,7 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "cli.h"
+#include "internal.h"
 
 #define EXT ".safetensors"
 #define TAG "-step"
@@ -35,7 +35,7 @@ static void split(const char *path, char *dir, size_t dn, char *stem, size_t sn,
     snprintf(stem, sn, "%.*s", (int)(has_ext ? bl - el : bl), base);
 }
 
-void cli_series_path(const char *path, int64_t step, char *buf, size_t n)
+void ct_checkpoint_series_path(const char *path, int64_t step, char *buf, size_t n)
 {
     size_t pl = strlen(path), el = sizeof EXT - 1;
     int has_ext = pl > el && !strcmp(path + pl - el, EXT);
@@ -94,12 +94,12 @@ static ct_status list_members(const char *path, int64_t **steps, int *n)
 }
 
 /* A member counts as a checkpoint only when it verifies: it loads, with its
- * optimizer state, exactly as --resume would load it (cli_ckpt_verify).
+ * optimizer state, exactly as --resume would load it (ct_checkpoint_verify).
  * An empty directory a failed save left, or a damaged member, is none. */
 static int verifies(const char *ck)
 {
-    cli_verified v;
-    if (cli_ckpt_verify(ck, 1, &v) == CT_OK) return 1;
+    ct_ckpt_verified v;
+    if (ct_checkpoint_verify(ck, 1, &v) == CT_OK) return 1;
     ct_clear_error();
     return 0;
 }
@@ -112,7 +112,7 @@ static int unfinished(const char *ck)
 {
     char side[4096];
     struct stat sb;
-    if (cli_ckpt_recover(NULL, ck) != CT_OK) {
+    if (ct__ckpt_recover(NULL, ck) != CT_OK) {
         ct_clear_error();
         return 0;
     }
@@ -122,11 +122,11 @@ static int unfinished(const char *ck)
         snprintf(idx, sizeof idx, "%s/model.safetensors.index.json", ck);
         if (access(idx, F_OK) != 0) return 1;
     }
-    cli_sidecar_path(ck, side, sizeof side);
+    ct_checkpoint_optim_path(ck, side, sizeof side);
     return access(side, F_OK) != 0;
 }
 
-/* The step a checkpoint saved without --keep-last is at, -1 if unreadable. */
+/* The step a checkpoint saved without keep_last is at, -1 if unreadable. */
 static int64_t saved_step(const char *ck)
 {
     ct_safetensors *st;
@@ -150,7 +150,7 @@ static ct_status find_latest(const char *save, char *buf, size_t n)
     int64_t best = -1;
     for (int i = 0; i < count; i++) {
         char p[4096];
-        cli_series_path(save, steps[i], p, sizeof p);
+        ct_checkpoint_series_path(save, steps[i], p, sizeof p);
         if (verifies(p)) {
             best = steps[i];
             snprintf(buf, n, "%s", p);
@@ -166,10 +166,11 @@ static ct_status find_latest(const char *save, char *buf, size_t n)
     return CT_OK;
 }
 
-ct_status cli_resolve_latest(ct_group *g, const char *save, char *buf, size_t n)
+ct_status ct_checkpoint_latest(ct_group *g, const char *save, char *buf, size_t n)
 {
-    ct_status st = ct_group_check(g, ct_group_rank(g) == 0 ? find_latest(save, buf, n) : CT_OK);
-    if (st == CT_OK) st = ct_group_broadcast(g, buf, (int64_t)n, CT_U8, 0, NULL);
+    if (!save || !buf || !n) return ct__ckpt_check(g, ct_error(CT_EINVAL, "ct_checkpoint_latest: no path or no buffer"));
+    ct_status st = ct__ckpt_check(g, !g || ct_group_rank(g) == 0 ? find_latest(save, buf, n) : CT_OK);
+    if (st == CT_OK && g) st = ct_group_broadcast(g, buf, (int64_t)n, CT_U8, 0, NULL);
     buf[n - 1] = 0;
     return st;
 }
@@ -182,16 +183,16 @@ static ct_status remove_member(const char *ck)
     struct stat sb;
     if (stat(ck, &sb) != 0) return CT_OK;
     if (!S_ISDIR(sb.st_mode)) {
-        cli_sidecar_path(ck, side, sizeof side);
+        ct_checkpoint_optim_path(ck, side, sizeof side);
         if ((unlink(side) != 0 && errno != ENOENT) || unlink(ck) != 0)
-            return ct_error(CT_EIO, "--keep-last: cannot remove the old checkpoint %s: %s", ck, strerror(errno));
+            return ct_error(CT_EIO, "keep_last (--keep-last): cannot remove the old checkpoint %s: %s", ck, strerror(errno));
         return CT_OK;
     }
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", ck);
     if (unlink(path) != 0 && errno != ENOENT)
-        return ct_error(CT_EIO, "--keep-last: cannot remove %s: %s", path, strerror(errno));
+        return ct_error(CT_EIO, "keep_last (--keep-last): cannot remove %s: %s", path, strerror(errno));
     DIR *d = opendir(ck);
-    if (!d) return ct_error(CT_EIO, "--keep-last: cannot read %s: %s", ck, strerror(errno));
+    if (!d) return ct_error(CT_EIO, "keep_last (--keep-last): cannot read %s: %s", ck, strerror(errno));
     struct dirent *e;
     while ((e = readdir(d)))
         if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
@@ -200,7 +201,7 @@ static ct_status remove_member(const char *ck)
         }
     closedir(d);
     if (rmdir(ck) != 0)
-        return ct_error(CT_EIO, "--keep-last: cannot remove the old checkpoint %s: %s", ck, strerror(errno));
+        return ct_error(CT_EIO, "keep_last (--keep-last): cannot remove the old checkpoint %s: %s", ck, strerror(errno));
     return CT_OK;
 }
 
@@ -211,12 +212,12 @@ static ct_status remove_member(const char *ck)
  * (keep >= 1). */
 static ct_status prune(const char *save, const char *newest, int64_t keep)
 {
-    cli_verified v;
-    ct_status st = cli_ckpt_verify(newest, 1, &v);
+    ct_ckpt_verified v;
+    ct_status st = ct_checkpoint_verify(newest, 1, &v);
     if (st != CT_OK) {
         char why[1024];
         snprintf(why, sizeof why, "%s", ct_last_error());
-        return ct_error(st, "--keep-last: the checkpoint just saved does not verify, so no older one is removed: "
+        return ct_error(st, "keep_last (--keep-last): the checkpoint just saved does not verify, so no older one is removed: "
                         "%s", why);
     }
     int64_t *steps;
@@ -225,7 +226,7 @@ static ct_status prune(const char *save, const char *newest, int64_t keep)
     int64_t kept = 0;
     for (int i = 0; i < count && st == CT_OK; i++) {
         char p[4096];
-        cli_series_path(save, steps[i], p, sizeof p);
+        ct_checkpoint_series_path(save, steps[i], p, sizeof p);
         if (!strcmp(p, newest) || verifies(p)) {
             if (++kept > keep) st = remove_member(p);
         } else if (unfinished(p)) {
@@ -236,7 +237,7 @@ static ct_status prune(const char *save, const char *newest, int64_t keep)
     return st;
 }
 
-ct_status cli_series_prune(ct_group *g, const char *save, const char *newest, int64_t keep)
+ct_status ct__ckpt_prune(ct_group *g, const char *save, const char *newest, int64_t keep)
 {
-    return ct_group_check(g, ct_group_rank(g) == 0 ? prune(save, newest, keep) : CT_OK);
+    return ct__ckpt_check(g, !g || ct_group_rank(g) == 0 ? prune(save, newest, keep) : CT_OK);
 }
