@@ -166,6 +166,7 @@ static ct_status read_checkpoints(trainer *t)
 {
     train_opts *o = t->o;
     const char *ck = o->init ? o->init : o->resume;
+    if (ck) ct_mem_phase_begin(CT_PHASE_LOAD);
     if (ck) CT_TRY(cli_ckpt_recover(t->g, ck)); /* a save a crash interrupted is finished first */
     if (o->init) return cli_load_file(o->init, "the --init checkpoint", &t->ck);
     if (!o->resume) return CT_OK;
@@ -547,6 +548,7 @@ static ct_status save(trainer *t)
 {
     ct_meta mm, sm;
     train_opts *o = t->o;
+    ct_mem_phase_begin(CT_PHASE_SAVE);
     CT_TRY(ct_group_check(t->g, fill_meta(t, &mm, &sm)));
     snprintf(t->saved, sizeof t->saved, "%s", o->save);
     if (o->keep_last) cli_series_path(o->save, t->step, t->saved, sizeof t->saved);
@@ -646,8 +648,10 @@ static ct_status write_trace(trainer *t)
     return ct_trace_write(buf);
 }
 
+/* Everything but the memory reports (train_life reads them after). */
 static void teardown(trainer *t)
 {
+    ct_mem_phase_begin(CT_PHASE_TEARDOWN);
     ct_strategy_destroy(t->s); /* and the optimizer it built */
     ct_module_destroy(t->model);
     ct_sampler_fini(&t->sampler);
@@ -657,7 +661,6 @@ static void teardown(trainer *t)
     ct_safetensors_destroy(t->ck);
     ct_safetensors_destroy(t->side);
     ct_free(t->step_s);
-    ct_free(t->mem);
 }
 
 int train_run(train_opts *o)
@@ -689,9 +692,8 @@ int train_run(train_opts *o)
     /* The last step's evaluation, after the memory report (its peaks cover the training steps)
      * and before the summary (the metrics file's last line). */
     if (st == CT_OK && t.step > t.start_step && t.last_eval_step != t.step) st = train_eval(&t, &prog);
-    if (st == CT_OK && t.rank == 0) st = cli_progress_summary(&prog, train_median_step_ms(&t), t.mem, t.world);
-    cli_progress_finish(&prog);
-    double seconds = ct_now() - t0 - t.eval_seconds;
+    double step_ms = train_median_step_ms(&t), seconds = ct_now() - t0 - t.eval_seconds;
+    cli_progress_clear(&prog);
     if (st == CT_OK) st = train_report(&t, seconds);
     if (st == CT_OK && o->save) {
         st = save(&t);
@@ -707,6 +709,10 @@ int train_run(train_opts *o)
     if (st == CT_OK && o->trace) st = ct_group_check(t.g, write_trace(&t));
     if (st != CT_OK) cli_err("train", "%s", ct_last_error());
     teardown(&t);
+    /* The whole life's peaks, the metrics summary (its last line) and the run's last line of output. */
+    if (st == CT_OK && (st = train_life(&t, &prog, step_ms)) != CT_OK) cli_err("train", "%s", ct_last_error());
+    cli_progress_finish(&prog);
+    ct_free(t.mem);
     return st == CT_OK ? CLI_OK : t.usage ? CLI_USAGE : CLI_RUNTIME;
 }
 

@@ -162,6 +162,8 @@ TEST(cli_train_eval_inspect)
     ASSERT_STR_CONTAINS(out, "step 250/250");
     ASSERT_STR_CONTAINS(out, "peak memory over the training steps");
     ASSERT_STR_CONTAINS(out, "  resident      3.6 MiB");
+    ASSERT_STR_CONTAINS(out, "whole-life peak RSS (set-up to teardown): rank 0 ");
+    ASSERT_STR_CONTAINS(out, " train ");
     ASSERT_STR_CONTAINS(out, "step time (none");
     line_after(out, "test: ", acc_train, sizeof acc_train);
     ASSERT(number_after(out, "accuracy ") > 60);
@@ -190,7 +192,13 @@ TEST(cli_train_eval_inspect)
             ASSERT_EQ((int64_t)resident, 940584 * 2 + (int64_t)optim);
             ASSERT(number_after(line, "\"data\":") > 2000 * 784 * 4);
             ASSERT(number_after(line, "\"rss\":") > number_after(line, "\"peak_total\":"));
-            ASSERT_STR_CONTAINS(line, "}]}");
+            /* the whole life's peak RSS covers the training window's, and every phase the run went through */
+            ASSERT(number_after(line, "\"rss_life\":") >= number_after(line, "\"rss\":"));
+            ASSERT(number_after(line, "\"rss_life\":") >= number_after(line, "\"build\":"));
+            ASSERT(number_after(line, "\"teardown\":") > 0 && number_after(line, "\"eval\":") > 0);
+            ASSERT(number_after(line, "\"peak_cached\":") <= number_after(line, "\"cache_limit\":"));
+            ASSERT_STR_CONTAINS(line, "\"rss_life_phase\":\"");
+            ASSERT_STR_CONTAINS(line, "}}]}");
             continue;
         }
         ASSERT_STR_CONTAINS(line, "{\"step\":");

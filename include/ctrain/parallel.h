@@ -393,8 +393,11 @@ ct_group *ct_strategy_group(const ct_strategy *s);
 /* Timings of the last completed step. */
 ct_step_stats ct_strategy_stats(const ct_strategy *s);
 /* Every rank's memory report (ct_mem_report_get on each), gathered into
- * all[0 .. group size) on every rank.  Collective over the group.  Call
- * ct_mem_reset_peak after set-up so the peaks cover the training steps. */
+ * all[0 .. group size) on every rank (ct_group_mem_reports over the
+ * strategy's group).  Collective over the group.  Call ct_mem_reset_peak
+ * after set-up so the peaks cover the training steps; the whole life's peak
+ * RSS and its phase (the library marks build, wrap, load, train, save and
+ * teardown: ct_mem_phase_begin) are in every report regardless. */
 ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all);
 /* Option value as the strategy parsed it ("25" for bucket_cap_mb), or NULL
  * for a key it does not take. */
