@@ -119,6 +119,15 @@ ct_status ct_fsdp_plan(ct_module *model, const char *opts, ct_fsdp_unit *units, 
  * peak of the three together on the largest rank, total adds act and comm. */
 typedef struct {
     uint64_t param, grad, optim, act, comm, resident, total;
+    /* The whole life, as the kernel sees it (resident pages; the runtime's
+     * fixed RSS, MPI and libraries, comes on top): */
+    uint64_t flat;   /* the largest flat (bucket, unit, slice), which the cache's bound follows */
+    uint64_t cache;  /* the allocator cache's bound (ct_mem_get_cache_limit as the run would set it) */
+    uint64_t setup;  /* at the set-up peak: building the model, then wrapping it */
+    uint64_t save;   /* at a full save's peak, on rank 0, which holds what it writes */
+    uint64_t life;   /* the whole life's peak: the largest of setup, total and save, plus the
+                        cache (at most its bound, at most a step's act and comm and two flats) */
+    int life_phase;  /* the ct_mem_phase of life: CT_PHASE_WRAP, CT_PHASE_TRAIN or CT_PHASE_SAVE */
 } ct_mem_plan;
 
 /* What a run is, besides the model and the strategy's options. */

@@ -340,14 +340,108 @@ static ct_status plan_zero2(const ct__plan *pl, ct_mem_plan *out)
     return CT_OK;
 }
 
+/* ---- the whole life: set-up and save ------------------------------------ */
+
+/* Resident bytes of the whole model as ct_model_build leaves it on every
+ * rank: the parameters and buffers it initialised (its zeroed gradients are
+ * fresh pages, counted by the allocator but not resident until written). */
+static uint64_t model_whole(const ct__plan *pl) { return param_bytes(pl, 0); }
+
+/* Set-up, one function per strategy: what the code does today.  Every rank
+ * builds the whole model, then wrap allocates the strategy's storage while
+ * the model's own tensors still exist (pointing is staged until commit).
+ * A strategy that builds or materialises less changes its own function. */
+static uint64_t setup_replicated(const ct__plan *pl, const ct_mem_plan *p)
+{
+    (void)p; /* DDP's buckets and ZeRO's gradients are written by the first backward, not at wrap */
+    return model_whole(pl);
+}
+
+static uint64_t setup_fsdp(const ct__plan *pl, const ct_mem_plan *p)
+{
+    (void)p; /* every unit's shard is copied out of the whole model before it goes */
+    return model_whole(pl) + (trainable_bytes(pl) + (uint64_t)pl->spec->world - 1) / (uint64_t)pl->spec->world;
+}
+
+static uint64_t setup_offload(const ct__plan *pl, const ct_mem_plan *p)
+{
+    return model_whole(pl) + p->flat; /* a slice at a time moves into its flat and out to the store */
+}
+
+/* A full save's extra bytes on rank 0 over the steady state (the writer
+ * holds a whole state until it is written): nothing where the state is the
+ * parameters and slots themselves (none, ddp); the optimizer state gathered
+ * whole for the strategies that shard it; and the parameters gathered whole
+ * (fsdp, offload, pipe), one state after the other. */
+static uint64_t save_views(const ct__plan *pl, const ct_mem_plan *p)
+{
+    (void)pl, (void)p;
+    return 0;
+}
+
+static uint64_t save_optim(const ct__plan *pl, const ct_mem_plan *p)
+{
+    (void)p;
+    uint64_t o = 0;
+    return optim_whole(pl, &o) == CT_OK ? o : 0;
+}
+
+static uint64_t save_gathered(const ct__plan *pl, const ct_mem_plan *p)
+{
+    uint64_t o = save_optim(pl, p), w = trainable_bytes(pl);
+    return o > w ? o : w;
+}
+
+/* The largest flat where the planner did not say: a DDP bucket (bucket_cap_mb,
+ * or one parameter larger than that), or ZeRO-2's one gradient. */
+static uint64_t largest_param(const ct__plan *pl)
+{
+    uint64_t b = 0;
+    for (int i = 0; i < pl->ntp; i++) b = (uint64_t)pl->tp[i]->data->numel * 4 > b ? (uint64_t)pl->tp[i]->data->numel * 4 : b;
+    return b;
+}
+
+static void whole_life(const ct__plan *pl, uint64_t (*setup)(const ct__plan *, const ct_mem_plan *),
+                       uint64_t (*save)(const ct__plan *, const ct_mem_plan *), ct_mem_plan *out)
+{
+    if (!out->flat) {
+        uint64_t cap = (uint64_t)(ct__plan_num(pl, "bucket_cap_mb", 0) * 1048576.0), tb = trainable_bytes(pl);
+        out->flat = largest_param(pl);
+        if (cap > out->flat) out->flat = cap < tb ? cap : tb;
+    }
+    double mb = ct__plan_num(pl, "alloc_cache_mb", -1); /* "auto" reads as 0: atof */
+    char b[32];
+    const char *v = ct__plan_opt(pl, "alloc_cache_mb", b, sizeof b);
+    uint64_t floor_b = (uint64_t)CT_MEM_CACHE_MIN_MB << 20;
+    out->cache = v && strcmp(v, "auto") ? (uint64_t)(mb * 1048576.0)
+               : out->flat * CT_MEM_CACHE_UNITS > floor_b ? out->flat * CT_MEM_CACHE_UNITS : floor_b;
+    out->setup = setup(pl, out);
+    out->save = out->resident + save(pl, out);
+    uint64_t top = out->total;
+    out->life_phase = CT_PHASE_TRAIN;
+    if (out->setup > top) top = out->setup, out->life_phase = CT_PHASE_WRAP;
+    if (out->save > top) top = out->save, out->life_phase = CT_PHASE_SAVE;
+    /* The cache holds blocks this run freed and has not reused: at most its bound, and in practice a
+     * step's activations and two flats (a small model never fills the 64 MiB floor). */
+    uint64_t churn = out->act + out->comm + 2 * out->flat;
+    out->life = (out->cache < churn ? out->cache : churn) + top;
+}
+
 /* ---- the entry ------------------------------------------------------------ */
 
 static const struct {
     const char *kind;
     ct_status (*plan)(const ct__plan *pl, ct_mem_plan *out);
+    uint64_t (*setup)(const ct__plan *pl, const ct_mem_plan *p); /* the set-up peak */
+    uint64_t (*save)(const ct__plan *pl, const ct_mem_plan *p);  /* a full save's extra on rank 0 */
 } planners[] = {
-    {"none", plan_none},   {"ddp", plan_ddp},   {"zero1", plan_zero1},         {"zero2", plan_zero2},
-    {"fsdp", ct__plan_fsdp}, {"pipe", ct__plan_pipe}, {"offload", ct__plan_offload},
+    {"none", plan_none, setup_replicated, save_views},
+    {"ddp", plan_ddp, setup_replicated, save_views},
+    {"zero1", plan_zero1, setup_replicated, save_optim},
+    {"zero2", plan_zero2, setup_replicated, save_optim},
+    {"fsdp", ct__plan_fsdp, setup_fsdp, save_gathered},
+    {"pipe", ct__plan_pipe, setup_replicated, save_gathered},
+    {"offload", ct__plan_offload, setup_offload, save_gathered},
 };
 
 /* The model's parameters, buffers and the order backward reaches its modules. */
@@ -407,6 +501,7 @@ ct_status ct_strategy_plan(const char *kind, ct_module *model, const char *opts,
     ct_status st = ct_strategy_check_opts(kind, opts, pl->vals, sizeof pl->vals);
     if (st == CT_OK) st = read_model(pl);
     if (st == CT_OK) st = planners[k].plan(pl, out);
+    if (st == CT_OK) whole_life(pl, planners[k].setup, planners[k].save, out);
     ct_free(pl->params);
     ct_free(pl->tp);
     ct_free(pl->by_addr);

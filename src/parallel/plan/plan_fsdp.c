@@ -78,6 +78,7 @@ ct_status ct__plan_fsdp(const ct__plan *pl, ct_mem_plan *out)
                 p1 += low ? (uint64_t)(shard * ns) * 2 : ns > 1 ? (uint64_t)(shard * ns) * 4 : 0;
                 g1 += (uint64_t)(shard * ns) * 4;
             }
+            if ((uint64_t)u[i].numel * 4 > out->flat) out->flat = (uint64_t)u[i].numel * 4; /* a unit's flat */
             if (u[i].is_root) {
                 root_p += p1;
                 root_g += g1;
