@@ -289,7 +289,7 @@ static void print_life_row(const char *kind, const ct_mem_plan *r, uint64_t fixe
     printf("  %s\n", ct_mem_phase_name((ct_mem_phase)r->life_phase));
 }
 
-static int estimate_rows(const est_opts *oo, const kind_list *klp, char (*opts)[2048], uint64_t fixed, int quiet);
+static int estimate_rows(const est_opts *o, const kind_list *kl, char (*opts)[2048], uint64_t fixed, int quiet);
 
 int cli_estimate(int argc, char **argv)
 {
@@ -334,27 +334,25 @@ int cli_estimate(int argc, char **argv)
 }
 
 /* The plans of the chosen strategies, printed (not when quiet). */
-static int estimate_rows(const est_opts *oo, const kind_list *klp, char (*opts)[2048], uint64_t fixed, int quiet)
+static int estimate_rows(const est_opts *o, const kind_list *kl, char (*opts)[2048], uint64_t fixed, int quiet)
 {
-    est_opts o = *oo;
-    kind_list kl = *klp;
     ct_model_config cfg;
     ct_module *model = NULL;
     ct_plan_spec spec;
     ct_mem_plan rows[MAXKINDS];
     int shown[MAXKINDS] = {0};
-    ct_status st = build_input(&o, &cfg, &model, &spec);
+    ct_status st = build_input(o, &cfg, &model, &spec);
     /* Every row first, so that a strategy that cannot plan is one line, not a half-printed table. */
-    for (int k = 0; st == CT_OK && k < kl.n; k++) {
-        if (!chosen(&o, kl.names[k])) continue;
-        st = ct_strategy_plan(kl.names[k], model, opts[k], &spec, &rows[k]);
-        if (st == CT_EUNSUPPORTED && !o.strategy) { /* none on several ranks: not a row of this table */
+    for (int k = 0; st == CT_OK && k < kl->n; k++) {
+        if (!chosen(o, kl->names[k])) continue;
+        st = ct_strategy_plan(kl->names[k], model, opts[k], &spec, &rows[k]);
+        if (st == CT_EUNSUPPORTED && !o->strategy) { /* none on several ranks: not a row of this table */
             st = CT_OK;
             continue;
         }
         if (st == CT_EUNSUPPORTED) {
             if (!quiet) fprintf(stderr, "ctrain estimate: --strategy %s runs every rank alone; it applies to --ranks 1 only (drop "
-                    "it from --strategy)\n", kl.names[k]);
+                    "it from --strategy)\n", kl->names[k]);
             ct_module_destroy(model);
             return CLI_USAGE;
         }
@@ -365,27 +363,27 @@ static int estimate_rows(const est_opts *oo, const kind_list *klp, char (*opts)[
         ct_module_destroy(model);
         return st == CT_EINVAL ? CLI_USAGE : CLI_RUNTIME;
     }
-    if (!o.json && !quiet) {
+    if (!o->json && !quiet) {
         char desc[300];
-        int64_t rows_per = o.batch / o.ranks + (o.batch % o.ranks != 0);
+        int64_t rows_per = o->batch / o->ranks + (o->batch % o->ranks != 0);
         printf("ctrain estimate: %s (%lld parameters), %s%s, %lld rank%s, batch %lld (%lld rows per rank%s)%s%s\n",
-               cli_config_str(&cfg, desc, sizeof desc), (long long)ct_module_num_params(model), o.optim,
-               spec.optim.kind == CT_OPT_SGD && o.momentum ? " with momentum" : "", (long long)o.ranks,
-               o.ranks == 1 ? "" : "s", (long long)o.batch, (long long)rows_per, o.grad_accum > 1 ? ", accumulated" : "",
-               strcmp(o.mixed, "none") ? ", mixed bf16" : "",
-               strcmp(o.grad_compress, "none") ? (strcmp(o.grad_compress, "bf16") ? ", f16 reduce" : ", bf16 reduce") : "");
+               cli_config_str(&cfg, desc, sizeof desc), (long long)ct_module_num_params(model), o->optim,
+               spec.optim.kind == CT_OPT_SGD && o->momentum ? " with momentum" : "", (long long)o->ranks,
+               o->ranks == 1 ? "" : "s", (long long)o->batch, (long long)rows_per, o->grad_accum > 1 ? ", accumulated" : "",
+               strcmp(o->mixed, "none") ? ", mixed bf16" : "",
+               strcmp(o->grad_compress, "none") ? (strcmp(o->grad_compress, "bf16") ? ", f16 reduce" : ", bf16 reduce") : "");
         printf("peak bytes per rank (the largest rank's):\n  %-9s%11s%11s%11s%11s%11s%11s%11s\n", "strategy", "param",
                "grad", "optim", "act", "comm", "resident", "total");
     }
-    for (int k = 0; k < kl.n && !quiet; k++)
-        if (shown[k]) print_row(&o, kl.names[k], &rows[k], fixed);
-    if (!o.json && !quiet) {
+    for (int k = 0; k < kl->n && !quiet; k++)
+        if (shown[k]) print_row(o, kl->names[k], &rows[k], fixed);
+    if (!o->json && !quiet) {
         char b[32];
         printf("  (resident = param + grad + optim; total adds act and comm; the data set is not counted)\n");
         printf("whole life per rank, as the kernel sees it (resident set):\n  %-9s%11s%11s%11s%11s%11s  %s\n",
                "strategy", "setup", "train", "save", "cache", "peak rss", "peak in");
-        for (int k = 0; k < kl.n; k++)
-            if (shown[k]) print_life_row(kl.names[k], &rows[k], fixed);
+        for (int k = 0; k < kl->n; k++)
+            if (shown[k]) print_life_row(kl->names[k], &rows[k], fixed);
         printf("  (setup: the model built whole on every rank, then wrapped; train: total above; save: a full save on "
                "rank 0;\n   cache: the allocator's bound on freed blocks kept; peak rss = the runtime's fixed %s (an "
                "empty run's RSS,\n   measured in this process: MPI and libraries) + the largest of setup, train and save "
