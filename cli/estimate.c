@@ -263,12 +263,12 @@ static void print_row(const est_opts *o, const char *kind, const ct_mem_plan *r,
 {
     if (o->json) {
         printf("{\"strategy\":\"%s\",\"ranks\":%lld,\"param\":%llu,\"grad\":%llu,\"optim\":%llu,\"act\":%llu,"
-               "\"comm\":%llu,\"resident\":%llu,\"total\":%llu,\"flat\":%llu,\"cache\":%llu,\"setup\":%llu,"
+               "\"comm\":%llu,\"resident\":%llu,\"total\":%llu,\"flat\":%llu,\"cache\":%llu,\"shared\":%llu,\"setup\":%llu,"
                "\"save\":%llu,\"life\":%llu,\"life_phase\":\"%s\",\"fixed\":%llu,\"rss\":%llu}\n", kind,
                (long long)o->ranks, (unsigned long long)r->param, (unsigned long long)r->grad,
                (unsigned long long)r->optim, (unsigned long long)r->act, (unsigned long long)r->comm,
                (unsigned long long)r->resident, (unsigned long long)r->total, (unsigned long long)r->flat,
-               (unsigned long long)r->cache, (unsigned long long)r->setup, (unsigned long long)r->save,
+               (unsigned long long)r->cache, (unsigned long long)r->shared, (unsigned long long)r->setup, (unsigned long long)r->save,
                (unsigned long long)r->life, ct_mem_phase_name((ct_mem_phase)r->life_phase),
                (unsigned long long)fixed, (unsigned long long)(fixed + r->life));
         return;
@@ -282,7 +282,7 @@ static void print_row(const est_opts *o, const char *kind, const ct_mem_plan *r,
 
 static void print_life_row(const char *kind, const ct_mem_plan *r, uint64_t fixed)
 {
-    const uint64_t v[] = {r->setup, r->total, r->save, r->cache, fixed + r->life};
+    const uint64_t v[] = {r->setup, r->shared + r->total, r->save, r->shared, r->cache, fixed + r->life};
     char b[32];
     printf("  %-9s", kind);
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) printf("%11s", cli_bytes((double)v[i], b, sizeof b));
@@ -380,12 +380,12 @@ static int estimate_rows(const est_opts *o, const kind_list *kl, char (*opts)[20
     if (!o->json && !quiet) {
         char b[32];
         printf("  (resident = param + grad + optim; total adds act and comm; the data set is not counted)\n");
-        printf("whole life per rank, as the kernel sees it (resident set):\n  %-9s%11s%11s%11s%11s%11s  %s\n",
-               "strategy", "setup", "train", "save", "cache", "peak rss", "peak in");
+        printf("whole life per rank, as the kernel sees it (resident set):\n  %-9s%11s%11s%11s%11s%11s%11s  %s\n",
+               "strategy", "setup", "train", "save", "shared", "cache", "peak rss", "peak in");
         for (int k = 0; k < kl->n; k++)
             if (shown[k]) print_life_row(kl->names[k], &rows[k], fixed);
         printf("  (setup: the model built whole on every rank, then wrapped; train: total above; save: a full save on "
-               "rank 0;\n   cache: the allocator's bound on freed blocks kept; peak rss = the runtime's fixed %s (an "
+               "rank 0;\n   shared: the other ranks' shared-memory buckets mapped in each (one node), in the three;\n   cache: the allocator's bound on freed blocks kept; peak rss = the runtime's fixed %s (an "
                "empty run's RSS,\n   measured in this process: MPI and libraries) + the largest of setup, train and save "
                "+ the cache, at most\n   its bound and a step's act, comm and two flats)\n", fixed ? cli_bytes((double)fixed, b, sizeof b) : "? (not measurable here)");
     }

@@ -295,13 +295,16 @@ TEST(plan_whole_life_follows_the_flats)
         ASSERT_OK(ct_strategy_plan(kinds[k], m, opts, &spec, &p));
         uint64_t want = p.flat * CT_MEM_CACHE_UNITS > floor_b ? p.flat * CT_MEM_CACHE_UNITS : floor_b;
         ASSERT_EQ(p.cache, want);
-        uint64_t top = p.total > p.setup ? p.total : p.setup;
+        /* DDP's and ZeRO-1's buckets are shared windows: every other rank's are mapped into each */
+        int shares = !strcmp(kinds[k], "ddp") || !strcmp(kinds[k], "zero1");
+        ASSERT_EQ(p.shared, shares ? (uint64_t)(spec.world - 1) * (uint64_t)P * 4 : 0);
+        uint64_t top = p.shared + p.total > p.setup ? p.shared + p.total : p.setup;
         top = p.save > top ? p.save : top;
         uint64_t churn = p.act + p.comm + 2 * p.flat;
         ASSERT_EQ(p.life, (p.cache < churn ? p.cache : churn) + top);
-        ASSERT_EQ(p.life_phase, top == p.total ? CT_PHASE_TRAIN : top == p.setup ? CT_PHASE_WRAP : CT_PHASE_SAVE);
-        ASSERT(p.setup >= (uint64_t)P * 4); /* the whole model, built on every rank */
-        ASSERT(p.save >= p.resident);
+        ASSERT_EQ(p.life_phase, top == p.shared + p.total ? CT_PHASE_TRAIN : top == p.setup ? CT_PHASE_WRAP : CT_PHASE_SAVE);
+        ASSERT(p.setup >= p.shared + (uint64_t)P * 4); /* the whole model, built on every rank */
+        ASSERT(p.save >= p.shared + p.resident);
         if (!strcmp(kinds[k], "fsdp")) {
             ASSERT_EQ(p.flat, (uint64_t)largest_unit * 4);
             ASSERT_EQ(p.setup, (uint64_t)P * 4 + ((uint64_t)P * 4 + 3) / 4);
@@ -309,10 +312,10 @@ TEST(plan_whole_life_follows_the_flats)
         }
         if (!strcmp(kinds[k], "ddp")) {
             ASSERT_EQ(p.flat, 10 * MB); /* a full bucket (the model has more) */
-            ASSERT_EQ(p.setup, (uint64_t)P * 4);
-            ASSERT_EQ(p.save, p.resident); /* the state is the parameters and slots themselves */
+            ASSERT_EQ(p.setup, p.shared + (uint64_t)P * 4);
+            ASSERT_EQ(p.save, p.shared + p.resident); /* the state is the parameters and slots themselves */
         }
-        if (!strcmp(kinds[k], "zero1")) ASSERT(p.save >= p.resident + (uint64_t)P * 8);
+        if (!strcmp(kinds[k], "zero1")) ASSERT(p.save >= p.shared + p.resident + (uint64_t)P * 8);
         if (!strcmp(kinds[k], "zero2")) ASSERT_EQ(p.flat, (uint64_t)2048 * 1024 * 4); /* one gradient: the largest */
     }
     ct_mem_plan p;

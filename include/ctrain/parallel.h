@@ -123,6 +123,9 @@ typedef struct {
      * fixed RSS, MPI and libraries, comes on top): */
     uint64_t flat;   /* the largest flat (bucket, unit, slice), which the cache's bound follows */
     uint64_t cache;  /* the allocator cache's bound (ct_mem_get_cache_limit as the run would set it) */
+    uint64_t shared; /* other ranks' shared-memory pages mapped into this one (DDP's and ZeRO-1's
+                        buckets are windows every local rank touches; the plan takes one node),
+                        included in setup, save and life */
     uint64_t setup;  /* at the set-up peak: building the model, then wrapping it */
     uint64_t save;   /* at a full save's peak, on rank 0, which holds what it writes */
     uint64_t life;   /* the whole life's peak: the largest of setup, total and save, plus the

@@ -392,6 +392,22 @@ static uint64_t save_gathered(const ct__plan *pl, const ct_mem_plan *p)
     return o > w ? o : w;
 }
 
+/* Other ranks' pages in this rank's resident set: DDP's buckets (ZeRO-1's
+ * too) are shared-memory windows when the ranks share a node, and
+ * ct_group_alloc_shared maps every peer's pages at creation (a byte read per
+ * page), so each rank holds every local rank's buckets.  The plan knows no
+ * nodes: it takes one. */
+static uint64_t peers_none(const ct__plan *pl)
+{
+    (void)pl;
+    return 0;
+}
+
+static uint64_t peers_buckets(const ct__plan *pl)
+{
+    return (uint64_t)(pl->spec->world - 1) * trainable_bytes(pl);
+}
+
 /* The largest flat where the planner did not say: a DDP bucket (bucket_cap_mb,
  * or one parameter larger than that), or ZeRO-2's one gradient. */
 static uint64_t largest_param(const ct__plan *pl)
@@ -402,7 +418,8 @@ static uint64_t largest_param(const ct__plan *pl)
 }
 
 static void whole_life(const ct__plan *pl, uint64_t (*setup)(const ct__plan *, const ct_mem_plan *),
-                       uint64_t (*save)(const ct__plan *, const ct_mem_plan *), ct_mem_plan *out)
+                       uint64_t (*save)(const ct__plan *, const ct_mem_plan *), uint64_t (*peers)(const ct__plan *),
+                       ct_mem_plan *out)
 {
     if (!out->flat) {
         uint64_t cap = (uint64_t)(ct__plan_num(pl, "bucket_cap_mb", 0) * 1048576.0), tb = trainable_bytes(pl);
@@ -415,9 +432,10 @@ static void whole_life(const ct__plan *pl, uint64_t (*setup)(const ct__plan *, c
     uint64_t floor_b = (uint64_t)CT_MEM_CACHE_MIN_MB << 20;
     out->cache = v && strcmp(v, "auto") ? (uint64_t)(mb * 1048576.0)
                : out->flat * CT_MEM_CACHE_UNITS > floor_b ? out->flat * CT_MEM_CACHE_UNITS : floor_b;
-    out->setup = setup(pl, out);
-    out->save = out->resident + save(pl, out);
-    uint64_t top = out->total;
+    out->shared = peers(pl);
+    out->setup = out->shared + setup(pl, out);
+    out->save = out->shared + out->resident + save(pl, out);
+    uint64_t top = out->shared + out->total;
     out->life_phase = CT_PHASE_TRAIN;
     if (out->setup > top) top = out->setup, out->life_phase = CT_PHASE_WRAP;
     if (out->save > top) top = out->save, out->life_phase = CT_PHASE_SAVE;
@@ -434,14 +452,15 @@ static const struct {
     ct_status (*plan)(const ct__plan *pl, ct_mem_plan *out);
     uint64_t (*setup)(const ct__plan *pl, const ct_mem_plan *p); /* the set-up peak */
     uint64_t (*save)(const ct__plan *pl, const ct_mem_plan *p);  /* a full save's extra on rank 0 */
+    uint64_t (*peers)(const ct__plan *pl);                       /* other ranks' pages mapped here */
 } planners[] = {
-    {"none", plan_none, setup_replicated, save_views},
-    {"ddp", plan_ddp, setup_replicated, save_views},
-    {"zero1", plan_zero1, setup_replicated, save_optim},
-    {"zero2", plan_zero2, setup_replicated, save_optim},
-    {"fsdp", ct__plan_fsdp, setup_fsdp, save_gathered},
-    {"pipe", ct__plan_pipe, setup_replicated, save_gathered},
-    {"offload", ct__plan_offload, setup_offload, save_gathered},
+    {"none", plan_none, setup_replicated, save_views, peers_none},
+    {"ddp", plan_ddp, setup_replicated, save_views, peers_buckets},
+    {"zero1", plan_zero1, setup_replicated, save_optim, peers_buckets},
+    {"zero2", plan_zero2, setup_replicated, save_optim, peers_none},
+    {"fsdp", ct__plan_fsdp, setup_fsdp, save_gathered, peers_none},
+    {"pipe", ct__plan_pipe, setup_replicated, save_gathered, peers_none},
+    {"offload", ct__plan_offload, setup_offload, save_gathered, peers_none},
 };
 
 /* The model's parameters, buffers and the order backward reaches its modules. */
@@ -501,7 +520,7 @@ ct_status ct_strategy_plan(const char *kind, ct_module *model, const char *opts,
     ct_status st = ct_strategy_check_opts(kind, opts, pl->vals, sizeof pl->vals);
     if (st == CT_OK) st = read_model(pl);
     if (st == CT_OK) st = planners[k].plan(pl, out);
-    if (st == CT_OK) whole_life(pl, planners[k].setup, planners[k].save, out);
+    if (st == CT_OK) whole_life(pl, planners[k].setup, planners[k].save, planners[k].peers, out);
     ct_free(pl->params);
     ct_free(pl->tp);
     ct_free(pl->by_addr);
