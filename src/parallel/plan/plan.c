@@ -368,28 +368,38 @@ static uint64_t setup_offload(const ct__plan *pl, const ct_mem_plan *p)
     return model_whole(pl) + p->flat; /* a slice at a time moves into its flat and out to the store */
 }
 
-/* A full save's extra bytes on rank 0 over the steady state (the writer
- * holds a whole state until it is written): nothing where the state is the
- * parameters and slots themselves (none, ddp); the optimizer state gathered
- * whole for the strategies that shard it; and the parameters gathered whole
- * (fsdp, offload, pipe), one state after the other. */
+/* A full save's peak on rank 0, which holds a whole state until it is
+ * written: the steady state alone where the state is the parameters and
+ * slots themselves (none, ddp); plus the optimizer state gathered whole for
+ * the strategies that shard it; plus that or the parameters gathered whole
+ * (fsdp, pipe), one state after the other.  Offload first flushes every
+ * slice to its store, then reads the whole state back from it (every rank). */
 static uint64_t save_views(const ct__plan *pl, const ct_mem_plan *p)
 {
-    (void)pl, (void)p;
-    return 0;
+    (void)pl;
+    return p->resident;
 }
 
-static uint64_t save_optim(const ct__plan *pl, const ct_mem_plan *p)
+static uint64_t optim_gathered(const ct__plan *pl)
 {
-    (void)p;
     uint64_t o = 0;
     return optim_whole(pl, &o) == CT_OK ? o : 0;
 }
 
-static uint64_t save_gathered(const ct__plan *pl, const ct_mem_plan *p)
+static uint64_t save_optim(const ct__plan *pl, const ct_mem_plan *p) { return p->resident + optim_gathered(pl); }
+
+static uint64_t state_gathered(const ct__plan *pl)
 {
-    uint64_t o = save_optim(pl, p), w = trainable_bytes(pl);
+    uint64_t o = optim_gathered(pl), w = trainable_bytes(pl);
     return o > w ? o : w;
+}
+
+static uint64_t save_gathered(const ct__plan *pl, const ct_mem_plan *p) { return p->resident + state_gathered(pl); }
+
+static uint64_t save_offload(const ct__plan *pl, const ct_mem_plan *p)
+{
+    (void)p;
+    return pl->buffer_bytes + state_gathered(pl);
 }
 
 /* Other ranks' pages in this rank's resident set: DDP's buckets (ZeRO-1's
@@ -434,7 +444,7 @@ static void whole_life(const ct__plan *pl, uint64_t (*setup)(const ct__plan *, c
                : out->flat * CT_MEM_CACHE_UNITS > floor_b ? out->flat * CT_MEM_CACHE_UNITS : floor_b;
     out->shared = peers(pl);
     out->setup = out->shared + setup(pl, out);
-    out->save = out->shared + out->resident + save(pl, out);
+    out->save = out->shared + save(pl, out);
     uint64_t top = out->shared + out->total;
     out->life_phase = CT_PHASE_TRAIN;
     if (out->setup > top) top = out->setup, out->life_phase = CT_PHASE_WRAP;
@@ -451,7 +461,7 @@ static const struct {
     const char *kind;
     ct_status (*plan)(const ct__plan *pl, ct_mem_plan *out);
     uint64_t (*setup)(const ct__plan *pl, const ct_mem_plan *p); /* the set-up peak */
-    uint64_t (*save)(const ct__plan *pl, const ct_mem_plan *p);  /* a full save's extra on rank 0 */
+    uint64_t (*save)(const ct__plan *pl, const ct_mem_plan *p);  /* a full save's peak on rank 0 */
     uint64_t (*peers)(const ct__plan *pl);                       /* other ranks' pages mapped here */
 } planners[] = {
     {"none", plan_none, setup_replicated, save_views, peers_none},
@@ -460,7 +470,7 @@ static const struct {
     {"zero2", plan_zero2, setup_replicated, save_optim, peers_none},
     {"fsdp", ct__plan_fsdp, setup_fsdp, save_gathered, peers_none},
     {"pipe", ct__plan_pipe, setup_replicated, save_gathered, peers_none},
-    {"offload", ct__plan_offload, setup_offload, save_gathered, peers_none},
+    {"offload", ct__plan_offload, setup_offload, save_offload, peers_none},
 };
 
 /* The model's parameters, buffers and the order backward reaches its modules. */
