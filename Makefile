@@ -142,6 +142,7 @@ bench: all $(BENCHES)
 	@echo "== bench/compare-pytorch"; bench/compare-pytorch
 	@echo "== bench/gpt"; bench/gpt
 	@echo "== bench/cluster"; bench/cluster
+	@echo "== bench/memory"; bench/memory
 
 run: all
 	sh scripts/run.sh

@@ -191,6 +191,8 @@ void cli_progress_log(cli_progress *p, int64_t step, int64_t epoch, double loss,
 /* An evaluation at step: a progress line (with --log-every) and a metrics
  * record {"event":"eval","step":..,"epoch":..,"val_loss":..} (scripts/plot draws it). */
 void cli_progress_eval(cli_progress *p, int64_t step, double val_loss);
+/* Clears the bar (before a report is printed). */
+void cli_progress_clear(cli_progress *p);
 /* Clears the bar and closes the metrics file. */
 void cli_progress_finish(cli_progress *p);
 /* Rank 0: the last line of --metrics, {"event":"summary","step_ms":...,

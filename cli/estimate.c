@@ -243,14 +243,37 @@ static ct_status build_input(const est_opts *o, ct_model_config *cfg, ct_module 
     return ct_model_build(cfg, 0, model);
 }
 
-static void print_row(const est_opts *o, const char *kind, const ct_mem_plan *r)
+/* The runtime's fixed overhead: this process's RSS with communication and
+ * BLAS started and no model, which is an empty run's (under mpirun -np N,
+ * the largest rank's at N ranks).  0 where it cannot be measured. */
+static uint64_t fixed_overhead(void)
+{
+    int mine = !ct_comm_initialized();
+    if (mine && ct_comm_init(NULL, NULL) != CT_OK) return 0;
+    float a[64 * 64] = {0}, c[64 * 64];
+    ct_sgemm(0, 0, 64, 64, 64, 1.0f, a, 64, a, 64, 0.0f, c, 64); /* BLAS sets up its buffers at its first product */
+    ct_group *g = ct_group_world();
+    int n = ct_group_size(g);
+    ct_mem_report *all = ct_alloc(sizeof *all * (size_t)n, CT_MEM_OTHER);
+    uint64_t v = 0;
+    if (all && ct_group_mem_reports(g, all) == CT_OK)
+        for (int r = 0; r < n; r++) v = all[r].rss > v ? all[r].rss : v;
+    ct_free(all);
+    return v;
+}
+
+static void print_row(const est_opts *o, const char *kind, const ct_mem_plan *r, uint64_t fixed)
 {
     if (o->json) {
         printf("{\"strategy\":\"%s\",\"ranks\":%lld,\"param\":%llu,\"grad\":%llu,\"optim\":%llu,\"act\":%llu,"
-               "\"comm\":%llu,\"resident\":%llu,\"total\":%llu}\n", kind, (long long)o->ranks,
-               (unsigned long long)r->param, (unsigned long long)r->grad, (unsigned long long)r->optim,
-               (unsigned long long)r->act, (unsigned long long)r->comm, (unsigned long long)r->resident,
-               (unsigned long long)r->total);
+               "\"comm\":%llu,\"resident\":%llu,\"total\":%llu,\"flat\":%llu,\"cache\":%llu,\"shared\":%llu,\"setup\":%llu,"
+               "\"save\":%llu,\"life\":%llu,\"life_phase\":\"%s\",\"fixed\":%llu,\"rss\":%llu}\n", kind,
+               (long long)o->ranks, (unsigned long long)r->param, (unsigned long long)r->grad,
+               (unsigned long long)r->optim, (unsigned long long)r->act, (unsigned long long)r->comm,
+               (unsigned long long)r->resident, (unsigned long long)r->total, (unsigned long long)r->flat,
+               (unsigned long long)r->cache, (unsigned long long)r->shared, (unsigned long long)r->setup, (unsigned long long)r->save,
+               (unsigned long long)r->life, ct_mem_phase_name((ct_mem_phase)r->life_phase),
+               (unsigned long long)fixed, (unsigned long long)(fixed + r->life));
         return;
     }
     const uint64_t v[] = {r->param, r->grad, r->optim, r->act, r->comm, r->resident, r->total};
@@ -259,6 +282,17 @@ static void print_row(const est_opts *o, const char *kind, const ct_mem_plan *r)
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) printf("%11s", cli_bytes((double)v[i], b, sizeof b));
     printf("\n");
 }
+
+static void print_life_row(const char *kind, const ct_mem_plan *r, uint64_t fixed)
+{
+    const uint64_t v[] = {r->setup, r->shared + r->total, r->save, r->shared, r->cache, fixed + r->life};
+    char b[32];
+    printf("  %-9s", kind);
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) printf("%11s", cli_bytes((double)v[i], b, sizeof b));
+    printf("  %s\n", ct_mem_phase_name((ct_mem_phase)r->life_phase));
+}
+
+static int estimate_rows(const est_opts *o, const kind_list *kl, char (*opts)[2048], uint64_t fixed, int quiet);
 
 int cli_estimate(int argc, char **argv)
 {
@@ -293,23 +327,35 @@ int cli_estimate(int argc, char **argv)
             fprintf(stderr, "%s\n", err);
             return rc;
         }
+    /* First, before the model exists: what any run costs. */
+    int own_comm = !ct_comm_initialized();
+    uint64_t fixed = fixed_overhead();
+    int quiet = ct_comm_initialized() && ct_group_rank(ct_group_world()) != 0; /* under mpirun: rank 0 prints */
+    rc = estimate_rows(&o, &kl, opts, fixed, quiet);
+    if (own_comm && ct_comm_initialized()) ct_comm_finalize();
+    return rc;
+}
+
+/* The plans of the chosen strategies, printed (not when quiet). */
+static int estimate_rows(const est_opts *o, const kind_list *kl, char (*opts)[2048], uint64_t fixed, int quiet)
+{
     ct_model_config cfg;
     ct_module *model = NULL;
     ct_plan_spec spec;
     ct_mem_plan rows[MAXKINDS];
     int shown[MAXKINDS] = {0};
-    ct_status st = build_input(&o, &cfg, &model, &spec);
+    ct_status st = build_input(o, &cfg, &model, &spec);
     /* Every row first, so that a strategy that cannot plan is one line, not a half-printed table. */
-    for (int k = 0; st == CT_OK && k < kl.n; k++) {
-        if (!chosen(&o, kl.names[k])) continue;
-        st = ct_strategy_plan(kl.names[k], model, opts[k], &spec, &rows[k]);
-        if (st == CT_EUNSUPPORTED && !o.strategy) { /* none on several ranks: not a row of this table */
+    for (int k = 0; st == CT_OK && k < kl->n; k++) {
+        if (!chosen(o, kl->names[k])) continue;
+        st = ct_strategy_plan(kl->names[k], model, opts[k], &spec, &rows[k]);
+        if (st == CT_EUNSUPPORTED && !o->strategy) { /* none on several ranks: not a row of this table */
             st = CT_OK;
             continue;
         }
         if (st == CT_EUNSUPPORTED) {
-            fprintf(stderr, "ctrain estimate: --strategy %s runs every rank alone; it applies to --ranks 1 only (drop "
-                    "it from --strategy)\n", kl.names[k]);
+            if (!quiet) fprintf(stderr, "ctrain estimate: --strategy %s runs every rank alone; it applies to --ranks 1 only (drop "
+                    "it from --strategy)\n", kl->names[k]);
             ct_module_destroy(model);
             return CLI_USAGE;
         }
@@ -320,21 +366,33 @@ int cli_estimate(int argc, char **argv)
         ct_module_destroy(model);
         return st == CT_EINVAL ? CLI_USAGE : CLI_RUNTIME;
     }
-    if (!o.json) {
+    if (!o->json && !quiet) {
         char desc[300];
-        int64_t rows_per = o.batch / o.ranks + (o.batch % o.ranks != 0);
+        int64_t rows_per = o->batch / o->ranks + (o->batch % o->ranks != 0);
         printf("ctrain estimate: %s (%lld parameters), %s%s, %lld rank%s, batch %lld (%lld rows per rank%s)%s%s\n",
-               cli_config_str(&cfg, desc, sizeof desc), (long long)ct_module_num_params(model), o.optim,
-               spec.optim.kind == CT_OPT_SGD && o.momentum ? " with momentum" : "", (long long)o.ranks,
-               o.ranks == 1 ? "" : "s", (long long)o.batch, (long long)rows_per, o.grad_accum > 1 ? ", accumulated" : "",
-               strcmp(o.mixed, "none") ? ", mixed bf16" : "",
-               strcmp(o.grad_compress, "none") ? (strcmp(o.grad_compress, "bf16") ? ", f16 reduce" : ", bf16 reduce") : "");
+               cli_config_str(&cfg, desc, sizeof desc), (long long)ct_module_num_params(model), o->optim,
+               spec.optim.kind == CT_OPT_SGD && o->momentum ? " with momentum" : "", (long long)o->ranks,
+               o->ranks == 1 ? "" : "s", (long long)o->batch, (long long)rows_per, o->grad_accum > 1 ? ", accumulated" : "",
+               strcmp(o->mixed, "none") ? ", mixed bf16" : "",
+               strcmp(o->grad_compress, "none") ? (strcmp(o->grad_compress, "bf16") ? ", f16 reduce" : ", bf16 reduce") : "");
         printf("peak bytes per rank (the largest rank's):\n  %-9s%11s%11s%11s%11s%11s%11s%11s\n", "strategy", "param",
                "grad", "optim", "act", "comm", "resident", "total");
     }
-    for (int k = 0; k < kl.n; k++)
-        if (shown[k]) print_row(&o, kl.names[k], &rows[k]);
-    if (!o.json) printf("  (resident = param + grad + optim; total adds act and comm; the data set is not counted)\n");
+    for (int k = 0; k < kl->n && !quiet; k++)
+        if (shown[k]) print_row(o, kl->names[k], &rows[k], fixed);
+    if (!o->json && !quiet) {
+        char b[32];
+        printf("  (resident = param + grad + optim; total adds act and comm; the data set is not counted)\n");
+        printf("whole life per rank, as the kernel sees it (resident set):\n  %-9s%11s%11s%11s%11s%11s%11s  %s\n",
+               "strategy", "setup", "train", "save", "shared", "cache", "peak rss", "peak in");
+        for (int k = 0; k < kl->n; k++)
+            if (shown[k]) print_life_row(kl->names[k], &rows[k], fixed);
+        printf("  (setup: the model built shape-only, then made by the strategy: whole by ddp and zero, its shards by fsdp,\n"
+               "   its stage by pipe, a slice at a time by offload; train: total above; save: a full save on rank 0;\n"
+               "   shared: the other ranks' shared-memory buckets mapped in each (one node), in the three;\n   cache: the allocator's bound on freed blocks kept; peak rss = the runtime's fixed %s (an "
+               "empty run's RSS,\n   measured in this process: MPI and libraries) + the largest of setup, train with the "
+               "cache (at most\n   its bound and a step's act, comm and two flats), and save)\n", fixed ? cli_bytes((double)fixed, b, sizeof b) : "? (not measurable here)");
+    }
     ct_module_destroy(model);
     return CLI_OK;
 }

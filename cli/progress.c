@@ -99,6 +99,11 @@ ct_status cli_progress_summary(cli_progress *p, double step_ms, const ct_mem_rep
     return CT_OK;
 }
 
+void cli_progress_clear(cli_progress *p)
+{
+    if (cli_rank == 0) clear_bar(p);
+}
+
 void cli_progress_finish(cli_progress *p)
 {
     if (cli_rank == 0) clear_bar(p);

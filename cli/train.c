@@ -183,6 +183,8 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
 static ct_status read_checkpoints(trainer *t)
 {
     train_opts *o = t->o;
+    const char *ckp = o->init ? o->init : o->resume;
+    if (ckp) ct_mem_phase_begin(CT_PHASE_LOAD);
     if (o->init) {
         t->ck_path = o->init;
         return ct_checkpoint_info(t->g, o->init, 0, &t->ck);
@@ -586,6 +588,7 @@ static ct_status save(trainer *t)
 {
     ct_meta mm = {0}, sm = {0};
     train_opts *o = t->o;
+    ct_mem_phase_begin(CT_PHASE_SAVE);
     /* A save at the end of an epoch records the next epoch at its start. */
     ct_ckpt_position pos = {t->step, t->pos == t->spe ? t->epoch + 1 : t->epoch, t->pos == t->spe ? 0 : t->pos};
     ct_ckpt_opts co = {!strcmp(o->state_dict, "full") ? CT_CKPT_FULL
@@ -691,8 +694,10 @@ static ct_status write_trace(trainer *t)
     return ct_trace_write(buf);
 }
 
+/* Everything but the memory reports (train_life reads them after). */
 static void teardown(trainer *t)
 {
+    ct_mem_phase_begin(CT_PHASE_TEARDOWN);
     ct_strategy_destroy(t->s); /* and the optimizer it built */
     ct_module_destroy(t->model);
     ct_sampler_fini(&t->sampler);
@@ -702,7 +707,6 @@ static void teardown(trainer *t)
     ct_ckpt_info_fini(&t->ck);
     ct_free(t->nd);
     ct_free(t->step_s);
-    ct_free(t->mem);
 }
 
 int train_run(train_opts *o)
@@ -734,9 +738,8 @@ int train_run(train_opts *o)
     /* The last step's evaluation, after the memory report (its peaks cover the training steps)
      * and before the summary (the metrics file's last line). */
     if (st == CT_OK && t.step > t.start_step && t.last_eval_step != t.step) st = train_eval(&t, &prog);
-    if (st == CT_OK && t.rank == 0) st = cli_progress_summary(&prog, train_median_step_ms(&t), t.mem, t.world);
-    cli_progress_finish(&prog);
-    double seconds = ct_now() - t0 - t.eval_seconds;
+    double step_ms = train_median_step_ms(&t), seconds = ct_now() - t0 - t.eval_seconds;
+    cli_progress_clear(&prog);
     if (st == CT_OK) st = train_report(&t, seconds);
     if (st == CT_OK && o->save) {
         st = save(&t);
@@ -752,6 +755,10 @@ int train_run(train_opts *o)
     if (st == CT_OK && o->trace) st = ct_group_check(t.g, write_trace(&t));
     if (st != CT_OK) cli_err("train", "%s", ct_last_error());
     teardown(&t);
+    /* The whole life's peaks, the metrics summary (its last line) and the run's last line of output. */
+    if (st == CT_OK && (st = train_life(&t, &prog, step_ms)) != CT_OK) cli_err("train", "%s", ct_last_error());
+    cli_progress_finish(&prog);
+    ct_free(t.mem);
     return st == CT_OK ? CLI_OK : t.usage ? CLI_USAGE : CLI_RUNTIME;
 }
 

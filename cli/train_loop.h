@@ -54,6 +54,10 @@ ct_status train_eval(trainer *t, cli_progress *prog);
 /* Evaluates, then prints the run's summary: steps, loss, test or
  * validation figures, every rank's peak memory and the strategy's times. */
 ct_status train_report(trainer *t, double seconds);
+/* After teardown, collective: every rank's whole-life peak RSS and phase
+ * peaks into t->mem, the --metrics summary (rank 0; step_ms the median
+ * step), and a line naming each rank's whole-life peak and its phase. */
+ct_status train_life(trainer *t, cli_progress *prog, double step_ms);
 /* Median wall time of this run's steps in ms (0 if none ran). */
 double train_median_step_ms(trainer *t);
 /* The run's first lines: model, data, strategy (a pipeline's stages), and

@@ -51,7 +51,46 @@ static void print_memory(trainer *t)
         }
         cli_out("\n");
     }
-    cli_out("  (resident = param + grad + optim at its peak; rss = the process's peak resident set)\n");
+    cli_out("  (resident = param + grad + optim at its peak; cached = freed blocks kept for reuse at the end, bound "
+            "%s; rss = the process's peak resident set)\n", cli_bytes((double)t->mem[0].cache_limit, b, sizeof b));
+}
+
+ct_status train_life(trainer *t, cli_progress *prog, double step_ms)
+{
+    ct_mem_report *fin = ct_alloc(sizeof *fin * (size_t)t->world, CT_MEM_OTHER);
+    CT_TRY(ct_group_check(t->g, fin ? CT_OK : CT_ENOMEM));
+    ct_status st = ct_group_mem_reports(t->g, fin);
+    size_t phase_max[CT_PHASE_N] = {0};
+    for (int r = 0; st == CT_OK && r < t->world; r++) {
+        /* the training window's figures stay; the life's come from now */
+        t->mem[r].life_peak_rss = fin[r].life_peak_rss;
+        t->mem[r].life_peak_phase = fin[r].life_peak_phase;
+        memcpy(t->mem[r].phase_peak_rss, fin[r].phase_peak_rss, sizeof fin[r].phase_peak_rss);
+        for (int p = 0; p < CT_PHASE_N; p++)
+            if (fin[r].phase_peak_rss[p] > phase_max[p]) phase_max[p] = fin[r].phase_peak_rss[p];
+    }
+    if (st == CT_OK && t->rank == 0) st = cli_progress_summary(prog, step_ms, t->mem, t->world);
+    char b[32];
+    int top = 0;
+    for (int r = 1; st == CT_OK && r < t->world; r++)
+        if (fin[r].life_peak_rss > fin[top].life_peak_rss) top = r;
+    if (st == CT_OK && t->world <= 8) {
+        cli_out("whole-life peak RSS (set-up to teardown):");
+        for (int r = 0; r < t->world; r++)
+            cli_out("%s rank %d %s in %s", r ? "," : "", r, cli_bytes((double)fin[r].life_peak_rss, b, sizeof b),
+                    ct_mem_phase_name(fin[r].life_peak_phase));
+    } else if (st == CT_OK) {
+        cli_out("whole-life peak RSS (set-up to teardown): at most %s (rank %d, in %s)",
+                cli_bytes((double)fin[top].life_peak_rss, b, sizeof b), top, ct_mem_phase_name(fin[top].life_peak_phase));
+    }
+    if (st == CT_OK) {
+        cli_out("; per phase%s:", t->world > 1 ? " (largest rank)" : "");
+        for (int p = 0; p < CT_PHASE_N; p++)
+            if (phase_max[p]) cli_out(" %s %s", ct_mem_phase_name((ct_mem_phase)p), cli_bytes((double)phase_max[p], b, sizeof b));
+        cli_out("\n");
+    }
+    ct_free(fin);
+    return st;
 }
 
 static ct_status evaluate(trainer *t, cli_eval *ev)
@@ -66,6 +105,7 @@ static ct_status evaluate(trainer *t, cli_eval *ev)
 
 ct_status train_eval(trainer *t, cli_progress *prog)
 {
+    ct_mem_phase_begin(CT_PHASE_EVAL);
     double t0 = ct_now();
     CT_TRY(evaluate(t, &t->last_eval));
     t->last_eval_step = t->step;

@@ -480,9 +480,19 @@ TEST(core_mem_report_json_and_table)
     r.peak_rss = ((size_t)5 << 30) + 1;
     char buf[CT_MEM_REPORT_JSON_MAX];
     ASSERT_OK(ct_mem_report_json(&r, 3, buf, sizeof buf));
+    r.peak_cached = (size_t)4 << 20;
+    r.cache_limit = (size_t)64 << 20;
+    r.life_peak_rss = (size_t)6 << 30;
+    r.life_peak_phase = CT_PHASE_WRAP;
+    r.phase_peak_rss[CT_PHASE_START] = 1000;
+    r.phase_peak_rss[CT_PHASE_WRAP] = (size_t)6 << 30;
+    r.phase_peak_rss[CT_PHASE_TEARDOWN] = 2000;
+    ASSERT_OK(ct_mem_report_json(&r, 3, buf, sizeof buf));
     ASSERT(!strcmp(buf, "{\"rank\":3,\"param\":1111,\"grad\":2222,\"optim\":3333,\"act\":4444,"
                         "\"comm\":5555,\"data\":6666,\"other\":7777,\"peak_total\":30000,"
-                        "\"resident\":7000,\"cached\":3145728,\"rss\":5368709121}"));
+                        "\"resident\":7000,\"cached\":3145728,\"peak_cached\":4194304,\"cache_limit\":67108864,"
+                        "\"rss\":5368709121,\"rss_life\":6442450944,\"rss_life_phase\":\"wrap\","
+                        "\"rss_phases\":{\"start\":1000,\"wrap\":6442450944,\"teardown\":2000}}"));
     /* Too small a buffer is an error, never a cut object. */
     char small[40];
     ASSERT_ERR(ct_mem_report_json(&r, 3, small, sizeof small), CT_EINVAL, "too small");
@@ -506,7 +516,11 @@ TEST(core_mem_report_json_and_table)
     ASSERT_STR_CONTAINS(table, "5.00 GiB");
     int lines = 0;
     for (const char *s = table; *s; s++) lines += *s == '\n';
-    ASSERT_EQ(lines, 1 + CT_MEM_NCAT + 4);
+    ASSERT_STR_CONTAINS(table, "reached in wrap");
+    ASSERT_STR_CONTAINS(table, "6.00 GiB");
+    ASSERT_STR_CONTAINS(table, " wrap 6.00 GiB teardown 1.95 KiB");
+    ASSERT_STR_CONTAINS(table, "bound 64.0 MiB");
+    ASSERT_EQ(lines, 1 + CT_MEM_NCAT + 6);
     ASSERT_OK(ct_mem_report_format(&big, table, sizeof table));
     ASSERT_ERR(ct_mem_report_format(&r, table, 100), CT_EINVAL, "too small");
 
@@ -516,4 +530,117 @@ TEST(core_mem_report_json_and_table)
     ASSERT_OK(ct_mem_report_json(&live, 0, buf, sizeof buf));
     ASSERT(!strncmp(buf, "{\"rank\":0,\"param\":", 18));
     ASSERT(live.rss > 0 && live.peak_rss >= live.rss);
+}
+
+/* ---- the cache's bound ----------------------------------------------------- */
+
+/* The automatic bound is CT_MEM_CACHE_UNITS times the largest hint, at least
+ * CT_MEM_CACHE_MIN_MB; a block that does not fit under it goes back to the
+ * OS; the cache's peak is reported with its bound.  Turned on explicitly,
+ * so this also runs under AddressSanitizer. */
+TEST(core_alloc_cache_bound_follows_the_largest_unit)
+{
+    const size_t MB = 1 << 20, floor_b = (size_t)CT_MEM_CACHE_MIN_MB << 20;
+    ct_mem_set_cache_limit(CT_MEM_CACHE_AUTO);
+    ct_mem_trim();
+    ASSERT_EQ(ct_mem_cache_hinted(), 0);
+    ASSERT_EQ(ct_mem_get_cache_limit(), floor_b); /* no strategy yet: the floor */
+    ct_mem_cache_hint(3 * MB);
+    ASSERT_EQ(ct_mem_get_cache_limit(), floor_b);
+    ct_mem_cache_hint(20 * MB + 4096);
+    ct_mem_cache_hint(5 * MB); /* smaller hints leave the largest */
+    ASSERT_EQ(ct_mem_cache_hinted(), 20 * MB + 4096);
+    size_t bound = (size_t)CT_MEM_CACHE_UNITS * (20 * MB + 4096);
+    ASSERT_EQ(ct_mem_get_cache_limit(), bound);
+
+    /* Free more than the bound in blocks of 16 MiB: the cache keeps what fits. */
+    enum { NB = 8 };
+    void *blk[NB];
+    ct_mem_reset_peak();
+    for (int i = 0; i < NB; i++) ASSERT((blk[i] = ct_alloc(16 * MB, CT_MEM_ACT)) != NULL);
+    for (int i = 0; i < NB; i++) ct_free(blk[i]);
+    size_t kept = bound / (16 * MB) * 16 * MB;
+    ASSERT_EQ(ct_mem_cached(), kept);
+    ct_mem_report r;
+    ct_mem_report_get(&r);
+    ASSERT_EQ(r.peak_cached, kept);
+    ASSERT_EQ(r.cache_limit, bound);
+    ASSERT_EQ(ct_mem_cached_peak(), kept);
+
+    /* A smaller bound trims at once; a reset starts the peak at what is cached. */
+    ct_mem_set_cache_limit(8 * MB);
+    ASSERT_EQ(ct_mem_cached(), 0);
+    ASSERT_EQ(ct_mem_get_cache_limit(), 8 * MB);
+    ct_mem_reset_peak();
+    ASSERT_EQ(ct_mem_cached_peak(), 0);
+    ct_mem_set_cache_limit(CT_MEM_CACHE_AUTO);
+    ASSERT_EQ(ct_mem_get_cache_limit(), bound);
+    ct_mem_trim();
+}
+
+#ifndef __SANITIZE_ADDRESS__ /* AddressSanitizer's shadow memory moves RSS on its own */
+/* A cached block handed to a smaller request gives the pages past the
+ * request back to the OS, so the RSS follows the counters. */
+TEST(core_alloc_reused_block_returns_its_tail)
+{
+    const size_t MB = 1 << 20;
+    ct_mem_set_cache_limit(256 * MB);
+    ct_mem_trim();
+    unsigned char *a = ct_alloc(64 * MB, CT_MEM_ACT);
+    ASSERT(a);
+    memset(a, 1, 64 * MB);
+    ct_free(a); /* cached, all 64 MiB resident */
+    ct_mem_report r0, r1;
+    ct_mem_report_get(&r0);
+    unsigned char *b = ct_alloc(40 * MB, CT_MEM_ACT); /* takes the 64 MiB block */
+    ASSERT(b == a);
+    ct_mem_report_get(&r1);
+    ASSERT(r1.rss + 20 * MB <= r0.rss);
+    ASSERT_EQ(b[40 * MB - 1], 1); /* the request's own bytes stay */
+    ct_free(b);
+    ct_mem_trim();
+}
+#endif
+
+/* Each phase keeps its own peak RSS; the whole life's is the largest, named
+ * by its phase, and survives the window resets the steady-state report uses. */
+TEST(core_mem_phases_name_the_life_peak)
+{
+    const size_t MB = 1 << 20;
+    ct_mem_set_cache_limit(0); /* freed blocks leave at once */
+    ct_mem_report r0, r1, r2;
+    ct_mem_report_get(&r0);
+    ASSERT_EQ(r0.phase, CT_PHASE_START);
+    ASSERT(r0.life_peak_rss >= r0.rss);
+
+    ct_mem_phase_begin(CT_PHASE_BUILD);
+    ASSERT_EQ(ct_mem_phase_current(), CT_PHASE_BUILD);
+    unsigned char *big = ct_alloc(96 * MB, CT_MEM_PARAM);
+    ASSERT(big);
+    memset(big, 1, 96 * MB);
+    ct_free(big); /* gone before the next phase begins: only VmHWM saw it */
+
+    ct_mem_phase_begin(CT_PHASE_TRAIN);
+    ct_mem_reset_peak(); /* the steady-state window starts here */
+    unsigned char *small = ct_alloc(16 * MB, CT_MEM_ACT);
+    ASSERT(small);
+    memset(small, 1, 16 * MB);
+    ct_mem_report_get(&r1);
+    ct_free(small);
+    ct_mem_phase_begin(CT_PHASE_TEARDOWN);
+    ct_mem_report_get(&r2);
+
+    ASSERT_EQ(r1.phase, CT_PHASE_TRAIN);
+    ASSERT_EQ(r2.phase, CT_PHASE_TEARDOWN);
+    ASSERT_EQ(r2.life_peak_phase, CT_PHASE_BUILD);
+    ASSERT(r2.life_peak_rss >= r0.rss + 90 * MB);
+    ASSERT(r2.phase_peak_rss[CT_PHASE_BUILD] >= r0.rss + 90 * MB);
+    ASSERT_EQ(r2.phase_peak_rss[CT_PHASE_BUILD], r2.life_peak_rss);
+    /* training's own peak holds its 16 MiB, not the build's 96 */
+    ASSERT(r2.phase_peak_rss[CT_PHASE_TRAIN] >= r1.rss);
+    ASSERT(r2.phase_peak_rss[CT_PHASE_TRAIN] + 60 * MB <= r2.life_peak_rss);
+    ASSERT(r1.peak_rss + 60 * MB <= r1.life_peak_rss); /* the window does not see the build */
+    ASSERT_EQ(r2.phase_peak_rss[CT_PHASE_WRAP], 0);    /* never entered */
+    ASSERT(!strcmp(ct_mem_phase_name(CT_PHASE_SAVE), "save"));
+    ASSERT(!strcmp(ct_mem_phase_name(CT_PHASE_N), "?"));
 }

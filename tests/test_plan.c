@@ -266,3 +266,68 @@ TEST(plan_refuses_what_the_strategy_refuses)
     ASSERT_EQ(p.optim, 0);
     ct_module_destroy(m);
 }
+
+/* The whole life's plan: the cache's bound follows the largest flat (FSDP's
+ * largest unit, DDP's bucket) as the allocator's automatic bound does, or
+ * alloc_cache_mb; set-up is the whole model built on every rank plus what
+ * wrap copies out of it (FSDP: the shards); a full save adds on rank 0 what
+ * it gathers (ZeRO: the optimizer state, FSDP: that or the parameters;
+ * offload reads its whole state back from the store);
+ * the peak is the cache plus the largest of the three, in its phase. */
+TEST(plan_whole_life_follows_the_flats)
+{
+    ct_model_config mlp = ct_model_config_default(CT_MODEL_MLP);
+    ASSERT_OK(ct_model_config_parse_hidden(&mlp, "2048,1024"));
+    ct_module *m = build(&mlp);
+    ct_plan_spec spec = {.world = 4, .batch = 64, .in_ndim = 1, .in_shape = {784}, .sample_bytes = 3140,
+                         .optim = ct_optim_defaults(CT_OPT_ADAMW)};
+    int64_t P = ct_module_num_params(m), largest_unit = 0;
+    const uint64_t floor_b = (uint64_t)CT_MEM_CACHE_MIN_MB << 20, MB = 1 << 20;
+    ct_fsdp_unit u[16];
+    int nu;
+    ASSERT_OK(ct_fsdp_plan(m, "wrap_min_params=100000", u, 16, &nu));
+    for (int i = 0; i < nu; i++) largest_unit = u[i].numel > largest_unit ? u[i].numel : largest_unit;
+    ASSERT_EQ(largest_unit, (int64_t)2048 * 1024 + 1024); /* Linear(2048,1024) */
+    static const char *kinds[] = {"ddp", "zero1", "zero2", "fsdp", "offload"};
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        ct_mem_plan p;
+        const char *opts = !strcmp(kinds[k], "fsdp") ? "wrap_min_params=100000" : "bucket_cap_mb=10";
+        if (!strcmp(kinds[k], "zero2") || !strcmp(kinds[k], "offload")) opts = NULL;
+        ASSERT_OK(ct_strategy_plan(kinds[k], m, opts, &spec, &p));
+        uint64_t want = p.flat * CT_MEM_CACHE_UNITS > floor_b ? p.flat * CT_MEM_CACHE_UNITS : floor_b;
+        ASSERT_EQ(p.cache, want);
+        /* DDP's and ZeRO-1's buckets are shared windows: every other rank's are mapped into each */
+        int shares = !strcmp(kinds[k], "ddp") || !strcmp(kinds[k], "zero1");
+        ASSERT_EQ(p.shared, shares ? (uint64_t)(spec.world - 1) * (uint64_t)P * 4 : 0);
+        uint64_t churn = p.act + p.comm + 2 * p.flat, train = p.shared + p.total + (p.cache < churn ? p.cache : churn);
+        uint64_t top = train > p.setup ? train : p.setup;
+        top = p.save > top ? p.save : top;
+        ASSERT_EQ(p.life, top);
+        ASSERT_EQ(p.life_phase, top == train ? CT_PHASE_TRAIN : top == p.setup ? CT_PHASE_WRAP : CT_PHASE_SAVE);
+        /* the model is built shape-only: the replicated strategies make it whole, fsdp its shards, offload a
+         * slice at a time */
+        if (strcmp(kinds[k], "fsdp") && strcmp(kinds[k], "offload")) ASSERT(p.setup >= p.shared + (uint64_t)P * 4);
+        if (!strcmp(kinds[k], "offload")) ASSERT_EQ(p.setup, p.flat);
+        if (strcmp(kinds[k], "offload")) ASSERT(p.save >= p.shared + p.resident);
+        else ASSERT(p.save >= (uint64_t)P * 8); /* the slices flushed, the whole state read back */
+        if (!strcmp(kinds[k], "fsdp")) {
+            ASSERT_EQ(p.flat, (uint64_t)largest_unit * 4);
+            ASSERT_EQ(p.setup, ((uint64_t)P * 4 + 3) / 4);
+            ASSERT(p.save < p.resident + (uint64_t)P * 4); /* streamed to rank 0 one tensor at a time */
+        }
+        if (!strcmp(kinds[k], "ddp")) {
+            ASSERT_EQ(p.flat, 10 * MB); /* a full bucket (the model has more) */
+            ASSERT_EQ(p.setup, p.shared + (uint64_t)P * 4);
+            ASSERT_EQ(p.save, p.shared + p.resident); /* the state is the parameters and slots themselves */
+        }
+        if (!strcmp(kinds[k], "zero1")) ASSERT(p.save < p.shared + p.resident + (uint64_t)P * 4); /* streamed: never the whole state */
+        if (!strcmp(kinds[k], "zero2")) ASSERT_EQ(p.flat, (uint64_t)2048 * 1024 * 4); /* one gradient: the largest */
+    }
+    ct_mem_plan p;
+    ASSERT_OK(ct_strategy_plan("fsdp", m, "wrap_min_params=100000,alloc_cache_mb=7", &spec, &p));
+    ASSERT_EQ(p.cache, 7 * MB);
+    ASSERT_OK(ct_strategy_plan("fsdp", m, "alloc_cache_mb=0", &spec, &p));
+    ASSERT_EQ(p.cache, 0);
+    ASSERT_ERR(ct_strategy_plan("fsdp", m, "alloc_cache_mb=-1", &spec, &p), CT_EINVAL, "auto or a whole number from 0");
+    ct_module_destroy(m);
+}

@@ -213,6 +213,9 @@ ct_status ct_group_broadcast(ct_group *g, void *buf, int64_t count, ct_dtype dt,
  * the same range of one of g's shared allocations on every rank (one node). */
 ct_status ct_group_allgather(ct_group *g, const void *send, void *recv, int64_t count,
                              ct_dtype dt, ct_work **work);
+/* Every rank's memory report (ct_mem_report_get on each, taken now) into
+ * all[0 .. size) on every rank; the one way reports cross ranks.  Collective. */
+ct_status ct_group_mem_reports(ct_group *g, ct_mem_report *all);
 /* Like allgather with count[r] elements from rank r placed at recv + displ[r]
  * (displ NULL: packed in rank order).  counts/displs are copied.  In place
  * when send == recv + displ[rank]; send_count must equal counts[rank]. */

@@ -113,20 +113,62 @@ void ct_mem_reset_peak(void);
 const char *ct_mem_cat_name(ct_mem_cat cat);
 /* Bytes of freed large blocks kept for reuse (not counted as in use). */
 size_t ct_mem_cached(void);
+/* The highest ct_mem_cached since start or the last ct_mem_reset_peak. */
+size_t ct_mem_cached_peak(void);
 /* Returns every cached block to the OS (munmap), and malloc's free memory
  * where the C library allows it, so the process's RSS falls. */
 void ct_mem_trim(void);
-/* Bounds the cache of freed large blocks to bytes (0 turns it off), trimming
- * it if it holds more; overrides CTRAIN_ALLOC_CACHE_MB (default 2048 MiB, 0
- * under AddressSanitizer). */
+/* The cache's automatic bound: CT_MEM_CACHE_UNITS times the largest
+ * ct_mem_cache_hint, and at least CT_MEM_CACHE_MIN_MB MiB. */
+#define CT_MEM_CACHE_AUTO ((size_t)-1)
+#define CT_MEM_CACHE_UNITS 4
+#define CT_MEM_CACHE_MIN_MB 64
+/* Bounds the cache of freed large blocks to bytes (0 turns it off;
+ * CT_MEM_CACHE_AUTO: the automatic bound), trimming it if it holds more;
+ * overrides CTRAIN_ALLOC_CACHE_MB (MiB, or "auto"), whose absence means
+ * auto (0 under AddressSanitizer, which keeps use-after-free visible).
+ * Strategies set it from their option alloc_cache_mb. */
 void ct_mem_set_cache_limit(size_t bytes);
-/* The bound ct_mem_set_cache_limit set (or the environment's, or the default). */
+/* The bound in force now, in bytes (the automatic one resolved). */
 size_t ct_mem_get_cache_limit(void);
+/* Tells the allocator that blocks of bytes are allocated and freed over and
+ * over (a DDP bucket, an FSDP unit, an offload slice: the flat layer hints
+ * every flat); the automatic bound follows the largest hint of the process. */
+void ct_mem_cache_hint(size_t bytes);
+/* The largest ct_mem_cache_hint so far (0: none). */
+size_t ct_mem_cache_hinted(void);
 /* Fault injection: the n-th ct_alloc from now (0 = the next one) fails; -1 turns it off. */
 void ct_mem_fail_after(long n);
 /* Allocations left before the injected failure (>= 0), or -1 once it has
  * happened (or none is set): how a fault-injection walk knows it is done. */
 long ct_mem_fail_pending(void);
+
+/* ---- phases of the process's life --------------------------------------- */
+
+/* What the process is doing, for the memory report's whole-life peak RSS:
+ * each phase keeps its own peak, and the report names the phase of the
+ * largest.  A phase lasts until the next one begins; phases may repeat
+ * (train, save, train, ...), their peaks are over all their spans. */
+typedef enum {
+    CT_PHASE_START = 0, /* process start to the first mark: libraries, MPI, data sets */
+    CT_PHASE_BUILD,     /* building and initialising the model (ct_model_build) */
+    CT_PHASE_WRAP,      /* a strategy taking the model over (ct_strategy_create) */
+    CT_PHASE_LOAD,      /* reading checkpoints into the model (ct_strategy_load_state) */
+    CT_PHASE_TRAIN,     /* training steps (ct_strategy_train_step, ct_strategy_step) */
+    CT_PHASE_EVAL,      /* evaluation between or after steps */
+    CT_PHASE_SAVE,      /* gathering and writing checkpoints */
+    CT_PHASE_TEARDOWN,  /* freeing it all (ct_strategy_destroy) */
+    CT_PHASE_N
+} ct_mem_phase;
+
+/* Marks that the process enters phase p (a no-op if it is in p already).
+ * The library marks its own entry points (in parentheses above); programs
+ * mark the rest (eval, their own teardown). */
+void ct_mem_phase_begin(ct_mem_phase p);
+/* The phase the process is in. */
+ct_mem_phase ct_mem_phase_current(void);
+/* "start", "build", "wrap", "load", "train", "eval", "save", "teardown". */
+const char *ct_mem_phase_name(ct_mem_phase p);
 
 /* ---- memory report ----------------------------------------------------- */
 
@@ -138,34 +180,47 @@ typedef struct {
     size_t current_total, peak_total;  /* all categories; the peak is of the sum */
     size_t resident, peak_resident;    /* param + grad + optim; the peak is of the sum,
                                           not a sum of the three peaks */
-    size_t cached;                     /* freed large blocks kept for reuse, apart
-                                          from the above (ct_mem_cached) */
+    size_t cached, peak_cached;        /* freed large blocks kept for reuse, apart
+                                          from the above (ct_mem_cached), and the
+                                          most held in the window */
+    size_t cache_limit;                /* the cache's bound (ct_mem_get_cache_limit) */
     size_t rss, peak_rss;              /* the process's resident set: VmRSS now, and
                                           its highest value in the window (VmHWM after
                                           a reset through /proc/self/clear_refs, else
                                           the highest sample); 0 where unknown */
+    size_t life_peak_rss;              /* the highest RSS of the process's whole life so
+                                          far (VmHWM as it reads with no reset) */
+    ct_mem_phase life_peak_phase;      /* the phase it was reached in */
+    ct_mem_phase phase;                /* the phase the process is in */
+    size_t phase_peak_rss[CT_PHASE_N]; /* each phase's peak RSS (0: not entered) */
 } ct_mem_report;
 
 /* Buffer sizes that always fit ct_mem_report_format / ct_mem_report_json. */
-#define CT_MEM_REPORT_TABLE_MAX 1536
-#define CT_MEM_REPORT_JSON_MAX 512
+#define CT_MEM_REPORT_TABLE_MAX 2048
+#define CT_MEM_REPORT_JSON_MAX 1024
 
 /* Fills r from the allocator's counters and /proc/self/status. */
 void ct_mem_report_get(ct_mem_report *r);
 /* Writes r as a table for people (one row per category, current and peak,
- * then total, resident, cached and RSS; sizes in KiB/MiB/GiB) into buf, each
- * line ending in a newline.  CT_EINVAL if n is too small (nothing is cut
- * silently): pass CT_MEM_REPORT_TABLE_MAX bytes. */
+ * then total, resident, cached (now and its peak, with the bound), RSS (now
+ * and the window's peak), the whole life's peak RSS with its phase, and
+ * each phase's peak; sizes in KiB/MiB/GiB) into buf, each line ending in a
+ * newline.  CT_EINVAL if n is too small (nothing is cut silently): pass
+ * CT_MEM_REPORT_TABLE_MAX bytes. */
 ct_status ct_mem_report_format(const ct_mem_report *r, char *buf, size_t n);
-/* Writes r as one JSON object on one line (no newline), every value an
+/* Writes r as one JSON object on one line (no newline), every size an
  * integer count of bytes:
  *   {"rank":R,"param":P,"grad":G,"optim":O,"act":A,"comm":C,"data":D,
- *    "other":X,"peak_total":T,"resident":S,"cached":K,"rss":M}
+ *    "other":X,"peak_total":T,"resident":S,"cached":K,"peak_cached":KP,
+ *    "cache_limit":KL,"rss":M,"rss_life":L,"rss_life_phase":"train",
+ *    "rss_phases":{"start":..,"build":..,...}}
  * where rank is the caller's rank (core knows no ranks), each category is
  * its peak since the last reset (r->peak[cat]), peak_total is r->peak_total,
  * resident is the peak of param+grad+optim (r->peak_resident), cached is the
- * cache now (r->cached) and rss is the peak RSS (r->peak_rss).  CT_EINVAL if
- * n is too small: pass CT_MEM_REPORT_JSON_MAX bytes. */
+ * cache now (r->cached), peak_cached its peak in the window, cache_limit its
+ * bound, rss the window's peak RSS (r->peak_rss), rss_life the whole life's
+ * with its phase, and rss_phases every entered phase's peak.  CT_EINVAL if n
+ * is too small: pass CT_MEM_REPORT_JSON_MAX bytes. */
 ct_status ct_mem_report_json(const ct_mem_report *r, int rank, char *buf, size_t n);
 
 /* ---- counter-based RNG (Philox 4x32-10) -------------------------------- */

@@ -119,6 +119,19 @@ ct_status ct_fsdp_plan(ct_module *model, const char *opts, ct_fsdp_unit *units, 
  * peak of the three together on the largest rank, total adds act and comm. */
 typedef struct {
     uint64_t param, grad, optim, act, comm, resident, total;
+    /* The whole life, as the kernel sees it (resident pages; the runtime's
+     * fixed RSS, MPI and libraries, comes on top): */
+    uint64_t flat;   /* the largest flat (bucket, unit, slice), which the cache's bound follows */
+    uint64_t cache;  /* the allocator cache's bound (ct_mem_get_cache_limit as the run would set it) */
+    uint64_t shared; /* other ranks' shared-memory pages mapped into this one (DDP's and ZeRO-1's
+                        buckets are windows every local rank touches; the plan takes one node),
+                        included in setup, save and life */
+    uint64_t setup;  /* at the set-up peak: building the model, then wrapping it */
+    uint64_t save;   /* at a full save's peak, on rank 0, which holds what it writes */
+    uint64_t life;   /* the whole life's peak: the largest of setup, total plus the cache (at
+                        most its bound, at most a step's act and comm and two flats), and save
+                        (whose transients reuse the cached blocks first) */
+    int life_phase;  /* the ct_mem_phase of life: CT_PHASE_WRAP, CT_PHASE_TRAIN or CT_PHASE_SAVE */
 } ct_mem_plan;
 
 /* What a run is, besides the model and the strategy's options. */
@@ -399,8 +412,11 @@ ct_group *ct_strategy_group(const ct_strategy *s);
 /* Timings of the last completed step. */
 ct_step_stats ct_strategy_stats(const ct_strategy *s);
 /* Every rank's memory report (ct_mem_report_get on each), gathered into
- * all[0 .. group size) on every rank.  Collective over the group.  Call
- * ct_mem_reset_peak after set-up so the peaks cover the training steps. */
+ * all[0 .. group size) on every rank (ct_group_mem_reports over the
+ * strategy's group).  Collective over the group.  Call ct_mem_reset_peak
+ * after set-up so the peaks cover the training steps; the whole life's peak
+ * RSS and its phase (the library marks build, wrap, load, train, save and
+ * teardown: ct_mem_phase_begin) are in every report regardless. */
 ct_status ct_strategy_memory(ct_strategy *s, ct_mem_report *all);
 /* Option value as the strategy parsed it ("25" for bucket_cap_mb), or NULL
  * for a key it does not take. */

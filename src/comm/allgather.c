@@ -318,3 +318,14 @@ ct_status ct_group_allgatherv(ct_group *g, const void *send, int64_t send_count,
     }
     return ct__submit(&o->w, work);
 }
+
+ct_status ct_group_mem_reports(ct_group *g, ct_mem_report *all)
+{
+    ct_mem_report mine;
+    ct_mem_report_get(&mine);
+    if (!g || ct_group_size(g) == 1) {
+        all[0] = mine;
+        return CT_OK;
+    }
+    return ct_group_allgather(g, &mine, all, (int64_t)sizeof mine, CT_U8, NULL);
+}

@@ -190,6 +190,7 @@ ct_status ct__seq_push(ct_module *seq, ct_module *kid)
 
 ct_status ct_model_build(const ct_model_config *cfg, uint64_t seed, ct_module **out)
 {
+    ct_mem_phase_begin(CT_PHASE_BUILD);
     *out = NULL;
     CT_TRY(ct_model_config_validate(cfg));
     ct_module *m = NULL;

@@ -55,6 +55,9 @@ ct_status ct__flat_init(ct__flat *f, ct_param *const *p, int n, int nshards, int
         if (f->loff[j] >= 0) f->nlow += p[j]->data->numel;
     }
     f->shard = (f->numel + nshards - 1) / nshards;
+    /* A flat's parts are allocated and freed whole, over and over (buckets,
+     * gathered units, slices): the allocator's cache bound follows them. */
+    ct_mem_cache_hint((size_t)f->numel * sizeof(float));
     return CT_OK;
 }
 

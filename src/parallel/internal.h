@@ -21,9 +21,10 @@
 /* INT: a whole number from 1; COUNT: from 0; NUM: a positive number; BOOL;
  * DTYPE (from dtypes); CHOICE: one of the '|'-separated words in choices,
  * stored as its index; TEXT: any text, read back with ct_strategy_opt;
- * AUTO_INT: "auto" (stored as 0) or a whole number from 1 (an int). */
+ * AUTO_INT: "auto" (stored as 0) or a whole number from 1 (an int);
+ * AUTO_COUNT: "auto" (stored as -1) or a whole number from 0 (an int64_t). */
 typedef enum { CT__OPT_INT, CT__OPT_NUM, CT__OPT_BOOL, CT__OPT_DTYPE, CT__OPT_COUNT, CT__OPT_CHOICE,
-               CT__OPT_TEXT, CT__OPT_AUTO_INT } ct__opt_type;
+               CT__OPT_TEXT, CT__OPT_AUTO_INT, CT__OPT_AUTO_COUNT } ct__opt_type;
 typedef struct {
     const char *key;
     ct__opt_type type;
@@ -47,6 +48,7 @@ typedef struct {
     int param_dtype;  /* ct_dtype: CT_F32 or CT_BF16 */
     int reduce_dtype; /* ct_dtype: CT_F32, CT_BF16, CT_F16 */
     int sync_batchnorm; /* batchnorm statistics over the group (syncbn.c) */
+    int64_t alloc_cache_mb; /* the allocator cache's bound in MiB; -1: auto (ct_mem_set_cache_limit) */
 } ct__common;
 
 /* A strategy's entries, split by concern.  Every entry may be left NULL in

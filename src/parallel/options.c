@@ -25,6 +25,9 @@ static const ct__opt_def common_opts[] = {
      "dtype gradients are reduced in across ranks", DT(CT_F32) | DT(CT_BF16) | DT(CT_F16), NULL},
     {"sync_batchnorm", CT__OPT_BOOL, offsetof(ct__common, sync_batchnorm), "0",
      "batchnorm statistics over the whole batch of every rank (SyncBatchNorm; ddp, zero1, zero2, fsdp)", 0, NULL},
+    {"alloc_cache_mb", CT__OPT_AUTO_COUNT, offsetof(ct__common, alloc_cache_mb), "auto",
+     "bound in MiB of the allocator's cache of freed blocks, for the process (0: off); auto: 4 x the largest "
+     "bucket, unit or slice, at least 64, unless CTRAIN_ALLOC_CACHE_MB sets one", 0, NULL},
 };
 #define NCOMMON ((int)(sizeof common_opts / sizeof common_opts[0]))
 
@@ -56,6 +59,17 @@ static ct_status set_value(const char *kind, const ct__opt_def *d, void *base, c
         if (end == v || *end || errno || x < 1 || x > 1 << 30)
             return ct_error(CT_EINVAL, "%s option %s=%s: expected auto or a whole number from 1", kind, d->key, v);
         *(int *)dst = (int)x;
+        return CT_OK;
+    }
+    case CT__OPT_AUTO_COUNT: {
+        if (!strcmp(v, "auto")) {
+            *(int64_t *)dst = -1;
+            return CT_OK;
+        }
+        long long x = strtoll(v, &end, 10);
+        if (end == v || *end || errno || x < 0 || x > (long long)1 << 40)
+            return ct_error(CT_EINVAL, "%s option %s=%s: expected auto or a whole number from 0", kind, d->key, v);
+        *(int64_t *)dst = x;
         return CT_OK;
     }
     case CT__OPT_INT:

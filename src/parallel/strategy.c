@@ -143,6 +143,8 @@ static ct_status create_impl(const char *kind, ct_module *model, const ct_optim_
     if (st == CT_OK) st = s->vt.place.build_optim(s, optim);
     if (st == CT_OK && !ops->manages_compute) st = ct__mixed_init(s);
     if (st == CT_OK) st = ct__syncbn_init(s);
+    /* After init, whose flats have hinted the automatic bound; a process-wide setting. */
+    if (st == CT_OK && s->common.alloc_cache_mb >= 0) ct_mem_set_cache_limit((size_t)s->common.alloc_cache_mb << 20);
     if (st != CT_OK) {
         ct_strategy_destroy(s);
         return st;
@@ -154,6 +156,7 @@ static ct_status create_impl(const char *kind, ct_module *model, const ct_optim_
 void ct_strategy_destroy(ct_strategy *s)
 {
     if (!s) return;
+    if (!create_depth) ct_mem_phase_begin(CT_PHASE_TEARDOWN); /* not a failed create's own clean-up */
     const char *prev = ct_comm_enter_call("ct_strategy_destroy");
     ct__syncbn_fini(s);
     ct__mixed_fini(s);
@@ -390,16 +393,7 @@ void ct_strategy_data_rank(const ct_strategy *s, int *rank, int *size)
     s->vt.place.data_rank(s, rank, size);
 }
 
-static ct_status memory_impl(ct_strategy *s, ct_mem_report *all)
-{
-    ct_mem_report mine;
-    ct_mem_report_get(&mine);
-    if (!s->g || ct_group_size(s->g) == 1) {
-        all[0] = mine;
-        return CT_OK;
-    }
-    return ct_group_allgather(s->g, &mine, all, (int64_t)sizeof mine, CT_U8, NULL);
-}
+static ct_status memory_impl(ct_strategy *s, ct_mem_report *all) { return ct_group_mem_reports(s->g, all); }
 
 static ct_status summon_full_params_impl(ct_strategy *s, int writeback, int rank0_only)
 {
@@ -456,6 +450,7 @@ static ct_status load_state_impl(ct_strategy *s, const char *const *names, ct_te
 ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_opts *optim,
                              ct_group *g, const char *opts, ct_strategy **out)
 {
+    if (!create_depth) ct_mem_phase_begin(CT_PHASE_WRAP);
     create_depth++;
     const char *prev = ct_comm_enter_call("ct_strategy_create");
     ct_status st = create_impl(kind, model, optim, g, opts, out);
@@ -467,6 +462,7 @@ ct_status ct_strategy_create(const char *kind, ct_module *model, const ct_optim_
 ct_status ct_strategy_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss, void *ud,
                                  const ct_fwd_ctx *ctx, ct_step_out *out)
 {
+    ct_mem_phase_begin(CT_PHASE_TRAIN);
     IN_CALL("ct_strategy_train_step", train_step_impl(s, b, loss, ud, ctx, out));
 }
 
@@ -492,6 +488,7 @@ ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm
 
 ct_status ct_strategy_step(ct_strategy *s)
 {
+    ct_mem_phase_begin(CT_PHASE_TRAIN);
     IN_CALL("ct_strategy_step", step_impl(s));
 }
 
@@ -542,16 +539,19 @@ ct_status ct_strategy_apply(ct_strategy *s, ct_module_fn fn, void *ud)
 
 ct_status ct_strategy_model_state(ct_strategy *s, ct_state *out)
 {
+    ct_mem_phase_begin(CT_PHASE_SAVE);
     IN_CALL("ct_strategy_model_state", model_state_impl(s, out));
 }
 
 ct_status ct_strategy_optim_state(ct_strategy *s, ct_state *out)
 {
+    ct_mem_phase_begin(CT_PHASE_SAVE);
     IN_CALL("ct_strategy_optim_state", optim_state_impl(s, out));
 }
 
 ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out)
 {
+    ct_mem_phase_begin(CT_PHASE_SAVE);
     IN_CALL("ct_strategy_shard_state", shard_state_impl(s, optim, out));
 }
 
@@ -562,12 +562,14 @@ ct_status ct_strategy_state_foreach(ct_strategy *s, int optim, int shapes_only, 
 
 ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out)
 {
+    ct_mem_phase_begin(CT_PHASE_SAVE);
     IN_CALL("ct_strategy_local_state", local_state_impl(s, optim, out));
 }
 
 ct_status ct_strategy_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *tensors,
                                  int n, int optim)
 {
+    ct_mem_phase_begin(CT_PHASE_LOAD);
     IN_CALL("ct_strategy_load_state", load_state_impl(s, names, tensors, n, optim, NULL));
 }
 
@@ -575,6 +577,7 @@ ct_status ct_strategy_load_source(ct_strategy *s, const char *const *names, ct_t
                                   int optim, const ct_state_source *src)
 {
     if (src && !src->read) return ct_error(CT_EINVAL, "ct_strategy_load_source: the source has no read function");
+    ct_mem_phase_begin(CT_PHASE_LOAD);
     IN_CALL("ct_strategy_load_source", load_state_impl(s, names, tensors, n, optim, src));
 }
 

@@ -495,3 +495,59 @@ TEST(fsdp_freed_units_are_not_hoarded)
     }
     ct_mem_set_cache_limit(limit);
 }
+
+/* The allocator's cache through FSDP steps: its automatic bound is
+ * CT_MEM_CACHE_UNITS times the largest unit's bytes (the flats hint it), it
+ * never holds more, and the RSS stays within the live bytes plus the bound;
+ * alloc_cache_mb sets the bound instead.  The library names the phases. */
+TEST(fsdp_cache_stays_under_its_bound)
+{
+    ct_group *g = ct_group_world();
+    int world = ct_group_size(g), rank = ct_group_rank(g);
+    const int64_t w[] = {IN, 2048, 2560, 512, NCLS}; /* Linear(2048,2560): a 20 MiB unit */
+    size_t limit = ct_mem_get_cache_limit();
+    ct_mem_set_cache_limit(CT_MEM_CACHE_AUTO); /* on under AddressSanitizer too (it poisons what it holds) */
+    ct_mem_trim();
+    ct_module *m = chain(w, 5);
+    ct_fsdp_unit u[8];
+    int nu;
+    ASSERT_OK(ct_fsdp_plan(m, "wrap_kinds=linear", u, 8, &nu));
+    int64_t largest = 0;
+    for (int i = 0; i < nu; i++) largest = u[i].numel > largest ? u[i].numel : largest;
+    ASSERT_EQ(largest, (int64_t)2048 * 2560 + 2560);
+    for (int pass = 0; pass < 2; pass++) {
+        ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
+        ct_strategy *s;
+        ASSERT_OK(ct_strategy_create("fsdp", m, &oo, g, pass ? "wrap_kinds=linear,alloc_cache_mb=8" : "wrap_kinds=linear", &s));
+        ASSERT_EQ(ct_mem_phase_current(), CT_PHASE_WRAP);
+        size_t bound = pass ? (size_t)8 << 20 : (size_t)CT_MEM_CACHE_UNITS * (size_t)largest * sizeof(float);
+        ASSERT_EQ(ct_mem_get_cache_limit(), bound);
+        ct_step_out o;
+        ct_mem_report r0, r;
+        ct_mem_reset_peak();
+        ct_mem_report_get(&r0);
+        for (int step = 0; step < 3; step++) {
+            step_on_slice(s, step, 8 * world, rank, world, &o);
+            ASSERT_OK(ct_strategy_step(s));
+            ct_strategy_zero_grad(s);
+        }
+        ct_mem_report_get(&r);
+        ASSERT_EQ(r.phase, CT_PHASE_TRAIN);
+        ASSERT_EQ(r.cache_limit, bound);
+        ct_status st = CT_OK;
+        if (!(r.peak_cached <= bound && (pass || world == 1 || r.peak_cached > 0)))
+            st = ct_error(CT_EINVAL, "the cache held up to %zu bytes over the steps; its bound is %zu", r.peak_cached, bound);
+#ifndef __SANITIZE_ADDRESS__ /* its shadow memory and quarantine move RSS on their own */
+        /* what the kernel sees: the live bytes' growth and the cache, and 16 MiB of slack (malloc, stacks) */
+        double grown = (double)r.peak_rss - (double)r0.rss, allowed = (double)(r.peak_total - r0.current_total) + (double)bound + 16.0 * (1 << 20);
+        if (st == CT_OK && !(grown <= allowed))
+            st = ct_error(CT_EINVAL, "RSS grew by %.0f bytes over the steps, more than the live bytes' %zu plus the cache's bound %zu",
+                          grown, r.peak_total - r0.current_total, bound);
+#endif
+        ASSERT_OK(ct_group_check(g, st));
+        ct_strategy_destroy(s);
+        ASSERT_EQ(ct_mem_phase_current(), CT_PHASE_TEARDOWN);
+    }
+    ct_module_destroy(m);
+    ct_mem_set_cache_limit(limit);
+}

@@ -346,14 +346,152 @@ static ct_status plan_zero2(const ct__plan *pl, ct_mem_plan *out)
     return CT_OK;
 }
 
+/* ---- the whole life: set-up and save ------------------------------------ */
+
+/* Resident bytes of the whole model as ct_model_build leaves it on every
+ * rank: the parameters and buffers it initialised (its zeroed gradients are
+ * fresh pages, counted by the allocator but not resident until written). */
+static uint64_t model_whole(const ct__plan *pl) { return param_bytes(pl, 0); }
+
+/* Set-up, one function per strategy: what the code does.  The model is
+ * built shape-only (ctrain train does; no parameter memory), and each
+ * strategy makes what its rank holds from the parameters' rules: the
+ * replicated ones the whole model, fsdp its shards, pipe its stage, offload
+ * one slice at a time on its way to the store. */
+static uint64_t setup_replicated(const ct__plan *pl, const ct_mem_plan *p)
+{
+    (void)p; /* DDP's buckets and ZeRO's gradients are written by the first backward, not at wrap */
+    return model_whole(pl);
+}
+
+static uint64_t setup_fsdp(const ct__plan *pl, const ct_mem_plan *p)
+{
+    (void)p; /* every unit's shard, made from the rules: no unit is ever whole */
+    uint64_t t = trainable_bytes(pl);
+    return model_whole(pl) - t + (t + (uint64_t)pl->spec->world - 1) / (uint64_t)pl->spec->world;
+}
+
+static uint64_t setup_pipe(const ct__plan *pl, const ct_mem_plan *p)
+{
+    (void)pl;
+    return p->param; /* this rank's stage, made by its replica strategy */
+}
+
+static uint64_t setup_offload(const ct__plan *pl, const ct_mem_plan *p)
+{
+    return pl->buffer_bytes + p->flat; /* a slice at a time moves into its flat and out to the store */
+}
+
+/* A full save's peak on rank 0, which holds a whole state until it is
+ * written: the steady state alone where the state is the parameters and
+ * slots themselves (none, ddp); plus the largest tensor where the state is
+ * streamed (fsdp, zero: save_streamed); plus the larger of the optimizer
+ * state and the parameters gathered whole (pipe), one after the other.
+ * Offload first flushes every slice to its store, then reads the whole state
+ * back from it (every rank). */
+static uint64_t save_views(const ct__plan *pl, const ct_mem_plan *p)
+{
+    (void)pl;
+    return p->resident;
+}
+
+static uint64_t optim_gathered(const ct__plan *pl)
+{
+    uint64_t o = 0;
+    return optim_whole(pl, &o) == CT_OK ? o : 0;
+}
+
+
+static uint64_t state_gathered(const ct__plan *pl)
+{
+    uint64_t o = optim_gathered(pl), w = trainable_bytes(pl);
+    return o > w ? o : w;
+}
+
+static uint64_t save_gathered(const ct__plan *pl, const ct_mem_plan *p) { return p->resident + state_gathered(pl); }
+
+/* A full save streamed to rank 0 one tensor at a time (ct_strategy_state_foreach:
+ * fsdp, zero): rank 0 holds the largest tensor on top of its steady state. */
+static uint64_t largest_param(const ct__plan *pl);
+static uint64_t save_streamed(const ct__plan *pl, const ct_mem_plan *p) { return p->resident + largest_param(pl); }
+
+static uint64_t save_offload(const ct__plan *pl, const ct_mem_plan *p)
+{
+    (void)p;
+    return pl->buffer_bytes + state_gathered(pl);
+}
+
+/* Other ranks' pages in this rank's resident set: DDP's buckets (ZeRO-1's
+ * too) are shared-memory windows when the ranks share a node, and
+ * ct_group_alloc_shared maps every peer's pages at creation (a byte read per
+ * page), so each rank holds every local rank's buckets.  The plan knows no
+ * nodes: it takes one. */
+static uint64_t peers_none(const ct__plan *pl)
+{
+    (void)pl;
+    return 0;
+}
+
+static uint64_t peers_buckets(const ct__plan *pl)
+{
+    return (uint64_t)(pl->spec->world - 1) * trainable_bytes(pl);
+}
+
+/* The largest flat where the planner did not say: a DDP bucket (bucket_cap_mb,
+ * or one parameter larger than that), or ZeRO-2's one gradient. */
+static uint64_t largest_param(const ct__plan *pl)
+{
+    uint64_t b = 0;
+    for (int i = 0; i < pl->ntp; i++) b = (uint64_t)pl->tp[i]->data->numel * 4 > b ? (uint64_t)pl->tp[i]->data->numel * 4 : b;
+    return b;
+}
+
+static void whole_life(const ct__plan *pl, uint64_t (*setup)(const ct__plan *, const ct_mem_plan *),
+                       uint64_t (*save)(const ct__plan *, const ct_mem_plan *), uint64_t (*peers)(const ct__plan *),
+                       ct_mem_plan *out)
+{
+    if (!out->flat) {
+        uint64_t cap = (uint64_t)(ct__plan_num(pl, "bucket_cap_mb", 0) * 1048576.0), tb = trainable_bytes(pl);
+        out->flat = largest_param(pl);
+        if (cap > out->flat) out->flat = cap < tb ? cap : tb;
+    }
+    double mb = ct__plan_num(pl, "alloc_cache_mb", -1); /* "auto" reads as 0: atof */
+    char b[32];
+    const char *v = ct__plan_opt(pl, "alloc_cache_mb", b, sizeof b);
+    uint64_t floor_b = (uint64_t)CT_MEM_CACHE_MIN_MB << 20;
+    out->cache = v && strcmp(v, "auto") ? (uint64_t)(mb * 1048576.0)
+               : out->flat * CT_MEM_CACHE_UNITS > floor_b ? out->flat * CT_MEM_CACHE_UNITS : floor_b;
+    out->shared = peers(pl);
+    out->setup = out->shared + setup(pl, out);
+    out->save = out->shared + save(pl, out);
+    /* The cache holds blocks training freed and has not reused: at most its bound, and in practice a
+     * step's activations and two flats (a small model never fills the 64 MiB floor).  A save after it
+     * takes its transients from those blocks first, so the resident set is the larger of training's
+     * with the cache and the save's own. */
+    uint64_t churn = out->act + out->comm + 2 * out->flat;
+    uint64_t top = out->shared + out->total + (out->cache < churn ? out->cache : churn);
+    out->life_phase = CT_PHASE_TRAIN;
+    if (out->setup > top) top = out->setup, out->life_phase = CT_PHASE_WRAP;
+    if (out->save > top) top = out->save, out->life_phase = CT_PHASE_SAVE;
+    out->life = top;
+}
+
 /* ---- the entry ------------------------------------------------------------ */
 
 static const struct {
     const char *kind;
     ct_status (*plan)(const ct__plan *pl, ct_mem_plan *out);
+    uint64_t (*setup)(const ct__plan *pl, const ct_mem_plan *p); /* the set-up peak */
+    uint64_t (*save)(const ct__plan *pl, const ct_mem_plan *p);  /* a full save's peak on rank 0 */
+    uint64_t (*peers)(const ct__plan *pl);                       /* other ranks' pages mapped here */
 } planners[] = {
-    {"none", plan_none},   {"ddp", plan_ddp},   {"zero1", plan_zero1},         {"zero2", plan_zero2},
-    {"fsdp", ct__plan_fsdp}, {"pipe", ct__plan_pipe}, {"offload", ct__plan_offload},
+    {"none", plan_none, setup_replicated, save_views, peers_none},
+    {"ddp", plan_ddp, setup_replicated, save_views, peers_buckets},
+    {"zero1", plan_zero1, setup_replicated, save_streamed, peers_buckets},
+    {"zero2", plan_zero2, setup_replicated, save_streamed, peers_none},
+    {"fsdp", ct__plan_fsdp, setup_fsdp, save_streamed, peers_none},
+    {"pipe", ct__plan_pipe, setup_pipe, save_gathered, peers_none},
+    {"offload", ct__plan_offload, setup_offload, save_offload, peers_none},
 };
 
 /* The model's parameters, buffers and the order backward reaches its modules. */
@@ -413,6 +551,7 @@ ct_status ct_strategy_plan(const char *kind, ct_module *model, const char *opts,
     ct_status st = ct_strategy_check_opts(kind, opts, pl->vals, sizeof pl->vals);
     if (st == CT_OK) st = read_model(pl);
     if (st == CT_OK) st = planners[k].plan(pl, out);
+    if (st == CT_OK) whole_life(pl, planners[k].setup, planners[k].save, planners[k].peers, out);
     ct_free(pl->params);
     ct_free(pl->tp);
     ct_free(pl->by_addr);

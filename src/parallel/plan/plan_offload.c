@@ -90,6 +90,7 @@ ct_status ct__plan_offload(const ct__plan *pl, ct_mem_plan *out)
         if (lo) bound += (uint64_t)(rows * inrow) * 4; /* the first slice's input is the batch itself */
         maxrec = (uint64_t)(mrows * rec) * 4 > maxrec ? (uint64_t)(mrows * rec) * 4 : maxrec;
     }
+    out->flat = largest; /* a slice's flat */
     int ahead = ct__plan_num(pl, "prefetch", 1) != 0 ? (pl->spec->world > 1 ? 3 : 2) : 1;
     double mb = ct__plan_num(pl, "max_resident_mb", 0); /* "auto" reads as 0 */
     /* the tied parameters' data, gradients, state and copies are resident from the start */
