@@ -7,8 +7,8 @@
  * Training normalises with the batch's mean and biased variance and updates
  * the running stats (unbiased variance, as PyTorch) -- the one piece of
  * state a forward call writes into its module.  Each forward updates them,
- * so a checkpoint recompute or every micro-batch counts as a batch, as in
- * PyTorch.  Eval normalises with the running stats.  The record keeps the
+ * so every micro-batch counts as a batch, as in PyTorch; a checkpoint's
+ * recompute does not (PyTorch's does: its statistics move twice).  Eval normalises with the running stats.  The record keeps the
  * input and the mean and 1/std it used.
  *
  * Deferred statistics (fairscale's DeferredBatchNorm, for pipelines): in
@@ -17,7 +17,8 @@
  * mean and sum of squared deviations per channel into an accumulator
  * (Chan's parallel formula, so micro-batches combine exactly as one
  * batch); ct_batchnorm_commit then makes one update from the whole.
- * CT_BN_HOLD (a checkpoint's recompute) does neither.
+ * CT_BN_HOLD does neither, and neither does a recompute (ct_fwd_ctx.recompute:
+ * activation checkpointing repeats a forward that was already counted).
  */
 #include <math.h>
 #include <string.h>
@@ -46,7 +47,7 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
     int64_t N = in->shape[0], C = B->c, S = 1;
     for (int i = 2; i < in->ndim; i++) S *= in->shape[i];
     int64_t cnt = N * S;
-    int training = ctx->training;
+    int training = ctx->training, mode = ctx->recompute ? CT_BN_HOLD : B->mode;
     if (training && cnt < 2)
         return ct_error(CT_EINVAL, "batchnorm '%s': training needs more than 1 value per channel, "
                         "input is %s; use a larger batch or eval mode", nm(m),
@@ -82,10 +83,10 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
             mu[c] = (float)mc;
             rs[c] = (float)(1.0 / sqrt(var + (double)B->eps));
             float mom = B->momentum;
-            if (B->mode == CT_BN_NOW) {
+            if (mode == CT_BN_NOW) {
                 rm[c] = (1.0f - mom) * rm[c] + mom * (float)mc;
                 rv[c] = (1.0f - mom) * rv[c] + mom * (float)(var * (double)cnt / (double)(cnt - 1));
-            } else if (B->mode == CT_BN_DEFER) {
+            } else if (mode == CT_BN_DEFER) {
                 double *a = B->acc + 3 * c, n = a[0] + (double)cnt, d = mc - a[1];
                 a[2] += ss + d * d * a[0] * (double)cnt / n;
                 a[1] += d * (double)cnt / n;
@@ -102,7 +103,7 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
             for (int64_t i = 0; i < S; i++) yc[i] = xc[i] * a + sh0;
         }
     }
-    if (training && B->mode == CT_BN_NOW) ct_f32(m->buffers[2]->data)[0] += 1.0f;
+    if (training && mode == CT_BN_NOW) ct_f32(m->buffers[2]->data)[0] += 1.0f;
     if (rec) rec->ival[0] = training;
     ct_tensor_release(mean);
     ct_tensor_release(rstd);

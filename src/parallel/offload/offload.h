@@ -124,8 +124,6 @@ typedef struct {
     int64_t pend_step;     /* 1-based step number of the update */
     float pend_scales[8];  /* its clip factors */
     int pend_nscales;
-    ct_module **bns;     /* batchnorms, held during recomputes */
-    int nbns;
 } offload_t;
 
 static inline offload_t *ct__offload(const ct_strategy *s) { return s->priv; }

@@ -27,11 +27,14 @@
  *
  * Checkpointing.  A checkpointed micro-batch keeps only its stage input;
  * its forward runs again right before its backward with the same context
- * (seed, step, sample0), so dropout draws the same masks.  always: every
- * micro-batch; except_last: all but the last (whose backward comes first
- * in GPipe); never.  A recompute holds batchnorm's running statistics (it is
- * not another batch); with deferred_batch_norm they are updated once per
- * step from all micro-batches (ct_batchnorm_commit), as if not split.
+ * (seed, step, sample0), so dropout draws the same masks: the recompute of
+ * every activation checkpointing (ct_module_recompute), which leaves
+ * batchnorm's running statistics alone (it is not another batch).  always:
+ * every micro-batch; except_last: all but the last (whose backward comes
+ * first in GPipe); never.  Checkpoint wrappers inside the stage
+ * (ct_module_apply_activation_checkpointing) nest under it.  With
+ * deferred_batch_norm the statistics are updated once per step from all
+ * micro-batches (ct_batchnorm_commit), as if not split.
  */
 #include <math.h>
 #include <stdio.h>
@@ -277,16 +280,6 @@ static void forward(run_t *r, int j)
     }
 }
 
-/* Every batchnorm of the stage into mode (-1: back to the configured one). */
-static void bn_mode(run_t *r, int mode)
-{
-    int deferred = ((const pipe_opts *)r->s->kopts)->deferred_batch_norm;
-    for (int i = 0; i < r->p->nbns; i++) {
-        ct_status st = ct_batchnorm_set_mode(r->p->bns[i], mode >= 0 ? mode : deferred ? CT_BN_DEFER : CT_BN_NOW);
-        if (st != CT_OK) fail(r, st);
-    }
-}
-
 static void backward(run_t *r, int j, int final, int next)
 {
     pipe_t *p = r->p;
@@ -305,12 +298,8 @@ static void backward(run_t *r, int j, int final, int next)
         double t0 = ct_now();
         ct_status st = CT_OK;
         if (b->ckpt) {
-            ct_tensor *y = NULL;
             ct_fwd_ctx c = mb_ctx(r, b);
-            bn_mode(r, CT_BN_HOLD);
-            st = ct_module_forward(r->s->model, b->x, &y, &b->rec, &c);
-            bn_mode(r, -1);
-            ct_tensor_release(y);
+            st = ct_module_recompute(r->s->model, b->x, NULL, &b->rec, &c);
             double t1 = ct_now();
             r->t_bwd += t1 - t0;
             ct_trace_event("recompute", "pipe", t0, t1, 0);
