@@ -158,7 +158,7 @@ void train_describe(trainer *t)
         cli_out("offload: %d slices (children per slice %s), up to %d resident (%s), micro-batches %s, "
                 "activation checkpointing %s, budget %s MiB; store in %s\n", nsl, ct_strategy_opt(t->s, "balance"), ahead,
                 ahead == 1 ? "no prefetch" : ahead == 2 ? "the next slice loads meanwhile" : "prefetch and overlapped allreduce",
-                ct_strategy_opt(t->s, "microbatches"), strcmp(ct_strategy_opt(t->s, "checkpoint_activation"), "0") ? "on" : "off",
+                ct_strategy_opt(t->s, "microbatches"), strcmp(ct_strategy_opt(t->s, "checkpoint_activation"), "0") ? "on (slice inputs)" : o->checkpoint_activation ? "on (each layer)" : "off",
                 ct_strategy_opt(t->s, "max_resident_mb"), o->offload_dir ? o->offload_dir : "$TMPDIR or /tmp");
     const ct_partition *pt = ct_strategy_partition(t->s);
     if (!o->verbose || !pt) return;

@@ -102,7 +102,7 @@ ct_status ct__plan_pipe(const ct__plan *pl, ct_mem_plan *out)
             if (st != CT_OK) break;
         }
         ct_act_plan ap;
-        st = ct__plan_stage_act(pl, lo, hi, mrows, mixed, &ap);
+        st = ct__plan_stage_act(pl, lo, hi, mrows, mixed, 0, &ap);
         if (st != CT_OK) break;
         int held = gpipe ? (int)mbs : (P - k < mbs ? P - k : (int)mbs), never = !strcmp(ck, "never");
         uint64_t recv = k ? ap.in_bytes + 4 : 0; /* a received input: its values and the sender's status */
