@@ -397,7 +397,8 @@ static ct_status setup(trainer *t)
 
     st = ct_model_build(&t->cfg, t->seed, &t->model);
     /* before the strategy lays the model out: the wrappers are modules of it */
-    if (st == CT_OK && o->checkpoint_activation) st = ct_module_apply_activation_checkpointing(t->model, NULL, NULL, NULL);
+    if (st == CT_OK && o->checkpoint_activation)
+        st = ct_module_apply_activation_checkpointing(t->model, NULL, NULL, &t->nckpt);
     CT_TRY(ct_group_check(t->g, st));
     CT_TRY(ct_group_check(t->g, make_strategy(t)));
 

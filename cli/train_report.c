@@ -145,6 +145,9 @@ void train_describe(trainer *t)
         cli_out("gradient buckets reduced by PowerSGD at rank %s (uncompressed for the first %s steps, error feedback %s, "
                 "warm start %s)\n", ct_strategy_opt(t->s, "powersgd_rank"), ct_strategy_opt(t->s, "powersgd_start_iter"),
                 ct_strategy_opt(t->s, "powersgd_error_feedback"), ct_strategy_opt(t->s, "powersgd_warm_start"));
+    if (t->nckpt)
+        cli_out("activation checkpointing: %d %s keep only their input, recomputed in backward\n", t->nckpt,
+                t->cfg.kind == CT_MODEL_GPT ? "blocks" : "layers");
     int stage, nstages;
     ct_strategy_pipe_stage(t->s, &stage, &nstages);
     if (!strcmp(ct_strategy_kind(t->s), "pipe"))

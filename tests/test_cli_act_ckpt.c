@@ -34,6 +34,7 @@ static void check(int np, const char *strategy, const char *extra)
         int rc = run_np(np, out, "train " GPT " " RUN_FLAGS " --data-dir %s --strategy %s %s %s --save %s --metrics %s",
                         dir, strategy, extra, ck ? "--checkpoint-activation" : "", save, metrics);
         if (rc) ct_test_fail(__FILE__, __LINE__, "%s %s (checkpointing %d) failed:\n%s", strategy, extra, ck, out);
+        if (ck) ASSERT_STR_CONTAINS(out, "activation checkpointing: 4 blocks keep only their input");
         summary(metrics, line[ck], sizeof line[ck]);
         act[ck] = json_max(line[ck], "act");
     }

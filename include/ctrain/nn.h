@@ -3,7 +3,8 @@
  * PyTorch-style fully qualified names, buffers, hooks, and activation
  * records.  A forward call saves what its backward needs in a ct_record that
  * belongs to that call (not to the layer), so several micro-batches can be
- * in flight and a record can be dropped and recomputed (ct_checkpoint_create).
+ * in flight and a record can be dropped and recomputed (ct_checkpoint_create;
+ * ct_module_apply_activation_checkpointing wraps a model's blocks).
  * A pipeline cuts a sequential into stages that keep their names
  * (ct_sequential_split) and sizes the activations between them without
  * running anything (ct_module_out_shape).  This room knows nothing of ranks:
