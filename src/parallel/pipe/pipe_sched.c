@@ -470,6 +470,19 @@ static int build_ops(const run_t *r, int *ops)
     return n;
 }
 
+/* Frees the step's plan (run allocates it before any message). */
+static void free_plan(run_t *r, int *ops, int *border)
+{
+    ct_free(border);
+    ct_free(ops);
+    ct_free(r->mb);
+    ct_free(r->sends);
+    ct_tensor_release(r->spare);
+    r->mb = NULL;
+    r->sends = NULL;
+    r->spare = NULL;
+}
+
 static ct_status run(run_t *r, int64_t nrows, int chunks)
 {
     pipe_t *p = r->p;
@@ -494,14 +507,7 @@ static ct_status run(run_t *r, int64_t nrows, int chunks)
                                    r->m, ct_last_error());
     if (P > 1) st = ct_group_check(p->pg, st);
     if (st != CT_OK) {
-        ct_free(r->mb);
-        ct_free(ops);
-        ct_free(border);
-        ct_free(r->sends);
-        ct_tensor_release(r->spare);
-        r->mb = NULL;
-        r->sends = NULL;
-        r->spare = NULL;
+        free_plan(r, ops, border);
         return st;
     }
     for (int j = 0; j < r->m; j++) {
@@ -552,14 +558,7 @@ static ct_status run(run_t *r, int64_t nrows, int chunks)
         ct_tensor_release(b->dz);
     }
     spare_free(r);
-    ct_free(border);
-    ct_free(ops);
-    ct_free(r->mb);
-    ct_free(r->sends);
-    ct_tensor_release(r->spare);
-    r->mb = NULL;
-    r->sends = NULL;
-    r->spare = NULL;
+    free_plan(r, ops, border);
     /* Every rank of the pipeline returns the first failing rank's message. */
     return P > 1 ? ct_group_check(p->pg, r->st) : r->st;
 }
