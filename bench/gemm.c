@@ -102,7 +102,7 @@ typedef struct {
 /* Forward and backward of the layer; returns the two durations. */
 static void layer_step(ct_module *lin, ct_tensor *x, ct_tensor *dy, double *tf, double *tb)
 {
-    ct_fwd_ctx ctx = {1, 1, 0, 0};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 1, .step = 0, .sample0 = 0};
     ct_tensor *out, *din;
     ct_record *rec;
     double t0 = now();

@@ -33,7 +33,7 @@ typedef struct {
     int64_t kernel, ranks, batch, grad_accum;
     cli_gpt_shape gpt;
     double dropout, momentum;
-    int json, has_kernel, batchnorm;
+    int json, has_kernel, batchnorm, checkpoint_activation;
 } est_opts;
 
 static const char usage[] =
@@ -70,12 +70,14 @@ static int table(est_opts *o, cli_opt *t)
     OPT("--grad-accum", OPT_INT, &o->grad_accum, "N", "micro-batches per step (1)");
     OPT("--strategy", OPT_STR, &o->strategy, "LIST", "only these strategies, comma separated (all that apply)");
     OPT("--strategy-opt", OPT_STR, &o->strategy_opt, "K=V,...", "strategy options, as for 'ctrain train'");
+    OPT("--checkpoint-activation", OPT_FLAG, &o->checkpoint_activation, NULL,
+        "each gpt block (each layer of an mlp or cnn) keeps only its input, as 'ctrain train' does");
     OPT("--json", OPT_FLAG, &o->json, NULL, "one JSON object per strategy, in bytes");
 #undef OPT
     return n;
 }
 
-#define MAXOPT 20
+#define MAXOPT 24
 #define BAD(...) (snprintf(err, errn, "ctrain estimate: " __VA_ARGS__), CLI_USAGE)
 
 static int in_list(const char *v, const char *list)
@@ -240,7 +242,14 @@ static ct_status build_input(const est_opts *o, ct_model_config *cfg, ct_module 
     ct_optim_parse(o->optim, &ok);
     spec->optim = ct_optim_defaults(ok);
     if (ok == CT_OPT_SGD) spec->optim.momentum = (float)o->momentum;
-    return ct_model_build(cfg, 0, model);
+    CT_TRY(ct_model_build(cfg, 0, model));
+    /* the wrappers `ctrain train --checkpoint-activation` puts in (their act_cost keeps the input only) */
+    ct_status st = o->checkpoint_activation ? ct_module_apply_activation_checkpointing(*model, NULL, NULL, NULL) : CT_OK;
+    if (st != CT_OK) {
+        ct_module_destroy(*model);
+        *model = NULL;
+    }
+    return st;
 }
 
 /* The runtime's fixed overhead: this process's RSS with communication and

@@ -283,7 +283,6 @@ static ct_status make_strategy(trainer *t)
         if (o->microbatches) n += snprintf(opts + n, sizeof opts - (size_t)n, ",microbatches=%lld", (long long)o->microbatches);
         if (o->max_resident_mb)
             n += snprintf(opts + n, sizeof opts - (size_t)n, ",max_resident_mb=%lld", (long long)o->max_resident_mb);
-        if (o->checkpoint_activation) n += snprintf(opts + n, sizeof opts - (size_t)n, ",checkpoint_activation=1");
         if (o->offload_dir) n += snprintf(opts + n, sizeof opts - (size_t)n, ",dir=%s", o->offload_dir);
         if (o->balance) {
             n += snprintf(opts + n, sizeof opts - (size_t)n, ",balance=");
@@ -444,6 +443,9 @@ static ct_status setup(trainer *t)
     int was = ct_module_shape_only(1);
     st = ct_model_build(&t->cfg, t->seed, &t->model);
     ct_module_shape_only(was);
+    /* before the strategy lays the model out: the wrappers are modules of it */
+    if (st == CT_OK && o->checkpoint_activation)
+        st = ct_module_apply_activation_checkpointing(t->model, NULL, NULL, &t->nckpt);
     CT_TRY(ct_group_check(t->g, st));
     CT_TRY(ct_group_check(t->g, make_strategy(t)));
 

@@ -91,7 +91,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--pipe-checkpoint", OPT_STR, &o->pipe_checkpoint, "MODE", "pipe: recompute activations: always, except_last or never (except_last)");
     OPT("--slices", OPT_INT, &o->slices, "N", "offload: slices of the model; only those in use are in memory (4)");
     OPT("--offload-dir", OPT_STR, &o->offload_dir, "DIR", "offload: directory of the store's file, removed on any exit ($TMPDIR or /tmp)");
-    OPT("--checkpoint-activation", OPT_FLAG, &o->checkpoint_activation, NULL, "offload: keep slice inputs only; recompute in backward");
+    OPT("--checkpoint-activation", OPT_FLAG, &o->checkpoint_activation, NULL, "every strategy: each gpt block (each layer of an mlp or cnn) keeps only its input; recomputed in backward");
     OPT("--microbatches", OPT_INT, &o->microbatches, "M", "offload: micro-batches per step, each slice runs all (needs --checkpoint-activation) (1)");
     OPT("--max-resident-mb", OPT_INT, &o->max_resident_mb, "MIB", "offload: bound on resident param + grad + optim (none)");
     OPT("--grad-accum", OPT_INT, &o->grad_accum, "N", "split each step into N micro-batches (1)");
@@ -311,7 +311,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     int offload = o->has_strategy && !strcmp(o->strategy, "offload");
     if (pflag && !pipe && !(offload && !strcmp(pflag, "--balance"))) return BAD("%s applies to --strategy pipe only", pflag);
     const char *oflag = cli_find(t, n, "--slices")->given ? "--slices" : o->offload_dir ? "--offload-dir"
-                      : o->checkpoint_activation ? "--checkpoint-activation" : cli_find(t, n, "--microbatches")->given ? "--microbatches"
+                      : cli_find(t, n, "--microbatches")->given ? "--microbatches"
                       : cli_find(t, n, "--max-resident-mb")->given ? "--max-resident-mb" : NULL;
     if (oflag && !offload) return BAD("%s applies to --strategy offload only", oflag);
     if (offload && cli_find(t, n, "--slices")->given && o->slices < 1) return BAD("--slices %lld must be at least 1", (long long)o->slices);

@@ -11,6 +11,7 @@ typedef struct {
     int rank, world;
     int drank, dsize;      /* this rank's slice of each batch, of dsize (ct_strategy_data_rank) */
     int64_t nparams;       /* the whole model's, before a pipeline keeps only its stage */
+    int nckpt;             /* modules --checkpoint-activation wrapped (0: off) */
     ct_model_config cfg;
     uint64_t seed;
     int shuffle;

@@ -190,6 +190,9 @@ void train_describe(trainer *t)
         cli_out("gradient buckets reduced by PowerSGD at rank %s (uncompressed for the first %s steps, error feedback %s, "
                 "warm start %s)\n", ct_strategy_opt(t->s, "powersgd_rank"), ct_strategy_opt(t->s, "powersgd_start_iter"),
                 ct_strategy_opt(t->s, "powersgd_error_feedback"), ct_strategy_opt(t->s, "powersgd_warm_start"));
+    if (t->nckpt)
+        cli_out("activation checkpointing: %d %s keep only their input, recomputed in backward\n", t->nckpt,
+                t->cfg.kind == CT_MODEL_GPT ? "blocks" : "layers");
     int stage, nstages;
     ct_strategy_pipe_stage(t->s, &stage, &nstages);
     if (!strcmp(ct_strategy_kind(t->s), "pipe"))
@@ -203,7 +206,7 @@ void train_describe(trainer *t)
         cli_out("offload: %d slices (children per slice %s), up to %d resident (%s), micro-batches %s, "
                 "activation checkpointing %s, budget %s MiB; store in %s\n", nsl, ct_strategy_opt(t->s, "balance"), ahead,
                 ahead == 1 ? "no prefetch" : ahead == 2 ? "the next slice loads meanwhile" : "prefetch and overlapped allreduce",
-                ct_strategy_opt(t->s, "microbatches"), strcmp(ct_strategy_opt(t->s, "checkpoint_activation"), "0") ? "on" : "off",
+                ct_strategy_opt(t->s, "microbatches"), strcmp(ct_strategy_opt(t->s, "checkpoint_activation"), "0") ? "on (slice inputs)" : o->checkpoint_activation ? "on (each layer)" : "off",
                 ct_strategy_opt(t->s, "max_resident_mb"), o->offload_dir ? o->offload_dir : "$TMPDIR or /tmp");
     const ct_partition *pt = ct_strategy_partition(t->s);
     if (!o->verbose || !pt) return;

@@ -415,7 +415,7 @@ static void check_split(const ct_model_config *c, const int *sizes, int nparts)
     ct_rng g;
     ct_rng_init(&g, 8, 1);
     ct_rng_normal(&g, ct_f32(x), (size_t)x->numel, 0, 1);
-    ct_fwd_ctx ctx = {1, 9, 2, 0};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 9, .step = 2, .sample0 = 0};
     ct_tensor *y, *dx;
     ct_record *rec;
     ASSERT_OK(ct_module_forward(whole, x, &y, &rec, &ctx));

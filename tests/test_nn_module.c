@@ -401,7 +401,7 @@ TEST(nn_record_saves_any_number_of_tensors)
     static const ct_module_ops ops = {"many", many_forward, many_backward, NULL, 0, NULL, NULL, 0};
     ct_module *m = ct_module_create(&ops, NULL);
     ct_tensor *x = rand_tensor(3, 5, 1), *dy = rand_tensor(3, 5, 2), *y, *dx;
-    ct_fwd_ctx ctx = {1, 1, 0, 0};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 1, .step = 0, .sample0 = 0};
     size_t act0 = ct_mem_current(CT_MEM_ACT);
     dx = fwd_bwd(m, x, dy, &ctx, &y);
     for (int64_t i = 0; i < x->numel; i++) {
@@ -456,7 +456,7 @@ TEST(nn_lists_grow_geometrically)
     ASSERT(!strcmp(holder->params[99]->name, "p99"));
     ct_tensor *x = rand_tensor(2, 3, 1), *y;
     ct_record *rec;
-    ct_fwd_ctx ctx = {1, 1, 0, 0};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 1, .step = 0, .sample0 = 0};
     ASSERT_OK(ct_module_forward(seq, x, &y, &rec, &ctx));
     ASSERT_EQ(rec->nkids, 1000);
     ASSERT_EQ(rec->kcap, 1024);
@@ -525,7 +525,7 @@ TEST(nn_dropout_masks_follow_global_rows)
     ct_tensor *x = ct_tensor_create2(12, 6, CT_MEM_ACT), *dy = ct_tensor_create2(12, 4, CT_MEM_ACT);
     quarters(x, 1);
     quarters(dy, 2);
-    ct_fwd_ctx ctx = {1, 77, 3, 0};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 77, .step = 3, .sample0 = 0};
     ct_tensor *y, *dx = fwd_bwd(whole, x, dy, &ctx, &y);
     int64_t cut[3] = {0, 5, 12};
     float ys[2][12 * 4], dxs[2][12 * 6];
@@ -595,7 +595,7 @@ TEST(nn_split_keeps_names_and_dropout_of_nested_sequential)
     ASSERT(ct_module_find(st[0], "layers.0.weight") == st[0]->kids[0]->params[0]);
 
     ct_tensor *x = rand_tensor(6, 6, 1), *dy = rand_tensor(6, 4, 2), *y, *y0, *y1, *g1, *g0;
-    ct_fwd_ctx ctx = {1, 3, 1, 4};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 3, .step = 1, .sample0 = 4};
     ct_tensor *dx = fwd_bwd(a, x, dy, &ctx, &y);
     ct_record *r0, *r1;
     ASSERT_OK(ct_module_forward(st[0], x, &y0, &r0, &ctx));

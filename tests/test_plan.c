@@ -51,9 +51,10 @@ static ct_tensor *inputs(const ct_model_config *cfg, int64_t rows)
  * the records keep (the activation bytes alive after forward but the
  * output) and the peak of the two, both without the input, against the
  * plan of the model's children. */
-static void act_matches(ct_model_config *cfg, int64_t rows)
+static size_t act_matches_ckpt(ct_model_config *cfg, int64_t rows, int ckpt)
 {
     ct_module *m = build(cfg);
+    if (ckpt) ASSERT_OK(ct_module_apply_activation_checkpointing(m, NULL, NULL, NULL));
     ct_tensor *x = inputs(cfg, rows);
     ct_fwd_ctx ctx = {.training = 1, .seed = 3};
     size_t base = ct_mem_current(CT_MEM_ACT);
@@ -76,13 +77,16 @@ static void act_matches(ct_model_config *cfg, int64_t rows)
     ct_act_plan ap;
     ASSERT_OK(ct_act_plan_run(&m, 1, nd, sh, CT_ACT_WHOLE, &ap));
     char what[128];
-    snprintf(what, sizeof what, "%s: bytes the records keep", ct_model_kind_name(cfg->kind));
+    snprintf(what, sizeof what, "%s%s: bytes the records keep", ct_model_kind_name(cfg->kind), ckpt ? " checkpointed" : "");
     NEAR(ap.kept, kept, 0.25, what);
-    snprintf(what, sizeof what, "%s: peak activation bytes", ct_model_kind_name(cfg->kind));
+    snprintf(what, sizeof what, "%s%s: peak activation bytes", ct_model_kind_name(cfg->kind), ckpt ? " checkpointed" : "");
     NEAR(ap.peak, peak, 0.25, what);
     ct_tensor_release(x);
     ct_module_destroy(m);
+    return peak;
 }
+
+static void act_matches(ct_model_config *cfg, int64_t rows) { act_matches_ckpt(cfg, rows, 0); }
 
 TEST(plan_act_matches_a_recorded_step)
 {
@@ -135,6 +139,21 @@ TEST(plan_act_of_a_checkpointed_body)
     NEAR(ap.peak, peak, 0.25, "checkpointed: peak activation bytes");
     ct_tensor_release(x);
     ct_module_destroy(m);
+}
+
+/* ct_module_apply_activation_checkpointing: the gpt's blocks keep their
+ * inputs only; the plan follows what a step holds, which falls. */
+TEST(plan_act_of_activation_checkpointing)
+{
+    ct_model_config gpt = ct_model_config_default(CT_MODEL_GPT);
+    ct_model_config_gpt(&gpt, 4, 2, 64, 64, 256);
+    gpt.dropout = 0.1f;
+    size_t plain = act_matches_ckpt(&gpt, 4, 0), ck = act_matches_ckpt(&gpt, 4, 1);
+    if (!(ck * 2 < plain)) ct_test_fail(__FILE__, __LINE__, "checkpointed peak %zu, plain %zu", ck, plain);
+    ct_model_config mlp = ct_model_config_default(CT_MODEL_MLP);
+    ASSERT_OK(ct_model_config_parse_hidden(&mlp, "512,256"));
+    mlp.dropout = 0.1f;
+    act_matches_ckpt(&mlp, 32, 1);
 }
 
 /* Each layer's act_cost says what its forward keeps: a linear its input,

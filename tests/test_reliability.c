@@ -108,22 +108,30 @@ TEST(rel_failed_save_keeps_the_last_checkpoint_sharded)
 
 /* Kills a resumed run's save at its k-th file-system step for k = 1, 2, ...
  * until a run gets through; after every kill the checkpoint must verify
- * and hold either the old step or the new one, and resume. */
-static void kill_loop(const char *ck, const char *fmt)
+ * and hold either the old step or the new one, and resume.  np 2: the run
+ * is a job of two ranks (a pipeline's two stages) whose rank 0 is killed;
+ * mpirun then ends the other. */
+static void kill_loop_np(const char *ck, const char *fmt, int np)
 {
     static char out[OUT_MAX];
-    char saving[1024];
+    char saving[1024], run[1200], cmd[2600];
     snprintf(saving, sizeof saving, "train --model mlp --hidden 16 --data-dir %s --threads 1 --batch 32 "
              "--log-every 0 --steps %%d --resume %s --save %s%s", tiny_data(), ck, ck, fmt);
-    ASSERT_EQ(RUN(out, "train " TINY " --steps 2 --save %s%s", tiny_data(), ck, fmt), 0);
+    snprintf(cmd, sizeof cmd, "%strain " TINY " --steps 2 --save %s%s", np > 1 ? "mpirun -np 2 $CTRAIN " : "",
+             tiny_data(), ck, fmt);
+    ASSERT_EQ(RUN(out, "%s", cmd), 0);
     int k, step = 2, killed = 0, seen_new = 0;
     for (k = 1; k < 400; k++) {
-        run_env env = {.kill_at = k};
-        char cmd[1200];
-        snprintf(cmd, sizeof cmd, saving, step + 2);
+        run_env env = {.kill_at = np > 1 ? 0 : k};
+        snprintf(run, sizeof run, saving, step + 2);
+        if (np > 1)
+            snprintf(cmd, sizeof cmd, "mpirun -np 1 -x CTRAIN_FAULT_KILL_AT=%d $CTRAIN %s : -np 1 $CTRAIN %s", k, run, run);
+        else
+            snprintf(cmd, sizeof cmd, "%s", run);
         int rc = run_cmd(&env, out, "%s", cmd);
         if (rc == 0) break; /* past the save's last step */
-        if (rc != -SIGKILL) ct_test_fail(__FILE__, __LINE__, "kill point %d: exit %d, not SIGKILL:\n%s", k, rc, out);
+        if (np > 1 ? !strstr(out, "exited on signal 9") : rc != -SIGKILL)
+            ct_test_fail(__FILE__, __LINE__, "kill point %d: exit %d, not SIGKILL:\n%s", k, rc, out);
         killed++;
         if (RUN(out, "inspect --verify %s", ck) != 0)
             ct_test_fail(__FILE__, __LINE__, "after a kill at point %d the checkpoint does not verify:\n%s", k, out);
@@ -140,11 +148,15 @@ static void kill_loop(const char *ck, const char *fmt)
     printf("    %d kill points, %d of them after the commit point\n", killed, seen_new);
     ASSERT(killed >= 10);
     ASSERT(seen_new >= 1); /* killed between the commit point and the end: finished by the reader */
-    ASSERT_EQ(RUN(out, "train " TINY " --steps %d --resume %s --save %s%s", tiny_data(), step + 4, ck, ck, fmt), 0);
+    snprintf(cmd, sizeof cmd, "%strain " TINY " --steps %d --resume %s --save %s%s", np > 1 ? "mpirun -np 2 $CTRAIN " : "",
+             tiny_data(), step + 4, ck, ck, fmt);
+    ASSERT_EQ(RUN(out, "%s", cmd), 0);
     /* what the killed saves left, the next save cleaned */
     struct stat sb;
     no_leftovers(stat(ck, &sb) == 0 && S_ISDIR(sb.st_mode) ? ck : ct_test_tmpdir(), "after the last save");
 }
+
+static void kill_loop(const char *ck, const char *fmt) { kill_loop_np(ck, fmt, 1); }
 
 TEST(rel_kill_during_save_full)
 {
@@ -167,6 +179,13 @@ TEST(rel_kill_during_save_pipe_and_offload)
 {
     kill_loop(path_in("ckpipe"), " --strategy pipe --state-dict sharded");
     kill_loop(path_in("ckoff.safetensors"), " --strategy offload --slices 3");
+}
+
+/* A pipeline of two stages (each rank writes its own shard), its rank 0
+ * killed at every step of the save. */
+TEST(rel_kill_during_save_two_stage_pipe)
+{
+    kill_loop_np(path_in("ckpipe2"), " --strategy pipe --state-dict sharded", 2);
 }
 
 static int exists(const char *dir, const char *name)

@@ -156,6 +156,12 @@ ct_status ct_group_check(ct_group *g, ct_status local);
  * number) across its ranks, and the first mismatch ends the job naming
  * both ranks and both operations; collectives of a group run one at a time. */
 int ct_comm_debug_collectives(void);
+/* Operations whose bookkeeping came from the engine's reserve since the
+ * process started: an operation that ct_alloc cannot serve (out of memory)
+ * takes one of a few preallocated slots, so a rank out of memory still
+ * tells its peers (ct_group_check) instead of leaving them waiting.  For
+ * tests of allocation failure: a fault the reserve absorbed is no error. */
+long ct_comm_reserve_taken(void);
 /* Collective: checks that every rank of g holds the same n settings
  * (keys[i] = vals[i], text) before work that depends on them.  The calls
  * it makes do not depend on the values, so ranks that disagree never hang.

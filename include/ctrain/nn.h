@@ -3,7 +3,8 @@
  * PyTorch-style fully qualified names, buffers, hooks, and activation
  * records.  A forward call saves what its backward needs in a ct_record that
  * belongs to that call (not to the layer), so several micro-batches can be
- * in flight and a record can be dropped and recomputed (ct_checkpoint_create).
+ * in flight and a record can be dropped and recomputed (ct_checkpoint_create;
+ * ct_module_apply_activation_checkpointing wraps a model's blocks).
  * A pipeline cuts a sequential into stages that keep their names
  * (ct_sequential_split) and sizes the activations between them without
  * running anything (ct_module_out_shape).  This room knows nothing of ranks:
@@ -41,6 +42,11 @@ typedef struct {
     uint64_t step;   /* optimizer step: part of the dropout RNG key */
     int64_t sample0; /* global index, within the step's global batch, of this call's first
                         row (the strategy sets it: rank offset + micro-batch offset) */
+    int recompute;   /* this call repeats one already run with the same context (activation
+                        checkpointing, ct_module_recompute): the same numbers, dropout's masks
+                        included, but no state changes twice: modules with running statistics
+                        (CT_MOD_RUNNING_STATS) leave them alone, and hooks can tell
+                        (ct_module.recomputing) */
 } ct_fwd_ctx;
 
 /* A parameter or buffer.  A strategy may replace data/grad with views into
@@ -153,6 +159,10 @@ enum {
                                        recompute must not update them twice */
     CT_MOD_SEQUENTIAL = 1u << 2,    /* runs its children in order, each on the last one's output:
                                        can be cut into pipeline stages or offload slices */
+    CT_MOD_CHECKPOINT = 1u << 3,    /* keeps only its input and recomputes its child in backward
+                                       (ct_checkpoint_create) */
+    CT_MOD_BLOCK = 1u << 4,         /* a repeated block of a deep model (a transformer block): what
+                                       activation checkpointing wraps by default */
 };
 /* 1 if m's kind has every bit of flags (0 for a NULL m). */
 int ct_module_is(const ct_module *m, unsigned flags);
@@ -184,6 +194,10 @@ struct ct_module {
                               only a bf16 linear, so the module may return it as BF16 with its
                               column sums (see nn/internal.h: the same numbers, two passes less) */
     const char *held_by;   /* root only: who wraps the tree (ct_module_hold), else NULL */
+    int recomputing;       /* while a forward of m runs as a recompute (ct_fwd_ctx.recompute), hooks
+                              included: 2 when m is the module ct_module_recompute runs, whose
+                              backward follows at once (FSDP keeps such a unit gathered for it),
+                              1 for a module inside it (its backward comes later), else 0 */
 };
 
 /* Per-call activation record: any number of saved tensors (retained; add
@@ -221,6 +235,14 @@ ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out,
  * every use's gradient. */
 ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din,
                              ct_record *rec);
+/* Runs m's forward again, with a record, as a recompute of a call made with
+ * ctx (the same context, recompute set: the same dropout masks, running
+ * statistics untouched): the one recompute of activation checkpointing,
+ * whether a checkpoint wrapper, a pipeline stage or an offload slice drops
+ * the records.  *rec gets the record for ct_module_backward; out (may be
+ * NULL: released) the output. */
+ct_status ct_module_recompute(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record **rec,
+                              const ct_fwd_ctx *ctx);
 /* Output shape of m for an input of shape in_shape (ndim dims), without
  * running anything: writes *out_ndim and out_shape (room for CT_MAX_DIMS).
  * Every built-in layer knows its rule and containers compose their
@@ -253,6 +275,8 @@ ct_status ct_module_act_cost(ct_module *m, int ndim, const int64_t *in_shape, in
 #define CT_ACT_WHOLE  4 /* the output and the loss gradient stay to the end (a whole model);
                            otherwise the output is sent away after forward (a stage) */
 #define CT_ACT_SCALED 8 /* with WHOLE: the loss gradient is scaled in a copy (micro-batches) */
+#define CT_ACT_HANDED 16 /* the output gradient is handed over, not held to the end: it goes once
+                            the last module's backward has used it (offload's slices) */
 typedef struct {
     uint64_t kept;      /* bytes the records hold from forward to backward (the output not) */
     uint64_t peak;      /* peak live bytes over forward and backward, scratch included; the
@@ -461,6 +485,24 @@ ct_module *ct_residual_create(ct_module *body);
  * runs its backward.  Transparent in names: inner's parameters keep their
  * names. */
 ct_module *ct_checkpoint_create(ct_module *inner);
+
+/* Which modules ct_module_apply_activation_checkpointing wraps (PyTorch's
+ * check_fn): 1 to wrap m (then its subtree is not looked into). */
+typedef int (*ct_ckpt_check_fn)(const ct_module *m, void *ud);
+/* PyTorch's apply_activation_checkpointing: wraps, in place, every module
+ * under root that check picks in a checkpoint wrapper (ct_checkpoint_create),
+ * so its forward keeps only its input and its backward recomputes it (same
+ * context: dropout repeats exactly; batchnorm statistics are not counted
+ * twice).  check NULL: the default policy, every block (CT_MOD_BLOCK: the
+ * gpt's transformer blocks), or, in a tree without blocks, each child of a
+ * sequential root (mlp, cnn).  Names, dropout streams and the state dict do
+ * not change.  Call it before a strategy wraps the model; *nwrapped (may be
+ * NULL) gets the count.  CT_ESTATE (nothing changed) while a strategy holds
+ * root, or if root already has checkpoint wrappers (wrapping twice would
+ * recompute twice); CT_EINVAL if the policy picks nothing or picks root
+ * itself (a root wrapper would keep nothing but the batch). */
+ct_status ct_module_apply_activation_checkpointing(ct_module *root, ct_ckpt_check_fn check, void *ud,
+                                                   int *nwrapped);
 
 /* ---- transformer pieces (nanoGPT's names) ------------------------------- */
 

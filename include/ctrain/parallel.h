@@ -199,7 +199,8 @@ typedef struct ct_strategy ct_strategy;
  * DDP's for its replicas.
  * offload's keys: slices (4), balance (children per slice, "3:3:2"),
  * checkpoint_activation (0), microbatches (1; more need
- * checkpoint_activation), dir (the store's directory: $TMPDIR or /tmp),
+ * checkpoint_activation or a model with checkpoint wrappers,
+ * ct_module_apply_activation_checkpointing), dir (the store's directory: $TMPDIR or /tmp),
  * max_resident_mb (auto: no bound; else the bound on param + grad + optim
  * bytes, refused at wrap when the largest slice cannot fit), prefetch (1),
  * drop_cache (1: the store's pages leave the page cache after each I/O),

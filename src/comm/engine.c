@@ -138,11 +138,48 @@ int ct__engine_concurrent(void)
 
 /* ---- work handles ------------------------------------------------------ */
 
+/* The reserve: when ct_alloc cannot give an operation its bookkeeping (a
+ * few hundred bytes), one of these slots does, so a rank that ran out of
+ * memory still takes part in the collectives and messages that tell its
+ * peers (ct_group_check, a pipeline's failure marks) instead of leaving
+ * them waiting on it.  Lock-free: a bit per slot. */
+#define RESERVE_SLOTS 16
+#define RESERVE_BYTES 2048
+static _Alignas(64) unsigned char reserve[RESERVE_SLOTS][RESERVE_BYTES];
+static _Atomic uint32_t reserve_used;
+static _Atomic long reserve_taken;
+
+static void *reserve_take(size_t size)
+{
+    if (size > RESERVE_BYTES) return NULL;
+    uint32_t used = atomic_load(&reserve_used);
+    for (;;) {
+        int i = 0;
+        while (i < RESERVE_SLOTS && (used >> i & 1u)) i++;
+        if (i == RESERVE_SLOTS) return NULL;
+        if (atomic_compare_exchange_weak(&reserve_used, &used, used | 1u << i)) {
+            atomic_fetch_add(&reserve_taken, 1);
+            return reserve[i];
+        }
+    }
+}
+
+/* 1 (and the slot is free again) if w is a reserve slot. */
+static int reserve_give(void *w)
+{
+    unsigned char *p = w;
+    if (p < reserve[0] || p >= reserve[0] + sizeof reserve) return 0;
+    atomic_fetch_and(&reserve_used, ~(1u << ((size_t)(p - reserve[0]) / RESERVE_BYTES)));
+    return 1;
+}
+
+long ct_comm_reserve_taken(void) { return atomic_load(&reserve_taken); }
+
 void *ct__work_new(ct_group *g, const ct__op_vt *vt, size_t size)
 {
     CT_ASSERT(size >= sizeof(ct_work));
     ct_work *w = ct_alloc_zeroed(size, CT_MEM_OTHER);
-    if (!w) return NULL;
+    if (!w && !(w = reserve_take(size))) return NULL;
     memset(w, 0, size);
     w->vt = vt;
     w->g = g;
@@ -158,7 +195,7 @@ void ct__work_destroy(ct_work *w)
     if (!w) return;
     if (w->vt->destroy) w->vt->destroy(w);
     ct_free(w->fp_all);
-    ct_free(w);
+    if (!reserve_give(w)) ct_free(w);
 }
 
 int ct__op_fail(ct_work *w, ct_status s)

@@ -153,7 +153,8 @@ ct_status ct__engine_start(ct_status (*on_start)(void), void (*on_stop)(void));
  * which runs on_stop (MPI shut-down) last. */
 void ct__engine_stop(void);
 /* A zeroed operation of `size` bytes (at least sizeof(ct_work)) for g, run
- * by vt; NULL (error set) if out of memory. */
+ * by vt; from the engine's reserve when ct_alloc fails (ct_comm_reserve_taken);
+ * NULL (error set) if that is used up too. */
 void *ct__work_new(ct_group *g, const ct__op_vt *vt, size_t size);
 /* Frees a work (vt->destroy, then the struct); NULL is a no-op. */
 void ct__work_destroy(ct_work *w);

@@ -6,8 +6,10 @@
  * layer's forward), the loss gradient, and the input gradients flowing back.
  * The peak of the live bytes, plus the scratch a module holds only while it
  * runs, is the figure.  Containers whose act_cost says walk (sequential,
- * residual, checkpoint) are replayed as their children in sequence:
- * approximate (a checkpoint keeps less, a residual a sum more).
+ * residual) are replayed as their children in sequence: approximate (a
+ * residual holds a sum more); a checkpoint wrapper keeps its input and
+ * replays its child inside its backward (checkpoint.c).  The loss gradient
+ * is held to the end (the caller's), unless handed over (CT_ACT_HANDED).
  */
 #include "internal.h"
 
@@ -161,7 +163,7 @@ ct_status ct_act_plan_run(ct_module *const *mods, int nm, int nd0, const int64_t
         /* The loss gradient (and its scaled copy), or the next stage's gradient. */
         int g = sim_new(&s, lb);
         if (whole && (flags & CT_ACT_SCALED)) g = sim_new(&s, lb);
-        sim_ref(&s, g);
+        if (!(flags & CT_ACT_HANDED)) sim_ref(&s, g); /* the caller's reference, to the end */
         sim_peak(&s, 0);
         /* Backward: each module makes its input gradient (not the first), then its record goes. */
         for (int i = n - 1; i >= 0; i--) {

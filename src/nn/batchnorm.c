@@ -7,8 +7,8 @@
  * Training normalises with the batch's mean and biased variance and updates
  * the running stats (unbiased variance, as PyTorch) -- the one piece of
  * state a forward call writes into its module.  Each forward updates them,
- * so a checkpoint recompute or every micro-batch counts as a batch, as in
- * PyTorch.  Eval normalises with the running stats.  The record keeps the
+ * so every micro-batch counts as a batch, as in PyTorch; a checkpoint's
+ * recompute does not (PyTorch's does: its statistics move twice).  Eval normalises with the running stats.  The record keeps the
  * input and the mean and 1/std it used.
  *
  * Deferred statistics (fairscale's DeferredBatchNorm, for pipelines): in
@@ -17,7 +17,8 @@
  * mean and sum of squared deviations per channel into an accumulator
  * (Chan's parallel formula, so micro-batches combine exactly as one
  * batch); ct_batchnorm_commit then makes one update from the whole.
- * CT_BN_HOLD (a checkpoint's recompute) does neither.
+ * CT_BN_HOLD does neither, and neither does a recompute (ct_fwd_ctx.recompute:
+ * activation checkpointing repeats a forward that was already counted).
  *
  * Synchronised statistics (PyTorch's SyncBatchNorm): with a sync function
  * the count and the per-channel sums, then the squared deviations from the
@@ -97,7 +98,7 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
                         ct_shape_str(in, sh, sizeof sh), (long long)B->c);
     int64_t N = in->shape[0], C = B->c, S = 1;
     for (int i = 2; i < in->ndim; i++) S *= in->shape[i];
-    int training = ctx->training;
+    int training = ctx->training, mode = ctx->recompute ? CT_BN_HOLD : B->mode;
     double cnt = (double)(N * S);
     double *stats = NULL; /* training: mean [C + 1] (the sums, then the count), ss [C] */
     if (training) {
@@ -135,10 +136,10 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
             mu[c] = (float)mc;
             rs[c] = (float)(1.0 / sqrt(var + (double)B->eps));
             float mom = B->momentum;
-            if (B->mode == CT_BN_NOW) {
+            if (mode == CT_BN_NOW) {
                 rm[c] = (1.0f - mom) * rm[c] + mom * (float)mc;
                 rv[c] = (1.0f - mom) * rv[c] + mom * (float)(var * cnt / (cnt - 1));
-            } else if (B->mode == CT_BN_DEFER) {
+            } else if (mode == CT_BN_DEFER) {
                 double *a = B->acc + 3 * c, n = a[0] + cnt, d = mc - a[1];
                 a[2] += ss + d * d * a[0] * cnt / n;
                 a[1] += d * cnt / n;
@@ -155,7 +156,7 @@ static ct_status bn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
             for (int64_t i = 0; i < S; i++) yc[i] = xc[i] * a + sh0;
         }
     }
-    if (training && B->mode == CT_BN_NOW) ct_f32(m->buffers[2]->data)[0] += 1.0f;
+    if (training && mode == CT_BN_NOW) ct_f32(m->buffers[2]->data)[0] += 1.0f;
     if (rec) rec->ival[0] = training;
     if (rec) rec->fval[0] = cnt; /* values the statistics are over (every replica's) */
     ct_free(stats);

@@ -55,7 +55,7 @@ ct_tensor *ct__tensor_bf16(ct_tensor *t)
 int ct__takes_bf16(const ct_module *m)
 {
     /* A kind whose forward hands its input straight to its first child. */
-    static const char *const first_kid[] = {"attention", "sequential"};
+    static const char *const first_kid[] = {"attention", "sequential", "checkpoint"};
     for (int depth = 0; m && depth < 8; depth++) {
         if (!strcmp(m->ops->kind, "linear")) return m->nparams > 0 && m->params[0]->compute != NULL;
         int pass = 0;

@@ -1,9 +1,7 @@
 /*
- * Containers: sequential (children in order; split into pipeline stages),
- * residual (x + body(x)) and the checkpoint wrapper (drop a sub-tree's
- * records after forward, recompute them in backward with the same forward
- * context, so dropout draws the same mask).  Their output shapes compose
- * their children's.
+ * Containers: sequential (children in order; split into pipeline stages)
+ * and residual (x + body(x)).  Their output shapes compose their
+ * children's.  The checkpoint wrapper is in checkpoint.c.
  */
 #include <string.h>
 
@@ -11,12 +9,12 @@
 
 static const char *nm(const ct_module *m) { return m->fqn && *m->fqn ? m->fqn : "(root)"; }
 
-/* Residual and checkpoint have exactly one child; ct_module_detach can take it. */
+/* A residual has exactly one child; ct_module_detach can take it. */
 static ct_status need_child(const ct_module *m)
 {
     if (m->nkids == 1) return CT_OK;
-    return ct_error(CT_ESTATE, "%s '%s' has %d children instead of its one %s (was it detached?)",
-                    m->ops->kind, nm(m), m->nkids, m->transparent ? "inner module" : "body");
+    return ct_error(CT_ESTATE, "residual '%s' has %d children instead of its one body (was it detached?)",
+                    nm(m), m->nkids);
 }
 
 /* ---- sequential -------------------------------------------------------- */
@@ -233,74 +231,6 @@ ct_module *ct_residual_create(ct_module *body)
         return NULL;
     }
     if (ct_module_add(m, "body", body) != CT_OK) { /* body freed by the add */
-        ct_module_destroy(m);
-        return NULL;
-    }
-    return m;
-}
-
-/* ---- checkpoint -------------------------------------------------------- */
-
-static ct_status ckpt_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
-                              const ct_fwd_ctx *ctx)
-{
-    /* Run the body without records: only our input survives until backward. */
-    CT_TRY(need_child(m));
-    if (rec && ct_record_save(rec, in) < 0) return CT_ENOMEM;
-    return ct_module_forward(m->kids[0], in, out, NULL, ctx);
-}
-
-static ct_status ckpt_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)
-{
-    ct_tensor *y;
-    ct_record *kr;
-    CT_TRY(need_child(m));
-    /* Same context as the first forward: same seed, step and first sample
-     * index, so the recomputed dropout masks are the ones the loss saw. */
-    CT_TRY(ct_module_forward(m->kids[0], ct_record_saved(rec, 0), &y, &kr, &rec->ctx));
-    ct_tensor_release(y);
-    return ct_module_backward(m->kids[0], dout, din, kr);
-}
-
-static ct_status ckpt_out_shape(ct_module *m, int ndim, const int64_t *in_shape, int *out_ndim,
-                                int64_t *out_shape)
-{
-    CT_TRY(need_child(m));
-    return ct_module_out_shape(m->kids[0], ndim, in_shape, out_ndim, out_shape);
-}
-
-/* The record keeps the input only.  Backward recomputes the body with its
- * records and runs its backward: the body's own plan, less the output
- * gradient and input gradient the caller's replay already holds.  The
- * forward without records frees each output as the next is made, so its
- * scratch is left out (one layer's output at most). */
-static ct_status ckpt_act_cost(ct_module *m, int nd, const int64_t *sh, int mixed, int need_dx, ct_act_cost *c)
-{
-    CT_TRY(need_child(m));
-    ct_act_plan p;
-    CT_TRY(ct_act_plan_run(&m->kids[0], 1, nd, sh, (mixed ? CT_ACT_MIXED : 0) | (need_dx ? CT_ACT_DX0 : 0), &p));
-    uint64_t held = p.out_bytes + (need_dx ? p.in_bytes : 0);
-    c->keep_in = 1;
-    c->bwd_tmp = p.peak > held ? p.peak - held : 0;
-    return CT_OK;
-}
-
-static const ct_module_ops ckpt_ops = {"checkpoint", ckpt_forward, ckpt_backward, NULL, 0, ckpt_out_shape,
-                                       ckpt_act_cost, 0};
-
-ct_module *ct_checkpoint_create(ct_module *inner)
-{
-    if (!inner) {
-        ct_error(CT_EINVAL, "checkpoint needs a module to wrap");
-        return NULL;
-    }
-    ct_module *m = ct_module_create(&ckpt_ops, NULL);
-    if (!m) {
-        ct_module_destroy(inner);
-        return NULL;
-    }
-    m->transparent = 1;
-    if (ct_module_add(m, "inner", inner) != CT_OK) { /* inner freed by the add */
         ct_module_destroy(m);
         return NULL;
     }

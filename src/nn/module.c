@@ -181,25 +181,30 @@ static ct_status fire_grad_ready(ct_param *p)
 
 /* ---- running ----------------------------------------------------------- */
 
-ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record **rec,
-                            const ct_fwd_ctx *ctx)
+/* ct_module_forward; top: m is the module a recompute runs (ct_module_recompute). */
+static ct_status forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record **rec, const ct_fwd_ctx *ctx,
+                         int top)
 {
     static const ct_fwd_ctx eval_ctx = {.training = 0, .seed = 0, .step = 0};
     if (!ctx) ctx = &eval_ctx;
     *out = NULL;
     if (rec) *rec = NULL;
-    CT_TRY(fire_module(m, CT_HOOK_PRE_FORWARD));
-    for (int i = 0; i < m->nparams; i++) /* after the hooks: a strategy's may have made it */
+    /* hooks see whether this call is a recompute (restored after: calls nest) */
+    int was = m->recomputing;
+    m->recomputing = top ? 2 : ctx->recompute != 0;
+    ct_status s = fire_module(m, CT_HOOK_PRE_FORWARD);
+    for (int i = 0; s == CT_OK && i < m->nparams; i++) /* after the hooks: a strategy's may have made it */
         if (m->params[i]->shape_only && !ct_tensor_data(m->params[i]->data))
-            return ct_error(CT_ESTATE, "parameter '%s' was built shape-only and has no values yet: wrap the model "
-                            "in a strategy (it makes what each rank holds) or call ct_module_materialize",
-                            m->params[i]->name);
+            s = ct_error(CT_ESTATE, "parameter '%s' was built shape-only and has no values yet: wrap the model "
+                         "in a strategy (it makes what each rank holds) or call ct_module_materialize",
+                         m->params[i]->name);
     ct_record *r = NULL;
-    if (rec && !(r = ct_record_create(m, ctx))) return CT_ENOMEM;
-    ct_status s = m->ops->forward(m, in, out, r, ctx);
+    if (s == CT_OK && rec && !(r = ct_record_create(m, ctx))) s = CT_ENOMEM;
+    if (s == CT_OK) s = m->ops->forward(m, in, out, r, ctx);
     if (s == CT_OK && !*out)
         s = ct_error(CT_ESTATE, "module '%s' (%s) returned no output", m->fqn, m->ops->kind);
     if (s == CT_OK) s = fire_module(m, CT_HOOK_POST_FORWARD);
+    m->recomputing = was;
     if (s != CT_OK) {
         ct_tensor_release(*out);
         *out = NULL;
@@ -212,6 +217,24 @@ ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
     }
     if (rec) *rec = r;
     return CT_OK;
+}
+
+ct_status ct_module_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record **rec,
+                            const ct_fwd_ctx *ctx)
+{
+    return forward(m, in, out, rec, ctx, 0);
+}
+
+ct_status ct_module_recompute(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record **rec,
+                              const ct_fwd_ctx *ctx)
+{
+    ct_fwd_ctx c = *ctx;
+    ct_tensor *y = NULL;
+    c.recompute = 1;
+    ct_status st = forward(m, in, &y, rec, &c, 1);
+    if (out) *out = y;
+    else ct_tensor_release(y);
+    return st;
 }
 
 ct_status ct_module_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_record *rec)

@@ -180,7 +180,7 @@ static ct_status block_act_cost(ct_module *m, int nd, const int64_t *sh, int mix
 }
 
 static const ct_module_ops block_ops = {"block", block_forward, block_backward, NULL, 0, block_out_shape,
-                                        block_act_cost, 0};
+                                        block_act_cost, CT_MOD_BLOCK};
 
 ct_module *ct_transformer_block_create(int64_t dim, int heads, float dropout)
 {

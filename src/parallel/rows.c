@@ -64,9 +64,15 @@ ct_status ct__check_rows(ct_strategy *s, const ct_batch *b, int64_t nrows, int a
         me[R_HX] = bytes_hash(b->x);
         me[R_HY] = bytes_hash(b->y);
     }
-    int64_t *all = ct_alloc(sizeof(int64_t) * R_N * (size_t)gsize, CT_MEM_OTHER);
-    if (!all) return CT_ENOMEM;
-    ct_status st = ct_group_allgather(s->g, me, all, R_N, CT_I64, NULL);
+    /* Every rank must reach the allgather, even one short of memory: up to
+     * 64 ranks on the stack; beyond, the group agrees on the buffer first. */
+    int64_t local[R_N * 64], *all = gsize <= 64 ? local : ct_alloc(sizeof(int64_t) * R_N * (size_t)gsize, CT_MEM_OTHER);
+    ct_status st = gsize <= 64 ? CT_OK : ct_group_check(s->g, all ? CT_OK : CT_ENOMEM);
+    if (st != CT_OK) {
+        ct_free(all);
+        return st;
+    }
+    st = ct_group_allgather(s->g, me, all, R_N, CT_I64, NULL);
     for (int r = 1; st == CT_OK && r < gsize; r++) {
         const int64_t *a = all, *o = all + (size_t)R_N * (size_t)r;
         if (!b->global_rows && !a[R_JOINED] && !o[R_JOINED] && a[R_ROWS] != o[R_ROWS] && !shared)
@@ -89,6 +95,6 @@ ct_status ct__check_rows(ct_strategy *s, const ct_batch *b, int64_t nrows, int a
                               (long long)a[R_SAMPLE0], (long long)o[R_ROWS], (long long)o[R_SAMPLE0],
                               a[R_ROWS] == o[R_ROWS] && a[R_SAMPLE0] == o[R_SAMPLE0] ? ", different data" : "");
         }
-    ct_free(all);
+    if (all != local) ct_free(all);
     return st;
 }

@@ -10,73 +10,6 @@
  */
 #include "train_util.h"
 
-#define VOCAB 13
-#define CTX 6
-
-static ct_module *gpt(uint64_t seed)
-{
-    ct_model_config c = ct_model_config_default(CT_MODEL_GPT);
-    ct_model_config_gpt(&c, 2, 2, 8, CTX, VOCAB);
-    c.dropout = 0.1f;
-    ct_module *m;
-    ASSERT_OK(ct_model_build(&c, seed, &m));
-    /* Larger weights than the init so a few steps move the loss visibly. */
-    ct_param **ps;
-    int n;
-    ASSERT_OK(ct_module_params(m, &ps, &n));
-    for (int i = 0; i < n; i++) {
-        ct_rng r;
-        ct_rng_init(&r, seed, (uint64_t)i);
-        if (ps[i]->data->ndim == 2) ct_rng_normal(&r, ct_f32(ps[i]->data), (size_t)ps[i]->data->numel, 0, 0.3f);
-    }
-    ct_free(ps);
-    return m;
-}
-
-/* The step's global batch: n sequences of CTX tokens and their next tokens. */
-static void batch(int step, int64_t n, ct_tensor **x, ct_tensor **y)
-{
-    int64_t sh[2] = {n, CTX};
-    *x = ct_tensor_create(CT_I64, 2, sh, CT_MEM_ACT);
-    *y = ct_tensor_create(CT_I64, 2, sh, CT_MEM_ACT);
-    ct_rng r;
-    ct_rng_init(&r, 77, (uint64_t)step);
-    float u[CTX + 1];
-    for (int64_t i = 0; i < n; i++) {
-        ct_rng_uniform(&r, u, CTX + 1);
-        for (int t = 0; t < CTX; t++) {
-            ((int64_t *)ct_tensor_data(*x))[i * CTX + t] = (int64_t)(u[t] * VOCAB) % VOCAB;
-            ((int64_t *)ct_tensor_data(*y))[i * CTX + t] = (int64_t)(u[t + 1] * VOCAB) % VOCAB;
-        }
-    }
-}
-
-static ct_tensor *seq_rows(ct_tensor *t, int64_t r0, int64_t n)
-{
-    return ct_tensor_view(t, r0 * CTX, 2, (int64_t[]){n, CTX});
-}
-
-/* One train step on this rank's slice (ct_strategy_data_rank: a pipeline's
- * ranks share one) of the global batch, or on all of it (whole). */
-static void gpt_step(ct_strategy *s, int step, int64_t n, int whole, double *loss)
-{
-    ct_tensor *x, *y;
-    batch(step, n, &x, &y);
-    int rank = 0, world = 1;
-    if (!whole) ct_strategy_data_rank(s, &rank, &world);
-    int64_t q = n / world, rem = n % world;
-    int64_t first = rank * q + (rank < rem ? rank : rem), count = q + (rank < rem);
-    ct_batch b = {seq_rows(x, first, count), seq_rows(y, first, count), n, first};
-    ct_fwd_ctx ctx = {.training = 1, .seed = 9, .step = (uint64_t)step};
-    ct_step_out out;
-    ASSERT_OK(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, &out));
-    *loss = out.loss_sum;
-    ct_tensor_release(b.x);
-    ct_tensor_release(b.y);
-    ct_tensor_release(x);
-    ct_tensor_release(y);
-}
-
 /* Every rank's copy of the tied weight (a pipeline's first and last stages
  * hold one each; other strategies, rank 0 included, one whole) is the same,
  * bit for bit: each rank that holds it sends its first and last values and
@@ -121,7 +54,7 @@ static void vs_single_groups(const char *kind, const char *opts, int steps, doub
     ct_group *g = ct_group_world();
     int rank = ct_group_rank(g), world = ct_group_size(g);
     int64_t n = 2 * world + 1;
-    ct_module *dm = gpt(3), *rm = gpt(3);
+    ct_module *dm = gpt_tiny(3), *rm = gpt_tiny(3);
     ct_param *before = ct_module_find(dm, "transformer.wte.weight");
     float w0 = ct_f32(before->data)[5];
     ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
@@ -319,7 +252,7 @@ TEST(gpt_tied_pipe_loads_full_state_into_every_copy)
     ct_group *g = ct_group_world();
     int world = ct_group_size(g);
     int64_t n = 2 * world + 1;
-    ct_module *pm = gpt(8), *rm = gpt(3); /* other weights: only the load makes them equal */
+    ct_module *pm = gpt_tiny(8), *rm = gpt_tiny(3); /* other weights: only the load makes them equal */
     ct_optim_opts oo = ct_optim_defaults(CT_OPT_ADAMW);
     oo.lr = 0.01;
     oo.eps = 1e-4;

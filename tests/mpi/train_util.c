@@ -201,3 +201,69 @@ ct_module *branch_create(ct_module *used, ct_module *unused)
     ASSERT_OK(ct_module_add(br, "unused", unused));
     return br;
 }
+
+/* ---- the tiny gpt ---- */
+
+ct_module *gpt_tiny(uint64_t seed)
+{
+    ct_model_config c = ct_model_config_default(CT_MODEL_GPT);
+    ct_model_config_gpt(&c, 2, 2, 8, GPT_CTX, GPT_VOCAB);
+    c.dropout = 0.1f;
+    ct_module *m;
+    ASSERT_OK(ct_model_build(&c, seed, &m));
+    /* Larger weights than the init so a few steps move the loss visibly. */
+    ct_param **ps;
+    int n;
+    ASSERT_OK(ct_module_params(m, &ps, &n));
+    for (int i = 0; i < n; i++) {
+        ct_rng r;
+        ct_rng_init(&r, seed, (uint64_t)i);
+        if (ps[i]->data->ndim == 2) ct_rng_normal(&r, ct_f32(ps[i]->data), (size_t)ps[i]->data->numel, 0, 0.3f);
+    }
+    ct_free(ps);
+    return m;
+}
+
+/* The step's global batch: n sequences of GPT_CTX tokens and their next tokens. */
+static void gpt_batch(int step, int64_t n, ct_tensor **x, ct_tensor **y)
+{
+    int64_t sh[2] = {n, GPT_CTX};
+    *x = ct_tensor_create(CT_I64, 2, sh, CT_MEM_ACT);
+    *y = ct_tensor_create(CT_I64, 2, sh, CT_MEM_ACT);
+    ct_rng r;
+    ct_rng_init(&r, 77, (uint64_t)step);
+    float u[GPT_CTX + 1];
+    for (int64_t i = 0; i < n; i++) {
+        ct_rng_uniform(&r, u, GPT_CTX + 1);
+        for (int t = 0; t < GPT_CTX; t++) {
+            ((int64_t *)ct_tensor_data(*x))[i * GPT_CTX + t] = (int64_t)(u[t] * GPT_VOCAB) % GPT_VOCAB;
+            ((int64_t *)ct_tensor_data(*y))[i * GPT_CTX + t] = (int64_t)(u[t + 1] * GPT_VOCAB) % GPT_VOCAB;
+        }
+    }
+}
+
+static ct_tensor *seq_rows(ct_tensor *t, int64_t r0, int64_t n)
+{
+    return ct_tensor_view(t, r0 * GPT_CTX, 2, (int64_t[]){n, GPT_CTX});
+}
+
+/* One train step on this rank's slice (ct_strategy_data_rank: a pipeline's
+ * ranks share one) of the global batch, or on all of it (whole). */
+void gpt_step(ct_strategy *s, int step, int64_t n, int whole, double *loss)
+{
+    ct_tensor *x, *y;
+    gpt_batch(step, n, &x, &y);
+    int rank = 0, world = 1;
+    if (!whole) ct_strategy_data_rank(s, &rank, &world);
+    int64_t q = n / world, rem = n % world;
+    int64_t first = rank * q + (rank < rem ? rank : rem), count = q + (rank < rem);
+    ct_batch b = {seq_rows(x, first, count), seq_rows(y, first, count), n, first};
+    ct_fwd_ctx ctx = {.training = 1, .seed = 9, .step = (uint64_t)step};
+    ct_step_out out;
+    ASSERT_OK(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, &out));
+    *loss = out.loss_sum;
+    ct_tensor_release(b.x);
+    ct_tensor_release(b.y);
+    ct_tensor_release(x);
+    ct_tensor_release(y);
+}

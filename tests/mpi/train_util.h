@@ -55,4 +55,15 @@ ct_module *branch_create(ct_module *used, ct_module *unused);
  * per backward; f is its child "f". */
 ct_module *twice_create(ct_module *f);
 
+/* The gpt of the multi-rank tests: 2 blocks, 2 heads, width 8, GPT_CTX
+ * tokens of GPT_VOCAB, dropout 0.1, its matrices normal(0, 0.3) from seed
+ * (so a few steps move the loss visibly). */
+#define GPT_VOCAB 13
+#define GPT_CTX 6
+ct_module *gpt_tiny(uint64_t seed);
+/* One train step of s on this rank's slice (ct_strategy_data_rank) of the
+ * global token batch of `step` (n sequences), or on all of it (whole);
+ * *loss gets the step's loss sum. */
+void gpt_step(ct_strategy *s, int step, int64_t n, int whole, double *loss);
+
 #endif

@@ -11,7 +11,8 @@
  *
  *   pre-forward   all-gather the unit's pieces (bf16: half the bytes)
  *   post-forward  FULL_SHARD frees them again (not the root, whose backward
- *                 comes next); SHARD_GRAD_OP keeps them for backward
+ *                 comes next, nor after a checkpoint's recompute, whose
+ *                 backward comes next too); SHARD_GRAD_OP keeps them
  *   pre-backward  all-gather again if freed; memory for the gradients
  *   post-backward reduce-scatter the gradients into this rank's piece
  *                 (reduce_dtype on the wire), free the gradients and the
@@ -276,9 +277,15 @@ static void record(int *order, int *n, int *seen, int idx)
     order[(*n)++] = idx;
 }
 
+/* A checkpoint's recompute (m->recomputing: activation checkpointing runs
+ * a forward again in backward) gathers a unit again; the unit the
+ * recompute runs (2: its backward follows at once) stays gathered for that
+ * backward, whose post-backward frees it: one gather per backward, not two.
+ * Units inside it (1) free after their forward as usual (their backward
+ * comes later, after the others').  No forward prefetch in a recompute: the
+ * next unit in forward order had its backward already. */
 static ct_status unit_hook(ct_module *m, ct_hook_kind kind, void *ud)
 {
-    (void)m;
     fsdp_unit *u = ud;
     ct_strategy *s = u->s;
     fsdp_t *f = ct__fsdp_of(s);
@@ -287,10 +294,10 @@ static ct_status unit_hook(ct_module *m, ct_hook_kind kind, void *ud)
     case CT_HOOK_PRE_FORWARD:
         if (!f->recorded) record(f->fwd_order, &f->nfwd, &u->seen_fwd, idx);
         CT_TRY(finish_gather(s, u));
-        if (O(s)->forward_prefetch) CT_TRY(prefetch(s, f->fwd_order, f->nfwd, u));
+        if (O(s)->forward_prefetch && !m->recomputing) CT_TRY(prefetch(s, f->fwd_order, f->nfwd, u));
         return CT_OK;
     case CT_HOOK_POST_FORWARD:
-        if (u->reshard_after_fwd && !u->is_root) free_params(u);
+        if (u->reshard_after_fwd && !u->is_root && m->recomputing != 2) free_params(u);
         return CT_OK;
     case CT_HOOK_PRE_BACKWARD:
         if (!f->recorded) record(f->bwd_order, &f->nbwd, &u->seen_bwd, idx);

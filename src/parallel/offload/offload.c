@@ -29,7 +29,8 @@ static const ct__opt_def offload_opt_defs[] = {
     {"checkpoint_activation", CT__OPT_BOOL, offsetof(offload_opts, checkpoint_activation), "0",
      "keep only each slice's input in forward and recompute the slice in backward", 0, NULL},
     {"microbatches", CT__OPT_INT, offsetof(offload_opts, microbatches), "1",
-     "micro-batches per step, each slice runs all of them while resident (needs checkpoint_activation)",
+     "micro-batches per step, each slice runs all of them while resident (needs checkpoint_activation, or "
+     "a model with checkpoint wrappers)",
      0, NULL},
     {"dir", CT__OPT_TEXT, 0, "",
      "directory of the offload file (empty: $TMPDIR, else /tmp); the file is unlinked at once", 0, NULL},
@@ -180,6 +181,14 @@ static ct_status group_params(ct_strategy *s)
     return st;
 }
 
+/* 1 if a child of seq is a checkpoint wrapper (its micro-batches keep only inputs there). */
+static int checkpointed(const ct_module *seq)
+{
+    for (int i = 0; i < seq->nkids; i++)
+        if (ct_module_is(seq->kids[i], CT_MOD_CHECKPOINT)) return 1;
+    return 0;
+}
+
 static ct_status offload_init(ct_strategy *s)
 {
     const offload_opts *O = ct__offload_opts(s);
@@ -188,10 +197,11 @@ static ct_status offload_init(ct_strategy *s)
                         s->model->ops->kind);
     if (s->model->nparams)
         return ct_error(CT_EINVAL, "offload: the sequential has parameters of its own; put them in a child");
-    if (O->microbatches > 1 && !O->checkpoint_activation)
-        return ct_error(CT_EINVAL, "offload: %d micro-batches need checkpoint_activation (as in fairscale: "
+    if (O->microbatches > 1 && !O->checkpoint_activation && !checkpointed(s->model))
+        return ct_error(CT_EINVAL, "offload: %d micro-batches need checkpoint_activation or a checkpointed model (as in fairscale: "
                         "without it each micro-batch's activations would stay for every slice); pass "
-                        "--checkpoint-activation or --microbatches 1", O->microbatches);
+                        "--checkpoint-activation (ct_module_apply_activation_checkpointing), checkpoint_activation=1 "
+                        "or --microbatches 1", O->microbatches);
     if (s->common.grad_accum != 1)
         return ct_error(CT_EINVAL, "offload: grad_accum=%d is not taken; offload splits the batch with "
                         "microbatches=N (--microbatches)", s->common.grad_accum);
@@ -242,12 +252,6 @@ static ct_status offload_init(ct_strategy *s)
     ct_free(sizes);
     CT_TRY(group_params(s));
     CT_TRY(ct__opts_set_text(s, "balance", text));
-    ct_module **mods;
-    int nm;
-    CT_TRY(ct_module_modules(s->model, &mods, &nm));
-    f->bns = mods; /* reused in place: batchnorms packed at the front */
-    for (int i = 0; i < nm; i++)
-        if (ct_module_is(mods[i], CT_MOD_RUNNING_STATS)) f->bns[f->nbns++] = mods[i];
     if (ct__offload_ranks(s) > 1) {
         CT_TRY(ct_group_check(s->g, ct__check_same_model(s)));
         CT_TRY(ct__broadcast_state(s, 0));
@@ -437,7 +441,6 @@ static void offload_fini(ct_strategy *s)
     ct_free(f->pjs);
     ct_free(f->gsq);
     ct_free(f->gmax);
-    ct_free(f->bns);
     ct_free(f);
     s->priv = NULL;
 }

@@ -125,8 +125,6 @@ typedef struct {
     int64_t pend_step;     /* 1-based step number of the update */
     float pend_scales[8];  /* its clip factors */
     int pend_nscales;
-    ct_module **bns;     /* batchnorms, held during recomputes */
-    int nbns;
     int summoned;        /* between ct_strategy_summon_full_params and its release */
     int ready;           /* set-up done (a failed one gives the model back as it was) */
     int summon_writeback;

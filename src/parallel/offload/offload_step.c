@@ -2,7 +2,8 @@
  * Offload's step: forward slice by slice (each slice runs every
  * micro-batch while it is resident), backward in reverse (recomputing a
  * slice from its kept input under checkpoint_activation, with the same
- * context so dropout draws the same masks), and the optimizer slice by
+ * context marked a recompute (as ct_module_recompute: dropout draws the same
+ * masks, batchnorm statistics are not counted twice)), and the optimizer slice by
  * slice.  The store's I/O thread loads the next slice while this one
  * computes and writes back the one just used; jobs run in queue order, so
  * at most `ahead` slices hold memory at once (1: no prefetch; 2: the next
@@ -61,11 +62,6 @@ static ct_status finish_slice(ct_strategy *s, int i)
     long t;
     CT_TRY(ct__offload_io(s, i, OFF_GRAD, CT__IO_WRITE, &t));
     return ct__offload_io(s, i, OFF_DATA | OFF_LOW, CT__IO_DROP, &t);
-}
-
-static void hold_bns(offload_t *f, int mode)
-{
-    for (int i = 0; i < f->nbns; i++) ct_batchnorm_set_mode(f->bns[i], mode);
 }
 
 /* Runs children [k0, k1) from *x (consumed) into *x; recs (may be NULL) get
@@ -142,12 +138,14 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     int64_t global = b->global_rows ? b->global_rows : nrows * ct__offload_ranks(s);
     int dist = ct__offload_ranks(s) > 1 && !s->no_sync;
     /* per micro-batch: the activation flowing (forward) or its gradient
-     * (backward), the inputs kept under checkpointing, and the records
-     * without it (one micro-batch: one record per child) */
-    size_t nkeep = ckpt ? (size_t)ns * (size_t)M : 0;
+     * (backward), the inputs kept under checkpointing, and one record per
+     * child (micro-batch m's at recs + m * nk; with checkpoint_activation
+     * only the slice being recomputed has them; without it, several
+     * micro-batches need a checkpointed model, whose records are small) */
+    size_t nkeep = ckpt ? (size_t)ns * (size_t)M : 0, nrec = (size_t)M * (size_t)nk;
     ct_tensor **act = ct_alloc_zeroed(sizeof *act * (size_t)M, CT_MEM_OTHER);
     ct_tensor **keep = ct_alloc_zeroed(sizeof *keep * (nkeep + 1), CT_MEM_OTHER);
-    ct_record **recs = ct_alloc_zeroed(sizeof *recs * (size_t)(nk + 1), CT_MEM_OTHER);
+    ct_record **recs = ct_alloc_zeroed(sizeof *recs * (nrec + 1), CT_MEM_OTHER);
     ct_fwd_ctx *cm = ct_alloc(sizeof *cm * (size_t)M, CT_MEM_OTHER);
     int64_t *nm = ct_alloc(sizeof *nm * (size_t)M, CT_MEM_OTHER);
     ct_status st = act && keep && recs && cm && nm ? CT_OK : CT_ENOMEM;
@@ -179,7 +177,7 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
         ct__offload_cast(s, sl);
         for (int m = 0; st == CT_OK && m < M; m++) {
             if (ckpt) keep[(size_t)i * (size_t)M + (size_t)m] = ct_tensor_retain(act[m]);
-            st = run_slice(s, sl, &act[m], ckpt ? NULL : recs, &cm[m]);
+            st = run_slice(s, sl, &act[m], ckpt ? NULL : recs + (size_t)m * (size_t)nk, &cm[m]);
         }
         if (st != CT_OK || i + 1 == ns) break; /* the last slice stays for backward */
         if ((st = ct__offload_io(s, i, use, CT__IO_DROP, &t)) != CT_OK) break;
@@ -219,13 +217,13 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
             if (ckpt) {
                 ct_tensor *x = keep[(size_t)i * (size_t)M + (size_t)m];
                 keep[(size_t)i * (size_t)M + (size_t)m] = NULL;
-                hold_bns(f, CT_BN_HOLD); /* a recompute is not another batch */
-                st = run_slice(s, sl, &x, recs, &cm[m]);
-                hold_bns(f, CT_BN_NOW);
+                ct_fwd_ctx rc = cm[m];
+                rc.recompute = 1; /* as ct_module_recompute: the same masks, not another batch */
+                st = run_slice(s, sl, &x, recs + (size_t)m * (size_t)nk, &rc);
                 ct_tensor_release(x);
                 if (st != CT_OK) break;
             }
-            st = back_slice(s, sl, &act[m], recs);
+            st = back_slice(s, sl, &act[m], recs + (size_t)m * (size_t)nk);
         }
         if (st != CT_OK) break;
         if (dist) {
@@ -246,7 +244,7 @@ ct_status ct__offload_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn l
     s->stats.backward += ct_now() - t1;
     for (int m = 0; act && m < M; m++) ct_tensor_release(act[m]);
     for (size_t k = 0; keep && k < nkeep; k++) ct_tensor_release(keep[k]);
-    for (int c = 0; recs && c < nk; c++) ct_record_destroy(recs[c]);
+    for (size_t c = 0; recs && c < nrec; c++) ct_record_destroy(recs[c]);
     ct_free(act);
     ct_free(keep);
     ct_free(recs);

@@ -307,8 +307,8 @@ static ct_status pipe_init(ct_strategy *s)
     CT_TRY(ct_module_params(s->model, &s->params, &s->nparams));
     CT_TRY(ct_module_buffers(s->model, &s->buffers, &s->nbuffers));
     ct__pipe_ties_adopt(s, p);
-    /* Batchnorms: held during recomputes (a recompute is not another batch),
-     * deferred to one update per step if asked. */
+    /* Batchnorms: deferred to one update per step if asked (a recompute
+     * leaves them alone by itself: ct_module_recompute). */
     ct_module **mods;
     int nm;
     CT_TRY(ct_module_modules(s->model, &mods, &nm));

@@ -49,7 +49,7 @@ typedef struct {
     ct_group *pg;          /* this replica's pipeline: rank k is stage k */
     ct_group *rg;          /* this stage's replicas (data parallel) */
     ct_strategy *inner;    /* the stage over rg: "ddp", "zero1", or "none" for one replica */
-    ct_module **bns;       /* this stage's batchnorm modules (held during recomputes) */
+    ct_module **bns;       /* this stage's batchnorm modules (deferred_batch_norm commits them) */
     int nbns;
     char **names;          /* every parameter and buffer name of the whole model */
     int nnames;

@@ -19,19 +19,31 @@
  * size is checked against the agreed shape.
  *
  * Failures.  A message carries the sender's status after its values.  A
- * rank that fails mid-step keeps the schedule (it sends zeros marked
+ * rank that fails mid-step keeps the schedule (it sends a message marked
  * failed, receives and drops) instead of leaving its peers waiting; a rank
  * that receives a failed mark skips its compute the same way.  At the end
  * the pipeline agrees (ct_group_check): every rank returns the failing
- * rank's message.
+ * rank's message.  Running out of memory is such a failure, never a hang:
+ * the plan of the step and a spare message buffer are allocated before
+ * any message, and the pipeline agrees on that first (a stage that cannot
+ * hold its plan is CT_ENOMEM on every rank, nothing run).  From then on a
+ * message that cannot get a buffer is sent from the spare, marked failed,
+ * and one that cannot get a receive buffer is taken into the spare when
+ * its turn comes (so it never meets the next step's receive); the comm
+ * engine's reserve (ct_comm_reserve_taken) serves the operations'
+ * bookkeeping.  No optimizer step runs in a train step, so the model's
+ * parameters are as they were.
  *
  * Checkpointing.  A checkpointed micro-batch keeps only its stage input;
  * its forward runs again right before its backward with the same context
- * (seed, step, sample0), so dropout draws the same masks.  always: every
- * micro-batch; except_last: all but the last (whose backward comes first
- * in GPipe); never.  A recompute holds batchnorm's running statistics (it is
- * not another batch); with deferred_batch_norm they are updated once per
- * step from all micro-batches (ct_batchnorm_commit), as if not split.
+ * (seed, step, sample0), so dropout draws the same masks: the recompute of
+ * every activation checkpointing (ct_module_recompute), which leaves
+ * batchnorm's running statistics alone (it is not another batch).  always:
+ * every micro-batch; except_last: all but the last (whose backward comes
+ * first in GPipe); never.  Checkpoint wrappers inside the stage
+ * (ct_module_apply_activation_checkpointing) nest under it.  With
+ * deferred_batch_norm the statistics are updated once per step from all
+ * micro-batches (ct_batchnorm_commit), as if not split.
  */
 #include <math.h>
 #include <stdio.h>
@@ -46,6 +58,9 @@
 typedef struct {
     ct_tensor *buf;
     ct_work *w;
+    int drain;       /* a receive that got no buffer: its message is taken into the spare */
+    int peer, tag;
+    int64_t count;
 } xfer_t;
 
 typedef struct {
@@ -71,8 +86,10 @@ typedef struct {
     ct_tensor *out;       /* predict, last stage: the outputs of every micro-batch */
     ct_status st;         /* this rank's own failure (its message is the step's) */
     int poisoned;         /* a peer sent a failed mark: compute is skipped, transfers go on */
-    xfer_t *sends;
+    xfer_t *sends;        /* sends in flight; room for every send of the step */
     int nsends, cap;
+    ct_tensor *spare;     /* a message of the largest size: failed sends and drained receives */
+    ct_work *spare_w;     /* the failed send in flight from it */
     double t_fwd, t_bwd, t_wait;
     ct_step_out *res;
 } run_t;
@@ -118,21 +135,52 @@ static char *shape_str(const pipe_shape *sh, int64_t rows, char *buf, size_t n)
 
 /* ---- transfers -------------------------------------------------------------- */
 
+/* The spare is free once the failed send from it has gone. */
+static void spare_free(run_t *r)
+{
+    if (!r->spare_w) return;
+    ct_status st = ct_work_wait(r->spare_w);
+    ct_work_destroy(r->spare_w);
+    r->spare_w = NULL;
+    if (st != CT_OK) fail(r, st);
+}
+
 static void post_recv(run_t *r, xfer_t *x, int peer, int tag, int64_t count)
 {
-    if (x->buf) return;
+    if (x->buf || x->drain) return;
     int64_t shape[1] = {count + 1};
-    if (!(x->buf = ct_tensor_empty(CT_F32, 1, shape, CT_MEM_ACT))) {
-        fail(r, CT_ENOMEM);
-        return;
+    x->peer = peer;
+    x->tag = tag;
+    x->count = count;
+    ct_status st = (x->buf = ct_tensor_empty(CT_F32, 1, shape, CT_MEM_ACT)) ? CT_OK : CT_ENOMEM;
+    if (st == CT_OK) st = ct_group_recv(r->p->pg, ct_tensor_data(x->buf), count + 1, CT_F32, peer, tag, &x->w);
+    if (st != CT_OK) {
+        fail(r, st);
+        ct_tensor_release(x->buf);
+        x->buf = NULL;
+        x->drain = 1; /* the message comes all the same */
     }
-    ct_status st = ct_group_recv(r->p->pg, ct_tensor_data(x->buf), count + 1, CT_F32, peer, tag, &x->w);
-    if (st != CT_OK) fail(r, st);
+}
+
+/* Takes the message x could not get a buffer for into the spare (blocking),
+ * so it never meets a later receive of the same tag. */
+static void drain(run_t *r, xfer_t *x)
+{
+    if (!x->drain) return;
+    x->drain = 0;
+    spare_free(r);
+    ct_status st = ct_group_recv(r->p->pg, ct_tensor_data(r->spare), x->count + 1, CT_F32, x->peer, x->tag, NULL);
+    if (st != CT_OK) /* the message would be left for the next step to take as its own */
+        ct_comm_abort("pipe: receiving a message from stage peer %d failed: %s", x->peer, ct_last_error());
 }
 
 /* Waits for x; 1 if its values may be used. */
 static int wait_recv(run_t *r, xfer_t *x, int from, const char *what, int j)
 {
+    if (x->drain) { /* failed already: the message only has to be taken */
+        drain(r, x);
+        return 0;
+    }
     if (!x->w) {
         if (r->st == CT_OK) fail(r, ct_error(CT_ESTATE, "pipe: the %s of micro-batch %d from stage %d was never "
                                              "received", what, j, from));
@@ -173,37 +221,39 @@ static void reap_sends(run_t *r, int all)
     r->nsends = keep;
 }
 
-/* Sends t's count values (zeros marked failed when t is NULL) to stage peer. */
+/* Tells stage peer that this message failed: the spare, marked, needs no memory. */
+static void send_failed(run_t *r, int64_t count, int peer, int tag)
+{
+    spare_free(r);
+    float *v = ct_f32(r->spare);
+    v[count] = 1.0f; /* the receiver reads the mark only */
+    ct_status st = ct_group_send(r->p->pg, v, count + 1, CT_F32, peer, tag, &r->spare_w);
+    if (st != CT_OK) /* cannot even say that we failed: the job has to end, or the peer waits forever */
+        ct_comm_abort("pipe: sending to stage %d failed: %s", peer, ct_last_error());
+}
+
+/* Sends t's count values (a failed mark when t is NULL or this step failed) to stage peer. */
 static void send_to(run_t *r, const ct_tensor *t, int64_t count, int peer, int tag)
 {
     reap_sends(r, 0);
-    xfer_t *grown = ct_grow(r->sends, r->nsends, &r->cap, sizeof *grown, CT_MEM_OTHER);
-    if (!grown) {
-        /* Without room to keep the handle, wait for what is in flight. */
-        reap_sends(r, 1);
-        fail(r, CT_ENOMEM);
-    } else {
-        r->sends = grown;
-    }
     int64_t shape[1] = {count + 1};
-    xfer_t x = {ct_tensor_empty(CT_F32, 1, shape, CT_MEM_COMM), NULL};
-    if (!x.buf) {
-        /* Cannot even say that we failed: the job has to end, or the peer waits forever. */
-        ct_comm_abort("pipe: out of memory for a %lld-value message to stage %d", (long long)count, peer);
-    }
-    float *v = ct_f32(x.buf);
     int good = t && ok(r) && t->numel == count;
-    if (good) memcpy(v, ct_f32(t), sizeof *v * (size_t)count);
-    else memset(v, 0, sizeof *v * (size_t)count);
-    v[count] = good ? 0.0f : 1.0f;
-    ct_status st = ct_group_send(r->p->pg, v, count + 1, CT_F32, peer, tag, &x.w);
-    if (st != CT_OK) ct_comm_abort("pipe: sending to stage %d failed: %s", peer, ct_last_error());
-    if (r->nsends < r->cap) r->sends[r->nsends++] = x;
-    else {
-        ct_work_wait(x.w);
-        ct_work_destroy(x.w);
-        ct_tensor_release(x.buf);
+    xfer_t x = {good ? ct_tensor_empty(CT_F32, 1, shape, CT_MEM_COMM) : NULL, NULL, 0, 0, 0, 0};
+    ct_status st = !good || x.buf ? CT_OK : CT_ENOMEM;
+    if (x.buf) {
+        float *v = ct_f32(x.buf);
+        memcpy(v, ct_f32(t), sizeof *v * (size_t)count);
+        v[count] = 0.0f;
+        st = ct_group_send(r->p->pg, v, count + 1, CT_F32, peer, tag, &x.w);
     }
+    if (st == CT_OK && x.buf) {
+        CT_ASSERT(r->nsends < r->cap); /* room for every send of the step (run) */
+        r->sends[r->nsends++] = x;
+        return;
+    }
+    ct_tensor_release(x.buf);
+    if (st != CT_OK) fail(r, st);
+    send_failed(r, count, peer, tag);
 }
 
 /* ---- forward and backward of one micro-batch ------------------------------- */
@@ -277,16 +327,6 @@ static void forward(run_t *r, int j)
     }
 }
 
-/* Every batchnorm of the stage into mode (-1: back to the configured one). */
-static void bn_mode(run_t *r, int mode)
-{
-    int deferred = ((const pipe_opts *)r->s->kopts)->deferred_batch_norm;
-    for (int i = 0; i < r->p->nbns; i++) {
-        ct_status st = ct_batchnorm_set_mode(r->p->bns[i], mode >= 0 ? mode : deferred ? CT_BN_DEFER : CT_BN_NOW);
-        if (st != CT_OK) fail(r, st);
-    }
-}
-
 static void backward(run_t *r, int j, int final, int next)
 {
     pipe_t *p = r->p;
@@ -305,12 +345,8 @@ static void backward(run_t *r, int j, int final, int next)
         double t0 = ct_now();
         ct_status st = CT_OK;
         if (b->ckpt) {
-            ct_tensor *y = NULL;
             ct_fwd_ctx c = mb_ctx(r, b);
-            bn_mode(r, CT_BN_HOLD);
-            st = ct_module_forward(r->s->model, b->x, &y, &b->rec, &c);
-            bn_mode(r, -1);
-            ct_tensor_release(y);
+            st = ct_module_recompute(r->s->model, b->x, NULL, &b->rec, &c);
             double t1 = ct_now();
             r->t_bwd += t1 - t0;
             ct_trace_event("recompute", "pipe", t0, t1, 0);
@@ -434,27 +470,54 @@ static int build_ops(const run_t *r, int *ops)
     return n;
 }
 
+/* Frees the step's plan (run allocates it before any message). */
+static void free_plan(run_t *r, int *ops, int *border)
+{
+    ct_free(border);
+    ct_free(ops);
+    ct_free(r->mb);
+    ct_free(r->sends);
+    ct_tensor_release(r->spare);
+    r->mb = NULL;
+    r->sends = NULL;
+    r->spare = NULL;
+}
+
 static ct_status run(run_t *r, int64_t nrows, int chunks)
 {
     pipe_t *p = r->p;
     int k = p->stage, P = p->nstages;
     int64_t size = (nrows + chunks - 1) / chunks; /* torch.chunk */
     r->m = (int)((nrows + size - 1) / size);
+    /* Everything the schedule needs before it talks: its plan, room for
+     * every send's handle and the spare (the largest message), so that a
+     * rank short of memory says so here, on every rank, before any message. */
+    r->cap = (k + 1 < P ? r->m : 0) + (k > 0 && r->train ? r->m : 0);
+    int64_t most = 0;
+    if (k + 1 < P) most = size * p->out.row_numel;
+    if (k > 0 && size * p->in.row_numel > most) most = size * p->in.row_numel;
+    int64_t sshape[1] = {most + 1};
     r->mb = ct_alloc_zeroed(sizeof *r->mb * (size_t)r->m, CT_MEM_OTHER);
     int *ops = ct_alloc(sizeof *ops * (size_t)(2 * r->m), CT_MEM_OTHER);
-    if (!r->mb || !ops) /* without its plan this rank cannot keep the schedule its peers wait on */
-        ct_comm_abort("pipe: out of memory for the plan of %d micro-batches", r->m);
+    int *border = ct_alloc(sizeof *border * (size_t)(r->m + 1), CT_MEM_OTHER);
+    r->sends = ct_alloc(sizeof *r->sends * (size_t)(r->cap + 1), CT_MEM_OTHER);
+    r->spare = P > 1 ? ct_tensor_empty(CT_F32, 1, sshape, CT_MEM_COMM) : NULL;
+    ct_status st = r->mb && ops && border && r->sends && (r->spare || P == 1) ? CT_OK : CT_ENOMEM;
+    if (st != CT_OK) st = ct_error(CT_ENOMEM, "pipe: stage %d is out of memory for the plan of %d micro-batches: %s", k,
+                                   r->m, ct_last_error());
+    if (P > 1) st = ct_group_check(p->pg, st);
+    if (st != CT_OK) {
+        free_plan(r, ops, border);
+        return st;
+    }
     for (int j = 0; j < r->m; j++) {
         r->mb[j].r0 = (int64_t)j * size;
         r->mb[j].n = j + 1 < r->m ? size : nrows - (int64_t)j * size;
     }
     int nops = build_ops(r, ops), nb = 0, last_b = -1;
-    int *border = ct_alloc(sizeof *border * (size_t)(r->m + 1), CT_MEM_OTHER);
-    if (!border) fail(r, CT_ENOMEM);
     for (int i = 0; i < nops; i++)
         if (ops[i] >> 16 == OP_B) {
-            if (border) border[nb] = ops[i] & 0xffff;
-            nb++;
+            border[nb++] = ops[i] & 0xffff;
             last_b = i;
         }
     /* GPipe holds every micro-batch's input until its backward anyway: receive
@@ -462,7 +525,7 @@ static ct_status run(run_t *r, int64_t nrows, int chunks)
      * waiting in its memory for a receive posted one ahead. */
     int ahead = r->train && ((const pipe_opts *)r->s->kopts)->schedule == PIPE_GPIPE ? r->m : 1;
     for (int j = 0; k > 0 && j < ahead; j++) post_recv(r, &r->mb[j].fin, k - 1, TAG_FWD(j), r->mb[j].n * p->in.row_numel);
-    if (k < P - 1 && nb && border) post_recv(r, &r->mb[border[0]].bin, k + 1, TAG_BWD(border[0]), r->mb[border[0]].n * p->out.row_numel);
+    if (k < P - 1 && nb) post_recv(r, &r->mb[border[0]].bin, k + 1, TAG_BWD(border[0]), r->mb[border[0]].n * p->out.row_numel);
     /* The replica strategy's before-forward work (ZeRO-1: parameters refreshed; DDP: buffers broadcast). */
     if (r->train) {
         ct_status st = ct_strategy_pre_forward(p->inner);
@@ -474,11 +537,11 @@ static ct_status run(run_t *r, int64_t nrows, int chunks)
             forward(r, j);
         } else {
             bi++;
-            backward(r, j, i == last_b, border && bi < nb ? border[bi] : -1);
+            backward(r, j, i == last_b, bi < nb ? border[bi] : -1);
         }
     }
     reap_sends(r, 1);
-    /* Receives a failure left unwaited (it cannot happen on the schedule's own path) end here. */
+    /* Receives a failure left unwaited or undrained (it cannot happen on the schedule's own path) end here. */
     for (int j = 0; j < r->m; j++) {
         mb_t *b = &r->mb[j];
         xfer_t *xs[2] = {&b->fin, &b->bin};
@@ -487,18 +550,15 @@ static ct_status run(run_t *r, int64_t nrows, int chunks)
                 ct_work_wait(xs[q]->w);
                 ct_work_destroy(xs[q]->w);
             }
+            drain(r, xs[q]);
             ct_tensor_release(xs[q]->buf);
         }
         ct_record_destroy(b->rec);
         ct_tensor_release(b->x);
         ct_tensor_release(b->dz);
     }
-    ct_free(border);
-    ct_free(ops);
-    ct_free(r->mb);
-    ct_free(r->sends);
-    r->mb = NULL;
-    r->sends = NULL;
+    spare_free(r);
+    free_plan(r, ops, border);
     /* Every rank of the pipeline returns the first failing rank's message. */
     return P > 1 ? ct_group_check(p->pg, r->st) : r->st;
 }

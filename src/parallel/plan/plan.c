@@ -132,13 +132,13 @@ ct_status ct__plan_act(const ct__plan *pl, int64_t rows, int k, int mixed, uint6
     return CT_OK;
 }
 
-ct_status ct__plan_stage_act(const ct__plan *pl, int lo, int hi, int64_t mrows, int mixed, ct_act_plan *out)
+ct_status ct__plan_stage_act(const ct__plan *pl, int lo, int hi, int64_t mrows, int mixed, int flags, ct_act_plan *out)
 {
     int64_t sh[CT_MAX_DIMS + 1];
     int nd = input_shape(pl, mrows, sh);
     for (int i = 0; i < lo; i++) CT_TRY(ct_module_out_shape(pl->model->kids[i], nd, sh, &nd, sh));
-    return ct_act_plan_run(pl->model->kids + lo, hi - lo, nd, sh, (lo > 0 ? CT_ACT_DX0 : 0) | (mixed ? CT_ACT_MIXED : 0),
-                           out);
+    return ct_act_plan_run(pl->model->kids + lo, hi - lo, nd, sh,
+                           flags | (lo > 0 ? CT_ACT_DX0 : 0) | (mixed ? CT_ACT_MIXED : 0), out);
 }
 
 int ct__plan_child_of(const ct__plan *pl, const ct_param *p)

@@ -61,8 +61,8 @@ uint64_t ct__plan_optim_share(const ct__plan *pl, const ct_partition *pt, int r,
  * largest, sets the peak), this rank's batch included; mixed: bf16 copies. */
 ct_status ct__plan_act(const ct__plan *pl, int64_t rows, int k, int mixed, uint64_t *act);
 /* One micro-batch of mrows rows through top-level children [lo, hi) of the
- * model (a pipeline stage or an offload slice). */
-ct_status ct__plan_stage_act(const ct__plan *pl, int lo, int hi, int64_t mrows, int mixed, ct_act_plan *out);
+ * model (a pipeline stage or an offload slice); flags: more CT_ACT_* bits. */
+ct_status ct__plan_stage_act(const ct__plan *pl, int lo, int hi, int64_t mrows, int mixed, int flags, ct_act_plan *out);
 /* This rank's batch of rows, as the loaders hold it. */
 uint64_t ct__plan_batch_bytes(const ct__plan *pl, int64_t rows);
 /* The top-level child of the model that holds p (its owner's), or -1. */

@@ -8,7 +8,8 @@
  * max_resident_mb holds only one.  The forward after a step holds a slice's
  * all three at once (the update is applied there), so the categories peak
  * together: the plan takes the largest slices.  Activations without
- * checkpoint_activation are the whole model's records (as none's); with it,
+ * checkpoint_activation are the whole model's records, every micro-batch's
+ * (a model with checkpoint wrappers keeps their inputs only); with it,
  * this rank's batch, every later slice's input for the whole batch, plus one
  * micro-batch's records of the largest slice (its input and its children's
  * outputs).  A parameter that children of two slices use (the gpt's tied
@@ -118,8 +119,16 @@ ct_status ct__plan_offload(const ct__plan *pl, ct_mem_plan *out)
      * parameters and gradients (a backward whose allreduce is in flight) */
     int full = ahead < 2 ? ahead : 2;
     uint64_t act = 0;
-    if (st == CT_OK && ckpt) act = ct__plan_batch_bytes(pl, rows) + bound + maxrec;
-    else if (st == CT_OK) st = ct__plan_act(pl, rows, 1, mixed, &act);
+    if (st == CT_OK && ckpt) {
+        act = ct__plan_batch_bytes(pl, rows) + bound + maxrec;
+    } else if (st == CT_OK) {
+        /* every micro-batch's records stay until its backward (small ones
+         * when the model has checkpoint wrappers); the output goes once
+         * the loss has its gradient, which is scaled in place */
+        ct_act_plan ap;
+        st = ct__plan_stage_act(pl, 0, n, mrows, mixed, CT_ACT_HANDED, &ap);
+        act = ct__plan_batch_bytes(pl, rows) + (uint64_t)(M - 1) * ap.kept + ap.peak;
+    }
     if (st == CT_OK) {
         uint64_t both = pb[full] * (uint64_t)(2 + nbufs), three = 2 * pb[ahead];
         uint64_t lows = lowmax * (uint64_t)ahead; /* the compute copies of the slices in memory, at most */

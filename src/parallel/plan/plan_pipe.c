@@ -10,7 +10,8 @@
  * 1F1B with except_last the last one's record lives through another's
  * backward; the last stage under GPipe keeps every micro-batch's loss
  * gradient until its backward, the others receive the next gradient ahead;
- * plus this rank's batch, and one message in flight (comm).
+ * plus this rank's batch, and one message in flight and the spare the
+ * step keeps for failed messages (comm: twice the largest message).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -102,7 +103,7 @@ ct_status ct__plan_pipe(const ct__plan *pl, ct_mem_plan *out)
             if (st != CT_OK) break;
         }
         ct_act_plan ap;
-        st = ct__plan_stage_act(pl, lo, hi, mrows, mixed, &ap);
+        st = ct__plan_stage_act(pl, lo, hi, mrows, mixed, 0, &ap);
         if (st != CT_OK) break;
         int held = gpipe ? (int)mbs : (P - k < mbs ? P - k : (int)mbs), never = !strcmp(ck, "never");
         uint64_t recv = k ? ap.in_bytes + 4 : 0; /* a received input: its values and the sender's status */
@@ -115,7 +116,7 @@ ct_status ct__plan_pipe(const ct__plan *pl, ct_mem_plan *out)
         act += ct__plan_batch_bytes(pl, rows);
         uint64_t comm = k + 1 < P ? ap.out_bytes + 4 : 0;
         if (k && ap.in_bytes + 4 > comm) comm = ap.in_bytes + 4;
-        ct__plan_rank(out, param, grad, optim, act, comm);
+        ct__plan_rank(out, param, grad, optim, act, P > 1 ? 2 * comm : 0);
     }
     ct_free(bal);
     ct_free(sp);
