@@ -157,6 +157,8 @@ struct ct_strategy {
     int held_comm;         /* 1: communication held too (ct_comm_hold) */
     struct ct__hook *hook; /* how buckets are reduced (comm_hook.c); lives as long as s */
     const struct ct__load_ctx *load; /* the load in progress (state_load.c), or NULL */
+    ct_optim_opts spec;    /* the optimizer spec as given, its groups' names copied (own_spec) */
+    char *spec_mem;        /* the block they are copied into */
 };
 
 extern const ct__strategy_ops ct__ddp_ops;

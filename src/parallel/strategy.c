@@ -85,6 +85,39 @@ static ct_status check_group_names(const ct_strategy *s, const ct_optim_opts *o)
     return CT_OK;
 }
 
+/* The optimizer spec with its groups' tables and names copied into one
+ * block the strategy owns: the caller's names may point into the model
+ * (ctrain train's do), and pipe frees the other stages' parameters before
+ * its replica strategy builds the optimizer. */
+static ct_status own_spec(ct_strategy *s, const ct_optim_opts *o)
+{
+    size_t bytes = sizeof(ct_optim_group) * (size_t)o->ngroups;
+    for (int i = 0; i < o->ngroups; i++) {
+        bytes += sizeof(char *) * (size_t)o->groups[i].nparams;
+        for (int j = 0; j < o->groups[i].nparams; j++) bytes += strlen(o->groups[i].params[j]) + 1;
+    }
+    char *mem = ct_alloc(bytes + 1, CT_MEM_OTHER);
+    if (!mem) return CT_ENOMEM;
+    ct_optim_group *gs = (ct_optim_group *)mem;
+    char *at = mem + sizeof(ct_optim_group) * (size_t)o->ngroups;
+    for (int i = 0; i < o->ngroups; i++) {
+        gs[i] = o->groups[i];
+        const char **names = (const char **)(void *)at;
+        at += sizeof(char *) * (size_t)o->groups[i].nparams;
+        for (int j = 0; j < o->groups[i].nparams; j++) {
+            size_t n = strlen(o->groups[i].params[j]) + 1;
+            memcpy(at, o->groups[i].params[j], n);
+            names[j] = at;
+            at += n;
+        }
+        gs[i].params = names;
+    }
+    s->spec = *o;
+    s->spec.groups = gs;
+    s->spec_mem = mem;
+    return CT_OK;
+}
+
 static ct_status create_impl(const char *kind, ct_module *model, const ct_optim_opts *optim,
                              ct_group *g, const char *opts, ct_strategy **out)
 {
@@ -138,6 +171,7 @@ static ct_status create_impl(const char *kind, ct_module *model, const ct_optim_
     if (st == CT_OK) st = ct_module_buffers(model, &s->buffers, &s->nbuffers);
     /* checked on the whole model: a strategy made inside another (a pipeline stage's replicas) sees part of it */
     if (st == CT_OK && create_depth == 1) st = check_group_names(s, optim);
+    if (st == CT_OK && (st = own_spec(s, optim)) == CT_OK) optim = &s->spec;
     if (st == CT_OK && !ops->makes_params) st = ct_module_materialize(model);
     if (st == CT_OK) st = s->vt.place.init(s);
     if (st == CT_OK) st = s->vt.place.build_optim(s, optim);
@@ -164,6 +198,7 @@ void ct_strategy_destroy(ct_strategy *s)
     ct__comm_hook_free(s);
     ct_comm_leave_call(prev);
     ct_optim_destroy(s->opt);
+    ct_free(s->spec_mem);
     ct__opts_free(s);
     ct_free(s->params);
     ct_free(s->buffers);
