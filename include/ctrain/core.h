@@ -211,9 +211,26 @@ void ct_f16_to_f32_n(const uint16_t *in, float *out, size_t n);
 void ct_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha,
               const float *a, int lda, const float *b, int ldb, float beta,
               float *c, int ldc);
-/* Threads BLAS and oneDNN (OpenMP) may use from now on (>= 1); one count per rank. */
+/* Threads this rank's work may use from now on (>= 1): one OpenMP team that runs
+ * oneDNN's products, OpenBLAS's (called from the team, one thread each) and ctrain's
+ * own kernels (src/core/parallel.c).  Without a call, OpenBLAS's default count. */
 void ct_blas_set_threads(int n);
 int ct_blas_get_threads(void);
+
+/* ---- the parallel-for every kernel shares ------------------------------ */
+/* Work on items [lo, hi) of a range cut by ct_parallel_for. */
+typedef void (*ct_range_fn)(void *ctx, int64_t lo, int64_t hi);
+/* Runs fn over [0, n) cut into one contiguous range per thread of the rank's team (at
+ * most n / grain ranges; boundaries on multiples of 16 items when n allows), each range
+ * running exactly the code one thread runs over it: items that do not depend on each
+ * other give the same bits at any thread count.  Serial inside a team, on a thread
+ * that called ct_parallel_serial_here, or when n < 2 * grain. */
+void ct_parallel_for(int64_t n, int64_t grain, ct_range_fn fn, void *ctx);
+/* The number of ranges ct_parallel_for(n, grain, ...) would cut on this thread. */
+int ct_parallel_threads(int64_t n, int64_t grain);
+/* Kernels called on this thread run on it alone from now on (a communication or I/O
+ * thread: a team of its own would take the cores the compute thread's team uses). */
+void ct_parallel_serial_here(void);
 /* Name of the kernel OpenBLAS runs ("SkylakeX", "Haswell", ...). */
 const char *ct_blas_corename(void);
 /* How the kernel was chosen: "auto-selected by ctrain", "user's OPENBLAS_CORETYPE", "OpenBLAS default". */
