@@ -294,8 +294,15 @@ ct_status ct_gemm_onednn_impl(int bf16, int trans_a, int trans_b, int m, int n, 
 /* Frees the cached oneDNN primitives and scratch (later products set them up
  * again); programs that check ct_alloc leaks at exit call it first. */
 void ct_gemm_cache_clear(void);
-/* 1 if the CPU has AVX512_BF16 (oneDNN then runs bf16 natively; otherwise it emulates). */
+/* 1 if the CPU has AVX512_BF16 (oneDNN then runs bf16 natively; otherwise it emulates)
+ * and CTRAIN_ISA does not cap it away. */
 int ct_cpu_has_avx512_bf16(void);
+/* The widest instruction set ctrain's kernels and oneDNN may use here: "portable", "avx2",
+ * "avx512", "avx512bf16" or "amx"; CTRAIN_ISA set to one of these caps it (tests hold each
+ * path against the portable one). */
+const char *ct_cpu_isa(void);
+/* The CPU's brand string ("Intel(R) Xeon(R) Platinum 8480+"), or "unknown CPU". */
+const char *ct_cpu_model(void);
 
 /* ---- time and tracing -------------------------------------------------- */
 

@@ -520,6 +520,12 @@ static ct_status attn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     return st;
 }
 
+const char *ct_attention_bf16_path(int64_t head_dim)
+{
+    attn_impl A = {head_dim, 1, 0.0f};
+    return use_kernels(&A) ? "ctrain avx512bf16 kernels" : "portable, oneDNN products";
+}
+
 int64_t ct_attention_saved_bytes(int64_t batch, int64_t T, int64_t dim, int heads, int bf16, int dropout)
 {
     attn_impl A = {dim, heads, 0.0f};
