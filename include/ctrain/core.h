@@ -317,6 +317,15 @@ int ct_trace_enabled(void);
  * t1 (ct_now seconds) on thread lane tid (0 compute, 1 communication).
  * Thread-safe; a no-op unless enabled. */
 void ct_trace_event(const char *name, const char *cat, double t0, double t1, int tid);
+/* The ledger of where the time goes (src/core/ledger.c): seconds summed over the process. */
+typedef enum { CT_LEDGER_PRODUCTS, CT_LEDGER_ATTENTION, CT_LEDGER_OPTIMIZER, CT_LEDGER_N } ct_ledger_kind;
+/* Opens a timed region; returns what ct_ledger_end takes (a region inside another, or
+ * on a thread of a running team, is not counted again). */
+double ct_ledger_begin(void);
+/* Closes the region ct_ledger_begin opened (every begin has its end), adding it to k. */
+void ct_ledger_end(ct_ledger_kind k, double t0);
+/* seconds[k] for each kind k < CT_LEDGER_N. */
+void ct_ledger_read(double *seconds);
 /* Writes the events as trace-event JSON ({"traceEvents": [...]}) to path
  * atomically and stops recording. */
 ct_status ct_trace_write(const char *path);

@@ -186,8 +186,10 @@ void ct_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha,
      * element of C still sums over all of k in OpenBLAS's order. */
     sgemm_job j = {trans_a != 0, trans_b != 0, m, n, k, lda, ldb, ldc, n > m, alpha, beta, a, b, c};
     int64_t side = j.by_cols ? n : m;
+    double t0 = ct_ledger_begin();
     if ((int64_t)m * n * k < SGEMM_SHARE_MIN) sgemm_part(&j, 0, side);
     else ct_parallel_for(side, 32, sgemm_part, &j);
+    ct_ledger_end(CT_LEDGER_PRODUCTS, t0);
 }
 
 const char *ct_blas_corename(void) { return openblas_get_corename(); }

@@ -419,9 +419,9 @@ static ct_status swapped(const gemm_key *key, const void *a, const void *b, floa
 /* oneDNN matmul of f32 (bf16 = 0) or bf16 operands into C, f32 or (c_bf16,
  * then beta is 0) bf16, plus the bias row when bias is not NULL.  *ran is
  * set once C may have changed (a failure before that leaves C as it was). */
-static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, int k, float alpha,
-                             const void *a, int lda, const void *b, int ldb, const float *bias, float beta,
-                             void *c, int c_bf16, int ldc, int *ran)
+static ct_status onednn_gemm_run(int bf16, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                                 const void *a, int lda, const void *b, int ldb, const float *bias, float beta,
+                                 void *c, int c_bf16, int ldc, int *ran)
 {
     *ran = 0;
     CT_TRY(check_args(bf16 ? "gemm_bf16" : "gemm_f32", trans_a, trans_b, m, n, k, lda, ldb, ldc));
@@ -461,6 +461,18 @@ static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, i
         }
     }
     pthread_mutex_unlock(&cache_lock);
+    return st;
+}
+
+/* onednn_gemm_run, timed as products in the ledger. */
+static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                             const void *a, int lda, const void *b, int ldb, const float *bias, float beta,
+                             void *c, int c_bf16, int ldc, int *ran)
+{
+    double t0 = ct_ledger_begin();
+    ct_status st = onednn_gemm_run(bf16, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, bias, beta, c, c_bf16,
+                                   ldc, ran);
+    ct_ledger_end(CT_LEDGER_PRODUCTS, t0);
     return st;
 }
 

@@ -450,7 +450,9 @@ static ct_status attn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     if (drop) mask = ct_tensor_empty(CT_U8, 4, (int64_t[]){B, H, T, T}, CT_MEM_ACT);
     if (!qkv || (drop && !mask)) st = CT_ENOMEM;
     if (st == CT_OK && drop) draw_mask(m, ctx, B, H * T * T, ct_tensor_data(mask));
+    double t0 = ct_ledger_begin();
     if (st == CT_OK) st = core_forward(m, qkv, drop ? ct_tensor_data(mask) : NULL, kern, &P, &y);
+    ct_ledger_end(CT_LEDGER_ATTENTION, t0);
     if (st == CT_OK && rec &&
         (ct_record_save(rec, qkv) < 0 || ct_record_save(rec, P) < 0 || (drop && ct_record_save(rec, mask) < 0)))
         st = CT_ENOMEM;
@@ -507,7 +509,9 @@ static ct_status attn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     /* The kernels hand a bf16 c_attn its gradient as bf16 with column sums. */
     int kern = (int)rec->ival[1], emit = kern && ct__takes_bf16_grad(m->kids[K_C_ATTN], kr);
     ct_tensor *dqkv = emit ? ct__grad_bf16_create(3, qkv->shape) : ct_tensor_empty(CT_F32, 3, qkv->shape, CT_MEM_ACT);
+    double t0 = ct_ledger_begin();
     st = dqkv ? core_backward(A, qkv, P, mask, kern, g, dqkv) : CT_ENOMEM;
+    ct_ledger_end(CT_LEDGER_ATTENTION, t0);
     ct_tensor_release(g);
     rec->kids[K_C_ATTN] = NULL;
     if (st != CT_OK) {

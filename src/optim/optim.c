@@ -440,7 +440,9 @@ void ct_optim_update_range(const ct_optim_opts *o, float *data, const float *gra
     /* Each element's update reads only its own p, g and state: cut over the
      * rank's threads, the bits are those of one thread. */
     update_job j = {o, data, state, grad, step};
+    double t0 = ct_ledger_begin();
     ct_parallel_for(n, UPDATE_GRAIN, update_part, &j);
+    ct_ledger_end(CT_LEDGER_OPTIMIZER, t0);
 }
 
 ct_status ct_optim_step(ct_optim *opt)
