@@ -12,7 +12,7 @@ PREFIX  ?= /usr/local
 # Flags are expanded lazily (=), after scripts/deps.sh has installed pkg-config.
 PKGS     = openblas ompi-c zlib
 CFLAGS  ?= -O3 -march=native -fno-math-errno -g
-XCFLAGS  = -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fPIC -pthread -Iinclude -Isrc \
+XCFLAGS  = -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fPIC -pthread -fopenmp -Iinclude -Isrc \
            $(shell pkg-config --cflags $(PKGS)) $(SANFLAGS)
 # oneDNN (bf16 matmul) ships no .pc file; its header is <oneapi/dnnl/dnnl.h>
 # under /usr/include.  It runs on OpenMP (libgomp), whose thread count we set.

@@ -625,7 +625,8 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
             win_steps = 0;
             t_win = ct_now();
         }
-        double lr = ct_strategy_lr(t->s), t_step = ct_now(), before[2] = {win[0], win[1]};
+        double lr = ct_strategy_lr(t->s), t_step = ct_now(), before[2] = {win[0], win[1]}, led0[CT_LEDGER_N];
+        ct_ledger_read(led0);
         float norm = 0;
         int empty = 0;
         if ((st = train_step(t, idx, win, &empty)) != CT_OK) {
@@ -658,7 +659,11 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
             break;
         }
         ct_strategy_zero_grad(t->s);
-        if (t->nstep_s < t->cap_step_s) t->step_s[t->nstep_s++] = ct_now() - t_step;
+        double t_end = ct_now(), led1[CT_LEDGER_N];
+        if (t->nstep_s < t->cap_step_s) t->step_s[t->nstep_s++] = t_end - t_step;
+        ct_ledger_read(led1);
+        for (int k = 0; k < CT_LEDGER_N; k++) t->ledger[k] += led1[k] - led0[k];
+        t->step_total += t_end - t_step;
         add_stats(t);
         t->step++;
         t->pos++;

@@ -34,6 +34,8 @@ typedef struct {
     double last_loss;      /* mean loss over the last logged window */
     ct_step_stats sum;     /* strategy timings summed over steps */
     int64_t nstats;
+    double ledger[CT_LEDGER_N]; /* products, attention, optimizer seconds summed over the steps */
+    double step_total;     /* wall seconds of those steps */
     double *step_s;        /* wall time of each step of this run (the first STEP_TIMES_MAX) */
     int64_t nstep_s, cap_step_s;
     ct_mem_report *mem;    /* every rank's, gathered after the loop */

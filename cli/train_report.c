@@ -151,6 +151,15 @@ ct_status train_report(trainer *t, double seconds)
             cli_out("; communication %.2f ms, waited %.2f ms (%.0f%% overlapped with compute)", s.comm_total * ms,
                     s.comm_wait * ms, ov * 100);
         cli_out("\n");
+        /* Where it goes: the ledger's kinds, the waits for communication, and the rest
+         * (elementwise layers, casts, the loss, bookkeeping). */
+        double rest = t->step_total - t->ledger[CT_LEDGER_PRODUCTS] - t->ledger[CT_LEDGER_ATTENTION] -
+                      t->ledger[CT_LEDGER_OPTIMIZER] - s.comm_wait;
+        cli_out("step time split (mean ms): products %.2f, attention %.2f, elementwise and the rest %.2f, "
+                "optimizer %.2f, communication waits %.2f", t->ledger[CT_LEDGER_PRODUCTS] * ms,
+                t->ledger[CT_LEDGER_ATTENTION] * ms, (rest > 0 ? rest : 0) * ms, t->ledger[CT_LEDGER_OPTIMIZER] * ms,
+                s.comm_wait * ms);
+        cli_out("\n");
         (void)n;
     }
     void *hs;

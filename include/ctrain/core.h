@@ -266,9 +266,26 @@ void ct_f16_to_f32_n(const uint16_t *in, float *out, size_t n);
 void ct_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha,
               const float *a, int lda, const float *b, int ldb, float beta,
               float *c, int ldc);
-/* Threads BLAS and oneDNN (OpenMP) may use from now on (>= 1); one count per rank. */
+/* Threads this rank's work may use from now on (>= 1): one OpenMP team that runs
+ * oneDNN's products, OpenBLAS's (called from the team, one thread each) and ctrain's
+ * own kernels (src/core/parallel.c).  Without a call, OpenBLAS's default count. */
 void ct_blas_set_threads(int n);
 int ct_blas_get_threads(void);
+
+/* ---- the parallel-for every kernel shares ------------------------------ */
+/* Work on items [lo, hi) of a range cut by ct_parallel_for. */
+typedef void (*ct_range_fn)(void *ctx, int64_t lo, int64_t hi);
+/* Runs fn over [0, n) cut into one contiguous range per thread of the rank's team (at
+ * most n / grain ranges; boundaries on multiples of 16 items when n allows), each range
+ * running exactly the code one thread runs over it: items that do not depend on each
+ * other give the same bits at any thread count.  Serial inside a team, on a thread
+ * that called ct_parallel_serial_here, or when n < 2 * grain. */
+void ct_parallel_for(int64_t n, int64_t grain, ct_range_fn fn, void *ctx);
+/* The number of ranges ct_parallel_for(n, grain, ...) would cut on this thread. */
+int ct_parallel_threads(int64_t n, int64_t grain);
+/* Kernels called on this thread run on it alone from now on (a communication or I/O
+ * thread: a team of its own would take the cores the compute thread's team uses). */
+void ct_parallel_serial_here(void);
 /* Name of the kernel OpenBLAS runs ("SkylakeX", "Haswell", ...). */
 const char *ct_blas_corename(void);
 /* How the kernel was chosen: "auto-selected by ctrain", "user's OPENBLAS_CORETYPE", "OpenBLAS default". */
@@ -332,8 +349,15 @@ ct_status ct_gemm_onednn_impl(int bf16, int trans_a, int trans_b, int m, int n, 
 /* Frees the cached oneDNN primitives and scratch (later products set them up
  * again); programs that check ct_alloc leaks at exit call it first. */
 void ct_gemm_cache_clear(void);
-/* 1 if the CPU has AVX512_BF16 (oneDNN then runs bf16 natively; otherwise it emulates). */
+/* 1 if the CPU has AVX512_BF16 (oneDNN then runs bf16 natively; otherwise it emulates)
+ * and CTRAIN_ISA does not cap it away. */
 int ct_cpu_has_avx512_bf16(void);
+/* The widest instruction set ctrain's kernels and oneDNN may use here: "portable", "avx2",
+ * "avx512", "avx512bf16" or "amx"; CTRAIN_ISA set to one of these caps it (tests hold each
+ * path against the portable one). */
+const char *ct_cpu_isa(void);
+/* The CPU's brand string ("Intel(R) Xeon(R) Platinum 8480+"), or "unknown CPU". */
+const char *ct_cpu_model(void);
 
 /* ---- time and tracing -------------------------------------------------- */
 
@@ -348,6 +372,15 @@ int ct_trace_enabled(void);
  * t1 (ct_now seconds) on thread lane tid (0 compute, 1 communication).
  * Thread-safe; a no-op unless enabled. */
 void ct_trace_event(const char *name, const char *cat, double t0, double t1, int tid);
+/* The ledger of where the time goes (src/core/ledger.c): seconds summed over the process. */
+typedef enum { CT_LEDGER_PRODUCTS, CT_LEDGER_ATTENTION, CT_LEDGER_OPTIMIZER, CT_LEDGER_N } ct_ledger_kind;
+/* Opens a timed region; returns what ct_ledger_end takes (a region inside another, or
+ * on a thread of a running team, is not counted again). */
+double ct_ledger_begin(void);
+/* Closes the region ct_ledger_begin opened (every begin has its end), adding it to k. */
+void ct_ledger_end(ct_ledger_kind k, double t0);
+/* seconds[k] for each kind k < CT_LEDGER_N. */
+void ct_ledger_read(double *seconds);
 /* Writes the events as trace-event JSON ({"traceEvents": [...]}) to path
  * atomically and stops recording. */
 ct_status ct_trace_write(const char *path);

@@ -641,6 +641,7 @@ static int poll_polled(void)
 static void *runner_main(void *unused)
 {
     (void)unused;
+    ct_parallel_serial_here(); /* the compute thread's team has the cores */
     lock();
     for (;;) {
         while (!R.head && !R.stop) pthread_cond_wait(&R.cv, &E.mu);
@@ -810,6 +811,7 @@ static void *comm_main(void *unused)
 {
     (void)unused;
     is_comm_thread = 1;
+    ct_parallel_serial_here(); /* the compute thread's team has the cores */
     /* The default 50 us timer slack would stretch every short nap. */
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
     ct_clear_error();

@@ -26,7 +26,6 @@
 
 #include <cblas.h>
 #include <errno.h>
-#include <omp.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -36,8 +35,6 @@
 #include <unistd.h>
 
 extern char *openblas_get_corename(void);
-extern void openblas_set_num_threads(int);
-extern int openblas_get_num_threads(void);
 
 /* Set with OPENBLAS_CORETYPE when ct_blas_select_kernel re-executes; it is
  * inherited by child processes, so it only vouches for OPENBLAS_CORETYPE
@@ -149,24 +146,52 @@ void ct_blas_warn_if_slow(void)
            "ct_blas_select_kernel(argc, argv) first thing in main", have ? have : "?", want, want);
 }
 
+/* One thread's share of ct_sgemm: rows [lo, hi) of C, or its columns. */
+typedef struct {
+    int ta, tb, m, n, k, lda, ldb, ldc, by_cols;
+    float alpha, beta;
+    const float *a, *b;
+    float *c;
+} sgemm_job;
+
+static void sgemm_part(void *ctx, int64_t lo, int64_t hi)
+{
+    const sgemm_job *j = ctx;
+    const float *a = j->a, *b = j->b;
+    float *c = j->c;
+    int m = j->m, n = j->n;
+    if (j->by_cols) {
+        b += j->tb ? lo * j->ldb : lo;
+        c += lo;
+        n = (int)(hi - lo);
+    } else {
+        a += j->ta ? lo : lo * j->lda;
+        c += lo * j->ldc;
+        m = (int)(hi - lo);
+    }
+    cblas_sgemm(CblasRowMajor, j->ta ? CblasTrans : CblasNoTrans, j->tb ? CblasTrans : CblasNoTrans, m, n,
+                j->k, j->alpha, a, j->lda, b, j->ldb, j->beta, c, j->ldc);
+}
+
+/* Products below this many multiply-adds are not worth waking the team for. */
+#define SGEMM_SHARE_MIN (1 << 21)
+
 void ct_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha,
               const float *a, int lda, const float *b, int ldb, float beta,
               float *c, int ldc)
 {
     if (m == 0 || n == 0) return;
-    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-                trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb,
-                beta, c, ldc);
+    /* OpenBLAS runs one thread (src/core/parallel.c); a big product is cut
+     * into blocks of C, the longer side, one per thread of the team.  Each
+     * element of C still sums over all of k in OpenBLAS's order. */
+    sgemm_job j = {trans_a != 0, trans_b != 0, m, n, k, lda, ldb, ldc, n > m, alpha, beta, a, b, c};
+    int64_t side = j.by_cols ? n : m;
+    double t0 = ct_ledger_begin();
+    if ((int64_t)m * n * k < SGEMM_SHARE_MIN) sgemm_part(&j, 0, side);
+    else ct_parallel_for(side, 32, sgemm_part, &j);
+    ct_ledger_end(CT_LEDGER_PRODUCTS, t0);
 }
 
-void ct_blas_set_threads(int n)
-{
-    n = n < 1 ? 1 : n;
-    openblas_set_num_threads(n);
-    /* oneDNN's team (src/core/gemm.c applies it again on other calling threads). */
-    omp_set_num_threads(n);
-}
-int ct_blas_get_threads(void) { return openblas_get_num_threads(); }
 const char *ct_blas_corename(void) { return openblas_get_corename(); }
 const char *ct_blas_kernel_source(void)
 {

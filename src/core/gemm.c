@@ -82,6 +82,13 @@ static void entry_fini(gemm_entry *e)
 static ct_status setup_engine(void)
 {
     if (engine) return CT_OK;
+    /* CTRAIN_ISA caps oneDNN's kernels as it caps ctrain's (src/core/cpu.c);
+     * oneDNN takes the cap only before its first primitive, hence here. */
+    static const dnnl_cpu_isa_t isa[] = {dnnl_cpu_isa_sse41, dnnl_cpu_isa_avx2, dnnl_cpu_isa_avx512_core,
+                                         dnnl_cpu_isa_avx512_core_bf16, dnnl_cpu_isa_all};
+    static int capped;
+    if (!capped && ct__cpu_cap() < 4) dnnl_set_max_cpu_isa(isa[ct__cpu_cap()]);
+    capped = 1;
     dnnl_status_t s = dnnl_engine_create(&engine, dnnl_cpu, 0);
     if (s == dnnl_success) s = dnnl_stream_create(&stream, engine, dnnl_stream_default_flags);
     if (s != dnnl_success) {
@@ -412,9 +419,9 @@ static ct_status swapped(const gemm_key *key, const void *a, const void *b, floa
 /* oneDNN matmul of f32 (bf16 = 0) or bf16 operands into C, f32 or (c_bf16,
  * then beta is 0) bf16, plus the bias row when bias is not NULL.  *ran is
  * set once C may have changed (a failure before that leaves C as it was). */
-static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, int k, float alpha,
-                             const void *a, int lda, const void *b, int ldb, const float *bias, float beta,
-                             void *c, int c_bf16, int ldc, int *ran)
+static ct_status onednn_gemm_run(int bf16, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                                 const void *a, int lda, const void *b, int ldb, const float *bias, float beta,
+                                 void *c, int c_bf16, int ldc, int *ran)
 {
     *ran = 0;
     CT_TRY(check_args(bf16 ? "gemm_bf16" : "gemm_f32", trans_a, trans_b, m, n, k, lda, ldb, ldc));
@@ -428,6 +435,10 @@ static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, i
                 else ((float *)c)[at] = beta == 0.0f ? v : v + beta * ((float *)c)[at];
             }
         return CT_OK;
+    }
+    if (bf16 && !ct__cpu_has(CT__CPU_AVX512F)) { /* oneDNN's bf16 matmul needs AVX-512 */
+        *ran = 1;
+        return ct__gemm_bf16_widened(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, bias, beta, c, c_bf16, ldc);
     }
     gemm_key key = make_key(bf16, trans_a, trans_b, m, n, k, alpha, lda, ldb, beta, ldc);
     key.bias = bias != NULL;
@@ -450,6 +461,18 @@ static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, i
         }
     }
     pthread_mutex_unlock(&cache_lock);
+    return st;
+}
+
+/* onednn_gemm_run, timed as products in the ledger. */
+static ct_status onednn_gemm(int bf16, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                             const void *a, int lda, const void *b, int ldb, const float *bias, float beta,
+                             void *c, int c_bf16, int ldc, int *ran)
+{
+    double t0 = ct_ledger_begin();
+    ct_status st = onednn_gemm_run(bf16, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, bias, beta, c, c_bf16,
+                                   ldc, ran);
+    ct_ledger_end(CT_LEDGER_PRODUCTS, t0);
     return st;
 }
 

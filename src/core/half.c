@@ -135,15 +135,39 @@ __attribute__((target("avx512f,avx512bf16"))) static size_t f32_to_bf16_vcvt(con
     return i;
 }
 
-void ct_f32_to_bf16_n(const float *in, uint16_t *out, size_t n)
+static void f32_to_bf16_part(void *ctx, int64_t lo, int64_t hi)
 {
+    const void *const *io = ctx;
+    const float *in = (const float *)io[0] + lo;
+    uint16_t *out = (uint16_t *)io[1] + lo;
+    size_t n = (size_t)(hi - lo);
     size_t i = ct__cpu_has(CT__CPU_AVX512BF16) ? f32_to_bf16_vcvt(in, out, n) : ct__cpu_has(CT__CPU_AVX512F) ? f32_to_bf16_avx512(in, out, n) : 0;
     for (; i < n; i++) out[i] = ct_f32_to_bf16(in[i]);
 }
-void ct_bf16_to_f32_n(const uint16_t *in, float *out, size_t n)
+
+static void bf16_to_f32_part(void *ctx, int64_t lo, int64_t hi)
 {
+    const void *const *io = ctx;
+    const uint16_t *in = (const uint16_t *)io[0] + lo;
+    float *out = (float *)io[1] + lo;
+    size_t n = (size_t)(hi - lo);
     size_t i = ct__cpu_has(CT__CPU_AVX512F) ? bf16_to_f32_avx512(in, out, n) : 0;
     for (; i < n; i++) out[i] = ct_bf16_to_f32(in[i]);
+}
+
+/* Values per thread below which a cast stays on one thread. */
+#define CAST_GRAIN 32768
+
+/* Each value casts on its own, so the rank's threads share the bulk casts. */
+void ct_f32_to_bf16_n(const float *in, uint16_t *out, size_t n)
+{
+    const void *io[2] = {in, out};
+    ct_parallel_for((int64_t)n, CAST_GRAIN, f32_to_bf16_part, (void *)io);
+}
+void ct_bf16_to_f32_n(const uint16_t *in, float *out, size_t n)
+{
+    const void *io[2] = {in, out};
+    ct_parallel_for((int64_t)n, CAST_GRAIN, bf16_to_f32_part, (void *)io);
 }
 void ct_f32_to_f16_n(const float *in, uint16_t *out, size_t n)
 {

@@ -66,36 +66,78 @@ static void gelu_n(const float *restrict x, float *restrict y, float *restrict d
     }
 }
 
-/* GELU's forward: y (F32, or BF16 when emitting) and, if d, gelu'(x) into d. */
-static void gelu_forward(const float *x, ct_tensor *y, float *d, int64_t n)
+/* GELU over items [lo, hi) of one call: y (F32, or BF16 when emitting) and, if d, gelu'(x). */
+typedef struct {
+    const float *x, *dy;
+    float *d;
+    ct_tensor *y;
+} gelu_job;
+
+static void gelu_fwd_part(void *ctx, int64_t lo, int64_t hi)
 {
-    if (y->dtype != CT_BF16) {
-        gelu_n(x, ct_f32(y), d, n);
+    const gelu_job *j = ctx;
+    const float *x = j->x;
+    float *d = j->d;
+    if (j->y->dtype != CT_BF16) {
+        gelu_n(x + lo, ct_f32(j->y) + lo, d ? d + lo : NULL, hi - lo);
         return;
     }
-    uint16_t *yh = ct_tensor_data(y);
+    uint16_t *yh = ct_tensor_data(j->y);
     float buf[CT__EMIT_CHUNK];
-    for (int64_t c = 0; c < n; c += CT__EMIT_CHUNK) {
-        int64_t k = n - c < CT__EMIT_CHUNK ? n - c : CT__EMIT_CHUNK;
+    for (int64_t c = lo; c < hi; c += CT__EMIT_CHUNK) {
+        int64_t k = hi - c < CT__EMIT_CHUNK ? hi - c : CT__EMIT_CHUNK;
         gelu_n(x + c, buf, d ? d + c : NULL, k);
         ct_f32_to_bf16_n(buf, yh + c, (size_t)k);
     }
 }
 
+/* Elements per thread below which an elementwise kernel stays on one thread. */
+#define ELEM_GRAIN 16384
+
+/* GELU's forward: y (F32, or BF16 when emitting) and, if d, gelu'(x) into d;
+ * each element on its own, so cut over the rank's threads. */
+static void gelu_forward(const float *x, ct_tensor *y, float *d, int64_t n)
+{
+    gelu_job j = {x, NULL, d, y};
+    ct_parallel_for(n, ELEM_GRAIN, gelu_fwd_part, &j);
+}
+
+static void gelu_bwd_part(void *ctx, int64_t lo, int64_t hi)
+{
+    const gelu_job *j = ctx;
+    float *restrict gd = ct_f32(j->y);
+    const float *restrict d = j->d, *restrict dy = j->dy;
+    for (int64_t i = lo; i < hi; i++) gd[i] = dy[i] * d[i];
+}
+
+/* Columns [lo, hi) of a bf16 gradient, every row in order: each column's
+ * sum adds its rows in the order one thread would. */
+static void gelu_bwd_cols(void *ctx, int64_t lo, int64_t hi)
+{
+    const gelu_job *j = ctx;
+    ct_tensor *g = j->y;
+    int64_t cols = g->ndim ? g->shape[g->ndim - 1] : 1, rows = cols ? g->numel / cols : 0;
+    float buf[CT__EMIT_CHUNK];
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = lo; c < hi; c += CT__EMIT_CHUNK) {
+            int64_t k = hi - c < CT__EMIT_CHUNK ? hi - c : CT__EMIT_CHUNK, at = r * cols + c;
+            for (int64_t i = 0; i < k; i++) buf[i] = j->dy[at + i] * j->d[at + i];
+            ct__grad_bf16_put(g, at, buf, k);
+        }
+}
+
 /* g = dy * d, i < n: into F32 g, or through L1 into a bf16 gradient with column sums. */
 static void gelu_backward(const float *restrict d, const float *restrict dy, ct_tensor *g, int64_t n)
 {
+    gelu_job j = {NULL, dy, (float *)d, g};
     if (g->dtype != CT_BF16) {
-        float *restrict gd = ct_f32(g);
-        for (int64_t i = 0; i < n; i++) gd[i] = dy[i] * d[i];
+        ct_parallel_for(n, ELEM_GRAIN, gelu_bwd_part, &j);
         return;
     }
-    float buf[CT__EMIT_CHUNK];
-    for (int64_t c = 0; c < n; c += CT__EMIT_CHUNK) {
-        int64_t k = n - c < CT__EMIT_CHUNK ? n - c : CT__EMIT_CHUNK;
-        for (int64_t i = 0; i < k; i++) buf[i] = dy[c + i] * d[c + i];
-        ct__grad_bf16_put(g, c, buf, k);
-    }
+    int64_t cols = g->ndim ? g->shape[g->ndim - 1] : 1;
+    /* split by columns only when each thread's share is a worthwhile strip */
+    if (n >= 2 * ELEM_GRAIN) ct_parallel_for(cols, 64, gelu_bwd_cols, &j);
+    else gelu_bwd_cols(&j, 0, cols);
 }
 
 static ct_status act_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,

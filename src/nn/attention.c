@@ -137,7 +137,9 @@ static ct_status mm(prec p, int ta, int tb, int64_t M, int64_t N, int64_t K, flo
 {
     if (p.bf16)
         return ct_gemm_bf16(ta, tb, (int)M, (int)N, (int)K, alpha, a, (int)lda, b, (int)ldb, 0.0f, c, (int)ldc);
-    return ct_gemm_f32(CT_GEMM_AUTO, ta, tb, (int)M, (int)N, (int)K, alpha, a, (int)lda, b, (int)ldb, 0.0f, c,
+    /* OpenBLAS at any thread count: (sample, head) pairs run side by side
+     * on the rank's threads, and the engine must not depend on how many */
+    return ct_gemm_f32(CT_GEMM_OPENBLAS, ta, tb, (int)M, (int)N, (int)K, alpha, a, (int)lda, b, (int)ldb, 0.0f, c,
                        (int)ldc);
 }
 
@@ -190,114 +192,172 @@ static core_dims dims_of(const attn_impl *A, const ct_tensor *qkv, const uint8_t
                        mask ? 1.0f / (1.0f - A->attn_p) : 1.0f, mask};
 }
 
-/* Portable: qkv [B, T, 3D] (f32 or bf16) -> y [B, T, D] f32; P (in qkv's
- * precision, portable_pnumel(T) per (sample, head)) receives the
- * probabilities. */
-static ct_status portable_forward(const core_dims *c, const ct_tensor *qkv, ct_tensor *P, float *y)
+/* One call of the portable path over (sample, head) pairs [lo, hi): the
+ * pairs write disjoint parts of P, y and dqkv, so f32 runs them on the
+ * rank's threads (bf16 products go through oneDNN, which runs one at a
+ * time: bf16 stays on one thread here). */
+typedef struct {
+    const core_dims *c;
+    const ct_tensor *qkv, *P;
+    const void *dy;
+    float *y;     /* forward's output */
+    float *dqkv;  /* backward's output */
+    ct_status st; /* the first failure of any range */
+} portable_job;
+
+/* Records a range's failure (the first one wins; the message is that thread's). */
+static void job_fail(portable_job *j, ct_status st)
 {
+    if (st == CT_OK) return;
+#pragma omp critical(ct_attn_portable)
+    if (j->st == CT_OK) j->st = st;
+}
+
+/* Portable: qkv [B, T, 3D] (f32 or bf16) -> y [B, T, D] f32 for pairs
+ * [lo, hi); P (in qkv's precision, portable_pnumel(T) per (sample, head))
+ * receives the probabilities. */
+static void portable_forward_pairs(void *ctx, int64_t lo, int64_t hi)
+{
+    portable_job *j = ctx;
+    const core_dims *c = j->c;
+    const ct_tensor *qkv = j->qkv, *P = j->P;
+    float *y = j->y;
     int64_t T = c->T, D = c->D, hd = c->hd, pn = portable_pnumel(T);
     prec pr = {qkv->dtype == CT_BF16};
     size_t es = pr.bf16 ? 2 : 4;
     const char *base = ct_tensor_data(qkv);
     /* f32 scores of a row block (bf16: P is cast from them), its dropped P, an f32 row. */
     char *tmp = ct_alloc((size_t)(PB * T) * (4 + es) + (size_t)T * 4, CT_MEM_ACT);
-    if (!tmp) return CT_ENOMEM;
+    if (!tmp) {
+        job_fail(j, CT_ENOMEM);
+        return;
+    }
     float *sc = (float *)(void *)tmp, *row = sc + PB * T;
     char *pd = (char *)(row + T);
     ct_status st = CT_OK;
-    for (int64_t b = 0; b < c->B && st == CT_OK; b++)
-        for (int64_t h = 0; h < c->H && st == CT_OK; h++) {
-            const char *q = base + ((size_t)(b * T * 3 * D + h * hd)) * es;
-            const char *k = q + (size_t)D * es, *v = q + (size_t)(2 * D) * es;
-            const uint8_t *mk = c->mask ? c->mask + (b * c->H + h) * T * T : NULL;
-            char *blk = (char *)ct_tensor_data(P) + (size_t)((b * c->H + h) * pn) * es;
-            for (int64_t i0 = 0; i0 < T && st == CT_OK; i0 += PB) {
-                int64_t m = min64(PB, T - i0), w = i0 + m;
-                float *S = pr.bf16 ? sc : (float *)(void *)blk;
-                st = mm(pr, 0, 1, m, w, hd, c->scale, q + (size_t)(i0 * 3 * D) * es, 3 * D, k, 3 * D, S, w);
-                if (st != CT_OK) break;
-                for (int64_t l = 0; l < m; l++) softmax_row(S + l * w, i0 + l + 1, w);
-                if (pr.bf16) ct_f32_to_bf16_n(S, (uint16_t *)(void *)blk, (size_t)(m * w));
-                const void *pv = blk;
-                if (mk) {
-                    for (int64_t l = 0; l < m; l++)
-                        drop_row(p_row(pr, blk, l, w, row), mk + (i0 + l) * T, c->keep, w, pr.bf16,
-                                 pd + (size_t)(l * w) * es, sc + l * w);
-                    pv = pd;
-                }
-                st = mm(pr, 0, 0, m, hd, w, 1.0f, pv, w, v, 3 * D, y + (b * T + i0) * D + h * hd, D);
-                blk += (size_t)(m * w) * es;
+    for (int64_t bh = lo; bh < hi && st == CT_OK; bh++) {
+        int64_t b = bh / c->H, h = bh % c->H;
+        const char *q = base + ((size_t)(b * T * 3 * D + h * hd)) * es;
+        const char *k = q + (size_t)D * es, *v = q + (size_t)(2 * D) * es;
+        const uint8_t *mk = c->mask ? c->mask + (b * c->H + h) * T * T : NULL;
+        char *blk = (char *)ct_tensor_data(P) + (size_t)((b * c->H + h) * pn) * es;
+        for (int64_t i0 = 0; i0 < T && st == CT_OK; i0 += PB) {
+            int64_t m = min64(PB, T - i0), w = i0 + m;
+            float *S = pr.bf16 ? sc : (float *)(void *)blk;
+            st = mm(pr, 0, 1, m, w, hd, c->scale, q + (size_t)(i0 * 3 * D) * es, 3 * D, k, 3 * D, S, w);
+            if (st != CT_OK) break;
+            for (int64_t l = 0; l < m; l++) softmax_row(S + l * w, i0 + l + 1, w);
+            if (pr.bf16) ct_f32_to_bf16_n(S, (uint16_t *)(void *)blk, (size_t)(m * w));
+            const void *pv = blk;
+            if (mk) {
+                for (int64_t l = 0; l < m; l++)
+                    drop_row(p_row(pr, blk, l, w, row), mk + (i0 + l) * T, c->keep, w, pr.bf16,
+                             pd + (size_t)(l * w) * es, sc + l * w);
+                pv = pd;
             }
+            st = mm(pr, 0, 0, m, hd, w, 1.0f, pv, w, v, 3 * D, y + (b * T + i0) * D + h * hd, D);
+            blk += (size_t)(m * w) * es;
         }
+    }
     ct_free(tmp);
-    return st;
+    job_fail(j, st);
 }
 
 /* Portable: dy [B, T, D] (f32, or its bf16 cast) -> dqkv [B, T, 3D] (every
- * element written). */
-static ct_status portable_backward(const core_dims *c, const ct_tensor *qkv, const ct_tensor *P, const void *dy,
-                                   float *dqkv)
+ * element written) for pairs [lo, hi). */
+static void portable_backward_pairs(void *ctx, int64_t lo, int64_t hi)
 {
+    portable_job *job = ctx;
+    const core_dims *c = job->c;
+    const ct_tensor *qkv = job->qkv, *P = job->P;
+    float *dqkv = job->dqkv;
     int64_t T = c->T, D = c->D, hd = c->hd, pn = portable_pnumel(T);
     float keep = c->keep, scale = c->scale; /* locals: stores through float pointers cannot change them */
     prec pr = {qkv->dtype == CT_BF16};
     size_t es = pr.bf16 ? 2 : 4;
-    const char *base = ct_tensor_data(qkv), *dyb = dy;
+    const char *base = ct_tensor_data(qkv), *dyb = job->dy;
     /* dS and Pd [T, T] in the products' precision (row blocks' widths only),
      * bf16: dP of a row block in f32 (f32: dP becomes dS in place), two f32 rows. */
     char *tmp = ct_alloc((size_t)(T * T) * 2 * es + (size_t)(PB * T + 2 * T) * 4, CT_MEM_ACT);
-    if (!tmp) return CT_ENOMEM;
+    if (!tmp) {
+        job_fail(job, CT_ENOMEM);
+        return;
+    }
     char *dS = tmp, *Pd = tmp + (size_t)(T * T) * es;
     float *dP = (float *)(void *)(Pd + (size_t)(T * T) * es), *row = dP + PB * T, *row2 = row + T;
     ct_status st = CT_OK;
-    for (int64_t b = 0; b < c->B && st == CT_OK; b++)
-        for (int64_t h = 0; h < c->H && st == CT_OK; h++) {
-            const char *q = base + ((size_t)(b * T * 3 * D + h * hd)) * es;
-            const char *k = q + (size_t)D * es, *v = q + (size_t)(2 * D) * es;
-            const char *g = dyb + (size_t)(b * T * D + h * hd) * es;
-            const uint8_t *mk = c->mask ? c->mask + (b * c->H + h) * T * T : NULL;
-            const char *blk = (const char *)ct_tensor_data(P) + (size_t)((b * c->H + h) * pn) * es;
-            float *dq = dqkv + b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
-            for (int64_t i0 = 0; i0 < T && st == CT_OK; i0 += PB) {
-                int64_t m = min64(PB, T - i0), w = i0 + m;
-                /* dPd = dy v^T; through dropout and softmax: dS = P (dP - rowsum(P dP)) * scale. */
-                int64_t ldp = pr.bf16 ? w : T;
-                float *dPb = pr.bf16 ? dP : (float *)(void *)dS + i0 * T;
-                st = mm(pr, 0, 1, m, w, hd, 1.0f, g + (size_t)(i0 * D) * es, D, v, 3 * D, dPb, ldp);
-                if (st != CT_OK) break;
-                for (int64_t l = 0; l < m; l++) {
-                    int64_t i = i0 + l;
-                    const float *p = p_row(pr, blk, l, w, row);
-                    float *r = dPb + l * ldp;
-                    char *pdo = Pd + (size_t)(i * T) * es;
-                    if (mk) {
-                        for (int64_t j = 0; j <= i; j++) r[j] = mk[i * T + j] ? r[j] * keep : 0.0f;
-                        drop_row(p, mk + i * T, keep, w, pr.bf16, pdo, row2);
-                    } else {
-                        memcpy(pdo, blk + (size_t)(l * w) * es, (size_t)w * es);
-                    }
-                    float dot = lane_dot(p, r, i + 1);
-                    for (int64_t j = 0; j <= i; j++) r[j] = p[j] * (r[j] - dot) * scale;
-                    for (int64_t j = i + 1; j < w; j++) r[j] = 0.0f;
-                    if (pr.bf16) ct_f32_to_bf16_n(r, (uint16_t *)(void *)(dS + (size_t)(i * T) * es), (size_t)w);
+    for (int64_t bh = lo; bh < hi && st == CT_OK; bh++) {
+        int64_t b = bh / c->H, h = bh % c->H;
+        const char *q = base + ((size_t)(b * T * 3 * D + h * hd)) * es;
+        const char *k = q + (size_t)D * es, *v = q + (size_t)(2 * D) * es;
+        const char *g = dyb + (size_t)(b * T * D + h * hd) * es;
+        const uint8_t *mk = c->mask ? c->mask + (b * c->H + h) * T * T : NULL;
+        const char *blk = (const char *)ct_tensor_data(P) + (size_t)((b * c->H + h) * pn) * es;
+        float *dq = dqkv + b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
+        for (int64_t i0 = 0; i0 < T && st == CT_OK; i0 += PB) {
+            int64_t m = min64(PB, T - i0), w = i0 + m;
+            /* dPd = dy v^T; through dropout and softmax: dS = P (dP - rowsum(P dP)) * scale. */
+            int64_t ldp = pr.bf16 ? w : T;
+            float *dPb = pr.bf16 ? dP : (float *)(void *)dS + i0 * T;
+            st = mm(pr, 0, 1, m, w, hd, 1.0f, g + (size_t)(i0 * D) * es, D, v, 3 * D, dPb, ldp);
+            if (st != CT_OK) break;
+            for (int64_t l = 0; l < m; l++) {
+                int64_t i = i0 + l;
+                const float *p = p_row(pr, blk, l, w, row);
+                float *r = dPb + l * ldp;
+                char *pdo = Pd + (size_t)(i * T) * es;
+                if (mk) {
+                    for (int64_t j = 0; j <= i; j++) r[j] = mk[i * T + j] ? r[j] * keep : 0.0f;
+                    drop_row(p, mk + i * T, keep, w, pr.bf16, pdo, row2);
+                } else {
+                    memcpy(pdo, blk + (size_t)(l * w) * es, (size_t)w * es);
                 }
-                /* dq = dS k */
-                st = mm(pr, 0, 0, m, hd, w, 1.0f, dS + (size_t)(i0 * T) * es, T, k, 3 * D, dq + i0 * 3 * D, 3 * D);
-                blk += (size_t)(m * w) * es;
+                float dot = lane_dot(p, r, i + 1);
+                for (int64_t j = 0; j <= i; j++) r[j] = p[j] * (r[j] - dot) * scale;
+                for (int64_t j = i + 1; j < w; j++) r[j] = 0.0f;
+                if (pr.bf16) ct_f32_to_bf16_n(r, (uint16_t *)(void *)(dS + (size_t)(i * T) * es), (size_t)w);
             }
-            /* Column block j0: dv = Pd^T dy, dk = dS^T q over rows i >= j0. */
-            for (int64_t j0 = 0; j0 < T && st == CT_OK; j0 += PB) {
-                int64_t n = min64(PB, T - j0), K = T - j0;
-                size_t at = (size_t)(j0 * T + j0) * es;
-                st = mm(pr, 1, 0, n, hd, K, 1.0f, Pd + at, T, g + (size_t)(j0 * D) * es, D, dv + j0 * 3 * D,
-                        3 * D);
-                if (st == CT_OK)
-                    st = mm(pr, 1, 0, n, hd, K, 1.0f, dS + at, T, q + (size_t)(j0 * 3 * D) * es, 3 * D,
-                            dk + j0 * 3 * D, 3 * D);
-            }
+            /* dq = dS k */
+            st = mm(pr, 0, 0, m, hd, w, 1.0f, dS + (size_t)(i0 * T) * es, T, k, 3 * D, dq + i0 * 3 * D, 3 * D);
+            blk += (size_t)(m * w) * es;
         }
+        /* Column block j0: dv = Pd^T dy, dk = dS^T q over rows i >= j0. */
+        for (int64_t j0 = 0; j0 < T && st == CT_OK; j0 += PB) {
+            int64_t n = min64(PB, T - j0), K = T - j0;
+            size_t at = (size_t)(j0 * T + j0) * es;
+            st = mm(pr, 1, 0, n, hd, K, 1.0f, Pd + at, T, g + (size_t)(j0 * D) * es, D, dv + j0 * 3 * D,
+                    3 * D);
+            if (st == CT_OK)
+                st = mm(pr, 1, 0, n, hd, K, 1.0f, dS + at, T, q + (size_t)(j0 * 3 * D) * es, 3 * D,
+                        dk + j0 * 3 * D, 3 * D);
+        }
+    }
     ct_free(tmp);
-    return st;
+    job_fail(job, st);
+}
+
+/* Pairs per thread below which the portable path stays on one thread. */
+#define PAIR_GRAIN 2
+
+static ct_status portable_run(const core_dims *c, const ct_tensor *qkv, const ct_tensor *P, const void *dy,
+                              float *y, float *dqkv)
+{
+    portable_job j = {c, qkv, P, dy, y, dqkv, CT_OK};
+    ct_range_fn fn = y ? portable_forward_pairs : portable_backward_pairs;
+    if (qkv->dtype == CT_BF16) fn(&j, 0, c->B * c->H);
+    else ct_parallel_for(c->B * c->H, PAIR_GRAIN, fn, &j);
+    return j.st;
+}
+
+static ct_status portable_forward(const core_dims *c, const ct_tensor *qkv, ct_tensor *P, float *y)
+{
+    return portable_run(c, qkv, P, NULL, y, NULL);
+}
+
+static ct_status portable_backward(const core_dims *c, const ct_tensor *qkv, const ct_tensor *P, const void *dy,
+                                   float *dqkv)
+{
+    return portable_run(c, qkv, P, dy, NULL, dqkv);
 }
 
 /* The keep-mask of the attention dropout for this call: [B, H, T, T] bytes. */
@@ -390,7 +450,9 @@ static ct_status attn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     if (drop) mask = ct_tensor_empty(CT_U8, 4, (int64_t[]){B, H, T, T}, CT_MEM_ACT);
     if (!qkv || (drop && !mask)) st = CT_ENOMEM;
     if (st == CT_OK && drop) draw_mask(m, ctx, B, H * T * T, ct_tensor_data(mask));
+    double t0 = ct_ledger_begin();
     if (st == CT_OK) st = core_forward(m, qkv, drop ? ct_tensor_data(mask) : NULL, kern, &P, &y);
+    ct_ledger_end(CT_LEDGER_ATTENTION, t0);
     if (st == CT_OK && rec &&
         (ct_record_save(rec, qkv) < 0 || ct_record_save(rec, P) < 0 || (drop && ct_record_save(rec, mask) < 0)))
         st = CT_ENOMEM;
@@ -447,7 +509,9 @@ static ct_status attn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     /* The kernels hand a bf16 c_attn its gradient as bf16 with column sums. */
     int kern = (int)rec->ival[1], emit = kern && ct__takes_bf16_grad(m->kids[K_C_ATTN], kr);
     ct_tensor *dqkv = emit ? ct__grad_bf16_create(3, qkv->shape) : ct_tensor_empty(CT_F32, 3, qkv->shape, CT_MEM_ACT);
+    double t0 = ct_ledger_begin();
     st = dqkv ? core_backward(A, qkv, P, mask, kern, g, dqkv) : CT_ENOMEM;
+    ct_ledger_end(CT_LEDGER_ATTENTION, t0);
     ct_tensor_release(g);
     rec->kids[K_C_ATTN] = NULL;
     if (st != CT_OK) {
@@ -458,6 +522,12 @@ static ct_status attn_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, c
     st = ct_module_backward(m->kids[K_C_ATTN], dqkv, din, kr);
     ct_tensor_release(dqkv);
     return st;
+}
+
+const char *ct_attention_bf16_path(int64_t head_dim)
+{
+    attn_impl A = {head_dim, 1, 0.0f};
+    return use_kernels(&A) ? "ctrain avx512bf16 kernels" : "portable, oneDNN products";
 }
 
 int64_t ct_attention_saved_bytes(int64_t batch, int64_t T, int64_t dim, int heads, int bf16, int dropout)

@@ -32,6 +32,7 @@
  * differs from it only in flushing subnormals, as VDPBF16PS reads them.
  */
 #include <immintrin.h>
+#include <stdatomic.h>
 #include <math.h>
 #include <stddef.h>
 
@@ -469,52 +470,85 @@ static void store_y(const dims *d, int64_t r, const float *ys, void *y, int64_t 
     }
 }
 
-ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, const uint8_t *mask, uint16_t *P,
-                                void *y, int y_bf16)
+/* One call of a kernel over (sample, head) pairs: each range of pairs has a
+ * workspace of its own, so the rank's threads run ranges side by side. */
+typedef struct {
+    const ct__attn_dims *a;
+    const uint16_t *qkv;
+    const uint8_t *mask;
+    uint16_t *P;
+    void *y;
+    int y_bf16;
+    const float *dy;
+    void *dqkv;
+    float *colsum;
+    atomic_int nomem; /* a range could not get its workspace */
+} kern_job;
+
+/* Forward of pairs [lo, hi) in the order b * H + h. */
+static void forward_pairs(void *ctx, int64_t lo, int64_t hi)
 {
-    int64_t B = a->B, H = a->H, D = a->D, T = a->T, hd = D / H, Tp = round16(T);
+    kern_job *j = ctx;
+    const ct__attn_dims *a = j->a;
+    const uint16_t *qkv = j->qkv;
+    const uint8_t *mask = j->mask;
+    uint16_t *P = j->P;
+    void *y = j->y;
+    int y_bf16 = j->y_bf16;
+    int64_t H = a->H, D = a->D, T = a->T, hd = D / H, Tp = round16(T);
     dims d = {T, Tp, hd, Tp / TILE, 1.0f / sqrtf((float)hd), mask ? 1.0f / (1.0f - a->attn_p) : 1.0f};
-    CT_ASSERT((uintptr_t)P % 64 == 0); /* streaming stores */
     /* q rows, k trans, v pairs; scores, dropped P and y of one tile. */
     size_t pk = (size_t)(Tp * hd), nw = 3 * pk / 2 + (size_t)(TILE * Tp) * 3 / 2 + (size_t)(TILE * hd);
     word *ws = ct_alloc(nw * sizeof(word), CT_MEM_ACT);
-    if (!ws) return CT_ENOMEM;
+    if (!ws) {
+        atomic_store(&j->nomem, 1);
+        return;
+    }
     uint16_t *qn = (uint16_t *)ws;
     word *kt = ws + pk / 2, *vp = kt + pk / 2;
     float *s = (float *)(vp + pk / 2), *ys = s + TILE * Tp;
     uint16_t *pd = (uint16_t *)(ys + TILE * hd);
     int64_t pw = ct__attn_bf16_pwords(T);
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < H; h++) {
-            const uint16_t *q = qkv + b * T * 3 * D + h * hd;
-            const uint8_t *mk = mask ? mask + (b * H + h) * T * T : NULL;
-            word *rec = (word *)(void *)P + (b * H + h) * pw;
-            /* The next head's q, k, v and y rows: hd columns on, or the next sample's first. */
-            fetch_plan f = {.rows = b * H + h + 1 < B * H ? T : 0, .step = TILE};
-            if (f.rows) {
-                int64_t nx = h + 1 < H ? hd : T * 3 * D - (H - 1) * hd, ye = y_bf16 ? 2 : 4;
-                int64_t ny = b * T * D + (h + 1 < H ? (h + 1) * hd : T * D);
-                for (int k = 0; k < 3; k++) plan_add(&f, q + nx + k * D, 3 * D * 2, hd * 2, 0);
-                plan_add(&f, (char *)y + ny * ye, D * ye, hd * ye, 1);
-            }
-            pack_rows(q, 3 * D, T, Tp, hd, qn);
-            pack_trans(q + D, 3 * D, T, Tp, hd, kt);
-            pack_pairs(q + 2 * D, 3 * D, T, Tp, hd, vp);
-            for (int64_t r = 0; r < d.nt; r++) {
-                int64_t rows = T - TILE * r < TILE ? T - TILE * r : TILE, w = TILE * (r + 1);
-                /* S = q k^T over key tiles 0..r (rows past T are zeros in qn). */
-                fetch_some(&f);
-                tile_product(w, hd / 2, (const word *)qn + TILE * r * hd / 2, hd / 2, 1, kt, Tp, s, Tp, TILE, FULL);
-                softmax_tile(&d, r, s, mk ? mk + TILE * r * T : NULL, rec + tile_off(r), pd);
-                /* y = Pd v over keys 0..w: the bf16 rows of pd as pair words. */
-                tile_product(hd, w / 2, (const word *)pd, Tp / 2, 1, vp, hd, ys, hd, rows, TRIM_END);
-                int64_t yo = b * T * D + h * hd;
-                store_y(&d, r, ys, y_bf16 ? (void *)((uint16_t *)y + yo) : (void *)((float *)y + yo), D, y_bf16);
-            }
+    for (int64_t bh = lo; bh < hi; bh++) {
+        int64_t b = bh / H, h = bh % H;
+        const uint16_t *q = qkv + b * T * 3 * D + h * hd;
+        const uint8_t *mk = mask ? mask + (b * H + h) * T * T : NULL;
+        word *rec = (word *)(void *)P + (b * H + h) * pw;
+        /* The next head's q, k, v and y rows: hd columns on, or the next sample's first. */
+        fetch_plan f = {.rows = bh + 1 < hi ? T : 0, .step = TILE};
+        if (f.rows) {
+            int64_t nx = h + 1 < H ? hd : T * 3 * D - (H - 1) * hd, ye = y_bf16 ? 2 : 4;
+            int64_t ny = b * T * D + (h + 1 < H ? (h + 1) * hd : T * D);
+            for (int k = 0; k < 3; k++) plan_add(&f, q + nx + k * D, 3 * D * 2, hd * 2, 0);
+            plan_add(&f, (char *)y + ny * ye, D * ye, hd * ye, 1);
         }
+        pack_rows(q, 3 * D, T, Tp, hd, qn);
+        pack_trans(q + D, 3 * D, T, Tp, hd, kt);
+        pack_pairs(q + 2 * D, 3 * D, T, Tp, hd, vp);
+        for (int64_t r = 0; r < d.nt; r++) {
+            int64_t rows = T - TILE * r < TILE ? T - TILE * r : TILE, w = TILE * (r + 1);
+            /* S = q k^T over key tiles 0..r (rows past T are zeros in qn). */
+            fetch_some(&f);
+            tile_product(w, hd / 2, (const word *)qn + TILE * r * hd / 2, hd / 2, 1, kt, Tp, s, Tp, TILE, FULL);
+            softmax_tile(&d, r, s, mk ? mk + TILE * r * T : NULL, rec + tile_off(r), pd);
+            /* y = Pd v over keys 0..w: the bf16 rows of pd as pair words. */
+            tile_product(hd, w / 2, (const word *)pd, Tp / 2, 1, vp, hd, ys, hd, rows, TRIM_END);
+            int64_t yo = b * T * D + h * hd;
+            store_y(&d, r, ys, y_bf16 ? (void *)((uint16_t *)y + yo) : (void *)((float *)y + yo), D, y_bf16);
+        }
+    }
     _mm_sfence();
     ct_free(ws);
-    return CT_OK;
+}
+
+ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, const uint8_t *mask, uint16_t *P,
+                                void *y, int y_bf16)
+{
+    CT_ASSERT((uintptr_t)P % 64 == 0); /* streaming stores */
+    kern_job j = {a, qkv, mask, P, y, y_bf16, NULL, NULL, NULL, 0};
+    /* Pairs write disjoint parts of P and y: any cut gives one thread's bits. */
+    ct_parallel_for(a->B * a->H, 1, forward_pairs, &j);
+    return atomic_load(&j.nomem) ? CT_ENOMEM : CT_OK;
 }
 
 /* ---- backward ---------------------------------------------------------- */
@@ -611,9 +645,18 @@ static void grad_product(int64_t kp, const word *a, ptrdiff_t as, ptrdiff_t ps, 
     put_grad(gt, rows, hd, out, ld, cs);
 }
 
-ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, const uint8_t *mask,
-                                 const uint16_t *P, const float *dy, void *dqkv, float *colsum)
+/* Backward of heads [lo, hi), each over the samples in order: a head's
+ * columns of the column sums take the samples in the order one thread
+ * takes them, and no other head touches them. */
+static void backward_heads(void *ctx, int64_t lo, int64_t hi)
 {
+    kern_job *j = ctx;
+    const ct__attn_dims *a = j->a;
+    const uint16_t *qkv = j->qkv, *P = j->P;
+    const uint8_t *mask = j->mask;
+    const float *dy = j->dy;
+    void *dqkv = j->dqkv;
+    float *colsum = j->colsum;
     int64_t B = a->B, H = a->H, D = a->D, T = a->T, hd = D / H, Tp = round16(T), W = Tp / 2;
     dims d = {T, Tp, hd, Tp / TILE, 1.0f / sqrtf((float)hd), mask ? 1.0f / (1.0f - a->attn_p) : 1.0f};
     int64_t ge = colsum ? 2 : 4; /* bytes of a dqkv element */
@@ -622,30 +665,35 @@ ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, co
     size_t pk = (size_t)(Tp * hd) / 2, sq = (size_t)(W * Tp);
     size_t nw = 5 * pk + 2 * sq + (size_t)(TILE * Tp) + (size_t)(TILE * Tp) / 2 + (size_t)(TILE * hd);
     word *ws = ct_alloc(nw * sizeof(word), CT_MEM_ACT);
-    if (!ws) return CT_ENOMEM;
+    if (!ws) {
+        atomic_store(&j->nomem, 1);
+        return;
+    }
     uint16_t *dyn = (uint16_t *)ws;
     word *dyp = ws + pk, *kp = dyp + pk, *qp = kp + pk, *vt = qp + pk, *dsi = vt + pk, *pdi = dsi + sq;
     float *dP = (float *)(pdi + sq);
     uint16_t *ds = (uint16_t *)(dP + TILE * Tp);
     float *gt = (float *)(void *)(ds + TILE * Tp);
     int64_t pw = ct__attn_bf16_pwords(T);
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = lo; h < hi; h++)
+        for (int64_t b = 0; b < B; b++) {
             const uint16_t *q = qkv + b * T * 3 * D + h * hd;
             const float *g = dy + b * T * D + h * hd;
             const uint8_t *mk = mask ? mask + (b * H + h) * T * T : NULL;
             const word *rec = (const word *)(const void *)P + (b * H + h) * pw;
             char *dq = (char *)dqkv + (b * T * 3 * D + h * hd) * ge, *dk = dq + D * ge, *dv = dq + 2 * D * ge;
             float *csq = colsum ? colsum + h * hd : NULL, *csk = colsum ? csq + D : NULL, *csv = colsum ? csq + 2 * D : NULL;
-            /* The next head's operands in the order it reads them, then its outputs. */
-            fetch_plan f = {.rows = b * H + h + 1 < B * H ? T : 0, .step = (T + 5 * d.nt - 1) / (5 * d.nt)};
+            /* The next pair's operands in the order it reads them, then its
+             * outputs: the next sample of this head, or the first of the next. */
+            int64_t nb = b + 1 < B ? b + 1 : 0, nh = b + 1 < B ? h : h + 1;
+            fetch_plan f = {.rows = nh < hi ? T : 0, .step = (T + 5 * d.nt - 1) / (5 * d.nt)};
             if (f.rows) {
-                int64_t nx = h + 1 < H ? hd : T * 3 * D - (H - 1) * hd;
-                int64_t ny = h + 1 < H ? hd : T * D - (H - 1) * hd;
-                plan_add(&f, g + ny, D * 4, hd * 4, 0);
-                for (int k = 0; k < 3; k++) plan_add(&f, q + nx + k * D, 3 * D * 2, hd * 2, 0);
-                plan_add_block(&f, rec + pw, 4 * pw);
-                for (int k = 0; k < 3; k++) plan_add(&f, dq + (nx + k * D) * ge, 3 * D * ge, hd * ge, 1);
+                const uint16_t *nq = qkv + nb * T * 3 * D + nh * hd;
+                char *ndq = (char *)dqkv + (nb * T * 3 * D + nh * hd) * ge;
+                plan_add(&f, dy + nb * T * D + nh * hd, D * 4, hd * 4, 0);
+                for (int k = 0; k < 3; k++) plan_add(&f, nq + k * D, 3 * D * 2, hd * 2, 0);
+                plan_add_block(&f, (const word *)(const void *)P + (nb * H + nh) * pw, 4 * pw);
+                for (int k = 0; k < 3; k++) plan_add(&f, ndq + k * D * ge, 3 * D * ge, hd * ge, 1);
             }
             pack_rows_pairs_f32(g, D, T, Tp, hd, dyn, dyp);
             pack_pairs(q + D, 3 * D, T, Tp, hd, kp);
@@ -674,7 +722,14 @@ ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, co
             }
         }
     ct_free(ws);
-    return CT_OK;
+}
+
+ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, const uint8_t *mask,
+                                 const uint16_t *P, const float *dy, void *dqkv, float *colsum)
+{
+    kern_job j = {a, qkv, mask, (uint16_t *)P, NULL, 0, dy, dqkv, colsum, 0};
+    ct_parallel_for(a->H, 1, backward_heads, &j);
+    return atomic_load(&j.nomem) ? CT_ENOMEM : CT_OK;
 }
 
 #if defined(__clang__)

@@ -24,6 +24,41 @@ static inline int64_t index_at(const ct_tensor *t, int64_t i)
 }
 
 /* idx [...] -> y [..., dim]; saves idx by reference. */
+/* One lookup or one gradient: rows of the output, or columns of the table. */
+typedef struct {
+    const emb_impl *E;
+    const ct_tensor *idx;
+    const void *src; /* forward: the table (bf16 compute copy or f32); backward: dy */
+    float *dst;      /* forward: y; backward: the table's gradient */
+    int bf16;
+} emb_job;
+
+/* Positions per thread below which a lookup stays on one thread. */
+#define ROW_GRAIN 64
+
+static void emb_rows(void *ctx, int64_t lo, int64_t hi)
+{
+    const emb_job *j = ctx;
+    int64_t dim = j->E->dim;
+    for (int64_t i = lo; i < hi; i++) {
+        int64_t at = index_at(j->idx, i) * dim;
+        if (j->bf16) ct_bf16_to_f32_n((const uint16_t *)j->src + at, j->dst + i * dim, (size_t)dim);
+        else memcpy(j->dst + i * dim, (const float *)j->src + at, (size_t)dim * sizeof(float));
+    }
+}
+
+static void emb_grad_cols(void *ctx, int64_t lo, int64_t hi)
+{
+    const emb_job *j = ctx;
+    int64_t dim = j->E->dim;
+    const float *dy = j->src;
+    for (int64_t i = 0; i < j->idx->numel; i++) {
+        float *restrict g = j->dst + index_at(j->idx, i) * dim;
+        const float *restrict d = dy + i * dim;
+        for (int64_t c = lo; c < hi; c++) g[c] += d[c];
+    }
+}
+
 static ct_status emb_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
                              const ct_fwd_ctx *ctx)
 {
@@ -50,16 +85,8 @@ static ct_status emb_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_re
     CT_TRY(ct__param_compute(m, W, &bf16));
     ct_tensor *y = ct_tensor_empty(CT_F32, in->ndim + 1, shape, CT_MEM_ACT);
     if (!y) return CT_ENOMEM;
-    float *yd = ct_f32(y);
-    if (bf16) {
-        const uint16_t *w = ct_tensor_data(W->compute);
-        for (int64_t i = 0; i < in->numel; i++)
-            ct_bf16_to_f32_n(w + index_at(in, i) * E->dim, yd + i * E->dim, (size_t)E->dim);
-    } else {
-        const float *w = ct_f32(W->data);
-        size_t row = (size_t)E->dim * sizeof(float);
-        for (int64_t i = 0; i < in->numel; i++) memcpy(yd + i * E->dim, w + index_at(in, i) * E->dim, row);
-    }
+    emb_job j = {E, in, bf16 ? ct_tensor_data(W->compute) : ct_tensor_data(W->data), ct_f32(y), bf16};
+    ct_parallel_for(in->numel, ROW_GRAIN, emb_rows, &j); /* rows are independent copies */
     if (rec && ct_record_save(rec, in) < 0) {
         ct_tensor_release(y);
         return CT_ENOMEM;
@@ -81,13 +108,11 @@ static ct_status emb_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct
     }
     ct_param *W = m->params[0];
     if (!W->requires_grad || !W->grad) return CT_OK;
-    float *gw = ct_f32(W->grad);
-    const float *dy = ct_f32(dout);
-    for (int64_t i = 0; i < idx->numel; i++) {
-        float *g = gw + index_at(idx, i) * E->dim;
-        const float *d = dy + i * E->dim;
-        for (int64_t j = 0; j < E->dim; j++) g[j] += d[j];
-    }
+    emb_job j = {E, idx, ct_f32(dout), ct_f32(W->grad), 0};
+    /* A table row may take several positions: cut by columns, each adds the
+     * positions in order, as one thread does. */
+    if (idx->numel * E->dim >= 2 * 16384) ct_parallel_for(E->dim, 64, emb_grad_cols, &j);
+    else emb_grad_cols(&j, 0, E->dim);
     return CT_OK;
 }
 

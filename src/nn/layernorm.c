@@ -101,6 +101,48 @@ static inline __attribute__((always_inline)) void row_out(const float *restrict 
         }
 }
 
+/* Rows [lo, hi) of one forward; each row's numbers do not depend on which
+ * rows share its block, so the rows are cut over the rank's threads. */
+typedef struct {
+    const float *x, *w, *b;
+    float *yd;
+    uint16_t *yh;
+    float *mu, *rs;
+    int64_t D;
+    double eps;
+} ln_fwd_job;
+
+static void ln_fwd_rows(void *ctx, int64_t lo, int64_t hi)
+{
+    const ln_fwd_job *j = ctx;
+    const float *x = j->x, *w = j->w, *b = j->b;
+    float *yd = j->yd, *mu = j->mu, *rs = j->rs;
+    uint16_t *yh = j->yh;
+    int64_t D = j->D, r = lo;
+    double eps = j->eps;
+    for (; r + RB <= hi; r += RB) {
+        float bm[RB], br[RB];
+        row_stats(x + r * D, D, RB, eps, bm, br);
+        row_out(x + r * D, D, RB, bm, br, w, b, yd ? yd + r * D : NULL, yh ? yh + r * D : NULL);
+        for (int k = 0; mu && k < RB; k++) {
+            mu[r + k] = bm[k];
+            rs[r + k] = br[k];
+        }
+    }
+    for (; r < hi; r++) {
+        float bm, br;
+        row_stats(x + r * D, D, 1, eps, &bm, &br);
+        row_out(x + r * D, D, 1, &bm, &br, w, b, yd ? yd + r * D : NULL, yh ? yh + r * D : NULL);
+        if (mu) {
+            mu[r] = bm;
+            rs[r] = br;
+        }
+    }
+}
+
+/* Rows per thread below which LayerNorm stays on one thread. */
+#define ROW_GRAIN 64
+
 /* x [rows, D] -> y [rows, D] (F32, or BF16 with emit_bf16); saves x, mean [rows], rstd [rows]. */
 static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_record *rec,
                             const ct_fwd_ctx *ctx)
@@ -129,26 +171,8 @@ static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
     float *yd = bf16 ? NULL : ct_f32(y);
     uint16_t *yh = bf16 ? ct_tensor_data(y) : NULL;
     float *mu = mean ? ct_f32(mean) : NULL, *rs = rstd ? ct_f32(rstd) : NULL;
-    double eps = (double)L->eps;
-    int64_t r = 0;
-    for (; r + RB <= rows; r += RB) {
-        float bm[RB], br[RB];
-        row_stats(x + r * D, D, RB, eps, bm, br);
-        row_out(x + r * D, D, RB, bm, br, w, b, yd ? yd + r * D : NULL, yh ? yh + r * D : NULL);
-        for (int k = 0; mu && k < RB; k++) {
-            mu[r + k] = bm[k];
-            rs[r + k] = br[k];
-        }
-    }
-    for (; r < rows; r++) {
-        float bm, br;
-        row_stats(x + r * D, D, 1, eps, &bm, &br);
-        row_out(x + r * D, D, 1, &bm, &br, w, b, yd ? yd + r * D : NULL, yh ? yh + r * D : NULL);
-        if (mu) {
-            mu[r] = bm;
-            rs[r] = br;
-        }
-    }
+    ln_fwd_job j = {x, w, b, yd, yh, mu, rs, D, (double)L->eps};
+    ct_parallel_for(rows, ROW_GRAIN, ln_fwd_rows, &j);
     ct_tensor_release(mean);
     ct_tensor_release(rstd);
     *out = y;
@@ -162,22 +186,27 @@ static ct_status ln_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_rec
  * it is used, as the unfused loops had it. */
 static inline __attribute__((always_inline)) void row_back(const float *x, const float *dy, int64_t D, int nr,
                                                            const float *mu, const float *rs, const float *w,
-                                                           float *gw, float *gb, float *dx)
+                                                           float *gw, float *gb, float *dx, int gwb)
 {
     const int64_t D8 = D & ~(int64_t)7;
     v8d ag[RB], agx[RB];
     for (int k = 0; k < nr; k++) ag[k] = agx[k] = (v8d){0};
     for (int64_t i = 0; i < D8; i += 8) {
-        v8f wv = LOAD8(w + i), gwv = LOAD8(gw + i), gbv = LOAD8(gb + i);
+        v8f wv = LOAD8(w + i), gwv = {0}, gbv = {0};
+        if (gwb) gwv = LOAD8(gw + i), gbv = LOAD8(gb + i);
         for (int k = 0; k < nr; k++) {
             v8f d = LOAD8(dy + k * D + i), xm = LOAD8(x + k * D + i) - mu[k], g = d * wv;
-            gwv += d * xm * rs[k];
-            gbv += d;
+            if (gwb) {
+                gwv += d * xm * rs[k];
+                gbv += d;
+            }
             ag[k] += __builtin_convertvector(g, v8d);
             agx[k] += __builtin_convertvector(g * xm * rs[k], v8d);
         }
-        memcpy(gw + i, &gwv, sizeof gwv);
-        memcpy(gb + i, &gbv, sizeof gbv);
+        if (gwb) {
+            memcpy(gw + i, &gwv, sizeof gwv);
+            memcpy(gb + i, &gbv, sizeof gbv);
+        }
     }
     for (int k = 0; k < nr; k++) {
         const float *xr = x + k * D, *dyr = dy + k * D;
@@ -185,8 +214,10 @@ static inline __attribute__((always_inline)) void row_back(const float *x, const
         double sg = 0.0, sgx = 0.0;
         for (int64_t i = D8; i < D; i++) {
             float g = dyr[i] * w[i];
-            gw[i] += dyr[i] * (xr[i] - m) * r;
-            gb[i] += dyr[i];
+            if (gwb) {
+                gw[i] += dyr[i] * (xr[i] - m) * r;
+                gb[i] += dyr[i];
+            }
             sg += g;
             sgx += g * (xr[i] - m) * r;
         }
@@ -197,6 +228,44 @@ static inline __attribute__((always_inline)) void row_back(const float *x, const
         float mg = (float)(sg / (double)D), mgx = (float)(sgx / (double)D);
         float *dxr = dx + k * D;
         for (int64_t i = 0; i < D; i++) dxr[i] = r * (dyr[i] * w[i] - mg - (xr[i] - m) * r * mgx);
+    }
+}
+
+/* One backward: rows of dx (and dw, db with them when gwb: one thread),
+ * or columns of dw and db. */
+typedef struct {
+    const float *x, *dy, *mean, *rstd, *w;
+    float *gw, *gb, *dx, *scratch;
+    int64_t D, rows;
+    int gwb;
+} ln_bwd_job;
+
+static void ln_bwd_rows(void *ctx, int64_t lo, int64_t hi)
+{
+    const ln_bwd_job *j = ctx;
+    int64_t D = j->D, r = lo;
+    /* without dx only one thread runs here (gwb): scratch has one dx block */
+    for (; r + RB <= hi; r += RB)
+        row_back(j->x + r * D, j->dy + r * D, D, RB, j->mean + r, j->rstd + r, j->w, j->gw, j->gb,
+                 j->dx ? j->dx + r * D : j->scratch + 2 * D, j->gwb);
+    for (; r < hi; r++)
+        row_back(j->x + r * D, j->dy + r * D, D, 1, j->mean + r, j->rstd + r, j->w, j->gw, j->gb,
+                 j->dx ? j->dx + r * D : j->scratch + 2 * D, j->gwb);
+}
+
+/* dw and db for columns [lo, hi), rows in order, with row_back's operations. */
+static void ln_bwd_cols(void *ctx, int64_t lo, int64_t hi)
+{
+    const ln_bwd_job *j = ctx;
+    int64_t D = j->D;
+    for (int64_t r = 0; r < j->rows; r++) {
+        const float *restrict xr = j->x + r * D, *restrict dyr = j->dy + r * D;
+        float m = j->mean[r], rs = j->rstd[r];
+        float *restrict gw = j->gw, *restrict gb = j->gb;
+        for (int64_t i = lo; i < hi; i++) {
+            gw[i] += dyr[i] * (xr[i] - m) * rs;
+            gb[i] += dyr[i];
+        }
     }
 }
 
@@ -231,11 +300,16 @@ static ct_status ln_backward(ct_module *m, ct_tensor *dout, ct_tensor **din, ct_
     const float *x = ct_f32(xt), *dy = ct_f32(dout), *w = ct_f32(W->data);
     const float *mean = ct_f32(ct_record_saved(rec, 1)), *rstd = ct_f32(ct_record_saved(rec, 2));
     float *dxd = dx ? ct_f32(dx) : NULL;
-    int64_t r = 0;
-    for (; r + RB <= rows; r += RB)
-        row_back(x + r * D, dy + r * D, D, RB, mean + r, rstd + r, w, gw, gb, dxd ? dxd + r * D : scratch + 2 * D);
-    for (; r < rows; r++)
-        row_back(x + r * D, dy + r * D, D, 1, mean + r, rstd + r, w, gw, gb, dxd ? dxd + r * D : scratch + 2 * D);
+    ln_bwd_job j = {x, dy, mean, rstd, w, gw, gb, dxd, scratch, D, rows, 0};
+    if (ct_parallel_threads(rows, ROW_GRAIN) > 1) {
+        /* dx by rows, then dw and db by columns, each column adding its
+         * rows in order: one thread's bits, over two passes instead of one */
+        if (dxd) ct_parallel_for(rows, ROW_GRAIN, ln_bwd_rows, &j);
+        ct_parallel_for(D, 64, ln_bwd_cols, &j);
+    } else {
+        j.gwb = 1;
+        ln_bwd_rows(&j, 0, rows);
+    }
     ct_free(scratch);
     if (din) *din = dx;
     return CT_OK;

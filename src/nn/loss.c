@@ -156,6 +156,41 @@ static double row_exp(const float *zr, float mx, float mn, int64_t C, float *e)
     return se;
 }
 
+/* Rows of one cross-entropy: each row's loss term (0 when ignored) and its gradient. */
+typedef struct {
+    const float *z;
+    const ct_tensor *targets;
+    int64_t ignore_index, C;
+    double inv;
+    ct_tensor *d;
+    float *scratch;
+    double *terms;
+} ce_job;
+
+static void ce_rows(void *ctx, int64_t lo, int64_t hi)
+{
+    const ce_job *j = ctx;
+    int64_t C = j->C;
+    for (int64_t r = lo; r < hi; r++) {
+        int64_t t = target_at(j->targets, r);
+        float *dr = j->d ? ct_f32(j->d) + r * C : j->scratch;
+        j->terms[r] = 0.0;
+        if (t == j->ignore_index) { /* contributes nothing */
+            if (j->d) memset(dr, 0, (size_t)C * sizeof *dr);
+            continue;
+        }
+        const float *zr = j->z + r * C;
+        float mn, mx = row_range(zr, C, &mn);
+        double se = row_exp(zr, mx, mn, C, dr);
+        j->terms[r] = log(se) - (double)(zr[t] - mx);
+        if (j->d) {
+            float scale = (float)(j->inv / se);
+            for (int64_t c = 0; c < C; c++) dr[c] *= scale;
+            dr[t] -= (float)j->inv;
+        }
+    }
+}
+
 ct_status ct_cross_entropy(const ct_tensor *logits, const ct_tensor *targets, int64_t ignore_index,
                            float *loss, ct_tensor **dlogits)
 {
@@ -170,25 +205,20 @@ ct_status ct_cross_entropy(const ct_tensor *logits, const ct_tensor *targets, in
     if (!d && !scratch) return CT_ENOMEM;
     int64_t count = 0;
     for (int64_t r = 0; r < rows; r++) count += target_at(targets, r) != ignore_index;
-    const float *z = ct_f32(logits);
-    double total = 0.0, inv = count ? 1.0 / (double)count : 0.0;
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t t = target_at(targets, r);
-        float *dr = d ? ct_f32(d) + r * C : scratch;
-        if (t == ignore_index) { /* contributes nothing */
-            if (d) memset(dr, 0, (size_t)C * sizeof *dr);
-            continue;
-        }
-        const float *zr = z + r * C;
-        float mn, mx = row_range(zr, C, &mn);
-        double se = row_exp(zr, mx, mn, C, dr);
-        total += log(se) - (double)(zr[t] - mx);
-        if (d) {
-            float scale = (float)(inv / se);
-            for (int64_t j = 0; j < C; j++) dr[j] *= scale;
-            dr[t] -= (float)inv;
-        }
+    double *terms = ct_alloc((size_t)rows * sizeof *terms, CT_MEM_ACT);
+    if (!terms) {
+        ct_free(scratch);
+        ct_tensor_release(d);
+        return CT_ENOMEM;
     }
+    ce_job j = {ct_f32(logits), targets, ignore_index, C, count ? 1.0 / (double)count : 0.0, d, scratch, terms};
+    /* Rows on the rank's threads (without a gradient one scratch row: one thread);
+     * the loss sums their terms in row order, as one thread does. */
+    if (d) ct_parallel_for(rows, 16, ce_rows, &j);
+    else ce_rows(&j, 0, rows);
+    double total = 0.0, inv = j.inv;
+    for (int64_t r = 0; r < rows; r++) total += terms[r];
+    ct_free(terms);
     ct_free(scratch);
     *loss = (float)(total * inv);
     if (dlogits) *dlogits = d;

@@ -46,6 +46,14 @@ static int sole_owner(const ct_tensor *t)
            !t->storage->window;
 }
 
+static void add_part(void *ctx, int64_t lo, int64_t hi)
+{
+    const float *const *io = ctx;
+    const float *restrict x = io[0], *restrict y = io[1];
+    float *z = (float *)io[2]; /* may be y itself */
+    for (int64_t i = lo; i < hi; i++) z[i] = x[i] + y[i];
+}
+
 /* a + b as a new reference: into b when nothing else holds b (a branch's
  * fresh output or gradient: no allocation, one stream less), else a new
  * tensor of a's shape. */
@@ -53,9 +61,8 @@ static ct_tensor *add(const ct_tensor *a, ct_tensor *b)
 {
     ct_tensor *o = sole_owner(b) ? ct_tensor_retain(b) : ct_tensor_empty(CT_F32, a->ndim, a->shape, CT_MEM_ACT);
     if (!o) return NULL;
-    const float *x = ct_f32(a), *y = ct_f32(b);
-    float *z = ct_f32(o);
-    for (int64_t i = 0; i < o->numel; i++) z[i] = x[i] + y[i];
+    const float *io[3] = {ct_f32(a), ct_f32(b), ct_f32(o)};
+    ct_parallel_for(o->numel, 16384, add_part, io); /* elementwise: any cut, one thread's bits */
     return o;
 }
 

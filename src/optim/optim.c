@@ -461,18 +461,41 @@ int ct_optim_state(ct_optim *opt, int i, float **bufs, const char **names)
     return opt->nbufs;
 }
 
-void ct_optim_update_range(const ct_optim_opts *o, float *data, const float *grad, float *const *state,
-                           int64_t n, int64_t step)
+/* One thread's elements of ct_optim_update_range. */
+typedef struct {
+    const ct_optim_opts *o;
+    float *data, *const *state;
+    const float *grad;
+    int64_t step;
+} update_job;
+
+static void update_part(void *ctx, int64_t lo, int64_t hi)
 {
-    switch (o->kind) {
+    const update_job *j = ctx;
+    float *s0 = j->state && j->state[0] ? j->state[0] + lo : NULL;
+    switch (j->o->kind) {
     case CT_OPT_ADAMW:
-        ct_adamw_update(data, grad, state[0], state[1], n, o, step);
+        ct_adamw_update(j->data + lo, j->grad + lo, s0, j->state[1] + lo, hi - lo, j->o, j->step);
         return;
     case CT_OPT_SGD:
-        ct_sgd_update(data, grad, state_bufs(o) ? state[0] : NULL, n, o, step == 1);
+        ct_sgd_update(j->data + lo, j->grad + lo, state_bufs(j->o) ? s0 : NULL, hi - lo, j->o, j->step == 1);
         return;
     }
     CT_ASSERT(!"ct_optim_validate accepts only known optimizer kinds");
+}
+
+/* Elements per thread below which waking the team costs more than it saves. */
+#define UPDATE_GRAIN 16384
+
+void ct_optim_update_range(const ct_optim_opts *o, float *data, const float *grad, float *const *state,
+                           int64_t n, int64_t step)
+{
+    /* Each element's update reads only its own p, g and state: cut over the
+     * rank's threads, the bits are those of one thread. */
+    update_job j = {o, data, state, grad, step};
+    double t0 = ct_ledger_begin();
+    ct_parallel_for(n, UPDATE_GRAIN, update_part, &j);
+    ct_ledger_end(CT_LEDGER_OPTIMIZER, t0);
 }
 
 /* The hyper-parameters of each group for this step: [0] the default

@@ -209,6 +209,7 @@ static int run_piece(ct__ostore *o, const ct__io_piece *p)
 static void *io_main(void *arg)
 {
     ct__ostore *o = arg;
+    ct_parallel_serial_here(); /* the compute thread's team has the cores */
     pthread_mutex_lock(&o->mu);
     for (;;) {
         while (!o->stop && o->done == o->submitted) pthread_cond_wait(&o->cv, &o->mu);
