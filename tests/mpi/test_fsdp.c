@@ -538,14 +538,17 @@ TEST(fsdp_cache_stays_under_its_bound)
         if (!(r.peak_cached <= bound && (pass || world == 1 || r.peak_cached > 0)))
             st = ct_error(CT_EINVAL, "the cache held up to %zu bytes over the steps; its bound is %zu", r.peak_cached, bound);
 #ifndef __SANITIZE_ADDRESS__ /* its shadow memory and quarantine move RSS on their own */
-        /* what the kernel sees: the live bytes' growth and the cache, and 16 MiB of slack (malloc, stacks) */
-        double grown = (double)r.peak_rss - (double)r0.rss, allowed = (double)(r.peak_total - r0.current_total) + (double)bound + 16.0 * (1 << 20);
+        /* what the kernel sees: the live bytes' growth and the cache, MPI's reduce-scatter temporary (a
+         * unit's gradient, on the ranks its algorithm makes intermediate roots; the plan counts it as
+         * comm), and 16 MiB of slack (malloc, stacks) */
+        double grown = (double)r.peak_rss - (double)r0.rss,
+               allowed = (double)(r.peak_total - r0.current_total) + (double)bound + (double)largest * 4 + 16.0 * (1 << 20);
         if (st == CT_OK && !(grown <= allowed))
             st = ct_error(CT_EINVAL, "RSS grew by %.0f bytes over the steps, more than the live bytes' %zu plus the cache's bound %zu",
                           grown, r.peak_total - r0.current_total, bound);
 #endif
         ASSERT_OK(ct_group_check(g, st));
-        ct_strategy_destroy(s);
+        UNWRAP(s); /* the model whole again, for the next pass */
         ASSERT_EQ(ct_mem_phase_current(), CT_PHASE_TEARDOWN);
     }
     ct_module_destroy(m);
