@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st_check  # noqa: E402  (exits 3 without torch)
 import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
-from gpt_ref import GPT  # noqa: E402
+from gpt_ref import load_model  # noqa: E402
 
 
 def configure_optimizers(model, weight_decay, learning_rate, betas, eps):
@@ -44,13 +44,8 @@ def main(argv):
     if len(argv) != 3:
         print(__doc__, file=sys.stderr)
         return 2
-    tensors, meta = st_check.load(argv[1])
-    x, y = tensors.pop("__x"), tensors.pop("__y")
-    cfg = [int(meta["ctrain." + k]) for k in ("layers", "heads", "dim", "context", "vocab")]
-    model = GPT(*cfg)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    if unexpected or missing not in ([], ["lm_head.weight"]):
-        print(f"state_dict mismatch: missing {missing}, unexpected {unexpected}", file=sys.stderr)
+    model, x, y, meta = load_model(argv[1])
+    if model is None:
         return 1
     lr = float(meta["ref.lr"])
     opt, nodecay = configure_optimizers(model, float(meta["ref.weight_decay"]), lr,

@@ -91,17 +91,27 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
-def main(argv):
-    if len(argv) != 3:
-        print(__doc__, file=sys.stderr)
-        return 2
-    tensors, meta = st_check.load(argv[1])
+def load_model(path):
+    """The GPT ctrain wrote to path (its config from the metadata), the batch
+    (__x, __y) and the metadata; None for the model when the state dict does
+    not fit (said on stderr)."""
+    tensors, meta = st_check.load(path)
     x, y = tensors.pop("__x"), tensors.pop("__y")
     cfg = [int(meta["ctrain." + k]) for k in ("layers", "heads", "dim", "context", "vocab")]
     model = GPT(*cfg)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if unexpected or missing not in ([], ["lm_head.weight"]):
         print(f"state_dict mismatch: missing {missing}, unexpected {unexpected}", file=sys.stderr)
+        return None, x, y, meta
+    return model, x, y, meta
+
+
+def main(argv):
+    if len(argv) != 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    model, x, y, meta = load_model(argv[1])
+    if model is None:
         return 1
     if model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr():
         print("lm_head.weight is not tied to transformer.wte.weight", file=sys.stderr)
