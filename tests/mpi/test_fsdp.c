@@ -538,11 +538,13 @@ TEST(fsdp_cache_stays_under_its_bound)
         if (!(r.peak_cached <= bound && (pass || world == 1 || r.peak_cached > 0)))
             st = ct_error(CT_EINVAL, "the cache held up to %zu bytes over the steps; its bound is %zu", r.peak_cached, bound);
 #ifndef __SANITIZE_ADDRESS__ /* its shadow memory and quarantine move RSS on their own */
-        /* what the kernel sees: the live bytes' growth and the cache, MPI's reduce-scatter temporary (a
-         * unit's gradient, on the ranks its algorithm makes intermediate roots; the plan counts it as
-         * comm), and 16 MiB of slack (malloc, stacks) */
+        /* what the kernel sees: the live bytes' growth and the cache, MPI's own temporaries (libnbc's
+         * reduce-scatter and allgather: up to a unit each on the ranks their algorithms make intermediate
+         * roots, at a world that is not a power of two; measured 93-120 MB here at 3 ranks), and 16 MiB
+         * of slack (malloc, stacks) */
         double grown = (double)r.peak_rss - (double)r0.rss,
-               allowed = (double)(r.peak_total - r0.current_total) + (double)bound + (double)largest * 4 + 16.0 * (1 << 20);
+               allowed = (double)(r.peak_total - r0.current_total) + (double)bound + 2.0 * (double)largest * 4 +
+                         16.0 * (1 << 20);
         if (st == CT_OK && !(grown <= allowed))
             st = ct_error(CT_EINVAL, "RSS grew by %.0f bytes over the steps, more than the live bytes' %zu plus the cache's bound %zu",
                           grown, r.peak_total - r0.current_total, bound);
