@@ -96,6 +96,7 @@ static ct_status internal_group(MPI_Comm comm, const char *name, const char *suf
     }
     memset(n, 0, sizeof *n);
     n->comm = comm;
+    n->ring = MPI_COMM_NULL;
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm, &n->rank);
     MPI_Comm_size(comm, &n->size);
@@ -115,7 +116,27 @@ static void free_internal(ct_group **n)
     *n = NULL;
 }
 
+static ct_status setup_nodes(ct_group *g, MPI_Comm comm);
+
 ct_status ct__group_setup(ct_group *g, MPI_Comm comm)
+{
+    g->ring = MPI_COMM_NULL;
+    CT_TRY(setup_nodes(g, comm));
+    int rc = MPI_Comm_dup(comm, &g->ring);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_set_errhandler(g->ring, MPI_ERRORS_RETURN);
+    if (rc != MPI_SUCCESS) {
+        if (g->ring != MPI_COMM_NULL) MPI_Comm_free(&g->ring);
+        free_internal(&g->node);
+        free_internal(&g->leaders);
+        ct_free(g->node_of);
+        g->node_of = NULL;
+        return ct__mpi_fail(rc, "MPI_Comm_dup (the group's own point-to-point channel)");
+    }
+    return CT_OK;
+}
+
+/* comm's rank and size, and the nodes it spans (g->node, leaders, node_of). */
+static ct_status setup_nodes(ct_group *g, MPI_Comm comm)
 {
     int rc;
     MPI_Comm local = MPI_COMM_NULL, lead = MPI_COMM_NULL;
@@ -225,6 +246,7 @@ ct_status ct__group_free_comms(ct_group *g)
     free_internal(&g->leaders);
     ct_free(g->node_of);
     g->node_of = NULL;
+    if (g->ring != MPI_COMM_NULL) MPI_Comm_free(&g->ring);
     int rc = MPI_Comm_free(&g->comm);
     return rc == MPI_SUCCESS ? CT_OK : ct__mpi_fail(rc, "MPI_Comm_free");
 }
@@ -423,7 +445,7 @@ ct_status ct_group_split(ct_group *g, int color, int key, ct_group **out)
     ct_group *ng = ct_alloc_zeroed(sizeof *ng, CT_MEM_OTHER);
     if (!ng) return CT_ENOMEM;
     memset(ng, 0, sizeof *ng);
-    ng->comm = MPI_COMM_NULL;
+    ng->comm = ng->ring = MPI_COMM_NULL;
     split_op *o = ct__work_new(g, &split_vt, sizeof *o);
     if (!o) {
         ct_free(ng);

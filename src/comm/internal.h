@@ -31,6 +31,11 @@
 
 struct ct_group {
     MPI_Comm comm;
+    /* A duplicate of comm for the point-to-point messages of ctrain's own
+     * collective algorithms (the ring reduce-scatter), so they can never
+     * match a caller's ct_group_send/recv on comm.  MPI_COMM_NULL on the
+     * internal node and leader groups, which run MPI's collectives only. */
+    MPI_Comm ring;
     int rank, size, local_rank, local_size;
     int is_world;
     char name[96];  /* "world", "world/split1.color0", ...: the same on every member */
@@ -246,6 +251,8 @@ extern _Atomic uint64_t ct__allreduce_two_level_runs;
 /* Two-level reduce-scatters and all-gathers that ran (for tests). */
 extern _Atomic uint64_t ct__reduce_scatter_two_level_runs;
 extern _Atomic uint64_t ct__allgather_two_level_runs;
+/* Reduce-scatters that ran as ctrain's ring (for tests). */
+extern _Atomic uint64_t ct__reduce_scatter_ring_runs;
 
 /* Where node blocks go in a two-level collective over g (spanning nodes;
  * size*count at most INT_MAX, as MPI's counts are ints), in new arrays (the

@@ -9,6 +9,22 @@
  * all ranks have read it.  Each rank reads N and writes N/W bytes.
  * Agreement first (shm.c): mismatched arguments are an error on every rank.
  *
+ * Ring, in place of MPI's for f32, bf16 and f16 in private memory: W-1
+ * steps; at step k rank r sends its running sum of block r-k-1 to rank r+1
+ * and receives rank r-1's sum of block r-k-2, to which it adds its own
+ * (k = 0 sends its own block straight from send); the last step's sum is
+ * block r, reduced into recv.  Each rank sends and receives (W-1)/W of the
+ * bytes, like MPI's best, and holds two blocks of temporaries (one at two
+ * ranks) whatever the world size.  Open MPI's nonblocking reduce-scatter
+ * (libnbc) reduces to rank 0 along a binomial tree and scatters from it:
+ * rank 0 and every inner rank of the tree allocate the whole input, so an
+ * FSDP unit's gradient cost its size again on half the ranks, beyond any
+ * budget planned per rank (8 ranks under a cgroup: ranks 0 and 4 killed).
+ * Block b is summed in the fixed order b+1, b+2, ..., b, so results are the
+ * same from run to run.  Messages go over the group's own duplicate
+ * communicator, tagged by the collective's number, so two rings in flight
+ * and a caller's point-to-point never match each other.
+ *
  * Two-level, when the group spans nodes and every rank's send buffer is the
  * same range of one of its shared allocations (windows per node; f32, bf16,
  * f16; integers take the MPI path):
@@ -40,7 +56,7 @@
 
 #include "internal.h"
 
-enum { PH_AGREE = 0, PH_MPI, PH_DIRECT,
+enum { PH_AGREE = 0, PH_MPI, PH_DIRECT, PH_RING,
        /* two-level */
        PH_HAGREE, PH_INPUTS, PH_INTER, PH_SCATTER };
 
@@ -58,15 +74,91 @@ typedef struct {
     int64_t *pos;         /* ... each rank's block in sums */
     char *sums;           /* ... the node's sums, node by node */
     int64_t h[2];         /* two-level agreement: hash of the arguments, and its negation */
+    char *tmp[2];          /* ring: the running sums received, ping-pong; ct_alloc'd */
+    MPI_Request rq[2];     /* ring: this step's send and receive */
+    int step;              /* ring: the step whose messages are in flight */
     ct__shm_ref ref; /* of send */
     ct__agree ag;
     int phase;
     uint64_t target;
 } redscat_op;
 
+static int is_float(ct_dtype dt) { return dt == CT_F32 || dt == CT_BF16 || dt == CT_F16; }
+
+/* Whether the MPI path runs as ctrain's ring (decided at submit, where its
+ * buffers are made, and again at start: the same inputs). */
+static int rings(const ct_group *g, int64_t count, ct_dtype dt)
+{
+    return g->ring != MPI_COMM_NULL && g->size > 1 && count > 0 && is_float(dt);
+}
+
+/* Ring step o->step: send the running sum (own block at step 0), receive
+ * the previous rank's into the other temporary. */
+static int ring_post(redscat_op *o)
+{
+    ct_work *w = &o->w;
+    ct_group *g = w->g;
+    int W = g->size, r = g->rank, k = o->step;
+    size_t block = (size_t)o->count * ct_dtype_size(o->dt);
+    MPI_Datatype dt = ct__mpi_dtype(o->dt);
+    int tag = (int)(w->seq % 32768u); /* MPI guarantees tags up to 32767 */
+    const void *out = k == 0 ? (const char *)o->send + (size_t)((r - 1 + W) % W) * block
+                             : o->tmp[(k - 1) % 2];
+    int rc = MPI_Irecv(o->tmp[k % 2], o->count, dt, (r - 1 + W) % W, tag, g->ring, &o->rq[1]);
+    if (rc == MPI_SUCCESS)
+        rc = MPI_Isend(out, o->count, dt, (r + 1) % W, tag, g->ring, &o->rq[0]);
+    if (rc != MPI_SUCCESS) return ct__op_fail(w, ct__mpi_fail(rc, "MPI_Isend/MPI_Irecv (ring reduce-scatter)"));
+    return CT__MOVED;
+}
+
+_Atomic uint64_t ct__reduce_scatter_ring_runs;
+
+static int start_ring(redscat_op *o)
+{
+    atomic_fetch_add(&ct__reduce_scatter_ring_runs, 1);
+    o->phase = PH_RING;
+    o->w.gate = 0; /* its messages carry its own tag: later collectives may start */
+    o->step = 0;
+    o->rq[0] = o->rq[1] = MPI_REQUEST_NULL;
+    return ring_post(o);
+}
+
+/* Polled: both of the step's messages done, adds this rank's own block to
+ * the sum received and sends it on, or, at the last step, into recv. */
+static int ring_progress(redscat_op *o)
+{
+    ct_work *w = &o->w;
+    ct_group *g = w->g;
+    int W = g->size, r = g->rank, k = o->step, done = 0, got = 0;
+    MPI_Status st[2];
+    int rc = MPI_Testall(2, o->rq, &done, st);
+    if (rc != MPI_SUCCESS) return ct__op_fail(w, ct__mpi_fail(rc, "MPI_Testall (ring reduce-scatter)"));
+    if (!done) return CT__WAIT;
+    MPI_Get_count(&st[1], ct__mpi_dtype(o->dt), &got);
+    if (got != o->count)
+        return ct__op_fail(w, ct_error(CT_EINVAL, "reduce_scatter: rank %d sent %d elements of a "
+                                                  "block where this rank (%d) expects %d; pass "
+                                                  "the same count and dtype on every rank",
+                                       (r - 1 + W) % W, got, r, o->count));
+    size_t block = (size_t)o->count * ct_dtype_size(o->dt);
+    int b = ((r - k - 2) % W + W) % W; /* the block just received */
+    void *src[2] = {o->tmp[k % 2], (char *)o->send + (size_t)b * block};
+    if (k == W - 2) {
+        void *dst = o->recv;
+        ct__reduce_into(src, 2, &dst, 1, o->count, o->dt, o->op,
+                        o->op == CT_OP_AVG ? 1.0f / (float)W : 1.0f);
+        return CT__DONE;
+    }
+    void *dst = o->tmp[k % 2];
+    ct__reduce_into(src, 2, &dst, 1, o->count, o->dt, o->op == CT_OP_AVG ? CT_OP_SUM : o->op, 1.0f);
+    o->step++;
+    return ring_post(o);
+}
+
 static int start_mpi(redscat_op *o)
 {
     ct_work *w = &o->w;
+    if (o->tmp[0]) return start_ring(o);
     o->phase = PH_MPI;
     w->gate = 0;
     return ct__op_mpi(w, MPI_Ireduce_scatter_block(o->inplace ? MPI_IN_PLACE : o->send,
@@ -75,8 +167,6 @@ static int start_mpi(redscat_op *o)
                                                    ct__mpi_op(o->dt, o->op), w->g->comm, &w->req),
                       "MPI_Ireduce_scatter_block");
 }
-
-static int is_float(ct_dtype dt) { return dt == CT_F32 || dt == CT_BF16 || dt == CT_F16; }
 
 /* ---- two-level ---------------------------------------------------------- */
 
@@ -171,6 +261,8 @@ static int redscat_progress(ct_work *w)
     ct_group *g = w->g;
     if (o->phase >= PH_HAGREE) return two_level_progress(o);
     switch (o->phase) {
+    case PH_RING:
+        return ring_progress(o);
     case PH_MPI:
         if (o->inplace && o->recv != o->send)
             memmove(o->recv, o->send, (size_t)o->count * ct_dtype_size(o->dt));
@@ -213,6 +305,8 @@ static void redscat_destroy(ct_work *w)
     ct_free(o->displs);
     ct_free(o->pos);
     ct_free(o->sums);
+    if (o->tmp[1] != o->tmp[0]) ct_free(o->tmp[1]);
+    ct_free(o->tmp[0]);
 }
 
 static const ct__op_vt redscat_vt = {.name = "reduce_scatter",
@@ -247,6 +341,17 @@ ct_status ct_group_reduce_scatter(ct_group *g, const void *send, void *recv, int
         if (!o->sums) {
             ct__work_destroy(&o->w);
             return ct_error(CT_ENOMEM, "reduce_scatter: out of memory for the two-level sums");
+        }
+    }
+    if (rings(g, count, dt) && !(ref.a && (agree || two_level))) {
+        /* the ring's temporaries, made here for the same reason; a send in
+         * shared memory takes the direct or two-level path instead */
+        o->tmp[0] = ct_alloc(block, CT_MEM_COMM);
+        o->tmp[1] = g->size > 2 ? ct_alloc(block, CT_MEM_COMM) : o->tmp[0];
+        if (!o->tmp[0] || !o->tmp[1]) {
+            if (o->tmp[1] == o->tmp[0]) o->tmp[1] = NULL;
+            ct__work_destroy(&o->w);
+            return ct_error(CT_ENOMEM, "reduce_scatter: out of memory for the ring's two blocks");
         }
     }
     o->agree = agree;

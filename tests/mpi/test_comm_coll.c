@@ -14,6 +14,7 @@
 #include <time.h>
 
 #include "coll_ref.h"
+#include "comm/internal.h" /* ct__reduce_scatter_ring_runs */
 
 
 static void *fill_new(ct_dtype dt, int64_t n, int r, int seed)
@@ -299,6 +300,46 @@ TEST(comm_reduce_scatter)
             if (!inplace) ct_free(recv);
             ct_free(send);
         }
+    ASSERT_NO_SOFT_FAIL();
+}
+
+/* A large reduce-scatter in private memory costs every rank at most its two
+ * ring blocks beyond its buffers: Open MPI's own (libnbc) reduced to rank 0
+ * along a binomial tree, so rank 0 and the tree's inner ranks held the whole
+ * input again (an FSDP unit's gradient over budget on half the ranks). */
+TEST(comm_reduce_scatter_holds_two_blocks_on_every_rank)
+{
+    soft_begin();
+    ct_group *g = W();
+    int p = ct_group_size(g), me = ct_group_rank(g);
+    if (p < 2) SKIP("needs 2 or more ranks");
+    const int64_t n = (int64_t)(24 << 20) / 4 / p; /* 24 MiB of f32 in all */
+    size_t block = (size_t)n * sizeof(float);
+    for (int inplace = 0; inplace < 2; inplace++) {
+        float *send = fill_new(CT_F32, n * p, me, 31 + inplace);
+        float *recv = inplace ? send + me * n : ct_alloc_zeroed(block, CT_MEM_COMM);
+        memset(recv, 0, inplace ? 0 : block); /* resident before the peak is taken */
+        uint64_t rings0 = atomic_load(&ct__reduce_scatter_ring_runs);
+        ct_mem_reset_peak();
+        ct_mem_report r0;
+        ct_mem_report_get(&r0);
+        ct_work *w;
+        ASSERT_OK(ct_group_reduce_scatter(g, send, recv, n, CT_F32, CT_OP_SUM, &w));
+        ASSERT_OK(ct_work_wait(w));
+        ct_work_destroy(w);
+        ct_mem_report r1;
+        ct_mem_report_get(&r1);
+        check_reduced_at(recv, CT_F32, CT_OP_SUM, n, me * n, p, 31 + inplace, "ring reduce_scatter");
+        if (atomic_load(&ct__reduce_scatter_ring_runs) != rings0 + 1)
+            soft_fail("rank %d: the reduce-scatter in private memory did not take the ring", me);
+        size_t grew = r1.peak_rss > r0.rss ? r1.peak_rss - r0.rss : 0;
+        size_t allowed = (p > 2 ? 2 : 1) * block + (4u << 20);
+        if (r1.peak_rss && grew > allowed)
+            soft_fail("rank %d of %d: RSS grew %zu bytes during a reduce-scatter of %zu-byte "
+                      "blocks (allowed %zu: the ring's temporaries)", me, p, grew, block, allowed);
+        if (!inplace) ct_free(recv);
+        ct_free(send);
+    }
     ASSERT_NO_SOFT_FAIL();
 }
 

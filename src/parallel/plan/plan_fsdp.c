@@ -64,7 +64,7 @@ ct_status ct__plan_fsdp(const ct__plan *pl, ct_mem_plan *out)
     for (int i = 0; i < pl->nparams; i++)
         if (!pl->params[i]->requires_grad) whole += ct__plan_bytes(pl->params[i]);
     for (int r = 0; st == CT_OK && r < world; r++) {
-        uint64_t pp = 0, root_p = 0, root_g = 0, peak[3] = {0, 0, 0}, mpi_tmp = 0;
+        uint64_t pp = 0, root_p = 0, root_g = 0, peak[3] = {0, 0, 0}, ring_tmp[2] = {0, 0};
         int nc = 0, m = 0;
         for (int i = 0; i < n; i++) {
             int64_t ns = none || u[i].replicated ? 1 : world;
@@ -79,10 +79,16 @@ ct_status ct__plan_fsdp(const ct__plan *pl, ct_mem_plan *out)
                 g1 += (uint64_t)(shard * ns) * 4;
             }
             if ((uint64_t)u[i].numel * 4 > out->flat) out->flat = (uint64_t)u[i].numel * 4; /* a unit's flat */
-            /* MPI's non-blocking reduce-scatter (libnbc) reduces into a temporary of the unit's whole
-             * gradient on the ranks its algorithm makes intermediate roots: memory ctrain never sees
-             * (measured: 8 ranks of the 12 x 768 GPT, ranks 0, 2, 4, 6 up to 3.5 units above the rest) */
-            if (ns > 1 && g1 > mpi_tmp) mpi_tmp = g1;
+            /* the ring reduce-scatter's temporaries (src/comm/reduce_scatter.c): two of the
+             * unit's gradient blocks per rank (one at two ranks), whatever the world size; two
+             * reduce-scatters run at once (the engine's max_running), so the two largest units' */
+            uint64_t ring = ns > 1 ? g1 / (uint64_t)ns * (ns > 2 ? 2 : 1) : 0;
+            if (ring > ring_tmp[0]) {
+                ring_tmp[1] = ring_tmp[0];
+                ring_tmp[0] = ring;
+            } else if (ring > ring_tmp[1]) {
+                ring_tmp[1] = ring;
+            }
             if (u[i].is_root) {
                 root_p += p1;
                 root_g += g1;
@@ -93,7 +99,7 @@ ct_status ct__plan_fsdp(const ct__plan *pl, ct_mem_plan *out)
         }
         fsdp_backward(fp, fg, m, root_p, root_g, grad_op, prefetch, peak);
         uint64_t optim = ct__plan_optim(pl, counts, nc), fixed_g = ct__plan_frozen_grads(pl) + pp;
-        ct__plan_peaks(out, whole + pp + peak[0], fixed_g + peak[1], optim, act, mpi_tmp,
+        ct__plan_peaks(out, whole + pp + peak[0], fixed_g + peak[1], optim, act, ring_tmp[0] + ring_tmp[1],
                        whole + pp + fixed_g + peak[2] + optim);
     }
     ct_free(u);
