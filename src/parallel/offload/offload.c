@@ -565,6 +565,7 @@ const ct__strategy_ops ct__offload_ops = {
     .state = {
         .model = ct__offload_model_state,
         .optim = ct__offload_optim_state,
+        .each = ct__offload_each,
         .load = ct__offload_load_state,
     },
 };

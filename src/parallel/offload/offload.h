@@ -156,6 +156,8 @@ ct_status ct__offload_pre_step(ct_strategy *s);
 /* The strategy's state entries (offload_state.c): the full state dict out of
  * the store, and a full state dict into it (everything checked first). */
 ct_status ct__offload_model_state(ct_strategy *s, ct_state *out);
+/* ct_strategy_state_foreach: each tensor read from the store on its own. */
+ct_status ct__offload_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
 ct_status ct__offload_optim_state(ct_strategy *s, ct_state *out);
 ct_status ct__offload_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                                  int optim);

@@ -28,27 +28,24 @@ static ct_status part_rw(ct_strategy *s, int j, int part, int b, int write, floa
     return ct__ostore_rw(f->store, write, buf, bytes, at);
 }
 
-static ct_status add_read(ct_strategy *s, ct_state *out, const char *name, int j, int part, int b)
+/* Parameter j's part as a tensor of its own to fn, read one at a time, so a
+ * full save holds one tensor beside the resident slices, never the model. */
+static ct_status emit_read(ct_strategy *s, int j, int part, int b, const char *name, int shapes_only,
+                           ct_state_fn fn, void *ud)
 {
     ct_param *p = s->params[j];
-    ct_tensor *t = ct_tensor_empty(CT_F32, p->data->ndim, p->data->shape, CT_MEM_OTHER);
+    ct_tensor *t = shapes_only ? ct_tensor_wrap(CT_F32, p->data->ndim, p->data->shape, NULL)
+                               : ct_tensor_empty(CT_F32, p->data->ndim, p->data->shape, CT_MEM_OTHER);
     if (!t) return CT_ENOMEM;
-    ct_status st = part_rw(s, j, part, b, 0, ct_tensor_data(t));
-    if (st == CT_OK) st = ct_state_add(out, name, t);
+    ct_status st = shapes_only ? CT_OK : part_rw(s, j, part, b, 0, ct_tensor_data(t));
+    if (st == CT_OK) st = fn(ud, name, t);
     ct_tensor_release(t);
     return st;
 }
 
-ct_status ct__offload_model_state(ct_strategy *s, ct_state *out)
-{
-    ct_status st = ct__offload_flush(s);
-    for (int j = 0; j < s->nparams && st == CT_OK; j++) st = add_read(s, out, s->params[j]->name, j, OFF_DATA, 0);
-    for (int i = 0; i < s->nbuffers && st == CT_OK; i++) st = ct_state_add(out, s->buffers[i]->name, s->buffers[i]->data);
-    if (st != CT_OK) ct_state_fini(out);
-    return st;
-}
-
-ct_status ct__offload_optim_state(ct_strategy *s, ct_state *out)
+/* The full model (optim 0) or optimizer state (optim 1), tensor by tensor,
+ * on every rank (offload replicates). */
+ct_status ct__offload_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
 {
     offload_t *f = ct__offload(s);
     const char *names[CT_OPTIM_MAX_STATE];
@@ -57,16 +54,31 @@ ct_status ct__offload_optim_state(ct_strategy *s, ct_state *out)
     ct_status st = ct__offload_flush(s);
     for (int j = 0; j < s->nparams && st == CT_OK; j++) {
         ct_param *p = s->params[j];
+        if (!optim) {
+            st = emit_read(s, j, OFF_DATA, 0, p->name, shapes_only, fn, ud);
+            continue;
+        }
         if (!p->requires_grad) continue;
         for (int b = 0; b < f->nstate && st == CT_OK; b++) {
             snprintf(name, sizeof name, "%s.%s", p->name, names[b]);
-            st = add_read(s, out, name, j, OFF_STATE, b);
+            st = emit_read(s, j, OFF_STATE, b, name, shapes_only, fn, ud);
         }
     }
-    if (st == CT_OK) st = ct__state_add_step(s, out);
+    for (int i = 0; !optim && i < s->nbuffers && st == CT_OK; i++)
+        st = ct__state_emit(fn, ud, s->buffers[i]->name, s->buffers[i]->data, shapes_only);
+    if (optim && st == CT_OK) st = ct__state_emit_step(s, shapes_only, fn, ud);
+    return st;
+}
+
+static ct_status collect(ct_strategy *s, int optim, ct_state *out)
+{
+    ct_status st = ct__offload_each(s, optim, 0, ct__state_collect, out);
     if (st != CT_OK) ct_state_fini(out);
     return st;
 }
+
+ct_status ct__offload_model_state(ct_strategy *s, ct_state *out) { return collect(s, 0, out); }
+ct_status ct__offload_optim_state(ct_strategy *s, ct_state *out) { return collect(s, 1, out); }
 
 /* src (f32/bf16/f16, numel elements) as f32 into parameter j's part (part_rw). */
 static ct_status write_f32(ct_strategy *s, const ct_tensor *src, int64_t numel, const char *name, int j, int part,

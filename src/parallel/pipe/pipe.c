@@ -438,6 +438,7 @@ const ct__strategy_ops ct__pipe_ops = {
     .state = {
         .model = ct__pipe_model_state,
         .optim = ct__pipe_optim_state,
+        .each = ct__pipe_each,
         .shard = ct__pipe_shard_state,
         .local = ct__pipe_local_state,
         .load = ct__pipe_load_state,

@@ -68,6 +68,8 @@ ct_status ct__pipe_train_step(ct_strategy *s, const ct_batch *b, ct_loss_fn loss
 ct_status ct__pipe_predict(ct_strategy *s, ct_tensor *x, const ct_fwd_ctx *ctx, ct_tensor **out);
 
 ct_status ct__pipe_model_state(ct_strategy *s, ct_state *out);
+/* ct_strategy_state_foreach: stage by stage, on rank 0 one tensor at a time. */
+ct_status ct__pipe_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
 ct_status ct__pipe_optim_state(ct_strategy *s, ct_state *out);
 ct_status ct__pipe_shard_state(ct_strategy *s, int optim, ct_state *out);
 ct_status ct__pipe_local_state(ct_strategy *s, int optim, ct_state *out);

@@ -15,95 +15,110 @@
 
 #define TAG_STATE 32766 /* above any micro-batch tag (chunks <= 16000), within MPI's smallest tag bound */
 
-/* Sends st's names, dtypes, shapes and values to rank peer of g. */
-static ct_status send_state(ct_group *g, int peer, const ct_state *st)
+/* One tensor of a stage's state on its way to rank 0: a header (more,
+ * dtype, ndim, name length, shape), the name, then, unless shapes only,
+ * rank 0's answer (1: send it; 0: it could not take it) and the values. */
+enum { H_MORE, H_DTYPE, H_NDIM, H_NAMELEN, H_SHAPE, H_N = H_SHAPE + CT_MAX_DIMS };
+
+typedef struct {
+    ct_strategy *s;
+    int optim, shapes_only;
+    ct_state_fn fn;
+    void *ud;
+    ct_status fn_st; /* rank 0: fn's first failure; fn is not called after it */
+} each_ctx;
+
+/* Rank 0: fn on one tensor, until it fails once. */
+static void emit(each_ctx *c, const char *name, ct_tensor *t)
 {
-    int64_t head[2] = {st->n, 0};
-    for (int i = 0; i < st->n; i++) head[1] += (int64_t)strlen(st->names[i]) + 1;
-    char *names = ct_alloc((size_t)head[1] + 1, CT_MEM_COMM);
-    int64_t *meta = ct_alloc(sizeof *meta * (size_t)(st->n * (2 + CT_MAX_DIMS) + 1), CT_MEM_COMM);
-    ct_status s = names && meta ? CT_OK : CT_ENOMEM;
-    for (int i = 0, off = 0; s == CT_OK && i < st->n; i++) {
-        size_t len = strlen(st->names[i]) + 1;
-        memcpy(names + off, st->names[i], len);
-        off += (int)len;
-        const ct_tensor *t = st->tensors[i];
-        int64_t *mi = meta + (size_t)i * (2 + CT_MAX_DIMS);
-        mi[0] = t->dtype;
-        mi[1] = t->ndim;
-        for (int d = 0; d < CT_MAX_DIMS; d++) mi[2 + d] = d < t->ndim ? t->shape[d] : 0;
+    if (c->fn_st == CT_OK) c->fn_st = c->fn(c->ud, name, t);
+}
+
+/* The inner strategy's callback on this stage: rank 0 (stage 0) hands the
+ * tensor to fn, the first replica of another stage sends it to rank 0;
+ * "step" is stage 0's, a tied parameter its first holding stage's. */
+static ct_status each_cb(void *ud, const char *name, ct_tensor *t)
+{
+    each_ctx *c = ud;
+    pipe_t *p = ct__pipe(c->s);
+    ct_group *g = c->s->g;
+    if ((p->stage != 0 && !strcmp(name, "step")) || ct__pipe_tie_is_copy(p, name, c->optim)) return CT_OK;
+    if (ct_group_rank(g) == 0) {
+        emit(c, name, t);
+        return c->fn_st;
     }
-    if (s == CT_OK) s = ct_group_send(g, head, 2, CT_I64, peer, TAG_STATE, NULL);
-    if (s == CT_OK && st->n) s = ct_group_send(g, names, head[1], CT_U8, peer, TAG_STATE, NULL);
-    if (s == CT_OK && st->n) s = ct_group_send(g, meta, st->n * (2 + CT_MAX_DIMS), CT_I64, peer, TAG_STATE, NULL);
-    for (int i = 0; s == CT_OK && i < st->n; i++)
-        if (st->tensors[i]->numel)
-            s = ct_group_send(g, ct_tensor_data(st->tensors[i]), st->tensors[i]->numel, st->tensors[i]->dtype, peer,
-                              TAG_STATE, NULL);
-    ct_free(names);
-    ct_free(meta);
-    return s;
+    if (p->replica != 0) return CT_OK;
+    int64_t h[H_N] = {1, t->dtype, t->ndim, (int64_t)strlen(name) + 1}, ok = 0;
+    for (int d = 0; d < CT_MAX_DIMS; d++) h[H_SHAPE + d] = d < t->ndim ? t->shape[d] : 0;
+    CT_TRY(ct_group_send(g, h, H_N, CT_I64, 0, TAG_STATE, NULL));
+    CT_TRY(ct_group_send(g, name, h[H_NAMELEN], CT_U8, 0, TAG_STATE, NULL));
+    if (c->shapes_only) return CT_OK;
+    CT_TRY(ct_group_recv(g, &ok, 1, CT_I64, 0, TAG_STATE, NULL));
+    return ok && t->numel ? ct_group_send(g, ct_tensor_data(t), t->numel, t->dtype, 0, TAG_STATE, NULL) : CT_OK;
 }
 
-static int has_name(const ct_state *st, const char *name)
+/* Rank 0: stage k's tensors as they come, until its end marker. */
+static ct_status recv_stage(each_ctx *c, int k)
 {
-    for (int i = 0; i < st->n; i++)
-        if (!strcmp(st->names[i], name)) return 1;
-    return 0;
-}
-
-/* Receives what send_state sent from peer, appending to out the names out
- * does not have yet: "step" is stage 0's, a tied parameter (and its state)
- * the first holding stage's. */
-static ct_status recv_state(ct_group *g, int peer, ct_state *out)
-{
-    int64_t head[2];
-    CT_TRY(ct_group_recv(g, head, 2, CT_I64, peer, TAG_STATE, NULL));
-    if (!head[0]) return CT_OK;
-    char *names = ct_alloc((size_t)head[1] + 1, CT_MEM_COMM);
-    int64_t *meta = ct_alloc(sizeof *meta * (size_t)(head[0] * (2 + CT_MAX_DIMS)), CT_MEM_COMM);
-    ct_status s = names && meta ? CT_OK : CT_ENOMEM;
-    if (s == CT_OK) s = ct_group_recv(g, names, head[1], CT_U8, peer, TAG_STATE, NULL);
-    if (s == CT_OK) s = ct_group_recv(g, meta, head[0] * (2 + CT_MAX_DIMS), CT_I64, peer, TAG_STATE, NULL);
-    const char *name = names;
-    for (int64_t i = 0; s == CT_OK && i < head[0]; i++) {
-        const int64_t *mi = meta + (size_t)i * (2 + CT_MAX_DIMS);
-        int64_t shape[CT_MAX_DIMS];
-        for (int d = 0; d < CT_MAX_DIMS; d++) shape[d] = mi[2 + d];
-        ct_tensor *t = ct_tensor_empty((ct_dtype)mi[0], (int)mi[1], shape, CT_MEM_COMM);
-        if (!t) s = CT_ENOMEM;
-        if (s == CT_OK && t->numel) s = ct_group_recv(g, ct_tensor_data(t), t->numel, t->dtype, peer, TAG_STATE, NULL);
-        if (s == CT_OK && !has_name(out, name)) s = ct_state_add(out, name, t);
+    ct_group *g = c->s->g;
+    char name[1024];
+    for (;;) {
+        int64_t h[H_N];
+        CT_TRY(ct_group_recv(g, h, H_N, CT_I64, k, TAG_STATE, NULL));
+        if (!h[H_MORE]) return CT_OK;
+        if (h[H_NAMELEN] < 1 || h[H_NAMELEN] > (int64_t)sizeof name || h[H_NDIM] < 0 || h[H_NDIM] > CT_MAX_DIMS)
+            return ct_error(CT_ECOMM, "pipe state: stage %d sent a malformed tensor header", k);
+        CT_TRY(ct_group_recv(g, name, h[H_NAMELEN], CT_U8, k, TAG_STATE, NULL));
+        name[h[H_NAMELEN] - 1] = 0;
+        ct_dtype dt = (ct_dtype)h[H_DTYPE];
+        int nd = (int)h[H_NDIM];
+        ct_tensor *t = c->shapes_only ? ct_tensor_wrap(dt, nd, h + H_SHAPE, NULL)
+                     : c->fn_st == CT_OK ? ct_tensor_empty(dt, nd, h + H_SHAPE, CT_MEM_COMM) : NULL;
+        if (!t && c->fn_st == CT_OK) c->fn_st = CT_ENOMEM;
+        if (!c->shapes_only) {
+            int64_t ok = t != NULL;
+            ct_status st = ct_group_send(g, &ok, 1, CT_I64, k, TAG_STATE, NULL);
+            if (st == CT_OK && ok && t->numel) st = ct_group_recv(g, ct_tensor_data(t), t->numel, dt, k, TAG_STATE, NULL);
+            if (st != CT_OK) {
+                ct_tensor_release(t);
+                return st;
+            }
+        }
+        if (t) emit(c, name, t);
         ct_tensor_release(t);
-        name += strlen(name) + 1;
     }
-    ct_free(names);
-    ct_free(meta);
-    return s;
 }
 
-/* Stage states of the first replica, gathered on rank 0 in stage order. */
-static ct_status gather(ct_strategy *s, int optim, ct_state *out)
+/* ct_strategy_state_foreach: each stage's state through its replicas'
+ * strategy, stage by stage in order, on rank 0 one tensor at a time (the
+ * first replica's stages send theirs as their strategy hands them over), so
+ * no rank holds more than its stage and one tensor: the file any strategy,
+ * any stage count or PyTorch loads. */
+ct_status ct__pipe_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
 {
     pipe_t *p = ct__pipe(s);
-    ct_state mine = {0};
-    ct_status st = CT_OK;
-    if (p->stage >= 0) st = optim ? ct_strategy_optim_state(p->inner, &mine) : ct_strategy_model_state(p->inner, &mine);
-    /* Every rank takes part in the agreement, so a failure anywhere is everyone's. */
-    st = ct_group_check(s->g, st);
-    if (st != CT_OK) {
-        ct_state_fini(&mine);
-        return st;
-    }
+    each_ctx c = {s, optim, shapes_only, fn, ud, CT_OK};
     int rank = ct_group_rank(s->g);
-    if (rank == 0) {
-        *out = mine;
-        for (int k = 1; st == CT_OK && k < p->nstages; k++) st = recv_state(s->g, k, out);
-    } else {
-        if (p->replica == 0 && p->stage > 0) st = send_state(s->g, 0, &mine);
-        ct_state_fini(&mine);
+    ct_status st = CT_OK;
+    if (p->stage >= 0) {
+        st = ct_strategy_state_foreach(p->inner, optim, shapes_only, each_cb, &c);
+        if (c.fn_st != CT_OK) st = CT_OK; /* fn failed (returned below): rank 0 drains the other stages all the same */
     }
+    if (rank != 0 && p->replica == 0 && p->stage > 0) {
+        int64_t end[H_N] = {0};
+        ct_status e = ct_group_send(s->g, end, H_N, CT_I64, 0, TAG_STATE, NULL);
+        if (st == CT_OK) st = e;
+    }
+    for (int k = 1; rank == 0 && st == CT_OK && k < p->nstages; k++) st = recv_stage(&c, k);
+    if (st == CT_OK) st = c.fn_st;
     return ct_group_check(s->g, st);
+}
+
+static ct_status gather(ct_strategy *s, int optim, ct_state *out)
+{
+    ct_status st = ct__pipe_each(s, optim, 0, ct__state_collect, out);
+    if (st != CT_OK) ct_state_fini(out);
+    return st;
 }
 
 ct_status ct__pipe_model_state(ct_strategy *s, ct_state *out) { return gather(s, 0, out); }
