@@ -377,9 +377,10 @@ void ct_strategy_set_no_sync(ct_strategy *s, int on);
 ct_status ct_strategy_reduce(ct_strategy *s);
 
 /* Clips the gradients by their global norm over the whole model, however
- * they are sharded (torch.nn.utils.clip_grad_norm_); norm_type 2 or
- * INFINITY.  *norm (may be NULL) gets the norm before clipping; the same on
- * every rank.  CT_EINVAL for a negative or NaN max_norm or another norm_type. */
+ * they are sharded (torch.nn.utils.clip_grad_norm_, FSDP's clip_grad_norm_);
+ * norm_type any p > 0 or INFINITY.  *norm (may be NULL) gets the norm before
+ * clipping; the same on every rank.  CT_EINVAL for a negative or NaN
+ * max_norm, or a norm_type of 0, below 0 or NaN. */
 ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm);
 /* The parts of clipping, for composing strategies and clipping rules of your
  * own: adds the norm terms of every gradient s trains, combined over the

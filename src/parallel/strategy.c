@@ -357,8 +357,9 @@ static ct_status clip_grad_norm_impl(ct_strategy *s, float max_norm, double norm
 {
     if (!(max_norm >= 0))
         return ct_error(CT_EINVAL, "clip: max_norm must be >= 0 (got %g)", (double)max_norm);
-    if (norm_type != 2.0 && !isinf(norm_type))
-        return ct_error(CT_EINVAL, "clip: norm_type %g is not supported; use 2 or infinity", norm_type);
+    if (!ct_norm_type_ok(norm_type))
+        return ct_error(CT_EINVAL, "clip: norm_type %g is invalid; use a number > 0 or infinity (2 is the usual)",
+                        norm_type);
     ct_norm_acc acc = ct_norm_acc_init(norm_type);
     CT_TRY(grad_norm_acc_impl(s, &acc));
     double total = ct_norm_acc_norm(&acc);
