@@ -112,6 +112,21 @@ typedef struct {
  * units, *n gets their number.  CT_EINVAL for options fsdp refuses. */
 ct_status ct_fsdp_plan(ct_module *model, const char *opts, ct_fsdp_unit *units, int max, int *n);
 
+/* An auto-wrap policy (PyTorch's auto_wrap_policy, lambda_auto_wrap_policy):
+ * 1 if module m becomes an FSDP unit.  nonwrapped_numel: trainable parameter
+ * elements under m (its own and its descendants') that no unit the policy
+ * chose below m holds, as PyTorch passes it (a size-based policy compares it
+ * with a minimum); ud is the caller's. */
+typedef int (*ct_wrap_policy_fn)(const ct_module *m, int64_t nonwrapped_numel, void *ud);
+/* Asks policy about every module of model but the model itself (always a
+ * unit), children before parents, and writes *out: opts (NULL: none) with
+ * ",wrap_modules=" and the modules it picked, '+' between; free it with
+ * ct_free.  The result is fsdp's options as ct_strategy_create,
+ * ct_fsdp_plan and ct_strategy_plan take them (the callback is not kept).
+ * Options' own wrap_kinds and wrap_min_params add their units on top.
+ * CT_EINVAL for a NULL model or policy, or opts that set wrap_modules. */
+ct_status ct_fsdp_auto_wrap(ct_module *model, ct_wrap_policy_fn policy, void *ud, const char *opts, char **out);
+
 /* ---- memory planning ---------------------------------------------------- */
 
 /* Predicted peak bytes per rank in the categories of ct_mem_report: each
