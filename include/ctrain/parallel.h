@@ -461,6 +461,33 @@ typedef ct_status (*ct_module_fn)(ct_module *m, void *ud);
  * the walk and is returned after the release. */
 ct_status ct_strategy_apply(ct_strategy *s, ct_module_fn fn, void *ud);
 
+/* Units, one at a time in a buffer of the caller's (PyTorch FSDP's
+ * summon_full_params(recurse=False) with offload_to_cpu): FSDP's units are
+ * its wrap units in pre-order (0: the model's own), each holding the
+ * trainable parameters no unit nested in it holds; every other strategy is
+ * one unit of all its trainable parameters.  Memory stays bounded by one
+ * unit: nothing the strategy keeps is gathered after a call returns. */
+int ct_strategy_num_units(ct_strategy *s);
+/* Unit i's module and its parameters in the order the buffers lay them end
+ * to end (*ps: free with ct_free); *numel (may be NULL) their elements.
+ * CT_EINVAL for an i out of range. */
+ct_status ct_strategy_unit_params(ct_strategy *s, int i, ct_module **m, ct_param ***ps, int *n, int64_t *numel);
+/* Unit i's full f32 values into buf (n floats, at least its numel) on every
+ * rank.  Collective; CT_EINVAL for a buffer too small, CT_ESTATE while
+ * ct_strategy_summon_full_params is in effect. */
+ct_status ct_strategy_unit_read(ct_strategy *s, int i, float *buf, int64_t n);
+/* buf's values (the same on every rank) into unit i's parameters, wherever
+ * the strategy keeps them (FSDP: each rank's pieces; mixed-precision copies
+ * follow).  Collective; errors as ct_strategy_unit_read. */
+ct_status ct_strategy_unit_write(ct_strategy *s, int i, const float *buf, int64_t n);
+/* A function of one unit: its module, parameters and their full values. */
+typedef ct_status (*ct_unit_fn)(ct_module *unit, ct_param *const *ps, int n, float *values, void *ud);
+/* apply(fn) unit by unit: each unit read into one buffer of the largest
+ * unit's size, fn called on it, and (writeback) its values written back.
+ * Collective; a failure of fn on any rank stops every rank (the lowest
+ * failing rank's error). */
+ct_status ct_strategy_apply_units(ct_strategy *s, int writeback, ct_unit_fn fn, void *ud);
+
 /* ---- state for checkpoints -------------------------------------------- */
 
 /* Named tensors (retained references); free with ct_state_fini. */

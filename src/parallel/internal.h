@@ -67,6 +67,12 @@ typedef struct {
     ct_status (*summon)(ct_strategy *s, int writeback, int rank0_only); /* full parameters out */
     ct_status (*release)(ct_strategy *s);
     void (*data_rank)(const ct_strategy *s, int *rank, int *size); /* default: group rank and size */
+    /* Units for ct_strategy_unit_* (units.c; default: one, the model's trainable parameters):
+     * their number; unit i's module and own trainable parameters in buffer order (*ps: ct_free);
+     * its full values into buf, or (write) buf's values into what the strategy keeps.  Collective. */
+    int (*units)(ct_strategy *s);
+    ct_status (*unit_params)(ct_strategy *s, int i, ct_module **m, ct_param ***ps, int *n);
+    ct_status (*unit_io)(ct_strategy *s, int i, float *buf, int write);
 } ct__place_ops;
 
 /* Synchronisation: the work around forward, backward and the step. */
@@ -330,6 +336,10 @@ void ct__wire_unpack(ct_dtype dt, const void *src, float *dst, int64_t n, int ad
  * no-ops for f32. */
 ct_status ct__mixed_init(ct_strategy *s);
 ct_status ct__mixed_refresh(ct_strategy *s);
+/* units.c: the default unit entries (the whole model, through summon and release). */
+int ct__whole_units(ct_strategy *s);
+ct_status ct__whole_unit_params(ct_strategy *s, int i, ct_module **m, ct_param ***ps, int *n);
+ct_status ct__whole_unit_io(ct_strategy *s, int i, float *buf, int write);
 void ct__mixed_refresh_param(ct_strategy *s, ct_param *p);
 void ct__mixed_fini(ct_strategy *s);
 

@@ -258,7 +258,7 @@ static ct_status finish_unit(ct_strategy *s, fsdp_unit *u)
     return q >= 0 ? finish_queued(s, q) : CT_OK;
 }
 
-static ct_status finish_all(ct_strategy *s)
+ct_status ct__fsdp_finish_all(ct_strategy *s)
 {
     ct_status st = CT_OK;
     while (ct__fsdp_of(s)->q.n) {
@@ -333,7 +333,7 @@ static ct_status fsdp_post_backward(ct_strategy *s)
             return ct_error(CT_ESTATE, "fsdp: parameter '%s' was frozen when the model was wrapped and is trainable "
                             "now; its unit's flat parameter only holds what was trainable then: wrap the model "
                             "after unfreezing it", s->params[i]->name);
-    ct_status st = s->no_sync ? CT_OK : finish_all(s);
+    ct_status st = s->no_sync ? CT_OK : ct__fsdp_finish_all(s);
     ct_status w = ct__fsdp_reshard_all(s); /* and a prefetch nobody used */
     f->recorded = 1;
     return st == CT_OK ? w : st;
@@ -346,13 +346,13 @@ static ct_status fsdp_reduce(ct_strategy *s)
     fsdp_t *f = ct__fsdp_of(s);
     for (int i = f->nu - 1; i >= 0; i--)
         if (f->u[i].grads && !f->u[i].reducing) CT_TRY(start_reduce(s, &f->u[i]));
-    return finish_all(s);
+    return ct__fsdp_finish_all(s);
 }
 
 static void fsdp_zero_grad(ct_strategy *s)
 {
     fsdp_t *f = ct__fsdp_of(s);
-    finish_all(s);
+    ct__fsdp_finish_all(s);
     for (int i = 0; i < f->nu; i++) {
         if (f->u[i].grads) free_grads(&f->u[i]);
         for (int k = 0; k < f->u[i].nfl; k++) f->u[i].fl[k].gzero = 1;
@@ -364,7 +364,7 @@ static void fsdp_zero_grad(ct_strategy *s)
 static ct_status zero_untouched_pieces(ct_strategy *s)
 {
     fsdp_t *f = ct__fsdp_of(s);
-    CT_TRY(finish_all(s));
+    CT_TRY(ct__fsdp_finish_all(s));
     for (int i = 0; i < f->nu; i++)
         for (int k = 0; k < f->u[i].nfl; k++)
             if (f->u[i].fl[k].gzero) memset(f->u[i].fl[k].gshard, 0, (size_t)f->u[i].fl[k].flat.shard * sizeof(float));
@@ -611,7 +611,7 @@ static void fsdp_fini(ct_strategy *s)
     fsdp_t *f = ct__fsdp_of(s);
     ct__zero *z = ct__zero_of(s);
     if (f) {
-        finish_all(s);
+        ct__fsdp_finish_all(s);
         if (!f->ready) settle_old(f, 1); /* set-up failed: the parameters as they were */
         int full = f->ready;
         for (int i = 0; f->u && i < f->nu; i++) full &= f->u[i].summoned && (!f->u[i].nfl || f->u[i].ns == 1 || ct__flat_resident(&f->u[i].fl[0].flat, CT__FL_DATA));
@@ -658,7 +658,7 @@ ct_status ct__fsdp_summon(ct_strategy *s, int writeback, int rank0_only)
     if (writeback && rank0_only)
         return ct_error(CT_EINVAL, "summon_full_params: writeback with rank0_only is not supported (the other "
                         "ranks would have nothing to write back); drop one of them");
-    CT_TRY(finish_all(s));
+    CT_TRY(ct__fsdp_finish_all(s));
     for (int i = 0; i < f->nu; i++) {
         fsdp_unit *u = &f->u[i];
         if (u->state == UNIT_GATHERING) CT_TRY(finish_gather(s, u));
@@ -710,6 +710,9 @@ const ct__strategy_ops ct__fsdp_ops = {
         .partition = ct__zero_partition,
         .summon = ct__fsdp_summon,
         .release = ct__fsdp_release,
+        .units = ct__fsdp_units,
+        .unit_params = ct__fsdp_unit_params,
+        .unit_io = ct__fsdp_unit_io,
     },
     .sync = {
         .post_backward = fsdp_post_backward,

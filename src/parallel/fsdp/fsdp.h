@@ -89,6 +89,13 @@ fsdp_t *ct__fsdp_of(ct_strategy *s);
  * stay until ct__fsdp_release), or frees them again. */
 ct_status ct__fsdp_summon(ct_strategy *s, int writeback, int rank0_only);
 ct_status ct__fsdp_release(ct_strategy *s);
+/* Waits for every reduce in flight (the pieces are final after it). */
+ct_status ct__fsdp_finish_all(ct_strategy *s);
+
+/* fsdp_unit_io.c: the units of ct_strategy_unit_* (one at a time, into a caller's buffer) */
+int ct__fsdp_units(ct_strategy *s);
+ct_status ct__fsdp_unit_params(ct_strategy *s, int i, ct_module **m, ct_param ***ps, int *n);
+ct_status ct__fsdp_unit_io(ct_strategy *s, int i, float *buf, int write);
 /* Frees every unit's gathered parameters (they are stale after a step or a load). */
 ct_status ct__fsdp_reshard_all(ct_strategy *s);
 
