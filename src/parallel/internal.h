@@ -41,6 +41,9 @@ typedef struct {
 ct_status ct__syncbn_init(ct_strategy *s);
 /* Every batchnorm back to its replica's own statistics. */
 void ct__syncbn_fini(ct_strategy *s);
+/* buffer_dtype=bf16: hooks that keep every buffer at bf16 precision (buffers.c). */
+ct_status ct__buffers_init(ct_strategy *s);
+void ct__buffers_fini(ct_strategy *s);
 
 /* Options every strategy takes. */
 typedef struct {
@@ -48,6 +51,7 @@ typedef struct {
     int param_dtype;  /* ct_dtype: CT_F32 or CT_BF16 */
     int reduce_dtype; /* ct_dtype: CT_F32, CT_BF16, CT_F16 */
     int sync_batchnorm; /* batchnorm statistics over the group (syncbn.c) */
+    int buffer_dtype;   /* ct_dtype: CT_F32, or CT_BF16 (buffers held at bf16 precision, buffers.c) */
     int64_t alloc_cache_mb; /* the allocator cache's bound in MiB; -1: auto (ct_mem_set_cache_limit) */
 } ct__common;
 
@@ -154,6 +158,8 @@ struct ct_strategy {
     ct_step_stats stats;   /* being measured */
     ct_step_stats last;    /* last completed step */
     int owns_compute;      /* made the mixed-precision compute copies (mixed.c) and frees them */
+    ct_hook **buf_hooks;   /* buffer_dtype's rounding hooks (buffers.c) */
+    int nbuf_hooks;
     void *priv;
     void *ext;             /* state of a strategy built on another's priv (ZeRO on DDP) */
     int64_t backwards;     /* backward passes (or train steps) since the last optimizer step */

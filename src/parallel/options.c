@@ -23,6 +23,9 @@ static const ct__opt_def common_opts[] = {
      DT(CT_F32) | DT(CT_BF16), NULL},
     {"reduce_dtype", CT__OPT_DTYPE, offsetof(ct__common, reduce_dtype), "f32",
      "dtype gradients are reduced in across ranks", DT(CT_F32) | DT(CT_BF16) | DT(CT_F16), NULL},
+    {"buffer_dtype", CT__OPT_DTYPE, offsetof(ct__common, buffer_dtype), "f32",
+     "precision buffers (batchnorm running statistics) are held at (PyTorch's MixedPrecision.buffer_dtype; "
+     "none, ddp, zero1, zero2, fsdp)", DT(CT_F32) | DT(CT_BF16), NULL},
     {"sync_batchnorm", CT__OPT_BOOL, offsetof(ct__common, sync_batchnorm), "0",
      "batchnorm statistics over the whole batch of every rank (SyncBatchNorm; ddp, zero1, zero2, fsdp)", 0, NULL},
     {"alloc_cache_mb", CT__OPT_AUTO_COUNT, offsetof(ct__common, alloc_cache_mb), "auto",
