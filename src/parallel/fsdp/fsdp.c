@@ -52,6 +52,9 @@ static const ct__opt_def fsdp_opt_defs[] = {
     {"wrap_min_params", CT__OPT_COUNT, offsetof(fsdp_opts, wrap_min_params), "0",
      "auto-wrap: a module whose parameters outside units below it reach this many elements becomes a unit "
      "(0: off)", 0, NULL},
+    {"keep_low_precision_grads", CT__OPT_BOOL, offsetof(fsdp_opts, keep_low_precision_grads), "0",
+     "param_dtype=bf16: keep the reduced gradients of the bf16 weights at bf16 precision (MixedPrecision's "
+     "keep_low_precision_grads)", 0, NULL},
     {"wrap_modules", CT__OPT_TEXT, 0, "", "modules (names, '+' between) that become units", 0, NULL},
     {"wrap_kinds", CT__OPT_TEXT, 0, "", "module kinds (e.g. residual) whose every module becomes a unit", 0, NULL},
     {"ignored_modules", CT__OPT_TEXT, 0, "",
@@ -205,6 +208,16 @@ static ct_status start_reduce(ct_strategy *s, fsdp_unit *u)
     return CT_OK;
 }
 
+/* keep_low_precision_grads (MixedPrecision's): the reduced gradient pieces
+ * of the bf16 weights kept at bf16 precision, rounded (to nearest even)
+ * after every reduce, so after each accumulation too, as a bf16 .grad would
+ * be: the optimizer steps on bf16 gradients.  The words stay f32 (the
+ * optimizer reads f32 slots): no bytes are saved. */
+static void round_low(float *g, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) g[i] = ct_bf16_to_f32(ct_f32_to_bf16(g[i]));
+}
+
 /* Waits for the unit's reduce, allreduces across replicas, adds the result
  * to the gradient piece and frees the unsharded gradients. */
 static ct_status finish_reduce(ct_strategy *s, fsdp_unit *u)
@@ -224,6 +237,7 @@ static ct_status finish_reduce(ct_strategy *s, fsdp_unit *u)
                             : (fl->wire ? fl->wire : ct_storage_ptr(fl->flat.st[CT__FL_GRAD]));
         if (st == CT_OK && u->rg) st = ct_group_allreduce(u->rg, r, fl->flat.shard, dt, CT_OP_SUM, NULL);
         if (st == CT_OK && r != fl->gshard) ct__wire_unpack(dt, r, fl->gshard, fl->flat.shard, !fl->gzero);
+        if (st == CT_OK && fl->low && O(s)->keep_low_precision_grads) round_low(fl->gshard, fl->flat.shard);
         fl->gzero = 0;
         ct_free(fl->rsbuf);
         ct_free(fl->wire);
@@ -593,6 +607,9 @@ static ct_status setup(ct_strategy *s)
 
 static ct_status fsdp_init(ct_strategy *s)
 {
+    if (O(s)->keep_low_precision_grads && s->common.param_dtype == CT_F32)
+        return ct_error(CT_EINVAL, "fsdp: keep_low_precision_grads=1 keeps gradients at param_dtype's precision, "
+                        "which is f32 here; add param_dtype=bf16 (--mixed bf16) or leave it out");
     ct_status st = ct_group_check(s->g, setup(s));
     if (st == CT_OK) {
         ct__fsdp_of(s)->ready = 1;

@@ -17,6 +17,7 @@ typedef struct {
     int limit_all_gathers;
     int sync_module_states;
     int64_t wrap_min_params;
+    int keep_low_precision_grads; /* the bf16 flats' gradient pieces at bf16 precision (param_dtype's) */
     /* wrap_modules, wrap_kinds, ignored_modules: text ('+'-separated), read with ct_strategy_opt */
 } fsdp_opts;
 
