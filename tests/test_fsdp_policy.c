@@ -86,15 +86,20 @@ TEST(fsdp_auto_wrap_policy_equals_the_named_rules)
     ct_module_destroy(m);
 }
 
-/* 300 linears: the list is kilobytes, more than one option could hold before. */
+/* 300 linears with long names: the list is 9 KB, more than one option, or
+ * the plan's resolved options, could hold before. */
 TEST(fsdp_auto_wrap_deep_model_and_errors)
 {
     ct_module *m = ct_sequential_create();
-    for (int i = 0; i < 300; i++) ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(2, 2, 1)));
+    for (int i = 0; i < 300; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "a_linear_with_a_long_name_%03d", i);
+        ASSERT_OK(ct_module_add(m, name, ct_linear_create(2, 2, 1)));
+    }
     ct_module_init_params(m, 1);
     char *o = NULL;
     ASSERT_OK(ct_fsdp_auto_wrap(m, is_linear, NULL, "", &o));
-    ASSERT(strlen(o) > 1000);
+    ASSERT(strlen(o) > 8000);
     same_units(m, o, "wrap_kinds=linear", 300);
     ct_plan_spec spec = {.world = 2, .batch = 4, .in_ndim = 1, .in_shape = {2}, .sample_bytes = 12,
                          .optim = ct_optim_defaults(CT_OPT_ADAMW)};
