@@ -221,7 +221,9 @@ typedef struct {
 } ct_norm_acc;
 /* 1 when norm_type is a norm clipping can take: > 0 or +infinity. */
 int ct_norm_type_ok(double norm_type);
-/* An empty accumulator for norm_type (ct_norm_type_ok; asserted). */
+/* An empty accumulator for norm_type; one that is not ct_norm_type_ok (0,
+ * as in a zeroed accumulator) gives the 2-norm, as before p existed
+ * (clipping checks norm_type itself and refuses such values). */
 ct_norm_acc ct_norm_acc_init(double norm_type);
 /* Adds n f32 gradient elements. */
 void ct_norm_acc_f32(ct_norm_acc *a, const float *g, int64_t n);

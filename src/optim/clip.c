@@ -123,9 +123,12 @@ static double pow_sum_16(const ct_tensor *t, double p)
 
 int ct_norm_type_ok(double norm_type) { return norm_type > 0; /* NaN and -inf compare false */ }
 
+/* The norm type; 2 for a zeroed accumulator (written before p existed). */
+static double p_of(const ct_norm_acc *a) { return a->p > 0 ? a->p : 2.0; }
+
 ct_norm_acc ct_norm_acc_init(double norm_type)
 {
-    CT_ASSERT(ct_norm_type_ok(norm_type));
+    if (!ct_norm_type_ok(norm_type)) norm_type = 2.0; /* a zeroed accumulator's 0: the 2-norm it always was */
     return (ct_norm_acc){0.0, isinf(norm_type) != 0, norm_type};
 }
 
@@ -137,26 +140,26 @@ void ct_norm_acc_add(ct_norm_acc *a, double v)
 
 void ct_norm_acc_f32(ct_norm_acc *a, const float *g, int64_t n)
 {
-    ct_norm_acc_add(a, a->inf ? max_abs_f32(g, n) : a->p == 2.0 ? sq_sum_f32(g, n) : pow_sum_f32(g, n, a->p));
+    ct_norm_acc_add(a, a->inf ? max_abs_f32(g, n) : p_of(a) == 2.0 ? sq_sum_f32(g, n) : pow_sum_f32(g, n, p_of(a)));
 }
 
 void ct_norm_acc_tensor(ct_norm_acc *a, const ct_tensor *g)
 {
     if (g->dtype == CT_F32) ct_norm_acc_f32(a, ct_tensor_data(g), g->numel);
-    else ct_norm_acc_add(a, a->inf ? max_abs_16(g) : a->p == 2.0 ? sq_sum_tensor(g) : pow_sum_16(g, a->p));
+    else ct_norm_acc_add(a, a->inf ? max_abs_16(g) : p_of(a) == 2.0 ? sq_sum_tensor(g) : pow_sum_16(g, p_of(a)));
 }
 
 double ct_norm_acc_norm(const ct_norm_acc *a)
 {
     if (a->inf) return a->v;
-    if (a->p == 2.0) return sqrt(a->v);
-    return a->p == 1.0 ? a->v : pow(a->v, 1.0 / a->p);
+    if (p_of(a) == 2.0) return sqrt(a->v);
+    return p_of(a) == 1.0 ? a->v : pow(a->v, 1.0 / p_of(a));
 }
 
 double ct_norm_acc_scaled(const ct_norm_acc *a, double v, float k)
 {
     if (a->inf) return (double)((float)v * fabsf(k)); /* as the scaled f32 gradients' max */
-    return v * pow(fabs((double)k), a->p);
+    return v * pow(fabs((double)k), p_of(a));
 }
 
 double ct_grad_sq_sum(ct_param **params, int n)

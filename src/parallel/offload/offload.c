@@ -454,8 +454,6 @@ static ct_status not_here(ct_strategy *s)
                     "backward through ct_strategy_train_step (inference: ct_strategy_predict)");
 }
 
-/* The terms each slice left when its gradients were final, added in
- * parameter order as the replicated norm adds them: bitwise equal. */
 /* Term of parameter j's resident gradient for acc's norm type, with the
  * clip factors recorded since backward (which the gradients in the store
  * have not had yet) applied to it. */
@@ -504,6 +502,8 @@ static ct_status norm_from_store(ct_strategy *s, ct_norm_acc *acc)
     return st;
 }
 
+/* The terms each slice left when its gradients were final, added in
+ * parameter order as the replicated norm adds them: bitwise equal. */
 static ct_status offload_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     offload_t *f = ct__offload(s);
