@@ -160,7 +160,8 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
     }
     CT_TRY(saved_num(m, side, "ctrain.clip", o->has_clip, &o->clip));
     const char *cn = ct_meta_get(m, "ctrain.clip_norm"); /* absent in older files: 2 */
-    if (!o->has_clip_norm && cn) o->clip_norm = !strcmp(cn, "inf") ? "inf" : "2";
+    if (!o->has_clip_norm && cn && train_norm_type(cn, &o->clip_p))
+        return ct_error(CT_EFORMAT, "%s has 'ctrain.clip_norm' '%s', not a norm type; give --clip-norm", side, cn);
     o->has_lr = o->has_wd = o->has_momentum = 1;
     if (!o->has_warmup) CT_TRY(cli_meta_int(m, side, "ctrain.warmup", &o->warmup));
     if (!o->has_accum) CT_TRY(cli_meta_int(m, side, "ctrain.grad_accum", &o->grad_accum));
@@ -576,7 +577,8 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
     CT_TRY(ct_meta_set(side, "ctrain.beta2", "%.17g", oo->beta2));
     CT_TRY(ct_meta_set(side, "ctrain.no_decay", "%s", o->no_decay));
     CT_TRY(ct_meta_set(side, "ctrain.clip", "%.17g", o->clip));
-    CT_TRY(ct_meta_set(side, "ctrain.clip_norm", "%s", o->clip_norm));
+    if (isinf(o->clip_p)) CT_TRY(ct_meta_set(side, "ctrain.clip_norm", "inf"));
+    else CT_TRY(ct_meta_set(side, "ctrain.clip_norm", "%.17g", o->clip_p));
     CT_TRY(ct_meta_set(side, "ctrain.schedule", "%s", ct_sched_name(t->sched.kind)));
     CT_TRY(ct_meta_set(side, "ctrain.warmup", "%lld", (long long)t->sched.warmup_steps));
     CT_TRY(ct_meta_set(side, "ctrain.total_steps", "%lld", (long long)t->sched.total_steps));
@@ -638,7 +640,7 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
             t->pos++;
             continue;
         }
-        if (o->clip > 0 && (st = ct_strategy_clip_grad_norm(t->s, (float)o->clip, !strcmp(o->clip_norm, "inf") ? INFINITY : 2.0, &norm))) {
+        if (o->clip > 0 && (st = ct_strategy_clip_grad_norm(t->s, (float)o->clip, o->clip_p, &norm))) {
             st = loop_fail(t, st, "gradient clipping");
             break;
         }

@@ -15,6 +15,7 @@ typedef struct {
     int64_t epochs, steps, batch, kernel;
     const char *optim, *schedule;
     double lr, weight_decay, momentum, clip, dropout;
+    double clip_p; /* --clip-norm parsed: a p > 0 or INFINITY */
     /* parameter groups: rules of the no-decay group (ct_optim_select's), adamw's betas
      * (NULL: the model's default, the gpt's nanoGPT's) */
     const char *no_decay, *betas;
@@ -53,6 +54,8 @@ typedef struct {
  * 0, or CLI_USAGE with one line in err; *help set for --help (help text
  * printed to stdout by the caller through train_help). */
 int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size_t errn);
+/* --clip-norm's value ("inf" or a number > 0) into *p; -1 when it is neither. */
+int train_norm_type(const char *s, double *p);
 void train_help(FILE *f);
 /* Checks that need the world size (the strategy; the batch is checked once
  * --resume has settled it); CLI_USAGE with err on failure. */

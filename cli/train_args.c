@@ -3,6 +3,8 @@
  * and the checks that make a bad command line one clear line and exit
  * code 2 instead of a failure halfway through a run.
  */
+#include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -67,7 +69,7 @@ static int table(train_opts *o, cli_opt *t)
         "gpipe or 1f1b: --pipe-schedule");
     OPT("--warmup", OPT_INT, &o->warmup, "N", "linear warm-up over the first N steps (0)");
     OPT("--clip", OPT_NUM, &o->clip, "MAXNORM", "clip the gradient's global norm to MAXNORM (off)");
-    OPT("--clip-norm", OPT_STR, &o->clip_norm, "TYPE", "norm --clip measures: 2 or inf (2)");
+    OPT("--clip-norm", OPT_STR, &o->clip_norm, "TYPE", "norm type --clip measures: any p > 0 (sum |g|^p, to the 1/p) or inf (2)");
     OPT("--on-nonfinite", OPT_STR, &o->on_nonfinite, "WHAT", "a NaN/inf loss or gradient norm: stop, or skip the step (stop)");
     OPT("--seed", OPT_INT, &o->seed, "S", "seed of weights, shuffling and dropout (0)");
     OPT("--last-batch", OPT_STR, &o->last_batch, "WHAT", "an epoch's short last batch: drop, or keep (ranks it leaves without rows join the step) (drop)");
@@ -133,6 +135,20 @@ static int in_list(const char *v, const char *const *list)
 }
 
 #define BAD(...) (snprintf(err, errn, "ctrain train: " __VA_ARGS__), CLI_USAGE)
+
+int train_norm_type(const char *s, double *p)
+{
+    if (!strcmp(s, "inf")) {
+        *p = INFINITY;
+        return 0;
+    }
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !isfinite(v) || !ct_norm_type_ok(v)) return -1;
+    *p = v;
+    return 0;
+}
 
 int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size_t errn)
 {
@@ -264,8 +280,8 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     }
     if (ct_sched_parse(o->schedule, &sk)) return BAD("unknown schedule '%s' for --schedule; choose constant or cosine", o->schedule);
     if (o->warmup < 0) return BAD("--warmup %lld must not be negative", (long long)o->warmup);
-    if (strcmp(o->clip_norm, "2") && strcmp(o->clip_norm, "inf"))
-        return BAD("unknown --clip-norm '%s'; choose 2 or inf", o->clip_norm);
+    if (train_norm_type(o->clip_norm, &o->clip_p))
+        return BAD("--clip-norm '%s' is not a norm type; give a number > 0 (2, 1, 3.5...) or inf", o->clip_norm);
     static const char *const last_batch[] = {"drop", "keep", NULL};
     if (!in_list(o->last_batch, last_batch)) return BAD("unknown --last-batch '%s'; choose drop or keep", o->last_batch);
     static const char *const nonfinite[] = {"stop", "skip", NULL};

@@ -248,7 +248,8 @@ TEST(cli_resume_is_bit_exact)
     snprintf(a, sizeof a, "%s/a.safetensors", tmp);
     snprintf(b, sizeof b, "%s/b.safetensors", tmp);
     snprintf(c, sizeof c, "%s/c.safetensors", tmp);
-    const char *hyper = "--limit-train 1000 --batch 64 --seed 3 --lr 0.002 --warmup 10 --clip 0.5 "
+    /* --clip-norm 1.5 comes back from the checkpoint too (2 would clip otherwise) */
+    const char *hyper = "--limit-train 1000 --batch 64 --seed 3 --lr 0.002 --warmup 10 --clip 0.5 --clip-norm 1.5 "
                         "--log-every 0 --limit-test 200 --threads 1";
     int code = RUN(out, "train --model mlp --hidden 64,32 %s --steps 37 --save %s", hyper, a);
     if (code) ct_test_fail(__FILE__, __LINE__, "first half failed:\n%s", out);
@@ -274,6 +275,10 @@ TEST(cli_resume_is_bit_exact)
     /* A flag that would change the data order is refused, not silently ignored. */
     ASSERT_EQ(RUN(out, "train --resume %s --steps 80 --seed 4 --limit-train 1000", a), 2);
     ASSERT_STR_CONTAINS(out, "--seed 4 differs from the 3");
+    ASSERT_EQ(RUN(out, "train " SMALL " --steps 2 --clip 1 --clip-norm 0"), 2);
+    ASSERT_STR_CONTAINS(out, "--clip-norm '0' is not a norm type");
+    ASSERT_EQ(RUN(out, "train " SMALL " --steps 2 --clip 1 --clip-norm 2x"), 2);
+    ASSERT_STR_CONTAINS(out, "give a number > 0");
 }
 
 /* Two ranks with DDP reach the loss one process reaches with the same

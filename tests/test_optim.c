@@ -22,6 +22,7 @@
  *   #   print p, st["exp_avg"], st["exp_avg_sq"]
  *   # clipping: a.grad = grad(1); b.grad = grad(2)[:3] * 2
  *   #   tot = torch.nn.utils.clip_grad_norm_([a, b], max_norm)  (100 and 1)
+ *   #   and with max_norm 1, norm_type=p for p in (1, 3, 0.5, inf) on fresh gradients
  *
  * ctrain follows PyTorch's operation order and fused multiply-adds, so on a
  * CPU with FMA the results must be bit-identical; without FMA (e.g. the
@@ -678,6 +679,51 @@ TEST(optim_clip_grad_norm_matches_torch)
     ASSERT_NEAR(ct_clip_coef(4.0, 2.0), 2.0 / (4.0 + 1e-6), 1e-7);
     ASSERT_EQ(ct_clip_coef(NAN, 1.0), 1);
     free_param(a), free_param(b), free_param(nog);
+}
+
+/* torch.nn.utils.clip_grad_norm_([a, b], 1.0, norm_type=p) on clip_grads'
+ * gradients (the script above), for p = 1, 3, 0.5 and inf: the norm it
+ * returns and the first and last clipped elements. */
+TEST(optim_clip_grad_norm_any_p_matches_torch)
+{
+    static const struct {
+        double p, total;
+        float a0, b2;
+    } ref[] = {
+        {1.0, 5.23999977, -0.0400763266f, 0.236641183f},
+        {3.0, 1.43755412, -0.146081358f, 0.86257571f},
+        {0.5, 51.5972252, -0.00406998629f, 0.0240323003f},
+        {INFINITY, 1.24000001, -0.169354692f, 0.999999225f},
+    };
+    ct_param *a = make_param("a", N), *b = make_param("b", 3);
+    ct_param *list[2] = {a, b};
+    for (size_t k = 0; k < sizeof ref / sizeof ref[0]; k++) {
+        clip_grads(a, b);
+        float norm = 0;
+        ASSERT_OK(ct_clip_grad_norm_p(list, 2, 1.0f, ref[k].p, &norm));
+        ASSERT_CLOSE(norm, ref[k].total, 1e-6, 0);
+        ASSERT_CLOSE(ct_f32(a->grad)[0], ref[k].a0, 1e-6, 0);
+        ASSERT_CLOSE(ct_f32(b->grad)[2], ref[k].b2, 1e-6, 0);
+        /* the parts a sharded strategy adds: a split sum is the same norm */
+        clip_grads(a, b);
+        ct_norm_acc whole = ct_norm_acc_init(ref[k].p), lo = ct_norm_acc_init(ref[k].p), hi = lo;
+        ct_norm_acc_f32(&whole, ct_f32(a->grad), N);
+        ct_norm_acc_f32(&lo, ct_f32(a->grad), 3);
+        ct_norm_acc_f32(&hi, ct_f32(a->grad) + 3, N - 3);
+        ct_norm_acc_add(&lo, hi.v);
+        ASSERT_CLOSE(ct_norm_acc_norm(&lo), ct_norm_acc_norm(&whole), 1e-14, 0);
+        /* a term after scaling the gradients by k is the term of the scaled ones */
+        ct_norm_acc scaled = ct_norm_acc_init(ref[k].p);
+        float half[N];
+        for (int i = 0; i < N; i++) half[i] = ct_f32(a->grad)[i] * -0.5f;
+        ct_norm_acc_f32(&scaled, half, N);
+        ASSERT_CLOSE(ct_norm_acc_scaled(&whole, whole.v, -0.5f), scaled.v, 1e-14, 0);
+    }
+    ASSERT_ERR(ct_clip_grad_norm_p(list, 2, 1.0f, 0.0, NULL), CT_EINVAL, "norm_type 0");
+    ASSERT_ERR(ct_clip_grad_norm_p(list, 2, 1.0f, -2.0, NULL), CT_EINVAL, "norm_type -2");
+    ASSERT_ERR(ct_clip_grad_norm_p(list, 2, 1.0f, NAN, NULL), CT_EINVAL, "norm_type nan");
+    ASSERT_ERR(ct_clip_grad_norm_p(list, 2, 1.0f, -INFINITY, NULL), CT_EINVAL, "norm_type -inf");
+    free_param(a), free_param(b);
 }
 
 TEST(optim_clip_parts_over_shards_and_half_grads)

@@ -208,16 +208,22 @@ void ct_adamw_update(float *p, const float *g, float *m, float *v, int64_t n,
 
 /* ---- gradient clipping ------------------------------------------------- */
 
-/* A gradient norm being accumulated: the sum of squares (norm_type 2) or the
- * largest magnitude (infinity) of every element added, in double, NaN
- * propagating.  Every strategy's norm is one of these over the pieces it
- * holds, combined across ranks (whole tensors add their own sum first, so a
- * norm over whole gradients matches ct_grad_sq_sum bit for bit). */
+/* A gradient norm being accumulated: the sum of |g|^p (finite p; squares
+ * for 2) or the largest magnitude (infinity) of every element added, in
+ * double, NaN propagating.  Every strategy's norm is one of these over the
+ * pieces it holds, combined across ranks (whole tensors add their own sum
+ * first, so a norm over whole gradients matches ct_grad_sq_sum bit for
+ * bit).  The norm is the sum^(1/p), as torch.nn.utils.clip_grad_norm_'s. */
 typedef struct {
     double v;
-    int inf; /* 1: infinity norm (max), 0: 2-norm (sum of squares) */
+    int inf;  /* 1: infinity norm (max), 0: a sum of |g|^p */
+    double p; /* the norm type: > 0, or INFINITY */
 } ct_norm_acc;
-/* An empty accumulator for norm_type 2 or infinity. */
+/* 1 when norm_type is a norm clipping can take: > 0 or +infinity. */
+int ct_norm_type_ok(double norm_type);
+/* An empty accumulator for norm_type; one that is not ct_norm_type_ok (0,
+ * as in a zeroed accumulator) gives the 2-norm, as before p existed
+ * (clipping checks norm_type itself and refuses such values). */
 ct_norm_acc ct_norm_acc_init(double norm_type);
 /* Adds n f32 gradient elements. */
 void ct_norm_acc_f32(ct_norm_acc *a, const float *g, int64_t n);
@@ -225,8 +231,11 @@ void ct_norm_acc_f32(ct_norm_acc *a, const float *g, int64_t n);
 void ct_norm_acc_tensor(ct_norm_acc *a, const ct_tensor *g);
 /* Adds another accumulator's value (a rank's, a shard group's, a slice's). */
 void ct_norm_acc_add(ct_norm_acc *a, double v);
-/* The norm: sqrt of the sum of squares, or the maximum. */
+/* The norm: the sum^(1/p) (sqrt for 2), or the maximum. */
 double ct_norm_acc_norm(const ct_norm_acc *a);
+/* A term v of a's kind (a sum of |g|^p, or a max) after the gradients it
+ * measured were scaled by k: v*|k|^p, or the f32 max times |k|. */
+double ct_norm_acc_scaled(const ct_norm_acc *a, double v, float k);
 /* Adds the gradients of every slot of opt (NULL grads skipped): a sharded
  * strategy's local part of the global norm. */
 void ct_optim_grad_norm_acc(ct_optim *opt, ct_norm_acc *a);
@@ -241,6 +250,9 @@ float ct_clip_coef(double total_norm, double max_norm);
  * torch.nn.utils.clip_grad_norm_ (norm 2).  Sets *norm (may be NULL) to the
  * total norm before clipping.  CT_EINVAL if max_norm is negative or NaN. */
 ct_status ct_clip_grad_norm(ct_param **params, int n, float max_norm, float *norm);
+/* The same for any norm_type > 0 or INFINITY (torch's norm_type argument):
+ * CT_EINVAL names a norm_type of 0, below 0 or NaN. */
+ct_status ct_clip_grad_norm_p(ct_param **params, int n, float max_norm, double norm_type, float *norm);
 /* Scaling part alone, for strategies that compute the global norm
  * themselves (with ct_clip_coef). */
 void ct_scale_grads(ct_param **params, int n, float scale);

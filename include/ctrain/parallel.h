@@ -112,6 +112,21 @@ typedef struct {
  * units, *n gets their number.  CT_EINVAL for options fsdp refuses. */
 ct_status ct_fsdp_plan(ct_module *model, const char *opts, ct_fsdp_unit *units, int max, int *n);
 
+/* An auto-wrap policy (PyTorch's auto_wrap_policy, lambda_auto_wrap_policy):
+ * 1 if module m becomes an FSDP unit.  nonwrapped_numel: trainable parameter
+ * elements under m (its own and its descendants') that no unit the policy
+ * chose below m holds, as PyTorch passes it (a size-based policy compares it
+ * with a minimum); ud is the caller's. */
+typedef int (*ct_wrap_policy_fn)(const ct_module *m, int64_t nonwrapped_numel, void *ud);
+/* Asks policy about every module of model but the model itself (always a
+ * unit), children before parents, and writes *out: opts (NULL: none) with
+ * ",wrap_modules=" and the modules it picked, '+' between; free it with
+ * ct_free.  The result is fsdp's options as ct_strategy_create,
+ * ct_fsdp_plan and ct_strategy_plan take them (the callback is not kept).
+ * Options' own wrap_kinds and wrap_min_params add their units on top.
+ * CT_EINVAL for a NULL model or policy, or opts that set wrap_modules. */
+ct_status ct_fsdp_auto_wrap(ct_module *model, ct_wrap_policy_fn policy, void *ud, const char *opts, char **out);
+
 /* ---- memory planning ---------------------------------------------------- */
 
 /* Predicted peak bytes per rank in the categories of ct_mem_report: each
@@ -189,6 +204,8 @@ typedef struct ct_strategy ct_strategy;
  *                       the parameters (f32 master weights and optimizer
  *                       state stay; norm layers' parameters stay f32)
  *   reduce_dtype=f32|bf16|f16  dtype gradients are reduced in (f32)
+ *   buffer_dtype=f32|bf16  precision buffers (batchnorm statistics) are held
+ *                       at (f32; not pipe or offload)
  * DDP's keys: bucket_cap_mb (25), first_bucket_mb (1), broadcast_buffers
  * (1), find_unused_parameters (0), rebuild_buckets (1), static_graph (0).
  * Every strategy whose ranks share each batch (ddp, zero1, zero2, fsdp)
@@ -377,9 +394,10 @@ void ct_strategy_set_no_sync(ct_strategy *s, int on);
 ct_status ct_strategy_reduce(ct_strategy *s);
 
 /* Clips the gradients by their global norm over the whole model, however
- * they are sharded (torch.nn.utils.clip_grad_norm_); norm_type 2 or
- * INFINITY.  *norm (may be NULL) gets the norm before clipping; the same on
- * every rank.  CT_EINVAL for a negative or NaN max_norm or another norm_type. */
+ * they are sharded (torch.nn.utils.clip_grad_norm_, FSDP's clip_grad_norm_);
+ * norm_type any p > 0 or INFINITY.  *norm (may be NULL) gets the norm before
+ * clipping; the same on every rank.  CT_EINVAL for a negative or NaN
+ * max_norm, or a norm_type of 0, below 0 or NaN. */
 ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm);
 /* The parts of clipping, for composing strategies and clipping rules of your
  * own: adds the norm terms of every gradient s trains, combined over the
@@ -444,6 +462,33 @@ typedef ct_status (*ct_module_fn)(ct_module *m, void *ud);
  * every rank (it changes every rank's copy).  The first failure of fn ends
  * the walk and is returned after the release. */
 ct_status ct_strategy_apply(ct_strategy *s, ct_module_fn fn, void *ud);
+
+/* Units, one at a time in a buffer of the caller's (PyTorch FSDP's
+ * summon_full_params(recurse=False) with offload_to_cpu): FSDP's units are
+ * its wrap units in pre-order (0: the model's own), each holding the
+ * trainable parameters no unit nested in it holds; every other strategy is
+ * one unit of all its trainable parameters.  Memory stays bounded by one
+ * unit: nothing the strategy keeps is gathered after a call returns. */
+int ct_strategy_num_units(ct_strategy *s);
+/* Unit i's module and its parameters in the order the buffers lay them end
+ * to end (*ps: free with ct_free); *numel (may be NULL) their elements.
+ * CT_EINVAL for an i out of range. */
+ct_status ct_strategy_unit_params(ct_strategy *s, int i, ct_module **m, ct_param ***ps, int *n, int64_t *numel);
+/* Unit i's full f32 values into buf (n floats, at least its numel) on every
+ * rank.  Collective; CT_EINVAL for a buffer too small, CT_ESTATE while
+ * ct_strategy_summon_full_params is in effect. */
+ct_status ct_strategy_unit_read(ct_strategy *s, int i, float *buf, int64_t n);
+/* buf's values (the same on every rank) into unit i's parameters, wherever
+ * the strategy keeps them (FSDP: each rank's pieces; mixed-precision copies
+ * follow).  Collective; errors as ct_strategy_unit_read. */
+ct_status ct_strategy_unit_write(ct_strategy *s, int i, const float *buf, int64_t n);
+/* A function of one unit: its module, parameters and their full values. */
+typedef ct_status (*ct_unit_fn)(ct_module *unit, ct_param *const *ps, int n, float *values, void *ud);
+/* apply(fn) unit by unit: each unit read into one buffer of the largest
+ * unit's size, fn called on it, and (writeback) its values written back.
+ * Collective; a failure of fn on any rank stops every rank (the lowest
+ * failing rank's error). */
+ct_status ct_strategy_apply_units(ct_strategy *s, int writeback, ct_unit_fn fn, void *ud);
 
 /* ---- state for checkpoints -------------------------------------------- */
 

@@ -437,7 +437,8 @@ static ct_status attn_forward(ct_module *m, ct_tensor *in, ct_tensor **out, ct_r
     CT_TRY(check_input(m, in->ndim, in->shape));
     int64_t B = in->shape[0], T = in->shape[1], H = A->heads;
     int bf16;
-    CT_TRY(ct__param_compute(m->kids[K_C_ATTN], m->kids[K_C_ATTN]->params[0], &bf16));
+    /* kind only: c_attn may be a unit of its own (FSDP), released until its own forward */
+    CT_TRY(ct__param_compute_kind(m->kids[K_C_ATTN], m->kids[K_C_ATTN]->params[0], &bf16));
     ct_record *kr = NULL;
     ct_tensor *qkv32 = NULL, *qkv = NULL, *P = NULL, *mask = NULL, *y = NULL, *z = NULL;
     m->kids[K_C_ATTN]->emit_bf16 = bf16; /* the bf16 core casts qkv first: c_attn may store it so */

@@ -9,7 +9,7 @@
 
 #include "internal.h"
 
-ct_status ct__param_compute(const ct_module *m, const ct_param *p, int *bf16)
+ct_status ct__param_compute_kind(const ct_module *m, const ct_param *p, int *bf16)
 {
     *bf16 = 0;
     const ct_tensor *c = p->compute;
@@ -22,11 +22,18 @@ ct_status ct__param_compute(const ct_module *m, const ct_param *p, int *bf16)
                         m->ops->kind, ct__nn_name(m), p->local, ct_dtype_name(c->dtype),
                         ct_shape_str(c, a, sizeof a), ct_shape_str(p->data, b, sizeof b));
     }
-    if (!ct_tensor_data(c))
+    *bf16 = 1;
+    return CT_OK;
+}
+
+ct_status ct__param_compute(const ct_module *m, const ct_param *p, int *bf16)
+{
+    CT_TRY(ct__param_compute_kind(m, p, bf16));
+    const ct_tensor *c = p->compute;
+    if (c && !ct_tensor_data(c))
         return ct_error(CT_ESTATE, "%s '%s': compute copy of '%s' has no memory (its storage was "
                         "released); bring it back before the forward", m->ops->kind,
                         ct__nn_name(m), p->local);
-    *bf16 = 1;
     return CT_OK;
 }
 

@@ -54,6 +54,10 @@ int ct__record_live_take(const void *rec);
  * memory.  *bf16 = 1 when there is one.  The error names the layer and says
  * how to make the copy. */
 ct_status ct__param_compute(const ct_module *m, const ct_param *p, int *bf16);
+/* The same without the memory: for a parent deciding before the child's
+ * forward, whose pre-forward hooks bring the memory back (FSDP: the child a
+ * unit of its own, its compute copy released until then). */
+ct_status ct__param_compute_kind(const ct_module *m, const ct_param *p, int *bf16);
 
 /* p's weight as bf16 bits: its compute copy, or else a cast of p->data
  * into a new block stored in *tmp (ct_free it; NULL when not needed). */

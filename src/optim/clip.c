@@ -1,6 +1,6 @@
 /*
- * Gradient clipping by global L2 norm, as torch.nn.utils.clip_grad_norm_,
- * split into its parts (sum of squares, coefficient, scaling) so that a
+ * Gradient clipping by global p-norm, as torch.nn.utils.clip_grad_norm_,
+ * split into its parts (sum of |g|^p or the max, coefficient, scaling) so that a
  * sharded strategy can add up the sums of all ranks before scaling, and
  * the same parts over an optimizer's slots (its shard).
  *
@@ -98,7 +98,39 @@ static double max_abs_16(const ct_tensor *t)
     return m;
 }
 
-ct_norm_acc ct_norm_acc_init(double norm_type) { return (ct_norm_acc){0.0, isinf(norm_type) != 0}; }
+/* Sum of |x|^p for a finite p other than 2 (2 keeps sq_sum_f32's order, so
+ * the 2-norm stays bitwise what it was).  p = 1 skips pow. */
+static double pow_sum_f32(const float *x, int64_t n, double p)
+{
+    double s = 0;
+    if (p == 1.0)
+        for (int64_t i = 0; i < n; i++) s += fabs((double)x[i]);
+    else
+        for (int64_t i = 0; i < n; i++) s += pow(fabs((double)x[i]), p);
+    return s;
+}
+
+static double pow_sum_16(const ct_tensor *t, double p)
+{
+    const uint16_t *h = ct_tensor_data(t);
+    double s = 0;
+    for (int64_t i = 0; i < t->numel; i++) {
+        double a = fabs((double)(t->dtype == CT_BF16 ? ct_bf16_to_f32(h[i]) : ct_f16_to_f32(h[i])));
+        s += p == 1.0 ? a : pow(a, p);
+    }
+    return s;
+}
+
+int ct_norm_type_ok(double norm_type) { return norm_type > 0; /* NaN and -inf compare false */ }
+
+/* The norm type; 2 for a zeroed accumulator (written before p existed). */
+static double p_of(const ct_norm_acc *a) { return a->p > 0 ? a->p : 2.0; }
+
+ct_norm_acc ct_norm_acc_init(double norm_type)
+{
+    if (!ct_norm_type_ok(norm_type)) norm_type = 2.0; /* a zeroed accumulator's 0: the 2-norm it always was */
+    return (ct_norm_acc){0.0, isinf(norm_type) != 0, norm_type};
+}
 
 void ct_norm_acc_add(ct_norm_acc *a, double v)
 {
@@ -108,16 +140,27 @@ void ct_norm_acc_add(ct_norm_acc *a, double v)
 
 void ct_norm_acc_f32(ct_norm_acc *a, const float *g, int64_t n)
 {
-    ct_norm_acc_add(a, a->inf ? max_abs_f32(g, n) : sq_sum_f32(g, n));
+    ct_norm_acc_add(a, a->inf ? max_abs_f32(g, n) : p_of(a) == 2.0 ? sq_sum_f32(g, n) : pow_sum_f32(g, n, p_of(a)));
 }
 
 void ct_norm_acc_tensor(ct_norm_acc *a, const ct_tensor *g)
 {
     if (g->dtype == CT_F32) ct_norm_acc_f32(a, ct_tensor_data(g), g->numel);
-    else ct_norm_acc_add(a, a->inf ? max_abs_16(g) : sq_sum_tensor(g));
+    else ct_norm_acc_add(a, a->inf ? max_abs_16(g) : p_of(a) == 2.0 ? sq_sum_tensor(g) : pow_sum_16(g, p_of(a)));
 }
 
-double ct_norm_acc_norm(const ct_norm_acc *a) { return a->inf ? a->v : sqrt(a->v); }
+double ct_norm_acc_norm(const ct_norm_acc *a)
+{
+    if (a->inf) return a->v;
+    if (p_of(a) == 2.0) return sqrt(a->v);
+    return p_of(a) == 1.0 ? a->v : pow(a->v, 1.0 / p_of(a));
+}
+
+double ct_norm_acc_scaled(const ct_norm_acc *a, double v, float k)
+{
+    if (a->inf) return (double)((float)v * fabsf(k)); /* as the scaled f32 gradients' max */
+    return v * pow(fabs((double)k), p_of(a));
+}
 
 double ct_grad_sq_sum(ct_param **params, int n)
 {
@@ -143,10 +186,21 @@ void ct_scale_grads(ct_param **params, int n, float scale)
 
 ct_status ct_clip_grad_norm(ct_param **params, int n, float max_norm, float *norm)
 {
+    return ct_clip_grad_norm_p(params, n, max_norm, 2.0, norm);
+}
+
+ct_status ct_clip_grad_norm_p(ct_param **params, int n, float max_norm, double norm_type, float *norm)
+{
     if (!(max_norm >= 0))
         return ct_error(CT_EINVAL, "max_norm %g for gradient clipping is invalid; use a value >= 0 "
                         "(or no clipping)", (double)max_norm);
-    double total = sqrt(ct_grad_sq_sum(params, n));
+    if (!ct_norm_type_ok(norm_type))
+        return ct_error(CT_EINVAL, "norm_type %g for gradient clipping is invalid; use a number > 0 "
+                        "or infinity (2 is the usual)", norm_type);
+    ct_norm_acc a = ct_norm_acc_init(norm_type);
+    for (int i = 0; i < n; i++)
+        if (params[i] && params[i]->grad) ct_norm_acc_tensor(&a, params[i]->grad);
+    double total = ct_norm_acc_norm(&a);
     if (norm) *norm = (float)total;
     float coef = ct_clip_coef(total, max_norm);
     if (coef < 1.0f) ct_scale_grads(params, n, coef);

@@ -41,6 +41,9 @@ typedef struct {
 ct_status ct__syncbn_init(ct_strategy *s);
 /* Every batchnorm back to its replica's own statistics. */
 void ct__syncbn_fini(ct_strategy *s);
+/* buffer_dtype=bf16: hooks that keep every buffer at bf16 precision (buffers.c). */
+ct_status ct__buffers_init(ct_strategy *s);
+void ct__buffers_fini(ct_strategy *s);
 
 /* Options every strategy takes. */
 typedef struct {
@@ -48,6 +51,7 @@ typedef struct {
     int param_dtype;  /* ct_dtype: CT_F32 or CT_BF16 */
     int reduce_dtype; /* ct_dtype: CT_F32, CT_BF16, CT_F16 */
     int sync_batchnorm; /* batchnorm statistics over the group (syncbn.c) */
+    int buffer_dtype;   /* ct_dtype: CT_F32, or CT_BF16 (buffers held at bf16 precision, buffers.c) */
     int64_t alloc_cache_mb; /* the allocator cache's bound in MiB; -1: auto (ct_mem_set_cache_limit) */
 } ct__common;
 
@@ -67,6 +71,12 @@ typedef struct {
     ct_status (*summon)(ct_strategy *s, int writeback, int rank0_only); /* full parameters out */
     ct_status (*release)(ct_strategy *s);
     void (*data_rank)(const ct_strategy *s, int *rank, int *size); /* default: group rank and size */
+    /* Units for ct_strategy_unit_* (units.c; default: one, the model's trainable parameters):
+     * their number; unit i's module and own trainable parameters in buffer order (*ps: ct_free);
+     * its full values into buf, or (write) buf's values into what the strategy keeps.  Collective. */
+    int (*units)(ct_strategy *s);
+    ct_status (*unit_params)(ct_strategy *s, int i, ct_module **m, ct_param ***ps, int *n);
+    ct_status (*unit_io)(ct_strategy *s, int i, float *buf, int write);
 } ct__place_ops;
 
 /* Synchronisation: the work around forward, backward and the step. */
@@ -148,6 +158,8 @@ struct ct_strategy {
     ct_step_stats stats;   /* being measured */
     ct_step_stats last;    /* last completed step */
     int owns_compute;      /* made the mixed-precision compute copies (mixed.c) and frees them */
+    ct_hook **buf_hooks;   /* buffer_dtype's rounding hooks (buffers.c) */
+    int nbuf_hooks;
     void *priv;
     void *ext;             /* state of a strategy built on another's priv (ZeRO on DDP) */
     int64_t backwards;     /* backward passes (or train steps) since the last optimizer step */
@@ -330,6 +342,10 @@ void ct__wire_unpack(ct_dtype dt, const void *src, float *dst, int64_t n, int ad
  * no-ops for f32. */
 ct_status ct__mixed_init(ct_strategy *s);
 ct_status ct__mixed_refresh(ct_strategy *s);
+/* units.c: the default unit entries (the whole model, through summon and release). */
+int ct__whole_units(ct_strategy *s);
+ct_status ct__whole_unit_params(ct_strategy *s, int i, ct_module **m, ct_param ***ps, int *n);
+ct_status ct__whole_unit_io(ct_strategy *s, int i, float *buf, int write);
 void ct__mixed_refresh_param(ct_strategy *s, ct_param *p);
 void ct__mixed_fini(ct_strategy *s);
 

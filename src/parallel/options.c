@@ -23,6 +23,9 @@ static const ct__opt_def common_opts[] = {
      DT(CT_F32) | DT(CT_BF16), NULL},
     {"reduce_dtype", CT__OPT_DTYPE, offsetof(ct__common, reduce_dtype), "f32",
      "dtype gradients are reduced in across ranks", DT(CT_F32) | DT(CT_BF16) | DT(CT_F16), NULL},
+    {"buffer_dtype", CT__OPT_DTYPE, offsetof(ct__common, buffer_dtype), "f32",
+     "precision buffers (batchnorm running statistics) are held at (PyTorch's MixedPrecision.buffer_dtype; "
+     "none, ddp, zero1, zero2, fsdp)", DT(CT_F32) | DT(CT_BF16), NULL},
     {"sync_batchnorm", CT__OPT_BOOL, offsetof(ct__common, sync_batchnorm), "0",
      "batchnorm statistics over the whole batch of every rank (SyncBatchNorm; ddp, zero1, zero2, fsdp)", 0, NULL},
     {"alloc_cache_mb", CT__OPT_AUTO_COUNT, offsetof(ct__common, alloc_cache_mb), "auto",
@@ -212,22 +215,28 @@ ct_status ct__opts_parse(ct_strategy *s, const char *text)
     memset(&s->common, 0, sizeof s->common);
     for (int i = 0; i < nkeys(s->ops); i++) CT_TRY(apply(s, nth(s->ops, i)->key, nth(s->ops, i)->def));
     if (!text) return CT_OK;
-    char pair[512];
-    for (const char *p = text; *p;) {
+    /* one pair at a time, as long as it is (a wrap_modules list of a deep
+     * model, as ct_fsdp_auto_wrap writes it, runs to kilobytes) */
+    char *pair = ct_alloc(strlen(text) + 1, CT_MEM_OTHER);
+    if (!pair) return CT_ENOMEM;
+    ct_status st = CT_OK;
+    for (const char *p = text; *p && st == CT_OK;) {
         const char *comma = strchr(p, ',');
         size_t len = comma ? (size_t)(comma - p) : strlen(p);
-        if (len >= sizeof pair) return ct_error(CT_EINVAL, "strategy option '%.40s...' is too long", p);
         memcpy(pair, p, len);
         pair[len] = 0;
         p += len + (comma != NULL);
         if (!len) continue;
         char *eq = strchr(pair, '=');
-        if (!eq || eq == pair)
-            return ct_error(CT_EINVAL, "strategy option '%s' is not key=value (e.g. bucket_cap_mb=50)", pair);
+        if (!eq || eq == pair) {
+            st = ct_error(CT_EINVAL, "strategy option '%s' is not key=value (e.g. bucket_cap_mb=50)", pair);
+            break;
+        }
         *eq = 0;
-        CT_TRY(apply(s, pair, eq + 1));
+        st = apply(s, pair, eq + 1);
     }
-    return CT_OK;
+    ct_free(pair);
+    return st;
 }
 
 void ct__opts_free(ct_strategy *s)

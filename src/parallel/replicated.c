@@ -139,6 +139,9 @@ void ct__strategy_fill(ct__strategy_ops *vt)
     FILL(vt->place.summon, summon_nothing);
     FILL(vt->place.release, nothing);
     FILL(vt->place.data_rank, group_data_rank);
+    FILL(vt->place.units, ct__whole_units);
+    FILL(vt->place.unit_params, ct__whole_unit_params);
+    FILL(vt->place.unit_io, ct__whole_unit_io);
     FILL(vt->sync.pre_forward, nothing);
     FILL(vt->sync.pre_backward, nothing);
     FILL(vt->sync.post_backward, nothing);

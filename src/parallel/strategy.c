@@ -177,6 +177,7 @@ static ct_status create_impl(const char *kind, ct_module *model, const ct_optim_
     if (st == CT_OK) st = s->vt.place.build_optim(s, optim);
     if (st == CT_OK && !ops->manages_compute) st = ct__mixed_init(s);
     if (st == CT_OK) st = ct__syncbn_init(s);
+    if (st == CT_OK) st = ct__buffers_init(s);
     /* After init, whose flats have hinted the automatic bound; a process-wide setting. */
     if (st == CT_OK && s->common.alloc_cache_mb >= 0) ct_mem_set_cache_limit((size_t)s->common.alloc_cache_mb << 20);
     if (st != CT_OK) {
@@ -193,6 +194,7 @@ void ct_strategy_destroy(ct_strategy *s)
     if (!create_depth) ct_mem_phase_begin(CT_PHASE_TEARDOWN); /* not a failed create's own clean-up */
     const char *prev = ct_comm_enter_call("ct_strategy_destroy");
     ct__syncbn_fini(s);
+    ct__buffers_fini(s);
     ct__mixed_fini(s);
     if (s->priv || s->ext) s->vt.place.fini(s);
     ct__comm_hook_free(s);
@@ -357,8 +359,9 @@ static ct_status clip_grad_norm_impl(ct_strategy *s, float max_norm, double norm
 {
     if (!(max_norm >= 0))
         return ct_error(CT_EINVAL, "clip: max_norm must be >= 0 (got %g)", (double)max_norm);
-    if (norm_type != 2.0 && !isinf(norm_type))
-        return ct_error(CT_EINVAL, "clip: norm_type %g is not supported; use 2 or infinity", norm_type);
+    if (!ct_norm_type_ok(norm_type))
+        return ct_error(CT_EINVAL, "clip: norm_type %g is invalid; use a number > 0 or infinity (2 is the usual)",
+                        norm_type);
     ct_norm_acc acc = ct_norm_acc_init(norm_type);
     CT_TRY(grad_norm_acc_impl(s, &acc));
     double total = ct_norm_acc_norm(&acc);

@@ -201,6 +201,31 @@ TEST(gpt_tied_fsdp_equals_one_process)
     vs_single("fsdp", "wrap_kinds=block,sharding=grad_op,grad_accum=2", 3, 1e-5);
     vs_single("fsdp", "wrap_kinds=block+attention,backward_prefetch=post,forward_prefetch=1", 3, 1e-5);
     vs_single("fsdp", "wrap_kinds=block,param_dtype=bf16", 2, 1e-4);
+    /* c_attn a unit of its own under bf16: the attention decides its path
+     * from c_attn's compute copy before c_attn's hooks gather it (it
+     * failed: "compute copy of 'weight' has no memory") */
+    vs_single("fsdp", "wrap_modules=transformer.h.0.attn.c_attn+transformer.h.1.attn.c_attn,param_dtype=bf16", 2,
+              1e-4);
+}
+
+/* An auto-wrap policy function (lambda_auto_wrap_policy): the attention
+ * and mlp of each block, and any module left with 300 elements or more. */
+static int attn_mlp_or_big(const ct_module *m, int64_t nonwrapped, void *ud)
+{
+    (void)ud;
+    size_t l = strlen(m->fqn);
+    return !strcmp(m->ops->kind, "attention") || (l > 4 && !strcmp(m->fqn + l - 4, ".mlp")) || nonwrapped >= 300;
+}
+
+TEST(gpt_fsdp_auto_wrap_policy_equals_one_process)
+{
+    ct_module *m = gpt_tiny(3); /* the policy reads names and shapes: any copy of the model */
+    char *o = NULL;
+    ASSERT_OK(ct_fsdp_auto_wrap(m, attn_mlp_or_big, NULL, "param_dtype=bf16", &o));
+    ct_module_destroy(m);
+    ASSERT(strstr(o, "attn+") != NULL);
+    vs_single("fsdp", o, 2, 1e-4);
+    ct_free(o);
 }
 
 /* Offload with a slice per block or two: the tied weight stays resident on

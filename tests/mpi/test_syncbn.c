@@ -74,9 +74,10 @@ static double worst(const ct_state *a, const ct_state *b, const char *name)
     return w;
 }
 
-/* kind with opts at the world's size against one process: the worst
- * tensor's difference (on rank 0, which holds every sharded state). */
-static double vs_one(const char *kind, const char *opts, int check_all)
+/* kind with opts at the world's size against one process (ref_opts): the
+ * worst running statistic's difference (on rank 0, which holds every
+ * sharded state); tol >= 0 checks every tensor against it. */
+static double vs_one_ref(const char *kind, const char *opts, const char *ref_opts, double tol)
 {
     ct_group *g = ct_group_world();
     int rank = ct_group_rank(g), world = ct_group_size(g);
@@ -85,7 +86,7 @@ static double vs_one(const char *kind, const char *opts, int check_all)
     ct_optim_opts oo = optim_for(CT_OPT_SGD);
     ct_strategy *ds, *rs;
     ASSERT_OK(ct_strategy_create(kind, dm, &oo, g, opts, &ds));
-    ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, NULL, &rs));
+    ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, ref_opts, &rs));
     train(ds, 3, n, rank, world);
     train(rs, 3, n, 0, 1);
     ct_state a, b;
@@ -101,10 +102,17 @@ static double vs_one(const char *kind, const char *opts, int check_all)
                 continue;
             }
             double d = worst(&a, &b, nm);
-            if (check_all && !(d <= 2e-5))
+            if (tol >= 0 && !(d <= tol))
                 ct_test_fail(__FILE__, __LINE__, "%s (%s) at %d ranks: %s differs from one process by %g", kind,
                              opts, world, nm, d);
             if (strstr(nm, "running_")) w = d > w ? d : w;
+            const ct_tensor *t = NULL;
+            for (int q = 0; q < a.n; q++)
+                if (!strcmp(a.names[q], nm)) t = a.tensors[q];
+            for (int64_t k = 0; t && strstr(nm, "running_") && strstr(opts, "buffer_dtype=bf16") && k < t->numel; k++)
+                if (ct_f32(t)[k] != ct_bf16_to_f32(ct_f32_to_bf16(ct_f32(t)[k])))
+                    ct_test_fail(__FILE__, __LINE__, "%s (%s): %s[%lld] is not a bf16 value", kind, opts, nm,
+                                 (long long)k);
         }
     }
     ct_state_fini(&a);
@@ -114,6 +122,11 @@ static double vs_one(const char *kind, const char *opts, int check_all)
     ct_module_destroy(dm);
     ct_module_destroy(rm);
     return w;
+}
+
+static double vs_one(const char *kind, const char *opts, int check_all)
+{
+    return vs_one_ref(kind, opts, NULL, check_all ? 2e-5 : -1);
 }
 
 TEST(syncbn_cnn_every_data_parallel_strategy_equals_one_process)
@@ -140,5 +153,70 @@ TEST(syncbn_refused_where_ranks_do_not_share_a_batch)
     ct_strategy *s;
     ASSERT_ERR(ct_strategy_create("pipe", m, &oo, ct_group_world(), "sync_batchnorm=1", &s), CT_EINVAL,
                "sync_batchnorm=1 applies to ddp, zero1, zero2 and fsdp");
+    ct_module_destroy(m);
+}
+
+/* ---- buffer_dtype ------------------------------------------------------- */
+
+/* Trains the cnn alone with opts; *st gets its model state. */
+static void alone(const char *opts, ct_state *st)
+{
+    ct_module *m = cnn_bn();
+    ct_optim_opts oo = optim_for(CT_OPT_SGD);
+    ct_strategy *s;
+    ASSERT_OK(ct_strategy_create("none", m, &oo, NULL, opts, &s));
+    train(s, 3, 9, 0, 1);
+    ASSERT_OK(ct_strategy_model_state(s, st));
+    ct_strategy_destroy(s);
+    ct_module_destroy(m);
+}
+
+/* buffer_dtype=bf16 (MixedPrecision.buffer_dtype): every running statistic
+ * holds a bf16 value after training, and they differ from f32 buffers'
+ * (the option does something); num_batches_tracked counts as before. */
+TEST(buffer_dtype_bf16_holds_statistics_at_bf16)
+{
+    ct_state lo, hi;
+    alone("buffer_dtype=bf16", &lo);
+    alone(NULL, &hi);
+    double diff = 0;
+    int stats = 0;
+    for (int i = 0; i < lo.n; i++) {
+        const ct_tensor *t = lo.tensors[i];
+        if (!strstr(lo.names[i], "running_")) {
+            if (strstr(lo.names[i], "num_batches_tracked")) ASSERT_EQ(ct_f32(t)[0], 3.0f);
+            continue;
+        }
+        stats++;
+        for (int64_t k = 0; k < t->numel; k++) {
+            float v = ct_f32(t)[k];
+            if (v != ct_bf16_to_f32(ct_f32_to_bf16(v)))
+                ct_test_fail(__FILE__, __LINE__, "%s[%lld] = %.9g is not a bf16 value", lo.names[i], (long long)k,
+                             (double)v);
+        }
+        double d = worst(&lo, &hi, lo.names[i]);
+        diff = d > diff ? d : diff;
+    }
+    ASSERT(stats >= 4);
+    if (!(diff > 1e-5)) ct_test_fail(__FILE__, __LINE__, "bf16 statistics equal f32 ones (differ by %g)", diff);
+    ct_state_fini(&lo);
+    ct_state_fini(&hi);
+}
+
+/* Under every strategy whose ranks run the whole model it equals one
+ * process with the same option (to one bf16 step, 2^-8, where the f32
+ * statistics before rounding differ in their last bits). */
+TEST(buffer_dtype_bf16_every_data_parallel_strategy_equals_one_process)
+{
+    vs_one_ref("ddp", "sync_batchnorm=1,buffer_dtype=bf16", "buffer_dtype=bf16", 8e-3);
+    vs_one_ref("zero2", "sync_batchnorm=1,buffer_dtype=bf16", "buffer_dtype=bf16", 8e-3);
+    vs_one_ref("fsdp", "sync_batchnorm=1,buffer_dtype=bf16,wrap_kinds=conv2d", "buffer_dtype=bf16", 8e-3);
+    vs_one_ref("fsdp", "sync_batchnorm=1,buffer_dtype=bf16,param_dtype=bf16,wrap_kinds=conv2d",
+               "buffer_dtype=bf16,param_dtype=bf16", 8e-3);
+    ct_module *m = cnn_bn();
+    ct_optim_opts oo = optim_for(CT_OPT_SGD);
+    ct_strategy *s;
+    ASSERT_ERR(ct_strategy_create("pipe", m, &oo, ct_group_world(), "buffer_dtype=bf16", &s), CT_EINVAL,
+               "buffer_dtype=bf16 applies to none, ddp, zero1, zero2 and fsdp");
     ct_module_destroy(m);
 }

@@ -76,6 +76,13 @@ void steps_vs_one(ct_strategy *ds, ct_strategy *rs, int steps, int64_t n, int ra
 
 void step_on_data_rank(ct_strategy *s, int step, int64_t n, double clip, float *norm, ct_step_out *out)
 {
+    train_on_data_rank(s, step, n, out);
+    if (clip > 0) ASSERT_OK(ct_strategy_clip_grad_norm(s, (float)clip, 2.0, norm));
+    ASSERT_OK(ct_strategy_step(s));
+}
+
+void train_on_data_rank(ct_strategy *s, int step, int64_t n, ct_step_out *out)
+{
     ct_tensor *x, *y;
     global_batch2(step, n, &x, &y);
     int dr, ds;
@@ -87,8 +94,6 @@ void step_on_data_rank(ct_strategy *s, int step, int64_t n, double clip, float *
     ct_fwd_ctx ctx = {.training = 1, .seed = 7, .step = (uint64_t)step};
     ct_strategy_zero_grad(s);
     ASSERT_OK(ct_strategy_train_step(s, &b, ct_loss_cross_entropy, NULL, &ctx, out));
-    if (clip > 0) ASSERT_OK(ct_strategy_clip_grad_norm(s, (float)clip, 2.0, norm));
-    ASSERT_OK(ct_strategy_step(s));
     ct_tensor_release(xs);
     ct_tensor_release(ys);
     ct_tensor_release(x);

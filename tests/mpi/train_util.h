@@ -34,6 +34,8 @@ void step_on_slice(ct_strategy *s, int step, int64_t n, int rank, int world, ct_
  * "none": all) of global_batch2 of `step`; out (may be NULL) gets the train
  * step's result. */
 void step_on_data_rank(ct_strategy *s, int step, int64_t n, double clip, float *norm, ct_step_out *out);
+/* Its first half: zero_grad and the train step, no clip, no step. */
+void train_on_data_rank(ct_strategy *s, int step, int64_t n, ct_step_out *out);
 /* steps optimizer steps of ds (this rank's slice of n rows) and of the
  * one-process reference rs (all n rows) in lock step: train step, step,
  * zero_grad. */

@@ -52,6 +52,9 @@ static const ct__opt_def fsdp_opt_defs[] = {
     {"wrap_min_params", CT__OPT_COUNT, offsetof(fsdp_opts, wrap_min_params), "0",
      "auto-wrap: a module whose parameters outside units below it reach this many elements becomes a unit "
      "(0: off)", 0, NULL},
+    {"keep_low_precision_grads", CT__OPT_BOOL, offsetof(fsdp_opts, keep_low_precision_grads), "0",
+     "param_dtype=bf16: keep the reduced gradients of the bf16 weights at bf16 precision (MixedPrecision's "
+     "keep_low_precision_grads)", 0, NULL},
     {"wrap_modules", CT__OPT_TEXT, 0, "", "modules (names, '+' between) that become units", 0, NULL},
     {"wrap_kinds", CT__OPT_TEXT, 0, "", "module kinds (e.g. residual) whose every module becomes a unit", 0, NULL},
     {"ignored_modules", CT__OPT_TEXT, 0, "",
@@ -205,6 +208,16 @@ static ct_status start_reduce(ct_strategy *s, fsdp_unit *u)
     return CT_OK;
 }
 
+/* keep_low_precision_grads (MixedPrecision's): the reduced gradient pieces
+ * of the bf16 weights kept at bf16 precision, rounded (to nearest even)
+ * after every reduce, so after each accumulation too, as a bf16 .grad would
+ * be: the optimizer steps on bf16 gradients.  The words stay f32 (the
+ * optimizer reads f32 slots): no bytes are saved. */
+static void round_low(float *g, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) g[i] = ct_bf16_to_f32(ct_f32_to_bf16(g[i]));
+}
+
 /* Waits for the unit's reduce, allreduces across replicas, adds the result
  * to the gradient piece and frees the unsharded gradients. */
 static ct_status finish_reduce(ct_strategy *s, fsdp_unit *u)
@@ -224,6 +237,7 @@ static ct_status finish_reduce(ct_strategy *s, fsdp_unit *u)
                             : (fl->wire ? fl->wire : ct_storage_ptr(fl->flat.st[CT__FL_GRAD]));
         if (st == CT_OK && u->rg) st = ct_group_allreduce(u->rg, r, fl->flat.shard, dt, CT_OP_SUM, NULL);
         if (st == CT_OK && r != fl->gshard) ct__wire_unpack(dt, r, fl->gshard, fl->flat.shard, !fl->gzero);
+        if (st == CT_OK && fl->low && O(s)->keep_low_precision_grads) round_low(fl->gshard, fl->flat.shard);
         fl->gzero = 0;
         ct_free(fl->rsbuf);
         ct_free(fl->wire);
@@ -258,7 +272,7 @@ static ct_status finish_unit(ct_strategy *s, fsdp_unit *u)
     return q >= 0 ? finish_queued(s, q) : CT_OK;
 }
 
-static ct_status finish_all(ct_strategy *s)
+ct_status ct__fsdp_finish_all(ct_strategy *s)
 {
     ct_status st = CT_OK;
     while (ct__fsdp_of(s)->q.n) {
@@ -333,7 +347,7 @@ static ct_status fsdp_post_backward(ct_strategy *s)
             return ct_error(CT_ESTATE, "fsdp: parameter '%s' was frozen when the model was wrapped and is trainable "
                             "now; its unit's flat parameter only holds what was trainable then: wrap the model "
                             "after unfreezing it", s->params[i]->name);
-    ct_status st = s->no_sync ? CT_OK : finish_all(s);
+    ct_status st = s->no_sync ? CT_OK : ct__fsdp_finish_all(s);
     ct_status w = ct__fsdp_reshard_all(s); /* and a prefetch nobody used */
     f->recorded = 1;
     return st == CT_OK ? w : st;
@@ -346,13 +360,13 @@ static ct_status fsdp_reduce(ct_strategy *s)
     fsdp_t *f = ct__fsdp_of(s);
     for (int i = f->nu - 1; i >= 0; i--)
         if (f->u[i].grads && !f->u[i].reducing) CT_TRY(start_reduce(s, &f->u[i]));
-    return finish_all(s);
+    return ct__fsdp_finish_all(s);
 }
 
 static void fsdp_zero_grad(ct_strategy *s)
 {
     fsdp_t *f = ct__fsdp_of(s);
-    finish_all(s);
+    ct__fsdp_finish_all(s);
     for (int i = 0; i < f->nu; i++) {
         if (f->u[i].grads) free_grads(&f->u[i]);
         for (int k = 0; k < f->u[i].nfl; k++) f->u[i].fl[k].gzero = 1;
@@ -364,7 +378,7 @@ static void fsdp_zero_grad(ct_strategy *s)
 static ct_status zero_untouched_pieces(ct_strategy *s)
 {
     fsdp_t *f = ct__fsdp_of(s);
-    CT_TRY(finish_all(s));
+    CT_TRY(ct__fsdp_finish_all(s));
     for (int i = 0; i < f->nu; i++)
         for (int k = 0; k < f->u[i].nfl; k++)
             if (f->u[i].fl[k].gzero) memset(f->u[i].fl[k].gshard, 0, (size_t)f->u[i].fl[k].flat.shard * sizeof(float));
@@ -593,6 +607,9 @@ static ct_status setup(ct_strategy *s)
 
 static ct_status fsdp_init(ct_strategy *s)
 {
+    if (O(s)->keep_low_precision_grads && s->common.param_dtype == CT_F32)
+        return ct_error(CT_EINVAL, "fsdp: keep_low_precision_grads=1 keeps gradients at param_dtype's precision, "
+                        "which is f32 here; add param_dtype=bf16 (--mixed bf16) or leave it out");
     ct_status st = ct_group_check(s->g, setup(s));
     if (st == CT_OK) {
         ct__fsdp_of(s)->ready = 1;
@@ -611,7 +628,7 @@ static void fsdp_fini(ct_strategy *s)
     fsdp_t *f = ct__fsdp_of(s);
     ct__zero *z = ct__zero_of(s);
     if (f) {
-        finish_all(s);
+        ct__fsdp_finish_all(s);
         if (!f->ready) settle_old(f, 1); /* set-up failed: the parameters as they were */
         int full = f->ready;
         for (int i = 0; f->u && i < f->nu; i++) full &= f->u[i].summoned && (!f->u[i].nfl || f->u[i].ns == 1 || ct__flat_resident(&f->u[i].fl[0].flat, CT__FL_DATA));
@@ -658,7 +675,7 @@ ct_status ct__fsdp_summon(ct_strategy *s, int writeback, int rank0_only)
     if (writeback && rank0_only)
         return ct_error(CT_EINVAL, "summon_full_params: writeback with rank0_only is not supported (the other "
                         "ranks would have nothing to write back); drop one of them");
-    CT_TRY(finish_all(s));
+    CT_TRY(ct__fsdp_finish_all(s));
     for (int i = 0; i < f->nu; i++) {
         fsdp_unit *u = &f->u[i];
         if (u->state == UNIT_GATHERING) CT_TRY(finish_gather(s, u));
@@ -710,6 +727,9 @@ const ct__strategy_ops ct__fsdp_ops = {
         .partition = ct__zero_partition,
         .summon = ct__fsdp_summon,
         .release = ct__fsdp_release,
+        .units = ct__fsdp_units,
+        .unit_params = ct__fsdp_unit_params,
+        .unit_io = ct__fsdp_unit_io,
     },
     .sync = {
         .post_backward = fsdp_post_backward,

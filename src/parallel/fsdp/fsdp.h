@@ -17,6 +17,7 @@ typedef struct {
     int limit_all_gathers;
     int sync_module_states;
     int64_t wrap_min_params;
+    int keep_low_precision_grads; /* the bf16 flats' gradient pieces at bf16 precision (param_dtype's) */
     /* wrap_modules, wrap_kinds, ignored_modules: text ('+'-separated), read with ct_strategy_opt */
 } fsdp_opts;
 
@@ -89,6 +90,13 @@ fsdp_t *ct__fsdp_of(ct_strategy *s);
  * stay until ct__fsdp_release), or frees them again. */
 ct_status ct__fsdp_summon(ct_strategy *s, int writeback, int rank0_only);
 ct_status ct__fsdp_release(ct_strategy *s);
+/* Waits for every reduce in flight (the pieces are final after it). */
+ct_status ct__fsdp_finish_all(ct_strategy *s);
+
+/* fsdp_unit_io.c: the units of ct_strategy_unit_* (one at a time, into a caller's buffer) */
+int ct__fsdp_units(ct_strategy *s);
+ct_status ct__fsdp_unit_params(ct_strategy *s, int i, ct_module **m, ct_param ***ps, int *n);
+ct_status ct__fsdp_unit_io(ct_strategy *s, int i, float *buf, int write);
 /* Frees every unit's gathered parameters (they are stale after a step or a load). */
 ct_status ct__fsdp_reshard_all(ct_strategy *s);
 

@@ -17,7 +17,7 @@ ct_status ct__fsdp_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     fsdp_t *f = ct__fsdp_of(s);
     for (int g = 0; g < f->ngroups; g++) {
-        ct_norm_acc part = ct_norm_acc_init(acc->inf ? INFINITY : 2.0);
+        ct_norm_acc part = ct_norm_acc_init(acc->p);
         for (int i = 0; i < f->nu; i++) {
             if (f->u[i].gi != g) continue;
             for (int k = 0; k < f->u[i].nfl; k++) ct_norm_acc_f32(&part, f->u[i].fl[k].gshard, f->u[i].fl[k].flat.shard);

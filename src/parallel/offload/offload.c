@@ -454,11 +454,60 @@ static ct_status not_here(ct_strategy *s)
                     "backward through ct_strategy_train_step (inference: ct_strategy_predict)");
 }
 
+/* Term of parameter j's resident gradient for acc's norm type, with the
+ * clip factors recorded since backward (which the gradients in the store
+ * have not had yet) applied to it. */
+static double term_scaled(ct_strategy *s, const ct_norm_acc *acc, int j, const float *k, int nk)
+{
+    ct_param *p = s->params[j];
+    ct_param_grad_sync(p);
+    if (!p->grad || !p->requires_grad) return 0;
+    ct_norm_acc one = ct_norm_acc_init(acc->p);
+    ct_norm_acc_tensor(&one, p->grad);
+    for (int i = 0; i < nk; i++) one.v = ct_norm_acc_scaled(&one, one.v, k[i]);
+    return one.v;
+}
+
+/* A norm type the slices did not note as they finished (a p other than 2
+ * and infinity): each slice's gradients are read back from the store, one
+ * slice at a time (bounded memory: one slice's gradients), measured and
+ * dropped; the terms are added in parameter order. */
+static ct_status norm_from_store(ct_strategy *s, ct_norm_acc *acc)
+{
+    offload_t *f = ct__offload(s);
+    if (f->grads_zero) return CT_OK; /* no backward since zero_grad: every term is 0 */
+    double *term = ct_alloc_zeroed(sizeof *term * (size_t)(s->nparams + 1), CT_MEM_OTHER);
+    if (!term) return ct_error(CT_ENOMEM, "offload: no memory for %d norm terms", s->nparams);
+    ct_status st = CT_OK;
+    for (int k = 0; k < f->tied.np; k++)
+        term[f->tied.pj[k]] = term_scaled(s, acc, f->tied.pj[k], f->scales, f->nscales);
+    for (int i = 0; st == CT_OK && i < f->ns; i++) {
+        offload_slice *sl = &f->sl[i];
+        long t;
+        if ((st = ct__offload_io(s, i, OFF_GRAD, CT__IO_READ, &t)) != CT_OK) break;
+        if ((st = ct__ostore_wait(f->store, t)) != CT_OK) break;
+        for (int k = 0; k < sl->np; k++) {
+            int j = sl->pj[k];
+            float ks[16]; /* a step still pending on this slice scales first, then the clips since */
+            int nk = 0;
+            for (int q = 0; sl->pending && q < f->pend_nscales; q++) ks[nk++] = f->pend_scales[q];
+            for (int q = 0; q < f->nscales; q++) ks[nk++] = f->scales[q];
+            term[j] = term_scaled(s, acc, j, ks, nk);
+        }
+        if ((st = ct__offload_io(s, i, OFF_GRAD, CT__IO_DROP, &t)) != CT_OK) break;
+        st = ct__ostore_wait(f->store, t);
+    }
+    for (int j = 0; st == CT_OK && j < s->nparams; j++) ct_norm_acc_add(acc, term[j]);
+    ct_free(term);
+    return st;
+}
+
 /* The terms each slice left when its gradients were final, added in
  * parameter order as the replicated norm adds them: bitwise equal. */
 static ct_status offload_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     offload_t *f = ct__offload(s);
+    if (!acc->inf && acc->p != 2.0) return norm_from_store(s, acc);
     for (int i = 0; i < s->nparams; i++)
         if (s->params[i]->requires_grad && s->params[i]->grad) ct_norm_acc_add(acc, acc->inf ? f->gmax[i] : f->gsq[i]);
     return CT_OK;

@@ -362,9 +362,9 @@ static ct_status spans_ranks(ct_strategy *s)
 static ct_status pipe_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     pipe_t *p = ct__pipe(s);
-    ct_norm_acc term = ct_norm_acc_init(acc->inf ? INFINITY : 2.0);
+    ct_norm_acc term = ct_norm_acc_init(acc->p);
     if (p->stage >= 0) CT_TRY(ct_strategy_grad_norm_acc(p->inner, &term));
-    if (p->stage >= 0 && !term.inf) term.v = fmax(0.0, term.v - ct__pipe_ties_uncounted(p));
+    if (p->stage >= 0 && !term.inf) term.v = fmax(0.0, term.v - ct__pipe_ties_uncounted(p, term.p));
     if (p->stage < 0 || p->replica != 0) term.v = 0;
     CT_TRY(ct__norm_combine(s->g, &term));
     ct_norm_acc_add(acc, term.v);

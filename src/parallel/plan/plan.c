@@ -548,7 +548,9 @@ ct_status ct_strategy_plan(const char *kind, ct_module *model, const char *opts,
     pl->spec = spec;
     pl->opts = opts;
     pl->rows = spec->batch / spec->world + (spec->batch % spec->world != 0);
-    ct_status st = ct_strategy_check_opts(kind, opts, pl->vals, sizeof pl->vals);
+    size_t nvals = 4096 + (opts ? strlen(opts) : 0);
+    ct_status st = (pl->vals = ct_alloc(nvals, CT_MEM_OTHER)) ? CT_OK : CT_ENOMEM;
+    if (st == CT_OK) st = ct_strategy_check_opts(kind, opts, pl->vals, nvals);
     if (st == CT_OK) st = read_model(pl);
     if (st == CT_OK) st = planners[k].plan(pl, out);
     if (st == CT_OK) whole_life(pl, planners[k].setup, planners[k].save, planners[k].peers, out);
@@ -556,6 +558,7 @@ ct_status ct_strategy_plan(const char *kind, ct_module *model, const char *opts,
     ct_free(pl->tp);
     ct_free(pl->by_addr);
     ct_free(pl->bwd);
+    ct_free(pl->vals);
     ct_free(pl);
     return st;
 }

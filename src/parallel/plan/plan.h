@@ -14,7 +14,8 @@ typedef struct {
     ct_module *model;
     const ct_plan_spec *spec;
     const char *opts;       /* as the caller gave them (NULL: defaults) */
-    char vals[4096];        /* the options resolved by ct_strategy_check_opts: "key=value\n" lines */
+    char *vals;             /* the options resolved by ct_strategy_check_opts: "key=value\n" lines (the
+                               defaults' room and the given text's: a wrap_modules list is kilobytes) */
     int nparams;
     ct_param **params;      /* every parameter, model order */
     int ntp;

@@ -365,7 +365,7 @@ static ct_status zero2_reduce(ct_strategy *s)
  * the group. */
 static ct_status zero2_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
-    ct_norm_acc mine = ct_norm_acc_init(acc->inf ? INFINITY : 2.0);
+    ct_norm_acc mine = ct_norm_acc_init(acc->p);
     ct_optim_grad_norm_acc(s->opt, &mine);
     CT_TRY(ct__norm_combine(s->g, &mine));
     ct_norm_acc_add(acc, mine.v);
