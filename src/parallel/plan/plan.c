@@ -382,44 +382,19 @@ static uint64_t setup_offload(const ct__plan *pl, const ct_mem_plan *p)
     return pl->buffer_bytes + p->flat; /* a slice at a time moves into its flat and out to the store */
 }
 
-/* A full save's peak on rank 0, which holds a whole state until it is
- * written: the steady state alone where the state is the parameters and
- * slots themselves (none, ddp); plus the largest tensor where the state is
- * streamed (fsdp, zero: save_streamed); plus the larger of the optimizer
- * state and the parameters gathered whole (pipe), one after the other.
- * Offload first flushes every slice to its store, then reads the whole state
- * back from it (every rank). */
+/* A full save's peak on rank 0: the steady state alone where the state is
+ * the parameters and slots themselves (none, ddp); plus the largest tensor
+ * where the state is streamed one tensor at a time (ct_strategy_state_foreach:
+ * zero, fsdp gather it, pipe's later stages send it, offload reads it from
+ * its store). */
 static uint64_t save_views(const ct__plan *pl, const ct_mem_plan *p)
 {
     (void)pl;
     return p->resident;
 }
 
-static uint64_t optim_gathered(const ct__plan *pl)
-{
-    uint64_t o = 0;
-    return optim_whole(pl, &o) == CT_OK ? o : 0;
-}
-
-
-static uint64_t state_gathered(const ct__plan *pl)
-{
-    uint64_t o = optim_gathered(pl), w = trainable_bytes(pl);
-    return o > w ? o : w;
-}
-
-static uint64_t save_gathered(const ct__plan *pl, const ct_mem_plan *p) { return p->resident + state_gathered(pl); }
-
-/* A full save streamed to rank 0 one tensor at a time (ct_strategy_state_foreach:
- * fsdp, zero): rank 0 holds the largest tensor on top of its steady state. */
 static uint64_t largest_param(const ct__plan *pl);
 static uint64_t save_streamed(const ct__plan *pl, const ct_mem_plan *p) { return p->resident + largest_param(pl); }
-
-static uint64_t save_offload(const ct__plan *pl, const ct_mem_plan *p)
-{
-    (void)p;
-    return pl->buffer_bytes + state_gathered(pl);
-}
 
 /* Other ranks' pages in this rank's resident set: DDP's buckets (ZeRO-1's
  * too) are shared-memory windows when the ranks share a node, and
@@ -490,8 +465,8 @@ static const struct {
     {"zero1", plan_zero1, setup_replicated, save_streamed, peers_buckets},
     {"zero2", plan_zero2, setup_replicated, save_streamed, peers_none},
     {"fsdp", ct__plan_fsdp, setup_fsdp, save_streamed, peers_none},
-    {"pipe", ct__plan_pipe, setup_pipe, save_gathered, peers_none},
-    {"offload", ct__plan_offload, setup_offload, save_offload, peers_none},
+    {"pipe", ct__plan_pipe, setup_pipe, save_streamed, peers_none},
+    {"offload", ct__plan_offload, setup_offload, save_streamed, peers_none},
 };
 
 /* The model's parameters, buffers and the order backward reaches its modules. */
