@@ -16,6 +16,11 @@
  * by the collective).  After the first synchronised step the buckets are
  * rebuilt in the order the gradients actually became ready (rank 0's order,
  * broadcast), as PyTorch does.
+ *
+ * All of this is one handle (ct__ddp, internal.h) with its options passed
+ * in: DDP's strategy entries at the bottom wrap it, and ZeRO-1 holds one
+ * under its sharded optimizer.  A trainable set that changes between steps
+ * re-buckets the same handle (ct__ddp_follow_trainable).
  */
 #include <stdio.h>
 #include <string.h>
