@@ -109,10 +109,9 @@ static ct_status hook_set(ct_strategy *s, const ct_comm_hook_ops *ops, void *sta
 
 void ct__comm_hook_free(ct_strategy *s) { hook_release(s); }
 
-ct_status ct__comm_hook_setup(ct_strategy *s)
+ct_status ct__comm_hook_setup(ct_strategy *s, const ct__ddp_opts *o)
 {
-    if (s->hook) return CT_OK; /* registered, or kept over a rebuild of the buckets (ZeRO-1's refresh) */
-    const ct__ddp_opts *o = s->kopts;
+    if (s->hook) return CT_OK; /* registered before the buckets were made */
     const ct_comm_hook_ops *ops;
     void *state;
     if (o->powersgd_rank > 0) {
@@ -159,8 +158,9 @@ const char *ct_strategy_comm_hook(const ct_strategy *s, void **state)
 
 ct_status ct__comm_hook_start(ct_strategy *s, const ct_comm_bucket *b, ct_work **work)
 {
-    CT_TRY(ct__comm_hook_setup(s)); /* a strategy whose init failed halfway never gets here */
     *work = NULL;
+    if (!s->hook) /* DDP's create sets it up before any bucket exists */
+        return ct_error(CT_ESTATE, "%s: a bucket was started before the strategy's comm hook was set up", s->ops->kind);
     return s->hook->ops->start(s->hook->state, s->g, b, work);
 }
 

@@ -16,6 +16,11 @@
  * by the collective).  After the first synchronised step the buckets are
  * rebuilt in the order the gradients actually became ready (rank 0's order,
  * broadcast), as PyTorch does.
+ *
+ * All of this is one handle (ct__ddp, internal.h) with its options passed
+ * in: DDP's strategy entries at the bottom wrap it, and ZeRO-1 holds one
+ * under its sharded optimizer.  A trainable set that changes between steps
+ * re-buckets the same handle (ct__ddp_follow_trainable).
  */
 #include <stdio.h>
 #include <string.h>
@@ -51,8 +56,6 @@ const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS] = {
      "PowerSGD: seed of the random Q (the same on every rank)", 0, NULL},
 };
 
-/* Strategies built on DDP (ZeRO) put these options first in theirs. */
-static const ct__ddp_opts *O(const ct_strategy *s) { return s->kopts; }
 
 typedef struct {
     ct__flat fl;      /* the members' gradients end to end, over mem */
@@ -64,8 +67,10 @@ typedef struct {
     double t_end;     /* set by the completion callback (comm thread) */
 } bucket_t;
 
-typedef struct {
-    ct_param **tp;    /* trainable parameters, model order */
+struct ct__ddp {
+    ct_strategy *s;   /* the strategy it synchronises for (DDP, or ZeRO-1 composing it) */
+    const ct__ddp_opts *o; /* its options, as the composing strategy holds them */
+    ct_param **tp;    /* trainable parameters, model order (room for every parameter) */
     int ntp;
     int *bucket_of;   /* [ntp] */
     char *ready;      /* [ntp] ready in this backward */
@@ -84,9 +89,8 @@ typedef struct {
     char *unused;          /* [ntp] static_graph: got no gradient in the first step (then ran goes) */
     ct_status hook_error;
     char rebuild_error[512]; /* why the rebuild at zero_grad failed, for the next backward */
-} ddp_t;
-
-static ddp_t *D(ct_strategy *s) { return s->priv; }
+};
+typedef struct ct__ddp ddp_t;
 
 /* Trainable-parameter index, kept in the parameter's strategy slot. */
 static int index_of(const ct_param *p) { return (int)(intptr_t)p->user; }
@@ -106,10 +110,9 @@ static void release_buckets(ct_group *g, bucket_t *b, int nb)
     ct_free(b);
 }
 
-static void free_buckets(ct_strategy *s)
+static void free_buckets(ddp_t *d)
 {
-    ddp_t *d = D(s);
-    release_buckets(s->g, d->b, d->nb);
+    release_buckets(d->s->g, d->b, d->nb);
     d->b = NULL;
     d->nb = 0;
 }
@@ -118,9 +121,9 @@ static void free_buckets(ct_strategy *s)
  * into d->tp) and re-points their gradients into the bucket buffers,
  * keeping the current gradient values, or (keep_values 0: the old buckets
  * are gone and every gradient is marked zero) not. */
-static ct_status build_buckets(ct_strategy *s, const int *order, int keep_values)
+static ct_status build_buckets(ddp_t *d, const int *order, int keep_values)
 {
-    ddp_t *d = D(s);
+    ct_strategy *s = d->s;
     int n = d->ntp;
     size_t *bytes = ct_alloc_zeroed(sizeof *bytes * (size_t)(n + 1), CT_MEM_OTHER);
     int *keys = ct_alloc_zeroed(sizeof *keys * (size_t)(n + 1), CT_MEM_OTHER);
@@ -134,8 +137,8 @@ static ct_status build_buckets(ct_strategy *s, const int *order, int keep_values
         bytes[k] = (size_t)d->tp[order[k]]->data->numel * 4;
         keys[k] = 0; /* every gradient is f32 */
     }
-    size_t limits[2] = {(size_t)(O(s)->first_bucket_mb * 1048576.0),
-                        (size_t)(O(s)->bucket_cap_mb * 1048576.0)};
+    size_t limits[2] = {(size_t)(d->o->first_bucket_mb * 1048576.0),
+                        (size_t)(d->o->bucket_cap_mb * 1048576.0)};
     if (!limits[0]) limits[0] = 1;
     if (!limits[1]) limits[1] = 1;
     int nb;
@@ -180,7 +183,7 @@ static ct_status build_buckets(ct_strategy *s, const int *order, int keep_values
         ct__flat_commit(&nbk[b].fl);
         for (int j = 0; j < nbk[b].fl.n; j++) d->bucket_of[index_of(nbk[b].fl.p[j])] = b;
     }
-    free_buckets(s);
+    free_buckets(d);
     d->b = nbk;
     d->nb = nb;
     s->stats.nbuckets = nb; /* the optimizer's slots follow p->grad by themselves */
@@ -202,15 +205,13 @@ static void on_allreduce_done(ct_work *w, ct_status status, void *arg)
 /* The bucket as its communication hook (comm_hook.c) gets it. */
 /* The bucket as its communication hook sees it: the flat's members in the
  * order they lie. */
-static ct_comm_bucket hook_bucket(ct_strategy *s, bucket_t *b)
+static ct_comm_bucket hook_bucket(const ddp_t *d, bucket_t *b)
 {
-    ddp_t *d = D(s);
     return (ct_comm_bucket){(int)(b - d->b), d->nb, b->mem, b->fl.numel, b->fl.n, b->fl.p, b->fl.off, b->wire};
 }
 
-static ct_status launch(ct_strategy *s, bucket_t *b)
+static ct_status launch(ddp_t *d, bucket_t *b)
 {
-    ddp_t *d = D(s);
     /* Only with find_unused_parameters or static_graph can a member have got
      * no gradient and still be only marked zero; every module that ran has
      * synced its own. */
@@ -222,23 +223,21 @@ static ct_status launch(ct_strategy *s, bucket_t *b)
     /* A sum: gradients were already scaled by 1/world (ct__ddp_grad_scale);
      * the hook (the built-in allreduce in reduce_dtype, PowerSGD, or the
      * user's) starts it. */
-    ct_comm_bucket hb = hook_bucket(s, b);
-    CT_TRY(ct__comm_hook_start(s, &hb, &b->work));
+    ct_comm_bucket hb = hook_bucket(d, b);
+    CT_TRY(ct__comm_hook_start(d->s, &hb, &b->work));
     return b->work ? ct_work_on_complete(b->work, on_allreduce_done, b) : CT_OK;
 }
 
 /* Starts every bucket that is complete, strictly in bucket order. */
-static ct_status launch_ready(ct_strategy *s)
+static ct_status launch_ready(ddp_t *d)
 {
-    ddp_t *d = D(s);
     while (d->next_launch < d->nb && d->b[d->next_launch].pending == 0)
-        CT_TRY(launch(s, &d->b[d->next_launch++]));
+        CT_TRY(launch(d, &d->b[d->next_launch++]));
     return CT_OK;
 }
 
-static ct_status mark_ready(ct_strategy *s, int i)
+static ct_status mark_ready(ddp_t *d, int i)
 {
-    ddp_t *d = D(s);
     if (d->ready[i] && d->unused && d->unused[i] && !d->ran)
         return ct_error(CT_ESTATE, "DDP static_graph: parameter '%s' got no gradient in the first step and has "
                         "one now, so the graph changed; static_graph needs the same graph every step: drop it "
@@ -252,20 +251,20 @@ static ct_status mark_ready(ct_strategy *s, int i)
     d->ready[i] = 1;
     if (d->synced_steps == 0) d->ready_order[d->nready++] = i;
     d->b[d->bucket_of[i]].pending--;
-    return launch_ready(s);
+    return launch_ready(d);
 }
 
 static ct_status grad_ready_hook(ct_param *p, void *ud)
 {
-    ct_strategy *s = ud;
-    if (s->no_sync) return CT_OK;
-    return mark_ready(s, index_of(p));
+    ddp_t *d = ud;
+    if (d->s->no_sync) return CT_OK;
+    return mark_ready(d, index_of(p));
 }
 
 static ct_status ran_hook(ct_module *m, ct_hook_kind kind, void *ud)
 {
     (void)kind;
-    ddp_t *d = D((ct_strategy *)ud);
+    ddp_t *d = ud;
     for (int i = 0; i < d->nmods; i++)
         if (d->mods[i] == m) d->ran[i] = 1;
     return CT_OK;
@@ -320,62 +319,7 @@ ct_status ct__broadcast_state(ct_strategy *s, int buffers_only)
     return CT_OK;
 }
 
-/* ---- the strategy hooks -------------------------------------------------- */
-
-void ct__ddp_fini(ct_strategy *s);
-
-ct_status ct__ddp_init(ct_strategy *s)
-{
-    const ct__ddp_opts *o = O(s);
-    ddp_t *d = ct_alloc_zeroed(sizeof *d, CT_MEM_OTHER);
-    if (!d) return CT_ENOMEM;
-    s->priv = d;
-    int n = 0;
-    for (int i = 0; i < s->nparams; i++) n += s->params[i]->requires_grad != 0;
-    d->ntp = n;
-    size_t nn = (size_t)(n ? n : 1);
-    d->tp = ct_alloc_zeroed(sizeof *d->tp * nn, CT_MEM_OTHER);
-    d->bucket_of = ct_alloc_zeroed(sizeof *d->bucket_of * nn, CT_MEM_OTHER);
-    d->ready = ct_alloc_zeroed(nn, CT_MEM_OTHER);
-    d->ready_order = ct_alloc_zeroed(sizeof *d->ready_order * nn, CT_MEM_OTHER);
-    d->grad_hooks = ct_alloc_zeroed(sizeof *d->grad_hooks * nn, CT_MEM_OTHER);
-    int *order = ct_alloc_zeroed(sizeof *order * nn, CT_MEM_OTHER);
-    ct_status st = CT_OK;
-    if (!d->tp || !d->bucket_of || !d->ready || !d->ready_order || !d->grad_hooks || !order) {
-        st = CT_ENOMEM;
-        goto fail;
-    }
-    n = 0;
-    for (int i = 0; i < s->nparams; i++)
-        if (s->params[i]->requires_grad) {
-            s->params[i]->user = (void *)(intptr_t)n;
-            d->tp[n++] = s->params[i];
-        }
-    st = ct_group_check(s->g, ct__check_same_model(s));
-    if (st == CT_OK) st = ct__comm_hook_setup(s);
-    if (st == CT_OK) st = ct__broadcast_state(s, 0);
-    for (int k = 0; k < n; k++) order[k] = n - 1 - k; /* reverse: last layers first */
-    if (st == CT_OK) st = build_buckets(s, order, 1);
-    for (int i = 0; st == CT_OK && i < n; i++)
-        if (!(d->grad_hooks[i] = ct_param_add_hook(d->tp[i], grad_ready_hook, s))) st = CT_ENOMEM;
-    if (st == CT_OK && o->static_graph && !(d->unused = ct_alloc_zeroed(nn, CT_MEM_OTHER))) st = CT_ENOMEM;
-    /* static_graph tracks which modules ran in the first step only (ct__ddp_post_backward drops it) */
-    if (st == CT_OK && (o->find_unused_parameters || o->static_graph)) {
-        st = ct_module_modules(s->model, &d->mods, &d->nmods);
-        if (st == CT_OK) {
-            d->ran = ct_alloc_zeroed((size_t)d->nmods + 1, CT_MEM_OTHER);
-            d->fwd_hooks = ct_alloc_zeroed(sizeof *d->fwd_hooks * ((size_t)d->nmods + 1), CT_MEM_OTHER);
-            if (!d->ran || !d->fwd_hooks) st = CT_ENOMEM;
-        }
-        for (int i = 0; st == CT_OK && i < d->nmods; i++)
-            if (!(d->fwd_hooks[i] = ct_module_add_hook(d->mods[i], CT_HOOK_PRE_FORWARD, ran_hook, s)))
-                st = CT_ENOMEM;
-    }
-fail:
-    ct_free(order);
-    if (st != CT_OK) ct__ddp_fini(s);
-    return st;
-}
+/* ---- the gradient flats' life ------------------------------------------- */
 
 /* Stops tracking which modules run (static_graph after its first step; fini). */
 static void drop_tracking(ddp_t *d)
@@ -390,37 +334,123 @@ static void drop_tracking(ddp_t *d)
     d->nmods = 0;
 }
 
-void ct__ddp_fini(ct_strategy *s)
+/* Every parameter gets a gradient of its own again (values kept), the
+ * hooks go, the buckets are freed and the counts start over: what follows
+ * a changed trainable set and what fini does. */
+static void untrack(ddp_t *d)
 {
-    ddp_t *d = D(s);
-    if (!d) return;
     for (int i = 0; i < d->nb; i++)
         if (d->b[i].work) ct_work_wait(d->b[i].work);
-    /* Give every parameter a gradient of its own again (before the buckets go). */
     for (int b = 0; b < d->nb; b++) ct__flat_unpoint(&d->b[b].fl, NULL, NULL);
     for (int i = 0; d->tp && i < d->ntp; i++) {
         ct_param *p = d->tp[i];
         if (!p) continue; /* init failed before filling the table (found by the allocation walk) */
-        if (d->grad_hooks) ct_hook_remove(d->grad_hooks[i]);
+        if (d->grad_hooks) {
+            ct_hook_remove(d->grad_hooks[i]);
+            d->grad_hooks[i] = NULL;
+        }
         p->user = NULL;
     }
     drop_tracking(d);
-    free_buckets(s);
+    free_buckets(d);
+    ct_free(d->unused);
+    d->unused = NULL;
+    d->ntp = d->nready = d->next_launch = d->synced_steps = d->rebuilt = 0;
+    d->hook_error = CT_OK;
+}
+
+/* Buckets over the parameters that take gradients now (reverse order: last
+ * layers first), their ready hooks, and the tracking find_unused_parameters
+ * and static_graph need.  Collective (the buckets' shared memory). */
+static ct_status track(ddp_t *d)
+{
+    ct_strategy *s = d->s;
+    int n = 0;
+    for (int i = 0; i < s->nparams; i++)
+        if (s->params[i]->requires_grad) {
+            s->params[i]->user = (void *)(intptr_t)n;
+            d->tp[n++] = s->params[i];
+        }
+    d->ntp = n;
+    int *order = ct_alloc_zeroed(sizeof *order * (size_t)(n + 1), CT_MEM_OTHER);
+    if (!order) return CT_ENOMEM;
+    for (int k = 0; k < n; k++) order[k] = n - 1 - k;
+    ct_status st = build_buckets(d, order, 1);
+    ct_free(order);
+    for (int i = 0; st == CT_OK && i < n; i++)
+        if (!(d->grad_hooks[i] = ct_param_add_hook(d->tp[i], grad_ready_hook, d))) st = CT_ENOMEM;
+    if (st == CT_OK && d->o->static_graph && !(d->unused = ct_alloc_zeroed((size_t)n + 1, CT_MEM_OTHER)))
+        st = CT_ENOMEM;
+    /* static_graph tracks which modules ran in the first step only (post_backward drops it) */
+    if (st == CT_OK && (d->o->find_unused_parameters || d->o->static_graph)) {
+        st = ct_module_modules(s->model, &d->mods, &d->nmods);
+        if (st == CT_OK) {
+            d->ran = ct_alloc_zeroed((size_t)d->nmods + 1, CT_MEM_OTHER);
+            d->fwd_hooks = ct_alloc_zeroed(sizeof *d->fwd_hooks * ((size_t)d->nmods + 1), CT_MEM_OTHER);
+            if (!d->ran || !d->fwd_hooks) st = CT_ENOMEM;
+        }
+        for (int i = 0; st == CT_OK && i < d->nmods; i++)
+            if (!(d->fwd_hooks[i] = ct_module_add_hook(d->mods[i], CT_HOOK_PRE_FORWARD, ran_hook, d)))
+                st = CT_ENOMEM;
+    }
+    return st;
+}
+
+ct_status ct__ddp_create(ct_strategy *s, const ct__ddp_opts *o, ct__ddp **out)
+{
+    *out = NULL;
+    ddp_t *d = ct_alloc_zeroed(sizeof *d, CT_MEM_OTHER);
+    if (!d) return CT_ENOMEM;
+    d->s = s;
+    d->o = o;
+    size_t nn = (size_t)s->nparams + 1; /* room for every parameter: the trainable set may change */
+    d->tp = ct_alloc_zeroed(sizeof *d->tp * nn, CT_MEM_OTHER);
+    d->bucket_of = ct_alloc_zeroed(sizeof *d->bucket_of * nn, CT_MEM_OTHER);
+    d->ready = ct_alloc_zeroed(nn, CT_MEM_OTHER);
+    d->ready_order = ct_alloc_zeroed(sizeof *d->ready_order * nn, CT_MEM_OTHER);
+    d->grad_hooks = ct_alloc_zeroed(sizeof *d->grad_hooks * nn, CT_MEM_OTHER);
+    ct_status st = CT_OK;
+    if (!d->tp || !d->bucket_of || !d->ready || !d->ready_order || !d->grad_hooks) st = CT_ENOMEM;
+    if (st == CT_OK) st = ct_group_check(s->g, ct__check_same_model(s));
+    if (st == CT_OK) st = ct__comm_hook_setup(s, o);
+    if (st == CT_OK) st = ct__broadcast_state(s, 0);
+    if (st == CT_OK) st = track(d);
+    if (st != CT_OK) {
+        ct__ddp_destroy(d);
+        return st;
+    }
+    *out = d;
+    return CT_OK;
+}
+
+void ct__ddp_destroy(ct__ddp *d)
+{
+    if (!d) return;
+    untrack(d);
     ct_free(d->tp);
     ct_free(d->bucket_of);
     ct_free(d->ready);
     ct_free(d->ready_order);
     ct_free(d->grad_hooks);
-    ct_free(d->unused);
     ct_free(d);
-    s->priv = NULL;
 }
 
-ct_status ct__ddp_pre_forward(ct_strategy *s)
+/* The buckets are rebuilt over the new set in place: no second strategy
+ * made and torn down, and the parameters are already equal on every rank
+ * (nothing broadcast again). */
+ct_status ct__ddp_follow_trainable(ct__ddp *d)
 {
-    ddp_t *d = D(s);
+    untrack(d);
+    CT_TRY(ct_group_check(d->s->g, ct__check_same_model(d->s)));
+    return track(d);
+}
+
+/* ---- the synchronisation ------------------------------------------------ */
+
+ct_status ct__ddp_pre_forward(ct__ddp *d)
+{
     if (d->ran) memset(d->ran, 0, (size_t)d->nmods);
-    if (O(s)->broadcast_buffers && s->nbuffers) return ct__broadcast_state(s, 1);
+    if (d->o->broadcast_buffers && d->s->nbuffers) return ct__broadcast_state(d->s, 1);
     return CT_OK;
 }
 
@@ -430,14 +460,13 @@ ct_status ct__ddp_pre_forward(ct_strategy *s)
  * the rebuild costs no second copy of all gradient memory; from backward
  * (a caller that never zeroes, say accumulating across steps) the values
  * move over. */
-static ct_status rebuild(ct_strategy *s, int keep_values)
+static ct_status rebuild(ddp_t *d, int keep_values)
 {
-    ddp_t *d = D(s);
     d->rebuilt = 1;
     if (d->nready != d->ntp) return CT_OK; /* some gradients never became ready: keep the layout */
-    CT_TRY(ct_group_broadcast(s->g, d->ready_order, d->ntp, CT_I32, 0, NULL));
-    if (!keep_values) free_buckets(s);
-    ct_status st = build_buckets(s, d->ready_order, keep_values);
+    CT_TRY(ct_group_broadcast(d->s->g, d->ready_order, d->ntp, CT_I32, 0, NULL));
+    if (!keep_values) free_buckets(d);
+    ct_status st = build_buckets(d, d->ready_order, keep_values);
     if (st == CT_OK || keep_values) return st;
     /* The old buckets are gone and the gradients still point into them (found
      * by the allocation walk): never leave them so.  Try once more (the bytes
@@ -445,7 +474,7 @@ static ct_status rebuild(ct_strategy *s, int keep_values)
      * the error (reported by the next backward) ends the run. */
     char why[512];
     snprintf(why, sizeof why, "%s", ct_last_error());
-    if (build_buckets(s, d->ready_order, 0) != CT_OK)
+    if (build_buckets(d, d->ready_order, 0) != CT_OK)
         for (int i = 0; i < d->ntp; i++) {
             ct_tensor_release(d->tp[i]->grad);
             d->tp[i]->grad = NULL;
@@ -453,34 +482,32 @@ static ct_status rebuild(ct_strategy *s, int keep_values)
     return ct_error(st, "%s", why);
 }
 
-static int rebuild_due(ct_strategy *s)
+static int rebuild_due(const ddp_t *d)
 {
-    ddp_t *d = D(s);
-    return (O(s)->rebuild_buckets || O(s)->static_graph) && !d->rebuilt && d->synced_steps == 1;
+    return (d->o->rebuild_buckets || d->o->static_graph) && !d->rebuilt && d->synced_steps == 1;
 }
 
 /* Collective the first time after the first synchronised step (the rebuild). */
-void ct__ddp_zero_grad(ct_strategy *s)
+void ct__ddp_zero_grad(ct__ddp *d)
 {
-    ct_module_zero_grad_lazy(s->model);
-    if (!rebuild_due(s)) return;
-    ct_status st = rebuild(s, 0);
+    ct_module_zero_grad_lazy(d->s->model);
+    if (!rebuild_due(d)) return;
+    ct_status st = rebuild(d, 0);
     if (st != CT_OK) { /* zero_grad returns nothing: the next backward reports it */
-        D(s)->hook_error = st;
-        snprintf(D(s)->rebuild_error, sizeof D(s)->rebuild_error, "%s", ct_last_error());
+        d->hook_error = st;
+        snprintf(d->rebuild_error, sizeof d->rebuild_error, "%s", ct_last_error());
     }
 }
 
-ct_status ct__ddp_pre_backward(ct_strategy *s)
+ct_status ct__ddp_pre_backward(ct__ddp *d)
 {
-    ddp_t *d = D(s);
-    if (s->no_sync) return CT_OK;
+    if (d->s->no_sync) return CT_OK;
     if (d->hook_error) {
         ct_status st = d->hook_error;
         d->hook_error = CT_OK;
         return ct_error(st, "DDP: rebuilding the gradient buckets at zero_grad failed: %s", d->rebuild_error);
     }
-    if (rebuild_due(s)) CT_TRY(rebuild(s, 1));
+    if (rebuild_due(d)) CT_TRY(rebuild(d, 1));
     memset(d->ready, 0, (size_t)d->ntp);
     for (int b = 0; b < d->nb; b++) d->b[b].pending = d->b[b].fl.n;
     d->next_launch = 0;
@@ -493,11 +520,11 @@ ct_status ct__ddp_pre_backward(ct_strategy *s)
             for (int k = 0; k < d->nmods; k++)
                 if (d->mods[k] == owner) ran = d->ran[k];
             if (d->unused) d->unused[i] = !ran; /* static_graph: found once, in the first step */
-            if (!ran) CT_TRY(mark_ready(s, i));
+            if (!ran) CT_TRY(mark_ready(d, i));
         }
     } else if (d->unused) {
         for (int i = 0; i < d->ntp; i++)
-            if (d->unused[i]) CT_TRY(mark_ready(s, i));
+            if (d->unused[i]) CT_TRY(mark_ready(d, i));
     }
     return CT_OK;
 }
@@ -505,25 +532,25 @@ ct_status ct__ddp_pre_backward(ct_strategy *s)
 /* fairscale's reduce(): the gradients accumulated under no_sync are
  * synchronised now, as a synchronised backward would have.  Every
  * gradient is ready at once (values marked zero are cleared first). */
-ct_status ct__ddp_reduce(ct_strategy *s)
+ct_status ct__ddp_reduce(ct__ddp *d)
 {
-    ddp_t *d = D(s);
+    ct_strategy *s = d->s;
     int saved = s->no_sync;
     s->no_sync = 0;
-    ct_status st = ct__ddp_pre_backward(s);
+    ct_status st = ct__ddp_pre_backward(d);
     for (int i = 0; st == CT_OK && i < d->ntp; i++) {
         if (d->ready[i]) continue;
         ct_param_grad_sync(d->tp[i]);
-        st = mark_ready(s, i);
+        st = mark_ready(d, i);
     }
-    if (st == CT_OK) st = ct__ddp_post_backward(s);
+    if (st == CT_OK) st = ct__ddp_post_backward(d);
     s->no_sync = saved;
     return st;
 }
 
-ct_status ct__ddp_post_backward(ct_strategy *s)
+ct_status ct__ddp_post_backward(ct__ddp *d)
 {
-    ddp_t *d = D(s);
+    ct_strategy *s = d->s;
     if (s->no_sync) return CT_OK;
     ct_status st = CT_OK;
     if (d->next_launch < d->nb) {
@@ -549,7 +576,7 @@ ct_status ct__ddp_post_backward(ct_strategy *s)
         double end = bk->t_end > 0 ? bk->t_end : t1;
         comm += end - bk->t_start;
         ct_trace_event("allreduce", "comm", bk->t_start, end, 1);
-        ct_comm_bucket hb = hook_bucket(s, bk);
+        ct_comm_bucket hb = hook_bucket(d, bk);
         CT_TRY(ct__comm_hook_finish(s, &hb));
     }
     if (d->nb) ct_trace_event("wait for allreduce", "comm", t0, t1, 0);
@@ -564,6 +591,30 @@ ct_status ct__ddp_post_backward(ct_strategy *s)
  * collective is a plain sum with no scaling pass afterwards. */
 float ct__ddp_grad_scale(ct_strategy *s) { return 1.0f / (float)ct_group_size(s->g); }
 
+/* ---- DDP itself: the gradient flats and nothing else ---------------------- */
+
+static ct__ddp *D(ct_strategy *s) { return s->priv; }
+
+static ct_status ddp_init(ct_strategy *s)
+{
+    ct__ddp *d;
+    CT_TRY(ct__ddp_create(s, s->kopts, &d));
+    s->priv = d;
+    return CT_OK;
+}
+
+static void ddp_fini(ct_strategy *s)
+{
+    ct__ddp_destroy(D(s));
+    s->priv = NULL;
+}
+
+static ct_status ddp_pre_forward(ct_strategy *s) { return ct__ddp_pre_forward(D(s)); }
+static ct_status ddp_pre_backward(ct_strategy *s) { return ct__ddp_pre_backward(D(s)); }
+static ct_status ddp_post_backward(ct_strategy *s) { return ct__ddp_post_backward(D(s)); }
+static void ddp_zero_grad(ct_strategy *s) { ct__ddp_zero_grad(D(s)); }
+static ct_status ddp_reduce(ct_strategy *s) { return ct__ddp_reduce(D(s)); }
+
 const ct__strategy_ops ct__ddp_ops = {
     .kind = "ddp",
     .replicas_share_batch = 1,
@@ -572,15 +623,15 @@ const ct__strategy_ops ct__ddp_ops = {
     .opts_size = sizeof(ct__ddp_opts),
     .takes_comm_hook = 1,
     .place = {
-        .init = ct__ddp_init,
-        .fini = ct__ddp_fini,
+        .init = ddp_init,
+        .fini = ddp_fini,
     },
     .sync = {
-        .pre_forward = ct__ddp_pre_forward,
-        .pre_backward = ct__ddp_pre_backward,
-        .post_backward = ct__ddp_post_backward,
+        .pre_forward = ddp_pre_forward,
+        .pre_backward = ddp_pre_backward,
+        .post_backward = ddp_post_backward,
         .grad_scale = ct__ddp_grad_scale,
-        .zero_grad = ct__ddp_zero_grad,
-        .reduce = ct__ddp_reduce,
+        .zero_grad = ddp_zero_grad,
+        .reduce = ddp_reduce,
     },
 };

@@ -4,9 +4,11 @@
  * and what the strategies share: the gradient norm, the wire dtype path
  * (wire.c), the in-flight queue (inflight.c), mixed precision (mixed.c).
  * Parameter bytes a strategy owns always go through the flat layer
- * (flat.h).  Room layout: the interface and shared layer at the top, ddp.c,
- * and a folder per strategy with several files (zero/, fsdp/, pipe/,
- * offload/), plan/ for the memory plans. */
+ * (flat.h); which ranges of them a rank owns, and the state I/O over
+ * those, through the shard table (shards.h: ZeRO and FSDP).  Room layout:
+ * the interface and shared layer at the top, ddp.c, and a folder per
+ * strategy with several files (zero/, fsdp/, pipe/, offload/), plan/ for
+ * the memory plans. */
 #ifndef CTRAIN_PARALLEL_INTERNAL_H
 #define CTRAIN_PARALLEL_INTERNAL_H
 
@@ -118,9 +120,10 @@ typedef struct {
     const char *kind;
     const ct__opt_def *opts; /* the kind's own keys */
     int nopts;
-    const ct__opt_def *base_opts; /* keys of the strategy it builds on, whose options struct
-                                     starts the kind's (offsets from s->kopts too) */
+    const ct__opt_def *base_opts; /* keys of the strategy it builds on (DDP's), whose options
+                                     struct lies at base_off in the kind's */
     int nbase_opts;
+    size_t base_off;
     size_t opts_size;        /* bytes of the kind's options struct (s->kopts) */
     int manages_compute;     /* makes and keeps the mixed-precision copies itself (FSDP gathers
                                 them, offload makes them with a slice) */
@@ -160,8 +163,8 @@ struct ct_strategy {
     int owns_compute;      /* made the mixed-precision compute copies (mixed.c) and frees them */
     ct_hook **buf_hooks;   /* buffer_dtype's rounding hooks (buffers.c) */
     int nbuf_hooks;
-    void *priv;
-    void *ext;             /* state of a strategy built on another's priv (ZeRO on DDP) */
+    void *priv;            /* the kind's own state (one slot: a strategy that composes another's
+                              parts holds their handles in its own state) */
     int64_t backwards;     /* backward passes (or train steps) since the last optimizer step */
     char who[32];          /* "strategy ddp": the model's and communication's holder (ct_module_hold) */
     ct_module *held_model; /* the model as given to create, held (ct_module_hold) until destroy
@@ -215,23 +218,39 @@ typedef struct {
 } ct__ddp_opts;
 #define CT__DDP_NOPTS 12
 extern const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS];
-ct_status ct__ddp_init(ct_strategy *s);
-void ct__ddp_fini(ct_strategy *s);
-ct_status ct__ddp_pre_forward(ct_strategy *s);
-ct_status ct__ddp_pre_backward(ct_strategy *s);
-ct_status ct__ddp_post_backward(ct_strategy *s);
+/* DDP's gradient flats (ddp.c): buckets over the trainable parameters,
+ * allreduced as their gradients become ready.  DDP is these and nothing
+ * else; ZeRO-1 composes them under its sharded optimizer.  The options are
+ * the composing strategy's, passed in (they must outlive the handle). */
+typedef struct ct__ddp ct__ddp;
+/* Checks the model is the same on every rank, broadcasts rank 0's
+ * parameters and buffers, sets up s's comm hook and buckets the trainable
+ * parameters.  Collective. */
+ct_status ct__ddp_create(ct_strategy *s, const ct__ddp_opts *o, ct__ddp **out);
+/* Every parameter keeps its gradient (its own memory again); NULL is a no-op. */
+void ct__ddp_destroy(ct__ddp *d);
+/* The trainable set changed since create (parameters frozen or unfrozen):
+ * buckets and hooks over the parameters that take gradients now, their
+ * values kept.  Collective. */
+ct_status ct__ddp_follow_trainable(ct__ddp *d);
+ct_status ct__ddp_pre_forward(ct__ddp *d);
+ct_status ct__ddp_pre_backward(ct__ddp *d);
+/* Waits for every bucket's allreduce (the synchronised gradients in place). */
+ct_status ct__ddp_post_backward(ct__ddp *d);
+void ct__ddp_zero_grad(ct__ddp *d);
+/* Synchronises the gradients accumulated under no_sync now. */
+ct_status ct__ddp_reduce(ct__ddp *d);
+/* The factor on the loss gradient: 1/world (the collective is a plain sum). */
 float ct__ddp_grad_scale(ct_strategy *s);
-void ct__ddp_zero_grad(ct_strategy *s);
-ct_status ct__ddp_reduce(ct_strategy *s);
 /* Collective: every rank holds the same trainable parameters (names, shapes). */
 ct_status ct__check_same_model(ct_strategy *s);
 /* Broadcasts parameters and buffers (or buffers only) from rank 0. */
 ct_status ct__broadcast_state(ct_strategy *s, int buffers_only);
 
-/* s->hook from s's options when it has none yet (the built-in allreduce in
- * reduce_dtype, or PowerSGD when powersgd_rank > 0); CT_EINVAL naming a bad
- * combination.  DDP's init calls it. */
-ct_status ct__comm_hook_setup(ct_strategy *s);
+/* s->hook from DDP's options o when it has none yet (the built-in allreduce
+ * in reduce_dtype, or PowerSGD when powersgd_rank > 0); CT_EINVAL naming a
+ * bad combination.  DDP's create calls it. */
+ct_status ct__comm_hook_setup(ct_strategy *s, const ct__ddp_opts *o);
 /* A bucket is full: start its reduce through s->hook (*work: what to wait
  * for before finishing it). */
 ct_status ct__comm_hook_start(ct_strategy *s, const ct_comm_bucket *b, ct_work **work);

@@ -148,21 +148,23 @@ static ct_status keep_text(ct_strategy *s, const char *key, const char *v)
     return CT_OK;
 }
 
-static const ct__opt_def *find(const ct__strategy_ops *ops, const char *key, int *common)
+/* The definition of key and (*where) whose struct its offset is in. */
+enum { IN_OWN, IN_COMMON, IN_BASE };
+static const ct__opt_def *find(const ct__strategy_ops *ops, const char *key, int *where)
 {
     for (int i = 0; i < NCOMMON; i++)
         if (!strcmp(common_opts[i].key, key)) {
-            *common = 1;
+            *where = IN_COMMON;
             return &common_opts[i];
         }
     for (int i = 0; i < ops->nbase_opts; i++)
         if (!strcmp(ops->base_opts[i].key, key)) {
-            *common = 0;
+            *where = IN_BASE;
             return &ops->base_opts[i];
         }
     for (int i = 0; i < ops->nopts; i++)
         if (!strcmp(ops->opts[i].key, key)) {
-            *common = 0;
+            *where = IN_OWN;
             return &ops->opts[i];
         }
     return NULL;
@@ -189,21 +191,23 @@ static void key_list(const ct__strategy_ops *ops, char *buf, size_t n)
 
 static ct_status apply(ct_strategy *s, const char *key, const char *val)
 {
-    int common;
-    const ct__opt_def *d = find(s->ops, key, &common);
+    int where;
+    const ct__opt_def *d = find(s->ops, key, &where);
     if (!d) {
         char keys[512];
         key_list(s->ops, keys, sizeof keys);
         return ct_error(CT_EINVAL, "strategy %s has no option '%s'; its options are: %s", s->ops->kind, key, keys);
     }
-    CT_TRY(set_value(s->ops->kind, d, common ? (void *)&s->common : s->kopts, val));
+    void *dst = where == IN_COMMON ? (void *)&s->common
+              : where == IN_BASE  ? (void *)((char *)s->kopts + s->ops->base_off) : s->kopts;
+    CT_TRY(set_value(s->ops->kind, d, dst, val));
     return keep_text(s, d->key, val);
 }
 
 ct_status ct__opts_set_text(ct_strategy *s, const char *key, const char *value)
 {
-    int common;
-    const ct__opt_def *d = find(s->ops, key, &common);
+    int where;
+    const ct__opt_def *d = find(s->ops, key, &where);
     if (!d) return ct_error(CT_EINVAL, "strategy %s has no option '%s'", s->ops->kind, key);
     return keep_text(s, d->key, value);
 }

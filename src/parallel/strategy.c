@@ -196,7 +196,7 @@ void ct_strategy_destroy(ct_strategy *s)
     ct__syncbn_fini(s);
     ct__buffers_fini(s);
     ct__mixed_fini(s);
-    if (s->priv || s->ext) s->vt.place.fini(s);
+    if (s->priv) s->vt.place.fini(s);
     ct__comm_hook_free(s);
     ct_comm_leave_call(prev);
     ct_optim_destroy(s->opt);

@@ -4,7 +4,9 @@
  * calls) while every owner keeps its f32 values and the other ranks hold
  * them rounded to bf16; ZeRO-2's buckets (reduce_bucket_size) train what
  * one process trains with one reduce per bucket instead of one per
- * gradient range, and parameters without a gradient are tolerated.
+ * gradient range, and parameters without a gradient are tolerated;
+ * ZeRO-1's auto_refresh_trainable follows a frozen parameter without
+ * broadcasting anything over the owners' masters.
  */
 #include "train_util.h"
 #include "parallel/zero/zero.h"
@@ -86,6 +88,63 @@ TEST(zero_broadcast_fp16_halves_bytes_and_keeps_f32_masters)
 {
     check_fp16("zero1");
     check_fp16("zero2");
+}
+
+/* A parameter frozen between steps: ZeRO-1 re-buckets DDP's gradient flats
+ * in place and broadcasts nothing, so under broadcast_fp16 every owner's
+ * f32 master survives the refresh bit for bit (re-creating DDP broadcast
+ * rank 0's values, its bf16-rounded copies of the others' ranges, over
+ * them), and the frozen parameter's gradient is no longer reduced. */
+TEST(zero1_refresh_keeps_f32_masters_and_follows_the_frozen_set)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    int64_t n = 3 * world + 1;
+    ct_module *m = mlp8(5, 24);
+    ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
+    ct_strategy *s;
+    ASSERT_OK(ct_strategy_create("zero1", m, &oo, g, "broadcast_fp16=1,warn_on_trainable_params_changed=0", &s));
+    ct_comm_tally t0[CT_COLL_NKINDS], t1[CT_COLL_NKINDS];
+    ct_comm_tally_get(t0);
+    step_broadcasts(s, 0, n, rank, world);
+    ct_comm_tally_get(t1);
+    uint64_t all_grads = t1[CT_COLL_ALLREDUCE].bytes - t0[CT_COLL_ALLREDUCE].bytes;
+    ct_param **ps;
+    int np;
+    ASSERT_OK(ct_module_params(m, &ps, &np));
+    int64_t total = 0;
+    for (int i = 0; i < np; i++) total += ps[i]->data->numel;
+    float *before = ct_alloc(sizeof *before * (size_t)total, CT_MEM_OTHER);
+    ASSERT(before != NULL);
+    for (int i = 0, at = 0; i < np; at += (int)ps[i]->data->numel, i++)
+        memcpy(before + at, ct_f32(ps[i]->data), sizeof *before * (size_t)ps[i]->data->numel);
+    ct_param *frozen = ct_module_find(m, "0.weight");
+    frozen->requires_grad = 0;
+    ct_comm_tally_get(t0);
+    ct_step_out o;
+    step_on_slice(s, 1, n, rank, world, &o); /* the forward follows the change, then a backward */
+    ct_comm_tally_get(t1);
+    for (int i = 0, at = 0; i < np; at += (int)ps[i]->data->numel, i++)
+        if (memcmp(before + at, ct_f32(ps[i]->data), sizeof *before * (size_t)ps[i]->data->numel))
+            ct_test_fail(__FILE__, __LINE__, "zero1: '%s' changed on rank %d when the trainable set was refreshed",
+                         ps[i]->name, rank);
+    if (world > 1) ASSERT_EQ(t1[CT_COLL_BROADCAST].calls - t0[CT_COLL_BROADCAST].calls, 0);
+    ASSERT_OK(ct_strategy_step(s));
+    ASSERT_OK(ct__zero_wait_all(s));
+    ct_strategy_zero_grad(s);
+    /* a step after the change allreduces every gradient but the frozen one */
+    ct_comm_tally_get(t0);
+    step_on_slice(s, 2, n, rank, world, &o);
+    ct_comm_tally_get(t1);
+    if (world > 1)
+        ASSERT_EQ(all_grads - (t1[CT_COLL_ALLREDUCE].bytes - t0[CT_COLL_ALLREDUCE].bytes),
+                  (uint64_t)frozen->data->numel * 4);
+    ASSERT_OK(ct_strategy_step(s));
+    ct_strategy_zero_grad(s);
+    ct_free(before);
+    ct_free(ps);
+    ct_strategy_destroy(s);
+    ct_module_destroy(m);
 }
 
 /* Reduce calls of one train step of s (backward's reduces to the owners). */

@@ -343,7 +343,7 @@ static ct_status fsdp_post_backward(ct_strategy *s)
 {
     fsdp_t *f = ct__fsdp_of(s);
     for (int i = 0; i < s->nparams; i++)
-        if (s->params[i]->requires_grad && ct__zero_index(ct__zero_of(s), s->params[i]) < 0)
+        if (s->params[i]->requires_grad && ct__shards_index(&f->sh, s->params[i]) < 0)
             return ct_error(CT_ESTATE, "fsdp: parameter '%s' was frozen when the model was wrapped and is trainable "
                             "now; its unit's flat parameter only holds what was trainable then: wrap the model "
                             "after unfreezing it", s->params[i]->name);
@@ -409,20 +409,19 @@ static ct_status fsdp_step(ct_strategy *s)
 }
 
 /* The optimizer over this rank's pieces, one slot per piece of a
- * parameter, recorded in ZeRO's terms (s->ext) so its checkpoint code
- * serves FSDP too: tp is the flattened parameters in model order, the
- * partition their pieces with owners counted in each unit's shard group. */
+ * parameter, recorded in the shard table (f->sh) the state I/O reads: tp is
+ * the flattened parameters in model order, the partition their pieces with
+ * owners counted in each unit's shard group. */
 static ct_status fsdp_build_optim(ct_strategy *s, const ct_optim_opts *oo)
 {
     fsdp_t *f = ct__fsdp_of(s);
-    ct__zero *z = ct__zero_of(s);
+    ct__shards *z = &f->sh;
     int total = 0;
     for (int i = 0; i < f->nu; i++)
         for (int k = 0; k < f->u[i].nfl; k++) total += f->u[i].fl[k].pt.n;
     size_t nt = (size_t)z->ntp + 1, nr = (size_t)total + 1;
     z->pt.ranges = ct_alloc_zeroed(sizeof *z->pt.ranges * nr, CT_MEM_OTHER);
     z->slot = ct_alloc_zeroed(sizeof *z->slot * nr, CT_MEM_OTHER);
-    z->work = ct_alloc_zeroed(sizeof *z->work * nr, CT_MEM_OTHER);
     z->first = ct_alloc_zeroed(sizeof *z->first * nt, CT_MEM_OTHER);
     z->pg = ct_alloc_zeroed(sizeof *z->pg * nt, CT_MEM_OTHER);
     z->quiet = ct_alloc_zeroed(nt, CT_MEM_OTHER);
@@ -430,7 +429,7 @@ static ct_status fsdp_build_optim(ct_strategy *s, const ct_optim_opts *oo)
     for (int i = 0; i < f->nu; i++) maxns = f->u[i].ns > maxns ? f->u[i].ns : maxns;
     z->pt.load = ct_alloc_zeroed(sizeof *z->pt.load * (size_t)maxns, CT_MEM_OTHER);
     ct_optim_slot *sl = ct_alloc_zeroed(sizeof *sl * nr, CT_MEM_OTHER);
-    if (!z->pt.ranges || !z->slot || !z->work || !z->first || !z->pg || !z->quiet || !z->pt.load || !sl) {
+    if (!z->pt.ranges || !z->slot || !z->first || !z->pg || !z->quiet || !z->pt.load || !sl) {
         ct_free(sl);
         return CT_ENOMEM;
     }
@@ -568,14 +567,9 @@ static ct_status setup(ct_strategy *s)
     CT_TRY(ct_group_check(s->g, ct__check_same_model(s)));
     if (O(s)->sync_module_states) CT_TRY(ct__broadcast_state(s, 0));
     fsdp_t *f = ct_alloc_zeroed(sizeof *f, CT_MEM_OTHER);
-    ct__zero *z = ct_alloc_zeroed(sizeof *z, CT_MEM_OTHER);
-    if (!f || !z) {
-        ct_free(f);
-        ct_free(z);
-        return CT_ENOMEM;
-    }
+    if (!f) return CT_ENOMEM;
     s->priv = f;
-    s->ext = z;
+    ct__shards *z = &f->sh;
     for (int i = 0; i < s->nparams; i++)
         if (s->params[i]->compute)
             return ct_error(CT_ESTATE, "parameter '%s' already has a compute copy: is the model wrapped by another "
@@ -626,7 +620,6 @@ static ct_status fsdp_init(ct_strategy *s)
 static void fsdp_fini(ct_strategy *s)
 {
     fsdp_t *f = ct__fsdp_of(s);
-    ct__zero *z = ct__zero_of(s);
     if (f) {
         ct__fsdp_finish_all(s);
         if (!f->ready) settle_old(f, 1); /* set-up failed: the parameters as they were */
@@ -651,19 +644,9 @@ static void fsdp_fini(ct_strategy *s)
         ct_free(f->fwd_order);
         ct_free(f->bwd_order);
         ct__inflight_fini(&f->q);
+        ct__shards_fini(&f->sh);
         ct_free(f);
         s->priv = NULL;
-    }
-    if (z) {
-        ct_partition_fini(&z->pt);
-        ct_free(z->tp);
-        ct_free(z->first);
-        ct_free(z->slot);
-        ct_free(z->work);
-        ct_free(z->pg);
-        ct_free(z->quiet);
-        ct_free(z);
-        s->ext = NULL;
     }
 }
 
@@ -724,7 +707,7 @@ const ct__strategy_ops ct__fsdp_ops = {
         .init = fsdp_init,
         .fini = fsdp_fini,
         .build_optim = fsdp_build_optim,
-        .partition = ct__zero_partition,
+        .partition = ct__fsdp_partition,
         .summon = ct__fsdp_summon,
         .release = ct__fsdp_release,
         .units = ct__fsdp_units,
@@ -742,10 +725,10 @@ const ct__strategy_ops ct__fsdp_ops = {
     },
     .state = {
         .model = ct__fsdp_model_state,
-        .optim = ct__zero_optim_state,
+        .optim = ct__fsdp_optim_state,
         .each = ct__fsdp_each,
         .shard = ct__fsdp_shard_state,
-        .local = ct__zero_local_state,
+        .local = ct__fsdp_local_state,
         .load = ct__fsdp_load_state,
     },
 };

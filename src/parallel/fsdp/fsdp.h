@@ -5,7 +5,7 @@
 #define CTRAIN_PARALLEL_FSDP_H
 
 #include "parallel/flat.h"
-#include "parallel/zero/zero.h"
+#include "parallel/shards.h"
 
 enum { FSDP_FULL_SHARD, FSDP_SHARD_GRAD_OP, FSDP_NO_SHARD, FSDP_HYBRID };
 enum { FSDP_PREFETCH_PRE, FSDP_PREFETCH_POST, FSDP_PREFETCH_NONE };
@@ -75,6 +75,8 @@ typedef struct {
     int recorded;
     ct__inflight q;        /* units whose reduce is in flight, oldest first */
     int ready;             /* set up on every rank: fini may gather */
+    ct__shards sh;         /* the flattened parameters (model order), their pieces over each unit's
+                              shard group and this rank's optimizer slots: the state I/O's table */
 } fsdp_t;
 
 /* fsdp_units.c: decides the units (root, wrap_modules, wrap_kinds,
@@ -103,9 +105,12 @@ ct_status ct__fsdp_reshard_all(ct_strategy *s);
 /* fsdp_state.c */
 ct_status ct__fsdp_model_state(ct_strategy *s, ct_state *out);
 ct_status ct__fsdp_shard_state(ct_strategy *s, int optim, ct_state *out);
-/* ct_strategy_state_foreach: parameters gathered one at a time, optimizer state through ZeRO's. */
+/* ct_strategy_state_foreach: parameters and optimizer state gathered one tensor at a time. */
 ct_status ct__fsdp_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
 ct_status ct__fsdp_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
+ct_status ct__fsdp_optim_state(ct_strategy *s, ct_state *out);
+ct_status ct__fsdp_local_state(ct_strategy *s, int optim, ct_state *out);
+const ct_partition *ct__fsdp_partition(const ct_strategy *s);
 ct_status ct__fsdp_grad_norm(ct_strategy *s, ct_norm_acc *acc);
 void ct__fsdp_scale_grads(ct_strategy *s, float k);
 

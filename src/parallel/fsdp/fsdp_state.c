@@ -1,8 +1,8 @@
 /*
  * FSDP's view of the whole model from its pieces: gradient norms summed
  * over each shard group, full and sharded state dicts (one parameter at a
- * time, through ZeRO's gather, so rank 0 never holds more than the model
- * plus one parameter), loading (each rank copies its pieces out of full
+ * time, through the shard table's gather (shards.c), so rank 0 never holds
+ * more than the model plus one parameter), loading (each rank copies its pieces out of full
  * tensors: any world size and any sharding loads any checkpoint), and the
  * public full-parameter calls.
  */
@@ -44,19 +44,19 @@ void ct__fsdp_scale_grads(ct_strategy *s, float k)
  * from rank 0. */
 static ct_status model_each(ct_strategy *s, const int *roots, int shapes_only, ct_state_fn fn, void *ud)
 {
-    ct__zero *z = ct__zero_of(s);
+    const ct__shards *z = &ct__fsdp_of(s)->sh;
     int rank = ct_group_rank(s->g);
     ct_status st = CT_OK, fst = CT_OK; /* a failing fn stops the calls, never the collectives */
     for (int q = 0; q < s->nparams && st == CT_OK; q++) {
         ct_param *p = s->params[q];
-        int i = ct__zero_index(z, p), root = roots && i >= 0 ? roots[i] : 0;
+        int i = ct__shards_index(z, p), root = roots && i >= 0 ? roots[i] : 0;
         if (i < 0 || shapes_only) {
-            if (fst == CT_OK && (i < 0 ? rank == 0 : ct__zero_reports(s, i, root)))
+            if (fst == CT_OK && (i < 0 ? rank == 0 : ct__shards_reports(s, z, i, root)))
                 fst = ct__state_emit(fn, ud, p->name, p->data, shapes_only);
             continue;
         }
         ct_tensor *t = NULL;
-        st = ct__zero_gather(s, i, -1, root, &t);
+        st = ct__shards_gather(s, z, i, -1, root, &t);
         if (st == CT_OK && t && fst == CT_OK) fst = fn(ud, p->name, t);
         ct_tensor_release(t);
     }
@@ -69,7 +69,7 @@ static ct_status model_state(ct_strategy *s, int sharded, ct_state *out)
 {
     int *roots = NULL;
     memset(out, 0, sizeof *out);
-    ct_status st = sharded ? ct__zero_shard_roots(s, &roots) : CT_OK;
+    ct_status st = sharded ? ct__shards_roots(s, &ct__fsdp_of(s)->sh, &roots) : CT_OK;
     if (st == CT_OK) st = model_each(s, roots, 0, ct__state_collect, out);
     ct_free(roots);
     if (st != CT_OK) ct_state_fini(out);
@@ -78,33 +78,43 @@ static ct_status model_state(ct_strategy *s, int sharded, ct_state *out)
 
 ct_status ct__fsdp_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
 {
-    return optim ? ct__zero_optim_each(s, NULL, shapes_only, fn, ud) : model_each(s, NULL, shapes_only, fn, ud);
+    return optim ? ct__shards_optim_each(s, &ct__fsdp_of(s)->sh, NULL, shapes_only, fn, ud)
+                 : model_each(s, NULL, shapes_only, fn, ud);
+}
+
+ct_status ct__fsdp_optim_state(ct_strategy *s, ct_state *out)
+{
+    return ct__shards_optim_state(s, &ct__fsdp_of(s)->sh, 0, out);
+}
+
+ct_status ct__fsdp_local_state(ct_strategy *s, int optim, ct_state *out)
+{
+    return ct__shards_local_state(s, &ct__fsdp_of(s)->sh, optim, out);
+}
+
+const ct_partition *ct__fsdp_partition(const ct_strategy *s)
+{
+    const fsdp_t *f = s->priv;
+    return f ? &f->sh.pt : NULL;
 }
 
 ct_status ct__fsdp_model_state(ct_strategy *s, ct_state *out) { return model_state(s, 0, out); }
 
 ct_status ct__fsdp_shard_state(ct_strategy *s, int optim, ct_state *out)
 {
-    return optim ? ct__zero_shard_state(s, 1, out) : model_state(s, 1, out);
+    return optim ? ct__shards_optim_state(s, &ct__fsdp_of(s)->sh, 1, out) : model_state(s, 1, out);
 }
 
 /* A flattened parameter's pieces on this rank come out of the full tensor;
  * anything else is whole. */
 static ct_status put_pieces(ct_strategy *s, ct_param *p, const ct_tensor *src)
 {
-    ct__zero *z = ct__zero_of(s);
-    int i = ct__zero_index(z, p);
-    if (i < 0) return ct__load_range(s, ct_f32(p->data), src, 0, p->data->numel, p->name);
-    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++)
-        if (z->slot[k] >= 0)
-            CT_TRY(ct__load_range(s, ct_optim_slot_at(s->opt, z->slot[k])->data, src, z->pt.ranges[k].offset,
-                                  z->pt.ranges[k].count, p->name));
-    return CT_OK;
+    return ct__shards_load_param(s, &ct__fsdp_of(s)->sh, p, src);
 }
 
 ct_status ct__fsdp_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim)
 {
-    if (optim) return ct__zero_load_state(s, names, ts, n, 1);
+    if (optim) return ct__shards_load_optim(s, &ct__fsdp_of(s)->sh, names, ts, n);
     CT_TRY(ct__load_model_with(s, names, ts, n, put_pieces));
     return ct__fsdp_reshard_all(s); /* whatever was gathered holds the old values */
 }

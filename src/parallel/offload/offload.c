@@ -124,17 +124,27 @@ ct_status ct_offload_split(ct_module *seq, int nslices, int *sizes)
     return CT_OK;
 }
 
-static int param_index(const ct_strategy *s, const ct_param *p)
+ct_status ct__offload_where(ct_module *seq, const int *sz, int ns, ct_param *const *params, int np, int *where)
 {
-    for (int j = 0; j < s->nparams; j++)
-        if (s->params[j] == p) return j;
-    return -1;
+    for (int j = 0; j < np; j++) where[j] = -1;
+    for (int i = 0, c = 0; i < ns; i++)
+        for (int end = c + sz[i]; c < end; c++) {
+            ct_param **ps;
+            int n;
+            CT_TRY(ct_module_params(seq->kids[c], &ps, &n));
+            for (int q = 0; q < n; q++) {
+                int j = 0;
+                while (j < np && params[j] != ps[q]) j++;
+                if (j < np) where[j] = where[j] < 0 || where[j] == i ? i : ns;
+            }
+            ct_free(ps);
+        }
+    return CT_OK;
 }
 
-/* Each parameter goes to the slice of the children that use it, or to the
- * tied group when children of two slices do (a tied weight: one parameter,
- * two uses; in one slice it simply stays there).  Sets where, eoff, and
- * every group's pj, n and nlow. */
+/* Each parameter goes to its slice or the tied group (ct__offload_where),
+ * and every group's parameters are laid out as a flat.  Sets where, eoff,
+ * and every group's pj, n and nlow. */
 static ct_status group_params(ct_strategy *s)
 {
     offload_t *f = ct__offload(s);
@@ -143,27 +153,18 @@ static ct_status group_params(ct_strategy *s)
     f->eoff = ct_alloc(sizeof *f->eoff * (size_t)(np + 1), CT_MEM_OTHER);
     int *pjs = ct_alloc(sizeof *pjs * (size_t)(np + 1), CT_MEM_OTHER);
     f->pjs = pjs;
-    if (!f->where || !f->eoff || !pjs) return CT_ENOMEM;
-    for (int j = 0; j < np; j++) f->where[j] = -1;
-    for (int i = 0; i < ns; i++)
-        for (int c = f->sl[i].k0; c < f->sl[i].k1; c++) {
-            ct_param **ps;
-            int n;
-            CT_TRY(ct_module_params(s->model->kids[c], &ps, &n));
-            for (int q = 0; q < n; q++) {
-                int j = param_index(s, ps[q]);
-                CT_ASSERT(j >= 0);
-                f->where[j] = f->where[j] < 0 || f->where[j] == i ? i : ns;
-            }
-            ct_free(ps);
-        }
+    int *sz = ct_alloc(sizeof *sz * (size_t)(ns + 1), CT_MEM_OTHER);
+    ct_status st = f->where && f->eoff && pjs && sz ? CT_OK : CT_ENOMEM;
+    for (int i = 0; st == CT_OK && i < ns; i++) sz[i] = f->sl[i].k1 - f->sl[i].k0;
+    if (st == CT_OK) st = ct__offload_where(s->model, sz, ns, s->params, np, f->where);
+    ct_free(sz);
+    CT_TRY(st);
     /* pj runs laid end to end in pjs: the slices in order, then the tied group;
      * each group's parameters laid out as a flat */
     int at = 0;
     int low = s->common.param_dtype != CT_F32;
     ct_param **ps = ct_alloc(sizeof *ps * (size_t)(np + 1), CT_MEM_OTHER);
     if (!ps) return CT_ENOMEM;
-    ct_status st = CT_OK;
     for (int g = 0; g <= ns && st == CT_OK; g++) {
         offload_slice *sl = g < ns ? &f->sl[g] : &f->tied;
         sl->pj = pjs + at;

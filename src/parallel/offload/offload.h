@@ -131,6 +131,11 @@ typedef struct {
 } offload_t;
 
 static inline offload_t *ct__offload(const ct_strategy *s) { return s->priv; }
+/* The residency rule, for the strategy and its memory plan: where[j] is the
+ * slice of params[j] under slices of sz[0..ns) children of seq (the
+ * children that use it), ns when children of two slices use it (the tied
+ * group, resident throughout), -1 when no child does. */
+ct_status ct__offload_where(ct_module *seq, const int *sz, int ns, ct_param *const *params, int np, int *where);
 /* Ranks of the data-parallel group (1 without communication). */
 static inline int ct__offload_ranks(const ct_strategy *s) { return s->g ? ct_group_size(s->g) : 1; }
 static inline const offload_opts *ct__offload_opts(const ct_strategy *s) { return s->kopts; }

@@ -415,6 +415,7 @@ const ct__strategy_ops ct__pipe_ops = {
     .nopts = (int)(sizeof pipe_opt_defs / sizeof pipe_opt_defs[0]),
     .base_opts = ct__ddp_opt_defs,
     .nbase_opts = CT__DDP_NOPTS,
+    .base_off = offsetof(pipe_opts, ddp),
     .opts_size = sizeof(pipe_opts),
     .makes_params = 1, /* its stage only: the replica strategy over the stage makes it */
     .place = {

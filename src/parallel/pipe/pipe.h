@@ -10,8 +10,8 @@ enum { PIPE_GPIPE = 0, PIPE_1F1B };
 enum { PIPE_CKPT_ALWAYS = 0, PIPE_CKPT_EXCEPT_LAST, PIPE_CKPT_NEVER };
 enum { PIPE_DP_DDP = 0, PIPE_DP_ZERO1 };
 
-/* The kind's options; DDP's come first because they are its base keys
- * (passed on to the replicas' DDP or ZeRO-1). */
+/* The kind's options; DDP's are its base keys (at base_off, passed on as
+ * text to the replicas' DDP or ZeRO-1). */
 typedef struct {
     ct__ddp_opts ddp;
     int stages;     /* 0 (auto: balance's length, else the group size) or P; balance is text */

@@ -141,15 +141,6 @@ ct_status ct__plan_stage_act(const ct__plan *pl, int lo, int hi, int64_t mrows, 
                            flags | (lo > 0 ? CT_ACT_DX0 : 0) | (mixed ? CT_ACT_MIXED : 0), out);
 }
 
-int ct__plan_child_of(const ct__plan *pl, const ct_param *p)
-{
-    const ct_module *m = p->owner;
-    while (m && m->parent && m->parent != pl->model) m = m->parent;
-    for (int i = 0; i < pl->model->nkids; i++)
-        if (pl->model->kids[i] == m) return i;
-    return -1;
-}
-
 static int by_addr(const void *a, const void *b)
 {
     const ct_param *x = ((const struct ct__plan_ix *)a)->p, *y = ((const struct ct__plan_ix *)b)->p;
@@ -313,8 +304,8 @@ static ct_status zero2_backward(const ct__plan *pl, uint64_t limit, int wire, ui
     return CT_OK;
 }
 
-/* ZeRO-2 (zero2.c): the gradient shard this rank keeps (64 bytes over its
- * elements) plus the gradients in flight; with reduce_bucket_size, the
+/* ZeRO-2 (zero2.c): the gradient shard this rank keeps (ct__zero2_shard_bytes)
+ * plus the gradients in flight; with reduce_bucket_size, the
  * buckets (every rank holds all of them) count as comm.  The replay still
  * counts a bucketed gradient in flight until its wait, though it goes as
  * soon as it is packed: the plan errs high there. */
@@ -335,9 +326,7 @@ static ct_status plan_zero2(const ct__plan *pl, ct_mem_plan *out)
                                     ct__plan_is16(pl, "reduce_dtype") ? CT_BF16 : CT_F32);
     uint64_t param = param_bytes(pl, ct__plan_is16(pl, "param_dtype"));
     for (int r = 0; r < pl->spec->world; r++) {
-        uint64_t shard = 64;
-        for (int k = 0; k < pt.n; k++)
-            if (pt.ranges[k].owner == r) shard += (uint64_t)pt.ranges[k].count * 4;
+        uint64_t shard = ct__zero2_shard_bytes(&pt, r);
         ct__plan_rank(out, param, grad + shard + ct__plan_frozen_grads(pl), ct__plan_optim_share(pl, &pt, r, counts),
                       act, comm);
     }

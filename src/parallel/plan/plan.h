@@ -66,8 +66,6 @@ ct_status ct__plan_act(const ct__plan *pl, int64_t rows, int k, int mixed, uint6
 ct_status ct__plan_stage_act(const ct__plan *pl, int lo, int hi, int64_t mrows, int mixed, int flags, ct_act_plan *out);
 /* This rank's batch of rows, as the loaders hold it. */
 uint64_t ct__plan_batch_bytes(const ct__plan *pl, int64_t rows);
-/* The top-level child of the model that holds p (its owner's), or -1. */
-int ct__plan_child_of(const ct__plan *pl, const ct_param *p);
 
 ct_status ct__plan_pipe(const ct__plan *pl, ct_mem_plan *out);
 ct_status ct__plan_fsdp(const ct__plan *pl, ct_mem_plan *out);

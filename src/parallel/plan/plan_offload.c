@@ -20,20 +20,7 @@
 #include <string.h>
 
 #include "plan.h"
-
-/* The last top-level child that uses p, or -1. */
-static int last_user(const ct__plan *pl, const ct_param *p)
-{
-    int last = -1;
-    for (int k = 0; k < pl->model->nkids; k++) {
-        ct_param **ps;
-        int n;
-        if (ct_module_params(pl->model->kids[k], &ps, &n) != CT_OK) return -1;
-        for (int j = 0; j < n; j++) last = ps[j] == p ? k : last;
-        ct_free(ps);
-    }
-    return last;
-}
+#include "parallel/offload/offload.h"
 
 /* Children per slice: the balance option, or ct_offload_split's. */
 static ct_status slices(const ct__plan *pl, int *sz, int *ns)
@@ -51,8 +38,10 @@ ct_status ct__plan_offload(const ct__plan *pl, ct_mem_plan *out)
     int *sz = ct_alloc(sizeof *sz * (size_t)(n + 1), CT_MEM_OTHER);
     int64_t *outn = ct_alloc(sizeof *outn * (size_t)(n + 1), CT_MEM_OTHER);
     uint64_t *sp = ct_alloc(sizeof *sp * (size_t)(n + 1), CT_MEM_OTHER);
-    ct_status st = sz && outn && sp ? CT_OK : CT_ENOMEM;
+    int *where = ct_alloc(sizeof *where * (size_t)(pl->ntp + 1), CT_MEM_OTHER);
+    ct_status st = sz && outn && sp && where ? CT_OK : CT_ENOMEM;
     if (st == CT_OK) st = slices(pl, sz, &ns);
+    if (st == CT_OK) st = ct__offload_where(m, sz, ns, pl->tp, pl->ntp, where); /* the strategy's own rule */
     int nbufs = (int)(ct_optim_state_bytes(&pl->spec->optim, (int64_t[]){16}, 1) / 64); /* state floats per element */
     int64_t shape[CT_MAX_DIMS], in1 = 1;
     int nd = pl->spec->in_ndim + 1;
@@ -72,13 +61,11 @@ ct_status ct__plan_offload(const ct__plan *pl, ct_mem_plan *out)
         uint64_t floats = 0, low = 0;
         for (int i = 0; i < pl->ntp; i++) {
             const ct_param *p = pl->tp[i];
-            int c = ct__plan_child_of(pl, p), l = c >= lo && c < lo + sz[k] ? last_user(pl, p) : -1;
             uint64_t lb = ct__plan_copy_bytes(p, mixed);
-            if (l < 0) continue;
-            if (l >= lo + sz[k]) { /* used by a later slice too: resident */
+            if (where[i] == ns && k == 0) { /* used by two slices: resident, counted once */
                 tied += (uint64_t)p->data->numel * 4;
                 tlow += lb;
-            } else {
+            } else if (where[i] == k) {
                 floats += (uint64_t)p->data->numel;
                 low += lb;
             }
@@ -141,5 +128,6 @@ ct_status ct__plan_offload(const ct__plan *pl, ct_mem_plan *out)
     ct_free(sz);
     ct_free(outn);
     ct_free(sp);
+    ct_free(where);
     return st;
 }

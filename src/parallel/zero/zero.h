@@ -4,19 +4,14 @@
 #define CTRAIN_PARALLEL_ZERO_H
 
 #include "parallel/flat.h"
+#include "parallel/shards.h"
 
 typedef struct ct__zbuckets ct__zbuckets;
 
 typedef struct {
-    ct_param **tp;      /* trainable parameters, model order (DDP's indices) */
-    int ntp;
-    ct_partition pt;
-    int *first;         /* [ntp] index of the parameter's first range in pt */
-    int *slot;          /* [pt.n] optimizer slot of an owned range, else -1 */
-    ct_group **pg;      /* [ntp] the group parameter i is partitioned over (NULL: all s->g); owners
-                           count in it (FSDP: each unit's shard group) */
-    char *quiet;        /* [ntp] 1 where this rank's pieces are a replica's (FSDP hybrid): it takes
-                           part in gathers but another rank reports the state */
+    ct__shards sh;      /* the trainable parameters at wrap (model order), their ranges and owners,
+                           the optimizer slots of this rank's (shards.h) */
+    ct__ddp *ddp;       /* zero1: DDP's gradient flats, allreduced as DDP does; NULL for zero2 */
     ct_work **work;     /* [pt.n] broadcast of the range after the step, or NULL */
     int bcast_bf16;     /* broadcast_fp16: the ranges travel as bf16; owners keep their f32 */
     uint16_t **bwire;   /* [pt.n] bf16 copy of a range on the wire, until its broadcast is waited for */
@@ -59,6 +54,10 @@ typedef struct {
     {"warn_on_trainable_params_changed", CT__OPT_BOOL, offsetof(type, warn_on_trainable_params_changed), \
      "1", "warn when the trainable parameters change", 0, NULL}
 
+/* Bytes of zero2's gradient shard on rank (its owned ranges of pt end to
+ * end, with slack): what zero2 allocates and what its memory plan counts. */
+uint64_t ct__zero2_shard_bytes(const ct_partition *pt, int rank);
+
 /* ---- zero2's buckets (zero2_bucket.c) ---- */
 
 /* Buckets of up to size elements (0: none, *out NULL) for the ranges of z
@@ -80,10 +79,8 @@ ct_status ct__zbuckets_pack(ct_strategy *s, ct__zbuckets *zb, int k, const float
  * take their ranges into z->gshard.  Collective. */
 ct_status ct__zbuckets_finish(ct_strategy *s, ct__zbuckets *zb);
 
-/* The strategy's ZeRO state (s->ext). */
+/* The strategy's ZeRO state (s->priv). */
 ct__zero *ct__zero_of(ct_strategy *s);
-/* Index of p among the parameters trainable at wrap, or -1. */
-int ct__zero_index(const ct__zero *z, const ct_param *p);
 /* Waits for every parameter broadcast in flight (and refreshes bf16 copies). */
 ct_status ct__zero_wait_all(ct_strategy *s);
 /* summon_full_params: the parameters are whole on every rank once the
@@ -108,21 +105,8 @@ const ct_partition *ct__zero_partition(const ct_strategy *s);
         .model = ct__zero_model_state, .optim = ct__zero_optim_state, .shard = ct__zero_shard_state, \
         .local = ct__zero_local_state, .load = ct__zero_load_state, .each = ct__zero_each,         \
     }
-/* Parameter i's optimizer buffer b (b < 0: its data) as a full tensor on
- * rank root of its group, *out NULL elsewhere (collective over the group). */
-ct_status ct__zero_gather(ct_strategy *s, int i, int b, int root, ct_tensor **out);
-/* For a sharded save: *roots (ct_free) gets, for every partitioned
- * parameter i, the rank of its group that writes it, balanced by bytes
- * (largest first onto the least loaded rank; the same on every rank). */
-ct_status ct__zero_shard_roots(ct_strategy *s, int **roots);
-/* 1 when this rank gets parameter i's tensor gathered on root (of i's group). */
-int ct__zero_reports(ct_strategy *s, int i, int root);
-/* Every parameter's optimizer state gathered one tensor at a time on its
- * root (roots[i], or rank 0 with roots NULL), given to fn there and freed,
- * then "step" on rank 0 (ct_strategy_state_foreach). */
-ct_status ct__zero_optim_each(ct_strategy *s, const int *roots, int shapes_only, ct_state_fn fn, void *ud);
 /* ct_strategy_state_foreach for ZeRO: the model as it is (whole on every
- * rank), the optimizer state through ct__zero_optim_each. */
+ * rank), the optimizer state through ct__shards_optim_each. */
 ct_status ct__zero_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
 ct_status ct__zero_model_state(ct_strategy *s, ct_state *out);
 ct_status ct__zero_optim_state(ct_strategy *s, ct_state *out);

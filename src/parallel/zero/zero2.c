@@ -52,13 +52,13 @@ static ct_status zero2_build_optim(ct_strategy *s, const ct_optim_opts *oo)
 {
     ct__zero *z = ct__zero_of(s);
     int n = 0;
-    ct_optim_slot *sl = ct_alloc_zeroed(sizeof *sl * (size_t)(z->pt.n + 1), CT_MEM_OTHER);
+    ct_optim_slot *sl = ct_alloc_zeroed(sizeof *sl * (size_t)(z->sh.pt.n + 1), CT_MEM_OTHER);
     if (!sl) return CT_ENOMEM;
-    for (int k = 0; k < z->pt.n; k++) {
-        const ct_part_range *x = &z->pt.ranges[k];
-        z->slot[k] = z->goff[k] >= 0 ? n : -1;
+    for (int k = 0; k < z->sh.pt.n; k++) {
+        const ct_part_range *x = &z->sh.pt.ranges[k];
+        z->sh.slot[k] = z->goff[k] >= 0 ? n : -1;
         if (z->goff[k] < 0) continue;
-        ct_param *p = z->tp[x->param];
+        ct_param *p = z->sh.tp[x->param];
         sl[n++] = (ct_optim_slot){(float *)ct_tensor_data(p->data) + x->offset, z->gshard + z->goff[k], x->count,
                                   p->name, x->offset};
     }
@@ -73,22 +73,22 @@ static ct_status finish_oldest(ct_strategy *s)
 {
     ct__zero *z = ct__zero_of(s);
     int i = ct__inflight_take(&z->q, 0);
-    ct_param *p = z->tp[i];
+    ct_param *p = z->sh.tp[i];
     ct_status st = CT_OK;
-    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++) {
+    for (int k = z->sh.first[i]; k < z->sh.pt.n && z->sh.pt.ranges[k].param == i; k++) {
         if (!z->red[k]) continue;
         ct_status w = ct_work_wait(z->red[k]);
         if (st == CT_OK) st = w;
         ct_work_destroy(z->red[k]);
         z->red[k] = NULL;
-        const ct_part_range *x = &z->pt.ranges[k];
+        const ct_part_range *x = &z->sh.pt.ranges[k];
         if (z->goff[k] < 0) continue;
         ct_dtype dt = z->wire[i] ? (ct_dtype)s->common.reduce_dtype : CT_F32;
         const char *r = z->wire[i] ? (const char *)z->wire[i] : (const char *)ct_tensor_data(p->grad);
         ct__wire_unpack(dt, r + (size_t)x->offset * ct_dtype_size(dt), z->gshard + z->goff[k], x->count, 0);
     }
     double end = z->t_start[i];
-    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++)
+    for (int k = z->sh.first[i]; k < z->sh.pt.n && z->sh.pt.ranges[k].param == i; k++)
         if (z->t_end[k] > end) end = z->t_end[k];
     z->t_comm += end - z->t_start[i]; /* the callbacks ran before the waits returned */
     ct_trace_event("reduce to owners", "comm", z->t_start[i], end, 1);
@@ -117,7 +117,7 @@ static ct_status grad_to_owners(ct_param *p, void *ud)
     ct_strategy *s = ud;
     ct__zero *z = ct__zero_of(s);
     if (s->no_sync) return CT_OK;
-    int i = ct__zero_index(z, p);
+    int i = ct__shards_index(&z->sh, p);
     if (z->ready[i])
         return ct_error(CT_ESTATE, "%s: parameter '%s' received its gradient twice in one backward (a module "
                         "called twice?); give each call its own parameter, or tie a weight used by two modules "
@@ -126,9 +126,9 @@ static ct_status grad_to_owners(ct_param *p, void *ud)
     z->ready[i] = 1;
     z->nready++;
     int direct = 0;
-    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++) {
+    for (int k = z->sh.first[i]; k < z->sh.pt.n && z->sh.pt.ranges[k].param == i; k++) {
         if (ct__zbuckets_has(z->zb, k)) CT_TRY(ct__zbuckets_pack(s, z->zb, k, ct_tensor_data(p->grad)));
-        else direct += z->pt.ranges[k].count > 0;
+        else direct += z->sh.pt.ranges[k].count > 0;
     }
     if (!direct) { /* all of it went into buckets: the gradient's memory goes now */
         ct__flat_evict(&z->gflat[i], CT__FL_GRAD);
@@ -144,8 +144,8 @@ static ct_status grad_to_owners(ct_param *p, void *ud)
     }
     size_t es = ct_dtype_size(dt);
     z->t_start[i] = ct_now();
-    for (int k = z->first[i]; k < z->pt.n && z->pt.ranges[k].param == i; k++) {
-        const ct_part_range *x = &z->pt.ranges[k];
+    for (int k = z->sh.first[i]; k < z->sh.pt.n && z->sh.pt.ranges[k].param == i; k++) {
+        const ct_part_range *x = &z->sh.pt.ranges[k];
         if (!x->count || ct__zbuckets_has(z->zb, k)) continue;
         /* A sum: the loss gradient was scaled by 1/world (ct__ddp_grad_scale). */
         z->t_end[k] = 0;
@@ -179,10 +179,18 @@ static ct_status grads_needed(ct_module *m, ct_hook_kind kind, void *ud)
     for (int j = 0; j < m->nparams; j++) {
         ct_param *p = m->params[j];
         if (!p->requires_grad || ct_tensor_data(p->grad)) continue;
-        CT_TRY(ct__flat_fill(&z->gflat[ct__zero_index(z, p)], CT__FL_GRAD, 0));
+        CT_TRY(ct__flat_fill(&z->gflat[ct__shards_index(&z->sh, p)], CT__FL_GRAD, 0));
         p->grad_stale = 1; /* the memory is new: the layer overwrites it */
     }
     return CT_OK;
+}
+
+uint64_t ct__zero2_shard_bytes(const ct_partition *pt, int rank)
+{
+    uint64_t b = 64; /* slack past the last owned element */
+    for (int k = 0; k < pt->n; k++)
+        if (pt->ranges[k].owner == rank) b += (uint64_t)pt->ranges[k].count * sizeof(float);
+    return b;
 }
 
 static ct_status zero2_init(ct_strategy *s)
@@ -192,7 +200,7 @@ static ct_status zero2_init(ct_strategy *s)
     if (o->sync_models_at_startup) CT_TRY(ct__broadcast_state(s, 0));
     CT_TRY(ct__zero_core_init(s, o->split_params, o->broadcast_fp16));
     ct__zero *z = ct__zero_of(s);
-    size_t nt = (size_t)z->ntp + 1, nr = (size_t)z->pt.n + 1;
+    size_t nt = (size_t)z->sh.ntp + 1, nr = (size_t)z->sh.pt.n + 1;
     z->grad_hooks = ct_alloc_zeroed(sizeof *z->grad_hooks * nt, CT_MEM_OTHER);
     z->goff = ct_alloc_zeroed(sizeof *z->goff * nr, CT_MEM_OTHER);
     z->ready = ct_alloc_zeroed(nt, CT_MEM_OTHER);
@@ -202,18 +210,18 @@ static ct_status zero2_init(ct_strategy *s)
     z->t_end = ct_alloc_zeroed(sizeof *z->t_end * nr, CT_MEM_OTHER);
     if (!z->grad_hooks || !z->goff || !z->ready || !z->red || !z->wire || !z->t_start || !z->t_end)
         return CT_ENOMEM;
-    CT_TRY(ct__inflight_init(&z->q, z->ntp));
+    CT_TRY(ct__inflight_init(&z->q, z->sh.ntp));
     z->limit = (size_t)(o->reduce_buffer_mb * 1048576.0);
     int rank = ct_group_rank(s->g);
-    for (int k = 0; k < z->pt.n; k++) {
-        z->goff[k] = z->pt.ranges[k].owner == rank ? z->nshard : -1;
-        if (z->goff[k] >= 0) z->nshard += z->pt.ranges[k].count;
+    for (int k = 0; k < z->sh.pt.n; k++) {
+        z->goff[k] = z->sh.pt.ranges[k].owner == rank ? z->nshard : -1;
+        if (z->goff[k] >= 0) z->nshard += z->sh.pt.ranges[k].count;
     }
-    if (!(z->gshard = ct_alloc_zeroed((size_t)z->nshard * sizeof(float) + 64, CT_MEM_GRAD))) return CT_ENOMEM;
+    if (!(z->gshard = ct_alloc_zeroed((size_t)ct__zero2_shard_bytes(&z->sh.pt, rank), CT_MEM_GRAD))) return CT_ENOMEM;
     CT_TRY(ct__zbuckets_create(z, o->reduce_bucket_size, (ct_dtype)s->common.reduce_dtype, &z->zb));
     if (!(z->gflat = ct_alloc_zeroed(sizeof *z->gflat * nt, CT_MEM_OTHER))) return CT_ENOMEM;
-    for (int i = 0; i < z->ntp; i++) {
-        ct_param *p = z->tp[i];
+    for (int i = 0; i < z->sh.ntp; i++) {
+        ct_param *p = z->sh.tp[i];
         const ct_storage *gs = p->grad ? p->grad->storage : NULL;
         if (!gs || !gs->owns || gs->window || gs->refcount != 1 || p->grad->offset || gs->bytes != ct_tensor_bytes(p->grad))
             return ct_error(CT_ESTATE, "zero2: the gradient of '%s' is a view into other memory (is the model "
@@ -252,10 +260,10 @@ static void zero2_fini(ct_strategy *s)
         if (z->red) zero2_drain(s);
         ct__zbuckets_destroy(z->zb);
         z->zb = NULL;
-        for (int i = 0; z->grad_hooks && i < z->ntp; i++) {
+        for (int i = 0; z->grad_hooks && i < z->sh.ntp; i++) {
             ct_hook_remove(z->grad_hooks[i]);
             /* every parameter leaves with a gradient of its own again */
-            ct_param *p = z->tp[i];
+            ct_param *p = z->sh.tp[i];
             ct__flat *fl = z->gflat ? &z->gflat[i] : NULL;
             if (!fl || !fl->pointed) continue; /* set-up stopped before it */
             /* Reduced already: unpoint gives a zeroed gradient (fresh pages, untouched)
@@ -267,13 +275,13 @@ static void zero2_fini(ct_strategy *s)
             ct__flat_unpoint(fl, NULL, NULL);
             if (reduced && ct_tensor_data(p->grad)) {
                 p->grad_stale = 0;
-                for (int k = z->first[i]; z->gshard && k < z->pt.n && z->pt.ranges[k].param == i; k++)
+                for (int k = z->sh.first[i]; z->gshard && k < z->sh.pt.n && z->sh.pt.ranges[k].param == i; k++)
                     if (z->goff[k] >= 0) /* the reduced values this rank holds */
-                        memcpy((float *)ct_tensor_data(p->grad) + z->pt.ranges[k].offset, z->gshard + z->goff[k],
-                               (size_t)z->pt.ranges[k].count * sizeof(float));
+                        memcpy((float *)ct_tensor_data(p->grad) + z->sh.pt.ranges[k].offset, z->gshard + z->goff[k],
+                               (size_t)z->sh.pt.ranges[k].count * sizeof(float));
             }
         }
-        for (int i = 0; z->gflat && i < z->ntp; i++) ct__flat_fini(&z->gflat[i]);
+        for (int i = 0; z->gflat && i < z->sh.ntp; i++) ct__flat_fini(&z->gflat[i]);
         ct_free(z->gflat);
         ct_free(z->grad_hooks);
         ct_free(z->gshard);
@@ -305,7 +313,7 @@ static ct_status zero2_pre_backward(ct_strategy *s)
 {
     ct__zero *z = ct__zero_of(s);
     if (s->no_sync) return CT_OK;
-    memset(z->ready, 0, (size_t)z->ntp);
+    memset(z->ready, 0, (size_t)z->sh.ntp);
     z->nready = 0;
     z->nreduces = 0;
     ct__zbuckets_begin(z->zb, z);
@@ -329,13 +337,13 @@ static ct_status zero2_post_backward(ct_strategy *s)
     /* A frozen parameter's gradient is zero, as a plain optimizer sees it, and so is that of a
      * parameter the backward did not reach (fairscale tolerates those; the same ones on every
      * rank, since no rank sent a reduce for it).  Buckets carried theirs as zeros. */
-    for (int k = 0; k < z->pt.n; k++) {
-        int i = z->pt.ranges[k].param;
+    for (int k = 0; k < z->sh.pt.n; k++) {
+        int i = z->sh.pt.ranges[k].param;
         if (z->goff[k] >= 0 && (!z->trainable[i] || (!z->ready[i] && !ct__zbuckets_has(z->zb, k))))
-            memset(z->gshard + z->goff[k], 0, (size_t)z->pt.ranges[k].count * sizeof(float));
+            memset(z->gshard + z->goff[k], 0, (size_t)z->sh.pt.ranges[k].count * sizeof(float));
     }
     double t1 = ct_now();
-    if (z->ntp) ct_trace_event("wait for reduce", "comm", t0, t1, 0);
+    if (z->sh.ntp) ct_trace_event("wait for reduce", "comm", t0, t1, 0);
     /* waits inside backward for room are communication, not compute */
     s->stats.backward -= z->t_room;
     s->stats.comm_wait += t1 - t0 + z->t_room;
@@ -351,8 +359,8 @@ static ct_status zero2_reduce(ct_strategy *s)
     int saved = s->no_sync;
     s->no_sync = 0;
     ct_status st = zero2_pre_backward(s);
-    for (int i = 0; st == CT_OK && i < z->ntp; i++) {
-        ct_param *p = z->tp[i];
+    for (int i = 0; st == CT_OK && i < z->sh.ntp; i++) {
+        ct_param *p = z->sh.tp[i];
         if (!z->trainable[i]) continue;
         if (!ct_tensor_data(p->grad)) { /* no backward wrote it: a zero gradient */
             st = ct__flat_fill(&z->gflat[i], CT__FL_GRAD, 0);

@@ -100,7 +100,7 @@ ct_status ct__zbuckets_create(const ct__zero *z, int64_t size, ct_dtype dt, ct__
     *out = NULL;
     if (size <= 0) return CT_OK;
     ct__zbuckets *zb;
-    CT_TRY(assign(&z->pt, size, dt, &zb));
+    CT_TRY(assign(&z->sh.pt, size, dt, &zb));
     ct_status st = CT_OK;
     for (int b = 0; st == CT_OK && b < zb->nb; b++)
         if (!(zb->b[b].buf = ct__wire_alloc(dt, zb->b[b].n))) st = CT_ENOMEM;
@@ -117,7 +117,7 @@ int ct__zbuckets_has(const ct__zbuckets *zb, int k) { return zb && zb->of[k] >= 
 void ct__zbuckets_begin(ct__zbuckets *zb, const ct__zero *z)
 {
     if (!zb) return;
-    memset(zb->packed, 0, (size_t)z->pt.n);
+    memset(zb->packed, 0, (size_t)z->sh.pt.n);
     for (int b = 0; b < zb->nb; b++) {
         zb->b[b].pending = zb->b[b].nmem;
         zb->b[b].launched = 0;
@@ -137,7 +137,7 @@ static ct_status launch(ct_strategy *s, ct__zbuckets *zb, zbucket *b)
 ct_status ct__zbuckets_pack(ct_strategy *s, ct__zbuckets *zb, int k, const float *grad)
 {
     zbucket *b = &zb->b[zb->of[k]];
-    const ct_part_range *x = &ct__zero_of(s)->pt.ranges[k];
+    const ct_part_range *x = &ct__zero_of(s)->sh.pt.ranges[k];
     ct__wire_pack(zb->dt, grad + x->offset, (char *)b->buf + (size_t)zb->off[k] * ct_dtype_size(zb->dt), x->count);
     zb->packed[k] = 1;
     return --b->pending ? CT_OK : launch(s, zb, b);
@@ -149,10 +149,10 @@ ct_status ct__zbuckets_finish(ct_strategy *s, ct__zbuckets *zb)
     ct__zero *z = ct__zero_of(s);
     ct_status st = CT_OK;
     /* members without a gradient count as zeros; every rank launches the rest in bucket order */
-    for (int k = 0; k < z->pt.n; k++)
+    for (int k = 0; k < z->sh.pt.n; k++)
         if (zb->of[k] >= 0 && !zb->packed[k] && !zb->b[zb->of[k]].launched)
             memset((char *)zb->b[zb->of[k]].buf + (size_t)zb->off[k] * ct_dtype_size(zb->dt), 0,
-                   (size_t)z->pt.ranges[k].count * ct_dtype_size(zb->dt));
+                   (size_t)z->sh.pt.ranges[k].count * ct_dtype_size(zb->dt));
     for (int b = 0; st == CT_OK && b < zb->nb; b++)
         if (!zb->b[b].launched) st = launch(s, zb, &zb->b[b]);
     for (int b = 0; b < zb->nb; b++) {
@@ -164,9 +164,9 @@ ct_status ct__zbuckets_finish(ct_strategy *s, ct__zbuckets *zb)
     }
     if (st != CT_OK) return st;
     /* the owners take their ranges of the sums into the gradient shard */
-    for (int k = 0; k < z->pt.n; k++)
+    for (int k = 0; k < z->sh.pt.n; k++)
         if (zb->of[k] >= 0 && z->goff[k] >= 0)
             ct__wire_unpack(zb->dt, (const char *)zb->b[zb->of[k]].buf + (size_t)zb->off[k] * ct_dtype_size(zb->dt),
-                            z->gshard + z->goff[k], z->pt.ranges[k].count, 0);
+                            z->gshard + z->goff[k], z->sh.pt.ranges[k].count, 0);
     return CT_OK;
 }
