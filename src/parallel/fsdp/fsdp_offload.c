@@ -205,13 +205,15 @@ ct_status ct__fsdp_off_open(ct_strategy *s)
     }
     double budget = (double)O(s)->max_resident_mb * MIB;
     o->ahead = 2;
-    if (budget > 0 && fixed + largest > budget)
+    /* FSDP's own window is two units (one computing while the next gathers,
+     * or its gradients reduce): one more when the store loads ahead */
+    if (budget > 0 && fixed + 2 * largest > budget)
         return ct_error(CT_EINVAL, "fsdp offload=%s: max_resident_mb=%d is below the %.1f MiB this rank needs "
-                        "(%.1f MiB of shard parts kept resident, and unit '%s' with %.1f MiB while it computes); "
+                        "(%.1f MiB of shard parts kept resident, and two units as large as '%s', %.1f MiB each while they compute); "
                         "raise --max-resident-mb, offload more (--offload all), or wrap smaller units",
-                        ct_strategy_opt(s, "offload"), O(s)->max_resident_mb, (fixed + largest) / MIB, fixed / MIB,
+                        ct_strategy_opt(s, "offload"), O(s)->max_resident_mb, (fixed + 2 * largest) / MIB, fixed / MIB,
                         big, largest / MIB);
-    if (budget > 0 && fixed + 2 * largest > budget) o->ahead = 1;
+    if (budget > 0 && fixed + 3 * largest > budget) o->ahead = 1;
     CT_TRY(ct__ostore_open(O(s)->store == FSDP_STORE_MEMORY, ct_strategy_opt(s, "offload_dir"), total,
                            O(s)->drop_cache, &o->store));
     /* checkpoints and summons pin every part (see the top) */

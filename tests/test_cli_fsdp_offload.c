@@ -1,0 +1,207 @@
+/*
+ * `ctrain train --strategy fsdp --offload optim|params|all` as a user runs
+ * it: a gpt trains as in-memory FSDP does (f32 and --mixed bf16), its full,
+ * sharded and local checkpoints resume under other strategies and world
+ * sizes and back, the resident bytes fall to what the budget allows, the
+ * store's directory is left empty even after SIGKILL, and a disk without
+ * room is refused before training with the bytes needed and free.
+ */
+#include <dirent.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "cli_util.h"
+
+#define LINE "the quick brown fox jumps over the lazy dog\n"
+
+static const char *text_dir(void)
+{
+    static char dir[600];
+    snprintf(dir, sizeof dir, "%s/text", ct_test_tmpdir());
+    mkdir(dir, 0755);
+    char path[700];
+    snprintf(path, sizeof path, "%s/a", dir);
+    FILE *f = fopen(path, "w");
+    ASSERT(f);
+    for (int i = 0; i < 300; i++) fputs(LINE, f);
+    fclose(f);
+    return dir;
+}
+
+static int count_entries(const char *dir)
+{
+    DIR *d = opendir(dir);
+    ASSERT(d);
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
+    closedir(d);
+    return n;
+}
+
+static const char *store_dir(void)
+{
+    static char dir[700];
+    snprintf(dir, sizeof dir, "%s/store", ct_test_tmpdir());
+    mkdir(dir, 0700);
+    return dir;
+}
+
+/* The memory report's "resident" line, in bytes. */
+static double resident(const char *out)
+{
+    const char *p = strstr(out, "  resident");
+    ASSERT(p);
+    double v = atof(p + 10);
+    const char *unit = p + 10 + strspn(p + 10, " 0123456789.");
+    return v * (!strncmp(unit, "MiB", 3) ? 1048576.0 : !strncmp(unit, "KiB", 3) ? 1024.0 : 1.0);
+}
+
+#define GPT_FLAGS "--model gpt --layers 2 --heads 2 --dim 32 --context 24 --batch 8 --lr 0.01 --threads 1 --log-every 0"
+
+/* Every --offload trains the gpt as in-memory FSDP does, at 2 and 3 ranks,
+ * with clipping and dropout, in f32 and with bf16 compute copies. */
+TEST(cli_fsdp_offload_gpt_equals_in_memory_fsdp)
+{
+    static char a[OUT_MAX], b[OUT_MAX];
+    const char *dir = text_dir(), *sd = store_dir();
+    const char *mixed[] = {"", "--mixed bf16"};
+    for (int m = 0; m < 2; m++)
+        for (int np = 2; np <= 3; np++) {
+            int rc = run_np(np, a, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --clip 0.5 %s "
+                            "--strategy fsdp", dir, mixed[m]);
+            if (rc) ct_test_fail(__FILE__, __LINE__, "fsdp failed:\n%s", a);
+            const char *parts[] = {"optim", "params", "all"};
+            for (int k = 0; k < 3; k++) {
+                rc = run_np(np, b, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --clip 0.5 %s "
+                            "--strategy fsdp --offload %s --offload-dir %s", dir, mixed[m], parts[k], sd);
+                if (rc) ct_test_fail(__FILE__, __LINE__, "fsdp --offload %s failed:\n%s", parts[k], b);
+                ASSERT_NEAR(number_after(b, "final train loss "), number_after(a, "final train loss "), 1e-6);
+                ASSERT_NEAR(number_after(b, "val loss "), number_after(a, "val loss "), 1e-6);
+                ASSERT(resident(b) < resident(a)); /* the offloaded parts are not resident */
+            }
+        }
+    ASSERT_EQ(count_entries(sd), 0);
+}
+
+/* Checkpoints of every kind leave an offloaded run and come back into one:
+ * the resumed run ends where one that never stopped does. */
+TEST(cli_fsdp_offload_checkpoints_move_between_strategies)
+{
+    static char a[OUT_MAX], b[OUT_MAX];
+    const char *dir = text_dir(), *sd = store_dir();
+    char ck[700];
+    int rc = RUN(a, "train " GPT_FLAGS " --steps 12 --data-dir %s --dropout 0.1 --seed 4", dir);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", a);
+    double loss = number_after(a, "final train loss "), val = number_after(a, "val loss ");
+    /* {state dict, the run that saves at step 6, the run that resumes to step 12} */
+    static const char *const cases[][3] = {
+        {"full", "-np 2 --strategy fsdp --offload all", "-np 2 --strategy ddp"},
+        {"full", "-np 2 --strategy fsdp", "-np 3 --strategy fsdp --offload all"},
+        {"sharded", "-np 2 --strategy fsdp --offload params", "-np 3 --strategy fsdp --offload optim"},
+        {"sharded", "-np 3 --strategy fsdp --offload all", "-np 1 --strategy none"},
+        {"local", "-np 2 --strategy fsdp --offload all", "-np 2 --strategy fsdp --offload all"},
+        {"local", "-np 2 --strategy fsdp", "-np 2 --strategy fsdp --offload all"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        snprintf(ck, sizeof ck, "%s/ck%zu%s", ct_test_tmpdir(), k, strcmp(cases[k][0], "full") ? "" : ".safetensors");
+        int np1 = atoi(cases[k][1] + 4), np2 = atoi(cases[k][2] + 4);
+        const char *off1 = strstr(cases[k][1], "--offload") ? "--offload-dir" : "";
+        rc = run_np(np1, b, "train " GPT_FLAGS " --steps 6 --data-dir %s --dropout 0.1 --seed 4 %s %s %s "
+                    "--state-dict %s --save %s", dir, cases[k][1] + 6, off1, *off1 ? sd : "", cases[k][0], ck);
+        if (rc) ct_test_fail(__FILE__, __LINE__, "saving run %zu failed:\n%s", k, b);
+        const char *off = strstr(cases[k][2], "--offload") ? "--offload-dir" : "";
+        rc = run_np(np2, b, "train --steps 12 --resume %s --data-dir %s --threads 1 --log-every 0 %s %s %s", ck, dir,
+                    cases[k][2] + 6, off, *off ? sd : "");
+        if (rc) ct_test_fail(__FILE__, __LINE__, "resuming run %zu failed:\n%s", k, b);
+        ASSERT_NEAR(number_after(b, "final train loss "), loss, 2e-5);
+        ASSERT_NEAR(number_after(b, "val loss "), val, 2e-4);
+    }
+    ASSERT_EQ(count_entries(sd), 0);
+}
+
+#define BIG_FLAGS "--model gpt --layers 3 --heads 2 --dim 128 --context 24 --batch 8 --lr 0.01 --threads 1 --log-every 0"
+
+/* A budget below FSDP's window of two units is refused naming what it
+ * needs; one that holds it trains as the unbounded run does, its resident
+ * bytes under the budget and below in-memory FSDP's. */
+TEST(cli_fsdp_offload_budget)
+{
+    static char a[OUT_MAX], b[OUT_MAX];
+    const char *dir = text_dir(), *sd = store_dir();
+    int rc = run_np(2, a, "train " BIG_FLAGS " --steps 3 --data-dir %s --strategy fsdp --offload all --offload-dir %s "
+                    "--max-resident-mb 4", dir, sd);
+    ASSERT(rc != 0);
+    ASSERT_STR_CONTAINS(a, "max_resident_mb=4 is below the 6.1 MiB this rank needs");
+    ASSERT_STR_CONTAINS(a, "raise --max-resident-mb");
+    rc = run_np(2, a, "train " BIG_FLAGS " --steps 3 --data-dir %s --strategy fsdp --offload all --offload-dir %s "
+                "--max-resident-mb 7", dir, sd);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "budgeted run failed:\n%s", a);
+    rc = run_np(2, b, "train " BIG_FLAGS " --steps 3 --data-dir %s --strategy fsdp", dir);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "fsdp failed:\n%s", b);
+    ASSERT_NEAR(number_after(a, "final train loss "), number_after(b, "final train loss "), 1e-6);
+    ASSERT(resident(a) <= 7 * 1048576.0);
+    ASSERT(resident(a) < resident(b));
+    rc = RUN(a, "train " GPT_FLAGS " --steps 1 --data-dir %s --offload all", dir);
+    ASSERT_EQ(rc, 2);
+    ASSERT_STR_CONTAINS(a, "--offload applies to --strategy fsdp only");
+    ASSERT_EQ(count_entries(sd), 0);
+}
+
+/* The store's file is unlinked from the start: nothing is left in
+ * --offload-dir after SIGKILL; a disk without room for it is refused at
+ * start with the bytes needed and free, before any step. */
+TEST(cli_fsdp_offload_leaves_nothing_and_refuses_a_full_disk)
+{
+    static char out[OUT_MAX];
+    const char *dir = text_dir(), *sd = store_dir();
+    pid_t pid = fork();
+    ASSERT(pid >= 0);
+    if (pid == 0) {
+        char bin[2048];
+        snprintf(bin, sizeof bin, "%s/ctrain", cli_bin_dir());
+        freopen("/dev/null", "w", stdout);
+        freopen("/dev/null", "w", stderr);
+        execl(bin, bin, "train", "--model", "gpt", "--layers", "2", "--heads", "2", "--dim", "32", "--context", "24",
+              "--batch", "8", "--threads", "1", "--log-every", "0", "--steps", "100000", "--data-dir", dir,
+              "--strategy", "fsdp", "--offload", "all", "--offload-dir", sd, (char *)NULL);
+        _exit(127);
+    }
+    int seen = 0;
+    for (int tries = 0; tries < 400 && !seen; tries++) {
+        char fddir[64];
+        snprintf(fddir, sizeof fddir, "/proc/%d/fd", (int)pid);
+        DIR *d = opendir(fddir);
+        struct dirent *e;
+        while (d && (e = readdir(d))) {
+            char link[600], target[4096];
+            snprintf(link, sizeof link, "%s/%s", fddir, e->d_name);
+            ssize_t n = readlink(link, target, sizeof target - 1);
+            if (n <= 0) continue;
+            target[n] = 0;
+            if (!strncmp(target, sd, strlen(sd)) && strstr(target, "(deleted)")) seen = 1;
+        }
+        if (d) closedir(d);
+        if (!seen) usleep(50000);
+    }
+    ASSERT_EQ(count_entries(sd), 0);
+    kill(pid, SIGKILL);
+    int st;
+    ASSERT(waitpid(pid, &st, 0) == pid);
+    if (!seen) ct_test_fail(__FILE__, __LINE__, "the run never held a store file in %s", sd);
+    ASSERT_EQ(count_entries(sd), 0);
+    /* files of 10 MB at most (MPI's start-up files fit): the store of a 2.4M-parameter gpt (38 MB) does not */
+    int code = run_sh(0, "trap '' XFSZ; ulimit -f 20000;", out,
+                      "train --model gpt --layers 4 --heads 2 --dim 224 --context 24 --batch 8 --threads 1 "
+                      "--log-every 1 --steps 2 --data-dir %s --strategy fsdp --offload all --offload-dir %s", dir, sd);
+    ASSERT_EQ(code, 1);
+    ASSERT_STR_CONTAINS(out, "cannot reserve");
+    ASSERT_STR_CONTAINS(out, "MiB free there");
+    ASSERT_STR_CONTAINS(out, "--offload-dir");
+    ASSERT(!strstr(out, "step 1 "));
+    ASSERT_EQ(count_entries(sd), 0);
+}
