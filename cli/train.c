@@ -556,6 +556,7 @@ static void add_stats(trainer *t)
     t->sum.comm_total += s.comm_total;
     t->sum.io_total += s.io_total;
     t->sum.io_wait += s.io_wait;
+    t->sum.io_bytes += s.io_bytes;
     t->sum.nbuckets = s.nbuckets;
     t->nstats++;
 }

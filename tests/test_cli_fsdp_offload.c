@@ -51,15 +51,19 @@ static const char *store_dir(void)
     return dir;
 }
 
-/* The memory report's "resident" line, in bytes. */
-static double resident(const char *out)
+/* A line of the memory report ("  resident   4.4 MiB ..."), in bytes. */
+static double report(const char *out, const char *key)
 {
-    const char *p = strstr(out, "  resident");
+    char k[64];
+    snprintf(k, sizeof k, "\n  %s ", key);
+    const char *p = strstr(out, k);
     ASSERT(p);
-    double v = atof(p + 10);
-    const char *unit = p + 10 + strspn(p + 10, " 0123456789.");
+    p += strlen(k);
+    double v = atof(p);
+    const char *unit = p + strspn(p, " 0123456789.");
     return v * (!strncmp(unit, "MiB", 3) ? 1048576.0 : !strncmp(unit, "KiB", 3) ? 1024.0 : 1.0);
 }
+#define resident(out) report(out, "resident")
 
 #define GPT_FLAGS "--model gpt --layers 2 --heads 2 --dim 32 --context 24 --batch 8 --lr 0.01 --threads 1 --log-every 0"
 
@@ -204,4 +208,27 @@ TEST(cli_fsdp_offload_leaves_nothing_and_refuses_a_full_disk)
     ASSERT_STR_CONTAINS(out, "--offload-dir");
     ASSERT(!strstr(out, "step 1 "));
     ASSERT_EQ(count_entries(sd), 0);
+}
+
+/* `ctrain estimate --offload` against a run: param, grad and optim within
+ * 10%, resident within 25% (the plan's peaks are not simultaneous), the
+ * bytes the store moved per step within 15%. */
+TEST(cli_fsdp_offload_estimate_matches_training)
+{
+    static char out[OUT_MAX], est[OUT_MAX];
+    const char *dir = text_dir(), *sd = store_dir();
+    const char *parts[] = {"optim", "params", "all"};
+    for (int k = 0; k < 3; k++) {
+        int rc = run_np(2, out, "train " BIG_FLAGS " --steps 8 --data-dir %s --strategy fsdp --offload %s "
+                        "--offload-dir %s", dir, parts[k], sd);
+        if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
+        rc = RUN(est, "estimate --model gpt --layers 3 --heads 2 --dim 128 --context 24 --batch 8 --ranks 2 "
+                 "--strategy fsdp --offload %s --json", parts[k]);
+        if (rc) ct_test_fail(__FILE__, __LINE__, "estimate failed:\n%s", est);
+        static const char *const keys[] = {"param", "grad", "optim"};
+        for (int q = 0; q < 3; q++) ASSERT_NEAR(json_max(est, keys[q]) / report(out, keys[q]), 1.0, 0.10);
+        ASSERT_NEAR(json_max(est, "resident") / resident(out), 1.0, 0.25);
+        ASSERT_NEAR(json_max(est, "moved") / (number_after(out, "store moved ") * 1048576.0), 1.0, 0.15);
+        ASSERT(json_max(est, "store") > 0);
+    }
 }

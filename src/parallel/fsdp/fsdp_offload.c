@@ -59,6 +59,7 @@ typedef struct fsdp_off {
     float scales[16];
     int nscales;
     int pinned;
+    double moved;          /* the store's bytes read plus written at the last step's end */
     ct__strategy_ops saved; /* the entries this file wraps */
 } fsdp_off;
 
@@ -509,6 +510,10 @@ ct_status ct__fsdp_off_step(ct_strategy *s)
     ct__ostore_times(o->store, &busy, &waited);
     s->stats.io_total += busy;
     s->stats.io_wait += waited;
+    double rd, wr;
+    ct__ostore_bytes(o->store, &rd, &wr);
+    s->stats.io_bytes += rd + wr - o->moved;
+    o->moved = rd + wr;
     return CT_OK;
 }
 
