@@ -232,3 +232,51 @@ TEST(cli_fsdp_offload_estimate_matches_training)
         ASSERT(json_max(est, "store") > 0);
     }
 }
+
+/* The whole job in memory cgroups (scripts/memlimit: 90 MiB per rank, 180
+ * for the job) trains a gpt of 58M parameters, whose f32 AdamW state (16
+ * bytes each: 886 MiB) is 4.9x the job's limit, to the loss in-memory FSDP
+ * reaches; every rank's peak usage as the kernel counts it (page cache
+ * included) stays under its limit.  Skipped where cgroups are not writable. */
+TEST(cli_fsdp_offload_trains_a_model_4x_the_memory_limit)
+{
+    static char out[OUT_MAX], ref[OUT_MAX];
+    const char *dir = text_dir(), *sd = store_dir();
+    char tag[64], path[256];
+    snprintf(tag, sizeof tag, "ctrain-test-%d", (int)getpid());
+#define M58 "--model gpt --layers 24 --heads 4 --dim 448 --context 32 --batch 2 --steps 2 --threads 1 --log-every 0 " \
+            "--wrap-min-params 150000 --data-dir %s"
+    int rc = run_shell(2, out, "%s/../scripts/memlimit %s 90 %s/ctrain train " M58 " --strategy fsdp --offload all "
+                       "--offload-dir %s --strategy-opt alloc_cache_mb=4", cli_bin_dir(), tag, cli_bin_dir(), dir, sd);
+    double peak[2] = {0, 0};
+    int killed = 0;
+    for (int r = 0; r < 2; r++) { /* read, then remove the cgroups whatever happened */
+        snprintf(path, sizeof path, "/sys/fs/cgroup/memory/%s/%d/memory.max_usage_in_bytes", tag, r);
+        FILE *f = fopen(path, "r");
+        if (f && fscanf(f, "%lf", &peak[r]) != 1) peak[r] = 0;
+        if (f) fclose(f);
+        snprintf(path, sizeof path, "/sys/fs/cgroup/memory/%s/%d/memory.oom_control", tag, r);
+        char buf[512] = "";
+        if ((f = fopen(path, "r"))) {
+            size_t n = fread(buf, 1, sizeof buf - 1, f);
+            buf[n] = 0;
+            fclose(f);
+        }
+        killed |= strstr(buf, "oom_kill 0") == NULL && strstr(buf, "oom_kill ") != NULL;
+        snprintf(path, sizeof path, "/sys/fs/cgroup/memory/%s/%d", tag, r);
+        rmdir(path);
+    }
+    snprintf(path, sizeof path, "/sys/fs/cgroup/memory/%s", tag);
+    rmdir(path);
+    if (strstr(out, "is not writable")) SKIP("cgroup v1 memory hierarchy not writable here");
+    if (rc || killed) ct_test_fail(__FILE__, __LINE__, "the limited run failed (OOM kill: %d):\n%s", killed, out);
+    ASSERT_STR_CONTAINS(out, "(58072448 parameters)");
+    for (int r = 0; r < 2; r++) {
+        if (!(peak[r] > 0 && peak[r] <= 90 * 1048576.0))
+            ct_test_fail(__FILE__, __LINE__, "rank %d's cgroup peak %.1f MiB (limit 90)", r, peak[r] / 1048576.0);
+    }
+    rc = run_np(2, ref, "train " M58 " --strategy fsdp", dir);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "in-memory fsdp failed:\n%s", ref);
+    ASSERT_NEAR(number_after(out, "final train loss "), number_after(ref, "final train loss "), 1e-6);
+    ASSERT_EQ(count_entries(sd), 0);
+}
