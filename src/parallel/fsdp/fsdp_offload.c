@@ -9,16 +9,18 @@
  *
  * A part is resident, loading (a job queued: its memory is the I/O
  * thread's until the caller waits for the ticket) or out.  The unit hooks
- * of fsdp.c call in here: masters load before a gather (the next unit's
- * behind them, in the order the first step gathered them) and drop after
- * it (the store has them: they change only in the step); a gradient piece
+ * of fsdp.c call in here: masters load before a gather (the next units'
+ * behind them, in the order the first step gathered them) and go back
+ * after it (dropped when unchanged: the store has them); a gradient piece
  * comes back before its reduce (new when the reduce overwrites it) and is
  * written after it, its norm terms noted while resident, so clipping knows
- * the global norm before any flat steps; the step's clip factors are kept
- * and applied flat by flat in the step, in order, as the in-memory scale
- * would have.  The step then runs the optimizer's own update rule
- * (ct_optim_update_range, bitwise ct_optim_step) on each flat with the
- * next flat's parts loading meanwhile.
+ * the global norm before any flat steps.  The step moves nothing: it keeps
+ * the optimizer's options, step count and clip factors, and each flat's
+ * update runs when its masters next come in (the next forward's gather),
+ * its gradient piece and state loaded with them, by the optimizer's own
+ * rule (ct_optim_update_range, bitwise ct_optim_step): the step's I/O runs
+ * behind the forward's compute and the masters are read once for both.
+ * Whatever reads or changes state first applies what is still pending.
  *
  * The ct_optim keeps the slots, step count, learning rate and groups; its
  * own state buffers stay unallocated.  A checkpoint, a load or a summon
@@ -39,12 +41,14 @@ typedef struct {
     ct_storage *st[NPART]; /* NULL: not offloaded (fsdp.c's own pointers) or no state */
     int where[NPART];      /* P_* */
     long tk[NPART];        /* ticket of the job bringing it in */
+    long out_tk[NPART];    /* ticket of the job that last took it out */
     int dirty[NPART];      /* resident copy differs from the store's */
     int fresh;             /* S never written: zeros, nothing to read */
     off_t off[NPART];
     float *state;          /* S when resident and not offloaded */
     double sq, mx;         /* norm terms of G after its last reduce */
-    int scaled;            /* pending scales applied to G in memory: write it back */
+    int pend;              /* the last step's update is still to be applied */
+    int pend_gzero;        /* its gradient was untouched since zero_grad (zero) */
 } off_flat;
 
 typedef struct fsdp_off {
@@ -56,8 +60,13 @@ typedef struct fsdp_off {
     int nstate;
     int ahead;             /* 2: load one unit ahead; 1: on demand */
     int *seq, nseq, cap, cur, recorded; /* units in the order their masters were needed */
-    float scales[16];
+    float scales[16];      /* clip factors since the last step */
     int nscales;
+    int npend;             /* flats whose update is pending */
+    ct_optim_opts pend_o;  /* the pending update: the step's options (its learning rate), */
+    int64_t pend_step;     /* its 1-based step count */
+    float pend_scales[16]; /* and the clip factors it took */
+    int pend_nscales;
     int pinned;
     double moved;          /* the store's bytes read plus written at the last step's end */
     ct__strategy_ops saved; /* the entries this file wraps */
@@ -96,6 +105,14 @@ static void sync_ptrs(fsdp_flat *fl, off_flat *x)
 static ct_status bring(fsdp_off *o, off_flat *x, int p, int fresh)
 {
     if (!x->st[p] || x->where[p] != P_OUT) return CT_OK;
+    if (fresh && p == PG) { /* new memory for a reduce to overwrite: not queued behind the loads, only
+                             * behind the job that took the memory away */
+        CT_TRY(ct__ostore_wait(o->store, x->out_tk[p]));
+        CT_TRY(ct_storage_alloc_data(x->st[p], 0));
+        x->where[p] = P_RES;
+        x->dirty[p] = 0;
+        return CT_OK;
+    }
     ct__io_piece pc = {x->st[p], x->off[p], fresh ? CT__IO_ALLOC : CT__IO_READ};
     CT_TRY(ct__ostore_submit(o->store, &pc, 1, &x->tk[p]));
     x->where[p] = P_LOADING;
@@ -124,8 +141,7 @@ static ct_status send_out(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p)
         x->where[p] = P_RES;
     }
     ct__io_piece pc = {x->st[p], x->off[p], x->dirty[p] ? CT__IO_WRITE : CT__IO_DROP};
-    long t;
-    CT_TRY(ct__ostore_submit(o->store, &pc, 1, &t));
+    CT_TRY(ct__ostore_submit(o->store, &pc, 1, &x->out_tk[p]));
     if (p == PS && x->dirty[p]) x->fresh = 0;
     x->where[p] = P_OUT;
     x->dirty[p] = 0;
@@ -135,6 +151,10 @@ static ct_status send_out(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p)
 
 /* ---- set-up ----------------------------------------------------------------- */
 
+static ct_status apply_update(ct_strategy *s, fsdp_unit *u, int k);
+static ct_status bring_unit(ct_strategy *s, fsdp_unit *u);
+static void settle_unit(ct_strategy *s, fsdp_unit *u);
+static ct_status flush(ct_strategy *s);
 static ct_status wrap_build_optim(ct_strategy *s, const ct_optim_opts *oo);
 static ct_status wrap_summon(ct_strategy *s, int writeback, int rank0_only);
 static ct_status wrap_release(ct_strategy *s);
@@ -205,7 +225,7 @@ ct_status ct__fsdp_off_open(ct_strategy *s)
         if (ub > largest) largest = ub, big = u->m->fqn[0] ? u->m->fqn : "(the model)";
     }
     double budget = (double)O(s)->max_resident_mb * MIB;
-    o->ahead = 2;
+    o->ahead = 3; /* the one in use and two loading */
     /* FSDP's own window is two units (one computing while the next gathers,
      * or its gradients reduce): one more when the store loads ahead */
     if (budget > 0 && fixed + 2 * largest > budget)
@@ -214,6 +234,7 @@ ct_status ct__fsdp_off_open(ct_strategy *s)
                         "raise --max-resident-mb, offload more (--offload all), or wrap smaller units",
                         ct_strategy_opt(s, "offload"), O(s)->max_resident_mb, (fixed + 2 * largest) / MIB, fixed / MIB,
                         big, largest / MIB);
+    if (budget > 0 && fixed + 4 * largest > budget) o->ahead = 2;
     if (budget > 0 && fixed + 3 * largest > budget) o->ahead = 1;
     CT_TRY(ct__ostore_open(O(s)->store == FSDP_STORE_MEMORY, ct_strategy_opt(s, "offload_dir"), total,
                            O(s)->drop_cache, &o->store));
@@ -320,7 +341,6 @@ ct_status ct__fsdp_off_masters(ct_strategy *s, fsdp_unit *u)
 {
     fsdp_t *f = ct__fsdp_of(s);
     fsdp_off *o = f->off;
-    if (!(o->mask >> PM & 1)) return CT_OK;
     int me = (int)(u - f->u);
     if (!o->recorded) {
         if (o->nseq == o->cap) {
@@ -339,8 +359,11 @@ ct_status ct__fsdp_off_masters(ct_strategy *s, fsdp_unit *u)
                 break;
             }
     }
+    CT_TRY(bring_unit(s, u));
+    for (int i = o->cur; o->recorded && i < o->nseq && i < o->cur + o->ahead - 1; i++)
+        CT_TRY(bring_unit(s, &f->u[o->seq[i]]));
     CT_TRY(unit_parts(s, u, PM, 1));
-    if (o->recorded && o->ahead >= 2 && o->cur < o->nseq) CT_TRY(unit_parts(s, &f->u[o->seq[o->cur]], PM, 0));
+    for (int k = 0; k < u->nfl; k++) CT_TRY(apply_update(s, u, k));
     return CT_OK;
 }
 
@@ -349,6 +372,7 @@ void ct__fsdp_off_gathered(ct_strategy *s, fsdp_unit *u)
     fsdp_off *o = OFF(s);
     for (int k = 0; k < u->nfl; k++)
         if (u->ns > 1 || u->fl[k].low) send_out(o, &u->fl[k], OF(s, u, k), PM); /* a failure is sticky: the next wait reports it */
+    settle_unit(s, u);
 }
 
 void ct__fsdp_off_freed(ct_strategy *s, fsdp_unit *u)
@@ -360,6 +384,11 @@ void ct__fsdp_off_freed(ct_strategy *s, fsdp_unit *u)
 ct_status ct__fsdp_off_grads(ct_strategy *s, fsdp_unit *u)
 {
     fsdp_off *o = OFF(s);
+    for (int k = 0; k < u->nfl; k++) { /* a pending update takes the old gradient first */
+        CT_TRY(apply_update(s, u, k));
+        if (u->ns > 1 || u->fl[k].low) CT_TRY(send_out(o, &u->fl[k], OF(s, u, k), PM));
+        CT_TRY(send_out(o, &u->fl[k], OF(s, u, k), PS));
+    }
     for (int k = 0; k < u->nfl; k++) CT_TRY(have(o, &u->fl[k], OF(s, u, k), PG, u->fl[k].gzero));
     return CT_OK;
 }
@@ -388,11 +417,11 @@ ct_status ct__fsdp_off_reduced(ct_strategy *s, fsdp_unit *u)
 
 /* ---- clipping ------------------------------------------------------------------ */
 
-static void apply_scales(fsdp_off *o, fsdp_flat *fl, off_flat *x)
+static void apply_scales(const float *scales, int n, fsdp_flat *fl, off_flat *x)
 {
-    for (int q = 0; q < o->nscales; q++)
-        for (int64_t j = 0; j < fl->flat.shard; j++) fl->gshard[j] *= o->scales[q];
-    if (o->nscales) x->dirty[PG] = x->scaled = 1;
+    for (int q = 0; q < n; q++)
+        for (int64_t j = 0; j < fl->flat.shard; j++) fl->gshard[j] *= scales[q];
+    if (n) x->dirty[PG] = 1;
 }
 
 /* Pending factors applied to every stored piece (a norm asked for after a
@@ -407,7 +436,7 @@ static ct_status flush_scales(ct_strategy *s)
             off_flat *x = OF(s, &f->u[i], k);
             if (fl->gzero) continue;
             CT_TRY(have(o, fl, x, PG, 0));
-            apply_scales(o, fl, x);
+            apply_scales(o->scales, o->nscales, fl, x);
             note_norms(fl, x);
             CT_TRY(send_out(o, fl, x, PG));
         }
@@ -420,6 +449,7 @@ static ct_status flush_scales(ct_strategy *s)
 ct_status ct__fsdp_off_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     fsdp_t *f = ct__fsdp_of(s);
+    CT_TRY(flush(s)); /* a norm of the gradients a pending update still has to take */
     if (f->off->nscales) CT_TRY(flush_scales(s));
     for (int g = 0; g < f->ngroups; g++) {
         ct_norm_acc part = ct_norm_acc_init(acc->inf ? INFINITY : 2.0);
@@ -440,72 +470,123 @@ ct_status ct__fsdp_off_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 void ct__fsdp_off_scale(ct_strategy *s, float k)
 {
     fsdp_off *o = OFF(s);
+    if (o->npend && flush(s) != CT_OK) return; /* the failure is sticky: the next wait reports it */
     if (o->nscales == (int)(sizeof o->scales / sizeof o->scales[0]) && flush_scales(s) != CT_OK) return;
     o->scales[o->nscales++] = k;
 }
 
-/* ---- the step ------------------------------------------------------------------ */
+/* ---- the step, applied when each flat is next in ---------------------------------- */
 
-/* Flat n's parts on their way in (the step's prefetch). */
-static ct_status step_bring(ct_strategy *s, int n)
+/* Flat x of unit u takes the update the last step left pending: its parts
+ * in (the gradient as the step found it, zero when it was untouched), the
+ * step's clip factors, the optimizer's own rule with the step's options. */
+static ct_status apply_update(ct_strategy *s, fsdp_unit *u, int k)
 {
     fsdp_off *o = OFF(s);
-    fsdp_t *f = ct__fsdp_of(s);
-    int i = 0;
-    while (i + 1 < f->nu && o->first[i + 1] <= n) i++;
-    fsdp_flat *fl = &f->u[i].fl[n - o->first[i]];
-    off_flat *x = &o->fl[n];
-    CT_TRY(bring(o, x, PM, 0));
-    CT_TRY(bring(o, x, PG, fl->gzero));
-    return bring(o, x, PS, x->fresh);
+    fsdp_flat *fl = &u->fl[k];
+    off_flat *x = OF(s, u, k);
+    if (!x->pend) return CT_OK;
+    CT_TRY(have(o, fl, x, PM, 0));
+    CT_TRY(have(o, fl, x, PG, x->pend_gzero));
+    CT_TRY(have(o, fl, x, PS, x->fresh));
+    if (x->pend_gzero) {
+        memset(fl->gshard, 0, (size_t)fl->flat.shard * sizeof(float)); /* untouched since zero_grad: zero */
+    } else if (x->st[PG] && o->pend_nscales) {
+        apply_scales(o->pend_scales, o->pend_nscales, fl, x);
+        note_norms(fl, x);
+    }
+    float *st = x->st[PS] ? ct_storage_ptr(x->st[PS]) : NULL;
+    if (x->fresh && st) memset(st, 0, part_bytes(o, fl, PS));
+    for (int r = 0; r < fl->pt.n; r++) {
+        const ct_part_range *pr = &fl->pt.ranges[r];
+        if (pr->owner != u->srank || !pr->count) continue;
+        ct_param *p = fl->flat.p[pr->param];
+        int64_t at = fl->flat.off[pr->param] + pr->offset - (int64_t)u->srank * fl->flat.shard;
+        float *bufs[CT_OPTIM_MAX_STATE] = {0};
+        for (int b = 0; b < o->nstate; b++) bufs[b] = st + (int64_t)b * fl->flat.shard + at;
+        ct_optim_opts po;
+        ct_optim_param_opts(&o->pend_o, p->name, &po);
+        ct_optim_update_range(&po, fl->master + at, fl->gshard + at, bufs, pr->count, o->pend_step);
+    }
+    x->fresh = 0;
+    x->dirty[PM] = x->dirty[PS] = 1;
+    if (x->pend_gzero) x->dirty[PG] = 0; /* logically zero still: nothing to keep */
+    x->pend = 0;
+    o->npend--;
+    return CT_OK;
 }
 
+/* Unit u's parts on their way in: masters, and what a pending update needs. */
+static ct_status bring_unit(ct_strategy *s, fsdp_unit *u)
+{
+    fsdp_off *o = OFF(s);
+    for (int k = 0; k < u->nfl; k++) {
+        off_flat *x = OF(s, u, k);
+        CT_TRY(bring(o, x, PM, 0));
+        if (!x->pend) continue;
+        CT_TRY(bring(o, x, PG, x->pend_gzero));
+        CT_TRY(bring(o, x, PS, x->fresh));
+    }
+    return CT_OK;
+}
+
+/* Unit u's parts other than the masters go back (the gradient piece not
+ * while its reduce needs it). */
+static void settle_unit(ct_strategy *s, fsdp_unit *u)
+{
+    fsdp_off *o = OFF(s);
+    for (int k = 0; k < u->nfl; k++) {
+        off_flat *x = OF(s, u, k);
+        if (!u->reducing) send_out(o, &u->fl[k], x, PG);
+        send_out(o, &u->fl[k], x, PS);
+    }
+}
+
+/* Every update still pending, unit by unit, the next unit loading meanwhile
+ * (before state is read or written, another step, or a norm). */
+static ct_status flush(ct_strategy *s)
+{
+    fsdp_t *f = ct__fsdp_of(s);
+    fsdp_off *o = f->off;
+    for (int i = 0; o->npend && i < f->nu; i++) {
+        fsdp_unit *u = &f->u[i];
+        if (i + 1 < f->nu) CT_TRY(bring_unit(s, &f->u[i + 1]));
+        for (int k = 0; k < u->nfl; k++) CT_TRY(apply_update(s, u, k));
+        if (u->state == UNIT_SHARDED || u->ns > 1)
+            for (int k = 0; k < u->nfl; k++) CT_TRY(send_out(o, &u->fl[k], OF(s, u, k), PM));
+        settle_unit(s, u);
+    }
+    return CT_OK;
+}
+
+/* The step takes the optimizer's options, step count and clip factors now
+ * and leaves each flat's update to the moment its masters come in next (the
+ * next forward's gather): the update needs the masters, the gradient piece
+ * and the state in memory, and the gather brings the masters anyway, so the
+ * step costs no pass over the store of its own and its I/O runs behind the
+ * forward's compute. */
 ct_status ct__fsdp_off_step(ct_strategy *s)
 {
     fsdp_t *f = ct__fsdp_of(s);
     fsdp_off *o = f->off;
     const ct_optim_opts *oo = ct_optim_get_opts(s->opt);
-    int64_t step = ct_optim_get_step(s->opt) + 1;
     CT_TRY(ct_optim_validate(oo)); /* a schedule's learning rate, before anything changes */
-    o->recorded = 1;
-    o->cur = 0;
-    if (o->nflats) CT_TRY(step_bring(s, 0));
+    CT_TRY(flush(s));               /* a step before the last one reached every flat */
+    int64_t step = ct_optim_get_step(s->opt) + 1;
+    o->pend_o = *oo;
+    o->pend_step = step;
+    memcpy(o->pend_scales, o->scales, sizeof o->scales);
+    o->pend_nscales = o->nscales;
+    o->nscales = 0;
     for (int i = 0, n = 0; i < f->nu; i++)
         for (int k = 0; k < f->u[i].nfl; k++, n++) {
-            fsdp_unit *u = &f->u[i];
-            fsdp_flat *fl = &u->fl[k];
-            off_flat *x = &o->fl[n];
-            if (n + 1 < o->nflats) CT_TRY(step_bring(s, n + 1));
-            CT_TRY(have(o, fl, x, PM, 0));
-            CT_TRY(have(o, fl, x, PG, fl->gzero));
-            CT_TRY(have(o, fl, x, PS, x->fresh));
-            if (fl->gzero) memset(fl->gshard, 0, (size_t)fl->flat.shard * sizeof(float)); /* untouched: zero */
-            else if (x->st[PG] && o->nscales) apply_scales(o, fl, x), note_norms(fl, x);
-            float *st = x->st[PS] ? ct_storage_ptr(x->st[PS]) : NULL;
-            if (x->fresh && st) memset(st, 0, part_bytes(o, fl, PS));
-            for (int r = 0; r < fl->pt.n; r++) {
-                const ct_part_range *pr = &fl->pt.ranges[r];
-                if (pr->owner != u->srank || !pr->count) continue;
-                ct_param *p = fl->flat.p[pr->param];
-                int64_t at = fl->flat.off[pr->param] + pr->offset - (int64_t)u->srank * fl->flat.shard;
-                float *bufs[CT_OPTIM_MAX_STATE] = {0};
-                for (int b = 0; b < o->nstate; b++) bufs[b] = st + (int64_t)b * fl->flat.shard + at;
-                ct_optim_opts po;
-                ct_optim_param_opts(oo, p->name, &po);
-                ct_optim_update_range(&po, fl->master + at, fl->gshard + at, bufs, pr->count, step);
-            }
-            x->fresh = 0;
-            x->dirty[PM] = 1;
-            x->dirty[PS] = 1;
-            if (fl->gzero) x->dirty[PG] = 0; /* logically zero still: nothing to keep */
-            CT_TRY(send_out(o, fl, x, PM));
-            CT_TRY(send_out(o, fl, x, PG));
-            CT_TRY(send_out(o, fl, x, PS));
-            x->scaled = 0;
+            o->fl[n].pend = 1;
+            o->fl[n].pend_gzero = f->u[i].fl[k].gzero;
         }
-    o->nscales = 0;
+    o->npend = o->nflats;
     ct_optim_set_step(s->opt, step);
-    CT_TRY(ct__ostore_drain(o->store));
+    o->recorded = 1;
+    o->cur = 0;
     double busy, waited;
     ct__ostore_times(o->store, &busy, &waited);
     s->stats.io_total += busy;
@@ -526,6 +607,7 @@ static ct_status pin(ct_strategy *s, int optim)
     fsdp_t *f = ct__fsdp_of(s);
     fsdp_off *o = f->off;
     ct__zero *z = ct__zero_of(s);
+    CT_TRY(flush(s));
     if (o->nscales) CT_TRY(flush_scales(s));
     for (int n = 0, i = 0; i < f->nu; i++)
         for (int k = 0; k < f->u[i].nfl; k++, n++) {

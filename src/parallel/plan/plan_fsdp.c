@@ -102,17 +102,18 @@ ct_status ct__plan_fsdp(const ct__plan *pl, ct_mem_plan *out)
         if (om) { /* fsdp_offload.c: what rests in the store, what is in at once, what moves */
             uint64_t sopt = pp ? (uint64_t)((double)optim * (double)maxp / (double)pp) : 0; /* a unit's state */
             uint64_t store = 0, moved = 0, res_p = pp, res_g = pp, res_o = optim;
-            if (om >= 2) { /* masters: in for each gather (twice under full) and the step; gradients: out at
-                            * each reduce, in for the step */
+            if (om >= 2) { /* masters: in for each gather (twice under full; the first also takes the last
+                            * step's update), out after that update; gradients: out at each reduce, in for the
+                            * update */
                 store += 2 * pp;
-                moved += (grad_op ? 1 : 2) * pp + pp + 2 * pp + pp;
+                moved += (grad_op ? 1 : 2) * pp + pp + 2 * pp;
                 res_p = 3 * maxp < pp ? 3 * maxp : pp; /* gathering, the next loading, one going out */
-                res_g = 2 * maxp < pp ? 2 * maxp : pp; /* two reduces in flight */
+                res_g = 3 * maxp < pp ? 3 * maxp : pp; /* forward: updates take three; backward: two reduces */
             }
             if (om != 2) {
                 store += optim;
                 moved += 2 * optim;
-                res_o = 2 * sopt < optim ? 2 * sopt : optim; /* the step's flat and the next one */
+                res_o = 3 * sopt < optim ? 3 * sopt : optim; /* updating a unit, the next two loading */
             }
             fixed_g += res_g - pp;
             pp = res_p;
@@ -120,11 +121,14 @@ ct_status ct__plan_fsdp(const ct__plan *pl, ct_mem_plan *out)
             out->store = store > out->store ? store : out->store;
             out->moved = moved > out->moved ? moved : out->moved;
         }
-        /* offloaded state is in only during the step, when no unit is gathered */
-        uint64_t during = whole + pp + fixed_g + peak[2] + (om && om != 2 ? 0 : optim);
-        uint64_t stepping = whole + pp + fixed_g + optim;
-        ct__plan_peaks(out, whole + pp + peak[0], fixed_g + peak[1], optim, act, mpi_tmp,
-                       during > stepping ? during : stepping);
+        uint64_t resident = whole + pp + fixed_g + peak[2] + optim;
+        if (om && om != 2) { /* offloaded state is in during the forward only (the updates), beside two units */
+            uint64_t fwd = 0;
+            for (int k = 0; k < m; k++) fwd = fp[k] > fwd ? fp[k] : fwd;
+            uint64_t a = whole + pp + fixed_g + peak[2], b = whole + pp + fixed_g + optim + root_p + 2 * fwd;
+            resident = a > b ? a : b;
+        }
+        ct__plan_peaks(out, whole + pp + peak[0], fixed_g + peak[1], optim, act, mpi_tmp, resident);
     }
     ct_free(u);
     ct_free(counts);
