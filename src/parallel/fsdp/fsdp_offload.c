@@ -699,14 +699,36 @@ static ct_status unpin(ct_strategy *s, int optim, int changed)
         return st_ != CT_OK ? st_ : u_;                                                                \
     } while (0)
 
-static ct_status wrap_model(ct_strategy *s, ct_state *out) { PINNED(0, 0, OFF(s)->saved.state.model(s, out)); }
-static ct_status wrap_optim(ct_strategy *s, ct_state *out) { PINNED(1, 0, OFF(s)->saved.state.optim(s, out)); }
+/* Tensors of a state that view pinned memory (a local state's pieces, the
+ * optimizer's lent buffers) become copies of their own before the memory
+ * goes back to the store. */
+static ct_status own_copies(ct_state *out, ct_status st)
+{
+    for (int i = 0; st == CT_OK && i < out->n; i++) {
+        ct_tensor *t = out->tensors[i];
+        if (t->storage->owns && t->storage->refcount == 1 && !t->storage->window) continue;
+        ct_tensor *c = ct_tensor_clone(t, t->storage->cat);
+        if (!c) return ct_last_status();
+        ct_tensor_release(t);
+        out->tensors[i] = c;
+    }
+    return st;
+}
+
+static ct_status wrap_model(ct_strategy *s, ct_state *out) { PINNED(0, 0, own_copies(out, OFF(s)->saved.state.model(s, out))); }
+static ct_status wrap_optim(ct_strategy *s, ct_state *out) { PINNED(1, 0, own_copies(out, OFF(s)->saved.state.optim(s, out))); }
 static ct_status wrap_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
 {
     PINNED(optim, 0, OFF(s)->saved.state.each(s, optim, shapes_only, fn, ud));
 }
-static ct_status wrap_shard(ct_strategy *s, int optim, ct_state *out) { PINNED(optim, 0, OFF(s)->saved.state.shard(s, optim, out)); }
-static ct_status wrap_local(ct_strategy *s, int optim, ct_state *out) { PINNED(1, 0, OFF(s)->saved.state.local(s, optim, out)); }
+static ct_status wrap_shard(ct_strategy *s, int optim, ct_state *out)
+{
+    PINNED(optim, 0, own_copies(out, OFF(s)->saved.state.shard(s, optim, out)));
+}
+static ct_status wrap_local(ct_strategy *s, int optim, ct_state *out)
+{
+    PINNED(1, 0, own_copies(out, OFF(s)->saved.state.local(s, optim, out)));
+}
 static ct_status wrap_load(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim)
 {
     PINNED(optim, 1, OFF(s)->saved.state.load(s, names, ts, n, optim));
