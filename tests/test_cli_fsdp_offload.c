@@ -210,9 +210,10 @@ TEST(cli_fsdp_offload_leaves_nothing_and_refuses_a_full_disk)
     ASSERT_EQ(count_entries(sd), 0);
 }
 
-/* `ctrain estimate --offload` against a run: param, grad and optim within
- * 10%, resident within 25% (the plan's peaks are not simultaneous), the
- * bytes the store moved per step within 15%. */
+/* `ctrain estimate --offload` against a run: param, grad and optim from
+ * 0.9x to 1.25x what the run measured (the plan bounds what the I/O
+ * thread's timing decides), resident within 25% (the plan's peaks are not
+ * simultaneous), the bytes the store moved per step within 15%. */
 TEST(cli_fsdp_offload_estimate_matches_training)
 {
     static char out[OUT_MAX], est[OUT_MAX];
@@ -226,7 +227,12 @@ TEST(cli_fsdp_offload_estimate_matches_training)
                  "--strategy fsdp --offload %s --json", parts[k]);
         if (rc) ct_test_fail(__FILE__, __LINE__, "estimate failed:\n%s", est);
         static const char *const keys[] = {"param", "grad", "optim"};
-        for (int q = 0; q < 3; q++) ASSERT_NEAR(json_max(est, keys[q]) / report(out, keys[q]), 1.0, 0.10);
+        /* the plan is the bound: how many loads overlap the drops before them is up to the I/O thread */
+        for (int q = 0; q < 3; q++) {
+            double r = json_max(est, keys[q]) / report(out, keys[q]);
+            if (!(r >= 0.9 && r <= 1.25)) ct_test_fail(__FILE__, __LINE__, "--offload %s: %s estimated %.3fx the run's",
+                                                      parts[k], keys[q], r);
+        }
         ASSERT_NEAR(json_max(est, "resident") / resident(out), 1.0, 0.25);
         ASSERT_NEAR(json_max(est, "moved") / (number_after(out, "store moved ") * 1048576.0), 1.0, 0.15);
         ASSERT(json_max(est, "store") > 0);
