@@ -322,8 +322,9 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
         return BAD("unknown --offload '%s'; choose optim, params or all", o->fsdp_offload);
     if (fsdp_off && cli_find(t, n, "--max-resident-mb")->given && o->max_resident_mb < 1)
         return BAD("--max-resident-mb %lld must be at least 1 (leave it out for no bound)", (long long)o->max_resident_mb);
-    if (oflag && !offload && !(fsdp_off && (!strcmp(oflag, "--offload-dir") || !strcmp(oflag, "--max-resident-mb"))))
-        return BAD("%s applies to --strategy offload, or fsdp with --offload, only", oflag);
+    int ofsdp = !strcmp(oflag ? oflag : "", "--offload-dir") || !strcmp(oflag ? oflag : "", "--max-resident-mb");
+    if (oflag && !offload && !(fsdp_off && ofsdp))
+        return BAD("%s applies to --strategy offload only%s", oflag, ofsdp ? " (and to fsdp with --offload)" : "");
     if (offload && cli_find(t, n, "--slices")->given && o->slices < 1) return BAD("--slices %lld must be at least 1", (long long)o->slices);
     if (offload && cli_find(t, n, "--microbatches")->given && o->microbatches < 1)
         return BAD("--microbatches %lld must be at least 1", (long long)o->microbatches);
