@@ -30,6 +30,7 @@ static void list_kinds(kind_list *k)
 
 typedef struct {
     const char *model, *hidden, *optim, *mixed, *grad_compress, *strategy, *strategy_opt;
+    const char *offload; /* --offload: fsdp's shard parts in the store */
     int64_t kernel, ranks, batch, grad_accum;
     cli_gpt_shape gpt;
     double dropout, momentum;
@@ -70,6 +71,7 @@ static int table(est_opts *o, cli_opt *t)
     OPT("--grad-accum", OPT_INT, &o->grad_accum, "N", "micro-batches per step (1)");
     OPT("--strategy", OPT_STR, &o->strategy, "LIST", "only these strategies, comma separated (all that apply)");
     OPT("--strategy-opt", OPT_STR, &o->strategy_opt, "K=V,...", "strategy options, as for 'ctrain train'");
+    OPT("--offload", OPT_STR, &o->offload, "PARTS", "fsdp: shard parts in the store: optim, params or all, as for 'ctrain train'");
     OPT("--checkpoint-activation", OPT_FLAG, &o->checkpoint_activation, NULL,
         "each gpt block (each layer of an mlp or cnn) keeps only its input, as 'ctrain train' does");
     OPT("--json", OPT_FLAG, &o->json, NULL, "one JSON object per strategy, in bytes");
@@ -116,6 +118,7 @@ static int resolve(const est_opts *o, const char *kind, char *opts, size_t n, ch
         char wrap[64];
         CLI_FSDP_WRAP(wrap, sizeof wrap, mk == CT_MODEL_GPT, CLI_FSDP_WRAP_MIN_PARAMS, 0);
         len += snprintf(opts + len, n - (size_t)len, ",%s", wrap);
+        if (o->offload) len += snprintf(opts + len, n - (size_t)len, ",offload=%s", o->offload);
     }
     for (const char *p = o->strategy_opt; p && *p;) {
         size_t pl = strcspn(p, ","), kl = strcspn(p, "=,");
@@ -276,13 +279,15 @@ static void print_row(const est_opts *o, const char *kind, const ct_mem_plan *r,
     if (o->json) {
         printf("{\"strategy\":\"%s\",\"ranks\":%lld,\"param\":%llu,\"grad\":%llu,\"optim\":%llu,\"act\":%llu,"
                "\"comm\":%llu,\"resident\":%llu,\"total\":%llu,\"flat\":%llu,\"cache\":%llu,\"shared\":%llu,\"setup\":%llu,"
-               "\"save\":%llu,\"life\":%llu,\"life_phase\":\"%s\",\"fixed\":%llu,\"rss\":%llu}\n", kind,
+               "\"save\":%llu,\"life\":%llu,\"life_phase\":\"%s\",\"fixed\":%llu,\"rss\":%llu,\"store\":%llu,\"moved\":%llu}\n", kind,
                (long long)o->ranks, (unsigned long long)r->param, (unsigned long long)r->grad,
                (unsigned long long)r->optim, (unsigned long long)r->act, (unsigned long long)r->comm,
                (unsigned long long)r->resident, (unsigned long long)r->total, (unsigned long long)r->flat,
                (unsigned long long)r->cache, (unsigned long long)r->shared, (unsigned long long)r->setup, (unsigned long long)r->save,
                (unsigned long long)r->life, ct_mem_phase_name((ct_mem_phase)r->life_phase),
-               (unsigned long long)fixed, (unsigned long long)(fixed + r->life));
+               (unsigned long long)fixed, (unsigned long long)(fixed + r->life), (unsigned long long)r->store,
+               (unsigned long long)r->moved);
+
         return;
     }
     const uint64_t v[] = {r->param, r->grad, r->optim, r->act, r->comm, r->resident, r->total};
@@ -389,6 +394,14 @@ static int estimate_rows(const est_opts *o, const kind_list *kl, char (*opts)[20
     }
     for (int k = 0; k < kl->n && !quiet; k++)
         if (shown[k]) print_row(o, kl->names[k], &rows[k], fixed);
+    for (int k = 0; k < kl->n && !quiet && !o->json; k++)
+        if (shown[k] && rows[k].store) {
+            char b[32], c[32];
+            printf("  %s offload: %s per rank in the store, %s read and written per step; the step stays compute-bound\n"
+                   "  while the disk moves that within the step's compute time (e.g. %.0f MB/s for a 1 s step)\n",
+                   kl->names[k], cli_bytes((double)rows[k].store, b, sizeof b), cli_bytes((double)rows[k].moved, c, sizeof c),
+                   (double)rows[k].moved / 1e6);
+        }
     if (!o->json && !quiet) {
         char b[32];
         printf("  (resident = param + grad + optim; total adds act and comm; the data set is not counted)\n");

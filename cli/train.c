@@ -267,6 +267,12 @@ static ct_status make_strategy(trainer *t)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",sharding=%s,%s,backward_prefetch=%s,limit_all_gathers=%d",
                       strcmp(o->sharding, "grad-op") ? o->sharding : "grad_op", wrap, o->prefetch,
                       o->limit_all_gathers);
+        if (o->fsdp_offload) { /* the shards in a store (fsdp_offload.c) */
+            n += snprintf(opts + n, sizeof opts - (size_t)n, ",offload=%s", o->fsdp_offload);
+            if (o->max_resident_mb)
+                n += snprintf(opts + n, sizeof opts - (size_t)n, ",max_resident_mb=%lld", (long long)o->max_resident_mb);
+            if (o->offload_dir) n += snprintf(opts + n, sizeof opts - (size_t)n, ",offload_dir=%s", o->offload_dir);
+        }
     }
     if (!strcmp(o->strategy, "pipe")) {
         if (o->stages) n += snprintf(opts + n, sizeof opts - (size_t)n, ",stages=%lld", (long long)o->stages);
@@ -551,6 +557,7 @@ static void add_stats(trainer *t)
     t->sum.comm_total += s.comm_total;
     t->sum.io_total += s.io_total;
     t->sum.io_wait += s.io_wait;
+    t->sum.io_bytes += s.io_bytes;
     t->sum.nbuckets = s.nbuckets;
     t->nstats++;
 }

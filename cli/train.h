@@ -41,6 +41,7 @@ typedef struct {
     /* offload: slices, micro-batches, the store's directory, the resident budget */
     int64_t slices, microbatches, max_resident_mb;
     const char *offload_dir;
+    const char *fsdp_offload;  /* --offload: fsdp's offloaded shard parts (optim, params, all) */
     int checkpoint_activation;
     /* which flags the user gave (resume takes the others from the checkpoint) */
     int has_model, has_hidden, has_seed, has_batch, has_optim, has_lr, has_wd, has_momentum, has_strategy;

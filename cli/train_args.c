@@ -92,10 +92,11 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--pipe-schedule", OPT_STR, &o->pipe_schedule, "NAME", "pipe: gpipe or 1f1b (1f1b)");
     OPT("--pipe-checkpoint", OPT_STR, &o->pipe_checkpoint, "MODE", "pipe: recompute activations: always, except_last or never (except_last)");
     OPT("--slices", OPT_INT, &o->slices, "N", "offload: slices of the model; only those in use are in memory (4)");
-    OPT("--offload-dir", OPT_STR, &o->offload_dir, "DIR", "offload: directory of the store's file, removed on any exit ($TMPDIR or /tmp)");
+    OPT("--offload-dir", OPT_STR, &o->offload_dir, "DIR", "offload, fsdp --offload: directory of the store's file, removed on any exit ($TMPDIR or /tmp)");
+    OPT("--offload", OPT_STR, &o->fsdp_offload, "PARTS", "fsdp: this rank's shard parts kept on disk: optim (optimizer state), params (masters, gradients) or all");
     OPT("--checkpoint-activation", OPT_FLAG, &o->checkpoint_activation, NULL, "every strategy: each gpt block (each layer of an mlp or cnn) keeps only its input; recomputed in backward");
     OPT("--microbatches", OPT_INT, &o->microbatches, "M", "offload: micro-batches per step, each slice runs all (needs --checkpoint-activation) (1)");
-    OPT("--max-resident-mb", OPT_INT, &o->max_resident_mb, "MIB", "offload: bound on resident param + grad + optim (none)");
+    OPT("--max-resident-mb", OPT_INT, &o->max_resident_mb, "MIB", "offload, fsdp --offload: bound on resident param + grad + optim (none)");
     OPT("--grad-accum", OPT_INT, &o->grad_accum, "N", "split each step into N micro-batches (1)");
     OPT("--bucket-cap-mb", OPT_NUM, &o->bucket_cap_mb, "MB", "ddp: gradient bucket size (25)");
     OPT("--find-unused-parameters", OPT_FLAG, &o->find_unused, NULL, "ddp: allow parameters without a gradient");
@@ -329,7 +330,17 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     const char *oflag = cli_find(t, n, "--slices")->given ? "--slices" : o->offload_dir ? "--offload-dir"
                       : cli_find(t, n, "--microbatches")->given ? "--microbatches"
                       : cli_find(t, n, "--max-resident-mb")->given ? "--max-resident-mb" : NULL;
-    if (oflag && !offload) return BAD("%s applies to --strategy offload only", oflag);
+    int fsdp_off = o->has_strategy && !strcmp(o->strategy, "fsdp") && o->fsdp_offload;
+    static const char *const offparts[] = {"optim", "params", "all", NULL};
+    if (o->fsdp_offload && !(o->has_strategy && !strcmp(o->strategy, "fsdp")))
+        return BAD("--offload applies to --strategy fsdp only (--strategy offload streams slices of the model instead)");
+    if (o->fsdp_offload && !in_list(o->fsdp_offload, offparts))
+        return BAD("unknown --offload '%s'; choose optim, params or all", o->fsdp_offload);
+    if (fsdp_off && cli_find(t, n, "--max-resident-mb")->given && o->max_resident_mb < 1)
+        return BAD("--max-resident-mb %lld must be at least 1 (leave it out for no bound)", (long long)o->max_resident_mb);
+    int ofsdp = !strcmp(oflag ? oflag : "", "--offload-dir") || !strcmp(oflag ? oflag : "", "--max-resident-mb");
+    if (oflag && !offload && !(fsdp_off && ofsdp))
+        return BAD("%s applies to --strategy offload only%s", oflag, ofsdp ? " (and to fsdp with --offload)" : "");
     if (offload && cli_find(t, n, "--slices")->given && o->slices < 1) return BAD("--slices %lld must be at least 1", (long long)o->slices);
     if (offload && cli_find(t, n, "--microbatches")->given && o->microbatches < 1)
         return BAD("--microbatches %lld must be at least 1", (long long)o->microbatches);

@@ -177,6 +177,10 @@ const char *ct_optim_name(const ct_optim *opt);
  * this returns them zeroed.  Returns CT_ENOMEM (negative) if they cannot
  * be allocated. */
 int ct_optim_state(ct_optim *opt, int i, float **bufs, const char **names);
+/* Frees the state buffers (the next ct_optim_state or step allocates them
+ * zeroed): for a strategy that keeps the state elsewhere (FSDP's offloaded
+ * shards) and fills the optimizer's buffers only for a checkpoint. */
+void ct_optim_release_state(ct_optim *opt);
 /* The state buffer names every slot has (as ct_optim_state gives them), into
  * names (room for CT_OPTIM_MAX_STATE; may be NULL); returns how many.  Valid
  * with no slots, so a rank that owns nothing names what others hold. */

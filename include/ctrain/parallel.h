@@ -147,6 +147,9 @@ typedef struct {
                         most its bound, at most a step's act and comm and two flats), and save
                         (whose transients reuse the cached blocks first) */
     int life_phase;  /* the ct_mem_phase of life: CT_PHASE_WRAP, CT_PHASE_TRAIN or CT_PHASE_SAVE */
+    /* fsdp offload=optim|params|all: */
+    uint64_t store;  /* bytes of this rank's shard parts in the store (the largest rank's) */
+    uint64_t moved;  /* bytes read plus written to the store per optimizer step */
 } ct_mem_plan;
 
 /* What a run is, besides the model and the strategy's options. */
@@ -245,6 +248,7 @@ typedef struct {
     int nbuckets;
     double io_total;    /* offload: seconds the store's I/O thread spent reading and writing */
     double io_wait;     /* offload: seconds the step waited for it (io_total - io_wait was hidden) */
+    double io_bytes;    /* fsdp offload: bytes the store read plus wrote (the step and the passes before it) */
 } ct_step_stats;
 
 /* Wraps model for training over group g (NULL: the world) with the strategy

@@ -436,6 +436,13 @@ static ct_status ensure_state(ct_optim *opt)
     return opt->slab ? CT_OK : CT_ENOMEM;
 }
 
+void ct_optim_release_state(ct_optim *opt)
+{
+    CT_ASSERT(opt);
+    ct_free(opt->slab);
+    opt->slab = NULL;
+}
+
 static float *slot_buf(const ct_optim *opt, const slot_t *sl, int b)
 {
     size_t padded = slot_floats((size_t)sl->s.n);

@@ -59,6 +59,17 @@ static const ct__opt_def fsdp_opt_defs[] = {
     {"wrap_kinds", CT__OPT_TEXT, 0, "", "module kinds (e.g. residual) whose every module becomes a unit", 0, NULL},
     {"ignored_modules", CT__OPT_TEXT, 0, "",
      "modules (names, '+' between) kept whole on every rank (replicated, gradients allreduced)", 0, NULL},
+    {"offload", CT__OPT_CHOICE, offsetof(fsdp_opts, offload), "none",
+     "this rank's shard parts kept in a store (fsdp_offload.c): optim: optimizer state; params: masters and "
+     "gradient pieces; all: the three", 0, "none|optim|params|all"},
+    {"offload_dir", CT__OPT_TEXT, 0, "",
+     "with offload: directory of the store's file (empty: $TMPDIR, else /tmp); the file is unlinked at once", 0, NULL},
+    {"max_resident_mb", CT__OPT_AUTO_INT, offsetof(fsdp_opts, max_resident_mb), "auto",
+     "with offload: bound in MiB on resident parameter + gradient + optimizer bytes (auto: no bound)", 0, NULL},
+    {"store", CT__OPT_CHOICE, offsetof(fsdp_opts, store), "file",
+     "with offload: where offloaded parts live: file (on disk) or memory (a pool in RAM)", 0, "file|memory"},
+    {"drop_cache", CT__OPT_BOOL, offsetof(fsdp_opts, drop_cache), "1",
+     "with offload: drop the store's pages from the page cache after each transfer", 0, NULL},
 };
 
 static const fsdp_opts *O(const ct_strategy *s) { return s->kopts; }
@@ -70,8 +81,8 @@ static int64_t padded(const fsdp_unit *u, const fsdp_flat *fl) { return fl->flat
 
 static ct_status start_gather(ct_strategy *s, fsdp_unit *u)
 {
-    (void)s;
     if (u->state != UNIT_SHARDED) return CT_OK;
+    if (ct__fsdp_of(s)->off) CT_TRY(ct__fsdp_off_masters(s, u));
     for (int k = 0; k < u->nfl; k++) {
         fsdp_flat *fl = &u->fl[k];
         if (fl->low) {
@@ -117,6 +128,7 @@ static ct_status finish_gather(ct_strategy *s, fsdp_unit *u)
     if (t1 - t0 > 1e-6) ct_trace_event("wait for all-gather", "comm", t0, t1, 0);
     ct_trace_event("all-gather", "comm", u->t_ag, t1, 1);
     u->state = UNIT_FULL;
+    if (ct__fsdp_of(s)->off) ct__fsdp_off_gathered(s, u);
     return st;
 }
 
@@ -129,6 +141,7 @@ static void free_params(fsdp_unit *u)
         else if (u->ns > 1) ct_storage_free_data(fl->flat.st[CT__FL_DATA]);
     }
     u->state = UNIT_SHARDED;
+    if (ct__fsdp_of(u->s)->off) ct__fsdp_off_freed(u->s, u);
 }
 
 /* Units other than the root that hold their parameters now. */
@@ -184,6 +197,7 @@ static void free_grads(fsdp_unit *u)
 static ct_status start_reduce(ct_strategy *s, fsdp_unit *u)
 {
     ct_dtype dt = (ct_dtype)s->common.reduce_dtype;
+    if (ct__fsdp_of(s)->off) CT_TRY(ct__fsdp_off_grads(s, u));
     for (int k = 0; k < u->nfl; k++) {
         fsdp_flat *fl = &u->fl[k];
         for (int j = 0; j < fl->flat.n; j++) ct_param_grad_sync(fl->flat.p[j]); /* unused parameters: zeros */
@@ -248,6 +262,7 @@ static ct_status finish_reduce(ct_strategy *s, fsdp_unit *u)
     s->stats.comm_total += t1 - u->t_rs;
     if (t1 - t0 > 1e-6) ct_trace_event("wait for reduce-scatter", "comm", t0, t1, 0);
     ct_trace_event("reduce-scatter", "comm", u->t_rs, t1, 1);
+    if (st == CT_OK && ct__fsdp_of(s)->off) st = ct__fsdp_off_reduced(s, u);
     free_grads(u);
     u->reducing = 0;
     return st;
@@ -403,6 +418,11 @@ ct_status ct__fsdp_reshard_all(ct_strategy *s)
  * (a root kept after an evaluation's forward, say). */
 static ct_status fsdp_step(ct_strategy *s)
 {
+    if (ct__fsdp_of(s)->off) { /* flat by flat through the store */
+        CT_TRY(ct__fsdp_finish_all(s));
+        CT_TRY(ct__fsdp_off_step(s));
+        return ct__fsdp_reshard_all(s);
+    }
     CT_TRY(zero_untouched_pieces(s));
     CT_TRY(ct_optim_step(s->opt));
     return ct__fsdp_reshard_all(s);
@@ -490,8 +510,10 @@ static ct_status setup_flat(fsdp_unit *u, fsdp_flat *fl)
         int64_t x = a > lo ? a : lo, y = b < lo + fa->shard ? b : lo + fa->shard;
         if (x < y) CT_TRY(ct_param_values(fa->p[j], x - a, y - x, fl->master + (x - lo)));
     }
-    /* every part absent until the unit computes; with one shard the data is the master itself */
-    CT_TRY(ct__flat_storage(fa, CT__FL_DATA, CT_MEM_PARAM, 0, 0, u->ns == 1 ? fl->master : NULL));
+    /* every part absent until the unit computes; with one shard the data is the master itself (with
+     * offloaded masters, their home: owned, so the store can take and bring back its memory) */
+    int home = u->ns == 1 && ct__fsdp_off_masters_out(u->s);
+    CT_TRY(ct__flat_storage(fa, CT__FL_DATA, CT_MEM_PARAM, home, 0, u->ns == 1 && !home ? fl->master : NULL));
     CT_TRY(ct__flat_storage(fa, CT__FL_GRAD, CT_MEM_GRAD, 0, 0, NULL));
     if (fl->low) CT_TRY(ct__flat_storage(fa, CT__FL_LOW, CT_MEM_PARAM, 0, 0, NULL));
     unsigned parts = CT__FL_BIT(CT__FL_DATA) | CT__FL_BIT(CT__FL_GRAD) | (fl->low ? CT__FL_BIT(CT__FL_LOW) : 0);
@@ -583,8 +605,13 @@ static ct_status setup(ct_strategy *s)
     z->tp = ct_alloc(sizeof *z->tp * ((size_t)s->nparams + 1), CT_MEM_OTHER);
     if (!f->fwd_order || !f->bwd_order || !z->tp) return CT_ENOMEM;
     CT_TRY(ct__inflight_init(&f->q, f->nu));
+    for (int i = 0; i < f->nu; i++) f->u[i].s = s;
+    CT_TRY(ct__fsdp_off_open(s));
     for (int i = 0; i < f->nu; i++)
-        for (int k = 0; k < f->u[i].nfl; k++) CT_TRY(setup_flat(&f->u[i], &f->u[i].fl[k]));
+        for (int k = 0; k < f->u[i].nfl; k++) {
+            CT_TRY(setup_flat(&f->u[i], &f->u[i].fl[k]));
+            if (f->off) CT_TRY(ct__fsdp_off_adopt(s, &f->u[i], k));
+        }
     for (int q = 0; q < s->nparams; q++) /* the flattened parameters, in model order */
         for (int i = 0; i < f->nu; i++)
             for (int k = 0; k < f->u[i].nfl; k++)
@@ -622,6 +649,7 @@ static void fsdp_fini(ct_strategy *s)
     fsdp_t *f = ct__fsdp_of(s);
     if (f) {
         ct__fsdp_finish_all(s);
+        ct__fsdp_off_close(s);
         if (!f->ready) settle_old(f, 1); /* set-up failed: the parameters as they were */
         int full = f->ready;
         for (int i = 0; f->u && i < f->nu; i++) full &= f->u[i].summoned && (!f->u[i].nfl || f->u[i].ns == 1 || ct__flat_resident(&f->u[i].fl[0].flat, CT__FL_DATA));

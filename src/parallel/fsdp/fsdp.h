@@ -19,7 +19,14 @@ typedef struct {
     int64_t wrap_min_params;
     int keep_low_precision_grads; /* the bf16 flats' gradient pieces at bf16 precision (param_dtype's) */
     /* wrap_modules, wrap_kinds, ignored_modules: text ('+'-separated), read with ct_strategy_opt */
+    int offload;           /* FSDP_OFF_*: which of this rank's shard parts rest in the store */
+    int max_resident_mb;   /* with offload: bound on resident param + grad + optim (0: none) */
+    int store;             /* FSDP_STORE_* */
+    int drop_cache;        /* the store's file pages leave the page cache after each transfer */
+    /* offload_dir: text */
 } fsdp_opts;
+enum { FSDP_OFF_NONE, FSDP_OFF_OPTIM, FSDP_OFF_PARAMS, FSDP_OFF_ALL };
+enum { FSDP_STORE_FILE, FSDP_STORE_MEMORY };
 
 /* One flat parameter: the unit's parameters of one dtype class laid end to
  * end (a flat of flat.c: its data, grad and low parts hold memory only while
@@ -77,6 +84,7 @@ typedef struct {
     int ready;             /* set up on every rank: fini may gather */
     ct__shards sh;         /* the flattened parameters (model order), their pieces over each unit's
                               shard group and this rank's optimizer slots: the state I/O's table */
+    struct fsdp_off *off;  /* the offloaded shards (fsdp_offload.c); NULL without offload */
 } fsdp_t;
 
 /* fsdp_units.c: decides the units (root, wrap_modules, wrap_kinds,
@@ -113,5 +121,37 @@ ct_status ct__fsdp_local_state(ct_strategy *s, int optim, ct_state *out);
 const ct_partition *ct__fsdp_partition(const ct_strategy *s);
 ct_status ct__fsdp_grad_norm(ct_strategy *s, ct_norm_acc *acc);
 void ct__fsdp_scale_grads(ct_strategy *s, float k);
+
+/* fsdp_offload.c: this rank's shard parts in the store (offload=optim:
+ * optimizer state; params: masters and gradient pieces; all: the three).
+ * Every entry is called only when fsdp_t.off is set, except open and
+ * masters_out. */
+/* 1 if the masters rest in the store (with one shard, the data part becomes
+ * their home and is made owned, not a window on the master). */
+int ct__fsdp_off_masters_out(const ct_strategy *s);
+/* Opens the store sized for every flat (the shard groups are known) and
+ * checks max_resident_mb; no-op without offload. */
+ct_status ct__fsdp_off_open(ct_strategy *s);
+/* After setup_flat: the flat's offloaded parts move into the store. */
+ct_status ct__fsdp_off_adopt(ct_strategy *s, fsdp_unit *u, int k);
+/* Before a gather: the unit's masters resident (loads the next in the
+ * recorded order behind them). */
+ct_status ct__fsdp_off_masters(ct_strategy *s, fsdp_unit *u);
+/* After a gather, and after a unit's parameters are freed: masters no
+ * longer read go back (dropped: the store has them). */
+void ct__fsdp_off_gathered(ct_strategy *s, fsdp_unit *u);
+void ct__fsdp_off_freed(ct_strategy *s, fsdp_unit *u);
+/* Before a reduce: gradient pieces resident (read to add to, or new). */
+ct_status ct__fsdp_off_grads(ct_strategy *s, fsdp_unit *u);
+/* After a reduce: note their norm terms and write them back. */
+ct_status ct__fsdp_off_reduced(ct_strategy *s, fsdp_unit *u);
+/* 1 if the gradient pieces rest in the store (norm and scale go through here). */
+int ct__fsdp_off_grads_out(const ct_strategy *s);
+ct_status ct__fsdp_off_grad_norm(ct_strategy *s, ct_norm_acc *acc);
+void ct__fsdp_off_scale(ct_strategy *s, float k);
+/* The optimizer, flat by flat, on the store's parts (loads run one flat ahead). */
+ct_status ct__fsdp_off_step(ct_strategy *s);
+/* Waits for the store, frees every part and closes it. */
+void ct__fsdp_off_close(ct_strategy *s);
 
 #endif

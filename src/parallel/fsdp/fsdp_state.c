@@ -16,6 +16,7 @@
 ct_status ct__fsdp_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     fsdp_t *f = ct__fsdp_of(s);
+    if (f->off && ct__fsdp_off_grads_out(s)) return ct__fsdp_off_grad_norm(s, acc);
     for (int g = 0; g < f->ngroups; g++) {
         ct_norm_acc part = ct_norm_acc_init(acc->p);
         for (int i = 0; i < f->nu; i++) {
@@ -31,6 +32,10 @@ ct_status ct__fsdp_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 void ct__fsdp_scale_grads(ct_strategy *s, float k)
 {
     fsdp_t *f = ct__fsdp_of(s);
+    if (f->off && ct__fsdp_off_grads_out(s)) {
+        ct__fsdp_off_scale(s, k);
+        return;
+    }
     for (int i = 0; i < f->nu; i++)
         for (int q = 0; q < f->u[i].nfl; q++) {
             fsdp_flat *fl = &f->u[i].fl[q];

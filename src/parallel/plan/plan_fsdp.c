@@ -60,11 +60,14 @@ ct_status ct__plan_fsdp(const ct__plan *pl, ct_mem_plan *out)
     const char *sh = ct__plan_opt(pl, "sharding", b, sizeof b), *pf = ct__plan_opt(pl, "backward_prefetch", c, sizeof c);
     int none = sh && !strcmp(sh, "none"), grad_op = sh && !strcmp(sh, "grad_op");
     int prefetch = !pf || !strcmp(pf, "pre") ? 1 : !strcmp(pf, "post") ? 2 : 0;
+    char ob[64];
+    const char *off = ct__plan_opt(pl, "offload", ob, sizeof ob);
+    int om = !off || !strcmp(off, "none") ? 0 : !strcmp(off, "optim") ? 1 : !strcmp(off, "params") ? 2 : 3;
     uint64_t whole = pl->buffer_bytes; /* what fsdp leaves whole: frozen parameters, buffers */
     for (int i = 0; i < pl->nparams; i++)
         if (!pl->params[i]->requires_grad) whole += ct__plan_bytes(pl->params[i]);
     for (int r = 0; st == CT_OK && r < world; r++) {
-        uint64_t pp = 0, root_p = 0, root_g = 0, peak[3] = {0, 0, 0}, ring_tmp[2] = {0, 0};
+        uint64_t pp = 0, root_p = 0, root_g = 0, peak[3] = {0, 0, 0}, ring_tmp[2] = {0, 0}, maxp = 0;
         int nc = 0, m = 0;
         for (int i = 0; i < n; i++) {
             int64_t ns = none || u[i].replicated ? 1 : world;
@@ -79,6 +82,9 @@ ct_status ct__plan_fsdp(const ct__plan *pl, ct_mem_plan *out)
                 g1 += (uint64_t)(shard * ns) * 4;
             }
             if ((uint64_t)u[i].numel * 4 > out->flat) out->flat = (uint64_t)u[i].numel * 4; /* a unit's flat */
+            uint64_t up = 0; /* the unit's piece on a rank (its largest) */
+            for (int low = 0; low < 2; low++) up += (uint64_t)(((low ? u[i].low : u[i].numel) + ns - 1) / ns) * 4;
+            maxp = up > maxp ? up : maxp;
             /* the ring reduce-scatter's temporaries (src/comm/reduce_scatter.c): two of the
              * unit's gradient blocks per rank (one at two ranks), whatever the world size; two
              * reduce-scatters run at once (the engine's max_running), so the two largest units' */
@@ -99,8 +105,36 @@ ct_status ct__plan_fsdp(const ct__plan *pl, ct_mem_plan *out)
         }
         fsdp_backward(fp, fg, m, root_p, root_g, grad_op, prefetch, peak);
         uint64_t optim = ct__plan_optim(pl, counts, nc), fixed_g = ct__plan_frozen_grads(pl) + pp;
-        ct__plan_peaks(out, whole + pp + peak[0], fixed_g + peak[1], optim, act, ring_tmp[0] + ring_tmp[1],
-                       whole + pp + fixed_g + peak[2] + optim);
+        if (om) { /* fsdp_offload.c: what rests in the store, what is in at once, what moves */
+            uint64_t sopt = pp ? (uint64_t)((double)optim * (double)maxp / (double)pp) : 0; /* a unit's state */
+            uint64_t store = 0, moved = 0, res_p = pp, res_g = pp, res_o = optim;
+            if (om >= 2) { /* masters: in for each gather (twice under full; the first also takes the last
+                            * step's update), out after that update; gradients: out at each reduce, in for the
+                            * update */
+                store += 2 * pp;
+                moved += (grad_op ? 1 : 2) * pp + pp + 2 * pp;
+                res_p = 3 * maxp < pp ? 3 * maxp : pp; /* gathering, the next loading, one going out */
+                res_g = 3 * maxp < pp ? 3 * maxp : pp; /* forward: updates take three; backward: two reduces */
+            }
+            if (om != 2) {
+                store += optim;
+                moved += 2 * optim;
+                res_o = 3 * sopt < optim ? 3 * sopt : optim; /* updating a unit, the next two loading */
+            }
+            fixed_g += res_g - pp;
+            pp = res_p;
+            optim = res_o;
+            out->store = store > out->store ? store : out->store;
+            out->moved = moved > out->moved ? moved : out->moved;
+        }
+        uint64_t resident = whole + pp + fixed_g + peak[2] + optim;
+        if (om && om != 2) { /* offloaded state is in during the forward only (the updates), beside two units */
+            uint64_t fwd = 0;
+            for (int k = 0; k < m; k++) fwd = fp[k] > fwd ? fp[k] : fwd;
+            uint64_t a = whole + pp + fixed_g + peak[2], b = whole + pp + fixed_g + optim + root_p + 2 * fwd;
+            resident = a > b ? a : b;
+        }
+        ct__plan_peaks(out, whole + pp + peak[0], fixed_g + peak[1], optim, act, ring_tmp[0] + ring_tmp[1], resident);
     }
     ct_free(u);
     ct_free(counts);

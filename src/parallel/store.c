@@ -1,7 +1,7 @@
 /*
- * The offload store: one I/O thread that runs jobs (read a slice into
- * memory, write it back and release it) in queue order while the caller
- * computes, over a back end (a struct of function pointers): a file on
+ * The store, shared by offload's slices and FSDP's offloaded shards: one
+ * I/O thread that runs jobs (read a piece into memory, write it back and
+ * release it) in queue order while the caller computes, over a back end (a struct of function pointers): a file on
  * local disk, or a memory pool.  The file is unlinked right after it is
  * created, so it disappears however the process ends; its space is
  * reserved up front so a full disk is an error at set-up, not mid-step.
@@ -16,7 +16,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "offload.h"
+#include <sys/statvfs.h>
+
+#include "store.h"
 
 #define QCAP 64
 
@@ -35,7 +37,7 @@ struct ct__ostore {
     const backend *be;
     void *ctx;
     size_t bytes;
-    char dir[OFF_TEXT_MAX];
+    char dir[CT__STORE_DIR_MAX];
     pthread_t th;
     pthread_mutex_t mu;
     pthread_cond_t cv;       /* the thread waits for jobs; callers wait for completion */
@@ -117,7 +119,7 @@ static ct_status file_open(const char *dir, size_t bytes, int drop_cache, void *
     file_ctx *fc = ct_alloc_zeroed(sizeof *fc, CT_MEM_OTHER);
     if (!fc) return CT_ENOMEM;
     fc->drop_cache = drop_cache;
-    char path[OFF_TEXT_MAX + 64];
+    char path[CT__STORE_DIR_MAX + 64];
     snprintf(path, sizeof path, "%s/ctrain-offload-%ld-XXXXXX", dir, (long)getpid());
     fc->fd = mkstemp(path);
     if (fc->fd < 0) {
@@ -132,9 +134,11 @@ static ct_status file_open(const char *dir, size_t bytes, int drop_cache, void *
     if (e == EOPNOTSUPP || e == EINVAL) e = ftruncate(fc->fd, (off_t)bytes) ? errno : 0; /* no reservation there */
     if (e) {
         file_close(fc);
-        return ct_error(CT_EIO, "cannot reserve %zu bytes (%.1f MiB) for the offload store in '%s': %s; "
-                        "free space or pass --offload-dir on a filesystem with room",
-                        bytes, (double)bytes / 1048576.0, dir, strerror(e));
+        struct statvfs vs; /* the free space, so the message says how short the disk is */
+        double avail = statvfs(dir, &vs) == 0 ? (double)vs.f_bavail * (double)vs.f_frsize : -1.0;
+        return ct_error(CT_EIO, "cannot reserve %zu bytes (%.1f MiB) for the offload store in '%s': %s "
+                        "(%.1f MiB free there); free space or pass --offload-dir on a filesystem with room",
+                        bytes, (double)bytes / 1048576.0, dir, strerror(e), avail / 1048576.0);
     }
     *out = fc;
     return CT_OK;
@@ -169,8 +173,8 @@ static int xfer(ct__ostore *o, int write, void *buf, size_t bytes, off_t off)
 static ct_status failure(ct__ostore *o)
 {
     if (o->err_errno == ENOMEM) /* no memory to read a slice into: not the disk's fault */
-        return ct_error(CT_ENOMEM, "offload store: %s, reading %zu bytes back; lower --max-resident-mb or use "
-                        "more --slices", o->err_alloc, o->err_bytes);
+        return ct_error(CT_ENOMEM, "offload store: %s, reading %zu bytes back; lower --max-resident-mb, or use "
+                        "more --slices (offload) or more units (fsdp)", o->err_alloc, o->err_bytes);
     if (o->err_errno == ENOSPC || o->err_errno == EFBIG || o->err_errno == EDQUOT)
         return ct_error(CT_EIO, "offload store in '%s': %s writing %zu bytes at offset %lld; the store "
                         "needs %zu bytes there: free space, or pass --offload-dir on a filesystem with room",
@@ -250,9 +254,9 @@ ct_status ct__ostore_open(int memory, const char *dir, size_t bytes, int drop_ca
     *out = NULL;
     if (!dir || !*dir) dir = getenv("TMPDIR");
     if (!dir || !*dir) dir = "/tmp";
-    if (strlen(dir) >= OFF_TEXT_MAX)
+    if (strlen(dir) >= CT__STORE_DIR_MAX)
         return ct_error(CT_EINVAL, "offload dir '%.60s...' is longer than %d characters; give a shorter path",
-                        dir, OFF_TEXT_MAX - 1);
+                        dir, CT__STORE_DIR_MAX - 1);
     ct__ostore *o = ct_alloc_zeroed(sizeof *o, CT_MEM_OTHER);
     if (!o) return CT_ENOMEM;
     snprintf(o->dir, sizeof o->dir, "%s", memory ? "memory" : dir);
