@@ -410,9 +410,24 @@ static uint64_t largest_param(const ct__plan *pl)
     return b;
 }
 
+/* What a teardown adds to training's resident set: ZeRO-2 hands every
+ * parameter a gradient of its own and writes this rank's reduced pieces into
+ * them while its own shard is still held (the other strategies' teardowns
+ * free, or hand over the bytes they hold). */
+static uint64_t teardown_none(const ct__plan *pl)
+{
+    (void)pl;
+    return 0;
+}
+
+static uint64_t teardown_zero2(const ct__plan *pl)
+{
+    return (trainable_bytes(pl) + (uint64_t)pl->spec->world - 1) / (uint64_t)pl->spec->world;
+}
+
 static void whole_life(const ct__plan *pl, uint64_t (*setup)(const ct__plan *, const ct_mem_plan *),
                        uint64_t (*save)(const ct__plan *, const ct_mem_plan *), uint64_t (*peers)(const ct__plan *),
-                       ct_mem_plan *out)
+                       uint64_t (*teardown)(const ct__plan *), ct_mem_plan *out)
 {
     if (!out->flat) {
         uint64_t cap = (uint64_t)(ct__plan_num(pl, "bucket_cap_mb", 0) * 1048576.0), tb = trainable_bytes(pl);
@@ -435,6 +450,8 @@ static void whole_life(const ct__plan *pl, uint64_t (*setup)(const ct__plan *, c
     uint64_t churn = out->act + out->comm + 2 * out->flat;
     uint64_t top = out->shared + out->total + (out->cache < churn ? out->cache : churn);
     out->life_phase = CT_PHASE_TRAIN;
+    uint64_t down = teardown(pl);
+    if (down) top += down, out->life_phase = CT_PHASE_TEARDOWN; /* on top of what training left resident */
     if (out->setup > top) top = out->setup, out->life_phase = CT_PHASE_WRAP;
     if (out->save > top) top = out->save, out->life_phase = CT_PHASE_SAVE;
     out->life = top;
@@ -448,14 +465,15 @@ static const struct {
     uint64_t (*setup)(const ct__plan *pl, const ct_mem_plan *p); /* the set-up peak */
     uint64_t (*save)(const ct__plan *pl, const ct_mem_plan *p);  /* a full save's peak on rank 0 */
     uint64_t (*peers)(const ct__plan *pl);                       /* other ranks' pages mapped here */
+    uint64_t (*teardown)(const ct__plan *pl);                    /* what a teardown adds to training's */
 } planners[] = {
-    {"none", plan_none, setup_replicated, save_views, peers_none},
-    {"ddp", plan_ddp, setup_replicated, save_views, peers_buckets},
-    {"zero1", plan_zero1, setup_replicated, save_streamed, peers_buckets},
-    {"zero2", plan_zero2, setup_replicated, save_streamed, peers_none},
-    {"fsdp", ct__plan_fsdp, setup_fsdp, save_streamed, peers_none},
-    {"pipe", ct__plan_pipe, setup_pipe, save_streamed, peers_none},
-    {"offload", ct__plan_offload, setup_offload, save_streamed, peers_none},
+    {"none", plan_none, setup_replicated, save_views, peers_none, teardown_none},
+    {"ddp", plan_ddp, setup_replicated, save_views, peers_buckets, teardown_none},
+    {"zero1", plan_zero1, setup_replicated, save_streamed, peers_buckets, teardown_none},
+    {"zero2", plan_zero2, setup_replicated, save_streamed, peers_none, teardown_zero2},
+    {"fsdp", ct__plan_fsdp, setup_fsdp, save_streamed, peers_none, teardown_none},
+    {"pipe", ct__plan_pipe, setup_pipe, save_streamed, peers_none, teardown_none},
+    {"offload", ct__plan_offload, setup_offload, save_streamed, peers_none, teardown_none},
 };
 
 /* The model's parameters, buffers and the order backward reaches its modules. */
@@ -517,7 +535,7 @@ ct_status ct_strategy_plan(const char *kind, ct_module *model, const char *opts,
     if (st == CT_OK) st = ct_strategy_check_opts(kind, opts, pl->vals, nvals);
     if (st == CT_OK) st = read_model(pl);
     if (st == CT_OK) st = planners[k].plan(pl, out);
-    if (st == CT_OK) whole_life(pl, planners[k].setup, planners[k].save, planners[k].peers, out);
+    if (st == CT_OK) whole_life(pl, planners[k].setup, planners[k].save, planners[k].peers, planners[k].teardown, out);
     ct_free(pl->params);
     ct_free(pl->tp);
     ct_free(pl->by_addr);
