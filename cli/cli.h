@@ -197,7 +197,9 @@ void cli_progress_clear(cli_progress *p);
 void cli_progress_finish(cli_progress *p);
 /* Rank 0: the last line of --metrics, {"event":"summary","step_ms":...,
  * "memory":[one ct_mem_report_json object per rank]}. */
-ct_status cli_progress_summary(cli_progress *p, double step_ms, const ct_mem_report *mem, int nranks);
+/* traffic: every rank's bytes sent and received per step (2 per rank), or NULL. */
+ct_status cli_progress_summary(cli_progress *p, double step_ms, const ct_mem_report *mem, const double *traffic,
+                               int nranks);
 
 /* ---- commands ---------------------------------------------------------- */
 
