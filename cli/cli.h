@@ -95,6 +95,9 @@ const char *cli_bytes(double bytes, char *buf, size_t n);
 /* s with control characters and DEL written as \xHH (and backslashes
  * doubled) into buf, so text from a file cannot drive the terminal. */
 const char *cli_printable(const char *s, char *buf, size_t n);
+/* R of --grad-compress powersgd:R (train and estimate); 0 for the other
+ * values; -1 for a malformed rank. */
+int cli_powersgd_rank(const char *grad_compress);
 /* "1:02:03" or "2:03" into buf. */
 const char *cli_hms(double seconds, char *buf, size_t n);
 /* "mlp [256,128]" into buf. */
