@@ -88,7 +88,7 @@ static void bk_free(bk_t *b)
 /* One step of the hook on the bucket (start, wait, finish). */
 static void bk_step(const ct_comm_hook_ops *ops, void *st, bk_t *b)
 {
-    ct_comm_bucket cb = {0, 1, b->grad, b->numel, b->n, b->p, b->off, NULL};
+    ct_comm_bucket cb = {0, 1, b->grad, b->numel, b->n, b->p, b->off, NULL, NULL, 0};
     ct_work *w = NULL;
     ASSERT_OK(ops->start(st, world(), &cb, &w));
     if (w) {

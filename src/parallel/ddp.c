@@ -205,7 +205,7 @@ static void on_allreduce_done(ct_work *w, ct_status status, void *arg)
 static ct_comm_bucket hook_bucket(ct_strategy *s, bucket_t *b)
 {
     ddp_t *d = D(s);
-    return (ct_comm_bucket){(int)(b - d->b), d->nb, b->mem, b->fl.numel, b->fl.n, b->fl.p, b->fl.off, b->wire};
+    return (ct_comm_bucket){(int)(b - d->b), d->nb, b->mem, b->fl.numel, b->fl.n, b->fl.p, b->fl.off, b->wire, NULL, 0};
 }
 
 static ct_status launch(ct_strategy *s, bucket_t *b)

@@ -208,6 +208,10 @@ static ct_status psgd_start(void *state, ct_group *g, const ct_comm_bucket *cb, 
 {
     psgd_t *s = state;
     bucket_t *b;
+    if (cb->shard)
+        return ct_error(CT_EINVAL, "PowerSGD compresses whole gradient matrices and allreduces their factors; "
+                                   "FSDP's sharded gradients need a reduce-scatter (PyTorch refuses it too): "
+                                   "register the bf16 or f16 allreduce hook, or use ddp");
     CT_TRY(bucket_slot(s, cb->index, &b));
     if (cb->index == 0) s->before = s->after = 0;
     s->before += cb->numel;
