@@ -85,7 +85,7 @@ ct_status ct_comm_hook_allreduce(ct_dtype wire, const ct_comm_hook_ops **ops, vo
  * powersgd_* of ddp and zero1. */
 typedef struct {
     int rank;                    /* matrix_approximation_rank: r (powersgd_rank; --grad-compress powersgd:R) */
-    int start_iter;              /* start_powerSGD_iter: steps reduced uncompressed first (PyTorch's default is 1000; ours 10) */
+    int start_iter;              /* start_powerSGD_iter: steps reduced uncompressed first (1000, PyTorch's default) */
     double min_compression_rate; /* a matrix is compressed only when n*m > (n+m)*r times this (2) */
     int error_feedback;          /* use_error_feedback: what compression lost is added to the next step's gradient (1) */
     int warm_start;              /* warm_start: Q starts from the last step's (1); else fresh random each step */
@@ -93,7 +93,7 @@ typedef struct {
     float epsilon;               /* orthogonalization_epsilon: added to each column's norm (0) */
 } ct_powersgd_opts;
 
-/* PyTorch's defaults but start_iter 10, at the given rank. */
+/* PyTorch's defaults at the given rank. */
 ct_powersgd_opts ct_powersgd_defaults(int rank);
 /* A PowerSGD hook; CT_EINVAL naming a bad setting (rank < 1; error feedback
  * or warm start with start_iter < 2: DDP's buckets are rebuilt after the
