@@ -95,6 +95,9 @@ const char *cli_bytes(double bytes, char *buf, size_t n);
 /* s with control characters and DEL written as \xHH (and backslashes
  * doubled) into buf, so text from a file cannot drive the terminal. */
 const char *cli_printable(const char *s, char *buf, size_t n);
+/* R of --grad-compress powersgd:R (train and estimate); 0 for the other
+ * values; -1 for a malformed rank. */
+int cli_powersgd_rank(const char *grad_compress);
 /* "1:02:03" or "2:03" into buf. */
 const char *cli_hms(double seconds, char *buf, size_t n);
 /* "mlp [256,128]" into buf. */
@@ -197,7 +200,9 @@ void cli_progress_clear(cli_progress *p);
 void cli_progress_finish(cli_progress *p);
 /* Rank 0: the last line of --metrics, {"event":"summary","step_ms":...,
  * "memory":[one ct_mem_report_json object per rank]}. */
-ct_status cli_progress_summary(cli_progress *p, double step_ms, const ct_mem_report *mem, int nranks);
+/* traffic: every rank's bytes sent and received per step (2 per rank), or NULL. */
+ct_status cli_progress_summary(cli_progress *p, double step_ms, const ct_mem_report *mem, const double *traffic,
+                               int nranks);
 
 /* ---- commands ---------------------------------------------------------- */
 

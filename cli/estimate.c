@@ -67,7 +67,8 @@ static int table(est_opts *o, cli_opt *t)
     OPT("--optim", OPT_STR, &o->optim, "NAME", "sgd or adamw (adamw)");
     OPT("--momentum", OPT_NUM, &o->momentum, "M", "sgd momentum (0: no optimizer state)");
     OPT("--mixed", OPT_STR, &o->mixed, "DTYPE", "mixed precision: bf16 compute copies of the weights (none)");
-    OPT("--grad-compress", OPT_STR, &o->grad_compress, "NAME", "gradients reduced as none (f32), bf16 or f16");
+    OPT("--grad-compress", OPT_STR, &o->grad_compress, "NAME",
+        "gradients reduced as none (f32), bf16, f16 or powersgd:R (PowerSGD at rank R; ddp and zero1)");
     OPT("--grad-accum", OPT_INT, &o->grad_accum, "N", "micro-batches per step (1)");
     OPT("--strategy", OPT_STR, &o->strategy, "LIST", "only these strategies, comma separated (all that apply)");
     OPT("--strategy-opt", OPT_STR, &o->strategy_opt, "K=V,...", "strategy options, as for 'ctrain train'");
@@ -103,16 +104,22 @@ static int takes(const char *kind, const char *key)
  * the world, as none on several ranks, are left out when planned). */
 static int chosen(const est_opts *o, const char *kind)
 {
-    return o->strategy ? in_list(kind, o->strategy) : 1;
+    if (o->strategy) return in_list(kind, o->strategy);
+    return cli_powersgd_rank(o->grad_compress) > 0 ? !strcmp(kind, "ddp") || !strcmp(kind, "zero1") : 1;
 }
 
 /* The options string of kind (the flags', then --strategy-opt's keys it
  * takes), as `ctrain train` would pass them, into opts (n bytes); checked. */
 static int resolve(const est_opts *o, const char *kind, char *opts, size_t n, char *err, size_t errn)
 {
+    int psgd = cli_powersgd_rank(o->grad_compress);
+    if (psgd > 0 && strcmp(kind, "ddp") && strcmp(kind, "zero1"))
+        return BAD("--grad-compress %s applies to --strategy ddp and zero1 (PowerSGD compresses their gradient "
+                   "buckets), not %s; use bf16 or f16 with %s", o->grad_compress, kind, kind);
     int len = snprintf(opts, n, "grad_accum=%lld,param_dtype=%s,reduce_dtype=%s", (long long)o->grad_accum,
                        strcmp(o->mixed, "none") ? o->mixed : "f32",
-                       strcmp(o->grad_compress, "none") ? o->grad_compress : "f32");
+                       strcmp(o->grad_compress, "none") && !psgd ? o->grad_compress : "f32");
+    if (psgd > 0) len += snprintf(opts + len, n - (size_t)len, ",powersgd_rank=%d", psgd);
     ct_model_kind mk = CT_MODEL_MLP;
     if (!strcmp(kind, "fsdp") && ct_model_parse_kind(o->model, &mk) == CT_OK) { /* as `ctrain train` passes it */
         char wrap[64];
@@ -177,8 +184,10 @@ static int parse(int argc, char **argv, est_opts *o, int *help, char *err, size_
     if (GIVEN("--momentum") && ok != CT_OPT_SGD) return BAD("--momentum applies to --optim sgd only (adamw has betas)");
     if (o->momentum < 0) return BAD("--momentum %g must not be negative", o->momentum);
     if (strcmp(o->mixed, "none") && strcmp(o->mixed, "bf16")) return BAD("unknown --mixed '%s'; choose none or bf16", o->mixed);
-    if (strcmp(o->grad_compress, "none") && strcmp(o->grad_compress, "bf16") && strcmp(o->grad_compress, "f16"))
-        return BAD("unknown --grad-compress '%s'; choose none, bf16 or f16", o->grad_compress);
+    if (strcmp(o->grad_compress, "none") && strcmp(o->grad_compress, "bf16") && strcmp(o->grad_compress, "f16") &&
+        cli_powersgd_rank(o->grad_compress) <= 0)
+        return BAD("unknown --grad-compress '%s'; choose none, bf16, f16 or powersgd:R (R a rank from 1, such as "
+                   "powersgd:4)", o->grad_compress);
     if (o->grad_accum < 1) return BAD("--grad-accum %lld must be at least 1", (long long)o->grad_accum);
     if (o->batch < o->ranks && o->grad_accum == 1)
         return BAD("--batch %lld is smaller than the %lld ranks; every rank needs at least one sample per step: use "
@@ -383,12 +392,13 @@ static int estimate_rows(const est_opts *o, const kind_list *kl, char (*opts)[20
     if (!o->json && !quiet) {
         char desc[300];
         int64_t rows_per = o->batch / o->ranks + (o->batch % o->ranks != 0);
-        printf("ctrain estimate: %s (%lld parameters), %s%s, %lld rank%s, batch %lld (%lld rows per rank%s)%s%s\n",
+        printf("ctrain estimate: %s (%lld parameters), %s%s, %lld rank%s, batch %lld (%lld rows per rank%s)%s%s%s%s\n",
                cli_config_str(&cfg, desc, sizeof desc), (long long)ct_module_num_params(model), o->optim,
                spec.optim.kind == CT_OPT_SGD && o->momentum ? " with momentum" : "", (long long)o->ranks,
                o->ranks == 1 ? "" : "s", (long long)o->batch, (long long)rows_per, o->grad_accum > 1 ? ", accumulated" : "",
                strcmp(o->mixed, "none") ? ", mixed bf16" : "",
-               strcmp(o->grad_compress, "none") ? (strcmp(o->grad_compress, "bf16") ? ", f16 reduce" : ", bf16 reduce") : "");
+               strcmp(o->grad_compress, "none") ? ", " : "", strcmp(o->grad_compress, "none") ? o->grad_compress : "",
+               strcmp(o->grad_compress, "none") ? " reduce" : "");
         printf("peak bytes per rank (the largest rank's):\n  %-9s%11s%11s%11s%11s%11s%11s%11s\n", "strategy", "param",
                "grad", "optim", "act", "comm", "resident", "total");
     }

@@ -134,3 +134,12 @@ const char *cli_printable(const char *s, char *buf, size_t n)
     buf[at < n ? at : n - 1] = 0;
     return buf;
 }
+
+int cli_powersgd_rank(const char *grad_compress)
+{
+    if (strncmp(grad_compress, "powersgd:", 9)) return 0;
+    const char *r = grad_compress + 9;
+    char *end;
+    long v = strtol(r, &end, 10);
+    return *r >= '0' && *r <= '9' && !*end && v >= 1 && v <= 1 << 20 ? (int)v : -1;
+}

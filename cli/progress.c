@@ -85,7 +85,8 @@ void cli_progress_eval(cli_progress *p, int64_t step, double val_loss)
     }
 }
 
-ct_status cli_progress_summary(cli_progress *p, double step_ms, const ct_mem_report *mem, int nranks)
+ct_status cli_progress_summary(cli_progress *p, double step_ms, const ct_mem_report *mem, const double *traffic,
+                               int nranks)
 {
     if (!p->metrics) return CT_OK;
     fprintf(p->metrics, "{\"event\":\"summary\",\"step_ms\":%.4f,\"memory\":[", step_ms);
@@ -94,7 +95,15 @@ ct_status cli_progress_summary(cli_progress *p, double step_ms, const ct_mem_rep
         CT_TRY(ct_mem_report_json(&mem[r], r, js, sizeof js));
         fprintf(p->metrics, "%s%s", r ? "," : "", js);
     }
-    fprintf(p->metrics, "]}\n");
+    fprintf(p->metrics, "]");
+    if (traffic) { /* bytes per training step, by rank */
+        fprintf(p->metrics, ",\"traffic\":[");
+        for (int r = 0; r < nranks; r++)
+            fprintf(p->metrics, "%s{\"rank\":%d,\"sent\":%.1f,\"received\":%.1f}", r ? "," : "", r, traffic[2 * r],
+                    traffic[2 * r + 1]);
+        fprintf(p->metrics, "]");
+    }
+    fprintf(p->metrics, "}\n");
     if (fflush(p->metrics) != 0) return ct_error(CT_EIO, "cannot write the metrics file: %s", strerror(errno));
     return CT_OK;
 }

@@ -636,6 +636,7 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
         }
         double lr = ct_strategy_lr(t->s), t_step = ct_now(), before[2] = {win[0], win[1]}, led0[CT_LEDGER_N];
         ct_ledger_read(led0);
+        ct_comm_traffic tr0 = ct_comm_traffic_get();
         float norm = 0;
         int empty = 0;
         if ((st = train_step(t, idx, win, &empty)) != CT_OK) {
@@ -673,6 +674,9 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
         ct_ledger_read(led1);
         for (int k = 0; k < CT_LEDGER_N; k++) t->ledger[k] += led1[k] - led0[k];
         t->step_total += t_end - t_step;
+        ct_comm_traffic tr1 = ct_comm_traffic_get();
+        t->traffic.sent += tr1.sent - tr0.sent;
+        t->traffic.received += tr1.received - tr0.received;
         add_stats(t);
         t->step++;
         t->pos++;
@@ -775,6 +779,7 @@ int train_run(train_opts *o)
     if (st == CT_OK && (st = train_life(&t, &prog, step_ms)) != CT_OK) cli_err("train", "%s", ct_last_error());
     cli_progress_finish(&prog);
     ct_free(t.mem);
+    ct_free(t.traffic_all);
     return st == CT_OK ? CLI_OK : t.usage ? CLI_USAGE : CLI_RUNTIME;
 }
 

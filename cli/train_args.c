@@ -392,15 +392,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     return 0;
 }
 
-/* R of --grad-compress powersgd:R; 0 for the other values; -1 for a malformed rank. */
-int train_powersgd_rank(const train_opts *o)
-{
-    if (strncmp(o->grad_compress, "powersgd:", 9)) return 0;
-    const char *r = o->grad_compress + 9;
-    char *end;
-    long v = strtol(r, &end, 10);
-    return *r >= '0' && *r <= '9' && !*end && v >= 1 && v <= 1 << 20 ? (int)v : -1;
-}
+int train_powersgd_rank(const train_opts *o) { return cli_powersgd_rank(o->grad_compress); }
 
 int train_check_world(train_opts *o, int world, char *err, size_t errn)
 {

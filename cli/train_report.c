@@ -69,7 +69,7 @@ ct_status train_life(trainer *t, cli_progress *prog, double step_ms)
         for (int p = 0; p < CT_PHASE_N; p++)
             if (fin[r].phase_peak_rss[p] > phase_max[p]) phase_max[p] = fin[r].phase_peak_rss[p];
     }
-    if (st == CT_OK && t->rank == 0) st = cli_progress_summary(prog, step_ms, t->mem, t->world);
+    if (st == CT_OK && t->rank == 0) st = cli_progress_summary(prog, step_ms, t->mem, t->traffic_all, t->world);
     char b[32];
     int top = 0;
     for (int r = 1; st == CT_OK && r < t->world; r++)
@@ -111,6 +111,34 @@ ct_status train_eval(trainer *t, cli_progress *prog)
     t->last_eval_step = t->step;
     cli_progress_eval(prog, t->step, t->last_eval.loss);
     t->eval_seconds += ct_now() - t0;
+    return CT_OK;
+}
+
+/* Every rank's messages per training step (ct_comm_traffic: what MPI
+ * carried; the shared-memory paths inside a node carry none), gathered into
+ * t->traffic_all for the metrics summary, and printed. */
+static ct_status report_traffic(trainer *t)
+{
+    if (t->world < 2 || !t->nstats) return CT_OK;
+    double mine[2] = {(double)t->traffic.sent / (double)t->nstats, (double)t->traffic.received / (double)t->nstats};
+    t->traffic_all = ct_alloc(sizeof *t->traffic_all * 2 * (size_t)t->world, CT_MEM_OTHER);
+    CT_TRY(ct_group_check(t->g, t->traffic_all ? CT_OK : CT_ENOMEM));
+    CT_TRY(ct_group_allgather(t->g, mine, t->traffic_all, 2 * (int64_t)sizeof(double), CT_U8, NULL));
+    char a[32], b[32];
+    cli_out("messages per step (mean over %lld steps; MPI's traffic, none through shared memory):", (long long)t->nstats);
+    if (t->world <= 8) {
+        for (int r = 0; r < t->world; r++)
+            cli_out("%s rank %d sent %s, received %s", r ? ";" : "", r, cli_bytes(t->traffic_all[2 * r], a, sizeof a),
+                    cli_bytes(t->traffic_all[2 * r + 1], b, sizeof b));
+    } else {
+        double ms = 0, mr = 0;
+        for (int r = 0; r < t->world; r++) {
+            if (t->traffic_all[2 * r] > ms) ms = t->traffic_all[2 * r];
+            if (t->traffic_all[2 * r + 1] > mr) mr = t->traffic_all[2 * r + 1];
+        }
+        cli_out(" a rank sent at most %s, received at most %s", cli_bytes(ms, a, sizeof a), cli_bytes(mr, b, sizeof b));
+    }
+    cli_out("\n");
     return CT_OK;
 }
 
@@ -163,6 +191,7 @@ ct_status train_report(trainer *t, double seconds)
         cli_out("\n");
         (void)n;
     }
+    CT_TRY(report_traffic(t));
     void *hs;
     const char *hook = ct_strategy_comm_hook(t->s, &hs);
     if (hook && !strcmp(hook, "powersgd")) {

@@ -588,8 +588,9 @@ static void estimate_matches_model(const char *model, int np, const char *strate
     code = RUN(est, "estimate %s --ranks %d --strategy %s %s --json", model, np, strategy, extra);
     if (code) ct_test_fail(__FILE__, __LINE__, "estimate %s --strategy %s %s failed:\n%s", model, strategy, extra, est);
     ASSERT_EQ(count_lines(est), 1);
-    const char *keys[] = {"param", "grad", "optim", "resident", "act"};
-    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+    /* PowerSGD's buffers (P, Q, the uncompressed part, error feedback) are its comm */
+    const char *keys[] = {"param", "grad", "optim", "resident", "act", "comm"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0] - !strstr(extra, "powersgd"); i++) {
         double m = json_max(line, keys[i]), e = json_max(est, keys[i]);
         double tol = strcmp(keys[i], "act") ? 0.10 : 0.25;
         if (!(fabs(e - m) <= tol * m))
@@ -623,6 +624,30 @@ TEST(cli_estimate_matches_ddp_and_zero1_runs)
     estimate_matches_model("--model cnn --hidden 8,16,64", 2, "ddp", "--batch 32");
     /* batchnorm's parameters, running statistics and records */
     estimate_matches_model("--model cnn --batchnorm --hidden 8,16,64", 2, "ddp", "--batch 32");
+}
+
+/* --grad-compress powersgd:4 from its first compressed step (the third):
+ * the comm column is PowerSGD's buffers; only ddp and zero1 take it. */
+TEST(cli_estimate_matches_powersgd_runs)
+{
+    estimate_matches_run(2, "ddp", "--grad-compress powersgd:4 --strategy-opt powersgd_start_iter=2");
+    estimate_matches_run(3, "zero1", "--grad-compress powersgd:2 --strategy-opt powersgd_start_iter=2");
+    static char out[OUT_MAX];
+    ASSERT_EQ(RUN(out, "estimate " EST_MODEL " --ranks 2 --grad-compress powersgd:4"), 0);
+    ASSERT_STR_CONTAINS(out, ", powersgd:4 reduce");
+    ASSERT_STR_CONTAINS(out, "\n  ddp ");
+    ASSERT_STR_CONTAINS(out, "\n  zero1 ");
+    ASSERT(!strstr(out, "\n  fsdp "));
+    /* without error feedback only the factors and the uncompressed part: far less */
+    ASSERT_EQ(RUN(out, "estimate " EST_MODEL " --ranks 2 --strategy ddp --grad-compress powersgd:4 --json"), 0);
+    double with = json_max(out, "comm");
+    ASSERT_EQ(RUN(out, "estimate " EST_MODEL " --ranks 2 --strategy ddp --grad-compress powersgd:4 --json "
+                       "--strategy-opt powersgd_error_feedback=0"), 0);
+    ASSERT(json_max(out, "comm") < with / 20);
+    ASSERT_EQ(RUN(out, "estimate " EST_MODEL " --ranks 2 --strategy fsdp --grad-compress powersgd:4"), 2);
+    ASSERT_STR_CONTAINS(out, "applies to --strategy ddp and zero1");
+    ASSERT_EQ(RUN(out, "estimate " EST_MODEL " --ranks 2 --grad-compress powersgd:x"), 2);
+    ASSERT_STR_CONTAINS(out, "choose none, bf16, f16 or powersgd:R");
 }
 
 /* ZeRO-2 at 2 ranks (every gradient fits reduce_buffer_mb) and at 3 ranks

@@ -155,6 +155,59 @@ TEST(cluster_ctrain_command_equals_one_process)
     }
 }
 
+/* Bytes all hosts of cluster name sent, from the bridge ports' counters. */
+static double wire_sent(const char *name)
+{
+    static char out[OUT_MAX];
+    if (sh(out, CLUSTER " bytes --name %s", name)) ct_test_fail(__FILE__, __LINE__, "cluster bytes failed:\n%s", out);
+    double sum = 0;
+    for (const char *p = out; (p = strstr(p, " sent ")); p += 6) sum += atof(p + 6);
+    return sum;
+}
+
+/* The step report's messages per rank (ct_comm_traffic) are what the links
+ * carried: DDP across 2 hosts x 1, two runs of S1 and S2 steps, the
+ * difference of the links' bytes over S2 - S1 steps (set-up, evaluation and
+ * MPI's wire-up cancel) against the ranks' reported sent bytes per step,
+ * within 10% (TCP and IP headers, acknowledgements); each rank sends the 4P
+ * gradient bytes once (a ring over 2 ranks). */
+TEST(cluster_step_report_counts_the_wire)
+{
+    static char out[OUT_MAX];
+    need_cluster();
+    char name[64], metrics[700];
+    snprintf(name, sizeof name, "ctt%d", (int)getpid());
+    snprintf(metrics, sizeof metrics, "%s/traffic.jsonl", ct_test_tmpdir());
+    if (sh(out, CLUSTER " up 2 --name %s", name)) ct_test_fail(__FILE__, __LINE__, "cluster up failed:\n%s", out);
+    const int s1 = 2, s2 = 6;
+    double b[3];
+    int rc = 0;
+    b[0] = wire_sent(name);
+    for (int k = 0; k < 2 && !rc; k++) {
+        rc = sh(out, CLUSTER " run --name %s --per-host 1 -- %s/ctrain train --model mlp --hidden 256 --batch 32 "
+                     "--steps %d --threads 1 --log-every 0 --limit-test 64 --strategy ddp --metrics %s",
+                name, cli_bin_dir(), k ? s2 : s1, metrics);
+        b[k + 1] = wire_sent(name);
+    }
+    static char down[OUT_MAX];
+    sh(down, CLUSTER " down --name %s", name);
+    if (rc) ct_test_fail(__FILE__, __LINE__, "ddp across 2 hosts failed:\n%s", out);
+    ASSERT_STR_CONTAINS(out, "messages per step");
+    size_t n;
+    char *line = (char *)read_file(metrics, &n), *last = line, *p;
+    line[n] = 0;
+    while ((p = strstr(last + 1, "\"event\":\"summary\""))) last = p;
+    double sent = json_max(last, "sent"), per_host = ((b[2] - b[1]) - (b[1] - b[0])) / (s2 - s1) / 2;
+    free(line);
+    const double P = 784 * 256 + 256 + 256 * 10 + 10;
+    printf("    reported %.0f bytes sent per rank and step (4P = %.0f), the links carried %.0f per host\n", sent, 4 * P,
+           per_host);
+    ASSERT(sent >= 4 * P && sent <= 4 * P + 64);
+    if (!(fabs(per_host - sent) <= 0.10 * sent))
+        ct_test_fail(__FILE__, __LINE__, "the links carried %.0f bytes per host and step, the report says %.0f", per_host,
+                     sent);
+}
+
 /* A process of ours whose environment holds both strings (the rank we
  * tagged), or 0. */
 static pid_t find_rank(const char *tag, const char *rank)

@@ -88,7 +88,7 @@ static void bk_free(bk_t *b)
 /* One step of the hook on the bucket (start, wait, finish). */
 static void bk_step(const ct_comm_hook_ops *ops, void *st, bk_t *b)
 {
-    ct_comm_bucket cb = {0, 1, b->grad, b->numel, b->n, b->p, b->off, NULL};
+    ct_comm_bucket cb = {0, 1, b->grad, b->numel, b->n, b->p, b->off, NULL, NULL, 0};
     ct_work *w = NULL;
     ASSERT_OK(ops->start(st, world(), &cb, &w));
     if (w) {
@@ -362,10 +362,17 @@ TEST(powersgd_bad_settings_are_errors)
     ASSERT_OK(ct_strategy_register_comm_hook(s, ops, st));
     ASSERT(!strcmp(ct_strategy_comm_hook(s, NULL), "bf16"));
     ct_strategy_destroy(s);
-    ASSERT_OK(ct_strategy_create("fsdp", m, &oo, NULL, NULL, &s));
+    ASSERT_OK(ct_strategy_create("zero2", m, &oo, NULL, NULL, &s));
     ASSERT_OK(ct_comm_hook_allreduce(CT_F32, &ops, &st));
-    ASSERT_ERR(ct_strategy_register_comm_hook(s, ops, st), CT_EINVAL, "apply to ddp and zero1");
+    ASSERT_ERR(ct_strategy_register_comm_hook(s, ops, st), CT_EINVAL, "apply to ddp, zero1 and fsdp");
     ASSERT(ct_strategy_comm_hook(s, NULL) == NULL);
+    ct_strategy_destroy(s);
+    /* fsdp takes one for its reduce-scatters (tests/mpi/test_fsdp_hooks.c) */
+    ASSERT_OK(ct_strategy_create("fsdp", m, &oo, NULL, NULL, &s));
+    ASSERT(ct_strategy_comm_hook(s, NULL) == NULL);
+    ASSERT_OK(ct_comm_hook_allreduce(CT_F32, &ops, &st));
+    ASSERT_OK(ct_strategy_register_comm_hook(s, ops, st));
+    ASSERT(!strcmp(ct_strategy_comm_hook(s, NULL), "allreduce"));
     ct_strategy_destroy(s);
     ct_module_destroy(m);
     mpi_done();
@@ -389,9 +396,11 @@ TEST(powersgd_trains_the_gpt)
                         "--steps 150 --threads 1 --log-every 0 --seed 3";
     int rc = run_np(2, ref, "%s --data-dir %s", flags, dir);
     if (rc) ct_test_fail(__FILE__, __LINE__, "uncompressed run failed:\n%s", ref);
-    rc = run_np(2, out, "%s --data-dir %s --grad-compress powersgd:4", flags, dir);
+    /* compressed from step 10 (the default waits 1000 steps, as PyTorch's) */
+    rc = run_np(2, out, "%s --data-dir %s --grad-compress powersgd:4 --strategy-opt powersgd_start_iter=10", flags, dir);
     if (rc) ct_test_fail(__FILE__, __LINE__, "powersgd run failed:\n%s", out);
-    ASSERT_STR_CONTAINS(out, "gradient buckets reduced by PowerSGD at rank 4");
+    ASSERT_STR_CONTAINS(out, "gradient buckets reduced by PowerSGD at rank 4 (uncompressed for the first 10 steps");
+    ASSERT_STR_CONTAINS(out, "fewer)");
     double v0 = number_after(ref, "val loss "), v1 = number_after(out, "val loss ");
     printf("    val loss: uncompressed %.4f, powersgd:4 %.4f (%+.1f%%)\n", v0, v1, 100 * (v1 / v0 - 1));
     /* Both far below the unigram's 3.2 nats here; PowerSGD within 0.05 nats of the uncompressed

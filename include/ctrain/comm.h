@@ -199,6 +199,18 @@ typedef enum { CT_COLL_ALLREDUCE = 0, CT_COLL_REDUCE, CT_COLL_BROADCAST, CT_COLL
 /* The tallies since the start or the last ct_comm_tally_reset, by kind. */
 void ct_comm_tally_get(ct_comm_tally out[CT_COLL_NKINDS]);
 void ct_comm_tally_reset(void);
+/* What this process sent and received in messages (MPI) since the start or
+ * the last ct_comm_tally_reset: collectives (their steps between nodes, and
+ * inside a node where they pass messages), sends and recvs.  ctrain's own
+ * shared-memory paths count nothing: they pass no message.  MPI picks its
+ * algorithms out of sight, so a collective counts what the bandwidth-
+ * optimal one moves (an allreduce of b bytes over n ranks: 2 (n-1)/n b
+ * each way; a reduce-scatter or an all-gather: (n-1)/n b; src/comm/tally.c),
+ * the least any algorithm can.  For the step report and tests. */
+typedef struct {
+    uint64_t sent, received;
+} ct_comm_traffic;
+ct_comm_traffic ct_comm_traffic_get(void);
 
 /* buf[0..count) on every rank becomes the reduction over ranks of buf.
  * Without messages when buf is the same range of one of g's shared

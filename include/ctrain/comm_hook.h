@@ -11,6 +11,19 @@
  * bucket holding the reduced gradients.  Both may call collectives on g, in
  * the same order on every rank.
  *
+ * FSDP (sharding full, grad_op or hybrid) hands a hook each unit's flat
+ * gradient when the unit's backward is done, as PyTorch's FSDP
+ * register_comm_hook does: b->shard is set, and finish must leave this
+ * rank's piece of the sum over g (the unit's shard group) there, elements
+ * [rank(g) * shard_numel, +shard_numel) of the sum of grad: a reduce-scatter
+ * (grad is padded to size(g) * shard_numel).  Several units' reduces may be
+ * in flight at once, finished oldest first; FSDP adds the piece to what
+ * earlier backwards left (no_sync) and allreduces it across replicas
+ * (hybrid) itself, in f32.  A hook registered on FSDP replaces its built-in
+ * reduce-scatter (reduce_dtype); the allreduce hooks do the reduce-scatter
+ * in their dtype; PowerSGD, which needs whole matrices, refuses (as
+ * PyTorch's does for sharded strategies).
+ *
  * Built in (src/parallel/comm_hook.c, src/parallel/powersgd.c):
  *  - allreduce: the sum over the group in f32, or with a 16-bit wire dtype
  *    (bf16, f16) rounded to it, summed, and widened back (what the strategy
@@ -39,6 +52,8 @@ typedef struct {
     ct_param *const *params;  /* [nparams] the bucket's parameters, in the order they lie in grad */
     const int64_t *offsets;   /* [nparams] each one's first element in grad */
     uint16_t *wire;           /* [numel] 16-bit scratch a 16-bit hook may use (shared memory on one node), or NULL */
+    float *shard;             /* FSDP: [shard_numel] where finish leaves this rank's piece of the sum; NULL: grad */
+    int64_t shard_numel;
 } ct_comm_bucket;
 
 typedef struct {
@@ -52,15 +67,15 @@ typedef struct {
     void (*destroy)(void *state);
 } ct_comm_hook_ops;
 
-/* Replaces how s reduces its gradient buckets (strategies ddp and zero1;
- * CT_EINVAL naming the strategy for others).  Call it on every rank, after
+/* Replaces how s reduces its gradient buckets (strategies ddp, zero1 and
+ * fsdp; CT_EINVAL naming the strategy for others, and fsdp's sharding=none).  Call it on every rank, after
  * ct_strategy_create and between steps.  s owns state from then on: ops->
  * destroy(state) runs when the hook is replaced or s is destroyed (also when
  * this call fails).  ops must outlive s. */
 ct_status ct_strategy_register_comm_hook(ct_strategy *s, const ct_comm_hook_ops *ops, void *state);
 /* The name of the hook s reduces its buckets with ("allreduce", "bf16", "f16",
  * "powersgd" or a registered hook's), and (state != NULL) its state; NULL for
- * strategies without buckets. */
+ * strategies without buckets, and fsdp without a registered hook. */
 const char *ct_strategy_comm_hook(const ct_strategy *s, void **state);
 
 /* The built-in allreduce, with wire CT_F32, CT_BF16 or CT_F16. */
@@ -70,7 +85,7 @@ ct_status ct_comm_hook_allreduce(ct_dtype wire, const ct_comm_hook_ops **ops, vo
  * powersgd_* of ddp and zero1. */
 typedef struct {
     int rank;                    /* matrix_approximation_rank: r (powersgd_rank; --grad-compress powersgd:R) */
-    int start_iter;              /* start_powerSGD_iter: steps reduced uncompressed first (PyTorch's default is 1000; ours 10) */
+    int start_iter;              /* start_powerSGD_iter: steps reduced uncompressed first (1000, PyTorch's default) */
     double min_compression_rate; /* a matrix is compressed only when n*m > (n+m)*r times this (2) */
     int error_feedback;          /* use_error_feedback: what compression lost is added to the next step's gradient (1) */
     int warm_start;              /* warm_start: Q starts from the last step's (1); else fresh random each step */
@@ -78,7 +93,7 @@ typedef struct {
     float epsilon;               /* orthogonalization_epsilon: added to each column's norm (0) */
 } ct_powersgd_opts;
 
-/* PyTorch's defaults but start_iter 10, at the given rank. */
+/* PyTorch's defaults at the given rank. */
 ct_powersgd_opts ct_powersgd_defaults(int rank);
 /* A PowerSGD hook; CT_EINVAL naming a bad setting (rank < 1; error feedback
  * or warm start with start_iter < 2: DDP's buckets are rebuilt after the

@@ -66,6 +66,7 @@ static int start_mpi(allgather_op *o)
     MPI_Datatype t = ct__mpi_dtype(o->dt);
     o->phase = PH_MPI;
     w->gate = 0;
+    ct__traffic_coll(CT_COLL_ALLGATHER, w->g->size, 0, (uint64_t)w->g->size * (uint64_t)o->count * ct_dtype_size(o->dt));
     return ct__op_mpi(w, MPI_Iallgather(o->inplace ? MPI_IN_PLACE : o->send, o->count, t, o->recv,
                                         o->count, t, w->g->comm, &w->req),
                       "MPI_Iallgather");
@@ -119,6 +120,7 @@ static int two_level_progress(allgather_op *o)
             return CT__MOVED;
         }
         o->phase = PH_INTER;
+        ct__traffic_coll(CT_COLL_ALLGATHER, g->leaders->size, 0, (uint64_t)g->size * block);
         if (o->rank_order)
             return ct__op_mpi(w, MPI_Iallgatherv(MPI_IN_PLACE, 0, dt, o->recv, o->counts,
                                                  o->displs, dt, g->leaders->comm, &w->req),
@@ -209,6 +211,9 @@ static int allgatherv_start(ct_work *w)
 {
     allgather_op *o = (allgather_op *)w;
     MPI_Datatype t = ct__mpi_dtype(o->dt);
+    uint64_t total = 0; /* counted as equal parts (tally.c) */
+    for (int r = 0; r < w->g->size; r++) total += (uint64_t)o->counts[r];
+    ct__traffic_coll(CT_COLL_ALLGATHER, w->g->size, 0, total * ct_dtype_size(o->dt));
     return ct__op_mpi(w, MPI_Iallgatherv(o->inplace ? MPI_IN_PLACE : o->send, o->count, t,
                                          o->recv, o->counts, o->displs, t, w->g->comm, &w->req),
                       "MPI_Iallgatherv");

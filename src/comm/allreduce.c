@@ -66,6 +66,7 @@ static int start_mpi(allreduce_op *o)
     ct_work *w = &o->w;
     o->phase = PH_MPI;
     w->gate = 0; /* the group's next collective may make its MPI calls */
+    ct__traffic_coll(CT_COLL_ALLREDUCE, w->g->size, 0, (uint64_t)o->count * ct_dtype_size(o->dt));
     return ct__op_mpi(w, MPI_Iallreduce(MPI_IN_PLACE, o->buf, o->count, ct__mpi_dtype(o->dt),
                                         ct__mpi_op(o->dt, o->op), w->g->comm, &w->req),
                       "MPI_Iallreduce");
@@ -130,6 +131,7 @@ static int two_level_progress(allreduce_op *o)
     case PH_REDUCED: /* 2: the leaders, across nodes */
         if (!ct__shm_passed(t, o->target, &o->ref)) return CT__WAIT;
         o->phase = PH_INTER;
+        ct__traffic_coll(CT_COLL_ALLREDUCE, g->leaders->size, 0, (uint64_t)o->count * esz);
         return ct__op_mpi(w, MPI_Iallreduce(MPI_IN_PLACE, o->buf, o->count, ct__mpi_dtype(o->dt),
                                             ct__mpi_op(o->dt, o->op), g->leaders->comm, &w->req),
                           "MPI_Iallreduce (between nodes)");

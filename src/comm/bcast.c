@@ -12,6 +12,8 @@ typedef struct {
 static int bcast_start(ct_work *w)
 {
     bcast_op *o = (bcast_op *)w;
+    ct__traffic_coll(CT_COLL_BROADCAST, w->g->size, (w->g->rank - o->root + w->g->size) % w->g->size,
+                     (uint64_t)o->count * ct_dtype_size(o->dt));
     return ct__op_mpi(w, MPI_Ibcast(o->buf, o->count, ct__mpi_dtype(o->dt), o->root, w->g->comm,
                                     &w->req),
                       "MPI_Ibcast");

@@ -204,6 +204,14 @@ int ct__fp_on(void);
 void ct__work_describe(ct_work *w, int dtype, int64_t count, int root, int redop);
 /* Adds w's call and payload to its kind's tally (tally.c). */
 void ct__tally_add(const ct_work *w, int dtype, int64_t count);
+/* Adds what this rank sends and receives in one MPI collective over n ranks
+ * (pos: its place counted from the root; 0 where there is none) moving b
+ * bytes (tally.c says which b and the algorithm's figures).  kind may also be
+ * CT__COLL_SCATTER. */
+#define CT__COLL_SCATTER ((ct_coll_kind)CT_COLL_NKINDS)
+void ct__traffic_coll(ct_coll_kind kind, int n, int pos, uint64_t b);
+/* Adds a send's (s) or a recv's (r) bytes. */
+void ct__traffic_p2p(uint64_t s, uint64_t r);
 /* Comm thread: starts w's fingerprint all-gather (w->req set; CT__WAIT). */
 int ct__fp_start(ct_work *w);
 /* Comm thread, when the all-gather completed: 0 when every rank's matches

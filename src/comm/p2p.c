@@ -18,6 +18,7 @@ typedef struct {
 static int send_start(ct_work *w)
 {
     p2p_op *o = (p2p_op *)w;
+    ct__traffic_p2p((uint64_t)o->count * ct_dtype_size(o->dt), 0);
     return ct__op_mpi(w, MPI_Isend(o->sbuf, o->count, ct__mpi_dtype(o->dt), o->peer, o->tag,
                                    w->g->comm, &w->req),
                       "MPI_Isend");
@@ -26,6 +27,7 @@ static int send_start(ct_work *w)
 static int recv_start(ct_work *w)
 {
     p2p_op *o = (p2p_op *)w;
+    ct__traffic_p2p(0, (uint64_t)o->count * ct_dtype_size(o->dt));
     return ct__op_mpi(w, MPI_Irecv(o->buf, o->count, ct__mpi_dtype(o->dt), o->peer, o->tag,
                                    w->g->comm, &w->req),
                       "MPI_Irecv");

@@ -33,6 +33,8 @@ static int start_mpi(reduce_op *o)
     int at_root = w->g->rank == o->root;
     o->phase = PH_MPI;
     w->gate = 0;
+    ct__traffic_coll(CT_COLL_REDUCE, w->g->size, (w->g->rank - o->root + w->g->size) % w->g->size,
+                     (uint64_t)o->count * ct_dtype_size(o->dt));
     return ct__op_mpi(w, MPI_Ireduce(at_root ? MPI_IN_PLACE : o->buf, at_root ? o->buf : NULL,
                                      o->count, ct__mpi_dtype(o->dt), ct__mpi_op(o->dt, o->op),
                                      o->root, w->g->comm, &w->req),

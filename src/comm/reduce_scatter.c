@@ -104,6 +104,7 @@ static int ring_post(redscat_op *o)
     int tag = (int)(w->seq % 32768u); /* MPI guarantees tags up to 32767 */
     const void *out = k == 0 ? (const char *)o->send + (size_t)((r - 1 + W) % W) * block
                              : o->tmp[(k - 1) % 2];
+    ct__traffic_p2p(block, block); /* a block each way per step: exactly what moves */
     int rc = MPI_Irecv(o->tmp[k % 2], o->count, dt, (r - 1 + W) % W, tag, g->ring, &o->rq[1]);
     if (rc == MPI_SUCCESS)
         rc = MPI_Isend(out, o->count, dt, (r + 1) % W, tag, g->ring, &o->rq[0]);
@@ -161,6 +162,7 @@ static int start_mpi(redscat_op *o)
     if (o->tmp[0]) return start_ring(o);
     o->phase = PH_MPI;
     w->gate = 0;
+    ct__traffic_coll(CT_COLL_REDUCE_SCATTER, w->g->size, 0, (uint64_t)w->g->size * (uint64_t)o->count * ct_dtype_size(o->dt));
     return ct__op_mpi(w, MPI_Ireduce_scatter_block(o->inplace ? MPI_IN_PLACE : o->send,
                                                    o->inplace ? (void *)o->send : o->recv,
                                                    o->count, ct__mpi_dtype(o->dt),
@@ -208,6 +210,7 @@ static int two_level_progress(redscat_op *o)
         o->target = ct__shm_arrive(t, &o->ref);
         if (!leader) { /* 3, on the receiving side: the leader sends after step 1 */
             o->phase = PH_SCATTER;
+            ct__traffic_coll(CT__COLL_SCATTER, t->size, t->rank, (uint64_t)t->size * block);
             return ct__op_mpi(w, MPI_Iscatter(NULL, o->count, dt, o->recv, o->count, dt, 0,
                                               t->comm, &w->req),
                               "MPI_Iscatter (inside a node)");
@@ -227,6 +230,7 @@ static int two_level_progress(redscat_op *o)
         }
         /* 2: across nodes; node n's blocks land at the start of sums */
         o->phase = PH_INTER;
+        ct__traffic_coll(CT_COLL_REDUCE_SCATTER, g->leaders->size, 0, (uint64_t)g->size * block);
         return ct__op_mpi(w, MPI_Ireduce_scatter(MPI_IN_PLACE, o->sums, o->counts, dt,
                                                  ct__mpi_op(o->dt, o->op), g->leaders->comm,
                                                  &w->req),
@@ -234,6 +238,7 @@ static int two_level_progress(redscat_op *o)
     }
     case PH_INTER: /* 3: each rank of the node its block */
         o->phase = PH_SCATTER;
+        ct__traffic_coll(CT__COLL_SCATTER, t->size, 0, (uint64_t)t->size * block);
         return ct__op_mpi(w, MPI_Iscatter(o->sums, o->count, dt, o->recv, o->count, dt, 0,
                                           t->comm, &w->req),
                           "MPI_Iscatter (inside a node)");

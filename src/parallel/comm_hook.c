@@ -1,6 +1,6 @@
 /*
- * Communication hooks: how DDP's (and ZeRO-1's) gradient buckets are
- * reduced (include/ctrain/comm_hook.h).  This file owns the mechanism (a
+ * Communication hooks: how DDP's (and ZeRO-1's) gradient buckets, and
+ * FSDP's unit gradients, are reduced (include/ctrain/comm_hook.h).  This file owns the mechanism (a
  * strategy's hook, made from its options or registered by the user, and the
  * public view of a bucket it is handed) and the built-in allreduce, in f32
  * or with a 16-bit wire dtype.  PowerSGD is in powersgd.c.
@@ -18,33 +18,56 @@ struct ct__hook {
 /* ---- the built-in allreduce --------------------------------------------- */
 
 typedef struct {
+    uint16_t *buf;
+    int64_t n;
+} scratch_t;
+
+typedef struct {
     ct_dtype wire;
-    uint16_t *own; /* 16-bit scratch when the bucket brings none (registered on an f32 strategy) */
-    int64_t own_n;
+    /* 16-bit scratch per bucket index where the bucket brings none (registered
+     * on an f32 strategy, or FSDP's units): several are in flight at once */
+    scratch_t *own;
+    int nown;
 } allreduce_hook;
 
-static uint16_t *wire_of(allreduce_hook *h, const ct_comm_bucket *b)
+/* The 16-bit wire of b: the bucket's own, or n elements of scratch for its index. */
+static uint16_t *wire_of(allreduce_hook *h, const ct_comm_bucket *b, int64_t n)
 {
-    if (b->wire) return b->wire;
-    if (h->own_n < b->numel) {
+    if (b->wire && !b->shard) return b->wire;
+    if (b->index < 0) return NULL;
+    if (b->index >= h->nown) {
+        int nn = b->index + 1 > 2 * h->nown ? b->index + 1 : 2 * h->nown;
+        scratch_t *o = ct_alloc_zeroed(sizeof *o * (size_t)nn, CT_MEM_OTHER);
+        if (!o) return NULL;
+        if (h->nown) memcpy(o, h->own, sizeof *o * (size_t)h->nown);
         ct_free(h->own);
-        h->own_n = 0;
-        if (!(h->own = ct_alloc((size_t)b->numel * 2, CT_MEM_COMM))) return NULL;
-        h->own_n = b->numel;
+        h->own = o;
+        h->nown = nn;
     }
-    return h->own;
+    scratch_t *s = &h->own[b->index];
+    if (s->n < n) {
+        ct_free(s->buf);
+        s->n = 0;
+        if (!(s->buf = ct_alloc((size_t)n * 2, CT_MEM_COMM))) return NULL;
+        s->n = n;
+    }
+    return s->buf;
 }
 
+/* An allreduce of the bucket, or for FSDP (b->shard) a reduce-scatter into
+ * this rank's piece; 16-bit: the packed gradients, then the piece after them. */
 static ct_status allreduce_start(void *state, ct_group *g, const ct_comm_bucket *b, ct_work **work)
 {
     allreduce_hook *h = state;
-    void *buf = b->grad;
+    void *buf = b->grad, *out = b->shard;
     if (h->wire != CT_F32) {
-        uint16_t *w = wire_of(h, b);
+        uint16_t *w = wire_of(h, b, b->numel + (b->shard ? b->shard_numel : 0));
         if (!w) return CT_ENOMEM;
         ct__wire_pack(h->wire, b->grad, w, b->numel);
         buf = w;
+        out = w + b->numel;
     }
+    if (b->shard) return ct_group_reduce_scatter(g, buf, out, b->shard_numel, h->wire, CT_OP_SUM, work);
     return ct_group_allreduce(g, buf, b->numel, h->wire, CT_OP_SUM, work);
 }
 
@@ -53,7 +76,9 @@ static ct_status allreduce_finish(void *state, ct_group *g, const ct_comm_bucket
     (void)g;
     allreduce_hook *h = state;
     if (h->wire == CT_F32) return CT_OK;
-    ct__wire_unpack(h->wire, b->wire ? b->wire : h->own, b->grad, b->numel, 0);
+    uint16_t *w = wire_of(h, b, 0); /* the start's */
+    if (b->shard) ct__wire_unpack(h->wire, w + b->numel, b->shard, b->shard_numel, 0);
+    else ct__wire_unpack(h->wire, w, b->grad, b->numel, 0);
     return CT_OK;
 }
 
@@ -61,6 +86,7 @@ static void allreduce_destroy(void *state)
 {
     allreduce_hook *h = state;
     if (!h) return;
+    for (int i = 0; i < h->nown; i++) ct_free(h->own[i].buf);
     ct_free(h->own);
     ct_free(h);
 }
@@ -144,7 +170,19 @@ ct_status ct_strategy_register_comm_hook(ct_strategy *s, const ct_comm_hook_ops 
     if (!s->ops->takes_comm_hook) {
         if (ops->destroy) ops->destroy(state);
         return ct_error(CT_EINVAL, "ct_strategy_register_comm_hook: strategy %s has no gradient buckets to reduce "
-                        "through a hook; communication hooks apply to ddp and zero1", s->ops->kind);
+                        "through a hook; communication hooks apply to ddp, zero1 and fsdp", s->ops->kind);
+    }
+    const char *sh = ct_strategy_opt(s, "sharding");
+    if (!strcmp(s->ops->kind, "fsdp") && sh && !strcmp(sh, "none")) {
+        if (ops->destroy) ops->destroy(state);
+        return ct_error(CT_EINVAL, "ct_strategy_register_comm_hook: fsdp with sharding=none allreduces whole "
+                        "gradients as DDP does; use strategy ddp, whose buckets take hooks");
+    }
+    if (!strcmp(s->ops->kind, "fsdp") && ops->name && !strcmp(ops->name, "powersgd")) {
+        if (ops->destroy) ops->destroy(state);
+        return ct_error(CT_EINVAL, "ct_strategy_register_comm_hook: PowerSGD compresses whole gradient matrices; "
+                        "FSDP's sharded gradients need a reduce-scatter (PyTorch refuses it too): register the bf16 "
+                        "or f16 allreduce hook, or use ddp");
     }
     return hook_set(s, ops, state);
 }
@@ -156,15 +194,23 @@ const char *ct_strategy_comm_hook(const ct_strategy *s, void **state)
     return s->hook->ops->name;
 }
 
+ct_status ct__comm_hook_start_on(ct_strategy *s, ct_group *g, const ct_comm_bucket *b, ct_work **work)
+{
+    *work = NULL;
+    return s->hook->ops->start(s->hook->state, g, b, work);
+}
+
+ct_status ct__comm_hook_finish_on(ct_strategy *s, ct_group *g, const ct_comm_bucket *b)
+{
+    return s->hook->ops->finish(s->hook->state, g, b);
+}
+
 ct_status ct__comm_hook_start(ct_strategy *s, const ct_comm_bucket *b, ct_work **work)
 {
     *work = NULL;
     if (!s->hook) /* DDP's create sets it up before any bucket exists */
         return ct_error(CT_ESTATE, "%s: a bucket was started before the strategy's comm hook was set up", s->ops->kind);
-    return s->hook->ops->start(s->hook->state, s->g, b, work);
+    return ct__comm_hook_start_on(s, s->g, b, work);
 }
 
-ct_status ct__comm_hook_finish(ct_strategy *s, const ct_comm_bucket *b)
-{
-    return s->hook->ops->finish(s->hook->state, s->g, b);
-}
+ct_status ct__comm_hook_finish(ct_strategy *s, const ct_comm_bucket *b) { return ct__comm_hook_finish_on(s, s->g, b); }

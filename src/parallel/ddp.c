@@ -44,8 +44,8 @@ const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS] = {
     /* PowerSGD (comm_hook.h, powersgd.c): PyTorch's PowerSGDState settings */
     {"powersgd_rank", CT__OPT_COUNT, offsetof(ct__ddp_opts, powersgd_rank), "0",
      "reduce buckets by PowerSGD at this rank (0: off; --grad-compress powersgd:R)", 0, NULL},
-    {"powersgd_start_iter", CT__OPT_COUNT, offsetof(ct__ddp_opts, powersgd_start_iter), "10",
-     "PowerSGD: steps reduced uncompressed first", 0, NULL},
+    {"powersgd_start_iter", CT__OPT_COUNT, offsetof(ct__ddp_opts, powersgd_start_iter), "1000",
+     "PowerSGD: steps reduced uncompressed first (PyTorch's start_powerSGD_iter default)", 0, NULL},
     {"powersgd_min_compression_rate", CT__OPT_NUM, offsetof(ct__ddp_opts, powersgd_min_compression_rate), "2",
      "PowerSGD: compress a gradient only when its factors are this many times smaller", 0, NULL},
     {"powersgd_error_feedback", CT__OPT_BOOL, offsetof(ct__ddp_opts, powersgd_error_feedback), "1",
@@ -207,7 +207,7 @@ static void on_allreduce_done(ct_work *w, ct_status status, void *arg)
  * order they lie. */
 static ct_comm_bucket hook_bucket(const ddp_t *d, bucket_t *b)
 {
-    return (ct_comm_bucket){(int)(b - d->b), d->nb, b->mem, b->fl.numel, b->fl.n, b->fl.p, b->fl.off, b->wire};
+    return (ct_comm_bucket){(int)(b - d->b), d->nb, b->mem, b->fl.numel, b->fl.n, b->fl.p, b->fl.off, b->wire, NULL, 0};
 }
 
 static ct_status launch(ddp_t *d, bucket_t *b)

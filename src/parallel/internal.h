@@ -256,6 +256,9 @@ ct_status ct__comm_hook_setup(ct_strategy *s, const ct__ddp_opts *o);
 ct_status ct__comm_hook_start(ct_strategy *s, const ct_comm_bucket *b, ct_work **work);
 /* After the bucket's work completed: the hook leaves the sum in b->grad. */
 ct_status ct__comm_hook_finish(ct_strategy *s, const ct_comm_bucket *b);
+/* The registered hook's start and finish on group g (FSDP: a unit's shard group). */
+ct_status ct__comm_hook_start_on(ct_strategy *s, ct_group *g, const ct_comm_bucket *b, ct_work **work);
+ct_status ct__comm_hook_finish_on(ct_strategy *s, ct_group *g, const ct_comm_bucket *b);
 void ct__comm_hook_free(ct_strategy *s);
 /* powersgd.c: Gram-Schmidt over the columns of a [rows, cols] (row-major),
  * as PyTorch 1.13's _orthogonalize: each column divided by its norm + eps,

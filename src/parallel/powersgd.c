@@ -3,7 +3,9 @@
  * following PyTorch 1.13's powerSGD_hook step for step, so the same
  * settings train the same way:
  *
- *  - the first start_iter steps every bucket is allreduced as it is;
+ *  - the first start_iter steps (1000 by default, as PyTorch's: compressing
+ *    the fast-changing gradients of the first steps costs accuracy that
+ *    error feedback does not win back) every bucket is allreduced as it is;
  *  - then, per bucket: the last step's error is added to the gradients
  *    (error feedback) and a copy kept; each gradient of two or more
  *    dimensions, viewed as a matrix M [n = shape[0], m = the rest], whose
@@ -65,7 +67,7 @@ typedef struct {
 
 ct_powersgd_opts ct_powersgd_defaults(int rank)
 {
-    return (ct_powersgd_opts){rank, 10, 2.0, 1, 1, 0, 0.0f};
+    return (ct_powersgd_opts){rank, 1000, 2.0, 1, 1, 0, 0.0f};
 }
 
 static void bucket_clear(bucket_t *b)
@@ -208,6 +210,10 @@ static ct_status psgd_start(void *state, ct_group *g, const ct_comm_bucket *cb, 
 {
     psgd_t *s = state;
     bucket_t *b;
+    if (cb->shard)
+        return ct_error(CT_EINVAL, "PowerSGD compresses whole gradient matrices and allreduces their factors; "
+                                   "FSDP's sharded gradients need a reduce-scatter (PyTorch refuses it too): "
+                                   "register the bf16 or f16 allreduce hook, or use ddp");
     CT_TRY(bucket_slot(s, cb->index, &b));
     if (cb->index == 0) s->before = s->after = 0;
     s->before += cb->numel;

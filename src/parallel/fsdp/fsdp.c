@@ -18,6 +18,11 @@
  *                 (reduce_dtype on the wire), free the gradients and the
  *                 parameters
  *
+ * A registered communication hook (comm_hook.h) replaces the post-backward
+ * reduce-scatter of every sharded unit: it gets the unit's padded f32
+ * gradient and this rank's piece to fill (gshard, or an f32 buffer added to
+ * it); reduce_dtype is then the hook's business.
+ *
  * HYBRID_SHARD shards inside a node and allreduces the pieces across nodes
  * (replicas); NO_SHARD keeps every parameter (a shard group of one) and
  * allreduces, as DDP does.  Gathers run ahead: backward_prefetch pre starts
@@ -193,6 +198,30 @@ static void free_grads(fsdp_unit *u)
     u->grads = 0;
 }
 
+/* A registered hook reduces this unit (a sharded one): its wire is f32. */
+static int hooked(const ct_strategy *s, const fsdp_unit *u) { return s->hook && u->ns > 1; }
+
+/* Flat k of u as the hook's bucket: the padded gradient, this rank's piece
+ * in gshard or (something to add it to) rsbuf; index 2 u + k. */
+static void hook_bucket(ct_strategy *s, fsdp_unit *u, int k, ct_comm_bucket *b)
+{
+    fsdp_t *f = ct__fsdp_of(s);
+    fsdp_flat *fl = &u->fl[k];
+    *b = (ct_comm_bucket){.index = 2 * (int)(u - f->u) + k, .nbuckets = 2 * f->nu,
+                          .grad = ct_storage_ptr(fl->flat.st[CT__FL_GRAD]), .numel = padded(u, fl),
+                          .nparams = fl->flat.n, .params = fl->flat.p, .offsets = fl->flat.off,
+                          .shard = fl->rsbuf ? fl->rsbuf : fl->gshard, .shard_numel = fl->flat.shard};
+}
+
+static ct_status hook_start(ct_strategy *s, fsdp_unit *u, int k)
+{
+    fsdp_flat *fl = &u->fl[k];
+    if (!fl->gzero && !(fl->rsbuf = ct__wire_alloc(CT_F32, fl->flat.shard))) return CT_ENOMEM;
+    ct_comm_bucket b;
+    hook_bucket(s, u, k, &b);
+    return ct__comm_hook_start_on(s, u->sg, &b, &fl->rs);
+}
+
 /* Starts the reduce-scatter of the unit's gradients into this rank's piece. */
 static ct_status start_reduce(ct_strategy *s, fsdp_unit *u)
 {
@@ -201,6 +230,10 @@ static ct_status start_reduce(ct_strategy *s, fsdp_unit *u)
     for (int k = 0; k < u->nfl; k++) {
         fsdp_flat *fl = &u->fl[k];
         for (int j = 0; j < fl->flat.n; j++) ct_param_grad_sync(fl->flat.p[j]); /* unused parameters: zeros */
+        if (hooked(s, u)) {
+            CT_TRY(hook_start(s, u, k));
+            continue;
+        }
         float *g = ct_storage_ptr(fl->flat.st[CT__FL_GRAD]);
         const void *src = g;
         if (dt != CT_F32) {
@@ -236,7 +269,7 @@ static void round_low(float *g, int64_t n)
  * to the gradient piece and frees the unsharded gradients. */
 static ct_status finish_reduce(ct_strategy *s, fsdp_unit *u)
 {
-    ct_dtype dt = (ct_dtype)s->common.reduce_dtype;
+    ct_dtype dt = hooked(s, u) ? CT_F32 : (ct_dtype)s->common.reduce_dtype;
     ct_status st = CT_OK;
     double t0 = ct_now();
     for (int k = 0; k < u->nfl; k++) {
@@ -246,6 +279,11 @@ static ct_status finish_reduce(ct_strategy *s, fsdp_unit *u)
             if (st == CT_OK) st = w;
             ct_work_destroy(fl->rs);
             fl->rs = NULL;
+        }
+        if (st == CT_OK && hooked(s, u)) {
+            ct_comm_bucket b;
+            hook_bucket(s, u, k, &b);
+            st = ct__comm_hook_finish_on(s, u->sg, &b);
         }
         void *r = u->ns > 1 ? (fl->rsbuf ? fl->rsbuf : (void *)fl->gshard)
                             : (fl->wire ? fl->wire : ct_storage_ptr(fl->flat.st[CT__FL_GRAD]));
@@ -731,6 +769,7 @@ const ct__strategy_ops ct__fsdp_ops = {
     .opts_size = sizeof(fsdp_opts),
     .manages_compute = 1,
     .makes_params = 1,
+    .takes_comm_hook = 1,
     .place = {
         .init = fsdp_init,
         .fini = fsdp_fini,

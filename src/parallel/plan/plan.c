@@ -211,16 +211,46 @@ static ct_status plan_none(const ct__plan *pl, ct_mem_plan *out)
     return CT_OK;
 }
 
+/* PowerSGD's buffers (powersgd.c, bucket_plan), kept from the first
+ * compressed step on: per gradient P [n, r] and Q [m, r] in f32 where it is
+ * compressed (the same rule: viewed as [n = shape[0], m = the rest],
+ * r = min(n, m, rank), (n + m) r rate < n m), else its copy in the
+ * uncompressed part; with error feedback the error and a copy of every
+ * bucket (2 x 4 bytes an element); a few floats per bucket are left out. */
+static uint64_t powersgd_bytes(const ct__plan *pl)
+{
+    double rank = ct__plan_num(pl, "powersgd_rank", 0), rate = ct__plan_num(pl, "powersgd_min_compression_rate", 2);
+    if (rank <= 0) return 0;
+    uint64_t b = 0;
+    for (int i = 0; i < pl->ntp; i++) {
+        const ct_tensor *t = pl->tp[i]->data;
+        int64_t rows = t->ndim > 1 ? t->shape[0] : 0, cols = rows ? t->numel / rows : 0;
+        double r = (double)(rows < cols ? rows : cols);
+        if (r > rank) r = rank;
+        if (rows > 0 && (double)(rows + cols) * r * rate < (double)t->numel) b += (uint64_t)((double)(rows + cols) * r) * 4;
+        else b += (uint64_t)t->numel * 4;
+        if (ct__plan_num(pl, "powersgd_error_feedback", 1) != 0) b += (uint64_t)t->numel * 8;
+    }
+    return b;
+}
+
+/* The communication bytes of DDP's (and ZeRO-1's) buckets beside the
+ * gradients: a 16-bit reduce_dtype's 2-byte wire copy of every bucket, or
+ * PowerSGD's buffers. */
+static uint64_t bucket_comm(const ct__plan *pl, uint64_t tb)
+{
+    return ct__plan_is16(pl, "reduce_dtype") ? tb / 2 : powersgd_bytes(pl);
+}
+
 /* DDP (ddp.c): gradients live once, in the buckets (rebuilt at zero_grad
- * with the old ones freed first); a 16-bit reduce_dtype adds a 2-byte wire
- * copy of every bucket. */
+ * with the old ones freed first), and bucket_comm's bytes. */
 static ct_status plan_ddp(const ct__plan *pl, ct_mem_plan *out)
 {
     uint64_t act, optim, tb = trainable_bytes(pl);
     CT_TRY(activations(pl, &act));
     CT_TRY(optim_whole(pl, &optim));
     ct__plan_rank(out, param_bytes(pl, ct__plan_is16(pl, "param_dtype")), tb + ct__plan_frozen_grads(pl), optim, act,
-                  ct__plan_is16(pl, "reduce_dtype") ? tb / 2 : 0);
+                  bucket_comm(pl, tb));
     return CT_OK;
 }
 
@@ -239,7 +269,7 @@ static ct_status plan_zero1(const ct__plan *pl, ct_mem_plan *out)
     uint64_t tb = trainable_bytes(pl), param = param_bytes(pl, ct__plan_is16(pl, "param_dtype"));
     for (int r = 0; r < pl->spec->world; r++)
         ct__plan_rank(out, param, tb + ct__plan_frozen_grads(pl), ct__plan_optim_share(pl, &pt, r, counts), act,
-                      ct__plan_is16(pl, "reduce_dtype") ? tb / 2 : 0);
+                      bucket_comm(pl, tb));
     ct_free(counts);
     ct_partition_fini(&pt);
     return CT_OK;
