@@ -466,6 +466,16 @@ ct_status ct_module_set_stats_sync(ct_module *root, ct_stats_sync_fn fn, void *u
 ct_module *ct_flatten_create(void);
 /* Children run in order; add them with ct_module_add(m, NULL, kid). */
 ct_module *ct_sequential_create(void);
+/* Skip connections (torchgpipe's stash/pop): a stash passes its input on
+ * and keeps it under name; a later pop of that name (anywhere in the same
+ * model, after the stash in forward order) outputs its input plus the kept
+ * tensor (same shape, f32), and its backward hands the gradient back to the
+ * stash.  One stash per name; any number of pops.  A pipeline may cut
+ * between them: it sends the kept tensor with the activations (README). */
+ct_module *ct_skip_stash_create(const char *name);
+ct_module *ct_skip_pop_create(const char *name);
+/* 1 if m is a stash, 2 a pop (*name, may be NULL, gets its name), else 0. */
+int ct_skip_info(const ct_module *m, const char **name);
 /* Cuts sequential seq into pipeline stages: moves its children, in order,
  * into nparts new sequentials, parts[0] taking the first sizes[0] children,
  * parts[1] the next sizes[1], and so on.  Names do not change: each part is

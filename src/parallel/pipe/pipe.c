@@ -220,6 +220,7 @@ static void pipe_fini(ct_strategy *s)
     ct_group_destroy(p->pg);
     ct_group_destroy(p->rg);
     ct__pipe_ties_fini(p);
+    ct__pipe_skips_fini(p);
     for (int i = 0; i < p->nnames; i++) ct_free(p->names[i]);
     ct_free(p->names);
     ct_free(p->balance);
@@ -295,6 +296,7 @@ static ct_status pipe_init(ct_strategy *s)
     CT_TRY(plan(s, p));
     CT_TRY(keep_names(p, s));
     CT_TRY(ct__pipe_ties_init(s, p)); /* while every stage's children are here */
+    CT_TRY(ct__pipe_skips_init(s, p));
     CT_TRY(ct_group_split(s->g, p->stage >= 0 ? p->replica : CT_GROUP_NONE, p->stage, &p->pg));
     CT_TRY(ct_group_split(s->g, p->stage >= 0 ? p->stage : CT_GROUP_NONE, p->replica, &p->rg));
     /* Keep this stage's children; the others' memory goes (from the end, so indices hold). */

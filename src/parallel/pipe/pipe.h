@@ -41,6 +41,20 @@ typedef struct {
     int first;      /* this stage is the first holder: it counts them in the norm and saves them */
 } pipe_tie;
 
+/* A skip (ct_skip_stash_create / ct_skip_pop_create) whose pops lie in
+ * later stages than its stash: stages a..b-1 send its value with their
+ * activations (and b..a+1 its gradient back with theirs). */
+enum { CT_PIPE_MAX_SKIPS = 16 }; /* skips live at one boundary */
+
+typedef struct {
+    char name[64];
+    int a, b;          /* the stash's stage, the last pop's */
+    ct_module *stash;  /* this stage's: the model's own (stage a), a proxy the pops of this stage are
+                          bound to (a < stage <= b), else NULL */
+    int own;           /* stash is the proxy, this strategy's to free */
+    pipe_shape sh;     /* its row shape, agreed with the boundaries */
+} pipe_skip;
+
 typedef struct {
     int nstages, stage;    /* stage -1: this rank sits out (more ranks than stages x replicas) */
     int replicas, replica;
@@ -59,7 +73,14 @@ typedef struct {
     /* boundary shapes, agreed for the input row shape in key (see pipe_sched.c) */
     int have_shapes;
     pipe_shape key, in, out;
+    pipe_skip *skips;      /* every skip crossing a boundary (every rank lists them all) */
+    int nskips;
+    int64_t in_wide, out_wide; /* a message's values per row: the activation's, then each live skip's */
 } pipe_t;
+
+/* The skips live at stage k's input / output boundary. */
+static inline int ct__pipe_skip_in(const pipe_skip *sk, int k) { return sk->a < k && k <= sk->b; }
+static inline int ct__pipe_skip_out(const pipe_skip *sk, int k) { return sk->a <= k && k < sk->b; }
 
 static inline pipe_t *ct__pipe(const ct_strategy *s) { return s->priv; }
 
@@ -75,6 +96,12 @@ ct_status ct__pipe_shard_state(ct_strategy *s, int optim, ct_state *out);
 ct_status ct__pipe_local_state(ct_strategy *s, int optim, ct_state *out);
 ct_status ct__pipe_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                               int optim);
+
+/* pipe_skip.c.  Lists the skips crossing a boundary (while every stage's
+ * children are here; the same errors on every rank) and gives this stage
+ * its proxies; fini frees them. */
+ct_status ct__pipe_skips_init(ct_strategy *s, pipe_t *p);
+void ct__pipe_skips_fini(pipe_t *p);
 
 /* pipe_tied.c.  Finds the tied parameters in the unsplit model (before
  * the other stages' children are freed) and splits their groups:

@@ -49,6 +49,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "nn/skip.h"
 #include "pipe.h"
 
 #define TAG_FWD(j) (2 * (j))
@@ -232,17 +233,24 @@ static void send_failed(run_t *r, int64_t count, int peer, int tag)
         ct_comm_abort("pipe: sending to stage %d failed: %s", peer, ct_last_error());
 }
 
-/* Sends t's count values (a failed mark when t is NULL or this step failed) to stage peer. */
-static void send_to(run_t *r, const ct_tensor *t, int64_t count, int peer, int tag)
+/* Sends the values of ts[0..nt) one after another, count in all (a failed
+ * mark when one is NULL or this step failed), to stage peer. */
+static void send_to(run_t *r, const ct_tensor *const *ts, int nt, int64_t count, int peer, int tag)
 {
     reap_sends(r, 0);
-    int64_t shape[1] = {count + 1};
-    int good = t && ok(r) && t->numel == count;
+    int64_t shape[1] = {count + 1}, have = 0;
+    int good = ok(r);
+    for (int i = 0; i < nt && good; i++)
+        if (!ts[i] || ts[i]->dtype != CT_F32) good = 0;
+        else have += ts[i]->numel;
+    good = good && have == count;
     xfer_t x = {good ? ct_tensor_empty(CT_F32, 1, shape, CT_MEM_COMM) : NULL, NULL, 0, 0, 0, 0};
     ct_status st = !good || x.buf ? CT_OK : CT_ENOMEM;
     if (x.buf) {
         float *v = ct_f32(x.buf);
-        memcpy(v, ct_f32(t), sizeof *v * (size_t)count);
+        int64_t off = 0;
+        for (int i = 0; i < nt; off += ts[i]->numel, i++)
+            memcpy(v + off, ct_f32(ts[i]), sizeof *v * (size_t)ts[i]->numel);
         v[count] = 0.0f;
         st = ct_group_send(r->p->pg, v, count + 1, CT_F32, peer, tag, &x.w);
     }
@@ -265,6 +273,71 @@ static ct_fwd_ctx mb_ctx(const run_t *r, const mb_t *b)
     return c;
 }
 
+/* ---- skips crossing a boundary (pipe_skip.c) ----------------------------- */
+
+/* A message holds the activation's rows, then each live skip's rows, in
+ * the order of p->skips.  Takes micro-batch b's received skip values
+ * (grad 0: from the input message into this stage's proxies) or their
+ * gradients (grad 1: from the gradient message into the stashes). */
+static void skip_take(run_t *r, mb_t *b, int k, int grad)
+{
+    pipe_t *p = r->p;
+    xfer_t *x = grad ? &b->bin : &b->fin;
+    int64_t off = b->n * (grad ? p->out.row_numel : p->in.row_numel);
+    int64_t key = mb_ctx(r, b).sample0;
+    for (int i = 0; i < p->nskips && ok(r); i++) {
+        pipe_skip *sk = &p->skips[i];
+        if (!(grad ? ct__pipe_skip_out(sk, k) : ct__pipe_skip_in(sk, k))) continue;
+        int64_t shape[CT_MAX_DIMS];
+        memcpy(shape, sk->sh.shape, sizeof shape);
+        shape[0] = b->n;
+        ct_tensor *v = ct_tensor_view(x->buf, off, sk->sh.ndim, shape);
+        ct_status st = !v ? CT_ENOMEM : grad ? ct__skip_set_grad(sk->stash, key, v) : ct__skip_put(sk->stash, key, v);
+        ct_tensor_release(v);
+        if (st != CT_OK) fail(r, st);
+        off += b->n * sk->sh.row_numel;
+    }
+}
+
+/* The live skips' values (grad 0, to send forward) or gradients (grad 1,
+ * back) of micro-batch b into ts; how many.  A value missing fails the
+ * step (the message goes marked); a gradient no pop made is zeros. */
+static int skip_parts(run_t *r, mb_t *b, int k, int grad, const ct_tensor **ts)
+{
+    pipe_t *p = r->p;
+    int64_t key = mb_ctx(r, b).sample0;
+    int nt = 0;
+    for (int i = 0; i < p->nskips; i++) {
+        pipe_skip *sk = &p->skips[i];
+        if (!(grad ? ct__pipe_skip_in(sk, k) : ct__pipe_skip_out(sk, k))) continue;
+        ct_tensor *v = ok(r) ? ct__skip_value(sk->stash, key, grad) : NULL;
+        if (!v && ok(r) && grad && (v = ct__skip_value(sk->stash, key, 0))) {
+            ct_tensor *z = ct_tensor_create(CT_F32, v->ndim, v->shape, CT_MEM_ACT);
+            ct_status st = z ? ct__skip_set_grad(sk->stash, key, z) : CT_ENOMEM;
+            ct_tensor_release(z);
+            v = st == CT_OK ? ct__skip_value(sk->stash, key, 1) : NULL;
+        }
+        if (!v && ok(r))
+            fail(r, ct_error(CT_ESTATE, "pipe: stage %d has no %s of skip '%s' for micro-batch rows %lld..", k,
+                             grad ? "gradient" : "value", sk->name, (long long)key));
+        if (v && v->numel != b->n * sk->sh.row_numel && ok(r))
+            fail(r, ct_error(CT_EINVAL, "pipe: skip '%s' has %lld values for %lld rows, not the %lld per row shape "
+                             "inference gave", sk->name, (long long)v->numel, (long long)b->n,
+                             (long long)sk->sh.row_numel));
+        ts[nt++] = v;
+    }
+    return nt;
+}
+
+/* Micro-batch b is done on this stage: the proxies let its values go. */
+static void skip_done(run_t *r, mb_t *b, int k)
+{
+    pipe_t *p = r->p;
+    int64_t key = mb_ctx(r, b).sample0;
+    for (int i = 0; i < p->nskips; i++)
+        if (p->skips[i].own && ct__pipe_skip_in(&p->skips[i], k)) ct__skip_drop(p->skips[i].stash, key);
+}
+
 static void forward(run_t *r, int j)
 {
     pipe_t *p = r->p;
@@ -275,12 +348,13 @@ static void forward(run_t *r, int j)
     reap_sends(r, 0); /* sends done since the last operation give their copies back */
     if (k > 0) {
         have = wait_recv(r, &b->fin, k - 1, "activations", j);
-        if (j + 1 < r->m) post_recv(r, &r->mb[j + 1].fin, k - 1, TAG_FWD(j + 1), r->mb[j + 1].n * p->in.row_numel);
+        if (j + 1 < r->m) post_recv(r, &r->mb[j + 1].fin, k - 1, TAG_FWD(j + 1), r->mb[j + 1].n * p->in_wide);
     }
     ct_tensor *y = NULL;
     if (have && ok(r)) {
         ct_tensor *src = k == 0 ? (r->b ? r->b->x : r->x) : b->fin.buf;
         b->x = rows_view(src, k == 0 ? b->r0 : 0, n, k == 0 ? NULL : &p->in);
+        if (k > 0 && b->x) skip_take(r, b, k, 0);
         b->ckpt = r->train && (O_ckpt(r) == PIPE_CKPT_ALWAYS || (O_ckpt(r) == PIPE_CKPT_EXCEPT_LAST && j < r->m - 1));
         ct_fwd_ctx c = mb_ctx(r, b);
         double t0 = ct_now();
@@ -299,7 +373,9 @@ static void forward(run_t *r, int j)
         if (st != CT_OK) fail(r, st);
     }
     if (!last) {
-        send_to(r, y, n * p->out.row_numel, k + 1, TAG_FWD(j));
+        const ct_tensor *ts[1 + CT_PIPE_MAX_SKIPS] = {y};
+        int nt = 1 + skip_parts(r, b, k, 0, ts + 1);
+        send_to(r, ts, nt, n * p->out_wide, k + 1, TAG_FWD(j));
     } else if (ok(r) && r->train) {
         ct_tensor *t = rows_view(r->b->y, b->r0, n, NULL);
         float l = 0;
@@ -320,6 +396,7 @@ static void forward(run_t *r, int j)
         memcpy((float *)ct_f32(r->out) + b->r0 * p->out.row_numel, ct_f32(y), sizeof(float) * (size_t)y->numel);
     }
     ct_tensor_release(y);
+    if (!r->train) skip_done(r, b, k);
     if (!r->train) {
         ct_tensor_release(b->x);
         ct_tensor_release(b->fin.buf);
@@ -336,8 +413,9 @@ static void backward(run_t *r, int j, int final, int next)
     reap_sends(r, 0);
     if (!last) {
         int have = wait_recv(r, &b->bin, k + 1, "gradients", j);
-        if (next >= 0) post_recv(r, &r->mb[next].bin, k + 1, TAG_BWD(next), r->mb[next].n * p->out.row_numel);
+        if (next >= 0) post_recv(r, &r->mb[next].bin, k + 1, TAG_BWD(next), r->mb[next].n * p->out_wide);
         if (have && !(dout = rows_view(b->bin.buf, 0, b->n, &p->out))) fail(r, CT_ENOMEM);
+        if (have && dout) skip_take(r, b, k, 1);
     } else if (b->dz) {
         dout = ct_tensor_retain(b->dz);
     }
@@ -361,7 +439,12 @@ static void backward(run_t *r, int j, int final, int next)
         ct_trace_event("backward", "pipe", t0, ct_now(), 0);
         if (st != CT_OK) fail(r, st);
     }
-    if (k > 0) send_to(r, din, b->n * p->in.row_numel, k - 1, TAG_BWD(j));
+    if (k > 0) {
+        const ct_tensor *ts[1 + CT_PIPE_MAX_SKIPS] = {din};
+        int nt = 1 + skip_parts(r, b, k, 1, ts + 1);
+        send_to(r, ts, nt, b->n * p->in_wide, k - 1, TAG_BWD(j));
+        skip_done(r, b, k);
+    }
     ct_tensor_release(din);
     ct_tensor_release(dout);
     ct_record_destroy(b->rec);
@@ -439,6 +522,22 @@ static ct_status agree(run_t *r, const ct_tensor *own, int64_t *nrows)
         shape_set(&cur, (int)msg[0], shape);
         if (s == k) p->out = cur;
     }
+    /* each crossing skip's row shape, from its stash's stage */
+    p->in_wide = p->in.row_numel;
+    p->out_wide = p->out.row_numel;
+    for (int i = 0; i < p->nskips; i++) {
+        pipe_skip *sk = &p->skips[i];
+        int64_t msg[1 + CT_MAX_DIMS] = {0};
+        if (k == sk->a) msg[0] = ct__skip_shape(sk->stash, msg + 1);
+        CT_TRY(ct_group_broadcast(p->pg, msg, 1 + CT_MAX_DIMS, CT_I64, sk->a, NULL));
+        if (msg[0] < 1)
+            return ct_error(CT_EINVAL, "pipe: skip '%s' stashed in stage %d was not reached by shape inference",
+                            sk->name, sk->a);
+        for (int d = 0; d < msg[0]; d++) shape[d] = d ? msg[1 + d] : 1;
+        shape_set(&sk->sh, (int)msg[0], shape);
+        if (ct__pipe_skip_in(sk, k)) p->in_wide += sk->sh.row_numel;
+        if (ct__pipe_skip_out(sk, k)) p->out_wide += sk->sh.row_numel;
+    }
     p->key = in;
     p->have_shapes = 1;
     return CT_OK;
@@ -494,8 +593,8 @@ static ct_status run(run_t *r, int64_t nrows, int chunks)
      * rank short of memory says so here, on every rank, before any message. */
     r->cap = (k + 1 < P ? r->m : 0) + (k > 0 && r->train ? r->m : 0);
     int64_t most = 0;
-    if (k + 1 < P) most = size * p->out.row_numel;
-    if (k > 0 && size * p->in.row_numel > most) most = size * p->in.row_numel;
+    if (k + 1 < P) most = size * p->out_wide;
+    if (k > 0 && size * p->in_wide > most) most = size * p->in_wide;
     int64_t sshape[1] = {most + 1};
     r->mb = ct_alloc_zeroed(sizeof *r->mb * (size_t)r->m, CT_MEM_OTHER);
     int *ops = ct_alloc(sizeof *ops * (size_t)(2 * r->m), CT_MEM_OTHER);
@@ -524,8 +623,8 @@ static ct_status run(run_t *r, int64_t nrows, int chunks)
      * them all as they come, so the sender's copies go at once instead of
      * waiting in its memory for a receive posted one ahead. */
     int ahead = r->train && ((const pipe_opts *)r->s->kopts)->schedule == PIPE_GPIPE ? r->m : 1;
-    for (int j = 0; k > 0 && j < ahead; j++) post_recv(r, &r->mb[j].fin, k - 1, TAG_FWD(j), r->mb[j].n * p->in.row_numel);
-    if (k < P - 1 && nb) post_recv(r, &r->mb[border[0]].bin, k + 1, TAG_BWD(border[0]), r->mb[border[0]].n * p->out.row_numel);
+    for (int j = 0; k > 0 && j < ahead; j++) post_recv(r, &r->mb[j].fin, k - 1, TAG_FWD(j), r->mb[j].n * p->in_wide);
+    if (k < P - 1 && nb) post_recv(r, &r->mb[border[0]].bin, k + 1, TAG_BWD(border[0]), r->mb[border[0]].n * p->out_wide);
     /* The replica strategy's before-forward work (ZeRO-1: parameters refreshed; DDP: buffers broadcast). */
     if (r->train) {
         ct_status st = ct_strategy_pre_forward(p->inner);
@@ -557,6 +656,8 @@ static ct_status run(run_t *r, int64_t nrows, int chunks)
         ct_tensor_release(b->x);
         ct_tensor_release(b->dz);
     }
+    for (int i = 0; i < p->nskips; i++) /* what a failed step left */
+        if (p->skips[i].stash) ct__skip_clear(p->skips[i].stash);
     spare_free(r);
     free_plan(r, ops, border);
     /* Every rank of the pipeline returns the first failing rank's message. */
