@@ -600,13 +600,60 @@ ct_status ct__fsdp_off_step(ct_strategy *s)
 
 /* ---- pinned: checkpoints and summons -------------------------------------------- */
 
+/* Each range this rank owns, in the optimizer's slot order (the walk of
+ * fsdp_build_optim): fn gets its slot, flat, offloaded parts and offset in
+ * the shard. */
+typedef void (*slot_fn)(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int64_t at, int64_t count, void *ud);
+
+static void each_slot(ct_strategy *s, slot_fn fn, void *ud)
+{
+    fsdp_t *f = ct__fsdp_of(s);
+    const ct__shards *z = &f->sh;
+    int slot = 0;
+    for (int t = 0; t < z->ntp; t++)
+        for (int i = 0; i < f->nu; i++)
+            for (int k = 0; k < f->u[i].nfl; k++) {
+                fsdp_unit *u = &f->u[i];
+                fsdp_flat *fl = &u->fl[k];
+                for (int j = 0; j < fl->flat.n; j++) {
+                    if (fl->flat.p[j] != z->tp[t]) continue;
+                    for (int r = 0; r < fl->pt.n; r++) {
+                        const ct_part_range *pr = &fl->pt.ranges[r];
+                        if (pr->param != j || pr->owner != u->srank || !pr->count) continue;
+                        int64_t at = fl->flat.off[j] + pr->offset - (int64_t)u->srank * fl->flat.shard;
+                        fn(s, slot++, fl, OF(s, u, k), at, pr->count, ud);
+                    }
+                }
+            }
+}
+
+/* The range's optimizer state between the store's parts and the optimizer's
+ * buffers (*(int *)ud: 1 into the buffers, 0 back into the parts). */
+static void move_state(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int64_t at, int64_t count, void *ud)
+{
+    int in = *(int *)ud;
+    float *bufs[CT_OPTIM_MAX_STATE];
+    float *st = x->st[PS] ? ct_storage_ptr(x->st[PS]) : NULL;
+    if (!st || ct_optim_state(s->opt, slot, bufs, NULL) <= 0) return;
+    for (int b = 0; b < ct__fsdp_of(s)->off->nstate; b++) {
+        float *part = st + (int64_t)b * fl->flat.shard + at;
+        memcpy(in ? bufs[b] : part, in ? part : bufs[b], (size_t)count * sizeof(float));
+    }
+}
+
+/* The optimizer's slot points at the resident master and gradient piece. */
+static void point_slot(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int64_t at, int64_t count, void *ud)
+{
+    ct_optim_set_slot(s->opt, slot, fl->master + at, fl->gshard ? fl->gshard + at : NULL);
+    if (*(int *)ud) move_state(s, slot, fl, x, at, count, ud);
+}
+
 /* Every flat's masters (and with optim, state lent to the optimizer's
  * buffers) resident, the optimizer's slots pointing at them. */
 static ct_status pin(ct_strategy *s, int optim)
 {
     fsdp_t *f = ct__fsdp_of(s);
     fsdp_off *o = f->off;
-    ct__shards *z = &ct__fsdp_of(s)->sh;
     CT_TRY(flush(s));
     if (o->nscales) CT_TRY(flush_scales(s));
     for (int n = 0, i = 0; i < f->nu; i++)
@@ -616,30 +663,7 @@ static ct_status pin(ct_strategy *s, int optim)
             if (optim && o->fl[n].fresh && o->fl[n].st[PS]) memset(ct_storage_ptr(o->fl[n].st[PS]), 0, o->fl[n].st[PS]->bytes);
         }
     o->pinned = 1;
-    /* slot k of the optimizer: the same walk as fsdp_build_optim */
-    int slot = 0;
-    for (int t = 0; t < z->ntp; t++)
-        for (int i = 0; i < f->nu; i++)
-            for (int k = 0; k < f->u[i].nfl; k++) {
-                fsdp_unit *u = &f->u[i];
-                fsdp_flat *fl = &u->fl[k];
-                off_flat *x = OF(s, u, k);
-                for (int j = 0; j < fl->flat.n; j++) {
-                    if (fl->flat.p[j] != z->tp[t]) continue;
-                    for (int r = 0; r < fl->pt.n; r++) {
-                        const ct_part_range *pr = &fl->pt.ranges[r];
-                        if (pr->param != j || pr->owner != u->srank || !pr->count) continue;
-                        int64_t at = fl->flat.off[j] + pr->offset - (int64_t)u->srank * fl->flat.shard;
-                        ct_optim_set_slot(s->opt, slot, fl->master + at, fl->gshard ? fl->gshard + at : NULL);
-                        float *bufs[CT_OPTIM_MAX_STATE];
-                        float *st = x->st[PS] ? ct_storage_ptr(x->st[PS]) : NULL;
-                        if (optim && st && ct_optim_state(s->opt, slot, bufs, NULL) > 0)
-                            for (int b = 0; b < o->nstate; b++)
-                                memcpy(bufs[b], st + (int64_t)b * fl->flat.shard + at, (size_t)pr->count * sizeof(float));
-                        slot++;
-                    }
-                }
-            }
+    each_slot(s, point_slot, &optim);
     return CT_OK;
 }
 
@@ -649,29 +673,8 @@ static ct_status unpin(ct_strategy *s, int optim, int changed)
 {
     fsdp_t *f = ct__fsdp_of(s);
     fsdp_off *o = f->off;
-    ct__shards *z = &ct__fsdp_of(s)->sh;
-    int slot = 0;
-    for (int t = 0; optim && changed && t < z->ntp; t++)
-        for (int i = 0; i < f->nu; i++)
-            for (int k = 0; k < f->u[i].nfl; k++) {
-                fsdp_unit *u = &f->u[i];
-                fsdp_flat *fl = &u->fl[k];
-                off_flat *x = OF(s, u, k);
-                for (int j = 0; j < fl->flat.n; j++) {
-                    if (fl->flat.p[j] != z->tp[t]) continue;
-                    for (int r = 0; r < fl->pt.n; r++) {
-                        const ct_part_range *pr = &fl->pt.ranges[r];
-                        if (pr->param != j || pr->owner != u->srank || !pr->count) continue;
-                        int64_t at = fl->flat.off[j] + pr->offset - (int64_t)u->srank * fl->flat.shard;
-                        float *bufs[CT_OPTIM_MAX_STATE];
-                        float *st = x->st[PS] ? ct_storage_ptr(x->st[PS]) : NULL;
-                        if (st && ct_optim_state(s->opt, slot, bufs, NULL) > 0)
-                            for (int b = 0; b < o->nstate; b++)
-                                memcpy(st + (int64_t)b * fl->flat.shard + at, bufs[b], (size_t)pr->count * sizeof(float));
-                        slot++;
-                    }
-                }
-            }
+    int out = 0;
+    if (optim && changed) each_slot(s, move_state, &out);
     if (optim) ct_optim_release_state(s->opt);
     o->pinned = 0;
     ct_status st = CT_OK;
