@@ -10,23 +10,6 @@
 
 #define H 16
 
-/* 0 linear, 1 tanh, 2 (0 linear, 1 relu, 2 linear), 3 layernorm, [dropout], 4/5 linear */
-static ct_module *model(uint64_t seed, int dropout)
-{
-    ct_module *m = ct_sequential_create(), *inner = ct_sequential_create();
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(IN, H, 1)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
-    ASSERT_OK(ct_module_add(inner, NULL, ct_linear_create(H, H, 1)));
-    ASSERT_OK(ct_module_add(inner, NULL, ct_relu_create()));
-    ASSERT_OK(ct_module_add(inner, NULL, ct_linear_create(H, H, 1)));
-    ASSERT_OK(ct_module_add(m, NULL, inner));
-    ASSERT_OK(ct_module_add(m, NULL, ct_layernorm_create(H, 1e-5f)));
-    if (dropout) ASSERT_OK(ct_module_add(m, NULL, ct_dropout_create(0.25f)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(H, NCLS, 1)));
-    ct_module_init_params(m, seed);
-    return m;
-}
-
 typedef struct {
     const char *opts;      /* fsdp's */
     const char *ref_opts;  /* the one process's ("none") */
@@ -43,7 +26,7 @@ static void fsdp_vs_single_on(ct_group *g, const fsdp_case *c)
     int rank = ct_group_rank(g), world = ct_group_size(g);
     int64_t n = 6 * world + 2;
     /* different seeds per rank: sync_module_states makes rank 0's the model */
-    ct_module *dm = model(21 + (uint64_t)rank, c->dropout), *rm = model(21, c->dropout);
+    ct_module *dm = fsdp_nested(21 + (uint64_t)rank, c->dropout), *rm = fsdp_nested(21, c->dropout);
     ct_optim_opts oo = optim_for(c->ok);
     ct_strategy *ds, *rs;
     ASSERT_OK(ct_strategy_create("fsdp", dm, &oo, g, c->opts, &ds));
@@ -156,7 +139,7 @@ TEST(fsdp_hybrid_across_fake_nodes_equals_one_process)
     if (ct_group_size(g) % 2 == 0) {
         fsdp_vs_single_on(g, &c);
     } else { /* nodes of 2 and 1 ranks cannot line their pieces up */
-        ct_module *m = model(3, 0);
+        ct_module *m = fsdp_nested(3, 0);
         ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
         ct_strategy *s = NULL;
         ASSERT_EQ(ct_strategy_create("fsdp", m, &oo, g, c.opts, &s), CT_EINVAL);
@@ -174,7 +157,7 @@ TEST(fsdp_no_sync_and_manual_reduce_equal_one_process)
     int rank = ct_group_rank(g), world = ct_group_size(g);
     int64_t n = 4 * world;
     for (int manual = 0; manual < 2; manual++) {
-        ct_module *dm = model(8, 0), *rm = model(8, 0);
+        ct_module *dm = fsdp_nested(8, 0), *rm = fsdp_nested(8, 0);
         ct_optim_opts oo = optim_for(CT_OPT_SGD);
         ct_strategy *ds, *rs;
         ASSERT_OK(ct_strategy_create("fsdp", dm, &oo, g, "wrap_min_params=200", &ds));
@@ -211,7 +194,7 @@ TEST(fsdp_state_round_trips_at_any_world_size)
     ct_group *g = ct_group_world();
     int rank = ct_group_rank(g), world = ct_group_size(g);
     int64_t n = 5 * world + 1;
-    ct_module *rm = model(30, 0), *dm = model(99, 0);
+    ct_module *rm = fsdp_nested(30, 0), *dm = fsdp_nested(99, 0);
     ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
     ct_strategy *rs, *ds;
     ASSERT_OK(ct_strategy_create("none", rm, &oo, NULL, NULL, &rs));
@@ -241,7 +224,7 @@ TEST(fsdp_state_round_trips_at_any_world_size)
         ct_state_fini(&a);
     }
     /* both go on alike (the reference with the same casts, loaded the same way) */
-    ct_module *rm2 = model(77, 0);
+    ct_module *rm2 = fsdp_nested(77, 0);
     ct_strategy *rs2;
     ASSERT_OK(ct_strategy_create("none", rm2, &oo, NULL, "param_dtype=bf16", &rs2));
     ASSERT_OK(ct_strategy_load_state(rs2, (const char *const *)ms.names, ms.tensors, ms.n, 0));
@@ -275,7 +258,7 @@ TEST(fsdp_state_round_trips_at_any_world_size)
 TEST(fsdp_summon_full_params)
 {
     ct_group *g = ct_group_world();
-    ct_module *dm = model(4, 0), *rm = model(4, 0);
+    ct_module *dm = fsdp_nested(4, 0), *rm = fsdp_nested(4, 0);
     ct_optim_opts oo = optim_for(CT_OPT_SGD);
     ct_strategy *ds;
     ASSERT_OK(ct_strategy_create("fsdp", dm, &oo, g, "wrap_min_params=200", &ds));
@@ -386,7 +369,7 @@ TEST(fsdp_module_called_twice_and_unfrozen_parameter)
         assert_params_close(ms[0], ms[1], 1e-5);
         for (int j = 0; j < 2; j++) ct_module_destroy(ms[j]);
     }
-    ct_module *m = model(5, 0);
+    ct_module *m = fsdp_nested(5, 0);
     ct_module_find(m, "2.0.weight")->requires_grad = 0;
     ct_optim_opts oo = optim_for(CT_OPT_SGD);
     ct_strategy *s;
@@ -407,7 +390,7 @@ TEST(fsdp_module_called_twice_and_unfrozen_parameter)
 
 TEST(fsdp_rejects_bad_options)
 {
-    ct_module *m = model(1, 0);
+    ct_module *m = fsdp_nested(1, 0);
     ct_optim_opts oo = optim_for(CT_OPT_SGD);
     ct_strategy *s = NULL;
     ASSERT_EQ(ct_strategy_create("fsdp", m, &oo, NULL, "sharding=most", &s), CT_EINVAL);

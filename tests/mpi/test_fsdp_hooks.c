@@ -9,23 +9,6 @@
  */
 #include "train_util.h"
 
-#define H 16
-
-/* 0 linear, 1 tanh, 2 (0 linear, 1 relu, 2 linear), 3 layernorm, 4 linear */
-static ct_module *model(uint64_t seed)
-{
-    ct_module *m = ct_sequential_create(), *inner = ct_sequential_create();
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(IN, H, 1)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
-    ASSERT_OK(ct_module_add(inner, NULL, ct_linear_create(H, H, 1)));
-    ASSERT_OK(ct_module_add(inner, NULL, ct_relu_create()));
-    ASSERT_OK(ct_module_add(inner, NULL, ct_linear_create(H, H, 1)));
-    ASSERT_OK(ct_module_add(m, NULL, inner));
-    ASSERT_OK(ct_module_add(m, NULL, ct_layernorm_create(H, 1e-5f)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(H, NCLS, 1)));
-    ct_module_init_params(m, seed);
-    return m;
-}
 
 /* Counts its calls, checks what FSDP hands it, and passes on to a built-in hook. */
 typedef struct {
@@ -79,7 +62,7 @@ static void hook_equals_built_in_on(ct_group *g, const char *opts, ct_dtype wire
     char with[256];
     snprintf(with, sizeof with, "%s%sreduce_dtype=%s", opts, opts[0] ? "," : "",
              wire == CT_F32 ? "f32" : wire == CT_BF16 ? "bf16" : "f16");
-    ct_module *am = model(31), *bm = model(31);
+    ct_module *am = fsdp_nested(31, 0), *bm = fsdp_nested(31, 0);
     ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
     ct_strategy *a, *b;
     ASSERT_OK(ct_strategy_create("fsdp", am, &oo, g, with, &a));
@@ -143,7 +126,7 @@ TEST(fsdp_comm_hooks_equal_the_built_in_reduce)
 TEST(fsdp_comm_hooks_refused_where_they_do_not_apply)
 {
     ct_group *g = ct_group_world();
-    ct_module *m = model(3);
+    ct_module *m = fsdp_nested(3, 0);
     ct_optim_opts oo = optim_for(CT_OPT_SGD);
     ct_strategy *s;
     const ct_comm_hook_ops *ops;

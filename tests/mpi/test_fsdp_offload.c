@@ -11,24 +11,6 @@
 
 #include "train_util.h"
 
-#define H 16
-
-/* 0 linear, 1 tanh, 2 (0 linear, 1 relu, 2 linear), 3 layernorm, [dropout], 4/5 linear */
-static ct_module *model(uint64_t seed, int dropout)
-{
-    ct_module *m = ct_sequential_create(), *inner = ct_sequential_create();
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(IN, H, 1)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
-    ASSERT_OK(ct_module_add(inner, NULL, ct_linear_create(H, H, 1)));
-    ASSERT_OK(ct_module_add(inner, NULL, ct_relu_create()));
-    ASSERT_OK(ct_module_add(inner, NULL, ct_linear_create(H, H, 1)));
-    ASSERT_OK(ct_module_add(m, NULL, inner));
-    ASSERT_OK(ct_module_add(m, NULL, ct_layernorm_create(H, 1e-5f)));
-    if (dropout) ASSERT_OK(ct_module_add(m, NULL, ct_dropout_create(0.25f)));
-    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(H, NCLS, 1)));
-    ct_module_init_params(m, seed);
-    return m;
-}
 
 typedef struct {
     const char *opts;     /* fsdp's, without offload */
@@ -63,7 +45,7 @@ static void offload_vs(const off_case *c)
     int64_t n = 6 * world + 2;
     char opts[512];
     snprintf(opts, sizeof opts, "%s%s%s", c->opts ? c->opts : "", c->opts ? "," : "", c->off);
-    ct_module *om = model(21, c->dropout), *mm = model(21, c->dropout), *rm = model(21, c->dropout);
+    ct_module *om = fsdp_nested(21, c->dropout), *mm = fsdp_nested(21, c->dropout), *rm = fsdp_nested(21, c->dropout);
     ct_optim_opts oo = optim_for(c->ok);
     ct_strategy *os, *ms, *rs;
     ASSERT_OK(ct_strategy_create("fsdp", om, &oo, g, opts, &os));

@@ -272,3 +272,20 @@ void gpt_step(ct_strategy *s, int step, int64_t n, int whole, double *loss)
     ct_tensor_release(x);
     ct_tensor_release(y);
 }
+
+/* 0 linear, 1 tanh, 2 (0 linear, 1 relu, 2 linear), 3 layernorm, [dropout], 4/5 linear */
+ct_module *fsdp_nested(uint64_t seed, int dropout)
+{
+    ct_module *m = ct_sequential_create(), *inner = ct_sequential_create();
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(IN, 16, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
+    ASSERT_OK(ct_module_add(inner, NULL, ct_linear_create(16, 16, 1)));
+    ASSERT_OK(ct_module_add(inner, NULL, ct_relu_create()));
+    ASSERT_OK(ct_module_add(inner, NULL, ct_linear_create(16, 16, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, inner));
+    ASSERT_OK(ct_module_add(m, NULL, ct_layernorm_create(16, 1e-5f)));
+    if (dropout) ASSERT_OK(ct_module_add(m, NULL, ct_dropout_create(0.25f)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(16, NCLS, 1)));
+    ct_module_init_params(m, seed);
+    return m;
+}

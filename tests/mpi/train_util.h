@@ -44,6 +44,9 @@ void steps_vs_one(ct_strategy *ds, ct_strategy *rs, int steps, int64_t n, int ra
  * Dropout(0.25), Linear(16, mid), ReLU, Linear(mid, 16), Tanh, Linear(16, NCLS);
  * weights from seed. */
 ct_module *mlp8(uint64_t seed, int64_t mid);
+/* The FSDP tests' model, nested units and all: 0 linear(IN, 16), 1 tanh,
+ * 2 (linear, relu, linear), 3 layernorm, [dropout 0.25], then linear(16, NCLS). */
+ct_module *fsdp_nested(uint64_t seed, int dropout);
 /* Relative L2 distance of two states over the names of a (on rank 0 only
  * for a sharded strategy); tensors of b missing from a fail. */
 double state_rel_l2(const ct_state *a, const ct_state *b);
