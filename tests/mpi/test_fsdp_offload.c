@@ -11,7 +11,6 @@
 
 #include "train_util.h"
 
-
 typedef struct {
     const char *opts;     /* fsdp's, without offload */
     const char *off;      /* the offload options added */
