@@ -1,4 +1,5 @@
 /* See cli_util.h. */
+#include <dirent.h>
 #include <libgen.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -228,4 +229,39 @@ unsigned char *read_file(const char *path, size_t *n)
     fclose(f);
     *n = (size_t)len;
     return p;
+}
+
+int count_entries(const char *dir)
+{
+    DIR *d = opendir(dir);
+    ASSERT(d);
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
+    closedir(d);
+    return n;
+}
+
+int holds_unlinked_file(int pid, const char *dir)
+{
+    for (int tries = 0; tries < 400; tries++) {
+        char fddir[64];
+        snprintf(fddir, sizeof fddir, "/proc/%d/fd", pid);
+        DIR *d = opendir(fddir);
+        struct dirent *e;
+        int seen = 0;
+        while (d && (e = readdir(d))) {
+            char link[600], target[4096];
+            snprintf(link, sizeof link, "%s/%s", fddir, e->d_name);
+            ssize_t n = readlink(link, target, sizeof target - 1);
+            if (n <= 0) continue;
+            target[n] = 0;
+            if (!strncmp(target, dir, strlen(dir)) && strstr(target, "(deleted)")) seen = 1;
+        }
+        if (d) closedir(d);
+        if (seen) return 1;
+        usleep(50000);
+    }
+    return 0;
 }

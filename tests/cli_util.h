@@ -53,6 +53,12 @@ const char *small_text(int lines);
  * what it prints into out (OUT_MAX bytes); its exit code. */
 int capture(const char *cmd, char *out);
 
+/* Entries of dir besides . and ..; fails the test if dir cannot be opened. */
+int count_entries(const char *dir);
+/* 1 once process pid holds open a file under dir that is already unlinked
+ * (an offload store), polling /proc/PID/fd for up to 20 s; 0 if it never did. */
+int holds_unlinked_file(int pid, const char *dir);
+
 /* name under the test's temporary directory (8 results live at once). */
 char *path_in(const char *name);
 /* The whole file at path in a new buffer (free), its length in *n; fails the test if unreadable. */

@@ -31,18 +31,6 @@ static const char *text_dir(void)
     return dir;
 }
 
-static int count_entries(const char *dir)
-{
-    DIR *d = opendir(dir);
-    ASSERT(d);
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)))
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
-    closedir(d);
-    return n;
-}
-
 static const char *store_dir(void)
 {
     static char dir[700];
@@ -175,23 +163,7 @@ TEST(cli_fsdp_offload_leaves_nothing_and_refuses_a_full_disk)
               "--strategy", "fsdp", "--offload", "all", "--offload-dir", sd, (char *)NULL);
         _exit(127);
     }
-    int seen = 0;
-    for (int tries = 0; tries < 400 && !seen; tries++) {
-        char fddir[64];
-        snprintf(fddir, sizeof fddir, "/proc/%d/fd", (int)pid);
-        DIR *d = opendir(fddir);
-        struct dirent *e;
-        while (d && (e = readdir(d))) {
-            char link[600], target[4096];
-            snprintf(link, sizeof link, "%s/%s", fddir, e->d_name);
-            ssize_t n = readlink(link, target, sizeof target - 1);
-            if (n <= 0) continue;
-            target[n] = 0;
-            if (!strncmp(target, sd, strlen(sd)) && strstr(target, "(deleted)")) seen = 1;
-        }
-        if (d) closedir(d);
-        if (!seen) usleep(50000);
-    }
+    int seen = holds_unlinked_file((int)pid, sd);
     ASSERT_EQ(count_entries(sd), 0);
     kill(pid, SIGKILL);
     int st;

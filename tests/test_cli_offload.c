@@ -19,19 +19,7 @@
 
 #include "cli_util.h"
 
-/* "PREFIX ctrain ARGS" through sh (np > 0: under mpirun), stderr joined; the exit code. */
-static int count_entries(const char *dir)
-{
-    DIR *d = opendir(dir);
-    ASSERT(d);
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)))
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
-    closedir(d);
-    return n;
-}
-
+/* path gets NAME under the test's temporary directory, made there (it must not exist yet). */
 static void make_dir(char *path, size_t n, const char *name)
 {
     snprintf(path, n, "%s/%s", ct_test_tmpdir(), name);
@@ -162,23 +150,7 @@ TEST(cli_offload_dir_left_empty_on_signals)
                   dir, (char *)NULL);
             _exit(127);
         }
-        int seen = 0;
-        for (int tries = 0; tries < 400 && !seen; tries++) {
-            char fddir[64];
-            snprintf(fddir, sizeof fddir, "/proc/%d/fd", (int)pid);
-            DIR *d = opendir(fddir);
-            struct dirent *e;
-            while (d && (e = readdir(d))) {
-                char link[600], target[4096];
-                snprintf(link, sizeof link, "%s/%s", fddir, e->d_name);
-                ssize_t n = readlink(link, target, sizeof target - 1);
-                if (n <= 0) continue;
-                target[n] = 0;
-                if (!strncmp(target, dir, strlen(dir)) && strstr(target, "(deleted)")) seen = 1;
-            }
-            if (d) closedir(d);
-            if (!seen) usleep(50000);
-        }
+        int seen = holds_unlinked_file((int)pid, dir);
         ASSERT_EQ(count_entries(dir), 0);
         kill(pid, sigs[k]);
         int st;

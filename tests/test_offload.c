@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "test.h"
+#include "cli_util.h"
 
 /* 9 children, dropout between: slices cut between any of them. */
 static ct_module *model(uint64_t seed, float drop)
@@ -354,18 +354,6 @@ TEST(offload_predict_equals_plain_forward)
     UNWRAP(s);
     ct_module_destroy(a);
     ct_module_destroy(b);
-}
-
-static int count_entries(const char *dir)
-{
-    DIR *d = opendir(dir);
-    ASSERT(d);
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)))
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
-    closedir(d);
-    return n;
 }
 
 /* The store is a file in the given directory, unlinked from the start, so
