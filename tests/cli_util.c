@@ -265,3 +265,35 @@ int holds_unlinked_file(int pid, const char *dir)
     }
     return 0;
 }
+
+/* The number after key at the start of a line of path (the first line's without key); -1 if none. */
+static double read_num(const char *path, const char *key)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    char line[256];
+    double v = -1;
+    while (fgets(line, sizeof line, f))
+        if (!key || !strncmp(line, key, strlen(key))) {
+            v = atof(line + (key ? strlen(key) : 0));
+            break;
+        }
+    fclose(f);
+    return v;
+}
+
+void memlimit_collect(const char *tag, int np, double *peak, int *killed)
+{
+    char p[320];
+    for (int r = 0; r < np; r++) {
+        snprintf(p, sizeof p, "/sys/fs/cgroup/memory/%s/%d/memory.max_usage_in_bytes", tag, r);
+        double u = read_num(p, NULL);
+        peak[r] = u > 0 ? u : 0;
+        snprintf(p, sizeof p, "/sys/fs/cgroup/memory/%s/%d/memory.oom_control", tag, r);
+        killed[r] = read_num(p, "oom_kill ") > 0;
+        snprintf(p, sizeof p, "/sys/fs/cgroup/memory/%s/%d", tag, r);
+        rmdir(p);
+    }
+    snprintf(p, sizeof p, "/sys/fs/cgroup/memory/%s", tag);
+    rmdir(p);
+}

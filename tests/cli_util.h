@@ -59,6 +59,11 @@ int count_entries(const char *dir);
  * (an offload store), polling /proc/PID/fd for up to 20 s; 0 if it never did. */
 int holds_unlinked_file(int pid, const char *dir);
 
+/* After a job run under scripts/memlimit TAG with np ranks: rank r's peak
+ * usage as the kernel counted it (bytes; 0 where unreadable) into peak[r],
+ * 1 into killed[r] if the OOM killer struck it; then removes the cgroups. */
+void memlimit_collect(const char *tag, int np, double *peak, int *killed);
+
 /* name under the test's temporary directory (8 results live at once). */
 char *path_in(const char *name);
 /* The whole file at path in a new buffer (free), its length in *n; fails the test if unreadable. */

@@ -220,32 +220,16 @@ TEST(cli_fsdp_offload_trains_a_model_4x_the_memory_limit)
 {
     static char out[OUT_MAX], ref[OUT_MAX];
     const char *dir = text_dir(), *sd = store_dir();
-    char tag[64], path[256];
+    char tag[64];
     snprintf(tag, sizeof tag, "ctrain-test-%d", (int)getpid());
 #define M58 "--model gpt --layers 24 --heads 4 --dim 448 --context 32 --batch 2 --steps 2 --threads 1 --log-every 0 " \
             "--wrap-min-params 150000 --data-dir %s"
     int rc = run_shell(2, out, "%s/../scripts/memlimit %s 90 %s/ctrain train " M58 " --strategy fsdp --offload all "
                        "--offload-dir %s --strategy-opt alloc_cache_mb=4", cli_bin_dir(), tag, cli_bin_dir(), dir, sd);
-    double peak[2] = {0, 0};
-    int killed = 0;
-    for (int r = 0; r < 2; r++) { /* read, then remove the cgroups whatever happened */
-        snprintf(path, sizeof path, "/sys/fs/cgroup/memory/%s/%d/memory.max_usage_in_bytes", tag, r);
-        FILE *f = fopen(path, "r");
-        if (f && fscanf(f, "%lf", &peak[r]) != 1) peak[r] = 0;
-        if (f) fclose(f);
-        snprintf(path, sizeof path, "/sys/fs/cgroup/memory/%s/%d/memory.oom_control", tag, r);
-        char buf[512] = "";
-        if ((f = fopen(path, "r"))) {
-            size_t n = fread(buf, 1, sizeof buf - 1, f);
-            buf[n] = 0;
-            fclose(f);
-        }
-        killed |= strstr(buf, "oom_kill 0") == NULL && strstr(buf, "oom_kill ") != NULL;
-        snprintf(path, sizeof path, "/sys/fs/cgroup/memory/%s/%d", tag, r);
-        rmdir(path);
-    }
-    snprintf(path, sizeof path, "/sys/fs/cgroup/memory/%s", tag);
-    rmdir(path);
+    double peak[2];
+    int k[2];
+    memlimit_collect(tag, 2, peak, k);
+    int killed = k[0] || k[1];
     if (strstr(out, "is not writable")) SKIP("cgroup v1 memory hierarchy not writable here");
     if (rc || killed) ct_test_fail(__FILE__, __LINE__, "the limited run failed (OOM kill: %d):\n%s", killed, out);
     ASSERT_STR_CONTAINS(out, "(58072448 parameters)");

@@ -16,7 +16,6 @@
 #include "cli_util.h"
 
 #define NP 8
-#define CG "/sys/fs/cgroup/memory"
 /* 17M parameters (65 MiB of f32 weights) of narrow blocks, so that a rank's
  * share (1/8 of weights and gradients, a unit or two gathered, activations
  * checkpointed) fits under 0.9x the weights beside the runtime's ~23 MiB. */
@@ -24,45 +23,22 @@
             "--checkpoint-activation --strategy fsdp"
 #define RUNOPTS "--threads 1 --log-every 0 --limit-test 16"
 
-static long read_num(const char *path, const char *key)
-{
-    FILE *f = fopen(path, "r");
-    if (!f) return -1;
-    char line[256];
-    long v = -1;
-    while (fgets(line, sizeof line, f))
-        if (!key || !strncmp(line, key, strlen(key))) {
-            v = atol(line + (key ? strlen(key) : 0));
-            break;
-        }
-    fclose(f);
-    return v;
-}
-
 /* One job under the limit; fails the test naming the ranks the kernel
  * killed or that went over, then removes the cgroups. */
 static void run_limited(const char *tag, int limit_mb, const char *what, const char *args)
 {
     static char out[OUT_MAX];
-    char cg[256], p[320];
-    snprintf(cg, sizeof cg, CG "/%s", tag);
     int code = run_shell(NP, out, "-x CTRAIN_ALLOC_CACHE_MB=4 %s/../scripts/memlimit %s %d %s/ctrain train " GPT " " RUNOPTS " %s",
                          cli_bin_dir(), tag, limit_mb, cli_bin_dir(), args);
+    double peak[NP];
+    int killed[NP], over = 0;
+    memlimit_collect(tag, NP, peak, killed);
     char report[1024] = "";
-    int over = 0;
     for (int r = 0; r < NP; r++) {
-        snprintf(p, sizeof p, "%s/%d/memory.max_usage_in_bytes", cg, r);
-        long peak = read_num(p, NULL);
-        snprintf(p, sizeof p, "%s/%d/memory.oom_control", cg, r);
-        long killed = read_num(p, "oom_kill ");
         size_t n = strlen(report);
-        snprintf(report + n, sizeof report - n, " rank %d %.1f MiB%s", r, (double)peak / 1048576,
-                 killed > 0 ? " (killed)" : "");
-        over += killed > 0;
-        snprintf(p, sizeof p, "%s/%d", cg, r);
-        rmdir(p);
+        snprintf(report + n, sizeof report - n, " rank %d %.1f MiB%s", r, peak[r] / 1048576, killed[r] ? " (killed)" : "");
+        over += killed[r];
     }
-    rmdir(cg);
     if (code || over)
         ct_test_fail(__FILE__, __LINE__, "%s under a %d MiB limit per rank: exit %d; cgroup peaks:%s\n%s", what,
                      limit_mb, code, report, out);
@@ -70,7 +46,7 @@ static void run_limited(const char *tag, int limit_mb, const char *what, const c
 
 TEST(cli_fsdp_trains_a_gpt_bigger_than_each_ranks_memory_limit)
 {
-    if (access(CG, W_OK)) SKIP(CG " is not writable (no cgroup v1 memory hierarchy, or not root)");
+    if (access("/sys/fs/cgroup/memory", W_OK)) SKIP("/sys/fs/cgroup/memory is not writable (no cgroup v1 memory hierarchy, or not root)");
     static char est[OUT_MAX];
     ASSERT_EQ(RUN(est, "estimate " GPT " --ranks %d", NP), 0);
     double params = number_after(est, "] (");
