@@ -534,10 +534,20 @@ TEST(core_mem_report_json_and_table)
 
 /* ---- the cache's bound ----------------------------------------------------- */
 
+static size_t live_bytes(void)
+{
+    size_t n = 0;
+    for (int c = 0; c < CT_MEM_NCAT; c++) n += ct_mem_current((ct_mem_cat)c);
+    return n;
+}
+
 /* The automatic bound is CT_MEM_CACHE_UNITS times the largest hint, at least
- * CT_MEM_CACHE_MIN_MB; a block that does not fit under it goes back to the
- * OS; the cache's peak is reported with its bound.  Turned on explicitly,
- * so this also runs under AddressSanitizer. */
+ * CT_MEM_CACHE_MIN_MB; past it the cache holds what fits under the
+ * process's high-water mark of live bytes, and gives blocks back to the OS
+ * (largest first, no more than needed) before a new block would take the
+ * process past it; a fixed bound has no high-water part; the cache's peak
+ * is reported with its bound.  Turned on explicitly, so this also runs
+ * under AddressSanitizer. */
 TEST(core_alloc_cache_bound_follows_the_largest_unit)
 {
     const size_t MB = 1 << 20, floor_b = (size_t)CT_MEM_CACHE_MIN_MB << 20;
@@ -553,26 +563,45 @@ TEST(core_alloc_cache_bound_follows_the_largest_unit)
     size_t bound = (size_t)CT_MEM_CACHE_UNITS * (20 * MB + 4096);
     ASSERT_EQ(ct_mem_get_cache_limit(), bound);
 
-    /* Free more than the bound in blocks of 16 MiB: the cache keeps what fits. */
+    /* Free more than the bound in blocks of 16 MiB: all of them were live at
+     * once, so all fit under the high-water mark and the cache keeps them. */
     enum { NB = 8 };
     void *blk[NB];
     ct_mem_reset_peak();
     for (int i = 0; i < NB; i++) ASSERT((blk[i] = ct_alloc(16 * MB, CT_MEM_ACT)) != NULL);
+    size_t high = ct_mem_life_peak_total();
+    ASSERT(high >= live_bytes());
     for (int i = 0; i < NB; i++) ct_free(blk[i]);
-    size_t kept = bound / (16 * MB) * 16 * MB;
-    ASSERT_EQ(ct_mem_cached(), kept);
+    ASSERT_EQ(ct_mem_cached(), NB * 16 * MB);
     ct_mem_report r;
     ct_mem_report_get(&r);
-    ASSERT_EQ(r.peak_cached, kept);
+    ASSERT_EQ(r.peak_cached, NB * 16 * MB);
     ASSERT_EQ(r.cache_limit, bound);
-    ASSERT_EQ(ct_mem_cached_peak(), kept);
+    ASSERT_EQ(ct_mem_cached_peak(), NB * 16 * MB);
+    ASSERT_EQ(ct_mem_life_peak_total(), high); /* the mark is not moved by caching */
 
-    /* A smaller bound trims at once; a reset starts the peak at what is cached. */
+    /* A block none of them serves (more than 16 MiB): before it is mapped
+     * the cache gives back 16 MiB blocks until live + cached fits under the
+     * mark again, or under the bound, and no more. */
+    void *big = ct_alloc(40 * MB, CT_MEM_ACT);
+    ASSERT(big);
+    size_t live = live_bytes(), mark = ct_mem_life_peak_total(), cached = ct_mem_cached();
+    size_t allowed = mark - live > bound ? mark - live : bound;
+    ASSERT(cached <= allowed);
+    ASSERT(cached + 16 * MB > allowed);
+    ASSERT(cached < NB * 16 * MB);
+    ct_free(big);
+
+    /* A fixed bound has no high-water part: a smaller one trims at once; a
+     * reset starts the peak at what is cached. */
     ct_mem_set_cache_limit(8 * MB);
     ASSERT_EQ(ct_mem_cached(), 0);
     ASSERT_EQ(ct_mem_get_cache_limit(), 8 * MB);
     ct_mem_reset_peak();
     ASSERT_EQ(ct_mem_cached_peak(), 0);
+    for (int i = 0; i < 2; i++) ASSERT((blk[i] = ct_alloc(16 * MB, CT_MEM_ACT)) != NULL);
+    for (int i = 0; i < 2; i++) ct_free(blk[i]);
+    ASSERT_EQ(ct_mem_cached(), 0);
     ct_mem_set_cache_limit(CT_MEM_CACHE_AUTO);
     ASSERT_EQ(ct_mem_get_cache_limit(), bound);
     ct_mem_trim();

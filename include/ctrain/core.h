@@ -106,6 +106,9 @@ size_t ct_mem_current(ct_mem_cat cat);
 size_t ct_mem_peak(ct_mem_cat cat);
 /* Highest sum over all categories since start or the last reset. */
 size_t ct_mem_peak_total(void);
+/* Highest sum over all categories over the process's life, never reset:
+ * the high-water mark under which the cache may hold freed blocks. */
+size_t ct_mem_life_peak_total(void);
 /* Starts a new peak window: every peak (per category, total, resident and
  * RSS) is set to its current value. */
 void ct_mem_reset_peak(void);
@@ -119,7 +122,8 @@ size_t ct_mem_cached_peak(void);
  * where the C library allows it, so the process's RSS falls. */
 void ct_mem_trim(void);
 /* The cache's automatic bound: CT_MEM_CACHE_UNITS times the largest
- * ct_mem_cache_hint, and at least CT_MEM_CACHE_MIN_MB MiB. */
+ * ct_mem_cache_hint, and at least CT_MEM_CACHE_MIN_MB MiB; past it, what
+ * fits with the live bytes under ct_mem_life_peak_total. */
 #define CT_MEM_CACHE_AUTO ((size_t)-1)
 #define CT_MEM_CACHE_UNITS 4
 #define CT_MEM_CACHE_MIN_MB 64

@@ -30,7 +30,8 @@ static const ct__opt_def common_opts[] = {
      "batchnorm statistics over the whole batch of every rank (SyncBatchNorm; ddp, zero1, zero2, fsdp)", 0, NULL},
     {"alloc_cache_mb", CT__OPT_AUTO_COUNT, offsetof(ct__common, alloc_cache_mb), "auto",
      "bound in MiB of the allocator's cache of freed blocks, for the process (0: off); auto: 4 x the largest "
-     "bucket, unit or slice, at least 64, unless CTRAIN_ALLOC_CACHE_MB sets one", 0, NULL},
+     "bucket, unit or slice, at least 64, and past it what fits under the process's high-water mark, unless "
+     "CTRAIN_ALLOC_CACHE_MB sets one", 0, NULL},
 };
 #define NCOMMON ((int)(sizeof common_opts / sizeof common_opts[0]))
 

@@ -480,8 +480,10 @@ TEST(fsdp_freed_units_are_not_hoarded)
 }
 
 /* The allocator's cache through FSDP steps: its automatic bound is
- * CT_MEM_CACHE_UNITS times the largest unit's bytes (the flats hint it), it
- * never holds more, and the RSS stays within the live bytes plus the bound;
+ * CT_MEM_CACHE_UNITS times the largest unit's bytes (the flats hint it); the
+ * steps free and reuse blocks of the same sizes, so it holds no more (past
+ * the bound it may only hold what fits under the high-water mark, which
+ * test_core_alloc checks), and the RSS stays within the live bytes plus the bound;
  * alloc_cache_mb sets the bound instead.  The library names the phases. */
 TEST(fsdp_cache_stays_under_its_bound)
 {
