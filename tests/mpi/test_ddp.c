@@ -314,16 +314,18 @@ static int same_everywhere(ct_group *g, ct_module *m, const char *name)
     return same;
 }
 
+/* DDP's broadcast_buffers, and ShardedDDP's (zero2 keeps its own option). */
 TEST(ddp_broadcasts_buffers_from_rank0)
 {
     ct_group *g = ct_group_world();
     int rank = ct_group_rank(g);
-    for (int bcast = 0; bcast < 2; bcast++) {
+    for (int run = 0; run < 4; run++) {
+        int bcast = run % 2;
         const char *o = bcast ? "broadcast_buffers=1" : "broadcast_buffers=0";
         ct_module *m = model(WITH_BN, 9);
         ct_optim_opts opt = optim_for(CT_OPT_SGD);
         ct_strategy *s;
-        ASSERT_OK(ct_strategy_create("ddp", m, &opt, g, o, &s));
+        ASSERT_OK(ct_strategy_create(run < 2 ? "ddp" : "zero2", m, &opt, g, o, &s));
         ASSERT(same_everywhere(g, m, "1.running_mean"));
         ct_tensor *x, *y, *out;
         global_batch(100 + rank, 8, &x, &y); /* different data per rank: running stats diverge */

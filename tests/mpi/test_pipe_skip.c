@@ -2,7 +2,8 @@
  * Skip connections across pipeline stages (ct_skip_stash_create /
  * ct_skip_pop_create): a residual MLP whose skips span stage boundaries,
  * pipelined at 2 and 3 stages under both schedules and every checkpoint
- * mode (with replicas when the world has room), equals one process; its
+ * mode (with replicas when the world has room), equals one process, in f32
+ * and in bf16 mixed precision; its
  * state moves between a pipeline and one process and trains on alike; a
  * cut that pops before its stash or names two stashes alike is an error on
  * every rank.
@@ -49,21 +50,23 @@ static void states_close(ct_strategy *a, ct_strategy *b, double tol)
     ct_state_fini(&sb);
 }
 
-static void skip_vs_single(const char *opts, int stages)
+/* Three steps and inference of the pipeline under opts against one process
+ * under ref_opts (the same precision), within tol. */
+static void skip_vs_single_in(const char *opts, const char *ref_opts, int stages, double tol)
 {
     if (ct_group_size(ct_group_world()) < stages) return; /* the stages need their ranks */
     ct_module *pm = resmlp(42), *rm = resmlp(42);
     ct_optim_opts po = adamw(), ro = adamw();
     ct_strategy *ps, *rs;
     ASSERT_OK(ct_strategy_create("pipe", pm, &po, ct_group_world(), opts, &ps));
-    ASSERT_OK(ct_strategy_create("none", rm, &ro, NULL, NULL, &rs));
+    ASSERT_OK(ct_strategy_create("none", rm, &ro, NULL, ref_opts, &rs));
     for (int step = 0; step < 3; step++) {
         float pn = 0, rn = 0;
         step_on_data_rank(ps, step, 10, 0.5, &pn, NULL);
         step_on_data_rank(rs, step, 10, 0.5, &rn, NULL);
-        ASSERT_CLOSE(pn, rn, 1e-5, 1e-6);
+        ASSERT_CLOSE(pn, rn, tol, tol / 10);
     }
-    states_close(ps, rs, 1e-5);
+    states_close(ps, rs, tol);
     /* inference: the last stage's logits are one process's */
     ct_tensor *x, *y, *pz = NULL, *rz = NULL;
     global_batch2(100, 10, &x, &y);
@@ -71,7 +74,7 @@ static void skip_vs_single(const char *opts, int stages)
     ASSERT_OK(ct_strategy_predict(ps, x, &ctx, &pz));
     ASSERT_OK(ct_strategy_predict(rs, x, &ctx, &rz));
     if (pz)
-        for (int64_t i = 0; i < pz->numel; i++) ASSERT_CLOSE(ct_f32(pz)[i], ct_f32(rz)[i], 2e-5, 2e-5);
+        for (int64_t i = 0; i < pz->numel; i++) ASSERT_CLOSE(ct_f32(pz)[i], ct_f32(rz)[i], 2 * tol, 2 * tol);
     ct_tensor_release(pz);
     ct_tensor_release(rz);
     ct_tensor_release(x);
@@ -81,6 +84,8 @@ static void skip_vs_single(const char *opts, int stages)
     ct_module_destroy(pm);
     ct_module_destroy(rm);
 }
+
+static void skip_vs_single(const char *opts, int stages) { skip_vs_single_in(opts, NULL, stages, 1e-5); }
 
 TEST(pipe_skip_two_stages_match_one_process)
 {
@@ -96,6 +101,17 @@ TEST(pipe_skip_three_stages_match_one_process)
     skip_vs_single("stages=3,balance=3:4:4,chunks=4,schedule=1f1b,checkpoint=except_last", 3);
     skip_vs_single("stages=3,balance=3:4:4,chunks=3,schedule=gpipe,checkpoint=always", 3);
     skip_vs_single("stages=3,balance=3:3:5,chunks=2,schedule=gpipe,checkpoint=never", 3);
+}
+
+TEST(pipe_skip_bf16_matches_one_process_in_bf16)
+{
+    /* --mixed bf16: bf16 compute copies on both sides; the skips stay f32 activations */
+    const char *one = "param_dtype=bf16";
+    skip_vs_single_in("stages=2,balance=4:7,chunks=4,schedule=1f1b,checkpoint=except_last,param_dtype=bf16", one, 2,
+                      1e-5);
+    skip_vs_single_in("stages=2,balance=6:5,chunks=3,schedule=gpipe,checkpoint=always,dp=zero1,param_dtype=bf16", one,
+                      2, 1e-5);
+    skip_vs_single_in("stages=3,balance=3:4:4,chunks=4,schedule=1f1b,checkpoint=never,param_dtype=bf16", one, 3, 1e-5);
 }
 
 /* A checkpoint a pipeline saved (full and sharded) loads into one process,

@@ -18,12 +18,14 @@ static void near(const char *kind, const char *opts, const char *what, uint64_t 
                      kind, opts ? opts : "", ct_group_size(ct_group_world()), what, e, m, tol * 100);
 }
 
-static void plan_matches(const ct_model_config *cfg, int64_t batch, const char *kind, const char *opts)
+/* The plan of model m (taking cfg's inputs and classes) against its
+ * memory report after two steps under kind; *plan (may be NULL) gets the
+ * plan, *comm the largest rank's measured comm peak. */
+static void plan_vs_run(const ct_model_config *cfg, ct_module *m, int64_t batch, const char *kind, const char *opts,
+                        ct_mem_plan *plan_out, size_t *comm)
 {
     ct_group *g = ct_group_world();
     int world = ct_group_size(g);
-    ct_module *m;
-    ASSERT_OK(ct_model_build(cfg, 7, &m));
     ct_plan_spec spec = {.world = world, .batch = batch, .sample_bytes = ct_model_sample_bytes(cfg),
                          .optim = ct_optim_defaults(CT_OPT_ADAMW)};
     int64_t sh[CT_MAX_DIMS];
@@ -79,7 +81,16 @@ static void plan_matches(const ct_model_config *cfg, int64_t batch, const char *
     near(kind, opts, "optim", plan.optim, mx.peak[CT_MEM_OPTIM], 0.10);
     near(kind, opts, "resident", plan.resident, mx.peak_resident, 0.10);
     near(kind, opts, "act", plan.act, mx.peak[CT_MEM_ACT], 0.25);
+    if (plan_out) *plan_out = plan;
+    if (comm) *comm = mx.peak[CT_MEM_COMM];
     ct_strategy_destroy(s);
+}
+
+static void plan_matches(const ct_model_config *cfg, int64_t batch, const char *kind, const char *opts)
+{
+    ct_module *m;
+    ASSERT_OK(ct_model_build(cfg, 7, &m));
+    plan_vs_run(cfg, m, batch, kind, opts, NULL, NULL);
     ct_module_destroy(m);
 }
 
@@ -102,4 +113,56 @@ TEST(plan_of_each_strategy_matches_its_memory_report)
     plan_matches(&gpt, 8, "fsdp", "wrap_kinds=block");
     plan_matches(&gpt, 8, "fsdp", "wrap_kinds=block,param_dtype=bf16");
     plan_matches(&gpt, 8, "zero2", NULL);
+}
+
+/* A model whose 256-wide skip "s" (children 2 to 6) crosses the boundary
+ * after child 4 (5:4) or both (3:3:3), where the activation is 8 wide:
+ * with skip 0 the stash and pop are flattens (aliases of their input). */
+static ct_module *skip_model(const ct_model_config *cfg, int skip)
+{
+    int64_t sh[CT_MAX_DIMS];
+    ct_model_input_shape(cfg, 1, sh);
+    ct_module *m = ct_sequential_create();
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(sh[1], 256, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
+    ASSERT_OK(ct_module_add(m, NULL, skip ? ct_skip_stash_create("s") : ct_flatten_create()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(256, 8, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, ct_relu_create()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(8, 256, 1)));
+    ASSERT_OK(ct_module_add(m, NULL, skip ? ct_skip_pop_create("s") : ct_flatten_create()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_tanh_create()));
+    ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(256, cfg->classes, 1)));
+    ct_module_init_params(m, 7);
+    return m;
+}
+
+/* Skips crossing a pipeline boundary ride in its messages: the plan's comm
+ * (twice the largest message) grows by exactly twice a micro-batch's skip
+ * rows, its activations by at least one micro-batch's skip rows, and the
+ * plan matches a measured run as plan_vs_run checks (act within 25%). */
+TEST(plan_of_pipe_counts_skips_crossing_a_boundary)
+{
+    ct_model_config cfg = ct_model_config_default(CT_MODEL_MLP);
+    int world = ct_group_size(ct_group_world());
+    const char *opts[] = {"stages=2,balance=5:4,chunks=4,schedule=gpipe,checkpoint=never",
+                          "stages=2,balance=5:4,chunks=4,schedule=1f1b,checkpoint=always",
+                          "stages=3,balance=3:3:3,chunks=4,schedule=1f1b,checkpoint=except_last"};
+    for (int o = 0; o < 3; o++) {
+        int stages = o < 2 ? 2 : 3;
+        if (world < stages) continue;
+        int64_t batch = 32, rows = batch / (world / stages), mrows = (rows + 3) / 4;
+        uint64_t sbytes = (uint64_t)mrows * 256 * 4; /* one micro-batch's skip values */
+        ct_mem_plan with, without;
+        size_t cw, co;
+        for (int skip = 1; skip >= 0; skip--) { /* one model at a time: the report counts every model's bytes */
+            ct_module *m = skip_model(&cfg, skip);
+            plan_vs_run(&cfg, m, batch, "pipe", opts[o], skip ? &with : &without, skip ? &cw : &co);
+            ct_module_destroy(m);
+        }
+        ASSERT_EQ(with.comm - without.comm, 2 * sbytes);
+        ASSERT(with.act >= without.act + sbytes);
+        /* the plan counts one message in flight and the spare; a run holds a send until its next
+         * operation reaps it, so up to a message per micro-batch in flight: never fewer */
+        ASSERT(cw >= with.comm && co >= without.comm);
+    }
 }

@@ -228,3 +228,31 @@ TEST(zero2_tolerates_parameters_without_a_gradient)
     zero2_buckets_vs_one(NULL, with_unused);
     zero2_buckets_vs_one("reduce_bucket_size=1000", with_unused);
 }
+
+/* ShardedDDP's sync_models_at_startup: ranks that built different weights
+ * (seed 5 + rank) hold rank 0's after wrapping, bit for bit; with it off,
+ * each keeps its own. */
+TEST(zero2_sync_models_at_startup_makes_rank0s_model)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g);
+    for (int sync = 0; sync < 2; sync++) {
+        ct_module *m = mlp8(5 + (uint64_t)rank, 24), *ref = mlp8(5, 24), *own = mlp8(5 + (uint64_t)rank, 24);
+        ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
+        ct_strategy *s;
+        ASSERT_OK(ct_strategy_create("zero2", m, &oo, g, sync ? NULL : "sync_models_at_startup=0", &s));
+        ct_param **pm, **pr;
+        int nm, nr;
+        ASSERT_OK(ct_module_params(m, &pm, &nm));
+        ASSERT_OK(ct_module_params(sync ? ref : own, &pr, &nr));
+        ASSERT_EQ(nm, nr);
+        for (int i = 0; i < nm; i++)
+            ASSERT(!memcmp(ct_tensor_data(pm[i]->data), ct_tensor_data(pr[i]->data), ct_tensor_bytes(pm[i]->data)));
+        ct_free(pm);
+        ct_free(pr);
+        ct_strategy_destroy(s);
+        ct_module_destroy(m);
+        ct_module_destroy(ref);
+        ct_module_destroy(own);
+    }
+}

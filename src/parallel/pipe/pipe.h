@@ -97,7 +97,14 @@ ct_status ct__pipe_local_state(ct_strategy *s, int optim, ct_state *out);
 ct_status ct__pipe_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                               int optim);
 
-/* pipe_skip.c.  Lists the skips crossing a boundary (while every stage's
+/* pipe_skip.c.  The skips of sequential m that cross a boundary when its
+ * children are cut by balance[0..nstages) (name, a, b; stash NULL) into
+ * *out (the caller's, ct_free) and *n; CT_EINVAL for a pop before its
+ * stash or two stashes of one name, CT_EUNSUPPORTED for more than
+ * CT_PIPE_MAX_SKIPS at one boundary.  The strategy and its plan both list
+ * them here. */
+ct_status ct__pipe_skips_list(ct_module *m, const int *balance, int nstages, pipe_skip **out, int *n);
+/* Lists the skips crossing a boundary (while every stage's
  * children are here; the same errors on every rank) and gives this stage
  * its proxies; fini frees them. */
 ct_status ct__pipe_skips_init(ct_strategy *s, pipe_t *p);

@@ -13,18 +13,19 @@
 #include "pipe.h"
 
 /* The stage of each child of the sequential. */
-static int *stages_of(const pipe_t *p, int nkids)
+static int *stages_of(const int *balance, int nstages, int nkids)
 {
     int *st = ct_alloc(sizeof *st * (size_t)(nkids + 1), CT_MEM_OTHER);
     if (!st) return NULL;
-    for (int k = 0, i = 0; k < p->nstages; k++)
-        for (int j = 0; j < p->balance[k] && i < nkids; j++) st[i++] = k;
+    for (int k = 0, i = 0; k < nstages; k++)
+        for (int j = 0; j < balance[k] && i < nkids; j++) st[i++] = k;
     return st;
 }
 
-/* Adds skip name stashed in child j: its last pop's stage, errors for a pop
- * in an earlier stage or a second stash of the name. */
-static ct_status add_skip(pipe_t *p, ct_module *m, const int *stage_of, int j, const char *name)
+/* Adds skip name stashed in child j to *skips (*n of them) when it crosses
+ * a boundary: its last pop's stage, errors for a pop in an earlier stage or
+ * a second stash of the name. */
+static ct_status add_skip(pipe_skip **skips, int *nskips, ct_module *m, const int *stage_of, int j, const char *name)
 {
     int a = stage_of[j], b = a, nstash = 0;
     ct_status st = CT_OK;
@@ -47,12 +48,12 @@ static ct_status add_skip(pipe_t *p, ct_module *m, const int *stage_of, int j, c
         ct_free(ms);
     }
     if (st != CT_OK || b == a) return st;
-    pipe_skip *ns = ct_alloc(sizeof *ns * (size_t)(p->nskips + 1), CT_MEM_OTHER);
+    pipe_skip *ns = ct_alloc(sizeof *ns * (size_t)(*nskips + 1), CT_MEM_OTHER);
     if (!ns) return CT_ENOMEM;
-    if (p->nskips) memcpy(ns, p->skips, sizeof *ns * (size_t)p->nskips);
-    ct_free(p->skips);
-    p->skips = ns;
-    pipe_skip *sk = &p->skips[p->nskips++];
+    if (*nskips) memcpy(ns, *skips, sizeof *ns * (size_t)*nskips);
+    ct_free(*skips);
+    *skips = ns;
+    pipe_skip *sk = &ns[(*nskips)++];
     memset(sk, 0, sizeof *sk);
     snprintf(sk->name, sizeof sk->name, "%s", name);
     sk->a = a;
@@ -85,10 +86,11 @@ static ct_status give_stash(ct_strategy *s, pipe_t *p, pipe_skip *sk)
     return CT_OK;
 }
 
-ct_status ct__pipe_skips_init(ct_strategy *s, pipe_t *p)
+ct_status ct__pipe_skips_list(ct_module *m, const int *balance, int nstages, pipe_skip **out, int *nout)
 {
-    ct_module *m = s->model;
-    int *stage_of = stages_of(p, m->nkids);
+    *out = NULL;
+    *nout = 0;
+    int *stage_of = stages_of(balance, nstages, m->nkids);
     if (!stage_of) return CT_ENOMEM;
     ct_status st = CT_OK;
     for (int j = 0; j < m->nkids && st == CT_OK; j++) {
@@ -97,18 +99,30 @@ ct_status ct__pipe_skips_init(ct_strategy *s, pipe_t *p)
         if ((st = ct_module_modules(m->kids[j], &ms, &n)) != CT_OK) break;
         for (int q = 0; q < n && st == CT_OK; q++) {
             const char *name;
-            if (ct_skip_info(ms[q], &name) == 1) st = add_skip(p, m, stage_of, j, name);
+            if (ct_skip_info(ms[q], &name) == 1) st = add_skip(out, nout, m, stage_of, j, name);
         }
         ct_free(ms);
     }
     ct_free(stage_of);
-    for (int k = 0; k + 1 < p->nstages && st == CT_OK; k++) {
+    for (int k = 0; k + 1 < nstages && st == CT_OK; k++) {
         int live = 0;
-        for (int i = 0; i < p->nskips; i++) live += ct__pipe_skip_out(&p->skips[i], k);
+        for (int i = 0; i < *nout; i++) live += ct__pipe_skip_out(&(*out)[i], k);
         if (live > CT_PIPE_MAX_SKIPS)
             st = ct_error(CT_EUNSUPPORTED, "pipe: %d skips cross the boundary after stage %d, more than %d; cut the "
                           "stages elsewhere (balance) or join skips", live, k, CT_PIPE_MAX_SKIPS);
     }
+    if (st != CT_OK) {
+        ct_free(*out);
+        *out = NULL;
+        *nout = 0;
+    }
+    return st;
+}
+
+ct_status ct__pipe_skips_init(ct_strategy *s, pipe_t *p)
+{
+    CT_TRY(ct__pipe_skips_list(s->model, p->balance, p->nstages, &p->skips, &p->nskips));
+    ct_status st = CT_OK;
     for (int i = 0; i < p->nskips && st == CT_OK && p->stage >= 0; i++) st = give_stash(s, p, &p->skips[i]);
     return st;
 }

@@ -12,11 +12,18 @@
  * gradient until its backward, the others receive the next gradient ahead;
  * plus this rank's batch, and one message in flight and the spare the
  * step keeps for failed messages (comm: twice the largest message).
+ * Skips crossing a boundary (pipe_skip.c) ride in its messages: each
+ * received input and gradient is wider by their rows; the stash's stage
+ * keeps its value through a checkpointed micro-batch too (the stash holds
+ * it until its backward), and a skip's last stage makes its gradient and
+ * its first the stash's summed input gradient, one micro-batch at a time.
  */
 #include <stdlib.h>
 #include <string.h>
 
+#include "nn/skip.h"
 #include "plan.h"
+#include "parallel/pipe/pipe.h"
 
 /* The parameters of the model's top-level children [lo, hi), each once:
  * what a stage keeps (a parameter tied across stages, as the gpt's
@@ -55,6 +62,32 @@ static ct_status stages(const ct__plan *pl, int *bal, int *P)
     return nb ? CT_OK : ct_pipe_balance_by_params(pl->model, *P, bal);
 }
 
+/* The bytes of one micro-batch's crossing skips at stage k (after its
+ * activation plan ran shape inference through stages 0..k, which leaves
+ * each stash's shape): into k (in), out of k (out), stashed in k and last
+ * popped in k. */
+typedef struct {
+    uint64_t in, out, stash, pop;
+} skip_bytes;
+
+static skip_bytes stage_skips(const ct__plan *pl, const pipe_skip *sk, int nsk, int k, int64_t mrows)
+{
+    skip_bytes b = {0};
+    for (int i = 0; i < nsk; i++) {
+        if (sk[i].a > k) continue;
+        ct_module *stash = ct__skip_find_stash(pl->model, sk[i].name);
+        int64_t sh[CT_MAX_DIMS];
+        int nd = stash ? ct__skip_shape(stash, sh) : 0;
+        uint64_t v = nd ? 4 * (uint64_t)mrows : 0; /* f32 rows of the row shape */
+        for (int d = 1; d < nd; d++) v *= (uint64_t)sh[d];
+        b.in += ct__pipe_skip_in(&sk[i], k) ? v : 0;
+        b.out += ct__pipe_skip_out(&sk[i], k) ? v : 0;
+        b.stash += sk[i].a == k ? v : 0;
+        b.pop += sk[i].b == k ? v : 0;
+    }
+    return b;
+}
+
 ct_status ct__plan_pipe(const ct__plan *pl, ct_mem_plan *out)
 {
     int n = pl->model->nkids, P = 0;
@@ -63,6 +96,9 @@ ct_status ct__plan_pipe(const ct__plan *pl, ct_mem_plan *out)
     int64_t *counts = ct_alloc(sizeof *counts * (size_t)(pl->ntp + 1), CT_MEM_OTHER);
     ct_status st = bal && sp && counts ? CT_OK : CT_ENOMEM;
     if (st == CT_OK) st = stages(pl, bal, &P);
+    pipe_skip *sk = NULL;
+    int nsk = 0;
+    if (st == CT_OK) st = ct__pipe_skips_list(pl->model, bal, P, &sk, &nsk);
     int R = pl->spec->world / (P ? P : 1), chunks = (int)ct__plan_num(pl, "chunks", 4);
     char dv[32], sch[32], ck[32] = "except_last";
     int zero1 = ct__plan_opt(pl, "dp", dv, sizeof dv) && !strcmp(dv, "zero1");
@@ -106,18 +142,21 @@ ct_status ct__plan_pipe(const ct__plan *pl, ct_mem_plan *out)
         st = ct__plan_stage_act(pl, lo, hi, mrows, mixed, 0, &ap);
         if (st != CT_OK) break;
         int held = gpipe ? (int)mbs : (P - k < mbs ? P - k : (int)mbs), never = !strcmp(ck, "never");
-        uint64_t recv = k ? ap.in_bytes + 4 : 0; /* a received input: its values and the sender's status */
+        skip_bytes sb = stage_skips(pl, sk, nsk, k, mrows);
+        /* a received input: its values, its skips' and the sender's status */
+        uint64_t recv = k ? ap.in_bytes + sb.in + 4 : 0;
         /* 1F1B receives the next micro-batch's input ahead; GPipe all of them at once (held) */
         uint64_t act = ap.peak + (uint64_t)(held + (!gpipe && held < mbs)) * recv +
-                       (uint64_t)(held - 1) * (never ? ap.kept : 0);
+                       (uint64_t)(held - 1) * (never ? ap.kept : sb.stash) + sb.stash + sb.pop;
         if (!never && !gpipe && !strcmp(ck, "except_last") && held > 1) act += ap.kept;
         /* the last stage's loss gradients; the others' next gradient received ahead (messages carry a status) */
-        act += k + 1 == P ? (uint64_t)(held - 1) * ap.out_bytes : ap.out_bytes + 8;
+        act += k + 1 == P ? (uint64_t)(held - 1) * ap.out_bytes : ap.out_bytes + sb.out + 8;
         act += ct__plan_batch_bytes(pl, rows);
-        uint64_t comm = k + 1 < P ? ap.out_bytes + 4 : 0;
-        if (k && ap.in_bytes + 4 > comm) comm = ap.in_bytes + 4;
+        uint64_t comm = k + 1 < P ? ap.out_bytes + sb.out + 4 : 0;
+        if (k && ap.in_bytes + sb.in + 4 > comm) comm = ap.in_bytes + sb.in + 4;
         ct__plan_rank(out, param, grad, optim, act, P > 1 ? 2 * comm : 0);
     }
+    ct_free(sk);
     ct_free(bal);
     ct_free(sp);
     ct_free(counts);
