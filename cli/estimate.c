@@ -254,7 +254,12 @@ static ct_status build_input(const est_opts *o, ct_model_config *cfg, ct_module 
     ct_optim_parse(o->optim, &ok);
     spec->optim = ct_optim_defaults(ok);
     if (ok == CT_OPT_SGD) spec->optim.momentum = (float)o->momentum;
-    CT_TRY(ct_model_build(cfg, 0, model));
+    /* Shapes are all a plan reads: built shape-only, a 2B-parameter model is
+     * planned in a moment instead of drawing 2B initial values (5 minutes). */
+    int was = ct_module_shape_only(1);
+    ct_status built = ct_model_build(cfg, 0, model);
+    ct_module_shape_only(was);
+    CT_TRY(built);
     /* the wrappers `ctrain train --checkpoint-activation` puts in (their act_cost keeps the input only) */
     ct_status st = o->checkpoint_activation ? ct_module_apply_activation_checkpointing(*model, NULL, NULL, NULL) : CT_OK;
     if (st != CT_OK) {

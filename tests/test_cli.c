@@ -704,6 +704,19 @@ TEST(cli_estimate_table)
 }
 
 /* Bad command lines: exit 2 and one line naming the fix. */
+/* The estimate reads shapes only: a 2B-parameter GPT (8 GB of f32 weights)
+ * is planned under a 600 MB address-space limit, where building it whole
+ * (as the estimate once did, drawing every initial value) fails. */
+TEST(cli_estimate_builds_the_model_shape_only)
+{
+    static char out[OUT_MAX];
+    int code = run_sh(0, "ulimit -v 600000;", out, "estimate --model gpt --layers 40 --heads 16 --dim 2048 --context 64 "
+                      "--batch 2 --ranks 2 --strategy fsdp --offload all");
+    if (code != 0) printf("%s\n", out);
+    ASSERT_EQ(code, 0);
+    ASSERT(strstr(out, "(2014990336 parameters)") != NULL);
+}
+
 TEST(cli_estimate_usage_errors)
 {
     static char out[OUT_MAX];
