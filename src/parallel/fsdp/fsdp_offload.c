@@ -10,7 +10,7 @@
  * A part is resident, loading (a job queued: its memory is the I/O
  * thread's until the caller waits for the ticket) or out.  The unit hooks
  * of fsdp.c call in here: masters load before a gather (the next units'
- * behind them, in the order the first step gathered them) and go back
+ * behind them, in the order one pass gathered them) and go back
  * after it (dropped when unchanged: the store has them); a gradient piece
  * comes back before its reduce (new when the reduce overwrites it) and is
  * written after it, its norm terms noted while resident, so clipping knows
@@ -59,7 +59,8 @@ typedef struct fsdp_off {
     unsigned mask;         /* bits of the parts in the store */
     int nstate;
     int ahead;             /* 2: load one unit ahead; 1: on demand */
-    int *seq, nseq, cap, cur, recorded; /* units in the order their masters were needed */
+    int *seq, nseq, cap, cur, recorded; /* units in the order their masters were needed (one pass) */
+    int seq_max;           /* the recording's bound: every unit's forward, recompute and backward */
     float scales[16];      /* clip factors since the last step */
     int nscales;
     int npend;             /* flats whose update is pending */
@@ -202,9 +203,8 @@ ct_status ct__fsdp_off_open(ct_strategy *s)
     for (int i = 0; i < f->nu; i++) o->nflats += f->u[i].nfl;
     o->fl = ct_alloc_zeroed(sizeof *o->fl * ((size_t)o->nflats + 1), CT_MEM_OTHER);
     o->first = ct_alloc_zeroed(sizeof *o->first * ((size_t)f->nu + 1), CT_MEM_OTHER);
-    o->cap = 4 * f->nu + 4;
-    o->seq = ct_alloc(sizeof *o->seq * (size_t)o->cap, CT_MEM_OTHER);
-    if (!o->fl || !o->first || !o->seq) return CT_ENOMEM;
+    o->seq_max = 3 * f->nu;
+    if (!o->fl || !o->first) return CT_ENOMEM;
     size_t total = 0;
     double fixed = 0, largest = 0;
     const char *big = "";
@@ -343,25 +343,25 @@ ct_status ct__fsdp_off_masters(ct_strategy *s, fsdp_unit *u)
     fsdp_off *o = f->off;
     int me = (int)(u - f->u);
     if (!o->recorded) {
-        if (o->nseq == o->cap) {
-            int *n = ct_alloc(sizeof *n * (size_t)o->cap * 2, CT_MEM_OTHER);
-            if (!n) return CT_ENOMEM;
-            memcpy(n, o->seq, sizeof *n * (size_t)o->nseq);
-            ct_free(o->seq);
-            o->seq = n;
-            o->cap *= 2;
-        }
+        /* One pass is recorded: up to the first step, or as many gathers as
+         * every unit's forward, a checkpoint's recompute and backward make
+         * (forward-only loops, an evaluation, would grow it without end). */
+        int *g = ct_grow(o->seq, o->nseq, &o->cap, sizeof *o->seq, CT_MEM_OTHER);
+        if (!g) return CT_ENOMEM;
+        o->seq = g;
         o->seq[o->nseq++] = me;
-    } else {
-        for (int i = o->cur; i < o->nseq; i++)
-            if (o->seq[i] == me) {
-                o->cur = i + 1;
-                break;
-            }
+        if (o->nseq >= o->seq_max) o->recorded = 1, o->cur = o->nseq;
+    } else { /* the next place of me in the recorded order, round to its start (passes repeat) */
+        for (int k = 0; k < o->nseq; k++) {
+            int i = (o->cur + k) % o->nseq;
+            if (o->seq[i] != me) continue;
+            o->cur = i + 1;
+            break;
+        }
     }
     CT_TRY(bring_unit(s, u));
-    for (int i = o->cur; o->recorded && i < o->nseq && i < o->cur + o->ahead - 1; i++)
-        CT_TRY(bring_unit(s, &f->u[o->seq[i]]));
+    for (int k = 0; o->recorded && k < o->nseq - 1 && k < o->ahead - 1; k++)
+        CT_TRY(bring_unit(s, &f->u[o->seq[(o->cur + k) % o->nseq]]));
     CT_TRY(unit_parts(s, u, PM, 1));
     for (int k = 0; k < u->nfl; k++) CT_TRY(apply_update(s, u, k));
     return CT_OK;
