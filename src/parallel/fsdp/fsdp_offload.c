@@ -69,6 +69,9 @@ typedef struct fsdp_off {
     float pend_scales[16]; /* and the clip factors it took */
     int pend_nscales;
     int pinned;
+    fsdp_flat **slot_flat; /* [optimizer slots] the flat of each slot's range, */
+    off_flat **slot_x;     /* its parts, */
+    int64_t *slot_at;      /* and its offset in the piece (range_io) */
     double moved;          /* the store's bytes read plus written at the last step's end */
     ct__strategy_ops saved; /* the entries this file wraps */
 } fsdp_off;
@@ -321,6 +324,10 @@ void ct__fsdp_off_close(ct_strategy *s)
     ct_free(o->fl);
     ct_free(o->first);
     ct_free(o->seq);
+    ct_free(o->slot_flat);
+    ct_free(o->slot_x);
+    ct_free(o->slot_at);
+    f->sh.io = NULL;
     ct_free(o);
     f->off = NULL;
 }
@@ -598,12 +605,12 @@ ct_status ct__fsdp_off_step(ct_strategy *s)
     return CT_OK;
 }
 
-/* ---- pinned: checkpoints and summons -------------------------------------------- */
+/* ---- checkpoints: the store's ranges a piece at a time; summons pinned ------------- */
 
 /* Each range this rank owns, in the optimizer's slot order (the walk of
  * fsdp_build_optim): fn gets its slot, flat, offloaded parts and offset in
  * the shard. */
-typedef void (*slot_fn)(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int64_t at, int64_t count, void *ud);
+typedef void (*slot_fn)(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int64_t at, void *ud);
 
 static void each_slot(ct_strategy *s, slot_fn fn, void *ud)
 {
@@ -621,125 +628,139 @@ static void each_slot(ct_strategy *s, slot_fn fn, void *ud)
                         const ct_part_range *pr = &fl->pt.ranges[r];
                         if (pr->param != j || pr->owner != u->srank || !pr->count) continue;
                         int64_t at = fl->flat.off[j] + pr->offset - (int64_t)u->srank * fl->flat.shard;
-                        fn(s, slot++, fl, OF(s, u, k), at, pr->count, ud);
+                        fn(s, slot++, fl, OF(s, u, k), at, ud);
                     }
                 }
             }
 }
 
-/* The range's optimizer state between the store's parts and the optimizer's
- * buffers (*(int *)ud: 1 into the buffers, 0 back into the parts). */
-static void move_state(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int64_t at, int64_t count, void *ud)
+/* Where each optimizer slot's range lies: its flat and offset in the piece. */
+static void note_slot(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int64_t at, void *ud)
 {
-    int in = *(int *)ud;
-    float *bufs[CT_OPTIM_MAX_STATE];
-    float *st = x->st[PS] ? ct_storage_ptr(x->st[PS]) : NULL;
-    if (!st || ct_optim_state(s->opt, slot, bufs, NULL) <= 0) return;
-    for (int b = 0; b < ct__fsdp_of(s)->off->nstate; b++) {
-        float *part = st + (int64_t)b * fl->flat.shard + at;
-        memcpy(in ? bufs[b] : part, in ? part : bufs[b], (size_t)count * sizeof(float));
+    fsdp_off *o = OFF(s);
+    (void)ud;
+    o->slot_flat[slot] = fl;
+    o->slot_x[slot] = x;
+    o->slot_at[slot] = at;
+}
+
+/* The shard table's io (shards.h): elements [at, at + n) of owned range k's
+ * values (b < 0: the masters) or state buffer b, from or into the part's
+ * memory while it is resident, else the store's file by position (between
+ * steps, the queue drained first).  State never written reads as zeros. */
+static ct_status range_io(ct_strategy *s, int k, int b, int64_t at, int64_t n, float *buf, int write)
+{
+    fsdp_off *o = OFF(s);
+    int slot = ct__fsdp_of(s)->sh.slot[k];
+    fsdp_flat *fl = o->slot_flat[slot];
+    off_flat *x = o->slot_x[slot];
+    int p = b < 0 ? PM : PS;
+    int64_t e = (p == PS ? (int64_t)b * fl->flat.shard : 0) + o->slot_at[slot] + at;
+    size_t bytes = (size_t)n * sizeof(float);
+    if (p == PS && x->fresh && !write) {
+        memset(buf, 0, bytes);
+        return CT_OK;
     }
+    if (x->st[p] && x->where[p] == P_LOADING) {
+        CT_TRY(ct__ostore_wait(o->store, x->tk[p]));
+        x->where[p] = P_RES;
+        sync_ptrs(fl, x);
+    }
+    float *mem = !x->st[p] ? (p == PM ? fl->master : NULL)
+               : x->where[p] == P_RES ? ct_storage_ptr(x->st[p]) : NULL;
+    if (!mem) return ct__ostore_rw(o->store, write, buf, bytes, x->off[p] + (off_t)e * (off_t)sizeof(float));
+    memcpy(write ? mem + e : buf, write ? buf : mem + e, bytes);
+    if (write) x->dirty[p] = 1;
+    return CT_OK;
 }
 
-/* The optimizer's slot points at the resident master and gradient piece. */
-static void point_slot(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int64_t at, int64_t count, void *ud)
-{
-    ct_optim_set_slot(s->opt, slot, fl->master + at, fl->gshard ? fl->gshard + at : NULL);
-    if (*(int *)ud) move_state(s, slot, fl, x, at, count, ud);
-}
-
-/* Every flat's masters (and with optim, state lent to the optimizer's
- * buffers) resident, the optimizer's slots pointing at them. */
-static ct_status pin(ct_strategy *s, int optim)
+/* Every flat's masters resident (a summon reads and writes them whole). */
+static ct_status pin(ct_strategy *s)
 {
     fsdp_t *f = ct__fsdp_of(s);
     fsdp_off *o = f->off;
     CT_TRY(flush(s));
-    if (o->nscales) CT_TRY(flush_scales(s));
     for (int n = 0, i = 0; i < f->nu; i++)
-        for (int k = 0; k < f->u[i].nfl; k++, n++) {
-            CT_TRY(have(o, &f->u[i].fl[k], &o->fl[n], PM, 0));
-            if (optim) CT_TRY(have(o, &f->u[i].fl[k], &o->fl[n], PS, o->fl[n].fresh));
-            if (optim && o->fl[n].fresh && o->fl[n].st[PS]) memset(ct_storage_ptr(o->fl[n].st[PS]), 0, o->fl[n].st[PS]->bytes);
-        }
+        for (int k = 0; k < f->u[i].nfl; k++, n++) CT_TRY(have(o, &f->u[i].fl[k], &o->fl[n], PM, 0));
     o->pinned = 1;
-    each_slot(s, point_slot, &optim);
     return CT_OK;
 }
 
-/* Takes the state back (load: the optimizer's buffers hold what was
- * loaded), lets the parts go (written when load or writeback changed them). */
-static ct_status unpin(ct_strategy *s, int optim, int changed)
+/* Lets the masters go (written when a writeback changed them). */
+static ct_status unpin(ct_strategy *s, int changed)
 {
     fsdp_t *f = ct__fsdp_of(s);
     fsdp_off *o = f->off;
-    int out = 0;
-    if (optim && changed) each_slot(s, move_state, &out);
-    if (optim) ct_optim_release_state(s->opt);
     o->pinned = 0;
     ct_status st = CT_OK;
     for (int n = 0, i = 0; i < f->nu; i++)
         for (int k = 0; k < f->u[i].nfl; k++, n++) {
             fsdp_unit *u = &f->u[i];
-            off_flat *x = &o->fl[n];
-            if (changed) x->dirty[PM] = 1;
-            if (optim && changed && x->st[PS]) x->dirty[PS] = 1, x->fresh = 0;
+            if (changed) o->fl[n].dirty[PM] = 1;
             ct_status w = CT_OK;
-            if (u->state == UNIT_SHARDED || u->ns > 1 || u->fl[k].low) w = send_out(o, &u->fl[k], x, PM);
-            if (w == CT_OK && optim) w = send_out(o, &u->fl[k], x, PS);
+            if (u->state == UNIT_SHARDED || u->ns > 1 || u->fl[k].low) w = send_out(o, &u->fl[k], &o->fl[n], PM);
             if (st == CT_OK) st = w;
         }
     if (st == CT_OK) st = ct__ostore_drain(o->store);
     return st;
 }
 
-/* A wrapped entry: pinned around the original. */
-#define PINNED(optim, changed, call)                                                                   \
-    do {                                                                                               \
-        ct_status st_ = pin(s, optim);                                                                 \
-        if (st_ == CT_OK) st_ = (call);                                                                \
-        ct_status u_ = unpin(s, optim, (changed) && st_ == CT_OK);                                     \
-        return st_ != CT_OK ? st_ : u_;                                                                \
-    } while (0)
-
-/* Tensors of a state that view pinned memory (a local state's pieces, the
- * optimizer's lent buffers) become copies of their own before the memory
- * goes back to the store. */
-static ct_status own_copies(ct_state *out, ct_status st)
+/* The state entries read and write through range_io once every pending
+ * update is applied: a save holds one tensor (a parameter gathered, a
+ * piece) at a time and a load a chunk, never a unit's shard. */
+static ct_status wrap_model(ct_strategy *s, ct_state *out)
 {
-    for (int i = 0; st == CT_OK && i < out->n; i++) {
-        ct_tensor *t = out->tensors[i];
-        if (t->storage->owns && t->storage->refcount == 1 && !t->storage->window) continue;
-        ct_tensor *c = ct_tensor_clone(t, t->storage->cat);
-        if (!c) return ct_last_status();
-        ct_tensor_release(t);
-        out->tensors[i] = c;
-    }
-    return st;
+    CT_TRY(flush(s));
+    return OFF(s)->saved.state.model(s, out);
 }
-
-static ct_status wrap_model(ct_strategy *s, ct_state *out) { PINNED(0, 0, own_copies(out, OFF(s)->saved.state.model(s, out))); }
-static ct_status wrap_optim(ct_strategy *s, ct_state *out) { PINNED(1, 0, own_copies(out, OFF(s)->saved.state.optim(s, out))); }
+static ct_status wrap_optim(ct_strategy *s, ct_state *out)
+{
+    CT_TRY(flush(s));
+    return OFF(s)->saved.state.optim(s, out);
+}
 static ct_status wrap_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
 {
-    PINNED(optim, 0, OFF(s)->saved.state.each(s, optim, shapes_only, fn, ud));
+    CT_TRY(flush(s));
+    return OFF(s)->saved.state.each(s, optim, shapes_only, fn, ud);
 }
 static ct_status wrap_shard(ct_strategy *s, int optim, ct_state *out)
 {
-    PINNED(optim, 0, own_copies(out, OFF(s)->saved.state.shard(s, optim, out)));
+    CT_TRY(flush(s));
+    return OFF(s)->saved.state.shard(s, optim, out);
 }
 static ct_status wrap_local(ct_strategy *s, int optim, ct_state *out)
 {
-    PINNED(1, 0, own_copies(out, OFF(s)->saved.state.local(s, optim, out)));
+    CT_TRY(flush(s));
+    return OFF(s)->saved.state.local(s, optim, out);
 }
+
+/* State never written (fresh) takes the loaded ranges: resident, it is
+ * zeroed first; in the store, the load writes the ranges there and the
+ * part counts as written once the whole load succeeded (a failed one
+ * leaves it zeros, as it was). */
 static ct_status wrap_load(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim)
 {
-    PINNED(optim, 1, OFF(s)->saved.state.load(s, names, ts, n, optim));
+    fsdp_off *o = OFF(s);
+    CT_TRY(flush(s));
+    for (int i = 0; optim && i < o->nflats; i++) {
+        off_flat *x = &o->fl[i];
+        if (!x->st[PS] || !x->fresh) continue;
+        if (x->where[PS] == P_OUT) continue;
+        CT_TRY(ct__ostore_wait(o->store, x->tk[PS])); /* loading, or in: its memory is ours */
+        x->where[PS] = P_RES;
+        memset(ct_storage_ptr(x->st[PS]), 0, x->st[PS]->bytes);
+        x->fresh = 0;
+        x->dirty[PS] = 1;
+    }
+    ct_status st = o->saved.state.load(s, names, ts, n, optim);
+    for (int i = 0; st == CT_OK && optim && i < o->nflats; i++) o->fl[i].fresh = 0;
+    return st;
 }
 
 /* The optimizer's slots are made over masters that are in the store: they
- * point into one placeholder of the largest piece while it is made (the
- * slots are re-pointed whenever pinned; the step never reads them). */
+ * point into one placeholder of the largest piece while it is made (no one
+ * reads them after: the step updates by range, the state I/O goes through
+ * range_io, which finds each slot's flat and offset in the map made here). */
 static ct_status wrap_build_optim(ct_strategy *s, const ct_optim_opts *oo)
 {
     fsdp_t *f = ct__fsdp_of(s);
@@ -756,15 +777,23 @@ static ct_status wrap_build_optim(ct_strategy *s, const ct_optim_opts *oo)
     for (int i = 0; i < f->nu; i++)
         for (int k = 0; k < f->u[i].nfl; k++) sync_ptrs(&f->u[i].fl[k], OF(s, &f->u[i], k));
     ct_free(ph);
-    return st;
+    CT_TRY(st);
+    size_t ns = (size_t)ct_optim_num_slots(s->opt) + 1;
+    o->slot_flat = ct_alloc(sizeof *o->slot_flat * ns, CT_MEM_OTHER);
+    o->slot_x = ct_alloc(sizeof *o->slot_x * ns, CT_MEM_OTHER);
+    o->slot_at = ct_alloc(sizeof *o->slot_at * ns, CT_MEM_OTHER);
+    if (!o->slot_flat || !o->slot_x || !o->slot_at) return CT_ENOMEM;
+    each_slot(s, note_slot, NULL);
+    f->sh.io = range_io; /* the state I/O reads and writes where the parts rest */
+    return CT_OK;
 }
 
 /* Summoned parameters come from the masters: pinned until the release. */
 static ct_status wrap_summon(ct_strategy *s, int writeback, int rank0_only)
 {
-    CT_TRY(pin(s, 0));
+    CT_TRY(pin(s));
     ct_status st = OFF(s)->saved.place.summon(s, writeback, rank0_only);
-    if (st != CT_OK) unpin(s, 0, 0);
+    if (st != CT_OK) unpin(s, 0);
     return st;
 }
 
@@ -774,6 +803,6 @@ static ct_status wrap_release(ct_strategy *s)
     int wb = 0;
     for (int i = 0; i < f->nu; i++) wb |= f->u[i].summon_writeback;
     ct_status st = OFF(s)->saved.place.release(s);
-    ct_status u = OFF(s)->pinned ? unpin(s, 0, wb) : CT_OK;
+    ct_status u = OFF(s)->pinned ? unpin(s, wb) : CT_OK;
     return st != CT_OK ? st : u;
 }
