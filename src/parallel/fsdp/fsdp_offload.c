@@ -167,6 +167,7 @@ static ct_status wrap_optim(ct_strategy *s, ct_state *out);
 static ct_status wrap_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
 static ct_status wrap_shard(ct_strategy *s, int optim, ct_state *out);
 static ct_status wrap_local(ct_strategy *s, int optim, ct_state *out);
+static ct_status wrap_share(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud);
 static ct_status wrap_load(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
 
 #define MIB 1048576.0
@@ -251,6 +252,7 @@ ct_status ct__fsdp_off_open(ct_strategy *s)
     s->vt.state.each = wrap_each;
     s->vt.state.shard = wrap_shard;
     s->vt.state.local = wrap_local;
+    s->vt.state.share = wrap_share;
     s->vt.state.load = wrap_load;
     return CT_OK;
 }
@@ -732,6 +734,12 @@ static ct_status wrap_local(ct_strategy *s, int optim, ct_state *out)
 {
     CT_TRY(flush(s));
     return OFF(s)->saved.state.local(s, optim, out);
+}
+
+static ct_status wrap_share(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud)
+{
+    CT_TRY(flush(s));
+    return OFF(s)->saved.state.share(s, optim, local, shapes_only, fn, ud);
 }
 
 /* State never written (fresh) takes the loaded ranges: resident, it is
