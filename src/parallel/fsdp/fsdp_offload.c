@@ -646,18 +646,12 @@ static void note_slot(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int6
     o->slot_at[slot] = at;
 }
 
-/* The shard table's io (shards.h): elements [at, at + n) of owned range k's
- * values (b < 0: the masters) or state buffer b, from or into the part's
- * memory while it is resident, else the store's file by position (between
- * steps, the queue drained first).  State never written reads as zeros. */
-static ct_status range_io(ct_strategy *s, int k, int b, int64_t at, int64_t n, float *buf, int write)
+/* Elements [e, e + n) of flat x's part p (the state's buffers end to end)
+ * from or into buf: the part's memory while it is resident, else the
+ * store's file by position (between steps, the queue drained first).
+ * State never written reads as zeros. */
+static ct_status part_io(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p, int64_t e, int64_t n, float *buf, int write)
 {
-    fsdp_off *o = OFF(s);
-    int slot = ct__fsdp_of(s)->sh.slot[k];
-    fsdp_flat *fl = o->slot_flat[slot];
-    off_flat *x = o->slot_x[slot];
-    int p = b < 0 ? PM : PS;
-    int64_t e = (p == PS ? (int64_t)b * fl->flat.shard : 0) + o->slot_at[slot] + at;
     size_t bytes = (size_t)n * sizeof(float);
     if (p == PS && x->fresh && !write) {
         memset(buf, 0, bytes);
@@ -668,11 +662,88 @@ static ct_status range_io(ct_strategy *s, int k, int b, int64_t at, int64_t n, f
         x->where[p] = P_RES;
         sync_ptrs(fl, x);
     }
-    float *mem = !x->st[p] ? (p == PM ? fl->master : NULL)
+    float *mem = !x->st[p] ? (p == PM ? fl->master : p == PG ? fl->gshard : NULL)
                : x->where[p] == P_RES ? ct_storage_ptr(x->st[p]) : NULL;
     if (!mem) return ct__ostore_rw(o->store, write, buf, bytes, x->off[p] + (off_t)e * (off_t)sizeof(float));
     memcpy(write ? mem + e : buf, write ? buf : mem + e, bytes);
     if (write) x->dirty[p] = 1;
+    return CT_OK;
+}
+
+/* The shard table's io (shards.h): owned range k's values (b < 0: the
+ * masters) or state buffer b, through part_io. */
+static ct_status range_io(ct_strategy *s, int k, int b, int64_t at, int64_t n, float *buf, int write)
+{
+    fsdp_off *o = OFF(s);
+    int slot = ct__fsdp_of(s)->sh.slot[k];
+    fsdp_flat *fl = o->slot_flat[slot];
+    int64_t e = (b < 0 ? 0 : (int64_t)b * fl->flat.shard) + o->slot_at[slot] + at;
+    return part_io(o, fl, o->slot_x[slot], b < 0 ? PM : PS, e, n, buf, write);
+}
+
+/* Elements of the piece a checkpoint's update moves at a time (1 MiB of
+ * masters, gradients and AdamW state together). */
+#define UPDATE_CHUNK 65536
+
+/* Flat k of u takes its pending update as apply_update gives it, element
+ * for element, but a chunk of the piece at a time between the parts and
+ * one buffer (a checkpoint's: it never brings a flat's parts in whole).
+ * The norm terms of a clipped gradient are summed by chunk (in double). */
+static ct_status apply_streamed(ct_strategy *s, fsdp_unit *u, int k)
+{
+    fsdp_off *o = OFF(s);
+    fsdp_flat *fl = &u->fl[k];
+    off_flat *x = OF(s, u, k);
+    if (!x->pend) return CT_OK;
+    int64_t shard = fl->flat.shard, chunk = shard < UPDATE_CHUNK ? shard : UPDATE_CHUNK;
+    float *m = ct_alloc(sizeof(float) * (size_t)chunk * (size_t)(2 + o->nstate) + 4, CT_MEM_COMM);
+    if (!m) return CT_ENOMEM;
+    float *g = m + chunk, *st = g + chunk;
+    int scaled = !x->pend_gzero && x->st[PG] && o->pend_nscales; /* resident pieces were scaled at the clip */
+    ct_norm_acc sq = ct_norm_acc_init(2.0), mx = ct_norm_acc_init(INFINITY);
+    ct_status rc = CT_OK;
+    for (int64_t c0 = 0; rc == CT_OK && c0 < shard; c0 += chunk) {
+        int64_t n = shard - c0 < chunk ? shard - c0 : chunk;
+        rc = part_io(o, fl, x, PM, c0, n, m, 0);
+        if (rc == CT_OK && x->pend_gzero) memset(g, 0, (size_t)n * sizeof(float)); /* untouched since zero_grad */
+        else if (rc == CT_OK) rc = part_io(o, fl, x, PG, c0, n, g, 0);
+        for (int b = 0; rc == CT_OK && b < o->nstate; b++) rc = part_io(o, fl, x, PS, b * shard + c0, n, st + b * chunk, 0);
+        if (rc != CT_OK) break;
+        for (int q = 0; scaled && q < o->pend_nscales; q++)
+            for (int64_t j = 0; j < n; j++) g[j] *= o->pend_scales[q];
+        if (scaled) ct_norm_acc_f32(&sq, g, n), ct_norm_acc_f32(&mx, g, n);
+        for (int r = 0; r < fl->pt.n; r++) { /* the owned ranges' parts in this chunk */
+            const ct_part_range *pr = &fl->pt.ranges[r];
+            if (pr->owner != u->srank || !pr->count) continue;
+            int64_t at = fl->flat.off[pr->param] + pr->offset - (int64_t)u->srank * shard;
+            int64_t lo = at > c0 ? at : c0, hi = at + pr->count < c0 + n ? at + pr->count : c0 + n;
+            if (lo >= hi) continue;
+            float *bufs[CT_OPTIM_MAX_STATE] = {0};
+            for (int b = 0; b < o->nstate; b++) bufs[b] = st + b * chunk + (lo - c0);
+            ct_optim_opts po;
+            ct_optim_param_opts(&o->pend_o, fl->flat.p[pr->param]->name, &po);
+            ct_optim_update_range(&po, m + (lo - c0), g + (lo - c0), bufs, hi - lo, o->pend_step);
+        }
+        rc = part_io(o, fl, x, PM, c0, n, m, 1);
+        for (int b = 0; rc == CT_OK && b < o->nstate; b++) rc = part_io(o, fl, x, PS, b * shard + c0, n, st + b * chunk, 1);
+        if (rc == CT_OK && scaled) rc = part_io(o, fl, x, PG, c0, n, g, 1);
+    }
+    ct_free(m);
+    CT_TRY(rc);
+    if (scaled) x->sq = sq.v, x->mx = mx.v;
+    if (x->pend_gzero && !x->st[PG]) memset(fl->gshard, 0, (size_t)shard * sizeof(float)); /* as apply_update */
+    x->fresh = 0;
+    x->pend = 0;
+    o->npend--;
+    return CT_OK;
+}
+
+/* Every pending update, streamed (before a checkpoint reads or writes state). */
+static ct_status flush_streamed(ct_strategy *s)
+{
+    fsdp_t *f = ct__fsdp_of(s);
+    for (int i = 0; f->off->npend && i < f->nu; i++)
+        for (int k = 0; k < f->u[i].nfl; k++) CT_TRY(apply_streamed(s, &f->u[i], k));
     return CT_OK;
 }
 
@@ -708,37 +779,37 @@ static ct_status unpin(ct_strategy *s, int changed)
 }
 
 /* The state entries read and write through range_io once every pending
- * update is applied: a save holds one tensor (a parameter gathered, a
- * piece) at a time and a load a chunk, never a unit's shard. */
+ * update is applied (streamed): a save holds one tensor (a parameter
+ * gathered, a piece) at a time and a load a chunk, never a unit's shard. */
 static ct_status wrap_model(ct_strategy *s, ct_state *out)
 {
-    CT_TRY(flush(s));
+    CT_TRY(flush_streamed(s));
     return OFF(s)->saved.state.model(s, out);
 }
 static ct_status wrap_optim(ct_strategy *s, ct_state *out)
 {
-    CT_TRY(flush(s));
+    CT_TRY(flush_streamed(s));
     return OFF(s)->saved.state.optim(s, out);
 }
 static ct_status wrap_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
 {
-    CT_TRY(flush(s));
+    CT_TRY(flush_streamed(s));
     return OFF(s)->saved.state.each(s, optim, shapes_only, fn, ud);
 }
 static ct_status wrap_shard(ct_strategy *s, int optim, ct_state *out)
 {
-    CT_TRY(flush(s));
+    CT_TRY(flush_streamed(s));
     return OFF(s)->saved.state.shard(s, optim, out);
 }
 static ct_status wrap_local(ct_strategy *s, int optim, ct_state *out)
 {
-    CT_TRY(flush(s));
+    CT_TRY(flush_streamed(s));
     return OFF(s)->saved.state.local(s, optim, out);
 }
 
 static ct_status wrap_share(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud)
 {
-    CT_TRY(flush(s));
+    CT_TRY(flush_streamed(s));
     return OFF(s)->saved.state.share(s, optim, local, shapes_only, fn, ud);
 }
 
@@ -749,7 +820,7 @@ static ct_status wrap_share(ct_strategy *s, int optim, int local, int shapes_onl
 static ct_status wrap_load(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim)
 {
     fsdp_off *o = OFF(s);
-    CT_TRY(flush(s));
+    CT_TRY(flush_streamed(s));
     for (int i = 0; optim && i < o->nflats; i++) {
         off_flat *x = &o->fl[i];
         if (!x->st[PS] || !x->fresh) continue;
