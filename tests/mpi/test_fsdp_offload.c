@@ -207,3 +207,54 @@ TEST(fsdp_offload_eval_loops_stay_bounded_and_training_after_them_is_exact)
     ct_module_destroy(om);
     ct_module_destroy(mm);
 }
+
+/* One unit at a time (ct_strategy_unit_read / _write) under offload=all:
+ * what in-memory FSDP reads after the same steps, and a write then a step
+ * leave both the same (the masters rest in the store: this read a NULL
+ * master before). */
+TEST(fsdp_offload_unit_read_and_write)
+{
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    int64_t n = 6 * world + 2;
+    ct_module *om = fsdp_nested(21, 0), *mm = fsdp_nested(21, 0);
+    ct_optim_opts oo = optim_for(CT_OPT_ADAMW);
+    ct_strategy *os, *ms;
+    ASSERT_OK(ct_strategy_create("fsdp", om, &oo, g, "wrap_kinds=linear,offload=all", &os));
+    ASSERT_OK(ct_strategy_create("fsdp", mm, &oo, g, "wrap_kinds=linear", &ms));
+    for (int pass = 0; pass < 2; pass++) {
+        ct_step_out o;
+        step_on_slice(os, pass, n, rank, world, &o);
+        step_on_slice(ms, pass, n, rank, world, &o);
+        ASSERT_OK(ct_strategy_step(os));
+        ASSERT_OK(ct_strategy_step(ms));
+        ct_strategy_zero_grad(os);
+        ct_strategy_zero_grad(ms);
+        ASSERT_EQ(ct_strategy_num_units(os), ct_strategy_num_units(ms));
+        for (int i = 0; i < ct_strategy_num_units(os); i++) {
+            ct_module *m;
+            ct_param **ps;
+            int np;
+            int64_t numel;
+            ASSERT_OK(ct_strategy_unit_params(os, i, &m, &ps, &np, &numel));
+            ct_free(ps);
+            float *a = ct_alloc(sizeof *a * (size_t)(numel + 1), CT_MEM_OTHER), *b = ct_alloc(sizeof *b * (size_t)(numel + 1), CT_MEM_OTHER);
+            ASSERT_OK(ct_strategy_unit_read(os, i, a, numel));
+            ASSERT_OK(ct_strategy_unit_read(ms, i, b, numel));
+            ASSERT(memcmp(a, b, sizeof *a * (size_t)numel) == 0);
+            for (int64_t j = 0; j < numel; j++) a[j] *= 0.5f;
+            if (pass == 0) {
+                ASSERT_OK(ct_strategy_unit_write(os, i, a, numel));
+                ASSERT_OK(ct_strategy_unit_write(ms, i, a, numel));
+            }
+            ct_free(a);
+            ct_free(b);
+        }
+    }
+    compare(os, ms, 0, 1e-30, "unit writes, vs in-memory fsdp:", "offload=all");
+    compare(os, ms, 1, 1e-30, "unit writes, vs in-memory fsdp:", "offload=all");
+    UNWRAP(os);
+    UNWRAP(ms);
+    ct_module_destroy(om);
+    ct_module_destroy(mm);
+}

@@ -162,6 +162,7 @@ static ct_status flush(ct_strategy *s);
 static ct_status wrap_build_optim(ct_strategy *s, const ct_optim_opts *oo);
 static ct_status wrap_summon(ct_strategy *s, int writeback, int rank0_only);
 static ct_status wrap_release(ct_strategy *s);
+static ct_status wrap_unit_io(ct_strategy *s, int i, float *buf, int write);
 static ct_status wrap_model(ct_strategy *s, ct_state *out);
 static ct_status wrap_optim(ct_strategy *s, ct_state *out);
 static ct_status wrap_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
@@ -247,6 +248,7 @@ ct_status ct__fsdp_off_open(ct_strategy *s)
     s->vt.place.build_optim = wrap_build_optim;
     s->vt.place.summon = wrap_summon;
     s->vt.place.release = wrap_release;
+    s->vt.place.unit_io = wrap_unit_io;
     s->vt.state.model = wrap_model;
     s->vt.state.optim = wrap_optim;
     s->vt.state.each = wrap_each;
@@ -321,6 +323,7 @@ void ct__fsdp_off_close(ct_strategy *s)
         s->vt.place.build_optim = o->saved.place.build_optim;
         s->vt.place.summon = o->saved.place.summon;
         s->vt.place.release = o->saved.place.release;
+        s->vt.place.unit_io = o->saved.place.unit_io;
         s->vt.state = o->saved.state;
     }
     ct_free(o->fl);
@@ -884,4 +887,25 @@ static ct_status wrap_release(ct_strategy *s)
     ct_status st = OFF(s)->saved.place.release(s);
     ct_status u = OFF(s)->pinned ? unpin(s, wb) : CT_OK;
     return st != CT_OK ? st : u;
+}
+
+/* One unit's parameters read or written whole (ct_strategy_unit_read and
+ * _write): the pending updates first (streamed), then that unit's masters
+ * in for the call and out after it (written when the call wrote them). */
+static ct_status wrap_unit_io(ct_strategy *s, int i, float *buf, int write)
+{
+    fsdp_t *f = ct__fsdp_of(s);
+    fsdp_off *o = f->off;
+    fsdp_unit *u = &f->u[i];
+    CT_TRY(flush_streamed(s));
+    for (int k = 0; k < u->nfl; k++) {
+        CT_TRY(have(o, &u->fl[k], OF(s, u, k), PM, 0));
+        if (write) OF(s, u, k)->dirty[PM] = 1;
+    }
+    ct_status st = o->saved.place.unit_io(s, i, buf, write);
+    for (int k = 0; k < u->nfl; k++) { /* a gathered unit of one shard keeps its masters: they are its data */
+        ct_status w = u->state == UNIT_SHARDED || u->ns > 1 || u->fl[k].low ? send_out(o, &u->fl[k], OF(s, u, k), PM) : CT_OK;
+        if (st == CT_OK) st = w;
+    }
+    return st;
 }
