@@ -23,66 +23,14 @@
  * Whatever reads or changes state first applies what is still pending.
  *
  * The ct_optim keeps the slots, step count, learning rate and groups; its
- * own state buffers stay unallocated.  A checkpoint, a load or a summon
- * pins every flat's M and S resident and lends S to the optimizer's
- * buffers for the existing code paths, then gives them back: correct, but
- * the whole shard is resident meanwhile (not streamed).
+ * own state buffers stay unallocated.  Checkpoints read and write the
+ * store's ranges a tensor or a chunk at a time (fsdp_offload_state.c).
  */
 #include <math.h>
 #include <string.h>
 
-#include "fsdp.h"
-#include "parallel/store.h"
+#include "fsdp_offload.h"
 
-enum { PM = 0, PG, PS, NPART };
-enum { P_RES = 0, P_LOADING, P_OUT };
-
-typedef struct {
-    ct_storage *st[NPART]; /* NULL: not offloaded (fsdp.c's own pointers) or no state */
-    int where[NPART];      /* P_* */
-    long tk[NPART];        /* ticket of the job bringing it in */
-    long out_tk[NPART];    /* ticket of the job that last took it out */
-    int dirty[NPART];      /* resident copy differs from the store's */
-    int fresh;             /* S never written: zeros, nothing to read */
-    off_t off[NPART];
-    float *state;          /* S when resident and not offloaded */
-    double sq, mx;         /* norm terms of G after its last reduce */
-    int pend;              /* the last step's update is still to be applied */
-    int pend_gzero;        /* its gradient was untouched since zero_grad (zero) */
-} off_flat;
-
-typedef struct fsdp_off {
-    ct__ostore *store;
-    off_flat *fl;          /* [nflats]: unit by unit, flat by flat */
-    int *first;            /* [nu] index of the unit's first flat */
-    int nflats;
-    unsigned mask;         /* bits of the parts in the store */
-    int nstate;
-    int ahead;             /* 2: load one unit ahead; 1: on demand */
-    int *seq, nseq, cap, cur, recorded; /* units in the order their masters were needed (one pass) */
-    int seq_max;           /* the recording's bound: every unit's forward, recompute and backward */
-    float scales[16];      /* clip factors since the last step */
-    int nscales;
-    int npend;             /* flats whose update is pending */
-    ct_optim_opts pend_o;  /* the pending update: the step's options (its learning rate), */
-    int64_t pend_step;     /* its 1-based step count */
-    float pend_scales[16]; /* and the clip factors it took */
-    int pend_nscales;
-    int pinned;
-    fsdp_flat **slot_flat; /* [optimizer slots] the flat of each slot's range, */
-    off_flat **slot_x;     /* its parts, */
-    int64_t *slot_at;      /* and its offset in the piece (range_io) */
-    double moved;          /* the store's bytes read plus written at the last step's end */
-    ct__strategy_ops saved; /* the entries this file wraps */
-} fsdp_off;
-
-static const fsdp_opts *O(const ct_strategy *s) { return s->kopts; }
-static fsdp_off *OFF(ct_strategy *s) { return ct__fsdp_of(s)->off; }
-static off_flat *OF(ct_strategy *s, const fsdp_unit *u, int k)
-{
-    fsdp_off *o = OFF(s);
-    return &o->fl[o->first[u - ct__fsdp_of(s)->u] + k];
-}
 static unsigned mode_mask(int m)
 {
     return m == FSDP_OFF_OPTIM ? 1u << PS : m == FSDP_OFF_PARAMS ? (1u << PM | 1u << PG)
@@ -95,13 +43,6 @@ static size_t part_bytes(const fsdp_off *o, const fsdp_flat *fl, int p)
 
 int ct__fsdp_off_masters_out(const ct_strategy *s) { return (mode_mask(O(s)->offload) >> PM) & 1; }
 int ct__fsdp_off_grads_out(const ct_strategy *s) { return (mode_mask(O(s)->offload) >> PG) & 1; }
-
-/* The pointers fsdp.c reads follow the parts' residency. */
-static void sync_ptrs(fsdp_flat *fl, off_flat *x)
-{
-    if (x->st[PM]) fl->master = x->where[PM] == P_RES ? ct_storage_ptr(x->st[PM]) : NULL;
-    if (x->st[PG]) fl->gshard = x->where[PG] == P_RES ? ct_storage_ptr(x->st[PG]) : NULL;
-}
 
 /* ---- residency ---------------------------------------------------------------- */
 
@@ -125,7 +66,7 @@ static ct_status bring(fsdp_off *o, off_flat *x, int p, int fresh)
 }
 
 /* Part p resident: waits for its load. */
-static ct_status have(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p, int fresh)
+ct_status ct__fsdp_off_have(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p, int fresh)
 {
     CT_TRY(bring(o, x, p, fresh));
     if (x->st[p] && x->where[p] == P_LOADING) {
@@ -137,7 +78,7 @@ static ct_status have(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p, int fresh)
 }
 
 /* Part p goes out: written when it changed, else dropped (the store has it). */
-static ct_status send_out(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p)
+ct_status ct__fsdp_off_send_out(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p)
 {
     if (!x->st[p] || !(o->mask >> p & 1) || x->where[p] == P_OUT || o->pinned) return CT_OK;
     if (x->where[p] == P_LOADING) { /* its memory is the I/O thread's until then */
@@ -158,18 +99,6 @@ static ct_status send_out(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p)
 static ct_status apply_update(ct_strategy *s, fsdp_unit *u, int k);
 static ct_status bring_unit(ct_strategy *s, fsdp_unit *u);
 static void settle_unit(ct_strategy *s, fsdp_unit *u);
-static ct_status flush(ct_strategy *s);
-static ct_status wrap_build_optim(ct_strategy *s, const ct_optim_opts *oo);
-static ct_status wrap_summon(ct_strategy *s, int writeback, int rank0_only);
-static ct_status wrap_release(ct_strategy *s);
-static ct_status wrap_unit_io(ct_strategy *s, int i, float *buf, int write);
-static ct_status wrap_model(ct_strategy *s, ct_state *out);
-static ct_status wrap_optim(ct_strategy *s, ct_state *out);
-static ct_status wrap_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
-static ct_status wrap_shard(ct_strategy *s, int optim, ct_state *out);
-static ct_status wrap_local(ct_strategy *s, int optim, ct_state *out);
-static ct_status wrap_share(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud);
-static ct_status wrap_load(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
 
 #define MIB 1048576.0
 
@@ -243,19 +172,7 @@ ct_status ct__fsdp_off_open(ct_strategy *s)
     if (budget > 0 && fixed + 3 * largest > budget) o->ahead = 1;
     CT_TRY(ct__ostore_open(O(s)->store == FSDP_STORE_MEMORY, ct_strategy_opt(s, "offload_dir"), total,
                            O(s)->drop_cache, &o->store));
-    /* checkpoints and summons pin every part (see the top) */
-    o->saved = s->vt;
-    s->vt.place.build_optim = wrap_build_optim;
-    s->vt.place.summon = wrap_summon;
-    s->vt.place.release = wrap_release;
-    s->vt.place.unit_io = wrap_unit_io;
-    s->vt.state.model = wrap_model;
-    s->vt.state.optim = wrap_optim;
-    s->vt.state.each = wrap_each;
-    s->vt.state.shard = wrap_shard;
-    s->vt.state.local = wrap_local;
-    s->vt.state.share = wrap_share;
-    s->vt.state.load = wrap_load;
+    ct__fsdp_off_wrap(s); /* checkpoints, summons and unit I/O through the store (fsdp_offload_state.c) */
     return CT_OK;
 }
 
@@ -300,7 +217,7 @@ ct_status ct__fsdp_off_adopt(ct_strategy *s, fsdp_unit *u, int k)
         if (!(x->st[PS] = ct_storage_create(sb, CT_MEM_OPTIM, 1))) return ct_last_status(); /* resident for good */
     }
     /* masters go out now: set-up never holds more than a flat of them */
-    CT_TRY(send_out(o, fl, x, PM));
+    CT_TRY(ct__fsdp_off_send_out(o, fl, x, PM));
     return ct__ostore_drain(o->store);
 }
 
@@ -344,7 +261,7 @@ static ct_status unit_parts(ct_strategy *s, fsdp_unit *u, int p, int load)
     fsdp_off *o = OFF(s);
     for (int k = 0; k < u->nfl; k++) {
         off_flat *x = OF(s, u, k);
-        CT_TRY(load ? have(o, &u->fl[k], x, p, 0) : bring(o, x, p, 0));
+        CT_TRY(load ? ct__fsdp_off_have(o, &u->fl[k], x, p, 0) : bring(o, x, p, 0));
     }
     return CT_OK;
 }
@@ -383,14 +300,14 @@ void ct__fsdp_off_gathered(ct_strategy *s, fsdp_unit *u)
 {
     fsdp_off *o = OFF(s);
     for (int k = 0; k < u->nfl; k++)
-        if (u->ns > 1 || u->fl[k].low) send_out(o, &u->fl[k], OF(s, u, k), PM); /* a failure is sticky: the next wait reports it */
+        if (u->ns > 1 || u->fl[k].low) ct__fsdp_off_send_out(o, &u->fl[k], OF(s, u, k), PM); /* a failure is sticky: the next wait reports it */
     settle_unit(s, u);
 }
 
 void ct__fsdp_off_freed(ct_strategy *s, fsdp_unit *u)
 {
     fsdp_off *o = OFF(s);
-    for (int k = 0; k < u->nfl; k++) send_out(o, &u->fl[k], OF(s, u, k), PM);
+    for (int k = 0; k < u->nfl; k++) ct__fsdp_off_send_out(o, &u->fl[k], OF(s, u, k), PM);
 }
 
 ct_status ct__fsdp_off_grads(ct_strategy *s, fsdp_unit *u)
@@ -398,10 +315,10 @@ ct_status ct__fsdp_off_grads(ct_strategy *s, fsdp_unit *u)
     fsdp_off *o = OFF(s);
     for (int k = 0; k < u->nfl; k++) { /* a pending update takes the old gradient first */
         CT_TRY(apply_update(s, u, k));
-        if (u->ns > 1 || u->fl[k].low) CT_TRY(send_out(o, &u->fl[k], OF(s, u, k), PM));
-        CT_TRY(send_out(o, &u->fl[k], OF(s, u, k), PS));
+        if (u->ns > 1 || u->fl[k].low) CT_TRY(ct__fsdp_off_send_out(o, &u->fl[k], OF(s, u, k), PM));
+        CT_TRY(ct__fsdp_off_send_out(o, &u->fl[k], OF(s, u, k), PS));
     }
-    for (int k = 0; k < u->nfl; k++) CT_TRY(have(o, &u->fl[k], OF(s, u, k), PG, u->fl[k].gzero));
+    for (int k = 0; k < u->nfl; k++) CT_TRY(ct__fsdp_off_have(o, &u->fl[k], OF(s, u, k), PG, u->fl[k].gzero));
     return CT_OK;
 }
 
@@ -422,7 +339,7 @@ ct_status ct__fsdp_off_reduced(ct_strategy *s, fsdp_unit *u)
         if (!x->st[PG] || x->where[PG] != P_RES) continue;
         note_norms(&u->fl[k], x);
         x->dirty[PG] = 1;
-        CT_TRY(send_out(o, &u->fl[k], x, PG));
+        CT_TRY(ct__fsdp_off_send_out(o, &u->fl[k], x, PG));
     }
     return CT_OK;
 }
@@ -447,10 +364,10 @@ static ct_status flush_scales(ct_strategy *s)
             fsdp_flat *fl = &f->u[i].fl[k];
             off_flat *x = OF(s, &f->u[i], k);
             if (fl->gzero) continue;
-            CT_TRY(have(o, fl, x, PG, 0));
+            CT_TRY(ct__fsdp_off_have(o, fl, x, PG, 0));
             apply_scales(o->scales, o->nscales, fl, x);
             note_norms(fl, x);
-            CT_TRY(send_out(o, fl, x, PG));
+            CT_TRY(ct__fsdp_off_send_out(o, fl, x, PG));
         }
     o->nscales = 0;
     return CT_OK;
@@ -461,7 +378,7 @@ static ct_status flush_scales(ct_strategy *s)
 ct_status ct__fsdp_off_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     fsdp_t *f = ct__fsdp_of(s);
-    CT_TRY(flush(s)); /* a norm of the gradients a pending update still has to take */
+    CT_TRY(ct__fsdp_off_flush(s)); /* a norm of the gradients a pending update still has to take */
     if (f->off->nscales) CT_TRY(flush_scales(s));
     for (int g = 0; g < f->ngroups; g++) {
         ct_norm_acc part = ct_norm_acc_init(acc->inf ? INFINITY : 2.0);
@@ -482,7 +399,7 @@ ct_status ct__fsdp_off_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 void ct__fsdp_off_scale(ct_strategy *s, float k)
 {
     fsdp_off *o = OFF(s);
-    if (o->npend && flush(s) != CT_OK) return; /* the failure is sticky: the next wait reports it */
+    if (o->npend && ct__fsdp_off_flush(s) != CT_OK) return; /* the failure is sticky: the next wait reports it */
     if (o->nscales == (int)(sizeof o->scales / sizeof o->scales[0]) && flush_scales(s) != CT_OK) return;
     o->scales[o->nscales++] = k;
 }
@@ -498,9 +415,9 @@ static ct_status apply_update(ct_strategy *s, fsdp_unit *u, int k)
     fsdp_flat *fl = &u->fl[k];
     off_flat *x = OF(s, u, k);
     if (!x->pend) return CT_OK;
-    CT_TRY(have(o, fl, x, PM, 0));
-    CT_TRY(have(o, fl, x, PG, x->pend_gzero));
-    CT_TRY(have(o, fl, x, PS, x->fresh));
+    CT_TRY(ct__fsdp_off_have(o, fl, x, PM, 0));
+    CT_TRY(ct__fsdp_off_have(o, fl, x, PG, x->pend_gzero));
+    CT_TRY(ct__fsdp_off_have(o, fl, x, PS, x->fresh));
     if (x->pend_gzero) {
         memset(fl->gshard, 0, (size_t)fl->flat.shard * sizeof(float)); /* untouched since zero_grad: zero */
     } else if (x->st[PG] && o->pend_nscales) {
@@ -549,14 +466,14 @@ static void settle_unit(ct_strategy *s, fsdp_unit *u)
     fsdp_off *o = OFF(s);
     for (int k = 0; k < u->nfl; k++) {
         off_flat *x = OF(s, u, k);
-        if (!u->reducing) send_out(o, &u->fl[k], x, PG);
-        send_out(o, &u->fl[k], x, PS);
+        if (!u->reducing) ct__fsdp_off_send_out(o, &u->fl[k], x, PG);
+        ct__fsdp_off_send_out(o, &u->fl[k], x, PS);
     }
 }
 
 /* Every update still pending, unit by unit, the next unit loading meanwhile
  * (before state is read or written, another step, or a norm). */
-static ct_status flush(ct_strategy *s)
+ct_status ct__fsdp_off_flush(ct_strategy *s)
 {
     fsdp_t *f = ct__fsdp_of(s);
     fsdp_off *o = f->off;
@@ -565,7 +482,7 @@ static ct_status flush(ct_strategy *s)
         if (i + 1 < f->nu) CT_TRY(bring_unit(s, &f->u[i + 1]));
         for (int k = 0; k < u->nfl; k++) CT_TRY(apply_update(s, u, k));
         if (u->state == UNIT_SHARDED || u->ns > 1)
-            for (int k = 0; k < u->nfl; k++) CT_TRY(send_out(o, &u->fl[k], OF(s, u, k), PM));
+            for (int k = 0; k < u->nfl; k++) CT_TRY(ct__fsdp_off_send_out(o, &u->fl[k], OF(s, u, k), PM));
         settle_unit(s, u);
     }
     return CT_OK;
@@ -583,7 +500,7 @@ ct_status ct__fsdp_off_step(ct_strategy *s)
     fsdp_off *o = f->off;
     const ct_optim_opts *oo = ct_optim_get_opts(s->opt);
     CT_TRY(ct_optim_validate(oo)); /* a schedule's learning rate, before anything changes */
-    CT_TRY(flush(s));               /* a step before the last one reached every flat */
+    CT_TRY(ct__fsdp_off_flush(s)); /* a step before the last one reached every flat */
     int64_t step = ct_optim_get_step(s->opt) + 1;
     o->pend_o = *oo;
     o->pend_step = step;
@@ -608,304 +525,4 @@ ct_status ct__fsdp_off_step(ct_strategy *s)
     s->stats.io_bytes += rd + wr - o->moved;
     o->moved = rd + wr;
     return CT_OK;
-}
-
-/* ---- checkpoints: the store's ranges a piece at a time; summons pinned ------------- */
-
-/* Each range this rank owns, in the optimizer's slot order (the walk of
- * fsdp_build_optim): fn gets its slot, flat, offloaded parts and offset in
- * the shard. */
-typedef void (*slot_fn)(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int64_t at, void *ud);
-
-static void each_slot(ct_strategy *s, slot_fn fn, void *ud)
-{
-    fsdp_t *f = ct__fsdp_of(s);
-    const ct__shards *z = &f->sh;
-    int slot = 0;
-    for (int t = 0; t < z->ntp; t++)
-        for (int i = 0; i < f->nu; i++)
-            for (int k = 0; k < f->u[i].nfl; k++) {
-                fsdp_unit *u = &f->u[i];
-                fsdp_flat *fl = &u->fl[k];
-                for (int j = 0; j < fl->flat.n; j++) {
-                    if (fl->flat.p[j] != z->tp[t]) continue;
-                    for (int r = 0; r < fl->pt.n; r++) {
-                        const ct_part_range *pr = &fl->pt.ranges[r];
-                        if (pr->param != j || pr->owner != u->srank || !pr->count) continue;
-                        int64_t at = fl->flat.off[j] + pr->offset - (int64_t)u->srank * fl->flat.shard;
-                        fn(s, slot++, fl, OF(s, u, k), at, ud);
-                    }
-                }
-            }
-}
-
-/* Where each optimizer slot's range lies: its flat and offset in the piece. */
-static void note_slot(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int64_t at, void *ud)
-{
-    fsdp_off *o = OFF(s);
-    (void)ud;
-    o->slot_flat[slot] = fl;
-    o->slot_x[slot] = x;
-    o->slot_at[slot] = at;
-}
-
-/* Elements [e, e + n) of flat x's part p (the state's buffers end to end)
- * from or into buf: the part's memory while it is resident, else the
- * store's file by position (between steps, the queue drained first).
- * State never written reads as zeros. */
-static ct_status part_io(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p, int64_t e, int64_t n, float *buf, int write)
-{
-    size_t bytes = (size_t)n * sizeof(float);
-    if (p == PS && x->fresh && !write) {
-        memset(buf, 0, bytes);
-        return CT_OK;
-    }
-    if (x->st[p] && x->where[p] == P_LOADING) {
-        CT_TRY(ct__ostore_wait(o->store, x->tk[p]));
-        x->where[p] = P_RES;
-        sync_ptrs(fl, x);
-    }
-    float *mem = !x->st[p] ? (p == PM ? fl->master : p == PG ? fl->gshard : NULL)
-               : x->where[p] == P_RES ? ct_storage_ptr(x->st[p]) : NULL;
-    if (!mem) return ct__ostore_rw(o->store, write, buf, bytes, x->off[p] + (off_t)e * (off_t)sizeof(float));
-    memcpy(write ? mem + e : buf, write ? buf : mem + e, bytes);
-    if (write) x->dirty[p] = 1;
-    return CT_OK;
-}
-
-/* The shard table's io (shards.h): owned range k's values (b < 0: the
- * masters) or state buffer b, through part_io. */
-static ct_status range_io(ct_strategy *s, int k, int b, int64_t at, int64_t n, float *buf, int write)
-{
-    fsdp_off *o = OFF(s);
-    int slot = ct__fsdp_of(s)->sh.slot[k];
-    fsdp_flat *fl = o->slot_flat[slot];
-    int64_t e = (b < 0 ? 0 : (int64_t)b * fl->flat.shard) + o->slot_at[slot] + at;
-    return part_io(o, fl, o->slot_x[slot], b < 0 ? PM : PS, e, n, buf, write);
-}
-
-/* Elements of the piece a checkpoint's update moves at a time (1 MiB of
- * masters, gradients and AdamW state together). */
-#define UPDATE_CHUNK 65536
-
-/* Flat k of u takes its pending update as apply_update gives it, element
- * for element, but a chunk of the piece at a time between the parts and
- * one buffer (a checkpoint's: it never brings a flat's parts in whole).
- * The norm terms of a clipped gradient are summed by chunk (in double). */
-static ct_status apply_streamed(ct_strategy *s, fsdp_unit *u, int k)
-{
-    fsdp_off *o = OFF(s);
-    fsdp_flat *fl = &u->fl[k];
-    off_flat *x = OF(s, u, k);
-    if (!x->pend) return CT_OK;
-    int64_t shard = fl->flat.shard, chunk = shard < UPDATE_CHUNK ? shard : UPDATE_CHUNK;
-    float *m = ct_alloc(sizeof(float) * (size_t)chunk * (size_t)(2 + o->nstate) + 4, CT_MEM_COMM);
-    if (!m) return CT_ENOMEM;
-    float *g = m + chunk, *st = g + chunk;
-    int scaled = !x->pend_gzero && x->st[PG] && o->pend_nscales; /* resident pieces were scaled at the clip */
-    ct_norm_acc sq = ct_norm_acc_init(2.0), mx = ct_norm_acc_init(INFINITY);
-    ct_status rc = CT_OK;
-    for (int64_t c0 = 0; rc == CT_OK && c0 < shard; c0 += chunk) {
-        int64_t n = shard - c0 < chunk ? shard - c0 : chunk;
-        rc = part_io(o, fl, x, PM, c0, n, m, 0);
-        if (rc == CT_OK && x->pend_gzero) memset(g, 0, (size_t)n * sizeof(float)); /* untouched since zero_grad */
-        else if (rc == CT_OK) rc = part_io(o, fl, x, PG, c0, n, g, 0);
-        for (int b = 0; rc == CT_OK && b < o->nstate; b++) rc = part_io(o, fl, x, PS, b * shard + c0, n, st + b * chunk, 0);
-        if (rc != CT_OK) break;
-        for (int q = 0; scaled && q < o->pend_nscales; q++)
-            for (int64_t j = 0; j < n; j++) g[j] *= o->pend_scales[q];
-        if (scaled) ct_norm_acc_f32(&sq, g, n), ct_norm_acc_f32(&mx, g, n);
-        for (int r = 0; r < fl->pt.n; r++) { /* the owned ranges' parts in this chunk */
-            const ct_part_range *pr = &fl->pt.ranges[r];
-            if (pr->owner != u->srank || !pr->count) continue;
-            int64_t at = fl->flat.off[pr->param] + pr->offset - (int64_t)u->srank * shard;
-            int64_t lo = at > c0 ? at : c0, hi = at + pr->count < c0 + n ? at + pr->count : c0 + n;
-            if (lo >= hi) continue;
-            float *bufs[CT_OPTIM_MAX_STATE] = {0};
-            for (int b = 0; b < o->nstate; b++) bufs[b] = st + b * chunk + (lo - c0);
-            ct_optim_opts po;
-            ct_optim_param_opts(&o->pend_o, fl->flat.p[pr->param]->name, &po);
-            ct_optim_update_range(&po, m + (lo - c0), g + (lo - c0), bufs, hi - lo, o->pend_step);
-        }
-        rc = part_io(o, fl, x, PM, c0, n, m, 1);
-        for (int b = 0; rc == CT_OK && b < o->nstate; b++) rc = part_io(o, fl, x, PS, b * shard + c0, n, st + b * chunk, 1);
-        if (rc == CT_OK && scaled) rc = part_io(o, fl, x, PG, c0, n, g, 1);
-    }
-    ct_free(m);
-    CT_TRY(rc);
-    if (scaled) x->sq = sq.v, x->mx = mx.v;
-    if (x->pend_gzero && !x->st[PG]) memset(fl->gshard, 0, (size_t)shard * sizeof(float)); /* as apply_update */
-    x->fresh = 0;
-    x->pend = 0;
-    o->npend--;
-    return CT_OK;
-}
-
-/* Every pending update, streamed (before a checkpoint reads or writes state). */
-static ct_status flush_streamed(ct_strategy *s)
-{
-    fsdp_t *f = ct__fsdp_of(s);
-    for (int i = 0; f->off->npend && i < f->nu; i++)
-        for (int k = 0; k < f->u[i].nfl; k++) CT_TRY(apply_streamed(s, &f->u[i], k));
-    return CT_OK;
-}
-
-/* Every flat's masters resident (a summon reads and writes them whole). */
-static ct_status pin(ct_strategy *s)
-{
-    fsdp_t *f = ct__fsdp_of(s);
-    fsdp_off *o = f->off;
-    CT_TRY(flush(s));
-    for (int n = 0, i = 0; i < f->nu; i++)
-        for (int k = 0; k < f->u[i].nfl; k++, n++) CT_TRY(have(o, &f->u[i].fl[k], &o->fl[n], PM, 0));
-    o->pinned = 1;
-    return CT_OK;
-}
-
-/* Lets the masters go (written when a writeback changed them). */
-static ct_status unpin(ct_strategy *s, int changed)
-{
-    fsdp_t *f = ct__fsdp_of(s);
-    fsdp_off *o = f->off;
-    o->pinned = 0;
-    ct_status st = CT_OK;
-    for (int n = 0, i = 0; i < f->nu; i++)
-        for (int k = 0; k < f->u[i].nfl; k++, n++) {
-            fsdp_unit *u = &f->u[i];
-            if (changed) o->fl[n].dirty[PM] = 1;
-            ct_status w = CT_OK;
-            if (u->state == UNIT_SHARDED || u->ns > 1 || u->fl[k].low) w = send_out(o, &u->fl[k], &o->fl[n], PM);
-            if (st == CT_OK) st = w;
-        }
-    if (st == CT_OK) st = ct__ostore_drain(o->store);
-    return st;
-}
-
-/* The state entries read and write through range_io once every pending
- * update is applied (streamed): a save holds one tensor (a parameter
- * gathered, a piece) at a time and a load a chunk, never a unit's shard. */
-static ct_status wrap_model(ct_strategy *s, ct_state *out)
-{
-    CT_TRY(flush_streamed(s));
-    return OFF(s)->saved.state.model(s, out);
-}
-static ct_status wrap_optim(ct_strategy *s, ct_state *out)
-{
-    CT_TRY(flush_streamed(s));
-    return OFF(s)->saved.state.optim(s, out);
-}
-static ct_status wrap_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
-{
-    CT_TRY(flush_streamed(s));
-    return OFF(s)->saved.state.each(s, optim, shapes_only, fn, ud);
-}
-static ct_status wrap_shard(ct_strategy *s, int optim, ct_state *out)
-{
-    CT_TRY(flush_streamed(s));
-    return OFF(s)->saved.state.shard(s, optim, out);
-}
-static ct_status wrap_local(ct_strategy *s, int optim, ct_state *out)
-{
-    CT_TRY(flush_streamed(s));
-    return OFF(s)->saved.state.local(s, optim, out);
-}
-
-static ct_status wrap_share(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud)
-{
-    CT_TRY(flush_streamed(s));
-    return OFF(s)->saved.state.share(s, optim, local, shapes_only, fn, ud);
-}
-
-/* State never written (fresh) takes the loaded ranges: resident, it is
- * zeroed first; in the store, the load writes the ranges there and the
- * part counts as written once the whole load succeeded (a failed one
- * leaves it zeros, as it was). */
-static ct_status wrap_load(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim)
-{
-    fsdp_off *o = OFF(s);
-    CT_TRY(flush_streamed(s));
-    for (int i = 0; optim && i < o->nflats; i++) {
-        off_flat *x = &o->fl[i];
-        if (!x->st[PS] || !x->fresh) continue;
-        if (x->where[PS] == P_OUT) continue;
-        CT_TRY(ct__ostore_wait(o->store, x->tk[PS])); /* loading, or in: its memory is ours */
-        x->where[PS] = P_RES;
-        memset(ct_storage_ptr(x->st[PS]), 0, x->st[PS]->bytes);
-        x->fresh = 0;
-        x->dirty[PS] = 1;
-    }
-    ct_status st = o->saved.state.load(s, names, ts, n, optim);
-    for (int i = 0; st == CT_OK && optim && i < o->nflats; i++) o->fl[i].fresh = 0;
-    return st;
-}
-
-/* The optimizer's slots are made over masters that are in the store: they
- * point into one placeholder of the largest piece while it is made (no one
- * reads them after: the step updates by range, the state I/O goes through
- * range_io, which finds each slot's flat and offset in the map made here). */
-static ct_status wrap_build_optim(ct_strategy *s, const ct_optim_opts *oo)
-{
-    fsdp_t *f = ct__fsdp_of(s);
-    fsdp_off *o = f->off;
-    int64_t most = 1;
-    for (int i = 0; i < f->nu; i++)
-        for (int k = 0; k < f->u[i].nfl; k++) most = f->u[i].fl[k].flat.shard > most ? f->u[i].fl[k].flat.shard : most;
-    float *ph = ct_alloc_zeroed((size_t)most * sizeof(float), CT_MEM_OTHER);
-    if (!ph) return CT_ENOMEM;
-    for (int i = 0; i < f->nu; i++)
-        for (int k = 0; k < f->u[i].nfl; k++)
-            if (!f->u[i].fl[k].master) f->u[i].fl[k].master = ph;
-    ct_status st = o->saved.place.build_optim(s, oo);
-    for (int i = 0; i < f->nu; i++)
-        for (int k = 0; k < f->u[i].nfl; k++) sync_ptrs(&f->u[i].fl[k], OF(s, &f->u[i], k));
-    ct_free(ph);
-    CT_TRY(st);
-    size_t ns = (size_t)ct_optim_num_slots(s->opt) + 1;
-    o->slot_flat = ct_alloc(sizeof *o->slot_flat * ns, CT_MEM_OTHER);
-    o->slot_x = ct_alloc(sizeof *o->slot_x * ns, CT_MEM_OTHER);
-    o->slot_at = ct_alloc(sizeof *o->slot_at * ns, CT_MEM_OTHER);
-    if (!o->slot_flat || !o->slot_x || !o->slot_at) return CT_ENOMEM;
-    each_slot(s, note_slot, NULL);
-    f->sh.io = range_io; /* the state I/O reads and writes where the parts rest */
-    return CT_OK;
-}
-
-/* Summoned parameters come from the masters: pinned until the release. */
-static ct_status wrap_summon(ct_strategy *s, int writeback, int rank0_only)
-{
-    CT_TRY(pin(s));
-    ct_status st = OFF(s)->saved.place.summon(s, writeback, rank0_only);
-    if (st != CT_OK) unpin(s, 0);
-    return st;
-}
-
-static ct_status wrap_release(ct_strategy *s)
-{
-    fsdp_t *f = ct__fsdp_of(s);
-    int wb = 0;
-    for (int i = 0; i < f->nu; i++) wb |= f->u[i].summon_writeback;
-    ct_status st = OFF(s)->saved.place.release(s);
-    ct_status u = OFF(s)->pinned ? unpin(s, wb) : CT_OK;
-    return st != CT_OK ? st : u;
-}
-
-/* One unit's parameters read or written whole (ct_strategy_unit_read and
- * _write): the pending updates first (streamed), then that unit's masters
- * in for the call and out after it (written when the call wrote them). */
-static ct_status wrap_unit_io(ct_strategy *s, int i, float *buf, int write)
-{
-    fsdp_t *f = ct__fsdp_of(s);
-    fsdp_off *o = f->off;
-    fsdp_unit *u = &f->u[i];
-    CT_TRY(flush_streamed(s));
-    for (int k = 0; k < u->nfl; k++) {
-        CT_TRY(have(o, &u->fl[k], OF(s, u, k), PM, 0));
-        if (write) OF(s, u, k)->dirty[PM] = 1;
-    }
-    ct_status st = o->saved.place.unit_io(s, i, buf, write);
-    for (int k = 0; k < u->nfl; k++) { /* a gathered unit of one shard keeps its masters: they are its data */
-        ct_status w = u->state == UNIT_SHARDED || u->ns > 1 || u->fl[k].low ? send_out(o, &u->fl[k], OF(s, u, k), PM) : CT_OK;
-        if (st == CT_OK) st = w;
-    }
-    return st;
 }
