@@ -547,6 +547,13 @@ ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out);
  * assembles pieces into whole tensors, so any world size and any strategy
  * loads them.  Collective only in that every rank calls it. */
 ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out);
+/* This rank's share (local 0: ct_strategy_shard_state) or pieces (local 1:
+ * ct_strategy_local_state) one tensor at a time, as
+ * ct_strategy_state_foreach gives the full state: FSDP and ZeRO gather
+ * each tensor for its call (FSDP's offloaded parts: read from the store)
+ * and free it after, so a sharded save never holds the share; shapes_only:
+ * names, dtypes and shapes, nothing gathered.  Collective over the group. */
+ct_status ct_strategy_share_foreach(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud);
 /* Loads tensors by name into the model (every parameter and buffer must be
  * present with its shape; f32, or bf16/f16 converted) or, with optim != 0,
  * into the optimizer state (a sharded strategy takes what this rank owns).

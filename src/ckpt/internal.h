@@ -23,8 +23,8 @@ void ct__ckpt_anchor(const char *path, char *buf, size_t n);
 ct_status ct__ckpt_recover(ct_group *g, const char *path);
 /* CT_OK when path is a regular file or a directory (never a FIFO a read would block on). */
 ct_status ct__ckpt_check_regular(const char *path);
-/* CT_EINVAL naming path and the tensor when an f32 tensor of state holds NaN or inf. */
-ct_status ct__ckpt_check_finite(const char *path, const ct_state *state);
+/* CT_EINVAL naming path and the tensor when f32 tensor t (name) holds NaN or inf. */
+ct_status ct__ckpt_check_finite(const char *path, const char *name, const ct_tensor *t);
 
 /* Collective: the full pair (save.c); om NULL: the model file alone. */
 ct_status ct__ckpt_save_full(ct_strategy *s, const char *path, const ct_meta *mm, const ct_meta *om);

@@ -15,7 +15,7 @@
 #include "internal.h"
 
 /* A diverged run must never replace a good checkpoint: every f32 value is checked. */
-static ct_status check_finite(const char *path, const char *name, const ct_tensor *t)
+ct_status ct__ckpt_check_finite(const char *path, const char *name, const ct_tensor *t)
 {
     if (t->dtype != CT_F32) return CT_OK;
     const float *x = ct_tensor_data(t);
@@ -24,12 +24,6 @@ static ct_status check_finite(const char *path, const char *name, const ct_tenso
             return ct_error(CT_EINVAL, "not saving %s: tensor '%s' holds a non-finite value (%g at element "
                             "%lld); the run diverged: lower --lr or use --clip, and resume from the last good "
                             "checkpoint", path, name, (double)x[k], (long long)k);
-    return CT_OK;
-}
-
-ct_status ct__ckpt_check_finite(const char *path, const ct_state *state)
-{
-    for (int i = 0; i < state->n; i++) CT_TRY(check_finite(path, state->names[i], state->tensors[i]));
     return CT_OK;
 }
 
@@ -54,7 +48,7 @@ static ct_status put_one(void *ud, const char *name, ct_tensor *t)
 {
     stream *c = ud;
     if (!c->writer) return CT_OK;
-    CT_TRY(check_finite(c->path, name, t));
+    CT_TRY(ct__ckpt_check_finite(c->path, name, t));
     return ct_safetensors_writer_put(c->w, name, t);
 }
 

@@ -1,7 +1,8 @@
 /*
  * Sharded checkpoints (ct_checkpoint_save with CT_CKPT_SHARDED or LOCAL;
  * `ctrain train --save DIR --state-dict sharded|local`): every rank writes its share of the model and of the
- * optimizer state (ct_strategy_shard_state) at once, and rank 0 then
+ * optimizer state at once, streamed a tensor at a time (ct_strategy_share_foreach: the header from the
+ * shapes, then each tensor as it is gathered or read from an offload store), and rank 0 then
  * writes two Hugging Face indexes, DIR/optim.safetensors.index.json and
  * last DIR/model.safetensors.index.json, with the run's metadata:
  *
@@ -82,18 +83,59 @@ static ct_status prepare_dir(const char *dir, int64_t step, int64_t *gen)
     }
 }
 
-/* Writes this rank's share (state) of one kind to dir/file unless it is
- * empty; *bytes gets the share's tensor bytes. */
-static ct_status write_share(const char *dir, const char *file, const ct_state *state, int64_t *bytes)
+static ct_status skip_one(void *ud, const char *name, ct_tensor *t)
 {
+    (void)ud, (void)name, (void)t;
+    return CT_OK;
+}
+
+/* One share streamed into its file: the names and shapes first (the
+ * header), then each tensor as the strategy gathers or reads it
+ * (ct_strategy_share_foreach), written at its place and freed, so a rank
+ * never holds its share, only one tensor of it. */
+typedef struct {
+    const char *dir;
+    ct_state shapes;
+    ct_safetensors_writer *w;
+} share_file;
+
+static ct_status add_shape(void *ud, const char *name, ct_tensor *t)
+{
+    return ct_state_add(&((share_file *)ud)->shapes, name, t);
+}
+
+static ct_status put_one(void *ud, const char *name, ct_tensor *t)
+{
+    share_file *c = ud;
+    CT_TRY(ct__ckpt_check_finite(c->dir, name, t));
+    return ct_safetensors_writer_put(c->w, name, t);
+}
+
+/* Collective: this rank's share of kind k (model 0, optim 1) written to
+ * dir/file unless it is empty; *shapes (the caller's to fini) gets its
+ * names and shapes, *bytes its tensor bytes.  Agreed over the group. */
+static ct_status stream_share(ct_strategy *s, int local, int k, const char *dir, const char *file, ct_state *shapes,
+                              int64_t *bytes)
+{
+    ct_group *g = ct_strategy_group(s);
+    share_file c = {dir, {0}, NULL};
+    ct_status st = ct_strategy_share_foreach(s, k, local, 1, add_shape, &c);
     *bytes = 0;
-    for (int i = 0; i < state->n; i++) *bytes += (int64_t)ct_tensor_bytes(state->tensors[i]);
-    if (state->n == 0) return CT_OK;
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, file);
-    CT_TRY(ct__ckpt_check_finite(dir, state));
-    const char *fk[] = {"format"}, *fv[] = {"pt"}; /* what Hugging Face's loaders look for in a shard */
-    return ct_safetensors_save(path, (const char *const *)state->names, state->tensors, state->n, fk, fv, 1);
+    for (int i = 0; i < c.shapes.n; i++) *bytes += (int64_t)ct_tensor_bytes(c.shapes.tensors[i]);
+    if (st == CT_OK && c.shapes.n) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/%s", dir, file);
+        const char *fk[] = {"format"}, *fv[] = {"pt"}; /* what Hugging Face's loaders look for in a shard */
+        st = ct_safetensors_writer_create(path, (const char *const *)c.shapes.names, c.shapes.tensors, c.shapes.n, fk,
+                                          fv, 1, &c.w);
+    }
+    st = ct__ckpt_check(g, st);
+    if (st == CT_OK) /* an empty share takes part in the collectives and writes nothing */
+        st = ct__ckpt_check(g, ct_strategy_share_foreach(s, k, local, 0, c.w ? put_one : skip_one, &c));
+    if (st == CT_OK && c.w) st = ct_safetensors_writer_commit(c.w);
+    ct_safetensors_writer_destroy(c.w);
+    *shapes = c.shapes;
+    return ct__ckpt_check(g, st);
 }
 
 /* Every rank's names of both kinds on every rank: counts[r*4 + 0/1] are
@@ -245,21 +287,16 @@ ct_status ct__ckpt_save_sharded(ct_strategy *s, const char *dir, const ct_meta *
     char tag[64], file[FNAME];
     gen_tag(tag, sizeof tag, step, gen);
 
-    /* Every rank writes both of its shares, then all agree they did. */
+    /* Every rank writes both of its shares, agreeing after each. */
     ct_state st[2];
     memset(st, 0, sizeof st);
     int64_t bytes[2] = {0, 0}, *counts = NULL;
     char *packed = NULL;
     ct_status rc = CT_OK;
-    for (int k = 0; k < 2; k++) { /* collective: every rank calls both, whatever happened */
-        ct_status r = local ? ct_strategy_local_state(s, k, &st[k]) : ct_strategy_shard_state(s, k, &st[k]);
-        if (rc == CT_OK) rc = r;
-    }
     for (int k = 0; k < 2 && rc == CT_OK; k++) {
         shard_name(file, sizeof file, k, tag, rank, size);
-        rc = write_share(dir, file, &st[k], &bytes[k]);
+        rc = stream_share(s, local, k, dir, file, &st[k], &bytes[k]);
     }
-    rc = ct__ckpt_check(g, rc);
     if (rc == CT_OK) {
         counts = ct_alloc_zeroed(sizeof *counts * 4 * (size_t)size, CT_MEM_OTHER);
         rc = ct__ckpt_check(g, counts ? CT_OK : CT_ENOMEM);

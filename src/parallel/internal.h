@@ -114,6 +114,9 @@ typedef struct {
     ct_status (*load)(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
     /* the full state one tensor at a time (ct_strategy_state_foreach); default: model/optim's tensors */
     ct_status (*each)(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
+    /* this rank's share (local 0) or pieces (local 1) one tensor at a time (ct_strategy_share_foreach);
+     * default: shard/local's tensors */
+    ct_status (*share)(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud);
 } ct__state_ops;
 
 typedef struct {
@@ -292,6 +295,9 @@ ct_status ct__replicated_shard_state(ct_strategy *s, int optim, ct_state *out);
 /* The state model/optim give, one tensor at a time (a replicated strategy
  * holds it all anyway). */
 ct_status ct__replicated_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
+/* The state shard/local give (local 0/1), one tensor at a time: a strategy
+ * whose share is not streamed collects it for each call. */
+ct_status ct__collected_share(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud);
 /* fn for a state of one's own: ct_state_add(ud, name, t). */
 ct_status ct__state_collect(void *ud, const char *name, ct_tensor *t);
 /* Calls fn with t, or with a shape-only tensor like t when shapes_only. */

@@ -159,4 +159,5 @@ void ct__strategy_fill(ct__strategy_ops *vt)
     FILL(vt->state.local, ct__replicated_local_state);
     FILL(vt->state.load, ct__replicated_load_state);
     FILL(vt->state.each, ct__replicated_each);
+    FILL(vt->state.share, ct__collected_share);
 }

@@ -50,6 +50,41 @@ static ct_status range_buf(ct_strategy *s, const ct__shards *sh, int k, int b, f
     return CT_OK;
 }
 
+/* Elements [at, at + n) of owned range k's buffer b (b < 0: values) into dst, wherever they rest. */
+static ct_status range_read(ct_strategy *s, const ct__shards *sh, int k, int b, int64_t at, int64_t n, float *dst)
+{
+    if (sh->io) return sh->io(s, k, b, at, n, dst, 0);
+    float *src;
+    CT_TRY(range_buf(s, sh, k, b, &src));
+    memcpy(dst, src + at, (size_t)n * sizeof(float));
+    return CT_OK;
+}
+
+/* Elements [off, off + count) of checkpoint tensor src into owned range k's
+ * buffer b (b < 0: values): straight into the slot's memory, or through io
+ * a chunk at a time. */
+static ct_status range_load(ct_strategy *s, const ct__shards *sh, int k, int b, const ct_tensor *src,
+                            const char *name)
+{
+    const ct_part_range *x = &sh->pt.ranges[k];
+    if (!sh->io) {
+        float *buf;
+        CT_TRY(range_buf(s, sh, k, b, &buf));
+        return ct__load_range(s, buf, src, x->offset, x->count, name); /* only the range this rank owns */
+    }
+    int64_t chunk = x->count < CT__SHARDS_CHUNK ? x->count : CT__SHARDS_CHUNK;
+    float *stage = ct_alloc((size_t)chunk * sizeof(float) + 4, CT_MEM_COMM);
+    if (!stage) return CT_ENOMEM;
+    ct_status st = CT_OK;
+    for (int64_t at = 0; st == CT_OK && at < x->count; at += chunk) {
+        int64_t n = x->count - at < chunk ? x->count - at : chunk;
+        st = ct__load_range(s, stage, src, x->offset + at, n, name);
+        if (st == CT_OK) st = sh->io(s, k, b, at, n, stage, 1);
+    }
+    ct_free(stage);
+    return st;
+}
+
 ct_status ct__shards_gather(ct_strategy *s, const ct__shards *sh, int i, int b, int root, ct_tensor **out)
 {
     *out = NULL;
@@ -63,9 +98,7 @@ ct_status ct__shards_gather(ct_strategy *s, const ct__shards *sh, int i, int b, 
         const ct_part_range *x = &sh->pt.ranges[k];
         local_only &= x->owner == root;
         if (sh->slot[k] < 0) continue;
-        float *src;
-        st = range_buf(s, sh, k, b, &src);
-        if (st == CT_OK) memcpy(ct_f32(full) + x->offset, src, (size_t)x->count * sizeof(float));
+        st = range_read(s, sh, k, b, 0, x->count, ct_f32(full) + x->offset);
     }
     if (st == CT_OK && !local_only)
         st = ct_group_reduce(g, ct_tensor_data(full), full->numel, CT_F32, CT_OP_SUM, root, NULL);
@@ -148,24 +181,47 @@ ct_status ct__shards_optim_state(ct_strategy *s, const ct__shards *sh, int shard
     return st;
 }
 
-/* A piece of p (or of its optimizer buffer buf) of count floats at data,
- * named "<name>[.<buf>]@<offset>", or whole (p's shape) when it is all of it. */
-static ct_status add_piece(ct_state *out, const ct_param *p, const char *buf, int64_t offset, int64_t count,
-                           float *data)
+/* "<name>[.<buf>]@<offset>" of a piece of p (or of its optimizer buffer
+ * buf), or the bare name when the piece is all of it. */
+static void piece_name(char *full, size_t size, const ct_param *p, const char *buf, int64_t offset, int64_t count)
 {
-    char full[600];
-    int whole = offset == 0 && count == p->data->numel;
-    snprintf(full, sizeof full, "%s%s%s", p->name, buf ? "." : "", buf ? buf : "");
-    if (!whole) snprintf(full + strlen(full), sizeof full - strlen(full), "@%lld", (long long)offset);
-    ct_tensor *t = whole ? ct_tensor_wrap(CT_F32, p->data->ndim, p->data->shape, data)
-                         : ct_tensor_wrap(CT_F32, 1, &count, data);
+    snprintf(full, size, "%s%s%s", p->name, buf ? "." : "", buf ? buf : "");
+    if (offset != 0 || count != p->data->numel)
+        snprintf(full + strlen(full), size - strlen(full), "@%lld", (long long)offset);
+}
+
+/* Owned range k's buffer b (b < 0: values) as its piece to fn: p's shape
+ * when whole, else 1-D; a view of the slot's memory, or (io) a copy read
+ * for the call. */
+static ct_status emit_piece(ct_strategy *s, const ct__shards *sh, int k, int b, const char *bname, int shapes_only,
+                            ct_state_fn fn, void *ud)
+{
+    const ct_part_range *x = &sh->pt.ranges[k];
+    const ct_param *p = sh->tp[x->param];
+    char name[600];
+    piece_name(name, sizeof name, p, bname, x->offset, x->count);
+    int whole = x->offset == 0 && x->count == p->data->numel;
+    int ndim = whole ? p->data->ndim : 1;
+    const int64_t *shape = whole ? p->data->shape : &x->count;
+    float *mem = NULL;
+    ct_tensor *t;
+    if (shapes_only) {
+        t = ct_tensor_wrap(CT_F32, ndim, shape, NULL);
+    } else if (sh->io) {
+        t = ct_tensor_empty(CT_F32, ndim, shape, CT_MEM_COMM);
+    } else {
+        CT_TRY(range_buf(s, sh, k, b, &mem));
+        t = ct_tensor_wrap(CT_F32, ndim, shape, mem);
+    }
     if (!t) return CT_ENOMEM;
-    ct_status st = ct_state_add(out, full, t);
+    ct_status st = !shapes_only && sh->io ? sh->io(s, k, b, 0, x->count, ct_f32(t), 0) : CT_OK;
+    if (st == CT_OK) st = fn(ud, name, t);
     ct_tensor_release(t);
     return st;
 }
 
-ct_status ct__shards_local_state(ct_strategy *s, const ct__shards *sh, int optim, ct_state *out)
+ct_status ct__shards_local_each(ct_strategy *s, const ct__shards *sh, int optim, int shapes_only, ct_state_fn fn,
+                                void *ud)
 {
     const char *bn[CT_OPTIM_MAX_STATE];
     int nb = optim ? ct_optim_state_names(s->opt, bn) : 1, rank = ct_group_rank(s->g);
@@ -173,17 +229,21 @@ ct_status ct__shards_local_state(ct_strategy *s, const ct__shards *sh, int optim
     for (int k = 0; k < sh->pt.n && st == CT_OK; k++) {
         const ct_part_range *x = &sh->pt.ranges[k];
         if (sh->slot[k] < 0 || quiet(sh, x->param)) continue;
-        for (int b = 0; b < nb && st == CT_OK; b++) {
-            float *buf;
-            st = range_buf(s, sh, k, optim ? b : -1, &buf);
-            if (st == CT_OK) st = add_piece(out, sh->tp[x->param], optim ? bn[b] : NULL, x->offset, x->count, buf);
-        }
+        for (int b = 0; b < nb && st == CT_OK; b++)
+            st = emit_piece(s, sh, k, optim ? b : -1, optim ? bn[b] : NULL, shapes_only, fn, ud);
     }
     for (int i = 0; st == CT_OK && rank == 0 && !optim && i < s->nparams; i++) /* outside the partition */
-        if (ct__shards_index(sh, s->params[i]) < 0) st = ct_state_add(out, s->params[i]->name, s->params[i]->data);
+        if (ct__shards_index(sh, s->params[i]) < 0)
+            st = ct__state_emit(fn, ud, s->params[i]->name, s->params[i]->data, shapes_only);
     for (int i = 0; st == CT_OK && rank == 0 && !optim && i < s->nbuffers; i++)
-        st = ct_state_add(out, s->buffers[i]->name, s->buffers[i]->data);
-    if (st == CT_OK && optim && rank == 0) st = ct__state_add_step(s, out);
+        st = ct__state_emit(fn, ud, s->buffers[i]->name, s->buffers[i]->data, shapes_only);
+    if (st == CT_OK && optim && rank == 0) st = ct__state_emit_step(s, shapes_only, fn, ud);
+    return st;
+}
+
+ct_status ct__shards_local_state(ct_strategy *s, const ct__shards *sh, int optim, ct_state *out)
+{
+    ct_status st = ct__shards_local_each(s, sh, optim, 0, ct__state_collect, out);
     if (st != CT_OK) ct_state_fini(out);
     return st;
 }
@@ -201,8 +261,6 @@ ct_status ct__shards_load_optim(ct_strategy *s, const ct__shards *sh, const char
         const ct_part_range *x = &sh->pt.ranges[k];
         ct_param *p = sh->tp[x->param];
         for (int b = 0; b < nb; b++) {
-            float *buf;
-            CT_TRY(range_buf(s, sh, k, b, &buf));
             snprintf(name, sizeof name, "%s.%s", p->name, bn[b]);
             const ct_tensor *src = ct__state_find(names, ts, n, name);
             if (!src)
@@ -211,7 +269,7 @@ ct_status ct__shards_load_optim(ct_strategy *s, const ct__shards *sh, const char
             if (src->dtype != CT_F32 || src->numel != p->data->numel)
                 return ct_error(CT_EINVAL, "'%s' is %s[%lld] in the checkpoint but F32[%lld] here", name,
                                 ct_dtype_name(src->dtype), (long long)src->numel, (long long)p->data->numel);
-            CT_TRY(ct__load_range(s, buf, src, x->offset, x->count, name)); /* only the range this rank owns */
+            CT_TRY(range_load(s, sh, k, b, src, name)); /* only the range this rank owns */
         }
     }
     ct_optim_set_step(s->opt, step);
@@ -223,8 +281,6 @@ ct_status ct__shards_load_param(ct_strategy *s, const ct__shards *sh, ct_param *
     int i = ct__shards_index(sh, p);
     if (i < 0) return ct__load_range(s, ct_f32(p->data), src, 0, p->data->numel, p->name);
     for (int k = sh->first[i]; k < sh->pt.n && sh->pt.ranges[k].param == i; k++)
-        if (sh->slot[k] >= 0)
-            CT_TRY(ct__load_range(s, ct_optim_slot_at(s->opt, sh->slot[k])->data, src, sh->pt.ranges[k].offset,
-                                  sh->pt.ranges[k].count, p->name));
+        if (sh->slot[k] >= 0) CT_TRY(range_load(s, sh, k, -1, src, p->name));
     return CT_OK;
 }

@@ -21,7 +21,15 @@ typedef struct {
                            owners count in it (FSDP: each unit's shard group) */
     char *quiet;        /* [ntp] or NULL: 1 where this rank's pieces are a replica's (FSDP hybrid):
                            it takes part in gathers but another rank reports the state */
+    /* NULL: an owned range's values and state are the memory its optimizer slot points at.  Else
+     * where they rest (FSDP's store): moves elements [at, at + n) of range k's buffer b (b < 0: the
+     * values) into buf (write 0) or from it (write 1); the state I/O then goes through it in pieces
+     * of at most CT__SHARDS_CHUNK elements and never holds a range. */
+    ct_status (*io)(ct_strategy *s, int k, int b, int64_t at, int64_t n, float *buf, int write);
 } ct__shards;
+
+/* Elements a load moves through the table's io at a time (1 MiB of f32). */
+#define CT__SHARDS_CHUNK 262144
 
 /* Frees the table's arrays (the parameters are the model's); zeroes sh. */
 void ct__shards_fini(ct__shards *sh);
@@ -48,6 +56,10 @@ ct_status ct__shards_optim_state(ct_strategy *s, const ct__shards *sh, int shard
 /* This rank's owned ranges as pieces (ct_strategy_local_state); with optim
  * 0 rank 0 adds the parameters outside the table and the buffers whole. */
 ct_status ct__shards_local_state(ct_strategy *s, const ct__shards *sh, int optim, ct_state *out);
+/* The same pieces one at a time to fn (views of the slots' memory, or with
+ * io read into a tensor of their own for the call); shapes_only: no data. */
+ct_status ct__shards_local_each(ct_strategy *s, const ct__shards *sh, int optim, int shapes_only, ct_state_fn fn,
+                                void *ud);
 /* The owned ranges of every optimizer buffer out of full tensors (any world
  * size loads any checkpoint), and the step. */
 ct_status ct__shards_load_optim(ct_strategy *s, const ct__shards *sh, const char *const *names,

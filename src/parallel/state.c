@@ -135,6 +135,17 @@ ct_status ct__replicated_each(ct_strategy *s, int optim, int shapes_only, ct_sta
     return st;
 }
 
+ct_status ct__collected_share(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud)
+{
+    ct_state st;
+    memset(&st, 0, sizeof st);
+    CT_TRY(local ? s->vt.state.local(s, optim, &st) : s->vt.state.shard(s, optim, &st));
+    ct_status r = CT_OK;
+    for (int i = 0; i < st.n && r == CT_OK; i++) r = ct__state_emit(fn, ud, st.names[i], st.tensors[i], shapes_only);
+    ct_state_fini(&st);
+    return r;
+}
+
 const ct_tensor *ct__state_find(const char *const *names, ct_tensor *const *ts, int n, const char *name)
 {
     for (int i = 0; i < n; i++)

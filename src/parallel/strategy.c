@@ -469,6 +469,12 @@ static ct_status state_foreach_impl(ct_strategy *s, int optim, int shapes_only, 
     return s->vt.state.each(s, optim, shapes_only, fn, ud);
 }
 
+static ct_status share_foreach_impl(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud)
+{
+    if (!fn) return ct_error(CT_EINVAL, "ct_strategy_share_foreach: fn is NULL");
+    return s->vt.state.share(s, optim, local, shapes_only, fn, ud);
+}
+
 static ct_status local_state_impl(ct_strategy *s, int optim, ct_state *out)
 {
     memset(out, 0, sizeof *out);
@@ -596,6 +602,12 @@ ct_status ct_strategy_shard_state(ct_strategy *s, int optim, ct_state *out)
 ct_status ct_strategy_state_foreach(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
 {
     IN_CALL("ct_strategy_state_foreach", state_foreach_impl(s, optim, shapes_only, fn, ud));
+}
+
+ct_status ct_strategy_share_foreach(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud)
+{
+    ct_mem_phase_begin(CT_PHASE_SAVE);
+    IN_CALL("ct_strategy_share_foreach", share_foreach_impl(s, optim, local, shapes_only, fn, ud));
 }
 
 ct_status ct_strategy_local_state(ct_strategy *s, int optim, ct_state *out)

@@ -796,6 +796,7 @@ const ct__strategy_ops ct__fsdp_ops = {
         .each = ct__fsdp_each,
         .shard = ct__fsdp_shard_state,
         .local = ct__fsdp_local_state,
+        .share = ct__fsdp_share,
         .load = ct__fsdp_load_state,
     },
 };

@@ -118,6 +118,8 @@ ct_status ct__fsdp_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn 
 ct_status ct__fsdp_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
 ct_status ct__fsdp_optim_state(ct_strategy *s, ct_state *out);
 ct_status ct__fsdp_local_state(ct_strategy *s, int optim, ct_state *out);
+/* ct_strategy_share_foreach: the sharded save's tensors gathered one at a time on their roots, or this rank's pieces. */
+ct_status ct__fsdp_share(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud);
 const ct_partition *ct__fsdp_partition(const ct_strategy *s);
 ct_status ct__fsdp_grad_norm(ct_strategy *s, ct_norm_acc *acc);
 void ct__fsdp_scale_grads(ct_strategy *s, float k);

@@ -10,7 +10,7 @@
  * A part is resident, loading (a job queued: its memory is the I/O
  * thread's until the caller waits for the ticket) or out.  The unit hooks
  * of fsdp.c call in here: masters load before a gather (the next units'
- * behind them, in the order the first step gathered them) and go back
+ * behind them, in the order one pass gathered them) and go back
  * after it (dropped when unchanged: the store has them); a gradient piece
  * comes back before its reduce (new when the reduce overwrites it) and is
  * written after it, its norm terms noted while resident, so clipping knows
@@ -23,62 +23,14 @@
  * Whatever reads or changes state first applies what is still pending.
  *
  * The ct_optim keeps the slots, step count, learning rate and groups; its
- * own state buffers stay unallocated.  A checkpoint, a load or a summon
- * pins every flat's M and S resident and lends S to the optimizer's
- * buffers for the existing code paths, then gives them back: correct, but
- * the whole shard is resident meanwhile (not streamed).
+ * own state buffers stay unallocated.  Checkpoints read and write the
+ * store's ranges a tensor or a chunk at a time (fsdp_offload_state.c).
  */
 #include <math.h>
 #include <string.h>
 
-#include "fsdp.h"
-#include "parallel/store.h"
+#include "fsdp_offload.h"
 
-enum { PM = 0, PG, PS, NPART };
-enum { P_RES = 0, P_LOADING, P_OUT };
-
-typedef struct {
-    ct_storage *st[NPART]; /* NULL: not offloaded (fsdp.c's own pointers) or no state */
-    int where[NPART];      /* P_* */
-    long tk[NPART];        /* ticket of the job bringing it in */
-    long out_tk[NPART];    /* ticket of the job that last took it out */
-    int dirty[NPART];      /* resident copy differs from the store's */
-    int fresh;             /* S never written: zeros, nothing to read */
-    off_t off[NPART];
-    float *state;          /* S when resident and not offloaded */
-    double sq, mx;         /* norm terms of G after its last reduce */
-    int pend;              /* the last step's update is still to be applied */
-    int pend_gzero;        /* its gradient was untouched since zero_grad (zero) */
-} off_flat;
-
-typedef struct fsdp_off {
-    ct__ostore *store;
-    off_flat *fl;          /* [nflats]: unit by unit, flat by flat */
-    int *first;            /* [nu] index of the unit's first flat */
-    int nflats;
-    unsigned mask;         /* bits of the parts in the store */
-    int nstate;
-    int ahead;             /* 2: load one unit ahead; 1: on demand */
-    int *seq, nseq, cap, cur, recorded; /* units in the order their masters were needed */
-    float scales[16];      /* clip factors since the last step */
-    int nscales;
-    int npend;             /* flats whose update is pending */
-    ct_optim_opts pend_o;  /* the pending update: the step's options (its learning rate), */
-    int64_t pend_step;     /* its 1-based step count */
-    float pend_scales[16]; /* and the clip factors it took */
-    int pend_nscales;
-    int pinned;
-    double moved;          /* the store's bytes read plus written at the last step's end */
-    ct__strategy_ops saved; /* the entries this file wraps */
-} fsdp_off;
-
-static const fsdp_opts *O(const ct_strategy *s) { return s->kopts; }
-static fsdp_off *OFF(ct_strategy *s) { return ct__fsdp_of(s)->off; }
-static off_flat *OF(ct_strategy *s, const fsdp_unit *u, int k)
-{
-    fsdp_off *o = OFF(s);
-    return &o->fl[o->first[u - ct__fsdp_of(s)->u] + k];
-}
 static unsigned mode_mask(int m)
 {
     return m == FSDP_OFF_OPTIM ? 1u << PS : m == FSDP_OFF_PARAMS ? (1u << PM | 1u << PG)
@@ -91,13 +43,6 @@ static size_t part_bytes(const fsdp_off *o, const fsdp_flat *fl, int p)
 
 int ct__fsdp_off_masters_out(const ct_strategy *s) { return (mode_mask(O(s)->offload) >> PM) & 1; }
 int ct__fsdp_off_grads_out(const ct_strategy *s) { return (mode_mask(O(s)->offload) >> PG) & 1; }
-
-/* The pointers fsdp.c reads follow the parts' residency. */
-static void sync_ptrs(fsdp_flat *fl, off_flat *x)
-{
-    if (x->st[PM]) fl->master = x->where[PM] == P_RES ? ct_storage_ptr(x->st[PM]) : NULL;
-    if (x->st[PG]) fl->gshard = x->where[PG] == P_RES ? ct_storage_ptr(x->st[PG]) : NULL;
-}
 
 /* ---- residency ---------------------------------------------------------------- */
 
@@ -121,7 +66,7 @@ static ct_status bring(fsdp_off *o, off_flat *x, int p, int fresh)
 }
 
 /* Part p resident: waits for its load. */
-static ct_status have(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p, int fresh)
+ct_status ct__fsdp_off_have(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p, int fresh)
 {
     CT_TRY(bring(o, x, p, fresh));
     if (x->st[p] && x->where[p] == P_LOADING) {
@@ -133,7 +78,7 @@ static ct_status have(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p, int fresh)
 }
 
 /* Part p goes out: written when it changed, else dropped (the store has it). */
-static ct_status send_out(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p)
+ct_status ct__fsdp_off_send_out(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p)
 {
     if (!x->st[p] || !(o->mask >> p & 1) || x->where[p] == P_OUT || o->pinned) return CT_OK;
     if (x->where[p] == P_LOADING) { /* its memory is the I/O thread's until then */
@@ -154,16 +99,6 @@ static ct_status send_out(fsdp_off *o, fsdp_flat *fl, off_flat *x, int p)
 static ct_status apply_update(ct_strategy *s, fsdp_unit *u, int k);
 static ct_status bring_unit(ct_strategy *s, fsdp_unit *u);
 static void settle_unit(ct_strategy *s, fsdp_unit *u);
-static ct_status flush(ct_strategy *s);
-static ct_status wrap_build_optim(ct_strategy *s, const ct_optim_opts *oo);
-static ct_status wrap_summon(ct_strategy *s, int writeback, int rank0_only);
-static ct_status wrap_release(ct_strategy *s);
-static ct_status wrap_model(ct_strategy *s, ct_state *out);
-static ct_status wrap_optim(ct_strategy *s, ct_state *out);
-static ct_status wrap_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud);
-static ct_status wrap_shard(ct_strategy *s, int optim, ct_state *out);
-static ct_status wrap_local(ct_strategy *s, int optim, ct_state *out);
-static ct_status wrap_load(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
 
 #define MIB 1048576.0
 
@@ -202,9 +137,8 @@ ct_status ct__fsdp_off_open(ct_strategy *s)
     for (int i = 0; i < f->nu; i++) o->nflats += f->u[i].nfl;
     o->fl = ct_alloc_zeroed(sizeof *o->fl * ((size_t)o->nflats + 1), CT_MEM_OTHER);
     o->first = ct_alloc_zeroed(sizeof *o->first * ((size_t)f->nu + 1), CT_MEM_OTHER);
-    o->cap = 4 * f->nu + 4;
-    o->seq = ct_alloc(sizeof *o->seq * (size_t)o->cap, CT_MEM_OTHER);
-    if (!o->fl || !o->first || !o->seq) return CT_ENOMEM;
+    o->seq_max = 3 * f->nu;
+    if (!o->fl || !o->first) return CT_ENOMEM;
     size_t total = 0;
     double fixed = 0, largest = 0;
     const char *big = "";
@@ -238,17 +172,7 @@ ct_status ct__fsdp_off_open(ct_strategy *s)
     if (budget > 0 && fixed + 3 * largest > budget) o->ahead = 1;
     CT_TRY(ct__ostore_open(O(s)->store == FSDP_STORE_MEMORY, ct_strategy_opt(s, "offload_dir"), total,
                            O(s)->drop_cache, &o->store));
-    /* checkpoints and summons pin every part (see the top) */
-    o->saved = s->vt;
-    s->vt.place.build_optim = wrap_build_optim;
-    s->vt.place.summon = wrap_summon;
-    s->vt.place.release = wrap_release;
-    s->vt.state.model = wrap_model;
-    s->vt.state.optim = wrap_optim;
-    s->vt.state.each = wrap_each;
-    s->vt.state.shard = wrap_shard;
-    s->vt.state.local = wrap_local;
-    s->vt.state.load = wrap_load;
+    ct__fsdp_off_wrap(s); /* checkpoints, summons and unit I/O through the store (fsdp_offload_state.c) */
     return CT_OK;
 }
 
@@ -293,7 +217,7 @@ ct_status ct__fsdp_off_adopt(ct_strategy *s, fsdp_unit *u, int k)
         if (!(x->st[PS] = ct_storage_create(sb, CT_MEM_OPTIM, 1))) return ct_last_status(); /* resident for good */
     }
     /* masters go out now: set-up never holds more than a flat of them */
-    CT_TRY(send_out(o, fl, x, PM));
+    CT_TRY(ct__fsdp_off_send_out(o, fl, x, PM));
     return ct__ostore_drain(o->store);
 }
 
@@ -316,11 +240,16 @@ void ct__fsdp_off_close(ct_strategy *s)
         s->vt.place.build_optim = o->saved.place.build_optim;
         s->vt.place.summon = o->saved.place.summon;
         s->vt.place.release = o->saved.place.release;
+        s->vt.place.unit_io = o->saved.place.unit_io;
         s->vt.state = o->saved.state;
     }
     ct_free(o->fl);
     ct_free(o->first);
     ct_free(o->seq);
+    ct_free(o->slot_flat);
+    ct_free(o->slot_x);
+    ct_free(o->slot_at);
+    f->sh.io = NULL;
     ct_free(o);
     f->off = NULL;
 }
@@ -332,7 +261,7 @@ static ct_status unit_parts(ct_strategy *s, fsdp_unit *u, int p, int load)
     fsdp_off *o = OFF(s);
     for (int k = 0; k < u->nfl; k++) {
         off_flat *x = OF(s, u, k);
-        CT_TRY(load ? have(o, &u->fl[k], x, p, 0) : bring(o, x, p, 0));
+        CT_TRY(load ? ct__fsdp_off_have(o, &u->fl[k], x, p, 0) : bring(o, x, p, 0));
     }
     return CT_OK;
 }
@@ -343,25 +272,25 @@ ct_status ct__fsdp_off_masters(ct_strategy *s, fsdp_unit *u)
     fsdp_off *o = f->off;
     int me = (int)(u - f->u);
     if (!o->recorded) {
-        if (o->nseq == o->cap) {
-            int *n = ct_alloc(sizeof *n * (size_t)o->cap * 2, CT_MEM_OTHER);
-            if (!n) return CT_ENOMEM;
-            memcpy(n, o->seq, sizeof *n * (size_t)o->nseq);
-            ct_free(o->seq);
-            o->seq = n;
-            o->cap *= 2;
-        }
+        /* One pass is recorded: up to the first step, or as many gathers as
+         * every unit's forward, a checkpoint's recompute and backward make
+         * (forward-only loops, an evaluation, would grow it without end). */
+        int *g = ct_grow(o->seq, o->nseq, &o->cap, sizeof *o->seq, CT_MEM_OTHER);
+        if (!g) return CT_ENOMEM;
+        o->seq = g;
         o->seq[o->nseq++] = me;
-    } else {
-        for (int i = o->cur; i < o->nseq; i++)
-            if (o->seq[i] == me) {
-                o->cur = i + 1;
-                break;
-            }
+        if (o->nseq >= o->seq_max) o->recorded = 1, o->cur = o->nseq;
+    } else { /* the next place of me in the recorded order, round to its start (passes repeat) */
+        for (int k = 0; k < o->nseq; k++) {
+            int i = (o->cur + k) % o->nseq;
+            if (o->seq[i] != me) continue;
+            o->cur = i + 1;
+            break;
+        }
     }
     CT_TRY(bring_unit(s, u));
-    for (int i = o->cur; o->recorded && i < o->nseq && i < o->cur + o->ahead - 1; i++)
-        CT_TRY(bring_unit(s, &f->u[o->seq[i]]));
+    for (int k = 0; o->recorded && k < o->nseq - 1 && k < o->ahead - 1; k++)
+        CT_TRY(bring_unit(s, &f->u[o->seq[(o->cur + k) % o->nseq]]));
     CT_TRY(unit_parts(s, u, PM, 1));
     for (int k = 0; k < u->nfl; k++) CT_TRY(apply_update(s, u, k));
     return CT_OK;
@@ -371,14 +300,14 @@ void ct__fsdp_off_gathered(ct_strategy *s, fsdp_unit *u)
 {
     fsdp_off *o = OFF(s);
     for (int k = 0; k < u->nfl; k++)
-        if (u->ns > 1 || u->fl[k].low) send_out(o, &u->fl[k], OF(s, u, k), PM); /* a failure is sticky: the next wait reports it */
+        if (u->ns > 1 || u->fl[k].low) ct__fsdp_off_send_out(o, &u->fl[k], OF(s, u, k), PM); /* a failure is sticky: the next wait reports it */
     settle_unit(s, u);
 }
 
 void ct__fsdp_off_freed(ct_strategy *s, fsdp_unit *u)
 {
     fsdp_off *o = OFF(s);
-    for (int k = 0; k < u->nfl; k++) send_out(o, &u->fl[k], OF(s, u, k), PM);
+    for (int k = 0; k < u->nfl; k++) ct__fsdp_off_send_out(o, &u->fl[k], OF(s, u, k), PM);
 }
 
 ct_status ct__fsdp_off_grads(ct_strategy *s, fsdp_unit *u)
@@ -386,10 +315,10 @@ ct_status ct__fsdp_off_grads(ct_strategy *s, fsdp_unit *u)
     fsdp_off *o = OFF(s);
     for (int k = 0; k < u->nfl; k++) { /* a pending update takes the old gradient first */
         CT_TRY(apply_update(s, u, k));
-        if (u->ns > 1 || u->fl[k].low) CT_TRY(send_out(o, &u->fl[k], OF(s, u, k), PM));
-        CT_TRY(send_out(o, &u->fl[k], OF(s, u, k), PS));
+        if (u->ns > 1 || u->fl[k].low) CT_TRY(ct__fsdp_off_send_out(o, &u->fl[k], OF(s, u, k), PM));
+        CT_TRY(ct__fsdp_off_send_out(o, &u->fl[k], OF(s, u, k), PS));
     }
-    for (int k = 0; k < u->nfl; k++) CT_TRY(have(o, &u->fl[k], OF(s, u, k), PG, u->fl[k].gzero));
+    for (int k = 0; k < u->nfl; k++) CT_TRY(ct__fsdp_off_have(o, &u->fl[k], OF(s, u, k), PG, u->fl[k].gzero));
     return CT_OK;
 }
 
@@ -410,7 +339,7 @@ ct_status ct__fsdp_off_reduced(ct_strategy *s, fsdp_unit *u)
         if (!x->st[PG] || x->where[PG] != P_RES) continue;
         note_norms(&u->fl[k], x);
         x->dirty[PG] = 1;
-        CT_TRY(send_out(o, &u->fl[k], x, PG));
+        CT_TRY(ct__fsdp_off_send_out(o, &u->fl[k], x, PG));
     }
     return CT_OK;
 }
@@ -435,10 +364,10 @@ static ct_status flush_scales(ct_strategy *s)
             fsdp_flat *fl = &f->u[i].fl[k];
             off_flat *x = OF(s, &f->u[i], k);
             if (fl->gzero) continue;
-            CT_TRY(have(o, fl, x, PG, 0));
+            CT_TRY(ct__fsdp_off_have(o, fl, x, PG, 0));
             apply_scales(o->scales, o->nscales, fl, x);
             note_norms(fl, x);
-            CT_TRY(send_out(o, fl, x, PG));
+            CT_TRY(ct__fsdp_off_send_out(o, fl, x, PG));
         }
     o->nscales = 0;
     return CT_OK;
@@ -449,7 +378,7 @@ static ct_status flush_scales(ct_strategy *s)
 ct_status ct__fsdp_off_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     fsdp_t *f = ct__fsdp_of(s);
-    CT_TRY(flush(s)); /* a norm of the gradients a pending update still has to take */
+    CT_TRY(ct__fsdp_off_flush(s)); /* a norm of the gradients a pending update still has to take */
     if (f->off->nscales) CT_TRY(flush_scales(s));
     for (int g = 0; g < f->ngroups; g++) {
         ct_norm_acc part = ct_norm_acc_init(acc->inf ? INFINITY : 2.0);
@@ -470,7 +399,7 @@ ct_status ct__fsdp_off_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 void ct__fsdp_off_scale(ct_strategy *s, float k)
 {
     fsdp_off *o = OFF(s);
-    if (o->npend && flush(s) != CT_OK) return; /* the failure is sticky: the next wait reports it */
+    if (o->npend && ct__fsdp_off_flush(s) != CT_OK) return; /* the failure is sticky: the next wait reports it */
     if (o->nscales == (int)(sizeof o->scales / sizeof o->scales[0]) && flush_scales(s) != CT_OK) return;
     o->scales[o->nscales++] = k;
 }
@@ -486,9 +415,9 @@ static ct_status apply_update(ct_strategy *s, fsdp_unit *u, int k)
     fsdp_flat *fl = &u->fl[k];
     off_flat *x = OF(s, u, k);
     if (!x->pend) return CT_OK;
-    CT_TRY(have(o, fl, x, PM, 0));
-    CT_TRY(have(o, fl, x, PG, x->pend_gzero));
-    CT_TRY(have(o, fl, x, PS, x->fresh));
+    CT_TRY(ct__fsdp_off_have(o, fl, x, PM, 0));
+    CT_TRY(ct__fsdp_off_have(o, fl, x, PG, x->pend_gzero));
+    CT_TRY(ct__fsdp_off_have(o, fl, x, PS, x->fresh));
     if (x->pend_gzero) {
         memset(fl->gshard, 0, (size_t)fl->flat.shard * sizeof(float)); /* untouched since zero_grad: zero */
     } else if (x->st[PG] && o->pend_nscales) {
@@ -537,14 +466,14 @@ static void settle_unit(ct_strategy *s, fsdp_unit *u)
     fsdp_off *o = OFF(s);
     for (int k = 0; k < u->nfl; k++) {
         off_flat *x = OF(s, u, k);
-        if (!u->reducing) send_out(o, &u->fl[k], x, PG);
-        send_out(o, &u->fl[k], x, PS);
+        if (!u->reducing) ct__fsdp_off_send_out(o, &u->fl[k], x, PG);
+        ct__fsdp_off_send_out(o, &u->fl[k], x, PS);
     }
 }
 
 /* Every update still pending, unit by unit, the next unit loading meanwhile
  * (before state is read or written, another step, or a norm). */
-static ct_status flush(ct_strategy *s)
+ct_status ct__fsdp_off_flush(ct_strategy *s)
 {
     fsdp_t *f = ct__fsdp_of(s);
     fsdp_off *o = f->off;
@@ -553,7 +482,7 @@ static ct_status flush(ct_strategy *s)
         if (i + 1 < f->nu) CT_TRY(bring_unit(s, &f->u[i + 1]));
         for (int k = 0; k < u->nfl; k++) CT_TRY(apply_update(s, u, k));
         if (u->state == UNIT_SHARDED || u->ns > 1)
-            for (int k = 0; k < u->nfl; k++) CT_TRY(send_out(o, &u->fl[k], OF(s, u, k), PM));
+            for (int k = 0; k < u->nfl; k++) CT_TRY(ct__fsdp_off_send_out(o, &u->fl[k], OF(s, u, k), PM));
         settle_unit(s, u);
     }
     return CT_OK;
@@ -571,7 +500,7 @@ ct_status ct__fsdp_off_step(ct_strategy *s)
     fsdp_off *o = f->off;
     const ct_optim_opts *oo = ct_optim_get_opts(s->opt);
     CT_TRY(ct_optim_validate(oo)); /* a schedule's learning rate, before anything changes */
-    CT_TRY(flush(s));               /* a step before the last one reached every flat */
+    CT_TRY(ct__fsdp_off_flush(s)); /* a step before the last one reached every flat */
     int64_t step = ct_optim_get_step(s->opt) + 1;
     o->pend_o = *oo;
     o->pend_step = step;
@@ -596,184 +525,4 @@ ct_status ct__fsdp_off_step(ct_strategy *s)
     s->stats.io_bytes += rd + wr - o->moved;
     o->moved = rd + wr;
     return CT_OK;
-}
-
-/* ---- pinned: checkpoints and summons -------------------------------------------- */
-
-/* Each range this rank owns, in the optimizer's slot order (the walk of
- * fsdp_build_optim): fn gets its slot, flat, offloaded parts and offset in
- * the shard. */
-typedef void (*slot_fn)(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int64_t at, int64_t count, void *ud);
-
-static void each_slot(ct_strategy *s, slot_fn fn, void *ud)
-{
-    fsdp_t *f = ct__fsdp_of(s);
-    const ct__shards *z = &f->sh;
-    int slot = 0;
-    for (int t = 0; t < z->ntp; t++)
-        for (int i = 0; i < f->nu; i++)
-            for (int k = 0; k < f->u[i].nfl; k++) {
-                fsdp_unit *u = &f->u[i];
-                fsdp_flat *fl = &u->fl[k];
-                for (int j = 0; j < fl->flat.n; j++) {
-                    if (fl->flat.p[j] != z->tp[t]) continue;
-                    for (int r = 0; r < fl->pt.n; r++) {
-                        const ct_part_range *pr = &fl->pt.ranges[r];
-                        if (pr->param != j || pr->owner != u->srank || !pr->count) continue;
-                        int64_t at = fl->flat.off[j] + pr->offset - (int64_t)u->srank * fl->flat.shard;
-                        fn(s, slot++, fl, OF(s, u, k), at, pr->count, ud);
-                    }
-                }
-            }
-}
-
-/* The range's optimizer state between the store's parts and the optimizer's
- * buffers (*(int *)ud: 1 into the buffers, 0 back into the parts). */
-static void move_state(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int64_t at, int64_t count, void *ud)
-{
-    int in = *(int *)ud;
-    float *bufs[CT_OPTIM_MAX_STATE];
-    float *st = x->st[PS] ? ct_storage_ptr(x->st[PS]) : NULL;
-    if (!st || ct_optim_state(s->opt, slot, bufs, NULL) <= 0) return;
-    for (int b = 0; b < ct__fsdp_of(s)->off->nstate; b++) {
-        float *part = st + (int64_t)b * fl->flat.shard + at;
-        memcpy(in ? bufs[b] : part, in ? part : bufs[b], (size_t)count * sizeof(float));
-    }
-}
-
-/* The optimizer's slot points at the resident master and gradient piece. */
-static void point_slot(ct_strategy *s, int slot, fsdp_flat *fl, off_flat *x, int64_t at, int64_t count, void *ud)
-{
-    ct_optim_set_slot(s->opt, slot, fl->master + at, fl->gshard ? fl->gshard + at : NULL);
-    if (*(int *)ud) move_state(s, slot, fl, x, at, count, ud);
-}
-
-/* Every flat's masters (and with optim, state lent to the optimizer's
- * buffers) resident, the optimizer's slots pointing at them. */
-static ct_status pin(ct_strategy *s, int optim)
-{
-    fsdp_t *f = ct__fsdp_of(s);
-    fsdp_off *o = f->off;
-    CT_TRY(flush(s));
-    if (o->nscales) CT_TRY(flush_scales(s));
-    for (int n = 0, i = 0; i < f->nu; i++)
-        for (int k = 0; k < f->u[i].nfl; k++, n++) {
-            CT_TRY(have(o, &f->u[i].fl[k], &o->fl[n], PM, 0));
-            if (optim) CT_TRY(have(o, &f->u[i].fl[k], &o->fl[n], PS, o->fl[n].fresh));
-            if (optim && o->fl[n].fresh && o->fl[n].st[PS]) memset(ct_storage_ptr(o->fl[n].st[PS]), 0, o->fl[n].st[PS]->bytes);
-        }
-    o->pinned = 1;
-    each_slot(s, point_slot, &optim);
-    return CT_OK;
-}
-
-/* Takes the state back (load: the optimizer's buffers hold what was
- * loaded), lets the parts go (written when load or writeback changed them). */
-static ct_status unpin(ct_strategy *s, int optim, int changed)
-{
-    fsdp_t *f = ct__fsdp_of(s);
-    fsdp_off *o = f->off;
-    int out = 0;
-    if (optim && changed) each_slot(s, move_state, &out);
-    if (optim) ct_optim_release_state(s->opt);
-    o->pinned = 0;
-    ct_status st = CT_OK;
-    for (int n = 0, i = 0; i < f->nu; i++)
-        for (int k = 0; k < f->u[i].nfl; k++, n++) {
-            fsdp_unit *u = &f->u[i];
-            off_flat *x = &o->fl[n];
-            if (changed) x->dirty[PM] = 1;
-            if (optim && changed && x->st[PS]) x->dirty[PS] = 1, x->fresh = 0;
-            ct_status w = CT_OK;
-            if (u->state == UNIT_SHARDED || u->ns > 1 || u->fl[k].low) w = send_out(o, &u->fl[k], x, PM);
-            if (w == CT_OK && optim) w = send_out(o, &u->fl[k], x, PS);
-            if (st == CT_OK) st = w;
-        }
-    if (st == CT_OK) st = ct__ostore_drain(o->store);
-    return st;
-}
-
-/* A wrapped entry: pinned around the original. */
-#define PINNED(optim, changed, call)                                                                   \
-    do {                                                                                               \
-        ct_status st_ = pin(s, optim);                                                                 \
-        if (st_ == CT_OK) st_ = (call);                                                                \
-        ct_status u_ = unpin(s, optim, (changed) && st_ == CT_OK);                                     \
-        return st_ != CT_OK ? st_ : u_;                                                                \
-    } while (0)
-
-/* Tensors of a state that view pinned memory (a local state's pieces, the
- * optimizer's lent buffers) become copies of their own before the memory
- * goes back to the store. */
-static ct_status own_copies(ct_state *out, ct_status st)
-{
-    for (int i = 0; st == CT_OK && i < out->n; i++) {
-        ct_tensor *t = out->tensors[i];
-        if (t->storage->owns && t->storage->refcount == 1 && !t->storage->window) continue;
-        ct_tensor *c = ct_tensor_clone(t, t->storage->cat);
-        if (!c) return ct_last_status();
-        ct_tensor_release(t);
-        out->tensors[i] = c;
-    }
-    return st;
-}
-
-static ct_status wrap_model(ct_strategy *s, ct_state *out) { PINNED(0, 0, own_copies(out, OFF(s)->saved.state.model(s, out))); }
-static ct_status wrap_optim(ct_strategy *s, ct_state *out) { PINNED(1, 0, own_copies(out, OFF(s)->saved.state.optim(s, out))); }
-static ct_status wrap_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn fn, void *ud)
-{
-    PINNED(optim, 0, OFF(s)->saved.state.each(s, optim, shapes_only, fn, ud));
-}
-static ct_status wrap_shard(ct_strategy *s, int optim, ct_state *out)
-{
-    PINNED(optim, 0, own_copies(out, OFF(s)->saved.state.shard(s, optim, out)));
-}
-static ct_status wrap_local(ct_strategy *s, int optim, ct_state *out)
-{
-    PINNED(1, 0, own_copies(out, OFF(s)->saved.state.local(s, optim, out)));
-}
-static ct_status wrap_load(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim)
-{
-    PINNED(optim, 1, OFF(s)->saved.state.load(s, names, ts, n, optim));
-}
-
-/* The optimizer's slots are made over masters that are in the store: they
- * point into one placeholder of the largest piece while it is made (the
- * slots are re-pointed whenever pinned; the step never reads them). */
-static ct_status wrap_build_optim(ct_strategy *s, const ct_optim_opts *oo)
-{
-    fsdp_t *f = ct__fsdp_of(s);
-    fsdp_off *o = f->off;
-    int64_t most = 1;
-    for (int i = 0; i < f->nu; i++)
-        for (int k = 0; k < f->u[i].nfl; k++) most = f->u[i].fl[k].flat.shard > most ? f->u[i].fl[k].flat.shard : most;
-    float *ph = ct_alloc_zeroed((size_t)most * sizeof(float), CT_MEM_OTHER);
-    if (!ph) return CT_ENOMEM;
-    for (int i = 0; i < f->nu; i++)
-        for (int k = 0; k < f->u[i].nfl; k++)
-            if (!f->u[i].fl[k].master) f->u[i].fl[k].master = ph;
-    ct_status st = o->saved.place.build_optim(s, oo);
-    for (int i = 0; i < f->nu; i++)
-        for (int k = 0; k < f->u[i].nfl; k++) sync_ptrs(&f->u[i].fl[k], OF(s, &f->u[i], k));
-    ct_free(ph);
-    return st;
-}
-
-/* Summoned parameters come from the masters: pinned until the release. */
-static ct_status wrap_summon(ct_strategy *s, int writeback, int rank0_only)
-{
-    CT_TRY(pin(s, 0));
-    ct_status st = OFF(s)->saved.place.summon(s, writeback, rank0_only);
-    if (st != CT_OK) unpin(s, 0, 0);
-    return st;
-}
-
-static ct_status wrap_release(ct_strategy *s)
-{
-    fsdp_t *f = ct__fsdp_of(s);
-    int wb = 0;
-    for (int i = 0; i < f->nu; i++) wb |= f->u[i].summon_writeback;
-    ct_status st = OFF(s)->saved.place.release(s);
-    ct_status u = OFF(s)->pinned ? unpin(s, 0, wb) : CT_OK;
-    return st != CT_OK ? st : u;
 }

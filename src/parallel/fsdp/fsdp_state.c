@@ -87,6 +87,18 @@ ct_status ct__fsdp_each(ct_strategy *s, int optim, int shapes_only, ct_state_fn 
                  : model_each(s, NULL, shapes_only, fn, ud);
 }
 
+ct_status ct__fsdp_share(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud)
+{
+    const ct__shards *z = &ct__fsdp_of(s)->sh;
+    if (local) return ct__shards_local_each(s, z, optim, shapes_only, fn, ud);
+    int *roots = NULL;
+    CT_TRY(ct__shards_roots(s, z, &roots));
+    ct_status st = optim ? ct__shards_optim_each(s, z, roots, shapes_only, fn, ud)
+                         : model_each(s, roots, shapes_only, fn, ud);
+    ct_free(roots);
+    return st;
+}
+
 ct_status ct__fsdp_optim_state(ct_strategy *s, ct_state *out)
 {
     return ct__shards_optim_state(s, &ct__fsdp_of(s)->sh, 0, out);

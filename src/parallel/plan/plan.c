@@ -405,7 +405,8 @@ static uint64_t setup_offload(const ct__plan *pl, const ct_mem_plan *p)
  * the parameters and slots themselves (none, ddp); plus the largest tensor
  * where the state is streamed one tensor at a time (ct_strategy_state_foreach:
  * zero, fsdp gather it, pipe's later stages send it, offload reads it from
- * its store). */
+ * its store; fsdp's offloaded parts too, after its pending updates went
+ * through a 1 MiB buffer: no unit's shard comes in). */
 static uint64_t save_views(const ct__plan *pl, const ct_mem_plan *p)
 {
     (void)pl;

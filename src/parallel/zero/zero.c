@@ -307,6 +307,19 @@ ct_status ct__zero_local_state(ct_strategy *s, int optim, ct_state *out)
     return ct__shards_local_state(s, &ct__zero_of(s)->sh, optim, out);
 }
 
+ct_status ct__zero_share(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud)
+{
+    const ct__shards *z = &ct__zero_of(s)->sh;
+    CT_TRY(ct__zero_wait_all(s));
+    if (local) return ct__shards_local_each(s, z, optim, shapes_only, fn, ud);
+    if (!optim) return ct__collected_share(s, 0, 0, shapes_only, fn, ud); /* whole parameters: views */
+    int *roots = NULL;
+    CT_TRY(ct__shards_roots(s, z, &roots));
+    ct_status st = ct__shards_optim_each(s, z, roots, shapes_only, fn, ud);
+    ct_free(roots);
+    return st;
+}
+
 ct_status ct__zero_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n,
                                  int optim)
 {

@@ -104,6 +104,7 @@ const ct_partition *ct__zero_partition(const ct_strategy *s);
     {                                                                                              \
         .model = ct__zero_model_state, .optim = ct__zero_optim_state, .shard = ct__zero_shard_state, \
         .local = ct__zero_local_state, .load = ct__zero_load_state, .each = ct__zero_each,         \
+        .share = ct__zero_share,                                                                   \
     }
 /* ct_strategy_state_foreach for ZeRO: the model as it is (whole on every
  * rank), the optimizer state through ct__shards_optim_each. */
@@ -113,6 +114,8 @@ ct_status ct__zero_optim_state(ct_strategy *s, ct_state *out);
 ct_status ct__zero_shard_state(ct_strategy *s, int optim, ct_state *out);
 /* This rank's owned ranges as pieces (ct_strategy_local_state). */
 ct_status ct__zero_local_state(ct_strategy *s, int optim, ct_state *out);
+/* ct_strategy_share_foreach: the optimizer's share gathered one tensor at a time, pieces as they lie. */
+ct_status ct__zero_share(ct_strategy *s, int optim, int local, int shapes_only, ct_state_fn fn, void *ud);
 ct_status ct__zero_load_state(ct_strategy *s, const char *const *names, ct_tensor *const *ts, int n, int optim);
 
 #endif
