@@ -150,6 +150,8 @@ ct_status ct__fsdp_off_open(ct_strategy *s)
             ct__flat_shard(&fl->flat, u->ns, u->srank); /* setup_flat does it again: the same */
             for (int p = 0; p < NPART; p++) {
                 size_t b = part_bytes(o, fl, p);
+                /* each part on a 4 KiB boundary, so the store moves it by direct I/O */
+                if (o->mask >> p & 1) total = (total + 4095) / 4096 * 4096;
                 o->fl[n].off[p] = (off_t)total;
                 if (o->mask >> p & 1) total += b;
                 else fixed += (double)b;
