@@ -80,6 +80,7 @@ typedef struct {
     int fd;
     int direct_fd; /* the same file opened O_DIRECT, or -1 */
     int drop_cache;
+    double direct; /* bytes moved by direct I/O */
 } file_ctx;
 
 /* All of bytes through fd, or an errno. */
@@ -113,6 +114,7 @@ static int file_rw(void *ctx, int write, void *buf, size_t bytes, off_t off)
         int e = rw_all(fc->direct_fd, write, buf, head, off);
         if (e != EINVAL) {
             if (e) return e;
+            fc->direct += (double)head;
         } else { /* a filesystem that takes O_DIRECT at open but not these transfers */
             close(fc->direct_fd);
             fc->direct_fd = -1;
@@ -407,4 +409,9 @@ void ct__ostore_bytes(const ct__ostore *o, double *rd, double *wr)
 {
     *rd = o->rd;
     *wr = o->wr;
+}
+
+double ct__ostore_direct_bytes(const ct__ostore *o)
+{
+    return o->be == &file_backend ? ((const file_ctx *)o->ctx)->direct : 0.0;
 }

@@ -63,5 +63,7 @@ ct_status ct__ostore_rw(ct__ostore *o, int write, void *buf, size_t bytes, off_t
 void ct__ostore_times(ct__ostore *o, double *busy, double *waited);
 /* Bytes read and written since open. */
 void ct__ostore_bytes(const ct__ostore *o, double *rd, double *wr);
+/* Of those, the bytes the file moved by direct I/O (page-aligned blocks). */
+double ct__ostore_direct_bytes(const ct__ostore *o);
 
 #endif
