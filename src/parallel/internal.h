@@ -215,9 +215,29 @@ typedef struct {
     int powersgd_error_feedback;
     int powersgd_warm_start;
     int64_t powersgd_seed;
+    /* Post-local SGD (local_sgd.c): DDP's own keys, not its composers' (zero1, pipe's replicas) */
+    int local_sgd;              /* CT__LOCAL_SGD_*: the subgroup gradients are reduced over after the start */
+    int64_t local_sgd_start;    /* steps of plain DDP first */
+    int average_period;         /* parameters averaged every this many steps */
+    int64_t average_warmup;     /* the first step that may average; -1: local_sgd_start */
 } ct__ddp_opts;
 #define CT__DDP_NOPTS 12
 extern const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS];
+enum { CT__LOCAL_SGD_OFF = 0, CT__LOCAL_SGD_NONE, CT__LOCAL_SGD_NODE };
+#define CT__LOCAL_SGD_NOPTS 4
+extern const ct__opt_def ct__local_sgd_opt_defs[CT__LOCAL_SGD_NOPTS];
+/* 1 if key is one of post-local SGD's (a strategy other than ddp names them in its refusal). */
+int ct__local_sgd_key(const char *key);
+/* The post-local SGD hook for o (local_sgd none or node): plain allreduce
+ * before local_sgd_start steps, then over the subgroup or nothing.
+ * CT_EINVAL for powersgd_rank or a 16-bit reduce_dtype with it.  Collective
+ * (local_sgd=node splits the group by node). */
+ct_status ct__local_sgd_hook(ct_strategy *s, const ct__ddp_opts *o, const ct_comm_hook_ops **ops, void **state);
+/* 1 if the averager averages after 0-based optimizer step t. */
+int ct__local_sgd_averages(const ct__ddp_opts *o, int64_t t);
+/* After an optimizer step: the parameters' mean over the group when the
+ * step just taken is one the averager averages after.  Collective. */
+ct_status ct__local_sgd_average(ct_strategy *s, const ct__ddp_opts *o);
 /* DDP's gradient flats (ddp.c): buckets over the trainable parameters,
  * allreduced as their gradients become ready.  DDP is these and nothing
  * else; ZeRO-1 composes them under its sharded optimizer.  The options are
