@@ -253,6 +253,8 @@ static ct_status make_strategy(trainer *t)
                      strcmp(o->mixed, "none") ? o->mixed : "f32",
                      strcmp(o->grad_compress, "none") && !psgd ? o->grad_compress : "f32");
     if (psgd > 0) n += snprintf(opts + n, sizeof opts - (size_t)n, ",powersgd_rank=%d", psgd);
+    char lsgd[128];
+    if (train_local_sgd_opts(o, lsgd, sizeof lsgd) == 0) n += snprintf(opts + n, sizeof opts - (size_t)n, "%s", lsgd);
     if (o->sync_batchnorm) n += snprintf(opts + n, sizeof opts - (size_t)n, ",sync_batchnorm=1");
     /* DDP's bucket flags: passed where they apply, and where the user gave
      * them, so a strategy without buckets names the flag it does not take */

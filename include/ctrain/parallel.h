@@ -210,7 +210,11 @@ typedef struct ct_strategy ct_strategy;
  *   buffer_dtype=f32|bf16  precision buffers (batchnorm statistics) are held
  *                       at (f32; not pipe or offload)
  * DDP's keys: bucket_cap_mb (25), first_bucket_mb (1), broadcast_buffers
- * (1), find_unused_parameters (0), rebuild_buckets (1), static_graph (0).
+ * (1), find_unused_parameters (0), rebuild_buckets (1), static_graph (0);
+ * and ddp's alone, post-local SGD: local_sgd (off|none|node: after
+ * local_sgd_start (100) steps, gradients are reduced over no one or the
+ * node's ranks), average_period (4: the parameters' mean over the group
+ * every this many steps, from average_warmup (auto: local_sgd_start)).
  * Every strategy whose ranks share each batch (ddp, zero1, zero2, fsdp)
  * takes sync_batchnorm (0): batchnorm statistics over the whole batch.
  * pipe's keys: stages (auto), balance (children per stage, "3:3:2"), chunks
