@@ -407,6 +407,18 @@ ct_status ct_strategy_reduce(ct_strategy *s);
  * clipping; the same on every rank.  CT_EINVAL for a negative or NaN
  * max_norm, or a norm_type of 0, below 0 or NaN. */
 ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm);
+/* Which parameters take part in a clip (fairscale OSS.clip_grad_norm's
+ * filter_params_fn): 1 to include p.  ud is the caller's. */
+typedef int (*ct_param_filter_fn)(const ct_param *p, void *ud);
+/* ct_strategy_clip_grad_norm over the trainable parameters filter selects
+ * (NULL: all of them): only their gradients count in the norm, however
+ * they are sharded, and only they are scaled; the others stay as they are.
+ * filter must give the same answer for a parameter on every rank.
+ * CT_EUNSUPPORTED for a filter under offload and fsdp with offload=, which
+ * keep their norm terms and clip factors per slice or flat, not per
+ * parameter. */
+ct_status ct_strategy_clip_grad_norm_filter(ct_strategy *s, float max_norm, double norm_type,
+                                            ct_param_filter_fn filter, void *ud, float *norm);
 /* The parts of clipping, for composing strategies and clipping rules of your
  * own: adds the norm terms of every gradient s trains, combined over the
  * ranks that shard them (the same value on every rank), to acc; and

@@ -172,6 +172,9 @@ struct ct_strategy {
     int held_comm;         /* 1: communication held too (ct_comm_hold) */
     struct ct__hook *hook; /* how buckets are reduced (comm_hook.c); lives as long as s */
     const struct ct__load_ctx *load; /* the load in progress (state_load.c), or NULL */
+    ct_param_filter_fn clip_filter; /* the parameter filter of the clip in progress (NULL: every parameter);
+                                       grad_norm and scale_grads take only what ct__clip_selects */
+    void *clip_ud;
     ct_optim_opts spec;    /* the optimizer spec as given, its groups' names copied (own_spec) */
     char *spec_mem;        /* the block they are copied into */
 };
@@ -190,6 +193,8 @@ void ct__strategy_fill(ct__strategy_ops *vt);
 int64_t ct__global_rows(const ct_strategy *s, const ct_batch *b);
 /* 1 if s's train step is its own (pipe, offload), not the default grad_accum loop. */
 int ct__strategy_owns_micro_batches(const ct_strategy *s);
+/* 1 if the clip in progress takes p (ct_strategy_clip_grad_norm_filter's filter; none: every parameter). */
+int ct__clip_selects(const ct_strategy *s, const ct_param *p);
 /* Every rank of g's accumulated value, folded in rank order into a (the
  * same double on every rank, never rounded to float on the way). */
 ct_status ct__norm_combine(ct_group *g, ct_norm_acc *a);
