@@ -4,6 +4,7 @@
  * code 2 instead of a failure halfway through a run.
  */
 #include <errno.h>
+#include <fnmatch.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,6 +70,7 @@ static int table(train_opts *o, cli_opt *t)
         "gpipe or 1f1b: --pipe-schedule");
     OPT("--warmup", OPT_INT, &o->warmup, "N", "linear warm-up over the first N steps (0)");
     OPT("--clip", OPT_NUM, &o->clip, "MAXNORM", "clip the gradient's global norm to MAXNORM (off)");
+    OPT("--clip-filter", OPT_STR, &o->clip_filter, "GLOBS", "--clip measures and scales only the parameters whose names match one of these comma-separated globs, such as '*.weight' (all)");
     OPT("--clip-norm", OPT_STR, &o->clip_norm, "TYPE", "norm type --clip measures: any p > 0 (sum |g|^p, to the 1/p) or inf (2)");
     OPT("--on-nonfinite", OPT_STR, &o->on_nonfinite, "WHAT", "a NaN/inf loss or gradient norm: stop, or skip the step (stop)");
     OPT("--seed", OPT_INT, &o->seed, "S", "seed of weights, shuffling and dropout (0)");
@@ -201,6 +203,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->has_kernel = GIVEN("--kernel");
     o->has_dropout = GIVEN("--dropout");
     o->has_clip_norm = GIVEN("--clip-norm");
+    o->has_clip_filter = GIVEN("--clip-filter");
     o->has_bucket_cap = GIVEN("--bucket-cap-mb");
     int has_epochs = GIVEN("--epochs"), has_steps = GIVEN("--steps");
     o->has_wrap_min = GIVEN("--wrap-min-params");
@@ -289,6 +292,11 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     static const char *const nonfinite[] = {"stop", "skip", NULL};
     if (!in_list(o->on_nonfinite, nonfinite))
         return BAD("unknown --on-nonfinite '%s'; choose stop or skip", o->on_nonfinite);
+    if (o->has_clip_filter && !o->has_clip && !o->resume)
+        return BAD("--clip-filter '%s' chooses what --clip clips, but --clip is not given; add --clip MAXNORM",
+                   o->clip_filter);
+    if (o->has_clip_filter && !o->clip_filter[0])
+        return BAD("--clip-filter is empty; give globs of parameter names, such as '*.weight' (ctrain inspect lists them)");
     if (o->clip < 0) return BAD("--clip %g must not be negative (leave it out for no clipping)", o->clip);
     if (o->seed < 0) return BAD("--seed %lld must not be negative", (long long)o->seed);
     if (o->save_every < 0) return BAD("--save-every %lld must not be negative", (long long)o->save_every);
@@ -400,6 +408,20 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
 
 int train_powersgd_rank(const train_opts *o) { return cli_powersgd_rank(o->grad_compress); }
 
+int train_clip_selects(const ct_param *p, void *ud)
+{
+    const char *globs = ud;
+    char one[256];
+    for (const char *c = globs; *c;) {
+        const char *comma = strchr(c, ',');
+        size_t w = comma ? (size_t)(comma - c) : strlen(c);
+        snprintf(one, sizeof one, "%.*s", (int)(w < sizeof one ? w : sizeof one - 1), c);
+        if (w && fnmatch(one, p->name, 0) == 0) return 1;
+        c += w + (comma != NULL);
+    }
+    return 0;
+}
+
 int train_local_sgd_opts(const train_opts *o, char *buf, size_t n)
 {
     buf[0] = 0;
@@ -429,6 +451,11 @@ int train_check_world(train_opts *o, int world, char *err, size_t errn)
     if (train_powersgd_rank(o) > 0 && strcmp(o->strategy, "ddp") && strcmp(o->strategy, "zero1"))
         return BAD("--grad-compress %s applies to --strategy ddp and zero1 (PowerSGD compresses their gradient "
                    "buckets), not %s; use bf16 or f16 with %s", o->grad_compress, o->strategy, o->strategy);
+    if (o->clip_filter && (!strcmp(o->strategy, "offload") || o->fsdp_offload))
+        return BAD("--clip-filter with %s: offloaded gradients keep their norm terms and clip factors per %s, not per "
+                   "parameter; leave --clip-filter out (clip every parameter)%s", !strcmp(o->strategy, "offload")
+                   ? "--strategy offload" : "fsdp --offload", o->fsdp_offload ? "flat" : "slice",
+                   o->fsdp_offload ? " or keep fsdp's shards in memory" : "");
     if (o->local_sgd && strcmp(o->strategy, "ddp"))
         return BAD("--local-sgd applies to --strategy ddp (post-local SGD lets its replicas train apart between "
                    "averagings), not %s; use --strategy ddp or leave --local-sgd out", o->strategy);
