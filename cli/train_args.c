@@ -451,11 +451,10 @@ int train_check_world(train_opts *o, int world, char *err, size_t errn)
     if (train_powersgd_rank(o) > 0 && strcmp(o->strategy, "ddp") && strcmp(o->strategy, "zero1"))
         return BAD("--grad-compress %s applies to --strategy ddp and zero1 (PowerSGD compresses their gradient "
                    "buckets), not %s; use bf16 or f16 with %s", o->grad_compress, o->strategy, o->strategy);
-    if (o->clip_filter && (!strcmp(o->strategy, "offload") || o->fsdp_offload))
-        return BAD("--clip-filter with %s: offloaded gradients keep their norm terms and clip factors per %s, not per "
-                   "parameter; leave --clip-filter out (clip every parameter)%s", !strcmp(o->strategy, "offload")
-                   ? "--strategy offload" : "fsdp --offload", o->fsdp_offload ? "flat" : "slice",
-                   o->fsdp_offload ? " or keep fsdp's shards in memory" : "");
+    if (o->clip_filter && o->fsdp_offload)
+        return BAD("--clip-filter with fsdp --offload %s: the offloaded shards keep their norm terms and clip factors "
+                   "per flat, not per parameter; leave --clip-filter out (clip every parameter) or --offload (keep the "
+                   "shards in memory)", o->fsdp_offload);
     if (o->local_sgd && strcmp(o->strategy, "ddp"))
         return BAD("--local-sgd applies to --strategy ddp (post-local SGD lets its replicas train apart between "
                    "averagings), not %s; use --strategy ddp or leave --local-sgd out", o->strategy);

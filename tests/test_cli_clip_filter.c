@@ -1,10 +1,10 @@
 /*
  * --clip-filter GLOBS through ctrain train: --clip measures and scales only
  * the matching parameters (ct_strategy_clip_grad_norm_filter).  One process
- * and 2 ranks under ddp, zero2 and fsdp train the same weights with it; the
- * filter changes the run (and a filter that takes every parameter does
- * not); a resume keeps it; globs that match nothing, and offload, are
- * refused with the reason.
+ * and 2 ranks under ddp, zero2, fsdp and offload train the same weights
+ * with it; the filter changes the run (and a filter that takes every
+ * parameter does not); a resume keeps it; globs that match nothing, and
+ * fsdp --offload, are refused with the reason.
  */
 #include <math.h>
 #include <stdio.h>
@@ -41,10 +41,11 @@ TEST(cli_clip_filter_every_strategy_equals_one_process)
     snprintf(none, sizeof none, "%s/none.safetensors", ct_test_tmpdir());
     int rc = RUN(out, ARGS " --steps 6 --clip-filter '*.weight' --save %s", ref);
     if (rc) ct_test_fail(__FILE__, __LINE__, "one process failed:\n%s", out);
-    static const char *const kinds[] = {"ddp", "zero2", "fsdp"};
-    for (int k = 0; k < 3; k++) {
+    static const char *const kinds[] = {"ddp", "zero2", "fsdp", "offload"};
+    for (int k = 0; k < 4; k++) {
         snprintf(path, sizeof path, "%s/%s.safetensors", ct_test_tmpdir(), kinds[k]);
-        rc = run_np(2, out, ARGS " --steps 6 --strategy %s --clip-filter '*.weight' --save %s", kinds[k], path);
+        rc = run_np(2, out, ARGS " --steps 6 --strategy %s%s --clip-filter '*.weight' --save %s", kinds[k],
+                    k == 3 ? " --slices 2" : "", path);
         if (rc) ct_test_fail(__FILE__, __LINE__, "%s failed:\n%s", kinds[k], out);
         close_files(ref, path, 2e-5, NULL);
     }
@@ -77,8 +78,8 @@ TEST(cli_clip_filter_resumes_and_refuses)
     ASSERT_STR_CONTAINS(out, "matches no trainable parameter");
     ASSERT_EQ(RUN(out, "train --model mlp --steps 1 --clip-filter '*.weight'"), 2);
     ASSERT_STR_CONTAINS(out, "--clip is not given");
-    ASSERT_EQ(RUN(out, ARGS " --steps 1 --strategy offload --clip-filter '*.weight'"), 2);
-    ASSERT_STR_CONTAINS(out, "per slice");
+    ASSERT_EQ(run_np(2, out, ARGS " --steps 1 --strategy fsdp --offload params --clip-filter '*.weight'"), 2);
+    ASSERT_STR_CONTAINS(out, "per flat");
     ASSERT_EQ(RUN(out, "train --help"), 0);
     ASSERT_STR_CONTAINS(out, "--clip-filter");
 }

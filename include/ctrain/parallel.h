@@ -414,9 +414,8 @@ typedef int (*ct_param_filter_fn)(const ct_param *p, void *ud);
  * (NULL: all of them): only their gradients count in the norm, however
  * they are sharded, and only they are scaled; the others stay as they are.
  * filter must give the same answer for a parameter on every rank.
- * CT_EUNSUPPORTED for a filter under offload and fsdp with offload=, which
- * keep their norm terms and clip factors per slice or flat, not per
- * parameter. */
+ * CT_EUNSUPPORTED for a filter under fsdp with offload=, which keeps its
+ * norm terms and clip factors per flat, not per parameter. */
 ct_status ct_strategy_clip_grad_norm_filter(ct_strategy *s, float max_norm, double norm_type,
                                             ct_param_filter_fn filter, void *ud, float *norm);
 /* The parts of clipping, for composing strategies and clipping rules of your

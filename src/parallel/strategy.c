@@ -532,11 +532,10 @@ static ct_status clip_filter_impl(ct_strategy *s, float max_norm, double norm_ty
                                   void *ud, float *norm)
 {
     const char *off = ct_strategy_opt(s, "offload");
-    if (filter && (!strcmp(s->ops->kind, "offload") || (off && strcmp(off, "none"))))
-        return ct_error(CT_EUNSUPPORTED, "clip: a parameter filter under %s%s%s: its norm terms and clip factors "
-                        "are kept per %s, not per parameter; clip every parameter, or keep the shards in memory",
-                        s->ops->kind, off ? " offload=" : "", off ? off : "",
-                        !strcmp(s->ops->kind, "offload") ? "slice" : "flat");
+    if (filter && !strcmp(s->ops->kind, "fsdp") && off && strcmp(off, "none"))
+        return ct_error(CT_EUNSUPPORTED, "clip: a parameter filter under fsdp offload=%s: its norm terms and clip "
+                        "factors are kept per flat, not per parameter; clip every parameter, or keep the shards in "
+                        "memory (offload=none)", off);
     s->clip_filter = filter;
     s->clip_ud = ud;
     ct_status st = clip_grad_norm_impl(s, max_norm, norm_type, norm);

@@ -2,7 +2,8 @@
  * Clipping a selection of the parameters (fairscale OSS.clip_grad_norm's
  * filter_params_fn; ct_strategy_clip_grad_norm_filter): under ddp, zero1,
  * zero2 (whole and split ranges), fsdp (one root unit whose shards cut
- * through parameters, per-layer units, hybrid, bf16) and pipe, the norm
+ * through parameters, per-layer units, hybrid, bf16), pipe and offload
+ * (its gradients in the store, the factors applied at the step), the norm
  * over the selected gradients equals one process's over the same
  * parameters on the whole batch (ct_clip_grad_norm_p over just them), only
  * they are scaled, and the weights after clipped steps equal one
@@ -98,6 +99,12 @@ TEST(clip_filter_fsdp_pipe_equal_one_process)
     ps_ref("pipe", "schedule=1f1b,chunks=2", NULL);
 }
 
+TEST(clip_filter_offload_equals_one_process)
+{
+    ps_ref("offload", "slices=3", NULL);
+    ps_ref("offload", "slices=2,microbatches=2,checkpoint_activation=1", NULL);
+}
+
 /* Under ddp, whose gradients are whole on every rank: the unselected ones
  * are bit for bit what backward left; the selected ones scaled by one factor. */
 TEST(clip_filter_leaves_unselected_gradients_untouched)
@@ -129,15 +136,15 @@ TEST(clip_filter_leaves_unselected_gradients_untouched)
     ct_module_destroy(m);
 }
 
-/* offload keeps its norm terms and clip factors per slice: a filter is refused, naming why. */
-TEST(clip_filter_refused_under_offload)
+/* fsdp with its shards in a store keeps norm terms and clip factors per flat: a filter is refused, naming why. */
+TEST(clip_filter_refused_under_fsdp_offload)
 {
     ct_module *m = mlp8(35, 20);
     ct_optim_opts oo = optim_for(CT_OPT_SGD);
     ct_strategy *s;
-    ASSERT_OK(ct_strategy_create("offload", m, &oo, ct_group_world(), "slices=2", &s));
+    ASSERT_OK(ct_strategy_create("fsdp", m, &oo, ct_group_world(), "offload=params", &s));
     train_on_data_rank(s, 0, 11, NULL);
-    ASSERT_ERR(ct_strategy_clip_grad_norm_filter(s, 1.0f, 2.0, selected, NULL, NULL), CT_EUNSUPPORTED, "per slice");
+    ASSERT_ERR(ct_strategy_clip_grad_norm_filter(s, 1.0f, 2.0, selected, NULL, NULL), CT_EUNSUPPORTED, "per flat");
     ASSERT_OK(ct_strategy_clip_grad_norm_filter(s, 1.0f, 2.0, NULL, NULL, NULL)); /* no filter: every parameter */
     ct_strategy_destroy(s);
     ct_module_destroy(m);
