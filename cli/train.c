@@ -159,6 +159,14 @@ static ct_status resume_settings(trainer *t, const char *side, const ct_meta *m)
         o->has_betas = 1;
     }
     CT_TRY(saved_num(m, side, "ctrain.clip", o->has_clip, &o->clip));
+    const char *cf = ct_meta_get(m, "ctrain.clip_filter"); /* absent: every parameter */
+    if (cf && strlen(cf) >= sizeof t->saved_clip_filter)
+        return ct_error(CT_EFORMAT, "%s: 'ctrain.clip_filter' is %zu bytes, over %zu", side, strlen(cf),
+                        sizeof t->saved_clip_filter - 1);
+    if (!o->has_clip_filter && cf && cf[0]) {
+        snprintf(t->saved_clip_filter, sizeof t->saved_clip_filter, "%s", cf);
+        o->clip_filter = t->saved_clip_filter;
+    }
     const char *cn = ct_meta_get(m, "ctrain.clip_norm"); /* absent in older files: 2 */
     if (!o->has_clip_norm && cn && train_norm_type(cn, &o->clip_p))
         return ct_error(CT_EFORMAT, "%s has 'ctrain.clip_norm' '%s', not a norm type; give --clip-norm", side, cn);
@@ -253,6 +261,8 @@ static ct_status make_strategy(trainer *t)
                      strcmp(o->mixed, "none") ? o->mixed : "f32",
                      strcmp(o->grad_compress, "none") && !psgd ? o->grad_compress : "f32");
     if (psgd > 0) n += snprintf(opts + n, sizeof opts - (size_t)n, ",powersgd_rank=%d", psgd);
+    char lsgd[128];
+    if (train_local_sgd_opts(o, lsgd, sizeof lsgd) == 0) n += snprintf(opts + n, sizeof opts - (size_t)n, "%s", lsgd);
     if (o->sync_batchnorm) n += snprintf(opts + n, sizeof opts - (size_t)n, ",sync_batchnorm=1");
     /* DDP's bucket flags: passed where they apply, and where the user gave
      * them, so a strategy without buckets names the flag it does not take */
@@ -306,6 +316,19 @@ static ct_status make_strategy(trainer *t)
     if (st == CT_OK) t->opt = ct_strategy_optim(t->s);
     else if (st == CT_EINVAL) t->usage = 1;
     if (st == CT_OK) ct_strategy_data_rank(t->s, &t->drank, &t->dsize);
+    if (st == CT_OK && o->clip_filter) { /* globs that match nothing would clip nothing, silently */
+        ct_param **ps;
+        int np, hits = 0;
+        if ((st = ct_module_params(t->model, &ps, &np)) == CT_OK) {
+            for (int i = 0; i < np; i++) hits += ps[i]->requires_grad && train_clip_selects(ps[i], (void *)o->clip_filter);
+            ct_free(ps);
+        }
+        if (st == CT_OK && !hits) {
+            t->usage = 1;
+            st = ct_error(CT_EINVAL, "--clip-filter '%s' matches no trainable parameter; parameters are named like "
+                          "0.weight or h.0.attn.c_attn.weight (ctrain inspect lists a checkpoint's)", o->clip_filter);
+        }
+    }
     /* a pipeline's ranks share a slice: each slice needs a sample */
     if (st == CT_OK && o->batch < t->dsize) {
         t->usage = 1;
@@ -584,6 +607,7 @@ static ct_status fill_meta(trainer *t, ct_meta *model, ct_meta *side)
     CT_TRY(ct_meta_set(side, "ctrain.beta2", "%.17g", oo->beta2));
     CT_TRY(ct_meta_set(side, "ctrain.no_decay", "%s", o->no_decay));
     CT_TRY(ct_meta_set(side, "ctrain.clip", "%.17g", o->clip));
+    CT_TRY(ct_meta_set(side, "ctrain.clip_filter", "%s", o->clip_filter ? o->clip_filter : ""));
     if (isinf(o->clip_p)) CT_TRY(ct_meta_set(side, "ctrain.clip_norm", "inf"));
     else CT_TRY(ct_meta_set(side, "ctrain.clip_norm", "%.17g", o->clip_p));
     CT_TRY(ct_meta_set(side, "ctrain.schedule", "%s", ct_sched_name(t->sched.kind)));
@@ -648,7 +672,9 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
             t->pos++;
             continue;
         }
-        if (o->clip > 0 && (st = ct_strategy_clip_grad_norm(t->s, (float)o->clip, o->clip_p, &norm))) {
+        if (o->clip > 0 && (st = ct_strategy_clip_grad_norm_filter(t->s, (float)o->clip, o->clip_p,
+                                                                  o->clip_filter ? train_clip_selects : NULL,
+                                                                  (void *)o->clip_filter, &norm))) {
             st = loop_fail(t, st, "gradient clipping");
             break;
         }

@@ -26,6 +26,9 @@ typedef struct {
     const char *init, *resume, *save, *state_dict, *metrics, *trace;
     int64_t save_every, log_every, keep_last, eval_every;
     const char *strategy, *grad_compress, *strategy_opt, *mixed, *clip_norm, *on_nonfinite, *last_batch;
+    const char *local_sgd; /* ddp: --local-sgd none|node[:START[:PERIOD]] */
+    const char *clip_filter; /* --clip-filter: comma-separated globs of the parameters --clip takes (NULL: all) */
+    int has_clip_filter;
     int64_t grad_accum, threads;
     double bucket_cap_mb;
     int find_unused, flush_denormal, verbose, debug_collectives;
@@ -63,6 +66,12 @@ void train_help(FILE *f);
 int train_check_world(train_opts *o, int world, char *err, size_t errn);
 /* R of --grad-compress powersgd:R; 0 for none, bf16 and f16; -1 for a malformed rank. */
 int train_powersgd_rank(const train_opts *o);
+/* 1 if parameter p's name matches one of the comma-separated globs ud
+ * (--clip-filter; a ct_param_filter_fn). */
+int train_clip_selects(const ct_param *p, void *ud);
+/* --local-sgd's strategy options (",local_sgd=none,local_sgd_start=S,average_period=P") into buf (n
+ * bytes): "" without the flag; -1 (buf "") when the value is malformed. */
+int train_local_sgd_opts(const train_opts *o, char *buf, size_t n);
 
 /* Collective: every setting of o that changes the numbers or the
  * collectives is the same on every rank of g (train_args.c lists those

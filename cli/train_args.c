@@ -4,6 +4,7 @@
  * code 2 instead of a failure halfway through a run.
  */
 #include <errno.h>
+#include <fnmatch.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,6 +70,7 @@ static int table(train_opts *o, cli_opt *t)
         "gpipe or 1f1b: --pipe-schedule");
     OPT("--warmup", OPT_INT, &o->warmup, "N", "linear warm-up over the first N steps (0)");
     OPT("--clip", OPT_NUM, &o->clip, "MAXNORM", "clip the gradient's global norm to MAXNORM (off)");
+    OPT("--clip-filter", OPT_STR, &o->clip_filter, "GLOBS", "--clip measures and scales only the parameters whose names match one of these comma-separated globs, such as '*.weight' (all)");
     OPT("--clip-norm", OPT_STR, &o->clip_norm, "TYPE", "norm type --clip measures: any p > 0 (sum |g|^p, to the 1/p) or inf (2)");
     OPT("--on-nonfinite", OPT_STR, &o->on_nonfinite, "WHAT", "a NaN/inf loss or gradient norm: stop, or skip the step (stop)");
     OPT("--seed", OPT_INT, &o->seed, "S", "seed of weights, shuffling and dropout (0)");
@@ -101,6 +103,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--bucket-cap-mb", OPT_NUM, &o->bucket_cap_mb, "MB", "ddp: gradient bucket size (25)");
     OPT("--find-unused-parameters", OPT_FLAG, &o->find_unused, NULL, "ddp: allow parameters without a gradient");
     OPT("--grad-compress", OPT_STR, &o->grad_compress, "NAME", "gradients reduced as none (f32), bf16, f16 or powersgd:R (PowerSGD at rank R; ddp and zero1)");
+    OPT("--local-sgd", OPT_STR, &o->local_sgd, "SUB[:START[:PERIOD]]", "ddp: post-local SGD: after START steps (100) gradients are reduced over SUB, none or node, and parameters averaged every PERIOD steps (4)");
     OPT("--mixed", OPT_STR, &o->mixed, "DTYPE", "mixed precision: bf16 products on f32 master weights (none)");
     OPT("--sharding", OPT_STR, &o->sharding, "MODE", "fsdp: full, grad-op, none or hybrid (full)");
     OPT("--wrap-min-params", OPT_INT, &o->wrap_min_params, "N", "fsdp: a module with N parameters becomes a unit (100000; gpt: each block)");
@@ -200,6 +203,7 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     o->has_kernel = GIVEN("--kernel");
     o->has_dropout = GIVEN("--dropout");
     o->has_clip_norm = GIVEN("--clip-norm");
+    o->has_clip_filter = GIVEN("--clip-filter");
     o->has_bucket_cap = GIVEN("--bucket-cap-mb");
     int has_epochs = GIVEN("--epochs"), has_steps = GIVEN("--steps");
     o->has_wrap_min = GIVEN("--wrap-min-params");
@@ -288,6 +292,11 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     static const char *const nonfinite[] = {"stop", "skip", NULL};
     if (!in_list(o->on_nonfinite, nonfinite))
         return BAD("unknown --on-nonfinite '%s'; choose stop or skip", o->on_nonfinite);
+    if (o->has_clip_filter && !o->has_clip && !o->resume)
+        return BAD("--clip-filter '%s' chooses what --clip clips, but --clip is not given; add --clip MAXNORM",
+                   o->clip_filter);
+    if (o->has_clip_filter && !o->clip_filter[0])
+        return BAD("--clip-filter is empty; give globs of parameter names, such as '*.weight' (ctrain inspect lists them)");
     if (o->clip < 0) return BAD("--clip %g must not be negative (leave it out for no clipping)", o->clip);
     if (o->seed < 0) return BAD("--seed %lld must not be negative", (long long)o->seed);
     if (o->save_every < 0) return BAD("--save-every %lld must not be negative", (long long)o->save_every);
@@ -379,6 +388,11 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
     if (!in_list(o->grad_compress, comp) && train_powersgd_rank(o) <= 0)
         return BAD("unknown --grad-compress '%s'; choose none, bf16, f16 or powersgd:R (R a rank from 1, such as powersgd:4)",
                    o->grad_compress);
+    char lsgd[128];
+    if (train_local_sgd_opts(o, lsgd, sizeof lsgd) < 0)
+        return BAD("--local-sgd '%s' is malformed; give none or node (the ranks gradients are reduced over after the "
+                   "start), then optionally :START (steps of plain DDP first, 100) and :PERIOD (steps between "
+                   "averagings, from 1; 4), such as none:100:4", o->local_sgd);
     static const char *const mixed[] = {"none", "bf16", NULL};
     if (!strcmp(o->mixed, "f16") || !strcmp(o->mixed, "fp16"))
         return BAD("--mixed %s: products in f16 need oneDNN's f16 matmul, which oneDNN 2.6 only has on CPUs with "
@@ -394,12 +408,59 @@ int train_parse(int argc, char **argv, train_opts *o, int *help, char *err, size
 
 int train_powersgd_rank(const train_opts *o) { return cli_powersgd_rank(o->grad_compress); }
 
+int train_clip_selects(const ct_param *p, void *ud)
+{
+    const char *globs = ud;
+    char one[256];
+    for (const char *c = globs; *c;) {
+        const char *comma = strchr(c, ',');
+        size_t w = comma ? (size_t)(comma - c) : strlen(c);
+        snprintf(one, sizeof one, "%.*s", (int)(w < sizeof one ? w : sizeof one - 1), c);
+        if (w && fnmatch(one, p->name, 0) == 0) return 1;
+        c += w + (comma != NULL);
+    }
+    return 0;
+}
+
+int train_local_sgd_opts(const train_opts *o, char *buf, size_t n)
+{
+    buf[0] = 0;
+    if (!o->local_sgd) return 0;
+    const char *v = o->local_sgd, *colon = strchr(v, ':');
+    size_t w = colon ? (size_t)(colon - v) : strlen(v);
+    if (!((w == 4 && !strncmp(v, "none", 4)) || (w == 4 && !strncmp(v, "node", 4)))) return -1;
+    long long start = 100, period = 4;
+    if (colon) {
+        char *end;
+        errno = 0;
+        start = strtoll(colon + 1, &end, 10);
+        if (end == colon + 1 || start < 0 || start > (1LL << 40) || errno || (*end && *end != ':')) return -1;
+        if (*end) {
+            const char *p = end + 1;
+            period = strtoll(p, &end, 10);
+            if (end == p || *end || period < 1 || period > (1 << 30) || errno) return -1;
+        }
+    }
+    snprintf(buf, n, ",local_sgd=%.4s,local_sgd_start=%lld,average_period=%lld", v, start, period);
+    return 0;
+}
+
 int train_check_world(train_opts *o, int world, char *err, size_t errn)
 {
     if (!o->has_strategy) o->strategy = world > 1 ? "ddp" : "none";
     if (train_powersgd_rank(o) > 0 && strcmp(o->strategy, "ddp") && strcmp(o->strategy, "zero1"))
         return BAD("--grad-compress %s applies to --strategy ddp and zero1 (PowerSGD compresses their gradient "
                    "buckets), not %s; use bf16 or f16 with %s", o->grad_compress, o->strategy, o->strategy);
+    if (o->clip_filter && o->fsdp_offload)
+        return BAD("--clip-filter with fsdp --offload %s: the offloaded shards keep their norm terms and clip factors "
+                   "per flat, not per parameter; leave --clip-filter out (clip every parameter) or --offload (keep the "
+                   "shards in memory)", o->fsdp_offload);
+    if (o->local_sgd && strcmp(o->strategy, "ddp"))
+        return BAD("--local-sgd applies to --strategy ddp (post-local SGD lets its replicas train apart between "
+                   "averagings), not %s; use --strategy ddp or leave --local-sgd out", o->strategy);
+    if (o->local_sgd && strcmp(o->grad_compress, "none"))
+        return BAD("--local-sgd with --grad-compress %s: post-local SGD is its own gradient reduce, in f32; give "
+                   "one of them", o->grad_compress);
     if (!strcmp(o->strategy, "none") && world > 1)
         return BAD("--strategy none runs every rank alone, but this job has %d ranks; use --strategy ddp, or "
                    "run without mpirun", world);

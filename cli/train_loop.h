@@ -27,6 +27,7 @@ typedef struct {
     int nnd;
     ct_optim_group nodecay;
     char saved_no_decay[NO_DECAY_MAX]; /* --resume: the checkpoint's --no-decay rules */
+    char saved_clip_filter[NO_DECAY_MAX]; /* --resume: the checkpoint's --clip-filter globs */
     ct_strategy *s;
     ct_sampler sampler;
     ct_lr_schedule sched;

@@ -31,7 +31,12 @@
  *  - PowerSGD (Vogels et al. 2019, as PyTorch's powerSGD_hook): each
  *    gradient of two or more dimensions, viewed as a matrix [shape[0], rest],
  *    is sent as two rank-r factors P [n, r] and Q [m, r] (what
- *    `--grad-compress powersgd:R` selects; settings below).
+ *    `--grad-compress powersgd:R` selects; settings below);
+ *  - post-local SGD (ddp's local_sgd options, src/parallel/local_sgd.c, as
+ *    PyTorch's post_localSGD_hook): the allreduce for local_sgd_start
+ *    steps, then over the node's ranks or no one; a hook registered over it
+ *    is refused (it is half of local SGD, the averaging after each step the
+ *    other).
  */
 #ifndef CTRAIN_COMM_HOOK_H
 #define CTRAIN_COMM_HOOK_H
@@ -68,13 +73,14 @@ typedef struct {
 } ct_comm_hook_ops;
 
 /* Replaces how s reduces its gradient buckets (strategies ddp, zero1 and
- * fsdp; CT_EINVAL naming the strategy for others, and fsdp's sharding=none).  Call it on every rank, after
+ * fsdp; CT_EINVAL naming the strategy for others, fsdp's sharding=none,
+ * and a ddp with local_sgd).  Call it on every rank, after
  * ct_strategy_create and between steps.  s owns state from then on: ops->
  * destroy(state) runs when the hook is replaced or s is destroyed (also when
  * this call fails).  ops must outlive s. */
 ct_status ct_strategy_register_comm_hook(ct_strategy *s, const ct_comm_hook_ops *ops, void *state);
 /* The name of the hook s reduces its buckets with ("allreduce", "bf16", "f16",
- * "powersgd" or a registered hook's), and (state != NULL) its state; NULL for
+ * "powersgd", "post_local_sgd" or a registered hook's), and (state != NULL) its state; NULL for
  * strategies without buckets, and fsdp without a registered hook. */
 const char *ct_strategy_comm_hook(const ct_strategy *s, void **state);
 

@@ -210,7 +210,11 @@ typedef struct ct_strategy ct_strategy;
  *   buffer_dtype=f32|bf16  precision buffers (batchnorm statistics) are held
  *                       at (f32; not pipe or offload)
  * DDP's keys: bucket_cap_mb (25), first_bucket_mb (1), broadcast_buffers
- * (1), find_unused_parameters (0), rebuild_buckets (1), static_graph (0).
+ * (1), find_unused_parameters (0), rebuild_buckets (1), static_graph (0);
+ * and ddp's alone, post-local SGD: local_sgd (off|none|node: after
+ * local_sgd_start (100) steps, gradients are reduced over no one or the
+ * node's ranks), average_period (4: the parameters' mean over the group
+ * every this many steps, from average_warmup (auto: local_sgd_start)).
  * Every strategy whose ranks share each batch (ddp, zero1, zero2, fsdp)
  * takes sync_batchnorm (0): batchnorm statistics over the whole batch.
  * pipe's keys: stages (auto), balance (children per stage, "3:3:2"), chunks
@@ -403,6 +407,17 @@ ct_status ct_strategy_reduce(ct_strategy *s);
  * clipping; the same on every rank.  CT_EINVAL for a negative or NaN
  * max_norm, or a norm_type of 0, below 0 or NaN. */
 ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm);
+/* Which parameters take part in a clip (fairscale OSS.clip_grad_norm's
+ * filter_params_fn): 1 to include p.  ud is the caller's. */
+typedef int (*ct_param_filter_fn)(const ct_param *p, void *ud);
+/* ct_strategy_clip_grad_norm over the trainable parameters filter selects
+ * (NULL: all of them): only their gradients count in the norm, however
+ * they are sharded, and only they are scaled; the others stay as they are.
+ * filter must give the same answer for a parameter on every rank.
+ * CT_EUNSUPPORTED for a filter under fsdp with offload=, which keeps its
+ * norm terms and clip factors per flat, not per parameter. */
+ct_status ct_strategy_clip_grad_norm_filter(ct_strategy *s, float max_norm, double norm_type,
+                                            ct_param_filter_fn filter, void *ud, float *norm);
 /* The parts of clipping, for composing strategies and clipping rules of your
  * own: adds the norm terms of every gradient s trains, combined over the
  * ranks that shard them (the same value on every rank), to acc; and

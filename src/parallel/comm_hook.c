@@ -140,7 +140,9 @@ ct_status ct__comm_hook_setup(ct_strategy *s, const ct__ddp_opts *o)
     if (s->hook) return CT_OK; /* registered before the buckets were made */
     const ct_comm_hook_ops *ops;
     void *state;
-    if (o->powersgd_rank > 0) {
+    if (o->local_sgd != CT__LOCAL_SGD_OFF) {
+        CT_TRY(ct__local_sgd_hook(s, o, &ops, &state));
+    } else if (o->powersgd_rank > 0) {
         if (s->common.reduce_dtype != CT_F32)
             return ct_error(CT_EINVAL, "%s: powersgd_rank with reduce_dtype=%s: PowerSGD sends its factors in f32; "
                             "choose one (drop --grad-compress bf16|f16 or powersgd)", s->ops->kind,
@@ -171,6 +173,12 @@ ct_status ct_strategy_register_comm_hook(ct_strategy *s, const ct_comm_hook_ops 
         if (ops->destroy) ops->destroy(state);
         return ct_error(CT_EINVAL, "ct_strategy_register_comm_hook: strategy %s has no gradient buckets to reduce "
                         "through a hook; communication hooks apply to ddp, zero1 and fsdp", s->ops->kind);
+    }
+    const char *ls = ct_strategy_opt(s, "local_sgd");
+    if (ls && strcmp(ls, "off")) {
+        if (ops->destroy) ops->destroy(state);
+        return ct_error(CT_EINVAL, "ct_strategy_register_comm_hook: this ddp runs post-local SGD (local_sgd=%s), "
+                        "which is its comm hook; register yours on a ddp without local_sgd", ls);
     }
     const char *sh = ct_strategy_opt(s, "sharding");
     if (!strcmp(s->ops->kind, "fsdp") && sh && !strcmp(sh, "none")) {

@@ -225,6 +225,7 @@ static ct_status launch(ddp_t *d, bucket_t *b)
      * user's) starts it. */
     ct_comm_bucket hb = hook_bucket(d, b);
     CT_TRY(ct__comm_hook_start(d->s, &hb, &b->work));
+    if (!b->work) b->t_end = ct_now(); /* the hook sent nothing (local SGD) or finished at once */
     return b->work ? ct_work_on_complete(b->work, on_allreduce_done, b) : CT_OK;
 }
 
@@ -615,11 +616,23 @@ static ct_status ddp_post_backward(ct_strategy *s) { return ct__ddp_post_backwar
 static void ddp_zero_grad(ct_strategy *s) { ct__ddp_zero_grad(D(s)); }
 static ct_status ddp_reduce(ct_strategy *s) { return ct__ddp_reduce(D(s)); }
 
+/* The optimizer, post-local SGD's averaging (local_sgd.c), then the
+ * mixed-precision copies of the (averaged) parameters. */
+static ct_status ddp_step(ct_strategy *s)
+{
+    CT_TRY(ct_optim_step(s->opt));
+    CT_TRY(ct__local_sgd_average(s, s->kopts));
+    return ct__mixed_refresh(s);
+}
+
 const ct__strategy_ops ct__ddp_ops = {
     .kind = "ddp",
     .replicas_share_batch = 1,
-    .opts = ct__ddp_opt_defs,
-    .nopts = (int)(sizeof ct__ddp_opt_defs / sizeof ct__ddp_opt_defs[0]),
+    .base_opts = ct__ddp_opt_defs, /* DDP's keys, shared with its composers */
+    .nbase_opts = CT__DDP_NOPTS,
+    .base_off = 0,
+    .opts = ct__local_sgd_opt_defs, /* and its own: post-local SGD */
+    .nopts = CT__LOCAL_SGD_NOPTS,
     .opts_size = sizeof(ct__ddp_opts),
     .takes_comm_hook = 1,
     .place = {
@@ -633,5 +646,6 @@ const ct__strategy_ops ct__ddp_ops = {
         .grad_scale = ct__ddp_grad_scale,
         .zero_grad = ddp_zero_grad,
         .reduce = ddp_reduce,
+        .step = ddp_step,
     },
 };

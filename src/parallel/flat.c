@@ -254,3 +254,27 @@ void ct__flat_cast_low(ct__flat *f)
     for (int j = 0; j < f->n; j++)
         if (f->loff[j] >= 0) ct_f32_to_bf16_n(d + f->off[j], l + f->loff[j], (size_t)f->p[j]->data->numel);
 }
+
+/* Member j's elements inside this rank's shard, as [*lo, *hi) of the shard. */
+static int shard_piece(const ct__flat *f, int j, int64_t *lo, int64_t *hi)
+{
+    int64_t base = (int64_t)f->srank * f->shard, a = f->off[j] - base, b = a + f->p[j]->data->numel;
+    *lo = a < 0 ? 0 : a;
+    *hi = b > f->shard ? f->shard : b;
+    return *lo < *hi;
+}
+
+void ct__flat_shard_norm_sel(const ct_strategy *s, const ct__flat *f, const float *g, ct_norm_acc *a)
+{
+    int64_t lo, hi;
+    for (int j = 0; j < f->n; j++)
+        if (ct__clip_selects(s, f->p[j]) && shard_piece(f, j, &lo, &hi)) ct_norm_acc_f32(a, g + lo, hi - lo);
+}
+
+void ct__flat_shard_scale_sel(const ct_strategy *s, const ct__flat *f, float *g, float k)
+{
+    int64_t lo, hi;
+    for (int j = 0; j < f->n; j++)
+        if (ct__clip_selects(s, f->p[j]) && shard_piece(f, j, &lo, &hi))
+            for (int64_t i = lo; i < hi; i++) g[i] *= k;
+}

@@ -77,6 +77,12 @@ int ct__flat_resident(const ct__flat *f, ct__flat_part part);
 /* The part's memory (NULL while absent) and its bytes. */
 void *ct__flat_ptr(const ct__flat *f, ct__flat_part part);
 size_t ct__flat_bytes(const ct__flat *f, ct__flat_part part);
+/* The clip's parameter filter over this rank's shard of the gradient: g
+ * holds the flat's elements [srank * shard, +shard) (FSDP's reduced piece);
+ * adds the norm terms of the members s's clip selects (ct__clip_selects)
+ * that fall in it to a, or scales them by k.  Padding counts in neither. */
+void ct__flat_shard_norm_sel(const ct_strategy *s, const ct__flat *f, const float *g, ct_norm_acc *a);
+void ct__flat_shard_scale_sel(const ct_strategy *s, const ct__flat *f, float *g, float k);
 /* Casts the data part into the low part (the compute copies follow the
  * masters: after a step, a load or a gather of f32 values). */
 void ct__flat_cast_low(ct__flat *f);

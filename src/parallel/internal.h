@@ -175,6 +175,9 @@ struct ct_strategy {
     int held_comm;         /* 1: communication held too (ct_comm_hold) */
     struct ct__hook *hook; /* how buckets are reduced (comm_hook.c); lives as long as s */
     const struct ct__load_ctx *load; /* the load in progress (state_load.c), or NULL */
+    ct_param_filter_fn clip_filter; /* the parameter filter of the clip in progress (NULL: every parameter);
+                                       grad_norm and scale_grads take only what ct__clip_selects */
+    void *clip_ud;
     ct_optim_opts spec;    /* the optimizer spec as given, its groups' names copied (own_spec) */
     char *spec_mem;        /* the block they are copied into */
 };
@@ -193,6 +196,8 @@ void ct__strategy_fill(ct__strategy_ops *vt);
 int64_t ct__global_rows(const ct_strategy *s, const ct_batch *b);
 /* 1 if s's train step is its own (pipe, offload), not the default grad_accum loop. */
 int ct__strategy_owns_micro_batches(const ct_strategy *s);
+/* 1 if the clip in progress takes p (ct_strategy_clip_grad_norm_filter's filter; none: every parameter). */
+int ct__clip_selects(const ct_strategy *s, const ct_param *p);
 /* Every rank of g's accumulated value, folded in rank order into a (the
  * same double on every rank, never rounded to float on the way). */
 ct_status ct__norm_combine(ct_group *g, ct_norm_acc *a);
@@ -218,9 +223,29 @@ typedef struct {
     int powersgd_error_feedback;
     int powersgd_warm_start;
     int64_t powersgd_seed;
+    /* Post-local SGD (local_sgd.c): DDP's own keys, not its composers' (zero1, pipe's replicas) */
+    int local_sgd;              /* CT__LOCAL_SGD_*: the subgroup gradients are reduced over after the start */
+    int64_t local_sgd_start;    /* steps of plain DDP first */
+    int average_period;         /* parameters averaged every this many steps */
+    int64_t average_warmup;     /* the first step that may average; -1: local_sgd_start */
 } ct__ddp_opts;
 #define CT__DDP_NOPTS 12
 extern const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS];
+enum { CT__LOCAL_SGD_OFF = 0, CT__LOCAL_SGD_NONE, CT__LOCAL_SGD_NODE };
+#define CT__LOCAL_SGD_NOPTS 4
+extern const ct__opt_def ct__local_sgd_opt_defs[CT__LOCAL_SGD_NOPTS];
+/* 1 if key is one of post-local SGD's (a strategy other than ddp names them in its refusal). */
+int ct__local_sgd_key(const char *key);
+/* The post-local SGD hook for o (local_sgd none or node): plain allreduce
+ * before local_sgd_start steps, then over the subgroup or nothing.
+ * CT_EINVAL for powersgd_rank or a 16-bit reduce_dtype with it.  Collective
+ * (local_sgd=node splits the group by node). */
+ct_status ct__local_sgd_hook(ct_strategy *s, const ct__ddp_opts *o, const ct_comm_hook_ops **ops, void **state);
+/* 1 if the averager averages after 0-based optimizer step t. */
+int ct__local_sgd_averages(const ct__ddp_opts *o, int64_t t);
+/* After an optimizer step: the parameters' mean over the group when the
+ * step just taken is one the averager averages after.  Collective. */
+ct_status ct__local_sgd_average(ct_strategy *s, const ct__ddp_opts *o);
 /* DDP's gradient flats (ddp.c): buckets over the trainable parameters,
  * allreduced as their gradients become ready.  DDP is these and nothing
  * else; ZeRO-1 composes them under its sharded optimizer.  The options are

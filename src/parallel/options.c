@@ -194,6 +194,10 @@ static ct_status apply(ct_strategy *s, const char *key, const char *val)
 {
     int where;
     const ct__opt_def *d = find(s->ops, key, &where);
+    if (!d && ct__local_sgd_key(key))
+        return ct_error(CT_EINVAL, "strategy %s has no option '%s': post-local SGD and model averaging are ddp's "
+                        "alone (its replicas train apart between averagings, which %s's own synchronisation "
+                        "cannot); use --strategy ddp", s->ops->kind, key, s->ops->kind);
     if (!d) {
         char keys[512];
         key_list(s->ops, keys, sizeof keys);

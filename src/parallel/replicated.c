@@ -51,11 +51,15 @@ static ct_status whole_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     for (int i = 0; i < s->nparams; i++) {
         ct_param *p = s->params[i];
-        if (p->grad && p->requires_grad) ct_norm_acc_tensor(acc, p->grad);
+        if (p->grad && p->requires_grad && ct__clip_selects(s, p)) ct_norm_acc_tensor(acc, p->grad);
     }
     return CT_OK;
 }
-static void whole_scale(ct_strategy *s, float k) { ct_scale_grads(s->params, s->nparams, k); }
+static void whole_scale(ct_strategy *s, float k)
+{
+    for (int i = 0; i < s->nparams; i++)
+        if (ct__clip_selects(s, s->params[i])) ct_scale_grads(&s->params[i], 1, k);
+}
 
 static ct_status whole_step(ct_strategy *s)
 {

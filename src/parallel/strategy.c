@@ -355,6 +355,8 @@ static ct_status grad_norm_acc_impl(ct_strategy *s, ct_norm_acc *acc)
 
 void ct_strategy_scale_grads(ct_strategy *s, float k) { s->vt.sync.scale_grads(s, k); }
 
+int ct__clip_selects(const ct_strategy *s, const ct_param *p) { return !s->clip_filter || s->clip_filter(p, s->clip_ud); }
+
 static ct_status clip_grad_norm_impl(ct_strategy *s, float max_norm, double norm_type, float *norm)
 {
     if (!(max_norm >= 0))
@@ -528,6 +530,30 @@ ct_status ct_strategy_join(ct_strategy *s, int64_t rows, int64_t *global_rows, i
 ct_status ct_strategy_clip_grad_norm(ct_strategy *s, float max_norm, double norm_type, float *norm)
 {
     IN_CALL("ct_strategy_clip_grad_norm", clip_grad_norm_impl(s, max_norm, norm_type, norm));
+}
+
+/* The filter rides on s for the one clip (every strategy's grad_norm and
+ * scale_grads ask ct__clip_selects), so the mechanism stays the one norm. */
+static ct_status clip_filter_impl(ct_strategy *s, float max_norm, double norm_type, ct_param_filter_fn filter,
+                                  void *ud, float *norm)
+{
+    const char *off = ct_strategy_opt(s, "offload");
+    if (filter && !strcmp(s->ops->kind, "fsdp") && off && strcmp(off, "none"))
+        return ct_error(CT_EUNSUPPORTED, "clip: a parameter filter under fsdp offload=%s: its norm terms and clip "
+                        "factors are kept per flat, not per parameter; clip every parameter, or keep the shards in "
+                        "memory (offload=none)", off);
+    s->clip_filter = filter;
+    s->clip_ud = ud;
+    ct_status st = clip_grad_norm_impl(s, max_norm, norm_type, norm);
+    s->clip_filter = NULL;
+    s->clip_ud = NULL;
+    return st;
+}
+
+ct_status ct_strategy_clip_grad_norm_filter(ct_strategy *s, float max_norm, double norm_type,
+                                            ct_param_filter_fn filter, void *ud, float *norm)
+{
+    IN_CALL("ct_strategy_clip_grad_norm_filter", clip_filter_impl(s, max_norm, norm_type, filter, ud, norm));
 }
 
 ct_status ct_strategy_step(ct_strategy *s)

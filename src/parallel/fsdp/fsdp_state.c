@@ -21,7 +21,10 @@ ct_status ct__fsdp_grad_norm(ct_strategy *s, ct_norm_acc *acc)
         ct_norm_acc part = ct_norm_acc_init(acc->p);
         for (int i = 0; i < f->nu; i++) {
             if (f->u[i].gi != g) continue;
-            for (int k = 0; k < f->u[i].nfl; k++) ct_norm_acc_f32(&part, f->u[i].fl[k].gshard, f->u[i].fl[k].flat.shard);
+            for (int k = 0; k < f->u[i].nfl; k++) {
+                if (s->clip_filter) ct__flat_shard_norm_sel(s, &f->u[i].fl[k].flat, f->u[i].fl[k].gshard, &part);
+                else ct_norm_acc_f32(&part, f->u[i].fl[k].gshard, f->u[i].fl[k].flat.shard);
+            }
         }
         CT_TRY(ct__norm_combine(f->groups[g], &part));
         ct_norm_acc_add(acc, part.v);
@@ -39,7 +42,8 @@ void ct__fsdp_scale_grads(ct_strategy *s, float k)
     for (int i = 0; i < f->nu; i++)
         for (int q = 0; q < f->u[i].nfl; q++) {
             fsdp_flat *fl = &f->u[i].fl[q];
-            for (int64_t j = 0; j < fl->flat.shard; j++) fl->gshard[j] *= k;
+            if (s->clip_filter) ct__flat_shard_scale_sel(s, &fl->flat, fl->gshard, k);
+            else for (int64_t j = 0; j < fl->flat.shard; j++) fl->gshard[j] *= k;
         }
 }
 

@@ -237,7 +237,9 @@ static ct_status offload_init(ct_strategy *s)
     f->sl = ct_alloc_zeroed(sizeof *f->sl * (size_t)ns, CT_MEM_OTHER);
     f->gsq = ct_alloc_zeroed(sizeof *f->gsq * (size_t)(s->nparams + 1), CT_MEM_OTHER);
     f->gmax = ct_alloc_zeroed(sizeof *f->gmax * (size_t)(s->nparams + 1), CT_MEM_OTHER);
-    if (!f->sl || !f->gsq || !f->gmax) {
+    f->smask = ct_alloc_zeroed((size_t)(s->nparams + 1), CT_MEM_OTHER);
+    f->pend_smask = ct_alloc_zeroed((size_t)(s->nparams + 1), CT_MEM_OTHER);
+    if (!f->sl || !f->gsq || !f->gmax || !f->smask || !f->pend_smask) {
         ct_free(sizes);
         return CT_ENOMEM;
     }
@@ -442,6 +444,8 @@ static void offload_fini(ct_strategy *s)
     ct_free(f->pjs);
     ct_free(f->gsq);
     ct_free(f->gmax);
+    ct_free(f->smask);
+    ct_free(f->pend_smask);
     ct_free(f);
     s->priv = NULL;
 }
@@ -469,6 +473,19 @@ static double term_scaled(ct_strategy *s, const ct_norm_acc *acc, int j, const f
     return one.v;
 }
 
+/* The clip factors parameter j's gradient in the store has yet to take,
+ * into ks (room for 16): a step still pending on its slice scales first,
+ * then the clips since; each only where its clip's filter took j. */
+static int factors_of(const offload_t *f, int j, int pending, float *ks)
+{
+    int nk = 0;
+    for (int q = 0; pending && q < f->pend_nscales; q++)
+        if (f->pend_smask[j] & (1u << q)) ks[nk++] = f->pend_scales[q];
+    for (int q = 0; q < f->nscales; q++)
+        if (f->smask[j] & (1u << q)) ks[nk++] = f->scales[q];
+    return nk;
+}
+
 /* A norm type the slices did not note as they finished (a p other than 2
  * and infinity): each slice's gradients are read back from the store, one
  * slice at a time (bounded memory: one slice's gradients), measured and
@@ -480,8 +497,9 @@ static ct_status norm_from_store(ct_strategy *s, ct_norm_acc *acc)
     double *term = ct_alloc_zeroed(sizeof *term * (size_t)(s->nparams + 1), CT_MEM_OTHER);
     if (!term) return ct_error(CT_ENOMEM, "offload: no memory for %d norm terms", s->nparams);
     ct_status st = CT_OK;
+    float ks[16];
     for (int k = 0; k < f->tied.np; k++)
-        term[f->tied.pj[k]] = term_scaled(s, acc, f->tied.pj[k], f->scales, f->nscales);
+        term[f->tied.pj[k]] = term_scaled(s, acc, f->tied.pj[k], ks, factors_of(f, f->tied.pj[k], 0, ks));
     for (int i = 0; st == CT_OK && i < f->ns; i++) {
         offload_slice *sl = &f->sl[i];
         long t;
@@ -489,16 +507,13 @@ static ct_status norm_from_store(ct_strategy *s, ct_norm_acc *acc)
         if ((st = ct__ostore_wait(f->store, t)) != CT_OK) break;
         for (int k = 0; k < sl->np; k++) {
             int j = sl->pj[k];
-            float ks[16]; /* a step still pending on this slice scales first, then the clips since */
-            int nk = 0;
-            for (int q = 0; sl->pending && q < f->pend_nscales; q++) ks[nk++] = f->pend_scales[q];
-            for (int q = 0; q < f->nscales; q++) ks[nk++] = f->scales[q];
-            term[j] = term_scaled(s, acc, j, ks, nk);
+            term[j] = term_scaled(s, acc, j, ks, factors_of(f, j, sl->pending, ks));
         }
         if ((st = ct__offload_io(s, i, OFF_GRAD, CT__IO_DROP, &t)) != CT_OK) break;
         st = ct__ostore_wait(f->store, t);
     }
-    for (int j = 0; st == CT_OK && j < s->nparams; j++) ct_norm_acc_add(acc, term[j]);
+    for (int j = 0; st == CT_OK && j < s->nparams; j++)
+        if (ct__clip_selects(s, s->params[j])) ct_norm_acc_add(acc, term[j]);
     ct_free(term);
     return st;
 }
@@ -510,7 +525,8 @@ static ct_status offload_grad_norm(ct_strategy *s, ct_norm_acc *acc)
     offload_t *f = ct__offload(s);
     if (!acc->inf && acc->p != 2.0) return norm_from_store(s, acc);
     for (int i = 0; i < s->nparams; i++)
-        if (s->params[i]->requires_grad && s->params[i]->grad) ct_norm_acc_add(acc, acc->inf ? f->gmax[i] : f->gsq[i]);
+        if (s->params[i]->requires_grad && s->params[i]->grad && ct__clip_selects(s, s->params[i]))
+            ct_norm_acc_add(acc, acc->inf ? f->gmax[i] : f->gsq[i]);
     return CT_OK;
 }
 
@@ -520,12 +536,21 @@ static ct_status offload_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 static void offload_scale_grads(ct_strategy *s, float k)
 {
     offload_t *f = ct__offload(s);
-    if (f->nscales == (int)(sizeof f->scales / sizeof f->scales[0])) {
-        f->scales[f->nscales - 1] *= k; /* more clips than anyone does in one step: fold */
+    int q = f->nscales;
+    if (q == (int)(sizeof f->scales / sizeof f->scales[0])) {
+        q--; /* more clips than anyone does in one step: fold into the last, when it took the same parameters */
+        for (int i = 0; i < s->nparams; i++)
+            if (!(f->smask[i] & (1u << q)) != !ct__clip_selects(s, s->params[i])) {
+                f->clip_overflow = 1; /* the step says so: void here */
+                return;
+            }
+        f->scales[q] *= k;
     } else {
         f->scales[f->nscales++] = k;
     }
     for (int i = 0; i < s->nparams; i++) {
+        if (!ct__clip_selects(s, s->params[i])) continue; /* a clip's filter left it out */
+        f->smask[i] |= (unsigned char)(1u << q);
         f->gsq[i] *= (double)k * (double)k;
         f->gmax[i] = (double)((float)f->gmax[i] * fabsf(k)); /* as the scaled f32 gradients' max */
     }
@@ -536,6 +561,8 @@ static void offload_zero_grad(ct_strategy *s)
     offload_t *f = ct__offload(s);
     f->grads_zero = 1;
     f->nscales = 0;
+    f->clip_overflow = 0;
+    memset(f->smask, 0, (size_t)s->nparams);
     memset(f->gsq, 0, sizeof *f->gsq * (size_t)s->nparams);
     memset(f->gmax, 0, sizeof *f->gmax * (size_t)s->nparams);
     for (int k = 0; k < f->tied.np; k++) s->params[f->tied.pj[k]]->grad_stale = 1; /* resident: lazily, as none */

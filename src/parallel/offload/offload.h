@@ -62,6 +62,8 @@ typedef struct {
     double *gmax;        /* [nparams] max |g| */
     float scales[8];     /* clip factors pending for the next step, in order */
     int nscales;
+    unsigned char *smask; /* [nparams] bit q: scales[q] applies to the parameter (a clip's filter took it) */
+    int clip_overflow;   /* a ninth clip of another selection in one step: the step refuses */
     /* The optimizer step ct_strategy_step took, applied to each slice when
      * it is next resident (the next forward, or a flush): the update needs
      * the slice's parameters, gradients and state in memory, and the next
@@ -71,6 +73,7 @@ typedef struct {
     int64_t pend_step;     /* 1-based step number of the update */
     float pend_scales[8];  /* its clip factors */
     int pend_nscales;
+    unsigned char *pend_smask; /* [nparams] which of them apply to each parameter */
     int summoned;        /* between ct_strategy_summon_full_params and its release */
     int ready;           /* set-up done (a failed one gives the model back as it was) */
     int summon_writeback;

@@ -302,7 +302,8 @@ void ct__offload_update(ct_strategy *s, offload_slice *sl)
         ct_param *p = s->params[sl->pj[k]];
         int64_t n = p->data->numel;
         if (p->requires_grad && p->grad) {
-            for (int k = 0; k < f->pend_nscales; k++) ct_scale_grads(&p, 1, f->pend_scales[k]);
+            for (int q = 0; q < f->pend_nscales; q++)
+                if (f->pend_smask[sl->pj[k]] & (1u << q)) ct_scale_grads(&p, 1, f->pend_scales[q]);
             float *bufs[CT_OPTIM_MAX_STATE] = {NULL};
             for (int b = 0; state && b < f->nstate; b++) bufs[b] = state + (int64_t)b * sl->flat.numel + off;
             ct_optim_opts po; /* the parameter's group's, at the step's learning rate */
@@ -363,11 +364,19 @@ ct_status ct__offload_pre_step(ct_strategy *s)
     offload_t *f = ct__offload(s);
     ct_optim_opts o = *ct_optim_get_opts(s->opt);
     CT_TRY(ct_optim_validate(&o));
+    if (f->clip_overflow) {
+        f->clip_overflow = 0;
+        return ct_error(CT_EUNSUPPORTED, "offload: more than %d clips between two steps, the last ones with different "
+                        "parameter filters; clip at most %d times a step", (int)(sizeof f->scales / sizeof f->scales[0]),
+                        (int)(sizeof f->scales / sizeof f->scales[0]));
+    }
     CT_TRY(ct__offload_flush(s)); /* an earlier step some slices still wait for */
     f->pend_o = o;
     f->pend_step = ct_optim_get_step(s->opt) + 1;
     memcpy(f->pend_scales, f->scales, sizeof f->scales);
     f->pend_nscales = f->nscales;
+    memcpy(f->pend_smask, f->smask, (size_t)s->nparams);
+    memset(f->smask, 0, (size_t)s->nparams);
     f->nscales = 0;
     for (int i = 0; i < f->ns; i++) f->sl[i].pending = 1;
     /* the tied group is resident: stepped now, its compute copies after it */

@@ -365,15 +365,30 @@ static ct_status pipe_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     pipe_t *p = ct__pipe(s);
     ct_norm_acc term = ct_norm_acc_init(acc->p);
-    if (p->stage >= 0) CT_TRY(ct_strategy_grad_norm_acc(p->inner, &term));
-    if (p->stage >= 0 && !term.inf) term.v = fmax(0.0, term.v - ct__pipe_ties_uncounted(p, term.p));
+    if (p->stage >= 0) { /* the stage's strategy takes the clip's filter for the call */
+        p->inner->clip_filter = s->clip_filter;
+        p->inner->clip_ud = s->clip_ud;
+        ct_status st = ct_strategy_grad_norm_acc(p->inner, &term);
+        p->inner->clip_filter = NULL;
+        p->inner->clip_ud = NULL;
+        CT_TRY(st);
+    }
+    if (p->stage >= 0 && !term.inf) term.v = fmax(0.0, term.v - ct__pipe_ties_uncounted(s, p, term.p));
     if (p->stage < 0 || p->replica != 0) term.v = 0;
     CT_TRY(ct__norm_combine(s->g, &term));
     ct_norm_acc_add(acc, term.v);
     return CT_OK;
 }
 
-static void pipe_scale_grads(ct_strategy *s, float k) { ct_strategy_scale_grads(ct__pipe(s)->inner, k); }
+static void pipe_scale_grads(ct_strategy *s, float k)
+{
+    ct_strategy *in = ct__pipe(s)->inner;
+    in->clip_filter = s->clip_filter;
+    in->clip_ud = s->clip_ud;
+    ct_strategy_scale_grads(in, k);
+    in->clip_filter = NULL;
+    in->clip_ud = NULL;
+}
 
 static void pipe_zero_grad(ct_strategy *s)
 {

@@ -125,8 +125,8 @@ void ct__pipe_ties_begin(pipe_t *p);
 /* After a step's backwards: each tied gradient summed over its holders. */
 ct_status ct__pipe_ties_sum(pipe_t *p);
 /* The norm term (a sum of |g|^p of norm_type p, finite) of the tied
- * gradients this rank holds but does not count. */
-double ct__pipe_ties_uncounted(const pipe_t *p, double norm_type);
+ * gradients this rank holds but does not count (of the parameters s's clip selects). */
+double ct__pipe_ties_uncounted(const ct_strategy *s, const pipe_t *p, double norm_type);
 /* 1 if name is a tied parameter (optim: "<param>.<slot>" of one; either
  * maybe a piece, "...@<offset>") that this stage holds but another stage
  * saves. */

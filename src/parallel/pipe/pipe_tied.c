@@ -150,14 +150,14 @@ ct_status ct__pipe_ties_sum(pipe_t *p)
     return CT_OK;
 }
 
-double ct__pipe_ties_uncounted(const pipe_t *p, double norm_type)
+double ct__pipe_ties_uncounted(const ct_strategy *s, const pipe_t *p, double norm_type)
 {
     double acc = 0;
     for (int t = 0; t < p->nties; t++)
         for (int i = 0; !p->ties[t].first && i < p->ties[t].nps; i++) {
             ct_param *q = p->ties[t].ps[i];
             ct_norm_acc one = ct_norm_acc_init(norm_type);
-            if (q->requires_grad && q->grad) ct_norm_acc_tensor(&one, q->grad);
+            if (q->requires_grad && q->grad && ct__clip_selects(s, q)) ct_norm_acc_tensor(&one, q->grad);
             acc += one.v;
         }
     return acc;

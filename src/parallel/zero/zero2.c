@@ -380,7 +380,14 @@ static ct_status zero2_reduce(ct_strategy *s)
 static ct_status zero2_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 {
     ct_norm_acc mine = ct_norm_acc_init(acc->p);
-    ct_optim_grad_norm_acc(s->opt, &mine);
+    if (!s->clip_filter) {
+        ct_optim_grad_norm_acc(s->opt, &mine);
+    } else { /* the owned ranges of the parameters the clip takes */
+        const ct__zero *z = ct__zero_of(s);
+        for (int r = 0; r < z->sh.pt.n; r++)
+            if (z->goff[r] >= 0 && ct__clip_selects(s, z->sh.tp[z->sh.pt.ranges[r].param]))
+                ct_norm_acc_f32(&mine, z->gshard + z->goff[r], z->sh.pt.ranges[r].count);
+    }
     CT_TRY(ct__norm_combine(s->g, &mine));
     ct_norm_acc_add(acc, mine.v);
     return CT_OK;
@@ -389,7 +396,13 @@ static ct_status zero2_grad_norm(ct_strategy *s, ct_norm_acc *acc)
 static void zero2_scale_grads(ct_strategy *s, float c)
 {
     ct__zero *z = ct__zero_of(s);
-    for (int64_t j = 0; j < z->nshard; j++) z->gshard[j] *= c;
+    if (!s->clip_filter) {
+        for (int64_t j = 0; j < z->nshard; j++) z->gshard[j] *= c;
+        return;
+    }
+    for (int r = 0; r < z->sh.pt.n; r++)
+        if (z->goff[r] >= 0 && ct__clip_selects(s, z->sh.tp[z->sh.pt.ranges[r].param]))
+            for (int64_t j = 0; j < z->sh.pt.ranges[r].count; j++) z->gshard[z->goff[r] + j] *= c;
 }
 
 const ct__strategy_ops ct__zero2_ops = {
