@@ -581,6 +581,7 @@ static void add_stats(trainer *t)
     t->sum.io_total += s.io_total;
     t->sum.io_wait += s.io_wait;
     t->sum.io_bytes += s.io_bytes;
+    if (t->nstats < 2) t->first_io_bytes += s.io_bytes;
     t->sum.nbuckets = s.nbuckets;
     t->nstats++;
 }

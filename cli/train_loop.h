@@ -34,6 +34,8 @@ typedef struct {
     int64_t step, epoch, pos, total, spe, start_step;
     double last_loss;      /* mean loss over the last logged window */
     ct_step_stats sum;     /* strategy timings summed over steps */
+    double first_io_bytes; /* the store's bytes in the first two steps (they move less: no update to load, then
+                            * no optimizer state yet) */
     int64_t nstats;
     ct_comm_traffic traffic; /* messages this rank sent and received in those steps */
     double *traffic_all;   /* every rank's, per step: sent, received (train_report gathers them) */

@@ -169,7 +169,11 @@ ct_status train_report(trainer *t, double seconds)
         if (s.io_total > 0)
             cli_out("; offload I/O %.2f ms, waited %.2f ms (%.0f%% hidden behind compute)", s.io_total * ms,
                     s.io_wait * ms, 100.0 * (s.io_total > s.io_wait ? 1.0 - s.io_wait / s.io_total : 0.0));
-        if (s.io_bytes > 0) cli_out(", store moved %.3f MiB per step", s.io_bytes / n / 1048576.0);
+        if (s.io_bytes > 0 && n > 2) /* a step's loads may start in the one before it: means, not one step's */
+            cli_out(", store moved %.3f MiB per step (%.3f after the first two, which load no update and no "
+                    "optimizer state yet)", s.io_bytes / n / 1048576.0, (s.io_bytes - t->first_io_bytes) / (n - 2) / 1048576.0);
+        else if (s.io_bytes > 0)
+            cli_out(", store moved %.3f MiB per step", s.io_bytes / n / 1048576.0);
         if (!strcmp(ct_strategy_kind(t->s), "pipe"))
             cli_out("; waited %.2f ms for other stages (the pipeline's bubble) and the replicas' allreduce "
                     "(%.2f ms in %d bucket%s)", s.comm_wait * ms, s.comm_total * ms, s.nbuckets, s.nbuckets == 1 ? "" : "s");

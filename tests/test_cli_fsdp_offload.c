@@ -185,7 +185,8 @@ TEST(cli_fsdp_offload_leaves_nothing_and_refuses_a_full_disk)
 /* `ctrain estimate --offload` against a run: param, grad and optim from
  * 0.9x to 1.25x what the run measured (the plan bounds what the I/O
  * thread's timing decides), resident within 25% (the plan's peaks are not
- * simultaneous), the bytes the store moved per step within 15%. */
+ * simultaneous), the bytes the store moved in a steady step within 5%
+ * (measured: all and params 0.3%, optim 2-3%). */
 TEST(cli_fsdp_offload_estimate_matches_training)
 {
     static char out[OUT_MAX], est[OUT_MAX];
@@ -206,7 +207,12 @@ TEST(cli_fsdp_offload_estimate_matches_training)
                                                       parts[k], keys[q], r);
         }
         ASSERT_NEAR(json_max(est, "resident") / resident(out), 1.0, 0.25);
-        ASSERT_NEAR(json_max(est, "moved") / (number_after(out, "store moved ") * 1048576.0), 1.0, 0.15);
+        /* a steady step's bytes: the mean after the first two (no update to load, then no state yet) */
+        double steady = number_after(out, "MiB per step (") * 1048576.0;
+        if (!(fabs(json_max(est, "moved") / steady - 1.0) <= 0.05))
+            ct_test_fail(__FILE__, __LINE__, "--offload %s: the estimate moves %.0f bytes a step, the run %.0f after its "
+                         "first two steps (%.0f with them)", parts[k], json_max(est, "moved"), steady,
+                         number_after(out, "store moved ") * 1048576.0);
         ASSERT(json_max(est, "store") > 0);
     }
 }
