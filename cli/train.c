@@ -265,9 +265,10 @@ static ct_status make_strategy(trainer *t)
     if (train_local_sgd_opts(o, lsgd, sizeof lsgd) == 0) n += snprintf(opts + n, sizeof opts - (size_t)n, "%s", lsgd);
     if (o->sync_batchnorm) n += snprintf(opts + n, sizeof opts - (size_t)n, ",sync_batchnorm=1");
     /* DDP's bucket flags: passed where they apply, and where the user gave
-     * them, so a strategy without buckets names the flag it does not take */
+     * them, so a strategy without buckets names the flag it does not take;
+     * the bucket size only where given (the library's default is auto) */
     int buckets = !strcmp(o->strategy, "ddp") || !strcmp(o->strategy, "zero1") || !strcmp(o->strategy, "pipe");
-    if (buckets || o->has_bucket_cap)
+    if (o->has_bucket_cap)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",bucket_cap_mb=%.17g", o->bucket_cap_mb);
     if (buckets || o->find_unused)
         n += snprintf(opts + n, sizeof opts - (size_t)n, ",find_unused_parameters=%d", o->find_unused);

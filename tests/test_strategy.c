@@ -203,7 +203,7 @@ TEST(strategy_check_opts_without_a_model)
     ASSERT_STR_CONTAINS(buf, "grad_accum=1\n");
     ASSERT_STR_CONTAINS(buf, "param_dtype=f32\n");
     ASSERT_OK(ct_strategy_check_opts("ddp", NULL, buf, sizeof buf));
-    ASSERT_STR_CONTAINS(buf, "bucket_cap_mb=25\n");
+    ASSERT_STR_CONTAINS(buf, "bucket_cap_mb=auto\n");
     ASSERT_OK(ct_strategy_check_opts("ddp", "bucket_cap_mb=4", NULL, 0));
     ASSERT_ERR(ct_strategy_check_opts("ddp", "split_params=1", buf, sizeof buf), CT_EINVAL,
                "strategy ddp has no option 'split_params'");

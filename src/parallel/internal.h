@@ -24,9 +24,10 @@
  * DTYPE (from dtypes); CHOICE: one of the '|'-separated words in choices,
  * stored as its index; TEXT: any text, read back with ct_strategy_opt;
  * AUTO_INT: "auto" (stored as 0) or a whole number from 1 (an int);
- * AUTO_COUNT: "auto" (stored as -1) or a whole number from 0 (an int64_t). */
+ * AUTO_COUNT: "auto" (stored as -1) or a whole number from 0 (an int64_t);
+ * AUTO_NUM: "auto" (stored as 0) or a positive number (a double). */
 typedef enum { CT__OPT_INT, CT__OPT_NUM, CT__OPT_BOOL, CT__OPT_DTYPE, CT__OPT_COUNT, CT__OPT_CHOICE,
-               CT__OPT_TEXT, CT__OPT_AUTO_INT, CT__OPT_AUTO_COUNT } ct__opt_type;
+               CT__OPT_TEXT, CT__OPT_AUTO_INT, CT__OPT_AUTO_COUNT, CT__OPT_AUTO_NUM } ct__opt_type;
 typedef struct {
     const char *key;
     ct__opt_type type;
@@ -211,7 +212,7 @@ ct_status ct__check_rows(ct_strategy *s, const ct_batch *b, int64_t nrows, int a
 /* DDP's options and entries, for the strategies built on its buckets
  * (ZeRO-1 keeps DDP's gradient path and shards only the optimizer). */
 typedef struct {
-    double bucket_cap_mb;       /* bucket size after the first */
+    double bucket_cap_mb;       /* bucket size after the first; 0: auto (ct__ddp_auto_cap) */
     double first_bucket_mb;     /* first bucket, so the first allreduce starts early */
     int broadcast_buffers;      /* broadcast buffers from rank 0 before every forward */
     int find_unused_parameters; /* parameters of modules that did not run are marked ready */
@@ -251,6 +252,8 @@ ct_status ct__local_sgd_average(ct_strategy *s, const ct__ddp_opts *o);
  * else; ZeRO-1 composes them under its sharded optimizer.  The options are
  * the composing strategy's, passed in (they must outlive the handle). */
 typedef struct ct__ddp ct__ddp;
+/* bucket_cap_mb=auto: the bucket size in bytes for G bytes of gradients. */
+size_t ct__ddp_auto_cap(uint64_t grad_bytes);
 /* Checks the model is the same on every rank, broadcasts rank 0's
  * parameters and buffers, sets up s's comm hook and buckets the trainable
  * parameters.  Collective. */

@@ -102,10 +102,17 @@ static ct_status set_value(const char *kind, const ct__opt_def *d, void *base, c
     }
     case CT__OPT_TEXT:
         return CT_OK; /* kept as text (ct_strategy_opt) */
+    case CT__OPT_AUTO_NUM:
     case CT__OPT_NUM: {
+        int autos = d->type == CT__OPT_AUTO_NUM;
+        if (autos && !strcmp(v, "auto")) {
+            *(double *)dst = 0;
+            return CT_OK;
+        }
         double x = strtod(v, &end);
         if (end == v || *end || !isfinite(x) || x <= 0)
-            return ct_error(CT_EINVAL, "%s option %s=%s: expected a positive number", kind, d->key, v);
+            return ct_error(CT_EINVAL, "%s option %s=%s: expected %sa positive number", kind, d->key, v,
+                            autos ? "auto or " : "");
         *(double *)dst = x;
         return CT_OK;
     }

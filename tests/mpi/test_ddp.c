@@ -171,6 +171,45 @@ TEST(ddp_buckets_rebuilt_in_gradient_ready_order)
     }
 }
 
+/* bucket_cap_mb=auto (the default) sizes buckets from the gradients: a
+ * sixteenth of them, 1 to 25 MiB, so the last bucket, whose allreduce starts
+ * only when backward ends and hides behind nothing, is short on any model;
+ * an explicit cap keeps PyTorch's rule.  20 MiB of gradients in 4 MiB
+ * weights: auto (1.25 MiB) closes a bucket at every weight, 25 MiB puts
+ * everything after the 1 MiB first bucket into one. */
+TEST(ddp_auto_bucket_cap_sized_from_gradients)
+{
+    ASSERT_EQ(ct__ddp_auto_cap(0), (size_t)1 << 20);
+    ASSERT_EQ(ct__ddp_auto_cap((uint64_t)40 << 20), (size_t)5 << 19);
+    ASSERT_EQ(ct__ddp_auto_cap((uint64_t)1 << 30), (size_t)25 << 20);
+    ct_group *g = ct_group_world();
+    int rank = ct_group_rank(g), world = ct_group_size(g);
+    const char *opts[2] = {NULL, "bucket_cap_mb=25"};
+    int nb[2];
+    for (int k = 0; k < 2; k++) {
+        ct_module *m = ct_sequential_create();
+        ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(IN, 1024, 1)));
+        for (int i = 0; i < 5; i++) {
+            ASSERT_OK(ct_module_add(m, NULL, ct_relu_create()));
+            ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(1024, 1024, 1)));
+        }
+        ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(1024, NCLS, 1)));
+        ct_module_init_params(m, 7);
+        ct_optim_opts oo = optim_for(CT_OPT_SGD);
+        ct_strategy *s;
+        ASSERT_OK(ct_strategy_create("ddp", m, &oo, g, opts[k], &s));
+        ASSERT_STR_CONTAINS(ct_strategy_opt(s, "bucket_cap_mb"), k ? "25" : "auto");
+        ct_step_out o;
+        step_on_slice(s, 0, 2 * world, rank, world, &o);
+        ASSERT_OK(ct_strategy_step(s));
+        nb[k] = ct_strategy_stats(s).nbuckets;
+        ct_strategy_destroy(s);
+        ct_module_destroy(m);
+    }
+    ASSERT_EQ(nb[0], 6);
+    ASSERT_EQ(nb[1], 2);
+}
+
 TEST(ddp_bf16_and_f16_compression_close_to_f32)
 {
     ddp_vs_single(PLAIN, CT_OPT_SGD, "reduce_dtype=bf16", 2e-2, 3);

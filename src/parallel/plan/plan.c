@@ -461,7 +461,10 @@ static void whole_life(const ct__plan *pl, uint64_t (*setup)(const ct__plan *, c
                        uint64_t (*teardown)(const ct__plan *), ct_mem_plan *out)
 {
     if (!out->flat) {
-        uint64_t cap = (uint64_t)(ct__plan_num(pl, "bucket_cap_mb", 0) * 1048576.0), tb = trainable_bytes(pl);
+        char cb[32];
+        const char *cv = ct__plan_opt(pl, "bucket_cap_mb", cb, sizeof cb); /* NULL: no buckets */
+        uint64_t tb = trainable_bytes(pl), cap = cv ? (uint64_t)(atof(cv) * 1048576.0) : 0;
+        if (cv && !strcmp(cv, "auto")) cap = ct__ddp_auto_cap(tb);
         out->flat = largest_param(pl);
         if (cap > out->flat) out->flat = cap < tb ? cap : tb;
     }
