@@ -186,13 +186,7 @@ TEST(fsdp_offload_eval_loops_stay_bounded_and_training_after_them_is_exact)
                      (long long)rise);
     evals(ms, 20);
     for (int step = 0; step < 3; step++) {
-        ct_step_out o;
-        step_on_slice(os, step, n, rank, world, &o);
-        step_on_slice(ms, step, n, rank, world, &o);
-        ASSERT_OK(ct_strategy_step(os));
-        ASSERT_OK(ct_strategy_step(ms));
-        ct_strategy_zero_grad(os);
-        ct_strategy_zero_grad(ms);
+        step_both(os, ms, step, n, rank, world);
         evals(os, 50); /* between steps: the pending update is taken by the first forward */
         evals(ms, 50);
     }
@@ -223,13 +217,7 @@ TEST(fsdp_offload_unit_read_and_write)
     ASSERT_OK(ct_strategy_create("fsdp", om, &oo, g, "wrap_kinds=linear,offload=all", &os));
     ASSERT_OK(ct_strategy_create("fsdp", mm, &oo, g, "wrap_kinds=linear", &ms));
     for (int pass = 0; pass < 2; pass++) {
-        ct_step_out o;
-        step_on_slice(os, pass, n, rank, world, &o);
-        step_on_slice(ms, pass, n, rank, world, &o);
-        ASSERT_OK(ct_strategy_step(os));
-        ASSERT_OK(ct_strategy_step(ms));
-        ct_strategy_zero_grad(os);
-        ct_strategy_zero_grad(ms);
+        step_both(os, ms, pass, n, rank, world);
         ASSERT_EQ(ct_strategy_num_units(os), ct_strategy_num_units(ms));
         for (int i = 0; i < ct_strategy_num_units(os); i++) {
             ct_module *m;

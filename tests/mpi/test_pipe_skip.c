@@ -36,22 +36,6 @@ static ct_optim_opts adamw(void)
     return o;
 }
 
-/* Relative L2 of the two strategies' whole model states (rank 0), < tol. */
-static void states_close(ct_strategy *a, ct_strategy *b, double tol)
-{
-    ct_state sa, sb;
-    ASSERT_OK(ct_strategy_model_state(a, &sa));
-    ASSERT_OK(ct_strategy_model_state(b, &sb));
-    if (ct_group_rank(ct_group_world()) == 0) {
-        double d = state_rel_l2(&sa, &sb);
-        if (!(d < tol)) ct_test_fail(__FILE__, __LINE__, "states differ: rel L2 %g >= %g", d, tol);
-    }
-    ct_state_fini(&sa);
-    ct_state_fini(&sb);
-}
-
-/* Three steps and inference of the pipeline under opts against one process
- * under ref_opts (the same precision), within tol. */
 static void skip_vs_single_in(const char *opts, const char *ref_opts, int stages, double tol)
 {
     if (ct_group_size(ct_group_world()) < stages) return; /* the stages need their ranks */
@@ -66,7 +50,7 @@ static void skip_vs_single_in(const char *opts, const char *ref_opts, int stages
         step_on_data_rank(rs, step, 10, 0.5, &rn, NULL);
         ASSERT_CLOSE(pn, rn, tol, tol / 10);
     }
-    states_close(ps, rs, tol);
+    states_close(ps, rs, tol, "skips");
     /* inference: the last stage's logits are one process's */
     ct_tensor *x, *y, *pz = NULL, *rz = NULL;
     global_batch2(100, 10, &x, &y);
@@ -143,12 +127,12 @@ TEST(pipe_skip_checkpoint_moves_between_strategies)
             tm[k] = resmlp(7);
             ASSERT_OK(ct_strategy_create(kinds[k], tm[k], &o, k ? g : NULL, opts[k], &t[k]));
             ASSERT_OK(ct_checkpoint_load(t[k], path, 1));
-            states_close(ps, t[k], 1e-7);
+            states_close(ps, t[k], 1e-7, "skips");
         }
         for (int step = 2; step < 4; step++)
             for (int k = 0; k < 3; k++) step_on_data_rank(t[k], step, 8, 0, NULL, NULL);
-        states_close(t[0], t[1], 1e-5);
-        states_close(t[0], t[2], 1e-5);
+        states_close(t[0], t[1], 1e-5, "skips");
+        states_close(t[0], t[2], 1e-5, "skips");
         for (int k = 0; k < 3; k++) {
             ct_strategy_destroy(t[k]);
             ct_module_destroy(tm[k]);

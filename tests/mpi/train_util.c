@@ -74,6 +74,17 @@ void steps_vs_one(ct_strategy *ds, ct_strategy *rs, int steps, int64_t n, int ra
     }
 }
 
+void step_both(ct_strategy *a, ct_strategy *b, int step, int64_t n, int rank, int world)
+{
+    ct_step_out o;
+    step_on_slice(a, step, n, rank, world, &o);
+    step_on_slice(b, step, n, rank, world, &o);
+    ASSERT_OK(ct_strategy_step(a));
+    ASSERT_OK(ct_strategy_step(b));
+    ct_strategy_zero_grad(a);
+    ct_strategy_zero_grad(b);
+}
+
 void step_on_data_rank(ct_strategy *s, int step, int64_t n, double clip, float *norm, ct_step_out *out)
 {
     train_on_data_rank(s, step, n, out);
@@ -288,4 +299,17 @@ ct_module *fsdp_nested(uint64_t seed, int dropout)
     ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(16, NCLS, 1)));
     ct_module_init_params(m, seed);
     return m;
+}
+
+void states_close(ct_strategy *a, ct_strategy *b, double tol, const char *what)
+{
+    ct_state sa, sb;
+    ASSERT_OK(ct_strategy_model_state(a, &sa));
+    ASSERT_OK(ct_strategy_model_state(b, &sb));
+    if (ct_group_rank(ct_group_world()) == 0) {
+        double d = state_rel_l2(&sa, &sb);
+        if (!(d < tol)) ct_test_fail(__FILE__, __LINE__, "%s: states differ: rel L2 %g >= %g", what, d, tol);
+    }
+    ct_state_fini(&sa);
+    ct_state_fini(&sb);
 }

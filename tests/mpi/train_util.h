@@ -40,6 +40,9 @@ void train_on_data_rank(ct_strategy *s, int step, int64_t n, ct_step_out *out);
  * one-process reference rs (all n rows) in lock step: train step, step,
  * zero_grad. */
 void steps_vs_one(ct_strategy *ds, ct_strategy *rs, int steps, int64_t n, int rank, int world);
+/* One step of a and b in lock step, both on this rank's slice of n rows:
+ * train step, step, zero_grad. */
+void step_both(ct_strategy *a, ct_strategy *b, int step, int64_t n, int rank, int world);
 /* 8 children with dropout, one stage or slice each: Linear(IN, 16), Tanh,
  * Dropout(0.25), Linear(16, mid), ReLU, Linear(mid, 16), Tanh, Linear(16, NCLS);
  * weights from seed. */
@@ -50,6 +53,9 @@ ct_module *fsdp_nested(uint64_t seed, int dropout);
 /* Relative L2 distance of two states over the names of a (on rank 0 only
  * for a sharded strategy); tensors of b missing from a fail. */
 double state_rel_l2(const ct_state *a, const ct_state *b);
+/* The two strategies' whole model states (collective) have a relative L2
+ * below tol on rank 0; else the test fails naming what. */
+void states_close(ct_strategy *a, ct_strategy *b, double tol, const char *what);
 
 /* A module with children "used" and "unused" that runs only child
  * branch_take (0: "used"; a test may switch it to change the graph). */
