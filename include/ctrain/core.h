@@ -188,6 +188,11 @@ typedef struct {
                                           from the above (ct_mem_cached), and the
                                           most held in the window */
     size_t cache_limit;                /* the cache's bound (ct_mem_get_cache_limit) */
+    size_t mapped, life_mapped;        /* large blocks in use by their mapped size (a
+                                          larger cached block reused counts whole), and
+                                          the most of the process's life: the automatic
+                                          bound keeps mapped + cached under life_mapped
+                                          + cache_limit */
     size_t rss, peak_rss;              /* the process's resident set: VmRSS now, and
                                           its highest value in the window (VmHWM after
                                           a reset through /proc/self/clear_refs, else

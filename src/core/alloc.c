@@ -21,28 +21,33 @@
  * bytes are not counted as in use (ct_mem_cached reports them apart) and
  * ct_mem_trim returns them to the OS.
  *
- * The cache is bounded, so the process's RSS tracks the counters.  The
+ * The cache is bounded, so the process's RSS tracks what is in use.  The
  * automatic bound has two parts.  The cache may always hold
  * CT_MEM_CACHE_UNITS times the largest block a strategy says it allocates
  * over and over (ct_mem_cache_hint: a DDP bucket, an FSDP unit, an offload
  * slice; the flat layer hints every flat), at least CT_MEM_CACHE_MIN_MB.
- * Beyond that it may hold what fits under the process's high-water mark:
- * blocks in use plus blocks cached never pass the most the counters have
- * ever counted at once, so caching never raises the whole-life peak the
- * memory report and the estimate speak of, and a step's activations, freed
- * in backward, are there for the next forward.  Bounded by the hint alone,
- * a 12 x 768 GPT trained by one process (950 MiB of activations, bf16, 2
- * threads) unmapped and faulted in its activations every step: page faults,
- * zeroing and, with two threads, the TLB shootdowns of every munmap took
- * 21% of the step (1765 -> 1388 ms) at the same whole-life RSS.  When a
- * new block is mapped, cached blocks go back to the OS first until the
- * rule holds again for the higher count, so a cache of sizes nobody asks
- * for any more cannot pile up on top of a new peak.  (A fixed 2 GiB bound
- * let FSDP on a 12 x 768 GPT at 2 ranks hold 858 MiB of freed blocks at a
- * 655 MiB tracked peak: RSS 1244 MiB.)  A block that fits under neither
- * goes back to the OS (munmap); a larger cached block handed to a smaller
- * request gives its tail's pages back (madvise MADV_DONTNEED), since the
- * counters count the request.  CTRAIN_ALLOC_CACHE_MB sets a fixed bound
+ * Beyond that, blocks in use plus blocks cached may fill the process's
+ * high-water mark of mapped blocks in use (map_life: large blocks counted
+ * by their whole size, as the OS holds them) plus that first part, so
+ * caching raises the whole-life RSS by at most the first part, which the
+ * memory plan counts, and a step's activations, freed in backward, are
+ * there for the next forward.  Bounded by the hint alone, a 12 x 768 GPT
+ * trained by one process (950 MiB of activations, bf16, 2 threads)
+ * unmapped and faulted in its activations every step: page faults, zeroing
+ * and, with two threads, the TLB shootdowns of every munmap took 21% of the
+ * step (1765 -> 1388 ms) at the same whole-life RSS.  When a new block is
+ * mapped, cached blocks go back to the OS first until the rule holds again
+ * for the higher count, so a cache of sizes nobody asks for any more cannot
+ * pile up on top of a new peak.  (A fixed 2 GiB bound let FSDP on a 12 x 768
+ * GPT at 2 ranks hold 858 MiB of freed blocks at a 655 MiB tracked peak:
+ * RSS 1244 MiB.)  A block that fits under neither goes back to the OS
+ * (munmap).  A larger cached block handed to a smaller request keeps its
+ * tail's pages and counts them as mapped: giving them back (MADV_DONTNEED)
+ * made the next larger request fault them in again, and the small GPT of
+ * bench/gpt (one thread) paid 2000-3800 page faults a step and 5-13% of its
+ * step time for it; the bound above had counted requests, not mapped
+ * bytes, so a step's blocks overflowed it and an 8 MiB block went back to
+ * the OS every step.  CTRAIN_ALLOC_CACHE_MB sets a fixed bound
  * (0 turns the cache off; no high-water part), ct_mem_set_cache_limit
  * overrides both; AddressSanitizer builds turn it off by default so
  * use-after-free stays visible, and poison the blocks it holds when it is
@@ -143,6 +148,9 @@ static size_t fixed_limit = (size_t)-2;  /* -2: not read from the environment ye
  * (never reset, unlike the report's windows), and the count now; both are
  * kept by count_up and count_down below. */
 static _Atomic size_t life_total, cur_total;
+/* Bytes of large blocks in use counted by their whole mapped size, and its
+ * high-water mark over the process's life: the cache's second bound. */
+static _Atomic size_t map_cur, map_life;
 
 /* Under cache_mu. */
 static size_t cache_limit_bytes(void)
@@ -200,19 +208,17 @@ static hdr_t *cache_take(size_t cap)
     pthread_mutex_unlock(&cache_mu);
     if (!h) return NULL;
     UNPOISON(data_of(h), h->cap);
-    /* The counters count cap bytes: the pages past them go back to the OS
-     * (they come back zeroed if a larger request reuses the block). */
-    if (h->cap > cap) madvise(data_of(h) + cap, h->cap - cap, MADV_DONTNEED);
     return h;
 }
 
-/* Under cache_mu: may the cache hold `bytes` in all while `live` bytes are
- * in use?  Under the bound always; past it (automatic bound only) while
- * live + cached stays under the high-water mark. */
+/* Under cache_mu: may the cache hold `bytes` in all while `live` mapped
+ * bytes are in use?  Under the bound always; past it (automatic bound only)
+ * while live + cached stays under the mapped high-water mark plus the bound. */
 static int cache_may_hold(size_t bytes, size_t live)
 {
-    if (bytes <= cache_limit_bytes()) return 1;
-    return fixed_limit == CT_MEM_CACHE_AUTO && live + bytes <= atomic_load(&life_total);
+    size_t lim = cache_limit_bytes();
+    if (bytes <= lim) return 1;
+    return fixed_limit == CT_MEM_CACHE_AUTO && live + bytes <= atomic_load(&map_life) + lim;
 }
 
 /* Before `cap` new bytes are mapped: cached blocks, largest first, go back
@@ -221,7 +227,7 @@ static void cache_shed(size_t cap)
 {
     hdr_t *out = NULL;
     pthread_mutex_lock(&cache_mu);
-    size_t live = atomic_load(&cur_total) + cap;
+    size_t live = atomic_load(&map_cur) + cap;
     while (cached_bytes && !cache_may_hold(cached_bytes, live)) {
         bin_t *b = NULL;
         for (int i = 0; i < NBINS; i++)
@@ -244,7 +250,7 @@ static int cache_put(hdr_t *h)
 {
     int kept = 0;
     pthread_mutex_lock(&cache_mu);
-    if (cache_may_hold(cached_bytes + h->cap, atomic_load(&cur_total))) {
+    if (cache_may_hold(cached_bytes + h->cap, atomic_load(&map_cur))) {
         bin_t *b = bin_for(h->cap, 1);
         if (b) {
             POISON(data_of(h), h->cap);
@@ -399,6 +405,7 @@ static void *alloc_block(size_t bytes, ct_mem_cat cat, int *fresh)
             }
             *fresh = h != NULL;
         }
+        if (h) raise_peak(&map_life, atomic_fetch_add(&map_cur, h->cap) + h->cap);
     } else {
         h = aligned_alloc(64, HDR + cap);
         if (h) h->mapped = 0;
@@ -439,8 +446,12 @@ void ct_free(void *p)
     h->magic = 0;
     count_down(h->cat, h->size);
     UNPOISON(p, h->cap);
-    if (!h->mapped) free(h);
-    else if (!cache_put(h)) unmap_block(h);
+    if (!h->mapped) {
+        free(h);
+        return;
+    }
+    atomic_fetch_sub(&map_cur, h->cap);
+    if (!cache_put(h)) unmap_block(h);
 }
 
 /* Declared in src/comm/internal.h: memory MPI allocated for ctrain (shared
@@ -496,6 +507,8 @@ void ct__mem_counters(ct_mem_report *r)
     r->cached = cached_bytes;
     r->peak_cached = cached_peak;
     r->cache_limit = cache_limit_bytes();
+    r->mapped = atomic_load(&map_cur);
+    r->life_mapped = atomic_load(&map_life);
     pthread_mutex_unlock(&cache_mu);
 }
 
