@@ -100,7 +100,7 @@ static int table(train_opts *o, cli_opt *t)
     OPT("--microbatches", OPT_INT, &o->microbatches, "M", "offload: micro-batches per step, each slice runs all (needs --checkpoint-activation) (1)");
     OPT("--max-resident-mb", OPT_INT, &o->max_resident_mb, "MIB", "offload, fsdp --offload: bound on resident param + grad + optim (none)");
     OPT("--grad-accum", OPT_INT, &o->grad_accum, "N", "split each step into N micro-batches (1)");
-    OPT("--bucket-cap-mb", OPT_NUM, &o->bucket_cap_mb, "MB", "ddp: gradient bucket size (auto: gradients / 16, 1 to 25)");
+    OPT("--bucket-cap-mb", OPT_NUM, &o->bucket_cap_mb, "MB", "ddp: gradient bucket size (auto: 25 on one node, gradients / 16 across nodes)");
     OPT("--find-unused-parameters", OPT_FLAG, &o->find_unused, NULL, "ddp: allow parameters without a gradient");
     OPT("--grad-compress", OPT_STR, &o->grad_compress, "NAME", "gradients reduced as none (f32), bf16, f16 or powersgd:R (PowerSGD at rank R; ddp and zero1)");
     OPT("--local-sgd", OPT_STR, &o->local_sgd, "SUB[:START[:PERIOD]]", "ddp: post-local SGD: after START steps (100) gradients are reduced over SUB, none or node, and parameters averaged every PERIOD steps (4)");

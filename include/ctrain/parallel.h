@@ -209,8 +209,8 @@ typedef struct ct_strategy ct_strategy;
  *   reduce_dtype=f32|bf16|f16  dtype gradients are reduced in (f32)
  *   buffer_dtype=f32|bf16  precision buffers (batchnorm statistics) are held
  *                       at (f32; not pipe or offload)
- * DDP's keys: bucket_cap_mb (auto: a sixteenth of the gradient bytes, 1 to
- * 25 MiB; PyTorch's is 25), first_bucket_mb (1), broadcast_buffers
+ * DDP's keys: bucket_cap_mb (auto: 25 MiB on one node, as PyTorch's; across
+ * nodes a sixteenth of the gradient bytes, 1 to 25 MiB), first_bucket_mb (1), broadcast_buffers
  * (1), find_unused_parameters (0), rebuild_buckets (1), static_graph (0);
  * and ddp's alone, post-local SGD: local_sgd (off|none|node: after
  * local_sgd_start (100) steps, gradients are reduced over no one or the

@@ -30,8 +30,8 @@
 
 const ct__opt_def ct__ddp_opt_defs[CT__DDP_NOPTS] = {
     {"bucket_cap_mb", CT__OPT_AUTO_NUM, offsetof(ct__ddp_opts, bucket_cap_mb), "auto",
-     "gradient bucket size in MiB after the first bucket (auto: a sixteenth of the gradients, "
-     "1 to 25 MiB)", 0, NULL},
+     "gradient bucket size in MiB after the first bucket (auto: 25 on one node; across nodes a "
+     "sixteenth of the gradients, 1 to 25 MiB)", 0, NULL},
     {"first_bucket_mb", CT__OPT_NUM, offsetof(ct__ddp_opts, first_bucket_mb), "1",
      "first bucket in MiB (small, so the first allreduce starts early)", 0, NULL},
     {"broadcast_buffers", CT__OPT_BOOL, offsetof(ct__ddp_opts, broadcast_buffers), "1",
@@ -110,11 +110,17 @@ static int index_of(const ct_param *p) { return (int)(intptr_t)p->user; }
  * once, engine.c), so the floor is 1 MiB, as the first bucket; the cap is
  * PyTorch's 25 MiB.  2 hosts at 1 Gbit/s, the 6 x 384 GPT (41 MiB of
  * gradients, 13 buckets instead of 3): the step's wait after backward went
- * from 217 to 35 ms (medians, bench/cluster-gpt). */
+ * from 217 to 35 ms (medians, bench/cluster-gpt).  On one node there is no
+ * wire: the allreduce sums out of shared memory at memory speed, the tail
+ * is short at any size, and each bucket costs its wake-ups of the
+ * communication thread on cores backward uses, so it is PyTorch's 25 MiB:
+ * the reference MLP's DDP step (bench/ddp, bf16, 2 ranks) took 41 ms with
+ * 16 buckets against 36.7 with 3. */
 #define AUTO_BUCKETS 16
-size_t ct__ddp_auto_cap(uint64_t grad_bytes)
+size_t ct__ddp_auto_cap(uint64_t grad_bytes, int nodes)
 {
     uint64_t lo = (uint64_t)1 << 20, hi = (uint64_t)25 << 20, c = grad_bytes / AUTO_BUCKETS;
+    if (nodes <= 1) return (size_t)hi;
     return (size_t)(c < lo ? lo : c > hi ? hi : c);
 }
 
@@ -161,7 +167,8 @@ static ct_status build_buckets(ddp_t *d, const int *order, int keep_values)
     uint64_t total = 0;
     for (int k = 0; k < n; k++) total += bytes[k];
     size_t limits[2] = {(size_t)(d->o->first_bucket_mb * 1048576.0),
-                        d->o->bucket_cap_mb > 0 ? (size_t)(d->o->bucket_cap_mb * 1048576.0) : ct__ddp_auto_cap(total)};
+                        d->o->bucket_cap_mb > 0 ? (size_t)(d->o->bucket_cap_mb * 1048576.0)
+                                                : ct__ddp_auto_cap(total, ct_group_num_nodes(s->g))};
     if (!limits[0]) limits[0] = 1;
     if (!limits[1]) limits[1] = 1;
     int nb;

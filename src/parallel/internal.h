@@ -252,8 +252,9 @@ ct_status ct__local_sgd_average(ct_strategy *s, const ct__ddp_opts *o);
  * else; ZeRO-1 composes them under its sharded optimizer.  The options are
  * the composing strategy's, passed in (they must outlive the handle). */
 typedef struct ct__ddp ct__ddp;
-/* bucket_cap_mb=auto: the bucket size in bytes for G bytes of gradients. */
-size_t ct__ddp_auto_cap(uint64_t grad_bytes);
+/* bucket_cap_mb=auto: the bucket size in bytes for grad_bytes of gradients
+ * reduced over a group on `nodes` nodes. */
+size_t ct__ddp_auto_cap(uint64_t grad_bytes, int nodes);
 /* Checks the model is the same on every rank, broadcasts rank 0's
  * parameters and buffers, sets up s's comm hook and buckets the trainable
  * parameters.  Collective. */

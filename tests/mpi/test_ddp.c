@@ -171,22 +171,33 @@ TEST(ddp_buckets_rebuilt_in_gradient_ready_order)
     }
 }
 
-/* bucket_cap_mb=auto (the default) sizes buckets from the gradients: a
- * sixteenth of them, 1 to 25 MiB, so the last bucket, whose allreduce starts
- * only when backward ends and hides behind nothing, is short on any model;
- * an explicit cap keeps PyTorch's rule.  20 MiB of gradients in 4 MiB
- * weights: auto (1.25 MiB) closes a bucket at every weight, 25 MiB puts
- * everything after the 1 MiB first bucket into one. */
+/* bucket_cap_mb=auto (the default) sizes buckets from the gradients where
+ * the group spans nodes: a sixteenth of them, 1 to 25 MiB, so the last
+ * bucket, whose allreduce starts only when backward ends and hides behind
+ * nothing on the wire, is short on any model; on one node it is PyTorch's
+ * 25 MiB, as an explicit cap.  20 MiB of gradients in 4 MiB weights: auto
+ * across two (fake) nodes (1.25 MiB) closes a bucket at every weight, 25 MiB
+ * puts everything after the 1 MiB first bucket into one. */
 TEST(ddp_auto_bucket_cap_sized_from_gradients)
 {
-    ASSERT_EQ(ct__ddp_auto_cap(0), (size_t)1 << 20);
-    ASSERT_EQ(ct__ddp_auto_cap((uint64_t)40 << 20), (size_t)5 << 19);
-    ASSERT_EQ(ct__ddp_auto_cap((uint64_t)1 << 30), (size_t)25 << 20);
-    ct_group *g = ct_group_world();
-    int rank = ct_group_rank(g), world = ct_group_size(g);
-    const char *opts[2] = {NULL, "bucket_cap_mb=25"};
-    int nb[2];
-    for (int k = 0; k < 2; k++) {
+    ASSERT_EQ(ct__ddp_auto_cap(0, 2), (size_t)1 << 20);
+    ASSERT_EQ(ct__ddp_auto_cap((uint64_t)40 << 20, 2), (size_t)5 << 19);
+    ASSERT_EQ(ct__ddp_auto_cap((uint64_t)1 << 30, 2), (size_t)25 << 20);
+    ASSERT_EQ(ct__ddp_auto_cap((uint64_t)40 << 20, 1), (size_t)25 << 20);
+    ct_group *w = ct_group_world(), *two = NULL;
+    int rank = ct_group_rank(w), world = ct_group_size(w);
+    if (world < 2) return;
+    int saved = ct_comm_get_fake_nodes();
+    ct_comm_set_fake_nodes(2);
+    ct_status gs = ct_group_split(w, 0, rank, &two);
+    ct_comm_set_fake_nodes(saved);
+    ASSERT_OK(gs);
+    ASSERT_EQ(ct_group_num_nodes(two), 2);
+    /* auto across two nodes, 25 MiB, auto on one node */
+    const char *opts[3] = {NULL, "bucket_cap_mb=25", NULL};
+    ct_group *gs3[3] = {two, w, w};
+    int nb[3];
+    for (int k = 0; k < 3; k++) {
         ct_module *m = ct_sequential_create();
         ASSERT_OK(ct_module_add(m, NULL, ct_linear_create(IN, 1024, 1)));
         for (int i = 0; i < 5; i++) {
@@ -197,8 +208,8 @@ TEST(ddp_auto_bucket_cap_sized_from_gradients)
         ct_module_init_params(m, 7);
         ct_optim_opts oo = optim_for(CT_OPT_SGD);
         ct_strategy *s;
-        ASSERT_OK(ct_strategy_create("ddp", m, &oo, g, opts[k], &s));
-        ASSERT_STR_CONTAINS(ct_strategy_opt(s, "bucket_cap_mb"), k ? "25" : "auto");
+        ASSERT_OK(ct_strategy_create("ddp", m, &oo, gs3[k], opts[k], &s));
+        ASSERT_STR_CONTAINS(ct_strategy_opt(s, "bucket_cap_mb"), k == 1 ? "25" : "auto");
         ct_step_out o;
         step_on_slice(s, 0, 2 * world, rank, world, &o);
         ASSERT_OK(ct_strategy_step(s));
@@ -206,8 +217,10 @@ TEST(ddp_auto_bucket_cap_sized_from_gradients)
         ct_strategy_destroy(s);
         ct_module_destroy(m);
     }
+    ct_group_destroy(two);
     ASSERT_EQ(nb[0], 6);
     ASSERT_EQ(nb[1], 2);
+    ASSERT_EQ(nb[2], 2);
 }
 
 TEST(ddp_bf16_and_f16_compression_close_to_f32)

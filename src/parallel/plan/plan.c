@@ -464,7 +464,7 @@ static void whole_life(const ct__plan *pl, uint64_t (*setup)(const ct__plan *, c
         char cb[32];
         const char *cv = ct__plan_opt(pl, "bucket_cap_mb", cb, sizeof cb); /* NULL: no buckets */
         uint64_t tb = trainable_bytes(pl), cap = cv ? (uint64_t)(atof(cv) * 1048576.0) : 0;
-        if (cv && !strcmp(cv, "auto")) cap = ct__ddp_auto_cap(tb);
+        if (cv && !strcmp(cv, "auto")) cap = ct__ddp_auto_cap(tb, 1); /* the plan's ranks share a node */
         out->flat = largest_param(pl);
         if (cap > out->flat) out->flat = cap < tb ? cap : tb;
     }
