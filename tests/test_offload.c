@@ -228,8 +228,16 @@ TEST(offload_resident_stays_under_budget)
     char opts[512];
     snprintf(opts, sizeof opts, "slices=4,max_resident_mb=%d,dir=%s", budget_mb, ct_test_tmpdir());
     ASSERT_ERR(ct_strategy_create("offload", m, &oo, NULL, opts, &s), CT_EINVAL, "over the budget of 4 MiB");
-    ASSERT_STR_CONTAINS(ct_last_error(), "use more slices");
+    ASSERT_STR_CONTAINS(ct_last_error(), "use more slices (--slices)");
+    /* the memory plan applies the strategy's own rule: the same refusal, and
+     * where it fits, the same slices resident at once */
+    ct_plan_spec spec = {.world = 1, .batch = 16, .in_ndim = 1, .in_shape = {12}, .sample_bytes = 52, .optim = oo};
+    ct_mem_plan plan;
+    ASSERT_ERR(ct_strategy_plan("offload", m, opts, &spec, &plan), CT_EINVAL, "over the budget of 4 MiB");
+    ASSERT_STR_CONTAINS(ct_last_error(), "use more slices (--slices)");
     snprintf(opts, sizeof opts, "slices=20,max_resident_mb=%d,dir=%s", budget_mb, ct_test_tmpdir());
+    ASSERT_OK(ct_strategy_plan("offload", m, opts, &spec, &plan));
+    ASSERT(plan.resident <= (size_t)budget_mb * 1048576);
     ASSERT_OK(ct_strategy_create("offload", m, &oo, NULL, opts, &s));
     int ns, ahead;
     ct_strategy_offload_info(s, &ns, &ahead);

@@ -273,7 +273,26 @@ static size_t file_bytes(const offload_t *f, const offload_slice *sl)
 /* Bytes of slice sl when resident: those and its bf16 compute copies. */
 static size_t mem_bytes(const offload_t *f, const offload_slice *sl)
 {
-    return file_bytes(f, sl) + (size_t)sl->flat.nlow * 2;
+    return ct__offload_slice_bytes(sl->flat.numel, sl->flat.nlow, f->nstate);
+}
+
+ct_status ct__offload_budget(int prefetch, double budget_mb, size_t fixed, size_t largest, size_t tied, int *ahead)
+{
+    *ahead = prefetch ? 3 : 1;
+    if (budget_mb <= 0) return CT_OK;
+    size_t budget = (size_t)(budget_mb * MIB);
+    char t[128] = "";
+    if (tied)
+        snprintf(t, sizeof t, " (%.2f MiB of them for parameters two slices use, which stay)", (double)tied / MIB);
+    if (fixed + largest > budget)
+        return ct_error(CT_EINVAL, "offload: the largest slice needs %.2f MiB resident (parameters, "
+                        "gradients and optimizer state) on top of %.2f MiB already resident%s, over the "
+                        "budget of %.0f MiB; use more slices (--slices) or raise --max-resident-mb to at least %.0f",
+                        (double)largest / MIB, (double)fixed / MIB, t, budget_mb,
+                        ceil((double)(fixed + largest) / MIB));
+    size_t room = (budget - fixed) / largest;
+    if ((size_t)*ahead > room) *ahead = (int)room;
+    return CT_OK;
 }
 
 
@@ -345,26 +364,12 @@ static ct_status offload_build_optim(ct_strategy *s, const ct_optim_opts *o)
     ct_mem_report r;
     ct_mem_report_get(&r);
     f->fixed = r.resident;
-    f->ahead = O->prefetch ? 3 : 1;
-    if (O->max_resident_mb) {
-        size_t budget = (size_t)O->max_resident_mb * (size_t)MIB;
-        char tied[128] = "";
-        if (f->tied.np)
-            snprintf(tied, sizeof tied, " (%.2f MiB of them for parameters two slices use, which stay)",
-                     (double)mem_bytes(f, &f->tied) / MIB);
-        if (f->fixed + largest > budget)
-            return ct_error(CT_EINVAL, "offload: the largest slice needs %.2f MiB resident (parameters, "
-                            "gradients and optimizer state) on top of %.2f MiB already resident%s, over the "
-                            "budget of %d MiB; use more slices (--slices) or raise --max-resident-mb to at least %.0f",
-                            (double)largest / MIB, (double)f->fixed / MIB, tied, O->max_resident_mb,
-                            ceil((double)(f->fixed + largest) / MIB));
-        size_t room = (budget - f->fixed) / largest;
-        if ((size_t)f->ahead > room) f->ahead = (int)room;
-        if (f->ahead < 2 && O->prefetch)
-            ct_log(CT_LOG_WARN, "offload: the budget of %d MiB holds one slice of %.2f MiB, not two: slices "
-                   "load without prefetch (a budget for two slices lets I/O overlap compute)", O->max_resident_mb,
-                   (double)largest / MIB);
-    }
+    CT_TRY(ct__offload_budget(O->prefetch, O->max_resident_mb, f->fixed, largest,
+                              f->tied.np ? mem_bytes(f, &f->tied) : 0, &f->ahead));
+    if (O->max_resident_mb && f->ahead < 2 && O->prefetch)
+        ct_log(CT_LOG_WARN, "offload: the budget of %d MiB holds one slice of %.2f MiB, not two: slices "
+               "load without prefetch (a budget for two slices lets I/O overlap compute)", O->max_resident_mb,
+               (double)largest / MIB);
     f->grads_zero = 1;
     f->ready = 1;
     return CT_OK;

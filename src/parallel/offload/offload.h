@@ -85,6 +85,21 @@ static inline offload_t *ct__offload(const ct_strategy *s) { return s->priv; }
  * children that use it), ns when children of two slices use it (the tied
  * group, resident throughout), -1 when no child does. */
 ct_status ct__offload_where(ct_module *seq, const int *sz, int ns, ct_param *const *params, int np, int *where);
+
+/* Bytes a slice holds while resident (what the budget counts): numel f32
+ * elements of parameters, gradients and nstate optimizer state buffers, and
+ * nlow bf16 compute copies.  The strategy and its memory plan both use it. */
+static inline size_t ct__offload_slice_bytes(int64_t numel, int64_t nlow, int nstate)
+{
+    return (size_t)numel * sizeof(float) * (size_t)(2 + nstate) + (size_t)nlow * 2;
+}
+
+/* The budget rule: *ahead = the slices that may be resident at once, 3 with
+ * prefetch and 1 without, fewer when budget_mb (0: no budget) holds fewer of
+ * the largest slice's bytes on top of fixed (bytes resident outside the
+ * slices, tied of them for parameters two slices use); CT_EINVAL naming the
+ * fix when it holds none. */
+ct_status ct__offload_budget(int prefetch, double budget_mb, size_t fixed, size_t largest, size_t tied, int *ahead);
 /* Ranks of the data-parallel group (1 without communication). */
 static inline int ct__offload_ranks(const ct_strategy *s) { return s->g ? ct_group_size(s->g) : 1; }
 static inline const offload_opts *ct__offload_opts(const ct_strategy *s) { return s->kopts; }

@@ -56,7 +56,7 @@ ct_status ct__plan_offload(const ct__plan *pl, ct_mem_plan *out)
     int M = (int)ct__plan_num(pl, "microbatches", 1), ckpt = ct__plan_num(pl, "checkpoint_activation", 0) != 0;
     int64_t mrows = (rows + M - 1) / M;
     int mixed = ct__plan_is16(pl, "param_dtype");
-    uint64_t largest = 0, bound = 0, maxrec = 0, tied = 0, tlow = 0, lowmax = 0;
+    uint64_t largest = 0, bound = 0, maxrec = 0, tied = 0, tlow = 0, lowmax = 0, per = 0;
     for (int k = 0, lo = 0; st == CT_OK && k < ns; lo += sz[k], k++) {
         uint64_t floats = 0, low = 0;
         for (int i = 0; i < pl->ntp; i++) {
@@ -73,25 +73,24 @@ ct_status ct__plan_offload(const ct__plan *pl, ct_mem_plan *out)
         sp[k] = floats * 4;
         largest = sp[k] > largest ? sp[k] : largest;
         lowmax = low > lowmax ? low : lowmax;
+        uint64_t mem = ct__offload_slice_bytes((int64_t)floats, (int64_t)(low / 2), nbufs);
+        per = mem > per ? mem : per; /* the budget's largest slice, as the strategy counts it */
         int64_t inrow = lo ? outn[lo - 1] : in1, rec = inrow;
         for (int i = lo; i < lo + sz[k]; i++) rec += outn[i];
         if (lo) bound += (uint64_t)(rows * inrow) * 4; /* the first slice's input is the batch itself */
         maxrec = (uint64_t)(mrows * rec) * 4 > maxrec ? (uint64_t)(mrows * rec) * 4 : maxrec;
     }
     out->flat = largest; /* a slice's flat */
-    int ahead = ct__plan_num(pl, "prefetch", 1) != 0 ? (pl->spec->world > 1 ? 3 : 2) : 1;
-    double mb = ct__plan_num(pl, "max_resident_mb", 0); /* "auto" reads as 0 */
+    int prefetch = ct__plan_num(pl, "prefetch", 1) != 0, ahead = 1;
     /* the tied parameters' data, gradients, state and copies are resident from the start */
-    uint64_t fixed = pl->buffer_bytes + tied * (uint64_t)(2 + nbufs) + tlow;
-    uint64_t per = largest * (uint64_t)(2 + nbufs) + lowmax;
-    if (st == CT_OK && mb > 0) {
-        uint64_t budget = (uint64_t)(mb * 1048576.0);
-        if (fixed + per > budget)
-            st = ct_error(CT_EINVAL, "offload: the largest slice needs %.2f MiB resident, over the budget of %.0f MiB; "
-                          "use more slices or a larger --max-resident-mb", (double)per / 1048576.0, mb);
-        else if ((budget - fixed) / per < (uint64_t)ahead)
-            ahead = (int)((budget - fixed) / per);
-    }
+    uint64_t tmem = ct__offload_slice_bytes((int64_t)(tied / 4), (int64_t)(tlow / 2), nbufs);
+    uint64_t fixed = pl->buffer_bytes + tmem;
+    if (st == CT_OK)
+        st = ct__offload_budget(prefetch, ct__plan_num(pl, "max_resident_mb", 0) /* "auto" reads as 0 */, fixed,
+                                per, tmem, &ahead);
+    /* the strategy allows three with prefetch; one rank holds two (the one
+     * computing, the next loading), several three (an allreduce in flight) */
+    if (ahead > 2 && pl->spec->world == 1) ahead = 2;
     /* the largest slices: pb[a] the a largest together */
     uint64_t pb[4] = {0, 0, 0, 0};
     for (int a = 1; st == CT_OK && a <= 3 && a <= ns; a++) {
