@@ -1,6 +1,7 @@
 /*
  * bench/zero: what ZeRO saves and what it costs.  For DDP, ZeRO-1 and ZeRO-2
- * on the reference model (8 x (Linear(1024,1024) + ReLU), batch 64 per rank,
+ * (and FSDP when --strategy names it: a unit per Linear unless a wrap_ option
+ * is given, as a PyTorch user's auto_wrap_policy would make) on the reference model (8 x (Linear(1024,1024) + ReLU), batch 64 per rank,
  * AdamW, one BLAS thread per rank, cross-entropy over 1024 classes) it
  * measures, at each world size,
  *   - every rank's peak memory per category (param, grad, optim, act, comm)
@@ -177,6 +178,13 @@ static void run_round(result *r, const ct_batch *b, const char *opts, int steps,
     ct_strategy *s;
     char all[1536];
     snprintf(all, sizeof all, "%s%s%s", opts, opts[0] && r->opts[0] ? "," : "", r->opts);
+    /* FSDP without a wrap option would be one unit, the whole model gathered
+     * at once; its formula (and a PyTorch user's auto_wrap_policy) has a unit
+     * per layer, so that is the default here */
+    if (!strcmp(r->kind, "fsdp") && !strstr(all, "wrap_")) {
+        size_t l = strlen(all);
+        snprintf(all + l, sizeof all - l, "%swrap_min_params=%d", l ? "," : "", WIDTH * WIDTH);
+    }
     check(ct_strategy_create(r->kind, m, &oo, g, all, &s), r->label);
     const char *rb = ct_strategy_opt(s, "reduce_buffer_mb");
     r->inflight_mb = rb ? atof(rb) : -1;
