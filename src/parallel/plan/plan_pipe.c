@@ -10,8 +10,9 @@
  * 1F1B with except_last the last one's record lives through another's
  * backward; the last stage under GPipe keeps every micro-batch's loss
  * gradient until its backward, the others receive the next gradient ahead;
- * plus this rank's batch, and one message in flight and the spare the
- * step keeps for failed messages (comm: twice the largest message).
+ * plus this rank's batch; comm: the sends in flight (a stage's
+ * micro-batches in flight and one more, each the largest message) and the
+ * spare the step keeps for failed messages.
  * Skips crossing a boundary (pipe_skip.c) ride in its messages: each
  * received input and gradient is wider by their rows; the stash's stage
  * keeps its value through a checkpointed micro-batch too (the stash holds
@@ -154,7 +155,11 @@ ct_status ct__plan_pipe(const ct__plan *pl, ct_mem_plan *out)
         act += ct__plan_batch_bytes(pl, rows);
         uint64_t comm = k + 1 < P ? ap.out_bytes + sb.out + 4 : 0;
         if (k && ap.in_bytes + sb.in + 4 > comm) comm = ap.in_bytes + sb.in + 4;
-        ct__plan_rank(out, param, grad, optim, act, P > 1 ? 2 * comm : 0);
+        /* sends stay until reaped at a later send, so a stage holds those of
+         * its micro-batches in flight and one more (its peer takes them as it
+         * goes, so some stages hold fewer), and the spare */
+        uint64_t sends = (uint64_t)held;
+        ct__plan_rank(out, param, grad, optim, act, P > 1 ? (sends + 1) * comm : 0);
     }
     ct_free(sk);
     ct_free(bal);
