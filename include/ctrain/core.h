@@ -190,9 +190,9 @@ typedef struct {
     size_t cache_limit;                /* the cache's bound (ct_mem_get_cache_limit) */
     size_t mapped, life_mapped;        /* large blocks in use by their mapped size (a
                                           larger cached block reused counts whole), and
-                                          the most of the process's life: the automatic
-                                          bound keeps mapped + cached under life_mapped
-                                          + cache_limit */
+                                          the most they and the cache have held together
+                                          over the process's life: past cache_limit the
+                                          automatic bound keeps mapped + cached under it */
     size_t rss, peak_rss;              /* the process's resident set: VmRSS now, and
                                           its highest value in the window (VmHWM after
                                           a reset through /proc/self/clear_refs, else

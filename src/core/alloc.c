@@ -14,7 +14,7 @@
  *
  * Freed large blocks are kept in a cache by size, the way PyTorch's
  * caching allocator keeps device memory (a request takes a block of its
- * size, else the smallest cached one up to twice as large): a training step allocates the same
+ * size, else the smallest cached one up to a third larger): a training step allocates the same
  * activation and gradient sizes every time, and handing them back to the OS
  * makes every step pay page faults again (measured: a Linear(1024,1024)
  * forward at batch 64 spent ~5% of its time faulting in its output).  Cached
@@ -26,12 +26,12 @@
  * CT_MEM_CACHE_UNITS times the largest block a strategy says it allocates
  * over and over (ct_mem_cache_hint: a DDP bucket, an FSDP unit, an offload
  * slice; the flat layer hints every flat), at least CT_MEM_CACHE_MIN_MB.
- * Beyond that, blocks in use plus blocks cached may fill the process's
- * high-water mark of mapped blocks in use (map_life: large blocks counted
- * by their whole size, as the OS holds them) plus that first part, so
- * caching raises the whole-life RSS by at most the first part, which the
- * memory plan counts, and a step's activations, freed in backward, are
- * there for the next forward.  Bounded by the hint alone, a 12 x 768 GPT
+ * Beyond that, blocks in use plus blocks cached may fill the most they
+ * have ever been together (map_mark: large blocks counted by their whole
+ * size, as the OS holds them; raised only when a block is mapped), so a
+ * freed block is always kept, caching raises the whole-life RSS by at most
+ * the first part (which the memory plan counts), and a step's activations,
+ * freed in backward, are there for the next forward.  Bounded by the hint alone, a 12 x 768 GPT
  * trained by one process (950 MiB of activations, bf16, 2 threads)
  * unmapped and faulted in its activations every step: page faults, zeroing
  * and, with two threads, the TLB shootdowns of every munmap took 21% of the
@@ -45,9 +45,11 @@
  * tail's pages and counts them as mapped: giving them back (MADV_DONTNEED)
  * made the next larger request fault them in again, and the small GPT of
  * bench/gpt (one thread) paid 2000-3800 page faults a step and 5-13% of its
- * step time for it; the bound above had counted requests, not mapped
- * bytes, so a step's blocks overflowed it and an 8 MiB block went back to
- * the OS every step.  CTRAIN_ALLOC_CACHE_MB sets a fixed bound
+ * step time for it; a mark of requested bytes in use alone (not mapped
+ * bytes, not the cache) was passed by a step's blocks, and an 8 MiB block
+ * went back to the OS every step.  (A mark of mapped bytes in use plus the
+ * whole first part let offload at 2 ranks, 12 x 768 GPT, reach 1127 MiB
+ * against 708.)  CTRAIN_ALLOC_CACHE_MB sets a fixed bound
  * (0 turns the cache off; no high-water part), ct_mem_set_cache_limit
  * overrides both; AddressSanitizer builds turn it off by default so
  * use-after-free stays visible, and poison the blocks it holds when it is
@@ -148,9 +150,10 @@ static size_t fixed_limit = (size_t)-2;  /* -2: not read from the environment ye
  * (never reset, unlike the report's windows), and the count now; both are
  * kept by count_up and count_down below. */
 static _Atomic size_t life_total, cur_total;
-/* Bytes of large blocks in use counted by their whole mapped size, and its
- * high-water mark over the process's life: the cache's second bound. */
-static _Atomic size_t map_cur, map_life;
+/* Bytes of large blocks in use counted by their whole mapped size, and the
+ * most that and the cache have held together (raised when a block is
+ * mapped, under cache_mu): the cache's second bound. */
+static _Atomic size_t map_cur, map_mark;
 
 /* Under cache_mu. */
 static size_t cache_limit_bytes(void)
@@ -185,10 +188,13 @@ static bin_t *bin_for(size_t cap, int create)
 }
 
 /* A cached block for cap bytes: one of exactly cap, else the smallest that
- * holds cap within twice its size (h->cap says which).  Taking larger ones
- * keeps the cache from hoarding a block per size when the sizes vary from
- * step to step or part to part (FSDP's units of different sizes, gathered
- * one after another, share a few blocks instead of keeping one each). */
+ * holds cap and is at most a third larger (h->cap says which).  Taking
+ * larger ones keeps the cache from hoarding a block per size when the sizes
+ * vary from step to step or part to part (FSDP's units of different sizes,
+ * gathered one after another, share a few blocks instead of keeping one
+ * each); a third, not twice, because the tail stays mapped: with twice,
+ * offload at 2 ranks (12 x 768 GPT) peaked at 1121 MiB RSS, with a third
+ * at 1069. */
 static hdr_t *cache_take(size_t cap)
 {
     hdr_t *h = NULL;
@@ -197,7 +203,7 @@ static hdr_t *cache_take(size_t cap)
     if (!b || !b->head) {
         b = NULL;
         for (int i = 0; i < NBINS; i++)
-            if (bins[i].head && bins[i].cap > cap && bins[i].cap / 2 <= cap && (!b || bins[i].cap < b->cap))
+            if (bins[i].head && bins[i].cap > cap && bins[i].cap - bins[i].cap / 4 <= cap && (!b || bins[i].cap < b->cap))
                 b = &bins[i];
     }
     if (b && b->head) {
@@ -213,12 +219,11 @@ static hdr_t *cache_take(size_t cap)
 
 /* Under cache_mu: may the cache hold `bytes` in all while `live` mapped
  * bytes are in use?  Under the bound always; past it (automatic bound only)
- * while live + cached stays under the mapped high-water mark plus the bound. */
+ * while live + cached stays under the mark. */
 static int cache_may_hold(size_t bytes, size_t live)
 {
-    size_t lim = cache_limit_bytes();
-    if (bytes <= lim) return 1;
-    return fixed_limit == CT_MEM_CACHE_AUTO && live + bytes <= atomic_load(&map_life) + lim;
+    if (bytes <= cache_limit_bytes()) return 1;
+    return fixed_limit == CT_MEM_CACHE_AUTO && live + bytes <= atomic_load(&map_mark);
 }
 
 /* Before `cap` new bytes are mapped: cached blocks, largest first, go back
@@ -405,7 +410,14 @@ static void *alloc_block(size_t bytes, ct_mem_cat cat, int *fresh)
             }
             *fresh = h != NULL;
         }
-        if (h) raise_peak(&map_life, atomic_fetch_add(&map_cur, h->cap) + h->cap);
+        if (h) {
+            size_t in_use = atomic_fetch_add(&map_cur, h->cap) + h->cap;
+            if (*fresh) { /* only a new mapping grows what is mapped */
+                pthread_mutex_lock(&cache_mu);
+                raise_peak(&map_mark, in_use + cached_bytes);
+                pthread_mutex_unlock(&cache_mu);
+            }
+        }
     } else {
         h = aligned_alloc(64, HDR + cap);
         if (h) h->mapped = 0;
@@ -508,7 +520,7 @@ void ct__mem_counters(ct_mem_report *r)
     r->peak_cached = cached_peak;
     r->cache_limit = cache_limit_bytes();
     r->mapped = atomic_load(&map_cur);
-    r->life_mapped = atomic_load(&map_life);
+    r->life_mapped = atomic_load(&map_mark);
     pthread_mutex_unlock(&cache_mu);
 }
 
