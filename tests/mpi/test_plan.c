@@ -137,9 +137,10 @@ static ct_module *skip_model(const ct_model_config *cfg, int skip)
 }
 
 /* Skips crossing a pipeline boundary ride in its messages: the plan's comm
- * (twice the largest message) grows by exactly twice a micro-batch's skip
- * rows, its activations by at least one micro-batch's skip rows, and the
- * plan matches a measured run as plan_vs_run checks (act within 25%). */
+ * (the sends in flight and the spare, each the largest message) grows by a
+ * whole number of a micro-batch's skip rows, one per message, its
+ * activations by at least one micro-batch's skip rows, and the plan matches
+ * a measured run as plan_vs_run checks (act within 25%). */
 TEST(plan_of_pipe_counts_skips_crossing_a_boundary)
 {
     ct_model_config cfg = ct_model_config_default(CT_MODEL_MLP);
@@ -159,10 +160,13 @@ TEST(plan_of_pipe_counts_skips_crossing_a_boundary)
             plan_vs_run(&cfg, m, batch, "pipe", opts[o], skip ? &with : &without, skip ? &cw : &co);
             ct_module_destroy(m);
         }
-        ASSERT_EQ(with.comm - without.comm, 2 * sbytes);
+        uint64_t grew = with.comm - without.comm;
+        ASSERT(with.comm > without.comm && grew % sbytes == 0);
+        ASSERT(grew >= 2 * sbytes && grew <= 5 * sbytes); /* a send and the spare, up to 4 sends and the spare */
         ASSERT(with.act >= without.act + sbytes);
-        /* the plan counts one message in flight and the spare; a run holds a send until its next
-         * operation reaps it, so up to a message per micro-batch in flight: never fewer */
-        ASSERT(cw >= with.comm && co >= without.comm);
+        /* a run holds a send until a later one reaps it; the plan is the most it can hold */
+        if (cw > with.comm || co > without.comm)
+            ct_test_fail(__FILE__, __LINE__, "%s: comm measured %zu / %zu against planned %llu / %llu", opts[o], cw,
+                         co, (unsigned long long)with.comm, (unsigned long long)without.comm);
     }
 }

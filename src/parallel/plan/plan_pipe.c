@@ -10,7 +10,7 @@
  * 1F1B with except_last the last one's record lives through another's
  * backward; the last stage under GPipe keeps every micro-batch's loss
  * gradient until its backward, the others receive the next gradient ahead;
- * plus this rank's batch; comm: the sends in flight (a stage's
+ * plus this rank's batch; comm: the most sends a run can hold (a stage's
  * micro-batches in flight and one more, each the largest message) and the
  * spare the step keeps for failed messages.
  * Skips crossing a boundary (pipe_skip.c) ride in its messages: each
@@ -157,8 +157,8 @@ ct_status ct__plan_pipe(const ct__plan *pl, ct_mem_plan *out)
         if (k && ap.in_bytes + sb.in + 4 > comm) comm = ap.in_bytes + sb.in + 4;
         /* sends stay until reaped at a later send, so a stage holds those of
          * its micro-batches in flight and one more (its peer takes them as it
-         * goes, so some stages hold fewer), and the spare */
-        uint64_t sends = (uint64_t)held;
+         * goes, so a run often holds fewer), and the spare */
+        uint64_t sends = (uint64_t)(held + 1 < mbs ? held + 1 : mbs);
         ct__plan_rank(out, param, grad, optim, act, P > 1 ? (sends + 1) * comm : 0);
     }
     ct_free(sk);
