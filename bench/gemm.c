@@ -18,7 +18,12 @@
  * steadier on a shared machine.  One BLAS/oneDNN thread by default, as each
  * rank trains.
  *
- *   bench/gemm [--reps N] [--warmup N] [--threads N]
+ *   bench/gemm [--reps N] [--warmup N] [--threads N] [--gpt]
+ *
+ * --gpt times instead the bf16 products of a step of the 12 x 768 GPT
+ * (context 256, batch 8: 2048 rows) through ct_gemm_bf16, as its layers
+ * call them: each linear's forward (bias added), weight gradient and input
+ * gradient, with the oneDNN kernel each one runs on.
  *
  * The last line is machine-readable: "ctrain_gemm bf16_over_f32_b64=... ...".
  * Targets: the bf16 layer's forward+backward at least 2x the f32 layer's
@@ -226,21 +231,88 @@ static const char *engine_str(int ta, int tb, int m, int n, int k)
     return ct_gemm_f32_engine(ta, tb, m, n, k) == CT_GEMM_ONEDNN ? "oneDNN" : "OpenBLAS";
 }
 
+/* --gpt: the bf16 products of one layer of the 12 x 768 GPT at 2048 rows
+ * (and the tied head's), as linear.c calls them, interleaved rep by rep. */
+static int gpt_products(int reps, int warmup, int threads)
+{
+    enum { ROWS = 2048, NLIN = 5 };
+    static const struct { const char *name; int in, out; } lin[NLIN] = {
+        {"attn c_attn", 768, 2304}, {"attn c_proj", 768, 768}, {"mlp c_fc", 768, 3072},
+        {"mlp c_proj", 3072, 768},  {"head (tied)", 768, 256}};
+    size_t most = (size_t)ROWS * 3072;
+    uint16_t *x = alloc(most * 2), *dy = alloc(most * 2), *w = alloc((size_t)3072 * 768 * 2);
+    float *y = alloc(most * 4), *gw = alloc((size_t)3072 * 768 * 4), *bias = alloc(3072 * 4);
+    float *tmp = alloc(most * 4);
+    fill(tmp, most, 6);
+    ct_f32_to_bf16_n(tmp, x, most);
+    fill(tmp, most, 7);
+    ct_f32_to_bf16_n(tmp, dy, most);
+    ct_f32_to_bf16_n(tmp, w, (size_t)3072 * 768);
+    fill(bias, 3072, 8);
+    int n = reps + warmup;
+    double *t = malloc(sizeof(double) * NLIN * NPROD * (size_t)n);
+    if (!t) check(CT_ENOMEM, "timings");
+    for (int i = 0; i < n; i++)
+        for (int l = 0; l < NLIN; l++)
+            for (int p = 0; p < NPROD; p++) {
+                int in = lin[l].in, out = lin[l].out;
+                double t0 = now();
+                if (p == P_FWD) check(ct_gemm_bf16_bias(0, 1, ROWS, out, in, x, in, w, in, bias, y, 0, out), "fwd");
+                else if (p == P_DW) check(ct_gemm_bf16(1, 0, out, in, ROWS, 1.0f, dy, out, x, in, 0.0f, gw, in), "dW");
+                else check(ct_gemm_bf16(0, 0, ROWS, in, out, 1.0f, dy, out, w, in, 0.0f, y, in), "dx");
+                t[((size_t)l * NPROD + p) * n + i] = now() - t0;
+            }
+    printf("bf16 products of the 12 x 768 GPT at %d rows, %d thread%s, median of %d reps after %d warm-up\n",
+           ROWS, threads, threads == 1 ? "" : "s", reps, warmup);
+    printf("  %-12s %-4s %-17s %9s  %s\n", "layer", "", "m x n x k", "GFLOP/s", "oneDNN kernel");
+    static const char *pn[NPROD] = {"fwd", "dW", "dx"};
+    double flop_all = 0, time_all = 0;
+    for (int l = 0; l < NLIN; l++)
+        for (int p = 0; p < NPROD; p++) {
+            int in = lin[l].in, out = lin[l].out;
+            int m = p == P_DW ? out : ROWS, nn = p == P_DW ? in : p == P_FWD ? out : in;
+            int k = p == P_DW ? ROWS : p == P_FWD ? in : out;
+            char impl[96], shape[40];
+            check(ct_gemm_onednn_impl(1, p == P_DW, p == P_FWD, m, nn, k, 0.0f, impl, sizeof impl), "kernel");
+            double s = median(t + ((size_t)l * NPROD + p) * n + warmup, reps), flop = 2.0 * m * nn * k;
+            int times = l == NLIN - 1 ? 1 : 12; /* a step: 12 layers, one head */
+            flop_all += times * flop;
+            time_all += times * s;
+            snprintf(shape, sizeof shape, "%s %dx%dx%d", p == P_FWD ? "NT" : p == P_DW ? "TN" : "NN", m, nn, k);
+            printf("  %-12s %-4s %-17s %9.1f  %s\n", lin[l].name, pn[p], shape, flop / s * 1e-9, impl);
+        }
+    printf("  a step's products (12 layers and the head): %.1f GFLOP in %.1f ms, %.1f GFLOP/s\n", flop_all * 1e-9,
+           time_all * 1e3, flop_all / time_all * 1e-9);
+    printf("ctrain_gemm_gpt threads=%d step_gflops=%.1f step_products_ms=%.1f\n", threads, flop_all / time_all * 1e-9,
+           time_all * 1e3);
+    free(t);
+    ct_free(x);
+    ct_free(dy);
+    ct_free(w);
+    ct_free(y);
+    ct_free(gw);
+    ct_free(bias);
+    ct_free(tmp);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
-    int reps = 50, warmup = 5, threads = 1;
+    int reps = 50, warmup = 5, threads = 1, gpt = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--warmup") && i + 1 < argc) warmup = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--gpt")) gpt = 1;
         else {
-            fprintf(stderr, "usage: bench/gemm [--reps N] [--warmup N] [--threads N]\n");
+            fprintf(stderr, "usage: bench/gemm [--reps N] [--warmup N] [--threads N] [--gpt]\n");
             return 2;
         }
     }
     if (reps < 1) reps = 1;
     if (warmup < 0) warmup = 0;
     ct_blas_set_threads(threads);
+    if (gpt) return gpt_products(reps, warmup, threads);
     char k32[64], k16[64];
     check(ct_gemm_onednn_impl(0, 0, 1, 64, OUT, IN, 0.0f, k32, sizeof k32), "oneDNN f32");
     check(ct_gemm_onednn_impl(1, 0, 1, 64, OUT, IN, 0.0f, k16, sizeof k16), "oneDNN bf16");

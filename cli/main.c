@@ -40,19 +40,20 @@ static int version(int argc, char **argv)
         return CLI_USAGE;
     }
     /* The paths a GPT step of width 768 takes (oneDNN names its kernel per shape). */
-    char f32[64] = "-", bf16[64] = "-";
+    char f32[64] = "-", bf16[64] = "-", dw[64] = "-";
     if (ct_gemm_onednn_impl(0, 0, 1, 2048, 768, 768, 0.0f, f32, sizeof f32) != CT_OK) snprintf(f32, sizeof f32, "unavailable");
     if (ct_gemm_onednn_impl(1, 0, 1, 2048, 768, 768, 0.0f, bf16, sizeof bf16) != CT_OK) snprintf(bf16, sizeof bf16, "unavailable");
+    if (ct_gemm_onednn_impl(1, 1, 0, 768, 768, 2048, 0.0f, dw, sizeof dw) != CT_OK) snprintf(dw, sizeof dw, "unavailable");
     const char *cap = getenv("CTRAIN_ISA");
     char capped[96] = "";
     if (cap) snprintf(capped, sizeof capped, " (capped by CTRAIN_ISA=%.40s)", cap);
     printf("ctrain %s\nCPU: %s, ISA %s%s\nBLAS: OpenBLAS, kernel %s (%s), %d threads\n"
            "OpenMP (oneDNN's threads): wait policy %s\n"
-           "paths: f32 products OpenBLAS %s or oneDNN %s (by shape); bf16 products oneDNN %s; "
+           "paths: f32 products OpenBLAS %s or oneDNN %s (by shape); bf16 products oneDNN %s (weight gradients %s); "
            "bf16 attention %s; threads one OpenMP team per rank for products and ctrain's kernels\n"
            "strategies: %s\nmodels: %s\n", CT_VERSION, ct_cpu_model(), ct_cpu_isa(), capped,
            ct_blas_corename(), ct_blas_kernel_source(), ct_blas_get_threads(), ct_omp_wait_policy(),
-           ct_blas_corename(), f32, bf16, ct_attention_bf16_path(64), ct_strategy_list(), ct_model_list());
+           ct_blas_corename(), f32, bf16, dw, ct_attention_bf16_path(64), ct_strategy_list(), ct_model_list());
     return CLI_OK;
 }
 

@@ -151,6 +151,25 @@ TEST(core_gemm_bf16_long_reduction_transposed)
     check(ENG_BF16, 1, 0, 128, 384, 1100, 0, 1.0f, 1.0f);
     check(ENG_BF16, 1, 0, 5, 3, 2048, 1, 2.0f, -0.5f);
     check(ENG_BF16, 1, 0, 96, 33, 1037, 5, 1.0f, 1.0f); /* swapped: B^T is the copy */
+    ct_blas_set_threads(2); /* the copy is cut over the threads */
+    check(ENG_BF16, 1, 0, 200, 384, 1100, 2, 1.0f, 1.0f);
+    ct_blas_set_threads(1);
+}
+
+/* The weight gradients' products (bf16 A^T B, k >= 1024) run on oneDNN's
+ * gemm:jit: with AMX on A^T as it lies (its AMX kernels pack A themselves;
+ * oneDNN's first choice, brgemm, copies A^T its own way and then gave other
+ * bits at 2 threads), without AMX on the padded copy of A^T, which brgemm
+ * refuses.  The forward product runs on oneDNN's AMX brgemm where there is
+ * AMX. */
+TEST(core_gemm_bf16_weight_gradient_kernel)
+{
+    ct_blas_set_threads(1);
+    char fwd[96], dw[96];
+    ASSERT_OK(ct_gemm_onednn_impl(1, 0, 1, 2048, 768, 768, 0.0f, fwd, sizeof fwd));
+    ASSERT_OK(ct_gemm_onednn_impl(1, 1, 0, 768, 768, 2048, 0.0f, dw, sizeof dw));
+    if (ct_cpu_has_avx512_bf16()) ASSERT_STR_CONTAINS(dw, "gemm:jit");
+    if (!strcmp(ct_cpu_isa(), "amx")) ASSERT_STR_CONTAINS(fwd, "amx");
 }
 
 /* Two threads (from ct_blas_set_threads) must still give right answers, and

@@ -1,7 +1,8 @@
 /*
  * Every part of a step on the rank's threads gives the bits of one thread:
  * the parallel-for itself (each item once, serial where it must be), the
- * f32 products OpenBLAS runs cut over the team, the optimizer updates, the
+ * f32 products OpenBLAS runs cut over the team, the bf16 products oneDNN
+ * runs on each of gemm.c's routes, the optimizer updates, the
  * casts, and whole GPT training steps (f32, bf16 on the kernels and on the
  * portable path, with dropout) through the ctrain program at --threads 1
  * and 2.
@@ -94,6 +95,40 @@ TEST(threads_sgemm_bits_match_one_thread)
         free(c1);
         free(c2);
     }
+}
+
+/* oneDNN's bf16 products on each of gemm.c's routes: direct (NT, NN), the
+ * weight gradients' long reductions (A^T copied; on AMX oneDNN could cut
+ * k over threads), the swapped product and the panels. */
+TEST(threads_bf16_products_bits_match_one_thread)
+{
+    const int shapes[][6] = {{512, 768, 256, 0, 1, 0},  {512, 256, 768, 0, 0, 0}, {768, 768, 2048, 1, 0, 0},
+                             {256, 768, 2048, 1, 0, 1}, {384, 96, 1024, 1, 0, 0}, {512, 1024, 64, 1, 0, 1}};
+    for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
+        int m = shapes[s][0], n = shapes[s][1], k = shapes[s][2], ta = shapes[s][3], tb = shapes[s][4];
+        float beta = (float)shapes[s][5];
+        int lda = ta ? m : k, ldb = tb ? k : n;
+        float *a = randoms((size_t)m * k, 1 + s), *b = randoms((size_t)k * n, 100 + s);
+        float *c1 = randoms((size_t)m * n, 200 + s), *c2 = malloc((size_t)m * n * sizeof *c2);
+        uint16_t *ah = malloc((size_t)m * k * 2), *bh = malloc((size_t)k * n * 2);
+        ct_f32_to_bf16_n(a, ah, (size_t)m * k);
+        ct_f32_to_bf16_n(b, bh, (size_t)k * n);
+        memcpy(c2, c1, (size_t)m * n * sizeof *c2);
+        ct_blas_set_threads(1);
+        ASSERT_OK(ct_gemm_bf16(ta, tb, m, n, k, 0.5f, ah, lda, bh, ldb, beta, c1, n));
+        ct_blas_set_threads(2);
+        ASSERT_OK(ct_gemm_bf16(ta, tb, m, n, k, 0.5f, ah, lda, bh, ldb, beta, c2, n));
+        if (memcmp(c1, c2, (size_t)m * n * sizeof *c1))
+            ct_test_fail(__FILE__, __LINE__, "bf16 product %dx%dx%d ta=%d tb=%d beta=%g differs at 2 threads", m, n,
+                         k, ta, tb, (double)beta);
+        free(a);
+        free(b);
+        free(c1);
+        free(c2);
+        free(ah);
+        free(bh);
+    }
+    ct_blas_set_threads(1);
 }
 
 /* Two steps of o over n elements at the given thread count; p, m, v returned in one block. */

@@ -352,7 +352,9 @@ ct_status ct_gemm_f32_bias(ct_gemm_engine engine, int trans_a, int trans_b, int 
                            int ldc);
 /* The engine CT_GEMM_AUTO picks for an f32 product of this shape. */
 ct_gemm_engine ct_gemm_f32_engine(int trans_a, int trans_b, int m, int n, int k);
-/* oneDNN's kernel name for a dense product ("brg:avx512_core_bf16") into buf, creating it if needed. */
+/* oneDNN's kernel name for a dense product ("brg:avx512_core_bf16") into buf, creating it if
+ * needed: the kernel that does the product's work on the route ct_gemm_bf16 / ct_gemm_f32
+ * take for it (a bf16 weight gradient's runs on a copy of A^T, say). */
 ct_status ct_gemm_onednn_impl(int bf16, int trans_a, int trans_b, int m, int n, int k, float beta,
                               char *buf, size_t len);
 /* Frees the cached oneDNN primitives and scratch (later products set them up

@@ -34,6 +34,7 @@
 typedef struct {
     int bf16, ta, tb, m, n, k, lda, ldb, ldc, nthr;
     int bias, c_bf16; /* a bias row added to C; C stored as bf16 */
+    int jit;          /* run oneDNN's gemm:jit kernel, not its first choice (see TRANS_MIN_K) */
     float alpha, beta;
 } gemm_key;
 
@@ -108,6 +109,33 @@ static void describe(const gemm_key *k, char *buf, size_t n)
              k->c_bf16 ? " C bf16" : "", k->nthr);
 }
 
+/* The primitive descriptor of oneDNN's gemm:jit implementation of md, or
+ * (none there) of its first choice. */
+static dnnl_status_t pick_jit(dnnl_primitive_desc_t *pd, const dnnl_matmul_desc_t *md, dnnl_primitive_attr_t attr)
+{
+    dnnl_primitive_desc_iterator_t it;
+    dnnl_status_t s = dnnl_primitive_desc_iterator_create(&it, md, attr, engine, NULL);
+    if (s != dnnl_success) return s;
+    dnnl_primitive_desc_t first = NULL;
+    for (;;) {
+        dnnl_primitive_desc_t p = dnnl_primitive_desc_iterator_fetch(it);
+        const char *name = "";
+        if (!p) break;
+        dnnl_primitive_desc_query(p, dnnl_query_impl_info_str, 0, &name);
+        if (!strncmp(name, "gemm:jit", 8)) {
+            dnnl_primitive_desc_destroy(first);
+            first = p;
+            break;
+        }
+        if (!first) first = p;
+        else dnnl_primitive_desc_destroy(p);
+        if (dnnl_primitive_desc_iterator_next(it) != dnnl_success) break;
+    }
+    dnnl_primitive_desc_iterator_destroy(it);
+    *pd = first;
+    return first ? dnnl_success : dnnl_unimplemented;
+}
+
 /* Builds the primitive and its memory objects for key (under cache_lock). */
 static ct_status entry_init(gemm_entry *e, const gemm_key *k)
 {
@@ -139,7 +167,8 @@ static ct_status entry_init(gemm_entry *e, const gemm_key *k)
         if (s == dnnl_success) s = dnnl_post_ops_append_sum(po, k->beta);
         if (s == dnnl_success) s = dnnl_primitive_attr_set_post_ops(attr, po);
     }
-    if (s == dnnl_success) step = "primitive descriptor", s = dnnl_primitive_desc_create(&e->pd, &md, attr, engine, NULL);
+    if (s == dnnl_success && !k->jit) step = "primitive descriptor", s = dnnl_primitive_desc_create(&e->pd, &md, attr, engine, NULL);
+    if (s == dnnl_success && k->jit) step = "primitive descriptor", s = pick_jit(&e->pd, &md, attr);
     if (s == dnnl_success) step = "primitive", s = dnnl_primitive_create(&e->prim, e->pd);
     if (s == dnnl_success) step = "memory objects", s = dnnl_memory_create(&e->a, &amd, engine, DNNL_MEMORY_NONE);
     if (s == dnnl_success) s = dnnl_memory_create(&e->b, &bmd, engine, DNNL_MEMORY_NONE);
@@ -193,6 +222,33 @@ static ct_status lookup(const gemm_key *k, gemm_entry **out)
     return CT_OK;
 }
 
+/* A bf16 A^T B over a long reduction (a weight gradient: k is the batch's
+ * rows).  oneDNN's first choice, brgemm, wants A with k contiguous and
+ * otherwise transposes it itself; that copy ran the weight gradients of a
+ * GPT step at 300-350 GFLOP/s against 410-440 for its other products (AMD
+ * EPYC, AVX512_BF16), and with AMX its results at 2 threads differed from
+ * those at 1 (tests/test_threads.c).  So:
+ * - with AMX, oneDNN's gemm:jit runs it on A as it lies: it packs its
+ *   operands itself, into AMX kernels.  One core of a Xeon with AMX,
+ *   median GFLOP/s of the GPT 12 x 768's weight gradients (k = 2048),
+ *   brgemm on A^T / A^T copied here + gemm:jit (copy included) / gemm:jit
+ *   on A^T: 2304x768 495 / 428 / 662, 768x768 549 / 490 / 617, 3072x768
+ *   426 / 345 / 578, 768x3072 430 / 482 / 509 (a loaded machine; the
+ *   copy, a scalar one in that probe, is what separates the last two);
+ * - without AMX, A^T is copied here first (tn_product) and oneDNN runs
+ *   A' B on the copy, whose row stride is padded off a power of two (rows
+ *   2^n bytes apart share a few cache sets), which brgemm refuses and
+ *   gemm:jit takes: 350-390 GFLOP/s on that EPYC. */
+#define TRANS_MIN_K 1024
+
+static int is_weight_gradient(int bf16, int ta, int tb, int k) { return bf16 && ta && !tb && k >= TRANS_MIN_K; }
+
+/* 1 if a product of this shape runs on oneDNN's gemm:jit (see above). */
+static int wants_jit(int bf16, int ta, int tb, int k)
+{
+    return is_weight_gradient(bf16, ta, tb, k) && ct__cpu_has(CT__CPU_AMX);
+}
+
 static gemm_key make_key(int bf16, int ta, int tb, int m, int n, int k, float alpha,
                          int lda, int ldb, float beta, int ldc)
 { /* bias and c_bf16 start 0: the callers that want them set them */
@@ -210,6 +266,7 @@ static gemm_key make_key(int bf16, int ta, int tb, int m, int n, int k, float al
     key.nthr = ct_blas_get_threads();
     key.alpha = alpha;
     key.beta = beta;
+    key.jit = wants_jit(bf16, ta, tb, k);
     return key;
 }
 
@@ -276,18 +333,23 @@ static ct_status grow(void **buf, size_t *have, size_t bytes)
 /* scratch_buf with room for n floats. */
 static ct_status scratch(int64_t n) { return grow((void **)&scratch_buf, &scratch_bytes, (size_t)n * sizeof(float)); }
 
+/* The product of one panel of key (last: the last, maybe partial, one) into the scratch. */
+static gemm_key panel_key(const gemm_key *key, int last)
+{
+    gemm_key p = *key;
+    p.m = !last || key->m % PANEL == 0 ? PANEL : key->m % PANEL;
+    p.beta = 0.0f;
+    p.ldc = key->n;
+    return p;
+}
+
 /* C = alpha A B + beta C by panels; *ran is set once C may have changed. */
 static ct_status by_panels(const gemm_key *key, const void *a, const void *b, float *c, int *ran)
 {
     CT_TRY(scratch((int64_t)PANEL * key->n));
     /* Both panel primitives (full and last) exist before C is touched, so a
      * set-up failure leaves C as it was. */
-    gemm_key pk[2] = {*key, *key};
-    for (int i = 0; i < 2; i++) {
-        pk[i].m = i == 0 || key->m % PANEL == 0 ? PANEL : key->m % PANEL;
-        pk[i].beta = 0.0f;
-        pk[i].ldc = key->n;
-    }
+    gemm_key pk[2] = {panel_key(key, 0), panel_key(key, 1)};
     gemm_entry *e[2];
     CT_TRY(lookup(&pk[1], &e[1]));
     CT_TRY(lookup(&pk[0], &e[0]));
@@ -310,13 +372,6 @@ static ct_status by_panels(const gemm_key *key, const void *a, const void *b, fl
     }
     return CT_OK;
 }
-
-/* A bf16 A^T B over a long reduction (a weight gradient: k is the batch's
- * rows) runs as A' B with A' = A^T copied here first.  oneDNN's brgemm
- * wants A with k contiguous and otherwise transposes it itself, and that
- * copy ran the weight gradients of a GPT step at 300-350 GFLOP/s against
- * 410-440 for its other products. */
-#define TRANS_MIN_K 1024
 
 static uint16_t *trans_buf; /* A^T for tn_product, under cache_lock */
 static size_t trans_bytes;
@@ -360,19 +415,24 @@ static void transpose_bf16(const uint16_t *s, int64_t ls, int64_t k, int64_t m, 
         for (int64_t p = j < m16 ? k16 : 0; p < k; p++) d[j * ld + p] = s[p * ls + j];
 }
 
-/* C = alpha A^T B + beta C for bf16 A over k >= TRANS_MIN_K, through A^T
- * copied (row stride padded off a power of two: rows 2^n bytes apart share
- * a few cache sets); *ran as by_panels. */
-static ct_status tn_product(const gemm_key *key, const void *a, const void *b, void *c, const float *bias, int *ran)
+/* The product tn_product runs for key: A' B with A' = A^T as copied. */
+static gemm_key transposed_key(const gemm_key *key)
 {
-    int64_t ld = ((int64_t)key->k + 31) / 32 * 32 + 32;
-    CT_TRY(grow((void **)&trans_buf, &trans_bytes, (size_t)(ld * key->m) * sizeof *trans_buf));
     gemm_key t = *key;
     t.ta = 0;
-    t.lda = (int)ld;
+    t.lda = (key->k + 31) / 32 * 32 + 32;
+    return t;
+}
+
+/* C = alpha A^T B + beta C for bf16 A over k >= TRANS_MIN_K, through A^T
+ * copied (without AMX); *ran as by_panels. */
+static ct_status tn_product(const gemm_key *key, const void *a, const void *b, void *c, const float *bias, int *ran)
+{
+    gemm_key t = transposed_key(key);
+    CT_TRY(grow((void **)&trans_buf, &trans_bytes, (size_t)t.lda * (size_t)key->m * sizeof *trans_buf));
     gemm_entry *e;
     CT_TRY(lookup(&t, &e));
-    transpose_bf16(a, key->lda, key->k, key->m, trans_buf, ld);
+    transpose_bf16(a, key->lda, key->k, key->m, trans_buf, t.lda);
     *ran = 1;
     return execute(e, trans_buf, b, c, bias);
 }
@@ -385,13 +445,20 @@ static ct_status tn_product(const gemm_key *key, const void *a, const void *b, v
  * transposed itself ran a reference kernel at 0.1 GFLOP/s. */
 #define SWAP_MAX_C (1 << 18)
 
+/* The product swapped runs for key: B^T A into the scratch. */
+static gemm_key swapped_key(const gemm_key *key)
+{
+    gemm_key t = *key;
+    t.m = key->n, t.n = key->m, t.lda = key->ldb, t.ldb = key->lda, t.ldc = key->m, t.beta = 0.0f;
+    return t;
+}
+
 /* C = alpha A^T B + beta C through B^T A; *ran as by_panels. */
 static ct_status swapped(const gemm_key *key, const void *a, const void *b, float *c, int *ran)
 {
     CT_TRY(scratch((int64_t)key->m * key->n));
-    gemm_key t = *key;
-    t.m = key->n, t.n = key->m, t.lda = key->ldb, t.ldb = key->lda, t.ldc = key->m, t.beta = 0.0f;
-    if (t.k >= TRANS_MIN_K) {
+    gemm_key t = swapped_key(key);
+    if (t.k >= TRANS_MIN_K && !t.jit) {
         CT_TRY(tn_product(&t, b, a, scratch_buf, NULL, ran));
     } else {
         gemm_entry *e;
@@ -414,6 +481,35 @@ static ct_status swapped(const gemm_key *key, const void *a, const void *b, floa
                     for (int j = j0; j < j1; j++) cr[j] = col[(size_t)j * key->m] + beta * cr[j];
             }
     return CT_OK;
+}
+
+/* The ways onednn_gemm_run carries a product out, chosen by its key alone
+ * (never by the thread count, so a product sums in the same order at any). */
+typedef enum { ROUTE_DIRECT, ROUTE_PANELS, ROUTE_SWAPPED, ROUTE_TRANSPOSED } gemm_route;
+
+static gemm_route route_of(const gemm_key *k)
+{
+    int tn = k->bf16 && k->ta && !k->tb;
+    if (k->beta != 0.0f && !k->bias && k->k <= PANEL_MAX_K && k->m > PANEL && (int64_t)k->m * k->n >= PANEL_MIN_C)
+        return ROUTE_PANELS;
+    if (tn && k->m > k->n && !k->bias && !k->c_bf16 && (int64_t)k->m * k->n <= SWAP_MAX_C) return ROUTE_SWAPPED;
+    if (is_weight_gradient(k->bf16, k->ta, k->tb, k->k) && !k->jit) return ROUTE_TRANSPOSED;
+    return ROUTE_DIRECT;
+}
+
+/* The key of the primitive that does the work of key's route (the one
+ * whose kernel ct_gemm_onednn_impl names). */
+static gemm_key work_key(const gemm_key *k)
+{
+    switch (route_of(k)) {
+    case ROUTE_PANELS: return panel_key(k, 0);
+    case ROUTE_SWAPPED: {
+        gemm_key t = swapped_key(k);
+        return t.k >= TRANS_MIN_K && !t.jit ? transposed_key(&t) : t;
+    }
+    case ROUTE_TRANSPOSED: return transposed_key(k);
+    default: return *k;
+    }
 }
 
 /* oneDNN matmul of f32 (bf16 = 0) or bf16 operands into C, f32 or (c_bf16,
@@ -446,19 +542,18 @@ static ct_status onednn_gemm_run(int bf16, int trans_a, int trans_b, int m, int 
     if (omp_get_max_threads() != key.nthr) omp_set_num_threads(key.nthr);
     pthread_mutex_lock(&cache_lock);
     ct_status st;
-    if (beta != 0.0f && !bias && k <= PANEL_MAX_K && m > PANEL && (int64_t)m * n >= PANEL_MIN_C) {
-        st = by_panels(&key, a, b, c, ran);
-    } else if (bf16 && trans_a && !trans_b && m > n && !bias && !c_bf16 && (int64_t)m * n <= SWAP_MAX_C) {
-        st = swapped(&key, a, b, c, ran);
-    } else if (bf16 && trans_a && !trans_b && k >= TRANS_MIN_K) {
-        st = tn_product(&key, a, b, c, bias, ran);
-    } else {
+    switch (route_of(&key)) {
+    case ROUTE_PANELS: st = by_panels(&key, a, b, c, ran); break;
+    case ROUTE_SWAPPED: st = swapped(&key, a, b, c, ran); break;
+    case ROUTE_TRANSPOSED: st = tn_product(&key, a, b, c, bias, ran); break;
+    default: {
         gemm_entry *e;
         st = lookup(&key, &e);
         if (st == CT_OK) {
             *ran = 1;
             st = execute(e, a, b, c, bias);
         }
+    }
     }
     pthread_mutex_unlock(&cache_lock);
     return st;
@@ -619,6 +714,7 @@ ct_status ct_gemm_onednn_impl(int bf16, int trans_a, int trans_b, int m, int n, 
         return ct_error(CT_EINVAL, "gemm_onednn_impl: sizes m=%d n=%d k=%d must be positive", m, n, k);
     gemm_key key = make_key(bf16 != 0, trans_a, trans_b, m, n, k, 1.0f, lda, ldb, beta, ldc);
     if (omp_get_max_threads() != key.nthr) omp_set_num_threads(key.nthr);
+    key = work_key(&key);
     pthread_mutex_lock(&cache_lock);
     gemm_entry *e;
     ct_status s = lookup(&key, &e);
