@@ -200,7 +200,8 @@ void cli_progress_clear(cli_progress *p);
 void cli_progress_finish(cli_progress *p);
 /* Rank 0: the last line of --metrics, {"event":"summary","step_ms":...,
  * "memory":[one ct_mem_report_json object per rank]}. */
-/* traffic: every rank's bytes sent and received per step (2 per rank), or NULL. */
+/* traffic: every rank's bytes sent and received and its communication
+ * thread's CPU ms per step (3 per rank), or NULL. */
 ct_status cli_progress_summary(cli_progress *p, double step_ms, const ct_mem_report *mem, const double *traffic,
                                int nranks);
 

@@ -96,11 +96,11 @@ ct_status cli_progress_summary(cli_progress *p, double step_ms, const ct_mem_rep
         fprintf(p->metrics, "%s%s", r ? "," : "", js);
     }
     fprintf(p->metrics, "]");
-    if (traffic) { /* bytes per training step, by rank */
+    if (traffic) { /* bytes per training step, and the comm thread's CPU ms, by rank */
         fprintf(p->metrics, ",\"traffic\":[");
         for (int r = 0; r < nranks; r++)
-            fprintf(p->metrics, "%s{\"rank\":%d,\"sent\":%.1f,\"received\":%.1f}", r ? "," : "", r, traffic[2 * r],
-                    traffic[2 * r + 1]);
+            fprintf(p->metrics, "%s{\"rank\":%d,\"sent\":%.1f,\"received\":%.1f,\"comm_cpu_ms\":%.3f}", r ? "," : "", r,
+                    traffic[3 * r], traffic[3 * r + 1], traffic[3 * r + 2]);
         fprintf(p->metrics, "]");
     }
     fprintf(p->metrics, "}\n");

@@ -663,6 +663,7 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
         double lr = ct_strategy_lr(t->s), t_step = ct_now(), before[2] = {win[0], win[1]}, led0[CT_LEDGER_N];
         ct_ledger_read(led0);
         ct_comm_traffic tr0 = ct_comm_traffic_get();
+        double cpu0 = ct_comm_thread_cpu_get();
         float norm = 0;
         int empty = 0;
         if ((st = train_step(t, idx, win, &empty)) != CT_OK) {
@@ -705,6 +706,7 @@ static ct_status train_loop(trainer *t, cli_progress *prog)
         ct_comm_traffic tr1 = ct_comm_traffic_get();
         t->traffic.sent += tr1.sent - tr0.sent;
         t->traffic.received += tr1.received - tr0.received;
+        t->comm_cpu += ct_comm_thread_cpu_get() - cpu0;
         add_stats(t);
         t->step++;
         t->pos++;

@@ -38,7 +38,8 @@ typedef struct {
                             * no optimizer state yet) */
     int64_t nstats;
     ct_comm_traffic traffic; /* messages this rank sent and received in those steps */
-    double *traffic_all;   /* every rank's, per step: sent, received (train_report gathers them) */
+    double comm_cpu;         /* seconds of CPU its communication thread used in them */
+    double *traffic_all;   /* every rank's, per step: sent, received, comm thread CPU ms (train_report gathers them) */
     double ledger[CT_LEDGER_N]; /* products, attention, optimizer seconds summed over the steps */
     double step_total;     /* wall seconds of those steps */
     double *step_s;        /* wall time of each step of this run (the first STEP_TIMES_MAX) */

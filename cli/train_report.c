@@ -115,28 +115,35 @@ ct_status train_eval(trainer *t, cli_progress *prog)
 }
 
 /* Every rank's messages per training step (ct_comm_traffic: what MPI
- * carried; the shared-memory paths inside a node carry none), gathered into
- * t->traffic_all for the metrics summary, and printed. */
+ * carried; the shared-memory paths inside a node carry none) and the CPU its
+ * communication thread used (on cores the computation fills, time taken
+ * from it), gathered into t->traffic_all for the metrics summary, and
+ * printed. */
 static ct_status report_traffic(trainer *t)
 {
     if (t->world < 2 || !t->nstats) return CT_OK;
-    double mine[2] = {(double)t->traffic.sent / (double)t->nstats, (double)t->traffic.received / (double)t->nstats};
-    t->traffic_all = ct_alloc(sizeof *t->traffic_all * 2 * (size_t)t->world, CT_MEM_OTHER);
+    double n = (double)t->nstats;
+    double mine[3] = {(double)t->traffic.sent / n, (double)t->traffic.received / n, t->comm_cpu * 1e3 / n};
+    t->traffic_all = ct_alloc(sizeof *t->traffic_all * 3 * (size_t)t->world, CT_MEM_OTHER);
     CT_TRY(ct_group_check(t->g, t->traffic_all ? CT_OK : CT_ENOMEM));
-    CT_TRY(ct_group_allgather(t->g, mine, t->traffic_all, 2 * (int64_t)sizeof(double), CT_U8, NULL));
+    CT_TRY(ct_group_allgather(t->g, mine, t->traffic_all, 3 * (int64_t)sizeof(double), CT_U8, NULL));
     char a[32], b[32];
-    cli_out("messages per step (mean over %lld steps; MPI's traffic, none through shared memory):", (long long)t->nstats);
+    const double *x = t->traffic_all;
+    cli_out("messages per step (mean over %lld steps; MPI's traffic, none through shared memory; the "
+            "communication thread's CPU):", (long long)t->nstats);
     if (t->world <= 8) {
         for (int r = 0; r < t->world; r++)
-            cli_out("%s rank %d sent %s, received %s", r ? ";" : "", r, cli_bytes(t->traffic_all[2 * r], a, sizeof a),
-                    cli_bytes(t->traffic_all[2 * r + 1], b, sizeof b));
+            cli_out("%s rank %d sent %s, received %s, %.1f ms of CPU", r ? ";" : "", r, cli_bytes(x[3 * r], a, sizeof a),
+                    cli_bytes(x[3 * r + 1], b, sizeof b), x[3 * r + 2]);
     } else {
-        double ms = 0, mr = 0;
+        double ms = 0, mr = 0, mc = 0;
         for (int r = 0; r < t->world; r++) {
-            if (t->traffic_all[2 * r] > ms) ms = t->traffic_all[2 * r];
-            if (t->traffic_all[2 * r + 1] > mr) mr = t->traffic_all[2 * r + 1];
+            if (x[3 * r] > ms) ms = x[3 * r];
+            if (x[3 * r + 1] > mr) mr = x[3 * r + 1];
+            if (x[3 * r + 2] > mc) mc = x[3 * r + 2];
         }
-        cli_out(" a rank sent at most %s, received at most %s", cli_bytes(ms, a, sizeof a), cli_bytes(mr, b, sizeof b));
+        cli_out(" a rank sent at most %s, received at most %s, used at most %.1f ms of CPU", cli_bytes(ms, a, sizeof a),
+                cli_bytes(mr, b, sizeof b), mc);
     }
     cli_out("\n");
     return CT_OK;

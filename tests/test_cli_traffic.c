@@ -7,7 +7,8 @@
  * (padded to a multiple of N), and none through shared memory, where the
  * two-level allreduce sends over the network from one rank per node only.
  * Besides the gradients a step sends a few bytes (the non-finite check, the
- * loss): at most SMALL.
+ * loss): at most SMALL.  Beside them, the CPU each rank's communication
+ * thread used per step, which those collectives make more than none.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,8 +20,8 @@
 #define P 50890 /* 784 x 64 + 64 + 64 x 10 + 10 */
 #define SMALL 64
 
-/* The summary's "sent" and "received" for rank r. */
-static void traffic_of(const char *metrics, int r, double *sent, double *received)
+/* The summary's "sent", "received" and "comm_cpu_ms" for rank r. */
+static void traffic_of(const char *metrics, int r, double *sent, double *received, double *cpu_ms)
 {
     char line[1 << 14] = "", key[64];
     FILE *f = fopen(metrics, "r");
@@ -36,6 +37,9 @@ static void traffic_of(const char *metrics, int r, double *sent, double *receive
     p = strstr(p, "\"received\":");
     ASSERT(p);
     *received = strtod(p + strlen("\"received\":"), NULL);
+    p = strstr(p, "\"comm_cpu_ms\":");
+    if (!p) ct_test_fail(__FILE__, __LINE__, "no comm_cpu_ms for rank %d in: %s", r, t);
+    *cpu_ms = strtod(p + strlen("\"comm_cpu_ms\":"), NULL);
 }
 
 /* Runs train under prefix (environment) at np ranks; want[r]: the gradient bytes rank r must send and receive. */
@@ -48,8 +52,12 @@ static void check(const char *prefix, int np, const char *strategy, const double
     if (rc) ct_test_fail(__FILE__, __LINE__, "train failed:\n%s", out);
     ASSERT_STR_CONTAINS(out, "messages per step (mean over 3 steps");
     for (int r = 0; r < np; r++) {
-        double s, v;
-        traffic_of(metrics, r, &s, &v);
+        double s, v, cpu;
+        traffic_of(metrics, r, &s, &v, &cpu);
+        /* every step drives at least the loss's and the non-finite check's collectives */
+        if (!(cpu > 0 && cpu < 1e5))
+            ct_test_fail(__FILE__, __LINE__, "%s%s at %d ranks: rank %d's communication thread used %g ms of CPU "
+                         "a step\n%s", prefix, strategy, np, r, cpu, out);
         if (s < want[r] || s > want[r] + SMALL || v < want[r] || v > want[r] + SMALL)
             ct_test_fail(__FILE__, __LINE__, "%s%s at %d ranks: rank %d sent %.0f and received %.0f bytes a step; "
                          "want %.0f (+ at most %d)\n%s", prefix, strategy, np, r, s, v, want[r], SMALL, out);

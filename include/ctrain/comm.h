@@ -211,6 +211,11 @@ typedef struct {
     uint64_t sent, received;
 } ct_comm_traffic;
 ct_comm_traffic ct_comm_traffic_get(void);
+/* Seconds of CPU ctrain's communication thread has used since ct_comm_init
+ * (driving MPI, polling, shared-memory reductions, and the kernel's side of
+ * its socket calls): where the computation fills the cores, what
+ * communication takes from it.  0 outside ct_comm_init .. ct_comm_finalize. */
+double ct_comm_thread_cpu_get(void);
 
 /* buf[0..count) on every rank becomes the reduction over ranks of buf.
  * Without messages when buf is the same range of one of g's shared

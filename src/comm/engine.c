@@ -943,6 +943,18 @@ int ct_comm_get_max_running(void)
     return n < 0 ? 2 : n;
 }
 
+double ct_comm_thread_cpu_get(void)
+{
+    double s = 0;
+    lock(); /* the thread is joined only after E.stop is set, under this lock */
+    clockid_t c;
+    struct timespec ts;
+    if (E.running && E.started && !E.stop && pthread_getcpuclockid(E.th, &c) == 0 && clock_gettime(c, &ts) == 0)
+        s = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    unlock();
+    return s;
+}
+
 int ct_comm_get_poll_us(void)
 {
     int us = atomic_load(&poll_us);
