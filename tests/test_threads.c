@@ -70,31 +70,46 @@ static float *randoms(size_t n, uint64_t seed)
     return x;
 }
 
-TEST(threads_sgemm_bits_match_one_thread)
+/* Each product {m, n, k, ta, tb, beta} of shapes through ct_sgemm (bf16 0)
+ * or ct_gemm_bf16 on bf16 copies of the operands, at 1 and at 2 threads:
+ * the same bits. */
+static void products_match_one_thread(const int (*shapes)[6], size_t nshapes, int bf16)
 {
-    /* m > n (cut by rows), n > m (by columns), each transposition, beta 0 and 1,
-     * and a long reduction (the weight gradients). */
-    const int shapes[][6] = {{256, 96, 192, 0, 0, 0}, {96, 300, 128, 0, 1, 1}, {200, 160, 512, 1, 0, 0},
-                             {64, 768, 2048, 1, 0, 1}, {130, 70, 257, 1, 1, 0}, {768, 64, 1024, 0, 1, 0}};
-    for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
+    for (size_t s = 0; s < nshapes; s++) {
         int m = shapes[s][0], n = shapes[s][1], k = shapes[s][2], ta = shapes[s][3], tb = shapes[s][4];
         float beta = (float)shapes[s][5];
         int lda = ta ? m : k, ldb = tb ? k : n;
         float *a = randoms((size_t)m * k, 1 + s), *b = randoms((size_t)k * n, 100 + s);
-        float *c1 = randoms((size_t)m * n, 200 + s), *c2 = malloc((size_t)m * n * sizeof *c2);
-        memcpy(c2, c1, (size_t)m * n * sizeof *c2);
-        ct_blas_set_threads(1);
-        ct_sgemm(ta, tb, m, n, k, 0.5f, a, lda, b, ldb, beta, c1, n);
-        ct_blas_set_threads(2);
-        ct_sgemm(ta, tb, m, n, k, 0.5f, a, lda, b, ldb, beta, c2, n);
-        if (memcmp(c1, c2, (size_t)m * n * sizeof *c1))
-            ct_test_fail(__FILE__, __LINE__, "sgemm %dx%dx%d ta=%d tb=%d beta=%g differs at 2 threads", m, n, k, ta,
-                         tb, (double)beta);
+        float *c[2] = {randoms((size_t)m * n, 200 + s), malloc((size_t)m * n * sizeof(float))};
+        uint16_t *ah = malloc((size_t)m * k * 2), *bh = malloc((size_t)k * n * 2);
+        ct_f32_to_bf16_n(a, ah, (size_t)m * k);
+        ct_f32_to_bf16_n(b, bh, (size_t)k * n);
+        memcpy(c[1], c[0], (size_t)m * n * sizeof(float));
+        for (int t = 0; t < 2; t++) {
+            ct_blas_set_threads(t + 1);
+            if (bf16) ASSERT_OK(ct_gemm_bf16(ta, tb, m, n, k, 0.5f, ah, lda, bh, ldb, beta, c[t], n));
+            else ct_sgemm(ta, tb, m, n, k, 0.5f, a, lda, b, ldb, beta, c[t], n);
+        }
+        if (memcmp(c[0], c[1], (size_t)m * n * sizeof(float)))
+            ct_test_fail(__FILE__, __LINE__, "%s product %dx%dx%d ta=%d tb=%d beta=%g differs at 2 threads",
+                         bf16 ? "bf16" : "f32", m, n, k, ta, tb, (double)beta);
         free(a);
         free(b);
-        free(c1);
-        free(c2);
+        free(c[0]);
+        free(c[1]);
+        free(ah);
+        free(bh);
     }
+    ct_blas_set_threads(1);
+}
+
+TEST(threads_sgemm_bits_match_one_thread)
+{
+    /* m > n (cut by rows), n > m (by columns), each transposition, beta 0 and 1,
+     * and a long reduction (the weight gradients). */
+    static const int shapes[][6] = {{256, 96, 192, 0, 0, 0}, {96, 300, 128, 0, 1, 1}, {200, 160, 512, 1, 0, 0},
+                                    {64, 768, 2048, 1, 0, 1}, {130, 70, 257, 1, 1, 0}, {768, 64, 1024, 0, 1, 0}};
+    products_match_one_thread(shapes, sizeof shapes / sizeof *shapes, 0);
 }
 
 /* oneDNN's bf16 products on each of gemm.c's routes: direct (NT, NN), the
@@ -102,33 +117,9 @@ TEST(threads_sgemm_bits_match_one_thread)
  * k over threads), the swapped product and the panels. */
 TEST(threads_bf16_products_bits_match_one_thread)
 {
-    const int shapes[][6] = {{512, 768, 256, 0, 1, 0},  {512, 256, 768, 0, 0, 0}, {768, 768, 2048, 1, 0, 0},
-                             {256, 768, 2048, 1, 0, 1}, {384, 96, 1024, 1, 0, 0}, {512, 1024, 64, 1, 0, 1}};
-    for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
-        int m = shapes[s][0], n = shapes[s][1], k = shapes[s][2], ta = shapes[s][3], tb = shapes[s][4];
-        float beta = (float)shapes[s][5];
-        int lda = ta ? m : k, ldb = tb ? k : n;
-        float *a = randoms((size_t)m * k, 1 + s), *b = randoms((size_t)k * n, 100 + s);
-        float *c1 = randoms((size_t)m * n, 200 + s), *c2 = malloc((size_t)m * n * sizeof *c2);
-        uint16_t *ah = malloc((size_t)m * k * 2), *bh = malloc((size_t)k * n * 2);
-        ct_f32_to_bf16_n(a, ah, (size_t)m * k);
-        ct_f32_to_bf16_n(b, bh, (size_t)k * n);
-        memcpy(c2, c1, (size_t)m * n * sizeof *c2);
-        ct_blas_set_threads(1);
-        ASSERT_OK(ct_gemm_bf16(ta, tb, m, n, k, 0.5f, ah, lda, bh, ldb, beta, c1, n));
-        ct_blas_set_threads(2);
-        ASSERT_OK(ct_gemm_bf16(ta, tb, m, n, k, 0.5f, ah, lda, bh, ldb, beta, c2, n));
-        if (memcmp(c1, c2, (size_t)m * n * sizeof *c1))
-            ct_test_fail(__FILE__, __LINE__, "bf16 product %dx%dx%d ta=%d tb=%d beta=%g differs at 2 threads", m, n,
-                         k, ta, tb, (double)beta);
-        free(a);
-        free(b);
-        free(c1);
-        free(c2);
-        free(ah);
-        free(bh);
-    }
-    ct_blas_set_threads(1);
+    static const int shapes[][6] = {{512, 768, 256, 0, 1, 0},  {512, 256, 768, 0, 0, 0}, {768, 768, 2048, 1, 0, 0},
+                                    {256, 768, 2048, 1, 0, 1}, {384, 96, 1024, 1, 0, 0}, {512, 1024, 64, 1, 0, 1}};
+    products_match_one_thread(shapes, sizeof shapes / sizeof *shapes, 1);
 }
 
 /* Two steps of o over n elements at the given thread count; p, m, v returned in one block. */
