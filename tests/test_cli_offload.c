@@ -145,6 +145,11 @@ TEST(cli_offload_dir_left_empty_on_signals)
             snprintf(bin, sizeof bin, "%s/ctrain", cli_bin_dir());
             freopen("/dev/null", "w", stdout);
             freopen("/dev/null", "w", stderr);
+            /* a test run started in the background inherits SIGINT ignored
+             * (the shell's rule for asynchronous commands), which exec
+             * keeps: the run then trained its 100000 steps (280 s) */
+            signal(SIGINT, SIG_DFL);
+            signal(SIGTERM, SIG_DFL);
             execl(bin, bin, "train", "--model", "mlp", "--hidden", "64,32", "--limit-train", "1000", "--threads", "1",
                   "--steps", "100000", "--log-every", "0", "--strategy", "offload", "--slices", "3", "--offload-dir",
                   dir, (char *)NULL);
