@@ -107,15 +107,7 @@ TEST(ddp_registered_comm_hook_is_used)
     ASSERT_OK(ct_comm_hook_allreduce(CT_F32, &c.inner, &c.inner_state));
     ASSERT_OK(ct_strategy_register_comm_hook(sa, &counting_ops, &c));
     ASSERT(!strcmp(ct_strategy_comm_hook(sa, NULL), "counting"));
-    for (int step = 0; step < 3; step++) {
-        ct_step_out o;
-        step_on_slice(sa, step, n, rank, world, &o);
-        step_on_slice(sb, step, n, rank, world, &o);
-        ASSERT_OK(ct_strategy_step(sa));
-        ASSERT_OK(ct_strategy_step(sb));
-        ct_strategy_zero_grad(sa);
-        ct_strategy_zero_grad(sb);
-    }
+    for (int step = 0; step < 3; step++) step_both(sa, sb, step, n, rank, world);
     int nb = ct_strategy_stats(sa).nbuckets;
     ASSERT(nb > 1);
     ASSERT_EQ(c.starts, 3 * nb);
