@@ -528,8 +528,9 @@ ct_module *ct_attention_create(int64_t dim, int heads, float attn_p, float resid
  * weight has a bf16 compute copy), the probabilities and, if dropout (attn_p
  * > 0 in training), their keep-mask.  For memory estimates. */
 int64_t ct_attention_saved_bytes(int64_t batch, int64_t T, int64_t dim, int heads, int bf16, int dropout);
-/* The core a bf16 attention of this head width runs here: "ctrain avx512bf16 kernels" or
- * "portable, oneDNN products" (f32 attention always runs the portable core). */
+/* The core a bf16 attention of this head width runs here: "ctrain kernels on AMX tiles",
+ * "ctrain avx512bf16 kernels" or "portable, oneDNN products" (f32 attention always
+ * runs the portable core). */
 const char *ct_attention_bf16_path(int64_t head_dim);
 /* Pre-LN transformer block, [B,T,dim] -> [B,T,dim]: h = x + attn(ln_1(x)),
  * out = h + mlp(ln_2(h)); children ln_1, attn (ct_attention_create with

@@ -211,6 +211,10 @@ enum { FULL, TRIM_END, TRIM_START };
 static void tile_product(int64_t ncol, int64_t kp, const word *a, ptrdiff_t as, ptrdiff_t ps, const word *b,
                          ptrdiff_t ldb, float *c, ptrdiff_t ldc, int64_t mrows, int trim)
 {
+    if (ps == 1 && ct__attn_amx_usable()) { /* A's rows as AMX loads them: the skipped words are zeros */
+        ct__attn_amx_product(TILE, ncol, kp, a, as, b, ldb, c, ldc, mrows);
+        return;
+    }
     float part[MR * 2 * TILE];
     for (int64_t m0 = 0; m0 < TILE && m0 < mrows; m0 += MR) {
         int64_t p0 = trim == TRIM_START && m0 ? MR / 2 : 0, p1 = trim == TRIM_END && !m0 ? kp - MR / 2 : kp;
@@ -307,6 +311,19 @@ static void pack_trans(const uint16_t *x, int64_t ld, int64_t T, int64_t Tp, int
                                   : _mm512_setzero_si512();
             transpose16(r);
             for (int64_t p = 0; p < TILE && p0 + p < hp; p++) _mm512_storeu_si512(out + (p0 + p) * Tp + j0, r[p]);
+        }
+}
+
+/* tpairs, for AMX: pair words [W][hd] transposed, out[d*W + i] = in[i*hd + d]. */
+static void pack_tpairs(const word *in, int64_t W, int64_t hd, word *out)
+{
+    for (int64_t i0 = 0; i0 < W; i0 += TILE)
+        for (int64_t d0 = 0; d0 < hd; d0 += TILE) {
+            __m512i r[16];
+            for (int l = 0; l < TILE; l++)
+                r[l] = i0 + l < W ? _mm512_loadu_si512(in + (i0 + l) * hd + d0) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int l = 0; l < TILE; l++) _mm512_mask_storeu_epi32(out + (d0 + l) * W + i0, first(W - i0), r[l]);
         }
 }
 
@@ -509,6 +526,8 @@ static void forward_pairs(void *ctx, int64_t lo, int64_t hi)
     float *s = (float *)(vp + pk / 2), *ys = s + TILE * Tp;
     uint16_t *pd = (uint16_t *)(ys + TILE * hd);
     int64_t pw = ct__attn_bf16_pwords(T);
+    int amx = ct__attn_amx_usable();
+    if (amx) ct__attn_amx_begin();
     for (int64_t bh = lo; bh < hi; bh++) {
         int64_t b = bh / H, h = bh % H;
         const uint16_t *q = qkv + b * T * 3 * D + h * hd;
@@ -537,6 +556,7 @@ static void forward_pairs(void *ctx, int64_t lo, int64_t hi)
             store_y(&d, r, ys, y_bf16 ? (void *)((uint16_t *)y + yo) : (void *)((float *)y + yo), D, y_bf16);
         }
     }
+    if (amx) ct__attn_amx_end();
     _mm_sfence();
     ct_free(ws);
 }
@@ -645,6 +665,26 @@ static void grad_product(int64_t kp, const word *a, ptrdiff_t as, ptrdiff_t ps, 
     put_grad(gt, rows, hd, out, ld, cs);
 }
 
+/* grad_product's key tiles on AMX, whose A must hold the contraction along
+ * its rows: the transposed tile C^T [hd][16] = at . b, at the pairs
+ * transposed (pack_tpairs, rows W apart), b the tile's Pd or dS pair words
+ * (rows ldb apart); then back to rows x hd through ct ([hd][16] f32) and
+ * stored as grad_product stores. */
+static void grad_product_t(int64_t kp, const word *at, int64_t W, const word *b, ptrdiff_t ldb, int64_t hd,
+                           void *out, int64_t ld, int64_t rows, float *ct, float *gt, float *cs)
+{
+    ct__attn_amx_product(hd, TILE, kp, at, W, b, ldb, ct, TILE, hd);
+    float *g = cs ? gt : out;
+    int64_t lg = cs ? hd : ld;
+    for (int64_t d0 = 0; d0 < hd; d0 += TILE) {
+        __m512i r[16];
+        for (int l = 0; l < TILE; l++) r[l] = _mm512_loadu_si512(ct + (d0 + l) * TILE);
+        transpose16(r);
+        for (int64_t m = 0; m < rows; m++) _mm512_storeu_si512(g + m * lg + d0, r[m]);
+    }
+    if (cs) put_grad(gt, rows, hd, out, ld, cs);
+}
+
 /* Backward of heads [lo, hi), each over the samples in order: a head's
  * columns of the column sums take the samples in the order one thread
  * takes them, and no other head touches them. */
@@ -663,7 +703,9 @@ static void backward_heads(void *ctx, int64_t lo, int64_t hi)
     /* dy rows; dy, k, q pairs; v trans; dS and Pd pair words; dP and dS rows
      * of one tile; a gradient tile on its way to bf16. */
     size_t pk = (size_t)(Tp * hd) / 2, sq = (size_t)(W * Tp);
-    size_t nw = 5 * pk + 2 * sq + (size_t)(TILE * Tp) + (size_t)(TILE * Tp) / 2 + (size_t)(TILE * hd);
+    int amx = ct__attn_amx_usable(); /* and dy, q pairs transposed, a transposed gradient tile */
+    size_t nw = 5 * pk + 2 * sq + (size_t)(TILE * Tp) + (size_t)(TILE * Tp) / 2 + (size_t)(TILE * hd) +
+                (amx ? 2 * pk + (size_t)(TILE * hd) : 0);
     word *ws = ct_alloc(nw * sizeof(word), CT_MEM_ACT);
     if (!ws) {
         atomic_store(&j->nomem, 1);
@@ -674,7 +716,10 @@ static void backward_heads(void *ctx, int64_t lo, int64_t hi)
     float *dP = (float *)(pdi + sq);
     uint16_t *ds = (uint16_t *)(dP + TILE * Tp);
     float *gt = (float *)(void *)(ds + TILE * Tp);
+    word *dyt = (word *)(gt + TILE * hd), *qt = dyt + pk;
+    float *ct = (float *)(qt + pk);
     int64_t pw = ct__attn_bf16_pwords(T);
+    if (amx) ct__attn_amx_begin();
     for (int64_t h = lo; h < hi; h++)
         for (int64_t b = 0; b < B; b++) {
             const uint16_t *q = qkv + b * T * 3 * D + h * hd;
@@ -699,6 +744,10 @@ static void backward_heads(void *ctx, int64_t lo, int64_t hi)
             pack_pairs(q + D, 3 * D, T, Tp, hd, kp);
             pack_pairs(q, 3 * D, T, Tp, hd, qp);
             pack_trans(q + 2 * D, 3 * D, T, Tp, hd, vt);
+            if (amx) {
+                pack_tpairs(dyp, W, hd, dyt);
+                pack_tpairs(qp, W, hd, qt);
+            }
             for (int64_t r = 0; r < d.nt; r++) {
                 int64_t rows = T - TILE * r < TILE ? T - TILE * r : TILE, w = TILE * (r + 1);
                 /* dPd = dy v^T, then dS; dq = dS k. */
@@ -713,14 +762,18 @@ static void backward_heads(void *ctx, int64_t lo, int64_t hi)
             /* Key tile c: dv = Pd^T dy and dk = dS^T q over rows i >= 16c. */
             for (int64_t c = 0; c < d.nt; c++) {
                 int64_t rows = T - TILE * c < TILE ? T - TILE * c : TILE, p0 = TILE / 2 * c;
+                char *dvc = dv + TILE * c * 3 * D * ge, *dkc = dk + TILE * c * 3 * D * ge;
                 fetch_some(&f);
-                grad_product(W - p0, pdi + p0 * Tp + TILE * c, 1, Tp, dyp + p0 * hd, hd, dv + TILE * c * 3 * D * ge,
-                             3 * D, rows, TRIM_START, gt, csv);
+                if (amx) grad_product_t(W - p0, dyt + p0, W, pdi + p0 * Tp + TILE * c, Tp, hd, dvc, 3 * D, rows, ct, gt, csv);
+                else grad_product(W - p0, pdi + p0 * Tp + TILE * c, 1, Tp, dyp + p0 * hd, hd, dvc, 3 * D, rows,
+                                  TRIM_START, gt, csv);
                 fetch_some(&f);
-                grad_product(W - p0, dsi + p0 * Tp + TILE * c, 1, Tp, qp + p0 * hd, hd, dk + TILE * c * 3 * D * ge,
-                             3 * D, rows, TRIM_START, gt, csk);
+                if (amx) grad_product_t(W - p0, qt + p0, W, dsi + p0 * Tp + TILE * c, Tp, hd, dkc, 3 * D, rows, ct, gt, csk);
+                else grad_product(W - p0, dsi + p0 * Tp + TILE * c, 1, Tp, qp + p0 * hd, hd, dkc, 3 * D, rows,
+                                  TRIM_START, gt, csk);
             }
         }
+    if (amx) ct__attn_amx_end();
     ct_free(ws);
 }
 

@@ -114,6 +114,18 @@ ct_status ct__attn_bf16_forward(const ct__attn_dims *a, const uint16_t *qkv, con
 ct_status ct__attn_bf16_backward(const ct__attn_dims *a, const uint16_t *qkv, const uint8_t *mask,
                                  const uint16_t *P, const float *dy, void *dqkv, float *colsum);
 
+/* Those kernels' products on AMX tiles (attn_amx.c).  1 when the CPU has AMX
+ * (under CTRAIN_ISA's cap) and Linux granted this process its tiles. */
+int ct__attn_amx_usable(void);
+/* Load this thread's tile shapes for ct__attn_amx_product; release them. */
+void ct__attn_amx_begin(void);
+void ct__attn_amx_end(void);
+/* C[M][ncol] f32 (ldc apart, rows [0, mrows) stored) = A . B over kp pair
+ * words: A's rows of words as apart, B's rows of ncol words ldb apart, pair
+ * words as attn_bf16.c packs them.  M and ncol multiples of 16, kp of 8. */
+void ct__attn_amx_product(int64_t M, int64_t ncol, int64_t kp, const uint32_t *a, ptrdiff_t as, const uint32_t *b,
+                          ptrdiff_t ldb, float *c, ptrdiff_t ldc, int64_t mrows);
+
 /* Branch-free expf and erff that compilers vectorise (libm's are calls per
  * element: 20% of a GPT step went to erff and expf).  ct__expf: Cephes'
  * range reduction and polynomial, within 2 ulp of expf on [-87, 88] (inputs
