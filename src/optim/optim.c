@@ -426,14 +426,26 @@ void ct_optim_set_step(ct_optim *opt, int64_t step)
 
 /* ---- state and stepping ------------------------------------------------ */
 
+static void zero_part(void *slab, int64_t lo, int64_t hi)
+{
+    memset((float *)slab + lo, 0, (size_t)(hi - lo) * sizeof(float));
+}
+
 static ct_status ensure_state(ct_optim *opt)
 {
     if (opt->slab || opt->nbufs == 0) return CT_OK;
     if (opt->slab_len > SIZE_MAX / sizeof(float))
         return ct_error(CT_ENOMEM, "optimizer state of %zu floats is too large", opt->slab_len);
     size_t len = opt->slab_len > SLAB_MIN_FLOATS ? opt->slab_len : SLAB_MIN_FLOATS;
-    opt->slab = ct_alloc_zeroed(len * sizeof(float), CT_MEM_OPTIM);
-    return opt->slab ? CT_OK : CT_ENOMEM;
+    opt->slab = ct_alloc(len * sizeof(float), CT_MEM_OPTIM);
+    if (!opt->slab) return CT_ENOMEM;
+    /* Zeroed by writing, on the rank's threads: left to a fresh mapping's
+     * zero pages, the first update read-faults each page in and then
+     * write-faults it again, and every such fault flushes the other threads'
+     * TLBs (12 x 768 GPT, bf16, 2 threads: the first optimizer step took
+     * 2.3 s against 0.1 s for the next). */
+    ct_parallel_for((int64_t)len, 1 << 16, zero_part, opt->slab);
+    return CT_OK;
 }
 
 void ct_optim_release_state(ct_optim *opt)
