@@ -100,24 +100,21 @@ void ct__attn_amx_product(int64_t M, int64_t ncol, int64_t kp, const uint32_t *a
             const uint32_t *bn = b + n0;
             _tile_zero(0);
             _tile_zero(1);
-            for (int64_t k = 0; k < kfull; k += 16) {
-                _tile_loadd(2, am + k, sa);
-                _tile_loadd(3, bn + k * ldb, sb);
-                _tile_dpbf16ps(0, 2, 3);
-                if (two) {
-                    _tile_loadd(4, bn + k * ldb + 16, sb);
-                    _tile_dpbf16ps(1, 2, 4);
-                }
-            }
-            if (kfull < kp) {
-                _tile_loadd(5, am + kfull, sa);
-                _tile_loadd(6, bn + kfull * ldb, sb);
-                _tile_dpbf16ps(0, 5, 6);
-                if (two) {
-                    _tile_loadd(7, bn + kfull * ldb + 16, sb);
-                    _tile_dpbf16ps(1, 5, 7);
-                }
-            }
+            /* One contraction step at word k on tiles A and B0 (B1 beside it):
+             * a macro, as tile numbers must be constants. */
+#define STEP(A, B0, B1, k)                                \
+    do {                                                  \
+        _tile_loadd(A, am + (k), sa);                     \
+        _tile_loadd(B0, bn + (k) * ldb, sb);              \
+        _tile_dpbf16ps(0, A, B0);                         \
+        if (two) {                                        \
+            _tile_loadd(B1, bn + (k) * ldb + 16, sb);     \
+            _tile_dpbf16ps(1, A, B1);                     \
+        }                                                 \
+    } while (0)
+            for (int64_t k = 0; k < kfull; k += 16) STEP(2, 3, 4, k);
+            if (kfull < kp) STEP(5, 6, 7, kfull);
+#undef STEP
             store_c(two, c + m0 * ldc + n0, ldc, mrows - m0);
         }
     }
