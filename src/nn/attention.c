@@ -16,9 +16,9 @@
  *   and hd a multiple of 16: the kernels of attn_bf16.c, 16-row tiles with
  *   every step fused, no library call (a oneDNN call costs as much as one of
  *   these small products: this path ran a 12 x 768 GPT's attention 11x
- *   faster than the portable one on an AMX CPU), their products on AMX tiles
- *   where the CPU has them (attn_amx.c).  They write y as BF16 when c_proj casts its input
- *   to bf16 anyway.
+ *   faster than the portable one on an AMX CPU), their products on AMX
+ *   tiles where the CPU has them (attn_amx.c).  They write y as BF16 when
+ *   c_proj casts its input to bf16 anyway.
  * - portable (f32; bf16 elsewhere, or with CTRAIN_ATTN_PORTABLE=1, which the
  *   tests use to hold the two against each other): blocks of PB rows through
  *   ct_gemm_f32 / ct_gemm_bf16, softmax and its gradient in f32 between.
