@@ -249,6 +249,10 @@ static int wants_jit(int bf16, int ta, int tb, int k)
     return is_weight_gradient(bf16, ta, tb, k) && ct__cpu_has(CT__CPU_AMX);
 }
 
+/* 1 if key's product runs as A' B on a copy of A^T (tn_product): a weight
+ * gradient that does not run on gemm:jit. */
+static int copies_a_t(const gemm_key *k) { return is_weight_gradient(k->bf16, k->ta, k->tb, k->k) && !k->jit; }
+
 static gemm_key make_key(int bf16, int ta, int tb, int m, int n, int k, float alpha,
                          int lda, int ldb, float beta, int ldc)
 { /* bias and c_bf16 start 0: the callers that want them set them */
@@ -458,7 +462,7 @@ static ct_status swapped(const gemm_key *key, const void *a, const void *b, floa
 {
     CT_TRY(scratch((int64_t)key->m * key->n));
     gemm_key t = swapped_key(key);
-    if (t.k >= TRANS_MIN_K && !t.jit) {
+    if (copies_a_t(&t)) {
         CT_TRY(tn_product(&t, b, a, scratch_buf, NULL, ran));
     } else {
         gemm_entry *e;
@@ -493,7 +497,7 @@ static gemm_route route_of(const gemm_key *k)
     if (k->beta != 0.0f && !k->bias && k->k <= PANEL_MAX_K && k->m > PANEL && (int64_t)k->m * k->n >= PANEL_MIN_C)
         return ROUTE_PANELS;
     if (tn && k->m > k->n && !k->bias && !k->c_bf16 && (int64_t)k->m * k->n <= SWAP_MAX_C) return ROUTE_SWAPPED;
-    if (is_weight_gradient(k->bf16, k->ta, k->tb, k->k) && !k->jit) return ROUTE_TRANSPOSED;
+    if (copies_a_t(k)) return ROUTE_TRANSPOSED;
     return ROUTE_DIRECT;
 }
 
@@ -505,7 +509,7 @@ static gemm_key work_key(const gemm_key *k)
     case ROUTE_PANELS: return panel_key(k, 0);
     case ROUTE_SWAPPED: {
         gemm_key t = swapped_key(k);
-        return t.k >= TRANS_MIN_K && !t.jit ? transposed_key(&t) : t;
+        return copies_a_t(&t) ? transposed_key(&t) : t;
     }
     case ROUTE_TRANSPOSED: return transposed_key(k);
     default: return *k;
